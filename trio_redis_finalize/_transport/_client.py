@@ -1,0 +1,249 @@
+"""The client: a bounded connection pool, scripts, dedicated connections, Pub/Sub.
+
+This is the small internal interface the consumer is written against:
+
+* :meth:`Client.execute` - one command on a pooled connection;
+* :meth:`Client.pipeline` / :meth:`Client.transaction` - many in one round trip;
+* :meth:`Client.evalsha` - a :class:`Script`, loaded on ``NOSCRIPT``;
+* :meth:`Client.connect` - a dedicated connection (blocking reads);
+* :meth:`Client.pubsub` - a Pub/Sub connection.
+
+No automatic retries anywhere: a failed call raises, and the caller decides
+what is safe to send again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+from redis import exceptions as rexc
+
+from ._connection import Arg, Command, Connection, open_connection, with_context
+from ._pubsub import PubSub
+from ._url import ConnectionParams, parse_url
+
+__all__ = ["Client", "Script", "open_client"]
+
+_SCRIPTS: dict[bytes, bytes] = {}
+
+
+class Script:
+    """A Lua script run by ``EVALSHA`` (loaded with ``SCRIPT LOAD`` on ``NOSCRIPT``)."""
+
+    __slots__ = ("name", "sha", "source")
+
+    def __init__(self, source: str, name: str = "script") -> None:
+        self.source = source.encode()
+        self.sha = hashlib.sha1(self.source).hexdigest().encode()
+        self.name = name
+        _SCRIPTS[self.sha] = self.source
+
+    def command(self, keys: Sequence[Arg], args: Sequence[Arg]) -> tuple[Arg, ...]:
+        """The ``EVALSHA`` command for a pipeline."""
+        return (b"EVALSHA", self.sha, len(keys), *keys, *args)
+
+    def __repr__(self) -> str:
+        return f"Script({self.name})"
+
+
+def _is_evalsha(cmd: Command) -> bool:
+    return cmd[0] == b"EVALSHA" or (isinstance(cmd[0], str) and cmd[0].upper() == "EVALSHA")
+
+
+class Client:
+    """A pool of at most ``max_connections`` connections to one server.
+
+    Waiting for a free slot is fair (FIFO) and cancellation-safe; a slot is
+    given back whatever happens to the call that held it.  A connection that
+    was interrupted mid-request is closed, and its slot is then filled with a
+    fresh connection on demand.
+
+    Use :func:`open_client` to build one.
+    """
+
+    def __init__(
+        self, params: ConnectionParams, *, name: str | None = None, max_connections: int = 32
+    ) -> None:
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+        self.params = params
+        self.name = name
+        self.max_connections = max_connections
+        self._slots = anyio.Semaphore(max_connections)
+        self._idle: list[Connection] = []
+        self._closed = False
+        self.connections_opened = 0
+
+    # -- pool --------------------------------------------------------------
+    @property
+    def idle_connections(self) -> int:
+        return len(self._idle)
+
+    @property
+    def free_slots(self) -> int:
+        return self._slots.value
+
+    async def _open(self) -> Connection:
+        if self._closed:
+            raise rexc.ConnectionError("client is closed")
+        conn = await open_connection(self.params, name=self.name)
+        self.connections_opened += 1
+        return conn
+
+    async def _lease(self) -> Connection:
+        idle = self._idle
+        while idle:
+            conn = idle.pop()
+            if not conn.broken:
+                return conn
+        return await self._open()
+
+    def _release(self, conn: Connection) -> None:
+        if not conn.broken and not self._closed:
+            self._idle.append(conn)
+
+    @asynccontextmanager
+    async def lease(self) -> AsyncIterator[Connection]:
+        """Hold one pooled connection for several requests."""
+        async with self._slots:
+            conn = await self._lease()
+            try:
+                yield conn
+            finally:
+                self._release(conn)
+
+    async def execute(self, *args: Arg, timeout: float | None = None) -> Any:
+        """Run one command on a pooled connection; error replies raise."""
+        async with self._slots:
+            conn = await self._lease()
+            try:
+                return await conn.execute(*args, timeout=timeout)
+            finally:
+                self._release(conn)
+
+    async def pipeline(
+        self,
+        commands: Sequence[Command],
+        *,
+        raise_on_error: bool = True,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """Send ``commands`` in one round trip; replies in order.
+
+        ``EVALSHA`` commands answered ``NOSCRIPT`` did not run: their scripts
+        are loaded and those commands (only) are sent again, in their order.
+        With ``raise_on_error`` the first error reply is raised (the other
+        commands ran); otherwise error replies are returned as values.
+        """
+        if not commands:
+            return []
+        async with self._slots:
+            conn = await self._lease()
+            try:
+                replies = await conn.pipeline(commands, timeout=timeout)
+                missing = [
+                    i for i, r in enumerate(replies)
+                    if isinstance(r, rexc.NoScriptError) and _is_evalsha(commands[i])
+                ]
+                if missing:
+                    await self._load_scripts(conn, [commands[i] for i in missing], timeout)
+                    again = await conn.pipeline([commands[i] for i in missing], timeout=timeout)
+                    for i, r in zip(missing, again, strict=True):
+                        replies[i] = r
+            finally:
+                self._release(conn)
+        if raise_on_error:
+            for cmd, r in zip(commands, replies, strict=True):
+                if isinstance(r, rexc.RedisError):
+                    raise with_context(r, cmd)
+        return replies
+
+    async def transaction(
+        self, commands: Sequence[Command], *, timeout: float | None = None
+    ) -> list[Any]:
+        """``MULTI`` … ``EXEC``; returns the list of replies of the commands."""
+        replies = await self.pipeline(
+            [("MULTI",), *commands, ("EXEC",)], raise_on_error=False, timeout=timeout
+        )
+        for cmd, r in zip(commands, replies[1:-1], strict=True):
+            if isinstance(r, rexc.RedisError):
+                raise with_context(r, cmd)
+        result = replies[-1]
+        if isinstance(result, rexc.RedisError):
+            raise result
+        if result is None:
+            raise rexc.WatchError("transaction aborted")
+        out: list[Any] = result
+        return out
+
+    async def _load_scripts(
+        self, conn: Connection, commands: Sequence[Command], timeout: float | None
+    ) -> None:
+        shas = {bytes(c[1]) if isinstance(c[1], bytes) else str(c[1]).encode() for c in commands}
+        loads: list[Command] = []
+        for sha in shas:
+            source = _SCRIPTS.get(sha)
+            if source is None:
+                raise rexc.NoScriptError(f"NOSCRIPT and no source known for sha {sha!r}")
+            loads.append((b"SCRIPT", b"LOAD", source))
+        for r in await conn.pipeline(loads, timeout=timeout):
+            if isinstance(r, rexc.RedisError):
+                raise r
+
+    async def evalsha(
+        self, script: Script, keys: Sequence[Arg], args: Sequence[Arg], *,
+        timeout: float | None = None,
+    ) -> Any:
+        """Run ``script``; a ``NOSCRIPT`` answer loads it and runs it once more."""
+        (reply,) = await self.pipeline([script.command(keys, args)], timeout=timeout)
+        return reply
+
+    # -- dedicated connections -------------------------------------------------
+    async def connect(self, *, name: str | None = None) -> Connection:
+        """A new connection outside the pool, owned (and closed) by the caller.
+
+        Use ``async with await client.connect() as conn:``.
+        """
+        return await open_connection(self.params, name=name or self.name)
+
+    @asynccontextmanager
+    async def pubsub(
+        self, *, name: str | None = None, max_pending: int = 1000
+    ) -> AsyncIterator[PubSub]:
+        """A Pub/Sub connection, closed on exit."""
+        conn = await open_connection(self.params, name=name or self.name)
+        ps = PubSub(conn, max_pending=max_pending)
+        try:
+            yield ps
+        finally:
+            await conn.aclose()
+
+    async def aclose(self) -> None:
+        """Close every idle connection; leased ones close when given back."""
+        self._closed = True
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            await conn.aclose()
+
+
+@asynccontextmanager
+async def open_client(
+    url: str | ConnectionParams, *, name: str | None = None, max_connections: int = 32
+) -> AsyncIterator[Client]:
+    """A :class:`Client` for ``url``; checks the server answers, closes on exit.
+
+    Raises:
+        ValueError: the URL is not understood.
+        redis.exceptions.ConnectionError: the server cannot be reached.
+    """
+    params = parse_url(url) if isinstance(url, str) else url
+    client = Client(params, name=name, max_connections=max_connections)
+    try:
+        await client.execute("PING")
+        yield client
+    finally:
+        await client.aclose()

@@ -1,0 +1,264 @@
+"""One Redis connection on an anyio byte stream.
+
+Commands are packed by ``hiredis.pack_command`` and replies parsed by a sans-IO
+``hiredis.Reader``; error replies become redis-py exception classes.
+
+The rule that keeps the connection in sync: one request (or pipeline) in
+flight at a time, and a request interrupted after any byte was sent
+(cancellation, timeout, I/O error) closes the connection for good.  It is
+never reused, so a late reply can never be read as the answer to the next
+request.
+"""
+
+from __future__ import annotations
+
+import math
+import ssl
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import anyio
+import anyio.abc
+import hiredis
+from redis import exceptions as rexc
+from redis._parsers.base import BaseParser
+
+from ._url import ConnectionParams
+
+__all__ = [
+    "Arg",
+    "BusyGroupError",
+    "Command",
+    "Connection",
+    "NoGroupError",
+    "WrongTypeError",
+    "describe",
+    "open_connection",
+]
+
+Arg = bytes | str | int | float
+Command = Sequence[Arg]
+
+_NOT_ENOUGH = object()
+_READ_SIZE = 65536
+
+
+class WrongTypeError(rexc.ResponseError):
+    """``WRONGTYPE``: the key holds a value of another type."""
+
+
+class NoGroupError(rexc.ResponseError):
+    """``NOGROUP``: the stream or its consumer group does not exist."""
+
+
+class BusyGroupError(rexc.ResponseError):
+    """``BUSYGROUP``: the consumer group already exists."""
+
+
+_EXTRA = {"WRONGTYPE": WrongTypeError, "NOGROUP": NoGroupError, "BUSYGROUP": BusyGroupError}
+
+
+def _parse_error(text: str) -> rexc.RedisError:
+    prefix = text.split(" ", 1)[0]
+    extra = _EXTRA.get(prefix)
+    if extra is not None:
+        return extra(text)
+    err: rexc.RedisError = BaseParser.parse_error(text)
+    return err
+
+
+def _text(arg: Arg) -> str:
+    if isinstance(arg, bytes):
+        return arg.decode("utf-8", "backslashreplace")
+    return str(arg)
+
+
+def describe(command: Command) -> str:
+    """``"XADD on key 'orders'"``: the command and its key(s), for error messages."""
+    name = _text(command[0]).upper() if command else "?"
+    keys: list[Arg] = []
+    if name in {"EVALSHA", "EVAL", "EVALSHA_RO", "EVAL_RO"} and len(command) > 2:
+        nkeys = int(command[2])
+        keys = list(command[3 : 3 + nkeys])
+    elif name in {"XREADGROUP", "XREAD"}:
+        upper = [_text(a).upper() for a in command]
+        if "STREAMS" in upper:
+            rest = command[upper.index("STREAMS") + 1 :]
+            keys = list(rest[: len(rest) // 2])
+    elif name in {"PING", "SCRIPT", "CLIENT", "SELECT", "AUTH", "MULTI", "EXEC", "TIME"}:
+        keys = []
+    elif len(command) > 1:
+        keys = [command[1]]
+    if not keys:
+        return name
+    return f"{name} on key {', '.join(repr(_text(k)) for k in keys)}"
+
+
+def with_context(err: rexc.RedisError, command: Command) -> rexc.RedisError:
+    """A copy of ``err`` of the same class whose message names the command and key."""
+    msg = f"{err} ({describe(command)})"
+    try:
+        new = type(err)(msg)
+    except Exception:  # pragma: no cover - exotic constructor
+        return err
+    return new
+
+
+class Connection:
+    """A single connection; see the module docstring for the rules it keeps.
+
+    Not for direct construction: use :func:`open_connection`.
+    """
+
+    __slots__ = ("_busy", "_reader", "_stream", "broken", "params")
+
+    def __init__(self, stream: anyio.abc.ByteStream, params: ConnectionParams) -> None:
+        self._stream = stream
+        self._reader = hiredis.Reader(
+            protocolError=rexc.InvalidResponse,
+            replyError=_parse_error,
+            notEnoughData=_NOT_ENOUGH,
+        )
+        self._busy = False
+        self.broken = False
+        self.params = params
+
+    async def aclose(self) -> None:
+        """Close the connection (shielded: safe inside a cancelled scope)."""
+        self.broken = True
+        with anyio.CancelScope(shield=True):
+            try:
+                await self._stream.aclose()
+            except Exception:
+                pass
+
+    def close_now(self) -> None:
+        """Mark broken; the stream is closed by the next :meth:`aclose` or GC."""
+        self.broken = True
+
+    async def __aenter__(self) -> Connection:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def _read_reply(self) -> Any:
+        reader = self._reader
+        while True:
+            reply = reader.gets()
+            if reply is not _NOT_ENOUGH:
+                return reply
+            try:
+                data = await self._stream.receive(_READ_SIZE)
+            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError,
+                    OSError) as e:
+                raise rexc.ConnectionError(
+                    f"connection to {self.params.address} lost: {e!r}"
+                ) from e
+            reader.feed(data)
+
+    async def roundtrip(self, payload: bytes, n: int, timeout: float | None = None) -> list[Any]:
+        """Send ``payload`` and read ``n`` replies (error replies returned, not raised).
+
+        Raises:
+            redis.exceptions.ConnectionError: the connection failed or was closed.
+            redis.exceptions.TimeoutError: no complete answer within ``timeout``;
+                the outcome of the request is unknown and the connection is closed.
+        """
+        if self.broken:
+            raise rexc.ConnectionError(f"connection to {self.params.address} is closed")
+        if self._busy:  # pragma: no cover - programming error
+            raise RuntimeError("one request at a time per connection")
+        self._busy = True
+        ok = False
+        try:
+            with anyio.fail_after(math.inf if timeout is None else timeout):
+                try:
+                    await self._stream.send(payload)
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as e:
+                    raise rexc.ConnectionError(
+                        f"connection to {self.params.address} lost: {e!r}"
+                    ) from e
+                if n == 1:
+                    replies = [await self._read_reply()]
+                else:
+                    replies = [await self._read_reply() for _ in range(n)]
+            ok = True
+            return replies
+        except TimeoutError:
+            raise rexc.TimeoutError(
+                f"no reply from {self.params.address} within {timeout} s (outcome unknown)"
+            ) from None
+        finally:
+            self._busy = False
+            if not ok:
+                await self.aclose()
+
+    async def execute(self, *args: Arg, timeout: float | None = None) -> Any:
+        """Run one command; an error reply is raised with the command and key named."""
+        (reply,) = await self.roundtrip(hiredis.pack_command(args), 1, timeout)
+        if isinstance(reply, rexc.RedisError):
+            raise with_context(reply, args)
+        return reply
+
+    async def pipeline(
+        self, commands: Sequence[Command], *, timeout: float | None = None
+    ) -> list[Any]:
+        """Send all ``commands`` at once; replies in order, error replies as values."""
+        payload = b"".join([hiredis.pack_command(tuple(c)) for c in commands])
+        return await self.roundtrip(payload, len(commands), timeout)
+
+
+async def _connect_stream(params: ConnectionParams) -> anyio.abc.ByteStream:
+    if params.path:
+        return await anyio.connect_unix(params.path)
+    if params.tls:
+        ctx = ssl.create_default_context()
+        return await anyio.connect_tcp(
+            params.host, params.port, tls=True, ssl_context=ctx, tls_standard_compatible=False
+        )
+    return await anyio.connect_tcp(params.host, params.port)
+
+
+def _handshake(params: ConnectionParams, name: str | None) -> list[Command]:
+    cmds: list[Command] = []
+    if params.password is not None:
+        if params.username:
+            cmds.append(("AUTH", params.username, params.password))
+        else:
+            cmds.append(("AUTH", params.password))
+    if params.db:
+        cmds.append(("SELECT", params.db))
+    if name:
+        cmds.append(("CLIENT", "SETNAME", name))
+    return cmds
+
+
+async def open_connection(
+    params: ConnectionParams, *, name: str | None = None, extra: Iterable[Command] = ()
+) -> Connection:
+    """Connect, authenticate, select the database and set the client name.
+
+    Raises:
+        redis.exceptions.ConnectionError: the server cannot be reached in
+            ``params.connect_timeout`` seconds, or the handshake failed.
+    """
+    try:
+        with anyio.fail_after(params.connect_timeout):
+            stream = await _connect_stream(params)
+    except (OSError, TimeoutError) as e:
+        raise rexc.ConnectionError(f"cannot connect to {params.address}: {e}") from e
+    conn = Connection(stream, params)
+    cmds = [*_handshake(params, name), *extra]
+    if cmds:
+        try:
+            replies = await conn.pipeline(cmds, timeout=params.connect_timeout)
+        except rexc.TimeoutError as e:
+            raise rexc.ConnectionError(f"handshake with {params.address} timed out") from e
+        for cmd, reply in zip(cmds, replies, strict=True):
+            if isinstance(reply, rexc.RedisError):
+                await conn.aclose()
+                if isinstance(reply, rexc.AuthenticationError):
+                    raise rexc.AuthenticationError(f"{reply} ({params.address})")
+                raise with_context(reply, cmd)
+    return conn

@@ -1,0 +1,132 @@
+"""A Pub/Sub connection.
+
+Nothing reads the socket in the background: a message is read from the
+connection only when :meth:`PubSub.get_message` asks for one, so a slow
+subscriber leaves messages in the kernel and in the server's output buffer
+(which Redis bounds with ``client-output-buffer-limit pubsub``), never in an
+unbounded queue here.  The only local buffer holds messages that arrived
+while waiting for a confirmation, at most ``max_pending`` of them; past that
+the oldest are dropped and counted in :attr:`PubSub.dropped`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+import anyio
+import hiredis
+from redis import exceptions as rexc
+
+from ._connection import Arg, Connection
+
+__all__ = ["Message", "PubSub"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Message:
+    """A published message: ``pattern`` is set for pattern subscriptions."""
+
+    channel: bytes
+    data: bytes
+    pattern: bytes | None = None
+
+
+class PubSub:
+    """Subscribe, then read messages one by one; see the module docstring."""
+
+    def __init__(self, conn: Connection, *, max_pending: int = 1000) -> None:
+        self.conn = conn
+        self._pending: collections.deque[Message] = collections.deque()
+        self._max_pending = max_pending
+        self.dropped = 0
+        self.channels: set[bytes] = set()
+        self.patterns: set[bytes] = set()
+
+    def _keep(self, msg: Message) -> None:
+        if len(self._pending) >= self._max_pending:
+            self._pending.popleft()
+            self.dropped += 1
+        self._pending.append(msg)
+
+    def _classify(self, reply: Any) -> tuple[bytes, Any]:
+        if isinstance(reply, rexc.RedisError):
+            raise reply
+        if not isinstance(reply, list) or not reply:
+            raise rexc.InvalidResponse(f"unexpected Pub/Sub reply {reply!r}")
+        kind = bytes(reply[0]).lower()
+        if kind == b"message":
+            self._keep(Message(channel=reply[1], data=reply[2]))
+        elif kind == b"pmessage":
+            self._keep(Message(channel=reply[2], data=reply[3], pattern=reply[1]))
+        return kind, reply
+
+    async def _send(self, *args: Arg) -> None:
+        if self.conn.broken:
+            raise rexc.ConnectionError(f"Pub/Sub connection to {self.conn.params.address} closed")
+        try:
+            await self.conn._stream.send(hiredis.pack_command(args))
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as e:
+            await self.conn.aclose()
+            raise rexc.ConnectionError(f"Pub/Sub connection lost: {e!r}") from e
+
+    async def _read(self) -> Any:
+        try:
+            return await self.conn._read_reply()
+        except rexc.ConnectionError:
+            await self.conn.aclose()
+            raise
+
+    async def _confirm(self, kind: bytes, names: set[bytes], timeout: float) -> None:
+        waiting = set(names)
+        try:
+            with anyio.fail_after(timeout):
+                while waiting:
+                    got, reply = self._classify(await self._read())
+                    if got == kind:
+                        waiting.discard(bytes(reply[1]))
+        except TimeoutError:
+            await self.conn.aclose()
+            raise rexc.TimeoutError(f"{kind.decode().upper()} not confirmed in {timeout} s") from None
+
+    async def subscribe(self, *channels: bytes | str, timeout: float = 5.0) -> None:
+        """SUBSCRIBE and wait until the server confirmed every channel."""
+        names = {c.encode() if isinstance(c, str) else c for c in channels}
+        await self._send("SUBSCRIBE", *names)
+        await self._confirm(b"subscribe", names, timeout)
+        self.channels |= names
+
+    async def psubscribe(self, *patterns: bytes | str, timeout: float = 5.0) -> None:
+        """PSUBSCRIBE and wait until the server confirmed every pattern."""
+        names = {p.encode() if isinstance(p, str) else p for p in patterns}
+        await self._send("PSUBSCRIBE", *names)
+        await self._confirm(b"psubscribe", names, timeout)
+        self.patterns |= names
+
+    async def ping(self, timeout: float = 5.0) -> None:
+        """PING through the subscription; raises when no ``pong`` comes in time."""
+        await self._send("PING")
+        try:
+            with anyio.fail_after(timeout):
+                while True:
+                    kind, _ = self._classify(await self._read())
+                    if kind == b"pong":
+                        return
+        except TimeoutError:
+            await self.conn.aclose()
+            raise rexc.TimeoutError(f"Pub/Sub PING not answered in {timeout} s") from None
+
+    async def get_message(self, timeout: float | None = None) -> Message | None:
+        """The next message, or ``None`` when none came within ``timeout``.
+
+        Waiting is safe to cancel: a partly received reply stays buffered.
+        """
+        if self._pending:
+            return self._pending.popleft()
+        with anyio.move_on_after(timeout if timeout is not None else float("inf")):
+            while not self._pending:
+                self._classify(await self._read())
+        if self._pending:
+            return self._pending.popleft()
+        return None
