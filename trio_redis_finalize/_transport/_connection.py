@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import math
 import ssl
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, cast
 
 import anyio
 import anyio.abc
@@ -34,10 +34,15 @@ __all__ = [
     "WrongTypeError",
     "describe",
     "open_connection",
+    "pack_command",
 ]
 
 Arg = bytes | str | int | float
 Command = Sequence[Arg]
+
+pack_command = cast(Callable[[Sequence["Arg"]], bytes], hiredis.pack_command)
+"""``hiredis.pack_command`` (its stub wrongly types the argument as a 1-tuple)."""
+_parse_base = cast(Callable[[str], Exception], BaseParser.parse_error)
 
 _NOT_ENOUGH = object()
 _READ_SIZE = 65536
@@ -63,8 +68,7 @@ def _parse_error(text: str) -> rexc.RedisError:
     extra = _EXTRA.get(prefix)
     if extra is not None:
         return extra(text)
-    err: rexc.RedisError = BaseParser.parse_error(text)
-    return err
+    return cast(rexc.RedisError, _parse_base(text))
 
 
 def _text(arg: Arg) -> str:
@@ -196,7 +200,7 @@ class Connection:
 
     async def execute(self, *args: Arg, timeout: float | None = None) -> Any:
         """Run one command; an error reply is raised with the command and key named."""
-        (reply,) = await self.roundtrip(hiredis.pack_command(args), 1, timeout)
+        (reply,) = await self.roundtrip(pack_command(args), 1, timeout)
         if isinstance(reply, rexc.RedisError):
             raise with_context(reply, args)
         return reply
@@ -205,7 +209,7 @@ class Connection:
         self, commands: Sequence[Command], *, timeout: float | None = None
     ) -> list[Any]:
         """Send all ``commands`` at once; replies in order, error replies as values."""
-        payload = b"".join([hiredis.pack_command(tuple(c)) for c in commands])
+        payload = b"".join([pack_command(tuple(c)) for c in commands])
         return await self.roundtrip(payload, len(commands), timeout)
 
 

@@ -16,10 +16,9 @@ import dataclasses
 from typing import Any
 
 import anyio
-import hiredis
 from redis import exceptions as rexc
 
-from ._connection import Arg, Connection
+from ._connection import Arg, Connection, pack_command
 
 __all__ = ["Message", "PubSub"]
 
@@ -66,7 +65,7 @@ class PubSub:
         if self.conn.broken:
             raise rexc.ConnectionError(f"Pub/Sub connection to {self.conn.params.address} closed")
         try:
-            await self.conn._stream.send(hiredis.pack_command(args))
+            await self.conn._stream.send(pack_command(args))
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as e:
             await self.conn.aclose()
             raise rexc.ConnectionError(f"Pub/Sub connection lost: {e!r}") from e

@@ -67,11 +67,11 @@ def parse_url(url: str) -> ConnectionParams:
         netloc = parts.netloc.rsplit("@", 1)[-1]
         seeds = []
         for item in netloc.split(","):
-            host, _, port = item.rpartition(":")
+            host, _, port_text = item.rpartition(":")
             if not host:
-                host, port = item, "6379"
+                host, port_text = item, "6379"
             try:
-                seeds.append((host.strip("[]"), int(port)))
+                seeds.append((host.strip("[]"), int(port_text)))
             except ValueError:
                 raise ValueError(f"url: bad cluster node {item!r} in {url!r}") from None
         if db != 0:

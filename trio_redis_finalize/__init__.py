@@ -1,0 +1,52 @@
+"""trio_redis_finalize: consume Redis from structured concurrency, and finalize
+every delivery with the commands proper to its form and outcome.
+
+Streams (consumer groups: plain, reclaim, claiming), reliable lists, simple
+lists and Pub/Sub channels and patterns; handlers return ``ACK``, ``RETRY``,
+``DROP`` or ``retry_after(delay)``.  Copies are written before originals are
+removed: a crash leaves a duplicate, never a loss.
+"""
+
+from ._channel import ChannelSubscription as ChannelSubscription
+from ._channel import PatternSubscription as PatternSubscription
+from ._consumer import Consumer as Consumer
+from ._consumer import open_consumer as open_consumer
+from ._delivery import Delivery as Delivery
+from ._envelope import ORIGIN_FIELD as ORIGIN_FIELD
+from ._envelope import RETRIES_FIELD as RETRIES_FIELD
+from ._errors import AckError as AckError
+from ._errors import AckUnsupported as AckUnsupported
+from ._list import ListSubscription as ListSubscription
+from ._outcome import ACK as ACK
+from ._outcome import DROP as DROP
+from ._outcome import RETRY as RETRY
+from ._outcome import Outcome as Outcome
+from ._outcome import retry_after as retry_after
+from ._reliable_list import ReliableListSubscription as ReliableListSubscription
+from ._stream import StreamSubscription as StreamSubscription
+from ._subscription import DelayedRetry as DelayedRetry
+from ._subscription import Mode as Mode
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ACK",
+    "DROP",
+    "ORIGIN_FIELD",
+    "RETRIES_FIELD",
+    "RETRY",
+    "AckError",
+    "AckUnsupported",
+    "ChannelSubscription",
+    "Consumer",
+    "DelayedRetry",
+    "Delivery",
+    "ListSubscription",
+    "Mode",
+    "Outcome",
+    "PatternSubscription",
+    "ReliableListSubscription",
+    "StreamSubscription",
+    "open_consumer",
+    "retry_after",
+]

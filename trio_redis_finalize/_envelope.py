@@ -1,0 +1,114 @@
+"""Headers carried by copies.
+
+Stream copies carry two header fields, :data:`RETRIES_FIELD` (the retry
+counter, decimal) and :data:`ORIGIN_FIELD` (id of the first entry of the
+chain).
+
+List elements and Pub/Sub payloads have no fields, so their copies are
+wrapped in an envelope, version 1::
+
+    MAGIC (5 bytes: ff 74 72 66 01) | retries (4 bytes, big-endian)
+    | origin length (2 bytes, big-endian) | origin (utf-8) | body
+
+``0xff`` never starts UTF-8 text, so a plain text element from a foreign
+producer is never mistaken for an envelope.  A payload that starts with the
+magic but does not decode is *corrupt*.
+
+Members of the durable delay set are a list of length-prefixed parts
+(``MAGIC_DELAY | count (4) | [length (4) | bytes]*``), decoded by the Lua
+move script: ``[unique id, payload...]``.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import Final
+
+__all__ = [
+    "MAGIC",
+    "MAGIC_DELAY",
+    "ORIGIN_FIELD",
+    "RETRIES_FIELD",
+    "CorruptEnvelope",
+    "pack_parts",
+    "unpack_parts",
+    "unwrap",
+    "wrap",
+]
+
+RETRIES_FIELD: Final[bytes] = b"trf-retries"
+"""Stream header field: how many times the message was retried (copies only)."""
+ORIGIN_FIELD: Final[bytes] = b"trf-origin"
+"""Stream header field: id of the first entry of the chain (copies only)."""
+
+MAGIC: Final = b"\xfftrf\x01"
+MAGIC_DELAY: Final = b"\xfftrd\x01"
+_HEAD = struct.Struct(">IH")
+_U32 = struct.Struct(">I")
+
+
+class CorruptEnvelope(ValueError):
+    """A payload starts with the envelope magic but cannot be decoded."""
+
+
+def wrap(body: bytes, retries: int, origin: str) -> bytes:
+    """Envelope ``body`` with its retry counter and origin id."""
+    o = origin.encode()
+    return MAGIC + _HEAD.pack(retries, len(o)) + o + body
+
+
+def unwrap(payload: bytes) -> tuple[bytes, int, str | None]:
+    """``(body, retries, origin)``; a foreign payload is ``(payload, 0, None)``.
+
+    Raises:
+        CorruptEnvelope: the magic is there, the rest does not decode.
+    """
+    if not payload.startswith(MAGIC):
+        return payload, 0, None
+    start = len(MAGIC)
+    if len(payload) < start + _HEAD.size:
+        raise CorruptEnvelope(f"envelope header truncated ({len(payload)} bytes)")
+    retries, olen = _HEAD.unpack_from(payload, start)
+    ostart = start + _HEAD.size
+    if len(payload) < ostart + olen:
+        raise CorruptEnvelope(f"envelope origin truncated ({len(payload)} bytes, needs {olen})")
+    try:
+        origin = payload[ostart : ostart + olen].decode()
+    except UnicodeDecodeError:
+        raise CorruptEnvelope("envelope origin is not utf-8") from None
+    return payload[ostart + olen :], retries, origin
+
+
+def pack_parts(parts: Sequence[bytes]) -> bytes:
+    """A delay-set member: ``MAGIC_DELAY`` and length-prefixed parts."""
+    out = [MAGIC_DELAY, _U32.pack(len(parts))]
+    for p in parts:
+        out.append(_U32.pack(len(p)))
+        out.append(p)
+    return b"".join(out)
+
+
+def unpack_parts(member: bytes) -> list[bytes]:
+    """Inverse of :func:`pack_parts`.
+
+    Raises:
+        CorruptEnvelope: not a delay-set member.
+    """
+    if not member.startswith(MAGIC_DELAY):
+        raise CorruptEnvelope("not a delay-set member")
+    pos = len(MAGIC_DELAY)
+    try:
+        (n,) = _U32.unpack_from(member, pos)
+        pos += 4
+        parts = []
+        for _ in range(n):
+            (ln,) = _U32.unpack_from(member, pos)
+            pos += 4
+            if pos + ln > len(member):
+                raise CorruptEnvelope("delay-set member truncated")
+            parts.append(member[pos : pos + ln])
+            pos += ln
+    except struct.error:
+        raise CorruptEnvelope("delay-set member truncated") from None
+    return parts

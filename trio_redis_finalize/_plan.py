@@ -1,0 +1,339 @@
+"""The sans-IO core: (form, mode, outcome, attempt policy, delivery) -> Plan.
+
+Nothing here does I/O.  :func:`plan` turns a delivery and its handler's
+outcome into a :class:`Plan`: the Redis commands to send, in order, on a pool
+connection, the effect to count, and for a runtime ``retry_after`` the
+commands to send once the delay is over.  The shell (``_consumer``) only
+executes plans.
+
+The table it implements (DESIGN §1 with §4's extensions):
+
+=================  ==========  =====================  ==========  ====================
+form               ACK         RETRY                  DROP        retry_after(d)
+=================  ==========  =====================  ==========  ====================
+stream             XACK        XADD copy, XACK        XACK        runtime / zset
+claiming stream    XACK        stays in PEL           XACK        PEL (or zset)
+reliable list      LREM        LPUSH copy, LREM       LREM        runtime / zset
+simple list        refused     refused                refused     runtime LPUSH copy
+channel / pattern  refused     refused                refused     runtime PUBLISH copy
+=================  ==========  =====================  ==========  ====================
+
+Two-step cells run as one gated script (see ``_scripts``) unless the keys
+live on different Redis Cluster slots, where they become two commands in
+the listed order (duplicate, never loss).  A RETRY or ``retry_after`` at the
+last allowed attempt goes to the dead letter (or is dropped with a warning).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import uuid
+from collections.abc import Mapping
+
+from . import _scripts
+from ._delivery import Delivery
+from ._envelope import ORIGIN_FIELD, RETRIES_FIELD, pack_parts, wrap
+from ._errors import AckUnsupported
+from ._keys import same_slot
+from ._outcome import Outcome, OutcomeKind
+from ._subscription import DelayedRetry, Form, Mode
+from ._transport import Command
+
+__all__ = [
+    "DEAD_FIELDS",
+    "Effect",
+    "Plan",
+    "Target",
+    "attempt_of",
+    "content_origin",
+    "plan",
+    "plan_dead",
+    "plan_lost",
+]
+
+DEAD_REASON = b"trf-dead-reason"
+DEAD_SOURCE = b"trf-dead-source"
+DEAD_ID = b"trf-dead-id"
+DEAD_GROUP = b"trf-dead-group"
+DEAD_ATTEMPT = b"trf-dead-attempt"
+DEAD_FIELDS = (DEAD_REASON, DEAD_SOURCE, DEAD_ID, DEAD_GROUP, DEAD_ATTEMPT)
+
+
+class Effect(enum.Enum):
+    """What a plan does in Redis, as counted in the stats."""
+
+    ACKED = "acked"  # original removed after ACK
+    DROPPED = "dropped"  # original removed after DROP
+    COPIED = "copied"  # copy added, original removed (RETRY)
+    DELAYED = "delayed"  # copy in the durable delay set, original removed
+    HELD = "held"  # copy held in process memory until its delay is over
+    LEFT_PENDING = "left_pending"  # claiming: the entry stays in the PEL
+    DEAD_LETTERED = "dead_lettered"  # copy in the dead letter, original removed
+    EXHAUSTED = "exhausted"  # max_attempts reached, no dead letter: removed
+    NOTHING = "nothing"  # no-ack form, ACK/DROP: nothing to do
+    LOST_BEFORE_HANDLING = "lost_before_handling"  # deleted while pending
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Target:
+    """A mounted subscription, resolved: every key named, every default chosen."""
+
+    form: Form
+    name: str
+    source: str = ""
+    mode: Mode = Mode.PLAIN
+    group: str = ""
+    processing: str = ""
+    delayed_retry: DelayedRetry | None = None  # None on a claiming stream: the PEL
+    delay_key: str = ""
+    max_attempts: int | None = None
+    dead_letter: str | None = None
+    retry_channel: str | None = None
+    min_idle: float = 60.0
+    cluster: bool = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Plan:
+    """Commands to send now, in order; ``later`` after ``delay`` seconds.
+
+    ``gated``: every command is safe to send again after an unknown outcome
+    (idempotent, or a gated script).  ``warning``: a line to log.
+    """
+
+    effect: Effect
+    commands: tuple[Command, ...] = ()
+    delay: float | None = None
+    later: tuple[Command, ...] = ()
+    gated: bool = True
+    warning: str | None = None
+
+
+def attempt_of(retries: int, delivery_count: int = 1) -> int:
+    """Attempt number of a delivery: ``max(header retries + 1, server count)``."""
+    return max(retries + 1, delivery_count)
+
+
+def content_origin(payload: bytes) -> str:
+    """Origin id of a foreign list element or message: a digest of its bytes.
+
+    The same bytes re-delivered after a crash keep the same origin id, so it
+    still serves as an idempotency key.
+    """
+    return "sha1:" + hashlib.sha1(payload).hexdigest()[:24]
+
+
+def _flat(fields: Mapping[bytes, bytes]) -> list[bytes]:
+    out: list[bytes] = []
+    for k, v in fields.items():
+        out.append(k)
+        out.append(v)
+    return out
+
+
+def _stream_copy_fields(d: Delivery) -> list[bytes]:
+    return [
+        *_flat(d.fields),
+        RETRIES_FIELD, str(d.retries + 1).encode(),
+        ORIGIN_FIELD, d.origin_id.encode(),
+    ]
+
+
+def _body(d: Delivery) -> bytes:
+    if d.data is not None:
+        return d.data
+    return d.raw or b""
+
+
+def _list_copy(d: Delivery) -> bytes:
+    return wrap(_body(d), d.retries + 1, d.origin_id)
+
+
+def _ms(delay: float) -> int:
+    return max(0, round(delay * 1000))
+
+
+def _member(*parts: bytes) -> bytes:
+    return pack_parts([uuid.uuid4().bytes, *parts])
+
+
+def _stream_remove(t: Target, d: Delivery, effect: Effect) -> Plan:
+    assert d.id is not None
+    return Plan(effect, (("XACK", t.source, t.group, d.id),))
+
+
+def _list_remove(t: Target, d: Delivery, effect: Effect) -> Plan:
+    assert d.raw is not None
+    return Plan(effect, (("LREM", t.processing, 1, d.raw),))
+
+
+def _stream_copy(t: Target, d: Delivery, dest: str, fields: list[bytes], effect: Effect) -> Plan:
+    assert d.id is not None
+    if t.cluster and not same_slot(t.source, dest):
+        return Plan(
+            effect,
+            (("XADD", dest, "*", *fields), ("XACK", t.source, t.group, d.id)),
+            gated=False,
+        )
+    return Plan(
+        effect,
+        (_scripts.STREAM_COPY_ACK.command((t.source, dest), (t.group, d.id, *fields)),),
+    )
+
+
+def _list_copy_remove(t: Target, d: Delivery, dest: str, element: bytes, effect: Effect) -> Plan:
+    assert d.raw is not None
+    if t.cluster and not same_slot(t.processing, dest):
+        return Plan(
+            effect,
+            (("LPUSH", dest, element), ("LREM", t.processing, 1, d.raw)),
+            gated=False,
+        )
+    return Plan(
+        effect,
+        (_scripts.LIST_COPY_REMOVE.command((t.processing, dest), (d.raw, element)),),
+    )
+
+
+def plan_dead(t: Target, d: Delivery, reason: str) -> Plan:
+    """Send ``d`` to the dead letter (copy, then remove the original), or drop it.
+
+    Used when ``max_attempts`` is exhausted, for a delivery that arrives past
+    the limit, and for a corrupt envelope.
+    """
+    warning = f"{t.name}: {reason}; "
+    if t.form is Form.STREAM:
+        if t.dead_letter is None:
+            return dataclasses.replace(
+                _stream_remove(t, d, Effect.EXHAUSTED),
+                warning=warning + f"entry {d.id} acknowledged without dead letter",
+            )
+        fields = [
+            *_flat(d.fields),
+            RETRIES_FIELD, str(d.retries).encode(),
+            ORIGIN_FIELD, d.origin_id.encode(),
+            DEAD_REASON, reason.encode(),
+            DEAD_SOURCE, t.source.encode(),
+            DEAD_ID, (d.id or "").encode(),
+            DEAD_GROUP, t.group.encode(),
+            DEAD_ATTEMPT, str(d.attempt).encode(),
+        ]
+        p = _stream_copy(t, d, t.dead_letter, fields, Effect.DEAD_LETTERED)
+        return dataclasses.replace(p, warning=warning + f"entry {d.id} dead-lettered")
+    if t.form is Form.RELIABLE_LIST:
+        if t.dead_letter is None:
+            return dataclasses.replace(
+                _list_remove(t, d, Effect.EXHAUSTED),
+                warning=warning + "element removed without dead letter",
+            )
+        assert d.raw is not None
+        p = _list_copy_remove(t, d, t.dead_letter, d.raw, Effect.DEAD_LETTERED)
+        return dataclasses.replace(p, warning=warning + "element dead-lettered")
+    # no-ack forms: nothing to remove, no dead letter
+    return Plan(Effect.EXHAUSTED, (), warning=warning + "message dropped")
+
+
+def plan_lost(t: Target, d: Delivery) -> Plan:
+    """An entry deleted from the stream while pending: acknowledge, count it."""
+    return _stream_remove(t, d, Effect.LOST_BEFORE_HANDLING)
+
+
+def _exhausted(t: Target, d: Delivery) -> bool:
+    return t.max_attempts is not None and d.attempt >= t.max_attempts
+
+
+def plan(t: Target, d: Delivery, outcome: Outcome) -> Plan:
+    """The plan that finalizes ``d`` with ``outcome`` on subscription ``t``.
+
+    Raises:
+        AckUnsupported: the form cannot carry out ``outcome`` (ACK, RETRY and
+            DROP on simple lists and Pub/Sub; ``retry_after`` on a pattern
+            subscription without ``retry_channel``).
+    """
+    kind = outcome.kind
+    form = t.form
+    no_ack = form in (Form.LIST, Form.CHANNEL, Form.PATTERN)
+    if no_ack and kind is not OutcomeKind.RETRY_AFTER:
+        raise AckUnsupported(
+            f"{t.name}: a {form.value} has nothing to acknowledge, so {outcome!r} is refused; "
+            + (
+                "use retry_after(delay) or a ReliableListSubscription to retry"
+                if kind is OutcomeKind.RETRY
+                else "ACK and DROP are no-ops there"
+            )
+        )
+    if outcome.is_retry and _exhausted(t, d):
+        return plan_dead(t, d, f"max_attempts={t.max_attempts} reached at attempt {d.attempt}")
+
+    if form is Form.STREAM:
+        if kind is OutcomeKind.ACK:
+            return _stream_remove(t, d, Effect.ACKED)
+        if kind is OutcomeKind.DROP:
+            return _stream_remove(t, d, Effect.DROPPED)
+        if kind is OutcomeKind.RETRY:
+            if t.mode is Mode.CLAIMING:
+                return Plan(Effect.LEFT_PENDING)
+            return _stream_copy(t, d, t.source, _stream_copy_fields(d), Effect.COPIED)
+        # retry_after
+        way = t.delayed_retry
+        if way is None:  # claiming: the PEL is the delay
+            return Plan(Effect.LEFT_PENDING)
+        if way is DelayedRetry.DURABLE_ZSET:
+            assert d.id is not None
+            member = _member(*_stream_copy_fields(d))
+            return Plan(
+                Effect.DELAYED,
+                (
+                    _scripts.STREAM_ZADD_ACK.command(
+                        (t.source, t.delay_key), (t.group, d.id, _ms(outcome.delay), member)
+                    ),
+                ),
+            )
+        # runtime: acknowledge now, XADD the copy when the timer fires
+        return Plan(
+            Effect.HELD,
+            _stream_remove(t, d, Effect.HELD).commands,
+            delay=outcome.delay,
+            later=(("XADD", t.source, "*", *_stream_copy_fields(d)),),
+        )
+
+    if form is Form.RELIABLE_LIST:
+        if kind is OutcomeKind.ACK:
+            return _list_remove(t, d, Effect.ACKED)
+        if kind is OutcomeKind.DROP:
+            return _list_remove(t, d, Effect.DROPPED)
+        if kind is OutcomeKind.RETRY:
+            return _list_copy_remove(t, d, t.source, _list_copy(d), Effect.COPIED)
+        if t.delayed_retry is DelayedRetry.DURABLE_ZSET:
+            assert d.raw is not None
+            member = _member(_list_copy(d))
+            return Plan(
+                Effect.DELAYED,
+                (
+                    _scripts.LIST_ZADD_REMOVE.command(
+                        (t.processing, t.delay_key), (d.raw, _ms(outcome.delay), member)
+                    ),
+                ),
+            )
+        # runtime: the original stays in the processing list meanwhile
+        later = _list_copy_remove(t, d, t.source, _list_copy(d), Effect.COPIED)
+        return Plan(Effect.HELD, (), delay=outcome.delay, later=later.commands,
+                    gated=later.gated)
+
+    # simple list, channel, pattern: only retry_after, as a runtime copy
+    copy = _list_copy(d)
+    if form is Form.LIST:
+        return Plan(Effect.HELD, (), delay=outcome.delay, later=(("LPUSH", t.source, copy),),
+                    gated=False)
+    if form is Form.CHANNEL:
+        return Plan(Effect.HELD, (), delay=outcome.delay, later=(("PUBLISH", d.source, copy),),
+                    gated=False)
+    if t.retry_channel is None:
+        raise AckUnsupported(
+            f"{t.name}: a pattern subscription needs retry_channel= to publish "
+            "retry_after copies (the pattern names no single channel)"
+        )
+    return Plan(Effect.HELD, (), delay=outcome.delay,
+                later=(("PUBLISH", t.retry_channel, copy),), gated=False)

@@ -1,0 +1,141 @@
+"""The Lua scripts that make two-step finalizations atomic and gated.
+
+Each script checks that the original is still pending (in the group's PEL,
+or in the processing list) and only then runs its steps in the order of the
+contract: the copy is written first, the original removed second.  A repeated
+or racing finalization of the same delivery finds the gate closed and makes
+no second copy, so a finalization whose reply was lost may be sent again.
+"""
+
+from __future__ import annotations
+
+from ._transport import Script
+
+__all__ = [
+    "LIST_COPY_REMOVE",
+    "LIST_ZADD_REMOVE",
+    "MOVE_DUE_TO_LIST",
+    "MOVE_DUE_TO_STREAM",
+    "STREAM_COPY_ACK",
+    "STREAM_ZADD_ACK",
+]
+
+_STREAM_GATE = """
+local ok, p = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
+if not ok or #p == 0 then return false end
+"""
+
+_LIST_GATE = """
+if not redis.call('LPOS', KEYS[1], ARGV[1]) then return false end
+"""
+
+_NOW_MS = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
+# KEYS: stream, destination stream.  ARGV: group, id, field, value, ...
+STREAM_COPY_ACK = Script(
+    _STREAM_GATE
+    + """
+local new = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+return new
+""",
+    name="stream_copy_ack",
+)
+
+# KEYS: stream, delay set.  ARGV: group, id, delay ms, member
+STREAM_ZADD_ACK = Script(
+    _STREAM_GATE
+    + _NOW_MS
+    + """
+redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[4])
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+return now + tonumber(ARGV[3])
+""",
+    name="stream_zadd_ack",
+)
+
+# KEYS: processing list, destination list.  ARGV: element, copy
+LIST_COPY_REMOVE = Script(
+    _LIST_GATE
+    + """
+redis.call('LPUSH', KEYS[2], ARGV[2])
+redis.call('LREM', KEYS[1], 1, ARGV[1])
+return 1
+""",
+    name="list_copy_remove",
+)
+
+# KEYS: processing list, delay set.  ARGV: element, delay ms, member
+LIST_ZADD_REMOVE = Script(
+    _LIST_GATE
+    + _NOW_MS
+    + """
+redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[3])
+redis.call('LREM', KEYS[1], 1, ARGV[1])
+return now + tonumber(ARGV[2])
+""",
+    name="list_zadd_remove",
+)
+
+_DECODE = """
+local function u32(s, p)
+  local a, b, c, d = string.byte(s, p, p + 3)
+  return ((a * 256 + b) * 256 + c) * 256 + d
+end
+local function parts(m)
+  local out = {}
+  local n = u32(m, 6)
+  local p = 10
+  for i = 1, n do
+    local len = u32(m, p)
+    out[i] = string.sub(m, p + 4, p + 3 + len)
+    p = p + 4 + len
+  end
+  return out
+end
+"""
+
+_MOVE_HEAD = (
+    _DECODE
+    + _NOW_MS
+    + """
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
+local moved = 0
+for _, m in ipairs(due) do
+  if redis.call('ZREM', KEYS[1], m) == 1 then
+    local ps = parts(m)
+"""
+)
+
+_MOVE_TAIL = """
+    moved = moved + 1
+  end
+end
+local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+if #first == 2 then return {moved, now, first[2]} end
+return {moved, now, false}
+"""
+
+# KEYS: delay set, stream.  ARGV: limit.  Member parts: unique id, field, value, ...
+# Returns {moved, server time ms, score of the earliest member left or nil}
+MOVE_DUE_TO_STREAM = Script(
+    _MOVE_HEAD
+    + """
+    redis.call('XADD', KEYS[2], '*', unpack(ps, 2))
+"""
+    + _MOVE_TAIL,
+    name="move_due_to_stream",
+)
+
+# KEYS: delay set, list.  ARGV: limit.  Member parts: unique id, element
+MOVE_DUE_TO_LIST = Script(
+    _MOVE_HEAD
+    + """
+    redis.call('LPUSH', KEYS[2], ps[2])
+"""
+    + _MOVE_TAIL,
+    name="move_due_to_list",
+)
