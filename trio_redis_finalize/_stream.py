@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+from typing import Any
 
+import anyio
+from anyio.abc import TaskStatus
+from redis import exceptions as rexc
+
+from ._delivery import Delivery
+from ._envelope import ORIGIN_FIELD, RETRIES_FIELD
 from ._keys import derived
-from ._plan import Target
+from ._mount import FINALIZE_TIMEOUT, Item, Mount, backoff, log
+from ._plan import Plan, Target, attempt_of, plan_dead, plan_lost
+from ._scripts import MOVE_DUE_TO_STREAM
 from ._subscription import (
     DelayedRetry,
     Form,
@@ -15,8 +25,9 @@ from ._subscription import (
     check_limits,
     check_positive,
 )
+from ._transport import BusyGroupError, Client, Connection, NoGroupError, WrongTypeError
 
-__all__ = ["StreamSubscription"]
+__all__ = ["StreamReader", "StreamSubscription"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -98,3 +109,282 @@ class StreamSubscription(Subscription):
             min_idle=self.min_idle,
             cluster=cluster,
         )
+
+
+# -- runtime ------------------------------------------------------------------
+
+_READ_MARGIN = 1.0
+"""Seconds a blocking read may exceed ``block`` before it counts as lost."""
+_RECOVER_EVERY = 60.0
+_CLAIM_EVERY_MAX = 30.0
+_MOVE_LIMIT = 128
+
+
+def _str(b: bytes | str) -> str:
+    return b.decode() if isinstance(b, bytes) else b
+
+
+def _entries(reply: Any) -> list[tuple[bytes, list[bytes] | None]]:
+    """Entries of an XREADGROUP reply for one stream (RESP2)."""
+    if not reply:
+        return []
+    out: list[tuple[bytes, list[bytes] | None]] = reply[0][1]
+    return out
+
+
+class StreamReader:
+    """Reads one :class:`StreamSubscription` on a dedicated connection."""
+
+    def __init__(self, sub: StreamSubscription) -> None:
+        self.sub = sub
+        self._cursor = "0-0"
+        self._next_claim = 0.0
+        self._next_move = 0.0
+        self._conn: Connection | None = None
+
+    def abandon(self, deliveries: Sequence[Delivery]) -> Plan | None:
+        return None  # unstarted entries stay in the PEL
+
+    # -- set-up ---------------------------------------------------------------
+    async def _check_type(self, client: Client) -> None:
+        kind = _str(await client.execute("TYPE", self.sub.stream))
+        if kind not in ("stream", "none"):
+            raise WrongTypeError(
+                f"WRONGTYPE key {self.sub.stream!r} holds a {kind}, not a stream "
+                f"(mounting {self.sub.name})"
+            )
+
+    async def _ensure_group(self, client: Client) -> bool:
+        try:
+            await client.execute(
+                "XGROUP", "CREATE", self.sub.stream, self.sub.group, self.sub.start_id, "MKSTREAM"
+            )
+            return True
+        except BusyGroupError:
+            return False
+
+    # -- deliveries -----------------------------------------------------------
+    def _build(
+        self, mount: Mount, eid: bytes, flat: list[bytes], count: int
+    ) -> tuple[Delivery, Plan | None]:
+        """A delivery, and the plan that finalizes it without a handler, if any."""
+        fields = dict(zip(flat[::2], flat[1::2], strict=False))
+        entry_id = eid.decode()
+        corrupt = None
+        retries = 0
+        raw_retries = fields.pop(RETRIES_FIELD, None)
+        if raw_retries is not None:
+            try:
+                retries = int(raw_retries)
+                if retries < 0:
+                    raise ValueError
+            except ValueError:
+                corrupt = f"corrupt {RETRIES_FIELD.decode()} header {raw_retries!r}"
+                retries = 0
+        raw_origin = fields.pop(ORIGIN_FIELD, None)
+        origin = raw_origin.decode("utf-8", "replace") if raw_origin is not None else entry_id
+        attempt = attempt_of(retries, count)
+        d = Delivery(
+            source=self.sub.stream, id=entry_id, fields=fields, data=None, attempt=attempt,
+            origin_id=origin, retries=retries, mount=mount.name, corrupt=corrupt,
+        )
+        if corrupt is not None:
+            return d, plan_dead(mount.target, d, corrupt)
+        limit = self.sub.max_attempts
+        if limit is not None and attempt > limit:
+            return d, plan_dead(
+                mount.target, d, f"arrived at attempt {attempt}, past max_attempts={limit}"
+            )
+        return d, None
+
+    async def _dispatch(
+        self, mount: Mount, entries: list[tuple[bytes, list[bytes] | None]],
+        counts: dict[bytes, int] | None = None,
+    ) -> None:
+        ready: list[Delivery] = []
+        direct: list[Item] = []
+        build = self._build
+        for eid, flat in entries:
+            if flat is None:  # deleted while pending
+                d = Delivery(source=self.sub.stream, id=eid.decode(), fields={}, data=None,
+                             attempt=1, origin_id=eid.decode(), mount=mount.name)
+                log.warning("%s: entry %s was deleted while pending; acknowledged", mount.name,
+                            d.id)
+                direct.append((d, plan_lost(mount.target, d)))
+                continue
+            d, p = build(mount, eid, flat, counts.get(eid, 1) if counts else 1)
+            if p is None:
+                ready.append(d)
+            else:
+                direct.append((d, p))
+        if direct:
+            await mount.finalize_now(direct)
+        await mount.deliver(ready)
+
+    async def _counts(self, client: Client, consumer: str, ids: list[bytes]) -> dict[bytes, int]:
+        """Server delivery counts of ``ids`` in this consumer's PEL."""
+        if not ids:
+            return {}
+        rows = await client.execute(
+            "XPENDING", self.sub.stream, self.sub.group, min(ids, key=_id_key),
+            max(ids, key=_id_key), len(ids) + 1000, consumer,
+        )
+        wanted = set(ids)
+        return {r[0]: int(r[3]) for r in rows if r[0] in wanted}
+
+    async def _recover(self, conn: Connection, mount: Mount) -> None:
+        """Re-read this consumer's own PEL (``XREADGROUP ... 0``), page by page."""
+        sub = self.sub
+        last = "0"
+        while True:
+            reply = await conn.execute(
+                "XREADGROUP", "GROUP", sub.group, mount.consumer.name, "COUNT", sub.count,
+                "STREAMS", sub.stream, last, timeout=FINALIZE_TIMEOUT,
+            )
+            entries = _entries(reply)
+            if not entries:
+                return
+            last = entries[-1][0].decode()
+            fresh = [e for e in entries if e[0].decode() not in mount.held]
+            live = [e[0] for e in fresh if e[1] is not None]
+            counts = await self._counts(mount.client, mount.consumer.name, live)
+            await self._dispatch(mount, fresh, counts)
+            if len(entries) < sub.count:
+                return
+
+    async def _claim(self, conn: Connection, mount: Mount) -> None:
+        """XAUTOCLAIM entries idle ``min_idle`` (any consumer), one page."""
+        sub = self.sub
+        reply = await conn.execute(
+            "XAUTOCLAIM", sub.stream, sub.group, mount.consumer.name,
+            round(sub.min_idle * 1000), self._cursor, "COUNT", sub.count,
+            timeout=FINALIZE_TIMEOUT,
+        )
+        self._cursor = _str(reply[0])
+        entries: list[tuple[bytes, list[bytes] | None]] = [e for e in reply[1] if e is not None]
+        deleted: list[bytes] = list(reply[2]) if len(reply) > 2 else []
+        for eid in deleted:
+            mount.stats.effects["lost_before_handling"] += 1
+            log.warning("%s: entry %s was deleted while pending; dropped from the PEL",
+                        mount.name, eid.decode())
+        if entries:
+            live = [e[0] for e in entries if e[1] is not None]
+            counts = await self._counts(mount.client, mount.consumer.name, live)
+            await self._dispatch(mount, entries, counts)
+        interval = min(max(sub.min_idle / 2, 0.05), _CLAIM_EVERY_MAX)
+        # a full page or a cursor mid-PEL: claim again at once
+        self._next_claim = 0.0 if self._cursor != "0-0" else anyio.current_time() + interval
+
+    async def _move_due(self, mount: Mount) -> float:
+        """Move due copies from the durable delay set; seconds until the next is due."""
+        t = mount.target
+        moved, now_ms, first = await mount.client.evalsha(
+            MOVE_DUE_TO_STREAM, (t.delay_key, t.source), (_MOVE_LIMIT,), timeout=FINALIZE_TIMEOUT
+        )
+        if moved:
+            mount.stats.effects["moved_from_delay_set"] += int(moved)
+        if int(moved) >= _MOVE_LIMIT:
+            return 0.0
+        if first is None:
+            mount.stats.delay_lag = None
+            return self.sub.block
+        lag = (int(now_ms) - float(first)) / 1000
+        mount.stats.delay_lag = max(lag, 0.0)
+        return max(0.0, min(self.sub.block, -lag))
+
+    async def _lease(self, mount: Mount) -> None:
+        """Keep held entries' idle time low so no other consumer claims them."""
+        interval = max(self.sub.min_idle / 3, 0.05)
+        while True:
+            await anyio.sleep(interval)
+            ids = sorted(mount.held)
+            for i in range(0, len(ids), 500):
+                try:
+                    await mount.client.execute(
+                        "XCLAIM", self.sub.stream, self.sub.group, mount.consumer.name, 0,
+                        *ids[i : i + 500], "JUSTID", timeout=FINALIZE_TIMEOUT,
+                    )
+                except (rexc.ConnectionError, rexc.TimeoutError, rexc.ResponseError) as e:
+                    log.warning("%s: lease renewal failed: %s", mount.name, e)
+
+    # -- the loop ---------------------------------------------------------------
+    async def run(self, mount: Mount, *, task_status: TaskStatus[None]) -> None:
+        sub = self.sub
+        client = mount.client
+        consumer = mount.consumer.name
+        await self._check_type(client)
+        await self._ensure_group(client)
+        durable = mount.target.delayed_retry is DelayedRetry.DURABLE_ZSET
+        leased = sub.mode in (Mode.RECLAIM, Mode.CLAIMING)
+        recover = sub.mode is not Mode.CLAIMING
+        next_recover = anyio.current_time() + _RECOVER_EVERY
+        started = False
+        failures = 0
+        conn: Connection | None = None
+        read = (
+            "XREADGROUP", "GROUP", sub.group, consumer, "COUNT", sub.count, "BLOCK",
+        )
+        try:
+            async with anyio.create_task_group() as tg:
+                if leased:
+                    tg.start_soon(self._lease, mount)
+                while True:
+                    try:
+                        if conn is None or conn.broken:
+                            conn = await client.connect(name=f"trf:{consumer}:reader")
+                        block = sub.block
+                        if durable and anyio.current_time() >= self._next_move:
+                            wait = await self._move_due(mount)
+                            self._next_move = anyio.current_time() + wait
+                        if durable:
+                            block = max(0.001, min(block, self._next_move - anyio.current_time()))
+                        if recover:
+                            await self._recover(conn, mount)
+                            recover = False
+                        if sub.mode is Mode.CLAIMING or (
+                            sub.mode is Mode.RECLAIM and anyio.current_time() >= self._next_claim
+                        ):
+                            await self._claim(conn, mount)
+                        if not started:
+                            task_status.started()
+                            started = True
+                        reply = await conn.execute(
+                            *read, max(1, round(block * 1000)), "STREAMS", sub.stream, ">",
+                            timeout=block + _READ_MARGIN,
+                        )
+                        failures = 0
+                        if reply:
+                            await self._dispatch(mount, _entries(reply))
+                        now = anyio.current_time()
+                        if sub.mode is not Mode.CLAIMING and now >= next_recover:
+                            next_recover = now + _RECOVER_EVERY
+                            recover = not mount.held
+                    except NoGroupError as e:
+                        if not started:
+                            raise
+                        mount.stats.group_recreated += 1
+                        log.warning("%s: group is gone (%s); recreating it at %s",
+                                    mount.name, e, sub.start_id)
+                        await self._ensure_group(client)
+                        recover = sub.mode is not Mode.CLAIMING
+                    except (rexc.ConnectionError, rexc.TimeoutError, OSError) as e:
+                        if not started:
+                            raise
+                        mount.stats.read_errors += 1
+                        delay = backoff(failures)
+                        failures += 1
+                        log.warning("%s: read failed (%s); reconnecting in %.2f s",
+                                    mount.name, e, delay)
+                        if conn is not None:
+                            await conn.aclose()
+                        conn = None
+                        recover = sub.mode is not Mode.CLAIMING
+                        await anyio.sleep(delay)
+        finally:
+            if conn is not None:
+                await conn.aclose()
+
+
+def _id_key(eid: bytes) -> tuple[int, int]:
+    ms, _, seq = eid.partition(b"-")
+    return int(ms), int(seq or 0)

@@ -1,0 +1,340 @@
+"""The runtime of one mounted subscription: reader -> handlers -> finalizer.
+
+::
+
+    reader task --(chunks of deliveries)--> N handler tasks --(outcomes)--> finalizer task
+         |                                                                        ^
+         +-------------------(precomputed plans: dead, lost)----------------------+
+
+Channels are bounded; each has one owner that closes it: the reader owns the
+delivery sender, each handler its clone of the outcome sender, the reader its
+own clone; the finalizer drains the outcome receiver until every sender has
+closed.  The reader owns a dedicated connection; the finalizer uses the pool.
+
+Shutdown (:meth:`Mount.stop`): cancel the reader; handlers finish what they
+hold within ``shutdown_grace`` and start nothing new; the finalizer sends
+every outcome it was given (shielded, time-bounded), then the mount ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import anyio
+from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream as Recv
+from anyio.streams.memory import MemoryObjectSendStream as Send
+from redis import exceptions as rexc
+
+from ._delivery import Delivery
+from ._errors import AckUnsupported
+from ._outcome import Outcome, OutcomeKind
+from ._plan import Effect, Plan, Target, plan
+from ._stats import MountStats
+from ._subscription import Subscription
+from ._transport import Client, Command
+
+if TYPE_CHECKING:
+    from ._consumer import Consumer
+
+__all__ = ["Handler", "Item", "Mount", "Reader", "backoff"]
+
+log = logging.getLogger("trio_redis_finalize")
+
+Handler = Callable[[Delivery], Awaitable[Outcome]]
+Item = tuple[Delivery, "Outcome | Plan"]
+
+FINALIZE_TIMEOUT = 5.0
+"""Seconds one finalization round trip may take before it counts as failed."""
+FINALIZE_GRACE = 10.0
+"""Seconds the finalizer keeps trying after the handlers stopped, at shutdown."""
+_FLUSH_EVERY = 0.05
+_MAX_BATCH = 1000
+
+
+def backoff(attempt: int, *, base: float = 0.05, cap: float = 2.0) -> float:
+    """Capped exponential backoff with full jitter."""
+    return float(random.uniform(0, min(cap, base * 2 ** min(attempt, 16))))
+
+
+class Reader(Protocol):
+    """What a subscription form provides: the loop that reads and delivers."""
+
+    async def run(self, mount: Mount, *, task_status: TaskStatus[None]) -> None: ...
+
+    def abandon(self, deliveries: Sequence[Delivery]) -> Plan | None:
+        """Commands that give back deliveries read but never started (or None)."""
+        ...
+
+
+class _Status:
+    """Wraps a task status to remember whether ``started()`` was called."""
+
+    def __init__(self, inner: TaskStatus[None]) -> None:
+        self.inner = inner
+        self.done = False
+
+    def started(self, value: None = None) -> None:
+        self.done = True
+        self.inner.started()
+
+
+class Mount:
+    """One subscription mounted on a consumer (internal; see ``Consumer.mount``)."""
+
+    def __init__(
+        self,
+        consumer: Consumer,
+        subscription: Subscription,
+        handler: Handler,
+        reader: Reader,
+        target: Target,
+        *,
+        concurrency: int,
+        on_error: Outcome,
+    ) -> None:
+        self.consumer = consumer
+        self.client: Client = consumer.client
+        self.subscription = subscription
+        self.handler = handler
+        self.reader = reader
+        self.target = target
+        self.concurrency = concurrency
+        self.on_error = on_error
+        self.name = target.name
+        self.stats = MountStats(subscription=self.name)
+        self.held: set[str] = set()  # stream ids read and not yet finalized
+        self.stopping = False
+        self.done = anyio.Event()
+        self._reader_scope = anyio.CancelScope()
+        self._handlers_scope = anyio.CancelScope()
+        self._finalizer_scope = anyio.CancelScope()
+        self._outer_scope = anyio.CancelScope(shield=True)
+        send, recv = anyio.create_memory_object_stream[list[Delivery]](0)
+        self._deliver_send: Send[list[Delivery]] = send
+        self._deliver_recv: Recv[list[Delivery]] = recv
+        osend, orecv = anyio.create_memory_object_stream[list[Item]](max(4, 2 * concurrency))
+        self._outcome_send: Send[list[Item]] = osend
+        self._outcome_recv: Recv[list[Item]] = orecv
+
+    # -- reader side --------------------------------------------------------
+    async def deliver(self, deliveries: Sequence[Delivery]) -> None:
+        """Hand deliveries to the handlers (waits while they are busy)."""
+        if not deliveries:
+            return
+        self.stats.received += len(deliveries)
+        for d in deliveries:
+            if d.id is not None:
+                self.held.add(d.id)
+        if self.concurrency == 1:
+            await self._deliver_send.send(list(deliveries))
+        else:
+            for d in deliveries:
+                await self._deliver_send.send([d])
+
+    async def finalize_now(self, items: list[Item]) -> None:
+        """Send precomputed plans (dead letter, lost entry) to the finalizer."""
+        if items:
+            await self._reader_outcomes.send(items)
+
+    # -- lifecycle ----------------------------------------------------------
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        try:
+            with self._outer_scope:
+                async with anyio.create_task_group() as tg:
+                    self._reader_outcomes = self._outcome_send.clone()
+                    handler_senders = [self._outcome_send.clone() for _ in range(self.concurrency)]
+                    await self._outcome_send.aclose()
+                    tg.start_soon(self._finalizer, self._outcome_recv)
+                    tg.start_soon(self._handlers, handler_senders)
+                    await tg.start(self._read)
+                    task_status.started()
+        finally:
+            self.done.set()
+
+    async def _read(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        status = _Status(task_status)
+        try:
+            async with self._deliver_send, self._reader_outcomes:
+                with self._reader_scope:
+                    await self.reader.run(self, task_status=status)
+        except BaseException:
+            if not status.done:
+                # mount() fails: let the handlers and finalizer end too
+                self._handlers_scope.cancel()
+                self._finalizer_scope.cancel()
+            raise
+
+    async def stop(self, grace: float) -> None:
+        """Graceful stop; returns when the mount's tasks have all ended."""
+        self.stopping = True
+        self._reader_scope.cancel()
+        self._handlers_scope.deadline = anyio.current_time() + grace
+        self._finalizer_scope.deadline = anyio.current_time() + grace + FINALIZE_GRACE
+        with anyio.CancelScope(shield=True):
+            with anyio.move_on_after(grace + FINALIZE_GRACE + 1.0):
+                await self.done.wait()
+            self._outer_scope.cancel()
+            await self.done.wait()
+
+    # -- handlers -------------------------------------------------------------
+    async def _handlers(self, senders: list[Send[list[Item]]]) -> None:
+        with self._handlers_scope:
+            async with anyio.create_task_group() as tg:
+                for i, send in enumerate(senders):
+                    tg.start_soon(self._handler_loop, self._deliver_recv.clone(), send, i)
+                await self._deliver_recv.aclose()
+        for s in senders:  # closed here too in case the scope was cancelled early
+            await s.aclose()
+
+    async def _handler_loop(
+        self,
+        recv: Recv[list[Delivery]],
+        send: Send[list[Item]],
+        index: int,
+    ) -> None:
+        async with recv, send:
+            async for chunk in recv:
+                results: list[Item] = []
+                unstarted: list[Delivery] = []
+                last_flush = anyio.current_time()
+                try:
+                    for i, d in enumerate(chunk):
+                        if self.stopping:
+                            unstarted = list(chunk[i:])
+                            break
+                        self.stats.in_flight += 1
+                        try:
+                            outcome = await self._call(d)
+                        finally:
+                            self.stats.in_flight -= 1
+                        results.append((d, outcome))
+                        if len(chunk) > 1 and anyio.current_time() - last_flush > _FLUSH_EVERY:
+                            await send.send(results)
+                            results = []
+                            last_flush = anyio.current_time()
+                finally:
+                    give_back = self.reader.abandon(unstarted) if unstarted else None
+                    if give_back is not None:
+                        results.append((unstarted[0], give_back))
+                    if results:
+                        with anyio.CancelScope(shield=True), anyio.move_on_after(FINALIZE_GRACE):
+                            await send.send(results)
+
+    async def _call(self, d: Delivery) -> Outcome:
+        try:
+            result = await self.handler(d)
+        except Exception:
+            self.stats.handler_errors += 1
+            log.exception(
+                "%s: handler raised on %s (attempt %d); outcome %r",
+                self.name, d.id or d.origin_id, d.attempt, self.on_error,
+            )
+            return self.on_error
+        if not isinstance(result, Outcome):
+            self.stats.handler_errors += 1
+            log.error(
+                "%s: handler returned %r, not an Outcome, for %s (attempt %d); outcome %r",
+                self.name, result, d.id or d.origin_id, d.attempt, self.on_error,
+                exc_info=TypeError(f"handler returned {type(result).__name__}, not an Outcome"),
+            )
+            return self.on_error
+        return result
+
+    # -- finalizer ------------------------------------------------------------
+    async def _finalizer(self, recv: Recv[list[Item]]) -> None:
+        with self._finalizer_scope:
+            async with recv:
+                async for items in recv:
+                    batch = list(items)
+                    while len(batch) < _MAX_BATCH:
+                        try:
+                            batch.extend(recv.receive_nowait())
+                        except (anyio.WouldBlock, anyio.EndOfStream):
+                            break
+                    await self._finalize(batch)
+
+    def plan_for(self, d: Delivery, outcome: Outcome | Plan) -> Plan | None:
+        """The plan for one item; ``None`` when refused (logged and counted)."""
+        if isinstance(outcome, Plan):
+            return outcome
+        self.stats.outcomes[outcome.kind.value] += 1
+        try:
+            return plan(self.target, d, outcome)
+        except AckUnsupported as e:
+            if outcome.kind in (OutcomeKind.ACK, OutcomeKind.DROP):
+                return Plan(Effect.NOTHING)
+            self.stats.refused += 1
+            self.stats.effects["refused"] += 1
+            log.error("%s: %s (message %s, attempt %d)", self.name, e, d.origin_id, d.attempt)
+            return None
+
+    async def _finalize(self, items: list[Item]) -> None:
+        plans: list[tuple[Delivery, Plan]] = []
+        for d, outcome in items:
+            p = self.plan_for(d, outcome)
+            if p is not None:
+                plans.append((d, p))
+        commands = merge_commands([p.commands for _, p in plans])
+        attempt = 0
+        while commands:
+            try:
+                replies = await self.client.pipeline(
+                    commands, raise_on_error=False, timeout=FINALIZE_TIMEOUT
+                )
+            except (rexc.ConnectionError, rexc.TimeoutError, OSError) as e:
+                # Outcome unknown: every command is idempotent or gated (or, for
+                # cross-slot fallbacks, duplicates rather than loses): send again.
+                self.stats.finalize_errors += 1
+                log.warning(
+                    "%s: finalization of %d deliveries failed (%s); sending again",
+                    self.name, len(plans), e,
+                )
+                await anyio.sleep(backoff(attempt))
+                attempt += 1
+                continue
+            for cmd, r in zip(commands, replies, strict=True):
+                if isinstance(r, rexc.RedisError):
+                    self.stats.finalize_errors += 1
+                    log.error("%s: finalization command failed: %s", self.name, describe_error(r, cmd))
+            break
+        for d, p in plans:
+            self.stats.effects[p.effect.value] += 1
+            if d.id is not None:
+                self.held.discard(d.id)
+            if p.warning:
+                log.warning("%s (attempt %d, origin %s)", p.warning, d.attempt, d.origin_id)
+            if p.delay is not None and p.later:
+                self.consumer.scheduler.hold(self, p.delay, p.later)
+
+
+def describe_error(err: Exception, cmd: Command) -> str:
+    from ._transport import describe
+
+    return f"{err} ({describe(cmd)})"
+
+
+def merge_commands(groups: Sequence[Sequence[Command]]) -> list[Command]:
+    """Concatenate plans' commands, merging single-XACK plans per stream and group.
+
+    A plan of one ``XACK`` needs no order with other plans, so all of them
+    become one ``XACK key group id id ...`` at the place of the first.
+    Multi-command plans keep their own order.
+    """
+    out: list[Command] = []
+    xacks: dict[tuple[Any, Any], list[Any]] = {}
+    for cmds in groups:
+        if len(cmds) == 1 and cmds[0][0] == "XACK":
+            c = cmds[0]
+            key = (c[1], c[2])
+            ids = xacks.get(key)
+            if ids is None:
+                ids = xacks[key] = ["XACK", c[1], c[2]]
+                out.append(ids)  # placeholder list, filled below
+            ids.extend(c[3:])
+        else:
+            out.extend(cmds)
+    return [tuple(c) if isinstance(c, list) else c for c in out]

@@ -1,0 +1,47 @@
+"""Counters per mounted subscription."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+__all__ = ["MountStats"]
+
+
+@dataclasses.dataclass(slots=True)
+class MountStats:
+    """Live counters of one mounted subscription (see :meth:`Consumer.stats`).
+
+    ``outcomes`` counts what handlers returned (``ack``, ``retry``, ``drop``,
+    ``retry_after``); ``effects`` counts what finalization did in Redis
+    (``acked``, ``copied``, ``delayed``, ``held``, ``left_pending``,
+    ``dead_lettered``, ``exhausted``, ``lost_before_handling``, ...).
+    """
+
+    subscription: str
+    received: int = 0
+    handler_errors: int = 0
+    refused: int = 0
+    finalize_errors: int = 0
+    read_errors: int = 0
+    group_recreated: int = 0
+    in_flight: int = 0
+    delay_lag: float | None = None
+    outcomes: Counter[str] = dataclasses.field(default_factory=Counter)
+    effects: Counter[str] = dataclasses.field(default_factory=Counter)
+
+    def snapshot(self) -> dict[str, object]:
+        """A plain dict copy (safe to keep, print or serialize)."""
+        return {
+            "subscription": self.subscription,
+            "received": self.received,
+            "handler_errors": self.handler_errors,
+            "refused": self.refused,
+            "finalize_errors": self.finalize_errors,
+            "read_errors": self.read_errors,
+            "group_recreated": self.group_recreated,
+            "in_flight": self.in_flight,
+            "delay_lag": self.delay_lag,
+            "outcomes": dict(self.outcomes),
+            "effects": dict(self.effects),
+        }
