@@ -1,0 +1,28 @@
+"""The README's quick start runs as written."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+README = Path(__file__).resolve().parent.parent / "README.rst"
+
+
+def _quick_start() -> str:
+    text = README.read_text()
+    section = text.split("Quick start\n-----------", 1)[1]
+    m = re.search(r"\.\. code-block:: python\n\n((?:    .*\n|\n)+)", section)
+    assert m is not None, "no code block in the quick start"
+    return "\n".join(line[4:] for line in m.group(1).splitlines())
+
+
+def test_quick_start_runs_as_written(tmp_path: Path) -> None:
+    script = tmp_path / "quick_start.py"
+    script.write_text(_quick_start())
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[b'0', b'1', b'2']"
