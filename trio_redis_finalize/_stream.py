@@ -359,8 +359,12 @@ class StreamReader:
                         if sub.mode is not Mode.CLAIMING and now >= next_recover:
                             next_recover = now + _RECOVER_EVERY
                             recover = not mount.held
-                    except NoGroupError as e:
-                        if not started:
+                    except rexc.ResponseError as e:
+                        # NOGROUP; or UNBLOCKED: the key was deleted (FLUSHALL,
+                        # DEL) while this read blocked on it (Redis 7+)
+                        if not started or not (
+                            isinstance(e, NoGroupError) or str(e).startswith("UNBLOCKED")
+                        ):
                             raise
                         mount.stats.group_recreated += 1
                         log.warning("%s: group is gone (%s); recreating it at %s",
