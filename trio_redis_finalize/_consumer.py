@@ -159,7 +159,12 @@ class Consumer:
         target = subscription.target(self.name)  # type: ignore[attr-defined]
         reader = _reader_for(subscription)
         mount = Mount(self, subscription, handler, reader, target, concurrency=concurrency, on_error=on_error)
-        await self._tg.start(mount.run)
+        try:
+            await self._tg.start(mount.run)
+        except BaseExceptionGroup as eg:
+            # the mount's task groups wrap a set-up failure (WRONGTYPE, ...):
+            # raise the error itself, as documented
+            raise _sole(eg) from None
         self._mounts.append(mount)
 
     async def finalize(self, delivery: Delivery, outcome: Outcome) -> None:
@@ -200,6 +205,14 @@ class Consumer:
                 for m in self._mounts:
                     tg.start_soon(m.stop, grace)
             await self.scheduler.flush(anyio.current_time() + 10.0)
+
+
+def _sole(eg: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The one exception inside nested one-member groups, else the group itself."""
+    exc: BaseException = eg
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
 
 
 def _reader_for(subscription: Subscription) -> Reader:
