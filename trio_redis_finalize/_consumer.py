@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import logging
 import os
 import socket
 import uuid
@@ -17,7 +16,7 @@ from anyio.abc import TaskGroup, TaskStatus
 from redis import exceptions as rexc
 
 from ._delivery import Delivery
-from ._mount import FINALIZE_TIMEOUT, Handler, Mount, Reader, backoff, log
+from ._mount import FINALIZE_TIMEOUT, Handler, Mount, Reader, backoff, describe_error, log
 from ._outcome import RETRY, Outcome
 from ._plan import plan
 from ._subscription import Form, Subscription
@@ -33,10 +32,32 @@ def _default_name() -> str:
 class Scheduler:
     """Runtime delayed copies: one heap and one task per consumer.
 
-    At most ``max_held`` copies wait in memory; past that a new delayed retry
-    goes out at once (with a warning) rather than growing memory.  On
-    shutdown every held copy is sent at once: early rather than lost.
+    A runtime ``retry_after(delay)`` (the default way for plain and reclaim
+    streams, simple lists and Pub/Sub, and for reliable lists without
+    ``DURABLE_ZSET``) hands the scheduler the commands that write the copy
+    (``XADD``, ``LPUSH``, ``PUBLISH``; for a reliable list the gated
+    copy-then-``LREM`` script, the original staying in the processing list
+    meanwhile).  They wait in one heap, ordered by due time, served by one
+    task (not a task per copy); due copies go out in pipelined batches.
+
+    * At most ``max_held`` copies wait in memory (``open_consumer(...,
+      max_held_copies=...)``).  Past that, a new delayed retry goes out at
+      once (a warning is logged, at most every few seconds, with the count)
+      rather than growing memory.
+    * A batch whose send fails (connection lost, timeout) goes back into the
+      heap and is sent again after a backoff: a copy is never dropped while
+      the consumer runs.  A send whose reply was lost may be repeated, so a
+      fault can duplicate a copy, never lose it.
+    * :meth:`flush` (graceful shutdown) sends every held copy at once: early
+      rather than lost.  Only a crash of the process loses held copies (a
+      reliable list's original is still in its processing list then).
+
+    ``held_by(mount)`` is what ``consumer.stats()[name]["held"]`` shows.
     """
+
+    _WARN_EVERY = 5.0
+    """Seconds between two "full" warnings (the ones between are counted)."""
+    _BATCH = 500
 
     def __init__(self, client: Client, max_held: int = 10_000) -> None:
         self.client = client
@@ -44,81 +65,144 @@ class Scheduler:
         self._heap: list[tuple[float, int, Mount, tuple[Command, ...]]] = []
         self._seq = itertools.count()
         self._wake = anyio.Event()
-        self._now: list[tuple[Mount, tuple[Command, ...]]] = []
+        self._now: list[tuple[Mount, tuple[Command, ...]]] = []  # over the limit: send at once
+        self._held: dict[Mount, int] = {}
+        self._sending = anyio.Lock()
+        self._failures = 0
+        self._overflow = 0
+        self._warned_at = -float("inf")
 
     def __len__(self) -> int:
         return len(self._heap)
 
     def held_by(self, mount: Mount) -> int:
-        return sum(1 for e in self._heap if e[2] is mount)
+        """How many copies of ``mount`` wait in memory now."""
+        return self._held.get(mount, 0)
+
+    def _push(self, due: float, mount: Mount, commands: tuple[Command, ...]) -> None:
+        heapq.heappush(self._heap, (due, next(self._seq), mount, commands))
+        self._held[mount] = self._held.get(mount, 0) + 1
+
+    def _pop(self) -> tuple[Mount, tuple[Command, ...]]:
+        _, _, mount, commands = heapq.heappop(self._heap)
+        left = self._held[mount] - 1
+        if left:
+            self._held[mount] = left
+        else:
+            del self._held[mount]
+        return mount, commands
 
     def hold(self, mount: Mount, delay: float, commands: tuple[Command, ...]) -> None:
+        """Send ``commands`` after ``delay`` seconds (at once when full)."""
         if len(self._heap) >= self.max_held:
-            log.warning(
-                "%s: %d runtime delayed copies already held; sending this one now",
-                mount.name, len(self._heap),
-            )
-            delay = 0.0
-        heapq.heappush(self._heap, (anyio.current_time() + delay, next(self._seq), mount, commands))
+            self._overflow += 1
+            now = anyio.current_time()
+            if now - self._warned_at >= self._WARN_EVERY:
+                log.warning(
+                    "%s: %d runtime delayed copies already held (max_held_copies=%d); "
+                    "sending %d delayed retr%s now instead of after the delay",
+                    mount.name, len(self._heap), self.max_held, self._overflow,
+                    "y" if self._overflow == 1 else "ies",
+                )
+                self._warned_at = now
+                self._overflow = 0
+            self._now.append((mount, commands))
+        else:
+            self._push(anyio.current_time() + delay, mount, commands)
         self._wake.set()
+
+    def _take_due(self, now: float) -> list[tuple[Mount, tuple[Command, ...]]]:
+        batch = self._now[: self._BATCH]
+        del self._now[: self._BATCH]
+        while self._heap and self._heap[0][0] <= now and len(batch) < self._BATCH:
+            batch.append(self._pop())
+        return batch
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         while True:
-            if not self._heap:
-                self._wake = anyio.Event()
-                await self._wake.wait()
-                continue
-            due = self._heap[0][0]
-            now = anyio.current_time()
-            if due > now:
-                self._wake = anyio.Event()
-                with anyio.move_on_after(due - now):
+            if not self._now:
+                if not self._heap:
+                    self._wake = anyio.Event()
                     await self._wake.wait()
-                continue
-            batch: list[tuple[float, int, Mount, tuple[Command, ...]]] = []
-            while self._heap and self._heap[0][0] <= now and len(batch) < 500:
-                batch.append(heapq.heappop(self._heap))
-            with anyio.CancelScope(shield=True):  # popped: must not be lost to a cancel
-                await self._send([(e[2], e[3]) for e in batch], deadline=anyio.current_time() + 30)
+                    continue
+                due = self._heap[0][0]
+                now = anyio.current_time()
+                if due > now:
+                    self._wake = anyio.Event()
+                    with anyio.move_on_after(due - now):
+                        await self._wake.wait()
+                    continue
+            # taken out of the heap: must not be lost to a cancellation
+            with anyio.CancelScope(shield=True):
+                async with self._sending:
+                    batch = self._take_due(anyio.current_time())
+                    if not batch:
+                        continue
+                    if await self._send(batch):
+                        self._failures = 0
+                        continue
+                    # back into the heap, due after a backoff (never dropped)
+                    due = anyio.current_time() + backoff(self._failures, cap=5.0)
+                    self._failures += 1
+                    for mount, commands in batch:
+                        self._push(due, mount, commands)
 
     async def flush(self, deadline: float) -> None:
-        """Send every held copy now (shutdown)."""
-        batch = [(e[2], e[3]) for e in sorted(self._heap)]
-        self._heap.clear()
-        if batch:
+        """Send every held copy now (graceful shutdown), trying until ``deadline``."""
+        async with self._sending:  # a batch being sent by run() is settled first
+            batch = list(self._now)
+            self._now.clear()
+            while self._heap:
+                batch.append(self._pop())
+            if not batch:
+                return
             log.info("publishing %d held runtime delayed copies at shutdown", len(batch))
-            await self._send(batch, deadline=deadline)
-
-    async def _send(self, batch: list[tuple[Mount, tuple[Command, ...]]], deadline: float | None) -> None:
-        commands = [c for _, cmds in batch for c in cmds]
-        attempt = 0
-        while True:
-            try:
-                replies = await self.client.pipeline(commands, raise_on_error=False, timeout=FINALIZE_TIMEOUT)
-                break
-            except (rexc.ConnectionError, rexc.TimeoutError, OSError) as e:
-                if deadline is not None and anyio.current_time() > deadline:
-                    log.error("could not send %d delayed copies before the deadline: %s", len(batch), e)
+            attempt = 0
+            while not await self._send(batch):
+                if anyio.current_time() + backoff(attempt) > deadline:
+                    log.error(
+                        "could not publish %d held runtime delayed copies before shutting "
+                        "down: they are lost (use DelayedRetry.DURABLE_ZSET to keep them in Redis)",
+                        len(batch),
+                    )
+                    for mount, _ in batch:
+                        mount.stats.effects["held_lost"] += 1
                     return
-                log.warning("sending %d delayed copies failed (%s); trying again", len(batch), e)
                 await anyio.sleep(backoff(attempt))
                 attempt += 1
-        for r in replies:
-            if isinstance(r, rexc.RedisError):
-                log.error("delayed copy failed: %s", r)
-        for mount, _ in batch:
+
+    async def _send(self, batch: list[tuple[Mount, tuple[Command, ...]]]) -> bool:
+        """One pipelined attempt; False when its outcome is unknown (send again)."""
+        commands = [c for _, cmds in batch for c in cmds]
+        try:
+            replies = await self.client.pipeline(commands, raise_on_error=False, timeout=FINALIZE_TIMEOUT)
+        except (rexc.ConnectionError, rexc.TimeoutError, OSError) as e:
+            log.warning("sending %d delayed copies failed (%s); sending them again", len(batch), e)
+            return False
+        i = 0
+        for mount, cmds in batch:
+            for cmd in cmds:
+                r = replies[i]
+                i += 1
+                if isinstance(r, rexc.RedisError):
+                    mount.stats.finalize_errors += 1
+                    log.error("%s: delayed copy failed: %s", mount.name, describe_error(r, cmd))
             mount.stats.effects["released"] += 1
+        return True
 
 
 class Consumer:
     """Runs mounted subscriptions under a nursery; created by :func:`open_consumer`."""
 
-    def __init__(self, client: Client, name: str, tg: TaskGroup, shutdown_grace: float) -> None:
+    def __init__(
+        self, client: Client, name: str, tg: TaskGroup, shutdown_grace: float,
+        *, max_held_copies: int = 10_000,
+    ) -> None:
         self.client = client
         self.name = name
         self.shutdown_grace = shutdown_grace
-        self.scheduler = Scheduler(client)
+        self.scheduler = Scheduler(client, max_held_copies)
         self._tg = tg
         self._mounts: list[Mount] = []
         self._closing = False
@@ -236,7 +320,11 @@ def _reader_for(subscription: Subscription) -> Reader:
 
 @asynccontextmanager
 async def open_consumer(
-    url_or_client: str | Client, *, name: str | None = None, shutdown_grace: float = 10.0
+    url_or_client: str | Client,
+    *,
+    name: str | None = None,
+    shutdown_grace: float = 10.0,
+    max_held_copies: int = 10_000,
 ) -> AsyncIterator[Consumer]:
     """A consumer whose subscriptions run while the ``async with`` block runs.
 
@@ -248,11 +336,20 @@ async def open_consumer(
             give a stable one so a restart recovers this consumer's pending
             work.  Default: unique per process.
         shutdown_grace: seconds in-flight handlers get to finish on exit.
+        max_held_copies: how many runtime ``retry_after`` copies may wait in
+            process memory at once (all subscriptions together; shown per
+            subscription as ``stats()[name]["held"]``).  When that many are
+            held, a new delayed retry is written at once, with a warning,
+            instead of growing memory.  ``0`` writes every runtime delayed
+            retry at once.
 
     Leaving the block (normally, by an exception or by cancellation) stops
     reading, lets in-flight handlers finish within ``shutdown_grace``,
     finalizes every outcome they returned, sends held delayed copies at once
-    and closes connections.  What is unfinished stays pending for recovery.
+    (early rather than lost) and closes connections.  What is unfinished
+    stays pending for recovery.  A runtime delayed copy is lost only if the
+    process dies while it waits (see :class:`Scheduler`; use
+    ``DelayedRetry.DURABLE_ZSET`` to keep delayed copies in Redis).
 
     Raises:
         ValueError: bad URL or argument (the message names it).
@@ -262,6 +359,8 @@ async def open_consumer(
         raise ValueError(f"shutdown_grace must be a number of seconds >= 0, got {shutdown_grace!r}")
     if name is not None and (not isinstance(name, str) or not name):
         raise ValueError(f"name must be a non-empty string, got {name!r}")
+    if isinstance(max_held_copies, bool) or not isinstance(max_held_copies, int) or max_held_copies < 0:
+        raise ValueError(f"max_held_copies must be an int >= 0, got {max_held_copies!r}")
     consumer_name = name or _default_name()
     async with AsyncExitStack() as stack:
         if isinstance(url_or_client, Client):
@@ -273,7 +372,9 @@ async def open_consumer(
         else:
             raise ValueError(f"url_or_client must be a URL string or a client, got {url_or_client!r}")
         async with anyio.create_task_group() as tg:
-            consumer = Consumer(client, consumer_name, tg, float(shutdown_grace))
+            consumer = Consumer(
+                client, consumer_name, tg, float(shutdown_grace), max_held_copies=max_held_copies
+            )
             sched_scope = anyio.CancelScope(shield=True)
 
             async def scheduler(*, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:

@@ -108,6 +108,7 @@ class Mount:
         self.stats = MountStats(subscription=self.name)
         self.held: set[str] = set()  # stream ids read and not yet finalized
         self.stopping = False
+        self._cut_warned = False  # claiming: a retry_after longer than min_idle was logged
         self.done = anyio.Event()
         self._reader_scope = anyio.CancelScope()
         self._handlers_scope = anyio.CancelScope()
@@ -264,7 +265,7 @@ class Mount:
             return outcome
         self.stats.outcomes[outcome.kind.value] += 1
         try:
-            return plan(self.target, d, outcome)
+            p = plan(self.target, d, outcome)
         except AckUnsupported as e:
             if outcome.kind in (OutcomeKind.ACK, OutcomeKind.DROP):
                 return Plan(Effect.NOTHING)
@@ -272,6 +273,18 @@ class Mount:
             self.stats.effects["refused"] += 1
             log.error("%s: %s (message %s, attempt %d)", self.name, e, d.origin_id, d.attempt)
             return None
+        if (p.effect is Effect.LEFT_PENDING and outcome.kind is OutcomeKind.RETRY_AFTER
+                and outcome.delay > self.target.min_idle and not self._cut_warned):
+            # claiming: the PEL is the delay, and XAUTOCLAIM takes the entry
+            # back once it has been idle min_idle, whatever the delay asked
+            self._cut_warned = True
+            log.warning(
+                "%s: %r on a claiming subscription is cut to min_idle=%g s (entry %s, "
+                "attempt %d); use delayed_retry=DelayedRetry.DURABLE_ZSET for longer delays "
+                "(logged once per subscription)",
+                self.name, outcome, self.target.min_idle, d.id, d.attempt,
+            )
+        return p
 
     async def _finalize(self, items: list[Item]) -> None:
         plans: list[tuple[Delivery, Plan]] = []
