@@ -43,7 +43,16 @@ class StreamSubscription(Subscription):
         mode: :class:`Mode` ``PLAIN``, ``RECLAIM`` or ``CLAIMING``.
         min_idle: seconds an entry must be idle before RECLAIM/CLAIMING claims it.
         delayed_retry: where ``retry_after`` waits; ``None``: RUNTIME for plain
-            and reclaim, the PEL for claiming.
+            and reclaim, the PEL for claiming.  RUNTIME acknowledges the
+            original at once and holds the copy in process memory (lost if
+            the process dies meanwhile).  DURABLE_ZSET puts the copy in
+            ``delay_key`` (scored with the server's clock) and acknowledges
+            the original; every read moves due copies back, so the delay holds
+            to within one ``block``.  The PEL (claiming): the entry stays
+            pending and is claimed back, same id, once idle ``min_idle`` -- a
+            shorter delay lasts ``min_idle``, a longer one is cut to
+            ``min_idle`` (a warning is logged once per subscription); give
+            DURABLE_ZSET to a claiming subscription to honour longer delays.
         delay_key: the durable delay set (default ``{stream}:delayed``).
         max_attempts: attempts before a RETRY goes to ``dead_letter``.
         dead_letter: stream that receives exhausted entries.
