@@ -53,9 +53,18 @@ class CorruptEnvelope(ValueError):
 
 
 def wrap(body: bytes, retries: int, origin: str) -> bytes:
-    """Envelope ``body`` with its retry counter and origin id."""
+    """Envelope ``body`` with its retry counter and origin id.
+
+    The counter saturates at 2**32 - 1 (a crafted envelope cannot make its
+    copy fail to encode).
+
+    Raises:
+        ValueError: ``origin`` is longer than 65535 bytes in UTF-8.
+    """
     o = origin.encode()
-    return MAGIC + _HEAD.pack(retries, len(o)) + o + body
+    if len(o) > 0xFFFF:
+        raise ValueError(f"origin too long for an envelope ({len(o)} bytes)")
+    return MAGIC + _HEAD.pack(min(max(retries, 0), 0xFFFFFFFF), len(o)) + o + body
 
 
 def unwrap(payload: bytes) -> tuple[bytes, int, str | None]:
@@ -111,4 +120,6 @@ def unpack_parts(member: bytes) -> list[bytes]:
             pos += ln
     except struct.error:
         raise CorruptEnvelope("delay-set member truncated") from None
+    if pos != len(member):
+        raise CorruptEnvelope(f"delay-set member has {len(member) - pos} trailing bytes")
     return parts

@@ -3,6 +3,12 @@
 A derived key shares its source key's hash slot: ``orders`` gives
 ``{orders}:delayed``; a key that already has a hash tag (``{app}.orders``)
 keeps it (``{app}.orders:delayed``).
+
+A key without a hash tag that contains ``}`` (``a}b``, ``{}x``) cannot be
+wrapped in a tag that covers the whole key; its derived name is the key, the
+suffix (braces replaced by parentheses) and a short ``~<hex>`` counter chosen
+so that the name hashes to the key's slot (``a}b:delayed~1c2f``); so is the
+derived name of the empty key.
 """
 
 from __future__ import annotations
@@ -25,7 +31,23 @@ def derived(key: str, suffix: str) -> str:
     """``key`` + ``suffix`` in the same hash slot as ``key``."""
     if has_hash_tag(key):
         return f"{key}{suffix}"
-    return f"{{{key}}}{suffix}"
+    if key and "}" not in key:
+        # ``{key}`` is a tag whose content is the whole key (a ``{`` inside
+        # the key is part of the tag's content, the first ``}`` closes it).
+        return f"{{{key}}}{suffix}"
+    # No tag, and a ``}`` that would close a wrapping tag too early (or an
+    # empty key, whose ``{}`` would be no tag at all): the slot
+    # is the CRC of the whole name, so search a counter that matches it.  The
+    # base name has no valid tag (no new braces), and neither has any
+    # candidate, so the search ends (in ~16384 tries on average).
+    base = key + suffix.replace("{", "(").replace("}", ")")
+    want = slot(key)
+    n = 0
+    while True:
+        candidate = f"{base}~{n:x}"
+        if slot(candidate) == want:
+            return candidate
+        n += 1
 
 
 def slot(key: str | bytes) -> int:

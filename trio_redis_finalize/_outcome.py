@@ -34,6 +34,13 @@ class Outcome:
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("Outcome is immutable")
 
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError("Outcome is immutable")
+
+    def __reduce__(self) -> tuple[type[Outcome], tuple[OutcomeKind, float]]:
+        # copy and pickle would otherwise restore the slots with setattr
+        return (Outcome, (self.kind, self.delay))
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Outcome):
             return NotImplemented

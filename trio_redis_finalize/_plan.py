@@ -99,8 +99,9 @@ class Target:
 class Plan:
     """Commands to send now, in order; ``later`` after ``delay`` seconds.
 
-    ``gated``: every command is safe to send again after an unknown outcome
-    (idempotent, or a gated script).  ``warning``: a line to log.
+    ``gated``: every command, now and ``later``, is safe to send again after
+    an unknown outcome (idempotent, or a gated script).  ``warning``: a line
+    to log.
     """
 
     effect: Effect
@@ -133,10 +134,20 @@ def _flat(fields: Mapping[bytes, bytes]) -> list[bytes]:
     return out
 
 
+def _copy_retries(d: Delivery) -> int:
+    """The retry counter a copy carries: one more than the delivery's.
+
+    A delivery's attempt may exceed its header counter + 1 (a server delivery
+    count after crashes, in reclaim and claiming modes); the copy then counts
+    from the attempt so that attempts never go backwards.
+    """
+    return max(d.retries + 1, d.attempt)
+
+
 def _stream_copy_fields(d: Delivery) -> list[bytes]:
     return [
         *_flat(d.fields),
-        RETRIES_FIELD, str(d.retries + 1).encode(),
+        RETRIES_FIELD, str(_copy_retries(d)).encode(),
         ORIGIN_FIELD, d.origin_id.encode(),
     ]
 
@@ -148,11 +159,21 @@ def _body(d: Delivery) -> bytes:
 
 
 def _list_copy(d: Delivery) -> bytes:
-    return wrap(_body(d), d.retries + 1, d.origin_id)
+    return wrap(_body(d), _copy_retries(d), d.origin_id)
+
+
+# Delays are capped (at ~31,700 years) so that the score stays an exact
+# integer once the server adds its clock to it, and huge finite delays
+# (``retry_after(1e308)``) cannot overflow.
+_MAX_DELAY_MS = 10**15
 
 
 def _ms(delay: float) -> int:
-    return max(0, round(delay * 1000))
+    if not delay > 0:
+        return 0
+    if delay >= _MAX_DELAY_MS / 1000:
+        return _MAX_DELAY_MS
+    return min(_MAX_DELAY_MS, round(delay * 1000))
 
 
 def _member(*parts: bytes) -> bytes:
@@ -264,6 +285,12 @@ def plan(t: Target, d: Delivery, outcome: Outcome) -> Plan:
                 else "ACK and DROP are no-ops there"
             )
         )
+    if form is Form.PATTERN and t.retry_channel is None:
+        # refused whatever the attempt: the configuration cannot carry it out
+        raise AckUnsupported(
+            f"{t.name}: a pattern subscription needs retry_channel= to publish "
+            "retry_after copies (the pattern names no single channel)"
+        )
     if outcome.is_retry and _exhausted(t, d):
         return plan_dead(t, d, f"max_attempts={t.max_attempts} reached at attempt {d.attempt}")
 
@@ -291,12 +318,14 @@ def plan(t: Target, d: Delivery, outcome: Outcome) -> Plan:
                     ),
                 ),
             )
-        # runtime: acknowledge now, XADD the copy when the timer fires
+        # runtime: acknowledge now, XADD the copy when the timer fires (the
+        # XADD is not safe to send twice: not gated)
         return Plan(
             Effect.HELD,
             _stream_remove(t, d, Effect.HELD).commands,
             delay=outcome.delay,
             later=(("XADD", t.source, "*", *_stream_copy_fields(d)),),
+            gated=False,
         )
 
     if form is Form.RELIABLE_LIST:
@@ -330,10 +359,6 @@ def plan(t: Target, d: Delivery, outcome: Outcome) -> Plan:
     if form is Form.CHANNEL:
         return Plan(Effect.HELD, (), delay=outcome.delay, later=(("PUBLISH", d.source, copy),),
                     gated=False)
-    if t.retry_channel is None:
-        raise AckUnsupported(
-            f"{t.name}: a pattern subscription needs retry_channel= to publish "
-            "retry_after copies (the pattern names no single channel)"
-        )
+    assert t.retry_channel is not None
     return Plan(Effect.HELD, (), delay=outcome.delay,
                 later=(("PUBLISH", t.retry_channel, copy),), gated=False)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ._keys import derived
+from ._keys import derived, same_slot
 from ._plan import Target
 from ._subscription import (
     DelayedRetry,
@@ -59,6 +59,10 @@ class ReliableListSubscription(Subscription):
             if self.delayed_retry is not DelayedRetry.DURABLE_ZSET:
                 raise ValueError("delay_key is only used with delayed_retry=DelayedRetry.DURABLE_ZSET")
         check_limits(self.max_attempts, self.dead_letter)
+        if self.dead_letter is not None and self.dead_letter in (self.queue, self.processing):
+            raise ValueError("dead_letter must differ from queue and processing")
+        if self.delay_key is not None and self.delay_key in (self.queue, self.processing):
+            raise ValueError("delay_key must differ from queue and processing")
         check_positive("block", self.block)
         check_positive("heartbeat", self.heartbeat)
 
@@ -70,7 +74,13 @@ class ReliableListSubscription(Subscription):
         return self.processing or derived(self.queue, f":processing:{consumer}")
 
     def target(self, consumer: str, *, cluster: bool = False) -> Target:
-        return Target(
+        """The resolved target.
+
+        Raises:
+            ValueError: in Redis Cluster (``cluster=True``), a ``processing``
+                list or durable ``delay_key`` in another hash slot than the queue.
+        """
+        t = Target(
             form=Form.RELIABLE_LIST,
             name=self.name,
             source=self.queue,
@@ -81,3 +91,15 @@ class ReliableListSubscription(Subscription):
             dead_letter=self.dead_letter,
             cluster=cluster,
         )
+        if cluster:
+            if not same_slot(t.source, t.processing):
+                raise ValueError(
+                    f"processing {t.processing!r} must share the hash slot of queue "
+                    f"{t.source!r} in Redis Cluster (BLMOVE moves between them)"
+                )
+            if t.delayed_retry is DelayedRetry.DURABLE_ZSET and not same_slot(t.source, t.delay_key):
+                raise ValueError(
+                    f"delay_key {t.delay_key!r} must share the hash slot of queue {t.source!r} "
+                    "in Redis Cluster (one script moves copies between them)"
+                )
+        return t

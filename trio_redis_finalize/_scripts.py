@@ -12,6 +12,7 @@ from __future__ import annotations
 from ._transport import Script
 
 __all__ = [
+    "CORRUPT_FIELD",
     "LIST_COPY_REMOVE",
     "LIST_ZADD_REMOVE",
     "MOVE_DUE_TO_LIST",
@@ -80,24 +81,38 @@ return now + tonumber(ARGV[2])
     name="list_zadd_remove",
 )
 
+# Decoding a delay-set member (see ``_envelope.pack_parts``).  A member that
+# is not one (foreign or damaged bytes) decodes to nil: every length is
+# checked against the member's size, so garbage can neither fail the script
+# nor make it loop.
 _DECODE = """
 local function u32(s, p)
   local a, b, c, d = string.byte(s, p, p + 3)
+  if not d then return nil end
   return ((a * 256 + b) * 256 + c) * 256 + d
 end
 local function parts(m)
-  local out = {}
+  if string.sub(m, 1, 5) ~= '\\255trd\\1' then return nil end
   local n = u32(m, 6)
+  if not n then return nil end
+  local size = #m
+  local out = {}
   local p = 10
   for i = 1, n do
     local len = u32(m, p)
+    if not len or p + 3 + len > size then return nil end
     out[i] = string.sub(m, p + 4, p + 3 + len)
     p = p + 4 + len
   end
+  if p ~= size + 1 then return nil end
   return out
 end
 """
 
+# Each due member is written to the destination first and removed from the
+# set second: a write that fails (wrong type, ...) leaves the member in the
+# set and fails the script, it never loses it.  The whole batch is one
+# script, so racing movers move every member exactly once.
 _MOVE_HEAD = (
     _DECODE
     + _NOW_MS
@@ -105,36 +120,50 @@ _MOVE_HEAD = (
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
 local moved = 0
 for _, m in ipairs(due) do
-  if redis.call('ZREM', KEYS[1], m) == 1 then
-    local ps = parts(m)
+  local ps = parts(m)
 """
 )
 
 _MOVE_TAIL = """
-    moved = moved + 1
-  end
+  redis.call('ZREM', KEYS[1], m)
+  moved = moved + 1
 end
 local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
 if #first == 2 then return {moved, now, first[2]} end
 return {moved, now, false}
 """
 
+CORRUPT_FIELD = b"trf-delayed-corrupt"
+"""Field of the stream entry that carries a delay-set member that does not decode."""
+
 # KEYS: delay set, stream.  ARGV: limit.  Member parts: unique id, field, value, ...
-# Returns {moved, server time ms, score of the earliest member left or nil}
+# Returns {moved, server time ms, score of the earliest member left or nil}.
+# A member that does not decode is added as one field CORRUPT_FIELD.
 MOVE_DUE_TO_STREAM = Script(
     _MOVE_HEAD
     + """
+  if ps and #ps >= 3 and #ps % 2 == 1 then
     redis.call('XADD', KEYS[2], '*', unpack(ps, 2))
+  else
+    redis.call('XADD', KEYS[2], '*', '"""
+    + CORRUPT_FIELD.decode()
+    + """', m)
+  end
 """
     + _MOVE_TAIL,
     name="move_due_to_stream",
 )
 
-# KEYS: delay set, list.  ARGV: limit.  Member parts: unique id, element
+# KEYS: delay set, list.  ARGV: limit.  Member parts: unique id, element.
+# Returns as MOVE_DUE_TO_STREAM.  A member that does not decode is pushed as is.
 MOVE_DUE_TO_LIST = Script(
     _MOVE_HEAD
     + """
+  if ps and #ps == 2 then
     redis.call('LPUSH', KEYS[2], ps[2])
+  else
+    redis.call('LPUSH', KEYS[2], m)
+  end
 """
     + _MOVE_TAIL,
     name="move_due_to_list",

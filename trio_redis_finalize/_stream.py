@@ -12,7 +12,7 @@ from redis import exceptions as rexc
 
 from ._delivery import Delivery
 from ._envelope import ORIGIN_FIELD, RETRIES_FIELD
-from ._keys import derived
+from ._keys import derived, same_slot
 from ._mount import FINALIZE_TIMEOUT, Item, Mount, backoff, log
 from ._plan import Plan, Target, attempt_of, plan_dead, plan_lost
 from ._scripts import MOVE_DUE_TO_STREAM
@@ -89,6 +89,10 @@ class StreamSubscription(Subscription):
             if self.delayed_retry is not DelayedRetry.DURABLE_ZSET:
                 raise ValueError("delay_key is only used with delayed_retry=DelayedRetry.DURABLE_ZSET")
         check_limits(self.max_attempts, self.dead_letter)
+        if self.dead_letter == self.stream:
+            raise ValueError("dead_letter must differ from stream (dead entries would loop)")
+        if self.delay_key == self.stream:
+            raise ValueError("delay_key must differ from stream")
         if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
             raise ValueError(f"count must be an int >= 1, got {self.count!r}")
         check_key("start_id", self.start_id)
@@ -105,7 +109,13 @@ class StreamSubscription(Subscription):
         return None if self.mode is Mode.CLAIMING else DelayedRetry.RUNTIME
 
     def target(self, consumer: str, *, cluster: bool = False) -> Target:
-        return Target(
+        """The resolved target.
+
+        Raises:
+            ValueError: in Redis Cluster (``cluster=True``), a durable
+                ``delay_key`` in another hash slot than the stream.
+        """
+        t = Target(
             form=Form.STREAM,
             name=self.name,
             source=self.stream,
@@ -118,6 +128,13 @@ class StreamSubscription(Subscription):
             min_idle=self.min_idle,
             cluster=cluster,
         )
+        if (cluster and t.delayed_retry is DelayedRetry.DURABLE_ZSET
+                and not same_slot(t.source, t.delay_key)):
+            raise ValueError(
+                f"delay_key {t.delay_key!r} must share the hash slot of stream {t.source!r} "
+                "in Redis Cluster (one script moves copies between them)"
+            )
+        return t
 
 
 # -- runtime ------------------------------------------------------------------
