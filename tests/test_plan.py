@@ -1,0 +1,651 @@
+"""The sans-IO planner against the table of DESIGN §1 and §4 (no Redis).
+
+Every cell form x outcome x attempt x max_attempts x dead letter x cluster
+is drawn by Hypothesis and checked against an independent rendering of the
+table: command names, keys and order, the effect, the copies' headers, the
+gated flag and the dead-letter / exhaustion rules.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import pickle
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trio_redis_finalize import (
+    ACK,
+    DROP,
+    ORIGIN_FIELD,
+    RETRIES_FIELD,
+    RETRY,
+    AckError,
+    AckUnsupported,
+    ChannelSubscription,
+    DelayedRetry,
+    Delivery,
+    ListSubscription,
+    Mode,
+    Outcome,
+    PatternSubscription,
+    ReliableListSubscription,
+    StreamSubscription,
+    _scripts,
+    retry_after,
+)
+from trio_redis_finalize._envelope import unpack_parts, unwrap, wrap
+from trio_redis_finalize._keys import same_slot
+from trio_redis_finalize._outcome import OutcomeKind
+from trio_redis_finalize._plan import (
+    DEAD_ATTEMPT,
+    DEAD_GROUP,
+    DEAD_ID,
+    DEAD_REASON,
+    DEAD_SOURCE,
+    Effect,
+    Plan,
+    Target,
+    attempt_of,
+    content_origin,
+    plan,
+    plan_dead,
+    plan_lost,
+)
+from trio_redis_finalize._subscription import Form
+
+SETTINGS = settings(max_examples=400, deadline=None)
+
+STREAM = "orders"
+GROUP = "billing"
+QUEUE = "jobs"
+LIST = "inbox"
+CHANNELS = ("news", "alerts")
+PATTERN = "news.*"
+RETRY_CHANNEL = "news.retry"
+CONSUMER = "c1"
+DEAD_SAME = {STREAM: "{orders}:dead", QUEUE: "{jobs}:dead"}
+DEAD_OTHER = {STREAM: "dead-orders", QUEUE: "dead-jobs"}
+
+
+def test_dead_letter_fixtures_are_what_they_claim() -> None:
+    for src in (STREAM, QUEUE):
+        assert same_slot(src, DEAD_SAME[src])
+        assert not same_slot(src, DEAD_OTHER[src])
+
+
+# -- forms -----------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Form_:
+    kind: str  # stream, rlist, list, channel, pattern
+    mode: Mode | None = None
+    delayed: DelayedRetry | None = None
+    retry_channel: str | None = None
+
+    def __repr__(self) -> str:
+        return f"{self.kind}({self.mode}, {self.delayed}, {self.retry_channel})"
+
+
+FORMS = [
+    *(Form_("stream", m, dr) for m in Mode for dr in (None, *DelayedRetry)),
+    *(Form_("rlist", None, dr) for dr in (None, *DelayedRetry)),
+    Form_("list"),
+    Form_("channel"),
+    Form_("pattern"),
+    Form_("pattern", retry_channel=RETRY_CHANNEL),
+]
+
+
+def make_target(
+    f: Form_, max_attempts: int | None, dead: str | None, cluster: bool
+) -> Target:
+    if f.kind == "stream":
+        return StreamSubscription(
+            STREAM, GROUP, mode=f.mode or Mode.PLAIN, delayed_retry=f.delayed,
+            max_attempts=max_attempts, dead_letter=dead,
+        ).target(CONSUMER, cluster=cluster)
+    if f.kind == "rlist":
+        return ReliableListSubscription(
+            QUEUE, delayed_retry=f.delayed, max_attempts=max_attempts, dead_letter=dead,
+        ).target(CONSUMER, cluster=cluster)
+    if f.kind == "list":
+        return ListSubscription(LIST, max_attempts=max_attempts).target(CONSUMER, cluster=cluster)
+    if f.kind == "channel":
+        return ChannelSubscription(*CHANNELS, max_attempts=max_attempts).target(
+            CONSUMER, cluster=cluster)
+    return PatternSubscription(
+        PATTERN, retry_channel=f.retry_channel, max_attempts=max_attempts
+    ).target(CONSUMER, cluster=cluster)
+
+
+def make_delivery(
+    f: Form_, *, attempt: int, retries: int, fields: Mapping[bytes, bytes], body: bytes,
+    entry_id: str = "1700000000000-7",
+) -> Delivery:
+    if f.kind == "stream":
+        origin = "1600000000000-0" if retries else entry_id
+        return Delivery(source=STREAM, id=entry_id, fields=dict(fields), data=None,
+                        attempt=attempt, origin_id=origin, retries=retries, mount="m")
+    origin = content_origin(body) if not retries else "1-1"
+    raw = wrap(body, retries, origin) if retries else body
+    source = {"rlist": QUEUE, "list": LIST, "channel": CHANNELS[1], "pattern": "news.sport"}[f.kind]
+    return Delivery(source=source, id=None, fields={}, data=body, attempt=attempt,
+                    origin_id=origin, raw=raw, retries=retries, mount="m")
+
+
+# -- helpers to read plans ---------------------------------------------------------
+
+def evalsha(cmd: Sequence[Any]) -> tuple[bytes, list[Any], list[Any]]:
+    """(sha, keys, args) of an EVALSHA command."""
+    assert cmd[0] == b"EVALSHA"
+    n = int(cmd[2])
+    return cmd[1], list(cmd[3 : 3 + n]), list(cmd[3 + n :])
+
+
+def pairs(flat: Sequence[Any]) -> list[tuple[Any, Any]]:
+    assert len(flat) % 2 == 0
+    return list(zip(flat[::2], flat[1::2], strict=True))
+
+
+def flat(fields: Mapping[bytes, bytes]) -> list[bytes]:
+    return [x for kv in fields.items() for x in kv]
+
+
+def shape(p: Plan) -> list[tuple[Any, ...]]:
+    """Command names and keys: ("XACK", key) / ("EVALSHA", script name, keys...)."""
+    out: list[tuple[Any, ...]] = []
+    for c in p.commands:
+        if c[0] == b"EVALSHA":
+            _, keys, _ = evalsha(c)
+            out.append(("EVALSHA", SCRIPT_NAMES[c[1]], *keys))
+        else:
+            out.append((c[0], c[1]))
+    return out
+
+
+SCRIPT_NAMES: dict[Any, str] = {
+    s.sha: s.name for s in (
+        _scripts.STREAM_COPY_ACK, _scripts.STREAM_ZADD_ACK, _scripts.LIST_COPY_REMOVE,
+        _scripts.LIST_ZADD_REMOVE, _scripts.MOVE_DUE_TO_STREAM, _scripts.MOVE_DUE_TO_LIST,
+    )
+}
+
+
+def check_stream_copy(fields_flat: Sequence[Any], d: Delivery, retries: int) -> None:
+    """A stream copy: the entry's fields in order, then the two headers."""
+    n = len(d.fields) * 2
+    assert list(fields_flat[:n]) == flat(d.fields)
+    assert pairs(fields_flat[n:]) == [
+        (RETRIES_FIELD, str(retries).encode()), (ORIGIN_FIELD, d.origin_id.encode()),
+    ]
+
+
+def check_list_copy(element: Any, d: Delivery, retries: int) -> None:
+    assert unwrap(element) == (d.data, retries, d.origin_id)
+
+
+def check_member(member: bytes) -> list[bytes]:
+    parts = unpack_parts(member)
+    assert len(parts[0]) == 16  # unique id
+    return parts[1:]
+
+
+def ms(delay: float) -> int:
+    return round(delay * 1000)
+
+
+# -- the table ----------------------------------------------------------------------
+
+OUTCOMES = st.one_of(
+    st.sampled_from([ACK, RETRY, DROP]),
+    st.floats(0, 3600, allow_nan=False).map(retry_after),
+)
+
+
+@st.composite
+def cells(draw: st.DrawFn) -> dict[str, Any]:
+    f = draw(st.sampled_from(FORMS))
+    outcome = draw(OUTCOMES)
+    attempt = draw(st.integers(1, 10))
+    # header retries: attempt - 1 for header-counted forms; reclaim/claiming may
+    # carry a server delivery count higher than the header says
+    if f.kind == "stream" and f.mode is not Mode.PLAIN:
+        retries = draw(st.integers(0, attempt - 1))
+    else:
+        retries = attempt - 1
+    max_attempts = draw(st.one_of(st.none(), st.integers(1, 5)))
+    dead = None
+    if max_attempts is not None and f.kind in ("stream", "rlist"):
+        src = STREAM if f.kind == "stream" else QUEUE
+        dead = draw(st.sampled_from([None, DEAD_SAME[src], DEAD_OTHER[src]]))
+    cluster = draw(st.booleans())
+    fields = draw(st.dictionaries(
+        st.binary(max_size=8).filter(lambda k: k not in (RETRIES_FIELD, ORIGIN_FIELD)),
+        st.binary(max_size=16), min_size=0, max_size=4,
+    ))
+    if f.kind == "stream" and not fields:
+        fields = {b"k": b"v"}
+    body = draw(st.binary(max_size=32))
+    return dict(f=f, outcome=outcome, attempt=attempt, retries=retries,
+                max_attempts=max_attempts, dead=dead, cluster=cluster, fields=fields, body=body)
+
+
+@SETTINGS
+@given(cells())
+def test_table(cell: dict[str, Any]) -> None:
+    f: Form_ = cell["f"]
+    outcome: Outcome = cell["outcome"]
+    t = make_target(f, cell["max_attempts"], cell["dead"], cell["cluster"])
+    d = make_delivery(f, attempt=cell["attempt"], retries=cell["retries"], fields=cell["fields"],
+                      body=cell["body"])
+    check_cell(f, t, d, outcome)
+
+
+def check_cell(f: Form_, t: Target, d: Delivery, outcome: Outcome) -> None:
+    kind = outcome.kind
+    no_ack = f.kind in ("list", "channel", "pattern")
+    # 1. refusals
+    if no_ack and kind is not OutcomeKind.RETRY_AFTER:
+        with pytest.raises(AckUnsupported) as info:
+            plan(t, d, outcome)
+        assert isinstance(info.value, AckError)
+        return
+    if f.kind == "pattern" and f.retry_channel is None:
+        with pytest.raises(AckUnsupported, match="retry_channel"):
+            plan(t, d, outcome)
+        return
+
+    p = plan(t, d, outcome)
+    next_retries = max(d.retries + 1, d.attempt)
+
+    # 2. exhaustion
+    if outcome.is_retry and t.max_attempts is not None and d.attempt >= t.max_attempts:
+        check_dead(f, t, d, p)
+        return
+    if p.effect in (Effect.DEAD_LETTERED, Effect.EXHAUSTED):
+        pytest.fail(f"not exhausted, yet {p}")
+
+    # 3. the table
+    if p.effect is not Effect.HELD:
+        assert p.delay is None and p.later == ()
+    assert p.warning is None
+    if f.kind == "stream":
+        xack = [("XACK", STREAM)]
+        if kind is OutcomeKind.ACK or kind is OutcomeKind.DROP:
+            assert p.effect is (Effect.ACKED if kind is OutcomeKind.ACK else Effect.DROPPED)
+            assert p.commands == (("XACK", STREAM, GROUP, d.id),)
+            assert p.gated
+            return
+        if kind is OutcomeKind.RETRY:
+            if f.mode is Mode.CLAIMING:
+                assert p == Plan(Effect.LEFT_PENDING)
+                return
+            assert p.effect is Effect.COPIED and p.gated
+            assert shape(p) == [("EVALSHA", "stream_copy_ack", STREAM, STREAM)]
+            _, _, args = evalsha(p.commands[0])
+            assert args[:2] == [GROUP, d.id]
+            check_stream_copy(args[2:], d, next_retries)
+            return
+        way = f.delayed if f.delayed is not None else (
+            None if f.mode is Mode.CLAIMING else DelayedRetry.RUNTIME)
+        if way is None:
+            assert p == Plan(Effect.LEFT_PENDING)
+        elif way is DelayedRetry.DURABLE_ZSET:
+            assert p.effect is Effect.DELAYED and p.gated
+            assert shape(p) == [("EVALSHA", "stream_zadd_ack", STREAM, "{orders}:delayed")]
+            _, _, args = evalsha(p.commands[0])
+            assert args[:3] == [GROUP, d.id, ms(outcome.delay)]
+            check_stream_copy(check_member(args[3]), d, next_retries)
+        else:
+            assert p.effect is Effect.HELD
+            assert shape(p) == xack
+            assert p.commands == (("XACK", STREAM, GROUP, d.id),)
+            assert p.delay == outcome.delay
+            assert len(p.later) == 1 and p.later[0][:3] == ("XADD", STREAM, "*")
+            check_stream_copy(p.later[0][3:], d, next_retries)
+            assert not p.gated  # the later XADD is not safe to send twice
+        return
+
+    if f.kind == "rlist":
+        processing = "{jobs}:processing:c1"
+        assert t.processing == processing
+        if kind is OutcomeKind.ACK or kind is OutcomeKind.DROP:
+            assert p.effect is (Effect.ACKED if kind is OutcomeKind.ACK else Effect.DROPPED)
+            assert p.commands == (("LREM", processing, 1, d.raw),)
+            assert p.gated
+            return
+        if kind is OutcomeKind.RETRY:
+            assert p.effect is Effect.COPIED and p.gated
+            assert shape(p) == [("EVALSHA", "list_copy_remove", processing, QUEUE)]
+            _, _, args = evalsha(p.commands[0])
+            assert args[0] == d.raw
+            check_list_copy(args[1], d, next_retries)
+            return
+        if f.delayed is DelayedRetry.DURABLE_ZSET:
+            assert p.effect is Effect.DELAYED and p.gated
+            assert shape(p) == [("EVALSHA", "list_zadd_remove", processing, "{jobs}:delayed")]
+            _, _, args = evalsha(p.commands[0])
+            assert args[:2] == [d.raw, ms(outcome.delay)]
+            (element,) = check_member(args[2])
+            check_list_copy(element, d, next_retries)
+            return
+        # runtime: the original stays in the processing list until the copy is pushed
+        assert p.effect is Effect.HELD and p.commands == () and p.delay == outcome.delay
+        assert p.gated
+        assert shape(dataclasses.replace(p, commands=p.later)) == [
+            ("EVALSHA", "list_copy_remove", processing, QUEUE)]
+        _, _, args = evalsha(p.later[0])
+        assert args[0] == d.raw
+        check_list_copy(args[1], d, next_retries)
+        return
+
+    # no-ack forms: retry_after is a runtime copy to the list / channel
+    assert kind is OutcomeKind.RETRY_AFTER
+    assert p.effect is Effect.HELD and p.commands == () and p.delay == outcome.delay
+    assert not p.gated
+    dest = {"list": ("LPUSH", LIST), "channel": ("PUBLISH", d.source),
+            "pattern": ("PUBLISH", RETRY_CHANNEL)}[f.kind]
+    assert len(p.later) == 1 and tuple(p.later[0][:2]) == dest
+    check_list_copy(p.later[0][2], d, next_retries)
+
+
+def check_dead(f: Form_, t: Target, d: Delivery, p: Plan) -> None:
+    assert p.warning is not None and t.name in p.warning
+    assert p.delay is None and p.later == ()
+    if f.kind not in ("stream", "rlist"):
+        assert p == Plan(Effect.EXHAUSTED, (), warning=p.warning)
+        return
+    if t.dead_letter is None:
+        assert p.effect is Effect.EXHAUSTED and p.gated
+        if f.kind == "stream":
+            assert p.commands == (("XACK", STREAM, GROUP, d.id),)
+        else:
+            assert p.commands == (("LREM", t.processing, 1, d.raw),)
+        return
+    assert p.effect is Effect.DEAD_LETTERED
+    src = t.source if f.kind == "stream" else t.processing
+    split = t.cluster and not same_slot(src, t.dead_letter)
+    if f.kind == "stream":
+        if split:  # two commands, copy first
+            assert not p.gated
+            assert shape(p) == [("XADD", t.dead_letter), ("XACK", STREAM)]
+            assert p.commands[0][2] == "*"
+            copy_fields = list(p.commands[0][3:])
+            assert p.commands[1] == ("XACK", STREAM, GROUP, d.id)
+        else:
+            assert p.gated
+            assert shape(p) == [("EVALSHA", "stream_copy_ack", STREAM, t.dead_letter)]
+            _, _, args = evalsha(p.commands[0])
+            assert args[:2] == [GROUP, d.id]
+            copy_fields = args[2:]
+        n = len(d.fields) * 2
+        assert copy_fields[:n] == flat(d.fields)
+        headers = dict(pairs(copy_fields[n:]))
+        assert headers[RETRIES_FIELD] == str(d.retries).encode()
+        assert headers[ORIGIN_FIELD] == d.origin_id.encode()
+        assert b"max_attempts" in headers[DEAD_REASON]
+        assert headers[DEAD_SOURCE] == STREAM.encode()
+        assert headers[DEAD_ID] == str(d.id).encode()
+        assert headers[DEAD_GROUP] == GROUP.encode()
+        assert headers[DEAD_ATTEMPT] == str(d.attempt).encode()
+        return
+    if split:
+        assert not p.gated
+        assert p.commands == (("LPUSH", t.dead_letter, d.raw), ("LREM", t.processing, 1, d.raw))
+    else:
+        assert p.gated
+        assert shape(p) == [("EVALSHA", "list_copy_remove", t.processing, t.dead_letter)]
+        assert evalsha(p.commands[0])[2] == [d.raw, d.raw]
+
+
+# -- every cell at least once, deterministically --------------------------------------
+
+ALL_OUTCOMES = [ACK, RETRY, DROP, retry_after(2.5)]
+
+
+@pytest.mark.parametrize("f", FORMS, ids=repr)
+@pytest.mark.parametrize("outcome", ALL_OUTCOMES, ids=repr)
+@pytest.mark.parametrize("limit", ["none", "left", "exhausted-dead-same", "exhausted-dead-other",
+                                   "exhausted-no-dead"])
+@pytest.mark.parametrize("cluster", [False, True])
+def test_every_cell(f: Form_, outcome: Outcome, limit: str, cluster: bool) -> None:
+    src = STREAM if f.kind == "stream" else QUEUE
+    max_attempts = {"none": None, "left": 3}.get(limit, 2)
+    dead = None
+    if f.kind in ("stream", "rlist"):
+        dead = {"exhausted-dead-same": DEAD_SAME[src], "exhausted-dead-other": DEAD_OTHER[src]}.get(
+            limit)
+    t = make_target(f, max_attempts, dead, cluster)
+    d = make_delivery(f, attempt=2, retries=1, fields={b"a": b"1", b"b\x00": b"\xff"}, body=b"x")
+    check_cell(f, t, d, outcome)
+
+
+def test_cross_slot_dead_letter_is_copy_then_remove() -> None:
+    t = StreamSubscription(STREAM, GROUP, max_attempts=1, dead_letter="dead").target(
+        CONSUMER, cluster=True)
+    d = make_delivery(FORMS[0], attempt=1, retries=0, fields={b"f": b"v"}, body=b"")
+    p = plan(t, d, RETRY)
+    assert [c[0] for c in p.commands] == ["XADD", "XACK"]
+    assert p.effect is Effect.DEAD_LETTERED and not p.gated
+    # same keys on one node (no cluster): the gated script
+    p = plan(dataclasses.replace(t, cluster=False), d, RETRY)
+    assert shape(p) == [("EVALSHA", "stream_copy_ack", STREAM, "dead")] and p.gated
+
+
+def test_claiming_retry_after_with_durable_zset() -> None:
+    t = StreamSubscription(STREAM, GROUP, mode=Mode.CLAIMING,
+                           delayed_retry=DelayedRetry.DURABLE_ZSET).target(CONSUMER)
+    d = make_delivery(FORMS[0], attempt=3, retries=0, fields={b"f": b"v"}, body=b"")
+    p = plan(t, d, retry_after(120))
+    assert p.effect is Effect.DELAYED
+    assert shape(p) == [("EVALSHA", "stream_zadd_ack", STREAM, "{orders}:delayed")]
+    # the copy counts from the attempt (server delivery count), not the header
+    member = evalsha(p.commands[0])[2][3]
+    fields = dict(pairs(check_member(member)))
+    assert fields[RETRIES_FIELD] == b"3"
+    assert plan(t, d, RETRY) == Plan(Effect.LEFT_PENDING)
+
+
+def test_copy_counter_never_goes_backwards() -> None:
+    """Reclaim: header says 0 retries, the server counted 4 deliveries."""
+    t = StreamSubscription(STREAM, GROUP, mode=Mode.RECLAIM).target(CONSUMER)
+    d = Delivery(source=STREAM, id="5-0", fields={b"f": b"v"}, data=None,
+                 attempt=attempt_of(0, 4), origin_id="5-0", retries=0)
+    p = plan(t, d, RETRY)
+    fields = dict(pairs(evalsha(p.commands[0])[2][2:]))
+    next_attempt = attempt_of(int(fields[RETRIES_FIELD]), 1)
+    assert next_attempt == 5 > d.attempt
+
+
+@pytest.mark.parametrize("kind", ["stream", "rlist"])
+def test_durable_members_are_unique_for_identical_payloads(kind: str) -> None:
+    f = Form_(kind, Mode.PLAIN if kind == "stream" else None, DelayedRetry.DURABLE_ZSET)
+    t = make_target(f, None, None, False)
+    d = make_delivery(f, attempt=1, retries=0, fields={b"f": b"v"}, body=b"same")
+    members = set()
+    for _ in range(50):
+        p = plan(t, d, retry_after(1))
+        members.add(evalsha(p.commands[0])[2][-1])
+    assert len(members) == 50
+    # ...and they differ only in the unique id
+    assert len({tuple(unpack_parts(m)[1:]) for m in members}) == 1
+
+
+@pytest.mark.parametrize("f", [Form_("list"), Form_("channel"), Form_("pattern"),
+                               Form_("pattern", retry_channel="r")], ids=repr)
+@pytest.mark.parametrize("outcome", [ACK, RETRY, DROP], ids=repr)
+def test_no_ack_forms_refuse(f: Form_, outcome: Outcome) -> None:
+    t = make_target(f, 3, None, False)
+    d = make_delivery(f, attempt=3, retries=2, fields={}, body=b"p")
+    with pytest.raises(AckUnsupported) as info:
+        plan(t, d, outcome)
+    assert isinstance(info.value, AckError)
+    assert t.name in str(info.value)
+
+
+@pytest.mark.parametrize("attempt", [1, 2, 5])
+def test_pattern_without_retry_channel_refuses_retry_after(attempt: int) -> None:
+    """Refused whatever the attempt, exhausted or not (the contract is unconditional)."""
+    for max_attempts in (None, 1, 2):
+        t = PatternSubscription("p.*", max_attempts=max_attempts).target(CONSUMER)
+        d = make_delivery(Form_("pattern"), attempt=attempt, retries=attempt - 1, fields={},
+                          body=b"x")
+        with pytest.raises(AckUnsupported, match="retry_channel"):
+            plan(t, d, retry_after(1))
+
+
+def test_channel_copy_goes_to_the_concrete_channel() -> None:
+    t = ChannelSubscription("a", "b").target(CONSUMER)
+    d = Delivery(source="b", id=None, fields={}, data=b"m", attempt=1,
+                 origin_id=content_origin(b"m"), raw=b"m")
+    p = plan(t, d, retry_after(0))
+    assert p.later == (("PUBLISH", "b", wrap(b"m", 1, content_origin(b"m"))),)
+
+
+def test_huge_delays_are_capped_not_overflowing() -> None:
+    t = StreamSubscription(STREAM, GROUP, delayed_retry=DelayedRetry.DURABLE_ZSET).target(CONSUMER)
+    d = make_delivery(FORMS[0], attempt=1, retries=0, fields={b"f": b"v"}, body=b"")
+    small = evalsha(plan(t, d, retry_after(0.0004)).commands[0])[2][2]
+    assert small == 0
+    big = evalsha(plan(t, d, retry_after(1e300)).commands[0])[2][2]
+    biggest = evalsha(plan(t, d, retry_after(1.7e308)).commands[0])[2][2]
+    assert big == biggest and isinstance(big, int) and 10**12 < big <= 10**15
+    # exact below the cap
+    assert evalsha(plan(t, d, retry_after(86400 * 365)).commands[0])[2][2] == 86400 * 365 * 1000
+
+
+def test_plan_dead_and_lost() -> None:
+    t = StreamSubscription(STREAM, GROUP, max_attempts=3, dead_letter="{orders}:dead").target(CONSUMER)
+    d = make_delivery(FORMS[0], attempt=1, retries=0, fields={b"f": b"v"}, body=b"")
+    p = plan_dead(t, d, "corrupt header")
+    assert p.effect is Effect.DEAD_LETTERED and "corrupt header" in (p.warning or "")
+    fields = dict(pairs(evalsha(p.commands[0])[2][2:]))
+    assert fields[DEAD_REASON] == b"corrupt header"
+    lost = plan_lost(t, d)
+    assert lost == Plan(Effect.LOST_BEFORE_HANDLING, (("XACK", STREAM, GROUP, str(d.id)),))
+    # reliable list: the element goes to the dead letter as read (envelope kept)
+    tl = ReliableListSubscription(QUEUE, max_attempts=1, dead_letter="{jobs}:dead").target(CONSUMER)
+    dl = make_delivery(Form_("rlist"), attempt=2, retries=1, fields={}, body=b"b")
+    p = plan_dead(tl, dl, "bad")
+    assert evalsha(p.commands[0])[2] == [dl.raw, dl.raw]
+    # no-ack forms: nothing to do but warn
+    tc = ChannelSubscription("c").target(CONSUMER)
+    assert plan_dead(tc, dl, "bad").effect is Effect.EXHAUSTED
+
+
+def test_exhaustion_boundary() -> None:
+    t = StreamSubscription(STREAM, GROUP, max_attempts=3).target(CONSUMER)
+    for attempt, effect in [(1, Effect.COPIED), (2, Effect.COPIED), (3, Effect.EXHAUSTED),
+                            (4, Effect.EXHAUSTED)]:
+        d = make_delivery(FORMS[0], attempt=attempt, retries=attempt - 1, fields={b"f": b"v"},
+                          body=b"")
+        assert plan(t, d, RETRY).effect is effect
+        assert plan(t, d, retry_after(1)).effect is (
+            Effect.HELD if effect is Effect.COPIED else effect)
+        # ACK and DROP are never diverted
+        assert plan(t, d, ACK).effect is Effect.ACKED
+        assert plan(t, d, DROP).effect is Effect.DROPPED
+
+
+# -- attempt_of, content_origin ---------------------------------------------------------
+
+@given(st.integers(0, 10**6), st.integers(0, 10**6))
+def test_attempt_of(retries: int, count: int) -> None:
+    a = attempt_of(retries, count)
+    assert a == max(retries + 1, count)
+    assert a >= 1 and a >= retries + 1 and a >= count
+    assert attempt_of(retries + 1, count) >= a and attempt_of(retries, count + 1) >= a
+
+
+def test_attempt_of_default_count() -> None:
+    assert attempt_of(0) == 1 and attempt_of(4) == 5
+
+
+@given(st.binary(), st.binary())
+def test_content_origin(a: bytes, b: bytes) -> None:
+    assert content_origin(a) == content_origin(bytes(a))
+    assert content_origin(a).startswith("sha1:")
+    if a != b:
+        assert content_origin(a) != content_origin(b)
+
+
+# -- outcomes ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [-1, -0.001, math.nan, math.inf, -math.inf])
+def test_retry_after_rejects(bad: float) -> None:
+    with pytest.raises(ValueError, match="delay"):
+        retry_after(bad)
+
+
+@given(st.floats(0, 1e12, allow_nan=False))
+def test_retry_after_accepts(delay: float) -> None:
+    o = retry_after(delay)
+    assert o.kind is OutcomeKind.RETRY_AFTER and o.delay == delay and o.is_retry
+    assert o == retry_after(delay) and hash(o) == hash(retry_after(delay))
+
+
+def test_retry_after_ints() -> None:
+    assert retry_after(2) == retry_after(2.0)
+    assert isinstance(retry_after(2).delay, float)
+    assert retry_after(0) != ACK
+
+
+def test_outcome_equality_and_hash() -> None:
+    outcomes = [ACK, RETRY, DROP, retry_after(0), retry_after(1), retry_after(1.5)]
+    for i, a in enumerate(outcomes):
+        for j, b in enumerate(outcomes):
+            assert (a == b) is (i == j)
+    assert len(set(outcomes)) == len(outcomes)
+    assert {retry_after(1): "x"}[retry_after(1.0)] == "x"
+    assert Outcome(OutcomeKind.ACK) == ACK
+    assert ACK != "ACK" and ACK.__eq__(object()) is NotImplemented
+    assert [repr(o) for o in outcomes[:4]] == ["ACK", "RETRY", "DROP", "retry_after(0.0)"]
+    assert RETRY.is_retry and not ACK.is_retry and not DROP.is_retry
+
+
+def test_outcome_is_immutable() -> None:
+    o = retry_after(3)
+    with pytest.raises(AttributeError):
+        o.delay = 0
+    with pytest.raises(AttributeError):
+        ACK.kind = OutcomeKind.DROP
+    with pytest.raises(AttributeError):
+        del o.delay
+    with pytest.raises(AttributeError):
+        o.extra = 1
+    assert o.delay == 3.0 and ACK.kind is OutcomeKind.ACK
+
+
+def test_outcome_copy_and_pickle() -> None:
+    for o in (ACK, RETRY, DROP, retry_after(7.25)):
+        assert copy.copy(o) == o and copy.deepcopy(o) == o
+        assert pickle.loads(pickle.dumps(o)) == o
+
+
+def test_plan_is_frozen() -> None:
+    p = Plan(Effect.ACKED)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.effect = Effect.DROPPED  # type: ignore[misc]
+
+
+def test_form_names_in_refusals() -> None:
+    t = ListSubscription("l").target(CONSUMER)
+    d = make_delivery(Form_("list"), attempt=1, retries=0, fields={}, body=b"x")
+    with pytest.raises(AckUnsupported, match="list"):
+        plan(t, d, RETRY)
+    assert t.form is Form.LIST
+
+
+def test_crafted_huge_counter_still_plans() -> None:
+    t = ReliableListSubscription(QUEUE).target(CONSUMER)
+    raw = wrap(b"x", 2**32 - 1, "o")
+    d = Delivery(source=QUEUE, id=None, fields={}, data=b"x", attempt=2**32, origin_id="o",
+                 raw=raw, retries=2**32 - 1)
+    p = plan(t, d, RETRY)
+    assert unwrap(evalsha(p.commands[0])[2][1])[1] == 2**32 - 1

