@@ -16,6 +16,7 @@ from ._connection import (
     WrongTypeError,
     describe,
     open_connection,
+    pack_command,
     with_context,
 )
 from ._pubsub import Message, PubSub
@@ -36,6 +37,7 @@ __all__ = [
     "describe",
     "open_client",
     "open_connection",
+    "pack_command",
     "parse_url",
     "with_context",
 ]

@@ -73,7 +73,9 @@ class Client:
         self.params = params
         self.name = name
         self.max_connections = max_connections
-        self._slots = anyio.Semaphore(max_connections)
+        # fast_acquire: no extra trip through the scheduler when a slot is free;
+        # a released slot still goes to the longest waiter first.
+        self._slots = anyio.Semaphore(max_connections, fast_acquire=True)
         self._idle: list[Connection] = []
         self._closed = False
         self.connections_opened = 0
@@ -102,9 +104,21 @@ class Client:
                 return conn
         return await self._open()
 
-    def _release(self, conn: Connection) -> None:
+    async def _release(self, conn: Connection) -> None:
+        """Give ``conn`` back: kept when healthy, else closed (never reused).
+
+        When the connection was *lost* (I/O error, killed or restarted server)
+        the idle connections are closed too: they are most likely just as dead,
+        and each would otherwise cost a caller one more ``ConnectionError``.
+        """
         if not conn.broken and not self._closed:
             self._idle.append(conn)
+            return
+        await conn.aclose()  # shielded; a no-op when already closed
+        if conn.lost:
+            idle, self._idle = self._idle, []
+            for other in idle:
+                await other.aclose()
 
     @asynccontextmanager
     async def lease(self) -> AsyncIterator[Connection]:
@@ -114,7 +128,7 @@ class Client:
             try:
                 yield conn
             finally:
-                self._release(conn)
+                await self._release(conn)
 
     async def execute(self, *args: Arg, timeout: float | None = None) -> Any:
         """Run one command on a pooled connection; error replies raise."""
@@ -123,7 +137,7 @@ class Client:
             try:
                 return await conn.execute(*args, timeout=timeout)
             finally:
-                self._release(conn)
+                await self._release(conn)
 
     async def pipeline(
         self,
@@ -155,7 +169,7 @@ class Client:
                     for i, r in zip(missing, again, strict=True):
                         replies[i] = r
             finally:
-                self._release(conn)
+                await self._release(conn)
         if raise_on_error:
             for cmd, r in zip(commands, replies, strict=True):
                 if isinstance(r, rexc.RedisError):

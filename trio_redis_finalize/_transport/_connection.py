@@ -12,7 +12,7 @@ request.
 
 from __future__ import annotations
 
-import math
+import contextlib
 import ssl
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
@@ -46,6 +46,7 @@ _parse_base = cast(Callable[[str], Exception], BaseParser.parse_error)
 
 _NOT_ENOUGH = object()
 _READ_SIZE = 65536
+_CLOSE_TIMEOUT = 1.0  # a TLS close must not hang a cancelled caller
 
 
 class WrongTypeError(rexc.ResponseError):
@@ -82,7 +83,10 @@ def describe(command: Command) -> str:
     name = _text(command[0]).upper() if command else "?"
     keys: list[Arg] = []
     if name in {"EVALSHA", "EVAL", "EVALSHA_RO", "EVAL_RO"} and len(command) > 2:
-        nkeys = int(command[2])
+        try:
+            nkeys = int(command[2])
+        except ValueError:
+            nkeys = 0
         keys = list(command[3 : 3 + nkeys])
     elif name in {"XREADGROUP", "XREAD"}:
         upper = [_text(a).upper() for a in command]
@@ -114,7 +118,7 @@ class Connection:
     Not for direct construction: use :func:`open_connection`.
     """
 
-    __slots__ = ("_busy", "_reader", "_stream", "broken", "params")
+    __slots__ = ("_busy", "_reader", "_stream", "broken", "lost", "params")
 
     def __init__(self, stream: anyio.abc.ByteStream, params: ConnectionParams) -> None:
         self._stream = stream
@@ -125,12 +129,15 @@ class Connection:
         )
         self._busy = False
         self.broken = False
+        self.lost = False
+        """The connection failed (I/O error, closed by the server), as opposed to
+        being closed on purpose after a cancellation or timeout."""
         self.params = params
 
     async def aclose(self) -> None:
-        """Close the connection (shielded: safe inside a cancelled scope)."""
+        """Close the connection (shielded and bounded: safe inside a cancelled scope)."""
         self.broken = True
-        with anyio.CancelScope(shield=True):
+        with anyio.move_on_after(_CLOSE_TIMEOUT, shield=True):
             try:
                 await self._stream.aclose()
             except Exception:
@@ -156,6 +163,7 @@ class Connection:
                 data = await self._stream.receive(_READ_SIZE)
             except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError,
                     OSError) as e:
+                self.lost = True
                 raise rexc.ConnectionError(
                     f"connection to {self.params.address} lost: {e!r}"
                 ) from e
@@ -175,11 +183,15 @@ class Connection:
             raise RuntimeError("one request at a time per connection")
         self._busy = True
         ok = False
+        deadline: contextlib.AbstractContextManager[object] = (
+            contextlib.nullcontext() if timeout is None else anyio.fail_after(timeout)
+        )
         try:
-            with anyio.fail_after(math.inf if timeout is None else timeout):
+            with deadline:
                 try:
                     await self._stream.send(payload)
                 except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as e:
+                    self.lost = True
                     raise rexc.ConnectionError(
                         f"connection to {self.params.address} lost: {e!r}"
                     ) from e
@@ -250,8 +262,8 @@ async def open_connection(
     try:
         with anyio.fail_after(params.connect_timeout):
             stream = await _connect_stream(params)
-    except (OSError, TimeoutError) as e:
-        raise rexc.ConnectionError(f"cannot connect to {params.address}: {e}") from e
+    except (OSError, TimeoutError, anyio.BrokenResourceError) as e:
+        raise rexc.ConnectionError(f"cannot connect to {params.address}: {e!r}") from e
     conn = Connection(stream, params)
     cmds = [*_handshake(params, name), *extra]
     if cmds:

@@ -52,6 +52,8 @@ class PubSub:
     def _classify(self, reply: Any) -> tuple[bytes, Any]:
         if isinstance(reply, rexc.RedisError):
             raise reply
+        if isinstance(reply, bytes) and reply.upper() == b"PONG":
+            return b"pong", reply  # PING before any subscription: a plain +PONG
         if not isinstance(reply, list) or not reply:
             raise rexc.InvalidResponse(f"unexpected Pub/Sub reply {reply!r}")
         kind = bytes(reply[0]).lower()
@@ -64,11 +66,16 @@ class PubSub:
     async def _send(self, *args: Arg) -> None:
         if self.conn.broken:
             raise rexc.ConnectionError(f"Pub/Sub connection to {self.conn.params.address} closed")
+        ok = False
         try:
             await self.conn._stream.send(pack_command(args))
+            ok = True
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as e:
-            await self.conn.aclose()
+            self.conn.lost = True
             raise rexc.ConnectionError(f"Pub/Sub connection lost: {e!r}") from e
+        finally:
+            if not ok:  # also on cancellation: part of the command may have been sent
+                await self.conn.aclose()
 
     async def _read(self) -> Any:
         try:
@@ -93,15 +100,15 @@ class PubSub:
         """SUBSCRIBE and wait until the server confirmed every channel."""
         names = {c.encode() if isinstance(c, str) else c for c in channels}
         await self._send("SUBSCRIBE", *names)
+        self.channels |= names  # sent: the server subscribes even if we stop waiting
         await self._confirm(b"subscribe", names, timeout)
-        self.channels |= names
 
     async def psubscribe(self, *patterns: bytes | str, timeout: float = 5.0) -> None:
         """PSUBSCRIBE and wait until the server confirmed every pattern."""
         names = {p.encode() if isinstance(p, str) else p for p in patterns}
         await self._send("PSUBSCRIBE", *names)
+        self.patterns |= names  # sent: the server subscribes even if we stop waiting
         await self._confirm(b"psubscribe", names, timeout)
-        self.patterns |= names
 
     async def ping(self, timeout: float = 5.0) -> None:
         """PING through the subscription; raises when no ``pong`` comes in time."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit, urlunsplit
 
 __all__ = ["ConnectionParams", "parse_url"]
 
@@ -32,35 +32,63 @@ class ConnectionParams:
         return dataclasses.replace(self, host=host, port=port, path=None, cluster_seeds=())
 
 
+def _redact(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (for error messages)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.netloc.rsplit("@", 1)[0].split(":", 1)[0]
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def _number(kind: type[int] | type[float], text: str, what: str, url: str) -> int | float:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise ValueError(f"url: {what} {text!r} in {_redact(url)!r} is not a number") from None
+    if value < 0:
+        raise ValueError(f"url: {what} {text!r} in {_redact(url)!r} is negative")
+    return value
+
+
 def parse_url(url: str) -> ConnectionParams:
     """Parse ``redis://``, ``rediss://``, ``unix://`` and ``redis+cluster://`` URLs.
 
+    ``redis://[[user]:password@]host[:port][/db][?timeout=seconds]``;
+    ``unix://[[user]:password@]/path/to.sock[?db=n]``; the query may also give
+    ``db``, ``username`` and ``password`` (as redis-py accepts them).  User name
+    and password are percent-decoded.
+
     Raises:
-        ValueError: naming ``url`` when the scheme or a part is not understood.
+        ValueError: naming ``url`` when the scheme or a part is not understood
+            (the password is never echoed).
     """
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme not in _SCHEMES:
         raise ValueError(
-            f"url: unknown scheme {parts.scheme!r} in {url!r} "
+            f"url: unknown scheme {parts.scheme!r} in {_redact(url)!r} "
             f"(expected one of {', '.join(s + '://' for s in _SCHEMES)})"
         )
     query = parse_qs(parts.query)
     username = unquote(parts.username) if parts.username else None
     password = unquote(parts.password) if parts.password is not None else None
-    timeout = float(query["timeout"][0]) if "timeout" in query else 5.0
-    db_text = parts.path.strip("/") if scheme != "unix" else query.get("db", ["0"])[0]
-    try:
-        db = int(db_text) if db_text else 0
-    except ValueError:
-        raise ValueError(f"url: database {db_text!r} in {url!r} is not a number") from None
+    if "username" in query:
+        username = query["username"][0] or None
+    if "password" in query:
+        password = query["password"][0]
+    timeout = float(_number(float, query["timeout"][0], "timeout", url)) if "timeout" in query else 5.0
+    db_text = parts.path.strip("/") if scheme != "unix" else ""
     if "db" in query:
-        db = int(query["db"][0])
+        db_text = query["db"][0]
+    db = int(_number(int, db_text, "database", url)) if db_text else 0
     if scheme == "unix":
         if not parts.path:
-            raise ValueError(f"url: no socket path in {url!r}")
+            raise ValueError(f"url: no socket path in {_redact(url)!r}")
         return ConnectionParams(
-            path=parts.path, db=db, username=username, password=password, connect_timeout=timeout
+            path=unquote(parts.path), db=db, username=username, password=password,
+            connect_timeout=timeout,
         )
     tls = scheme.startswith("rediss")
     if scheme.endswith("+cluster"):
@@ -68,14 +96,17 @@ def parse_url(url: str) -> ConnectionParams:
         seeds = []
         for item in netloc.split(","):
             host, _, port_text = item.rpartition(":")
-            if not host:
+            if not host or host.endswith(":"):  # no port, or a bare IPv6 address
                 host, port_text = item, "6379"
             try:
-                seeds.append((host.strip("[]"), int(port_text)))
+                port = int(port_text)
             except ValueError:
-                raise ValueError(f"url: bad cluster node {item!r} in {url!r}") from None
+                raise ValueError(f"url: bad cluster node {item!r} in {_redact(url)!r}") from None
+            if not host.strip("[]") or not 0 < port < 65536:
+                raise ValueError(f"url: bad cluster node {item!r} in {_redact(url)!r}")
+            seeds.append((host.strip("[]"), port))
         if db != 0:
-            raise ValueError(f"url: Redis Cluster has only database 0, {url!r} names {db}")
+            raise ValueError(f"url: Redis Cluster has only database 0, {_redact(url)!r} names {db}")
         return ConnectionParams(
             host=seeds[0][0], port=seeds[0][1], username=username, password=password,
             tls=tls, cluster_seeds=tuple(seeds), connect_timeout=timeout,
@@ -83,7 +114,7 @@ def parse_url(url: str) -> ConnectionParams:
     try:
         port = parts.port or 6379
     except ValueError:
-        raise ValueError(f"url: bad port in {url!r}") from None
+        raise ValueError(f"url: bad port in {_redact(url)!r}") from None
     return ConnectionParams(
         host=parts.hostname or "127.0.0.1", port=port, db=db, username=username,
         password=password, tls=tls, connect_timeout=timeout,
