@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
-from ._plan import Target
-from ._subscription import Form, Subscription, check_key, check_limits
+from collections.abc import Sequence
 
-__all__ = ["ChannelSubscription", "PatternSubscription"]
+import anyio
+from anyio.abc import TaskStatus
+from redis import exceptions as rexc
+
+from ._delivery import Delivery
+from ._list import build_delivery, dispatch
+from ._mount import Mount, backoff, log
+from ._plan import Plan, Target
+from ._subscription import Form, Subscription, check_key, check_limits
+from ._transport import Message, PubSub
+
+__all__ = ["ChannelSubscription", "PatternSubscription", "PubSubReader"]
 
 
 class ChannelSubscription(Subscription):
@@ -68,3 +78,93 @@ class PatternSubscription(Subscription):
         return Target(form=Form.PATTERN, name=self.name, source=self.pattern,
                       retry_channel=self.retry_channel, max_attempts=self.max_attempts,
                       cluster=cluster)
+
+
+# -- runtime ------------------------------------------------------------------
+
+_IDLE_PING = 5.0
+"""Seconds without a message after which the subscription is checked with PING."""
+_PING_TIMEOUT = 5.0
+_CHUNK = 100
+"""At most this many already-received messages are handed over together."""
+
+
+class PubSubReader:
+    """Reads a :class:`ChannelSubscription` or :class:`PatternSubscription`.
+
+    The subscription is confirmed by the server before ``mount()`` returns.
+    A connection that fails (or does not answer a PING after a quiet spell)
+    is replaced with capped, jittered backoff and the subscription renewed;
+    what was published meanwhile is gone (Pub/Sub is at-most-once): the gap
+    is logged as a warning with its length and counted in
+    ``stats()[name]["effects"]["gaps"]``.
+    """
+
+    def __init__(self, sub: ChannelSubscription | PatternSubscription) -> None:
+        self.sub = sub
+
+    def abandon(self, deliveries: Sequence[Delivery]) -> Plan | None:
+        if deliveries:
+            log.warning("%s: %d received message(s) not handled at shutdown (Pub/Sub is "
+                        "at-most-once; they are gone)", self.sub.name, len(deliveries))
+        return None
+
+    async def _subscribe(self, ps: PubSub) -> None:
+        sub = self.sub
+        if isinstance(sub, PatternSubscription):
+            await ps.psubscribe(sub.pattern)
+        else:
+            await ps.subscribe(*sub.channels)
+
+    async def _read(self, mount: Mount, ps: PubSub) -> None:
+        """Deliver messages until the connection fails (raises)."""
+        while True:
+            msg = await ps.get_message(timeout=_IDLE_PING)
+            if msg is None:
+                await ps.ping(timeout=_PING_TIMEOUT)
+                continue
+            built = [self._build(mount, msg)]
+            while len(built) < _CHUNK:  # what is already received, without waiting
+                more = await ps.get_message(timeout=0)
+                if more is None:
+                    break
+                built.append(self._build(mount, more))
+            await dispatch(mount, built)
+
+    def _build(self, mount: Mount, msg: Message) -> tuple[Delivery, Plan | None]:
+        channel = msg.channel.decode("utf-8", "replace")
+        return build_delivery(mount, channel, msg.data)
+
+    async def run(self, mount: Mount, *, task_status: TaskStatus[None]) -> None:
+        client = mount.client
+        name = f"trf:{mount.consumer.name}:pubsub"
+        started = False
+        failures = 0
+        lost_at: float | None = None
+        while True:
+            try:
+                async with client.pubsub(name=name) as ps:
+                    await self._subscribe(ps)
+                    if lost_at is not None:
+                        gap = anyio.current_time() - lost_at
+                        mount.stats.effects["gaps"] += 1
+                        log.warning("%s: subscribed again after %.2f s without a connection; "
+                                    "messages published meanwhile are lost (Pub/Sub is "
+                                    "at-most-once)", mount.name, gap)
+                        lost_at = None
+                    failures = 0
+                    if not started:
+                        task_status.started()
+                        started = True
+                    await self._read(mount, ps)
+            except (rexc.ConnectionError, rexc.TimeoutError, rexc.InvalidResponse, OSError) as e:
+                if not started:
+                    raise
+                mount.stats.read_errors += 1
+                if lost_at is None:
+                    lost_at = anyio.current_time()
+                delay = backoff(failures)
+                failures += 1
+                log.warning("%s: Pub/Sub connection failed (%s); subscribing again in %.2f s",
+                            mount.name, e, delay)
+                await anyio.sleep(delay)

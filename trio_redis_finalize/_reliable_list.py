@@ -3,9 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import random
+from collections import Counter
+from collections.abc import Sequence
 
+import anyio
+from anyio.abc import TaskStatus
+from redis import exceptions as rexc
+
+from ._delivery import Delivery
+from ._envelope import CorruptEnvelope, unwrap, wrap
 from ._keys import derived, same_slot
-from ._plan import Target
+from ._list import build_delivery, check_type, dispatch
+from ._mount import FINALIZE_GRACE, FINALIZE_TIMEOUT, Mount, backoff, describe_error, log
+from ._plan import Plan, Target, content_origin
+from ._scripts import MOVE_DUE_TO_LIST
 from ._subscription import (
     DelayedRetry,
     Form,
@@ -14,8 +27,9 @@ from ._subscription import (
     check_limits,
     check_positive,
 )
+from ._transport import Command, Connection, Script
 
-__all__ = ["ReliableListSubscription"]
+__all__ = ["ReliableListReader", "ReliableListSubscription"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -103,3 +117,365 @@ class ReliableListSubscription(Subscription):
                     "in Redis Cluster (one script moves copies between them)"
                 )
         return t
+
+
+# -- runtime ------------------------------------------------------------------
+#
+# Keys beside the queue (all in the queue's hash slot):
+#
+# * ``{queue}:consumers``: a hash, consumer name -> its processing list; every
+#   live consumer (re)registers itself there with each heartbeat;
+# * ``{queue}:heartbeat:<consumer>``: a key with a TTL of ``heartbeat``
+#   seconds, renewed every ``heartbeat / 3`` seconds while the consumer runs.
+#
+# A consumer whose heartbeat key is gone is dead: any live consumer moves its
+# processing list back onto the queue (``_REAP``) and then forgets it.
+
+_READ_MARGIN = 1.0
+"""Seconds a blocking read may exceed ``block`` before it counts as lost."""
+_MOVE_LIMIT = 128
+_PREFETCH_MAX = 64
+"""At most this many elements move into the processing list per round trip."""
+_CHUNK_WORK = 0.01
+"""Seconds of handler work one prefetch aims at (fast handlers: bigger batches)."""
+_REAP_PAGE = 100
+_REAP_ROUNDS = 1000
+_SMALL = 64
+
+# KEYS: processing list.  ARGV: element, its rewritten copy.
+# Replaces one occurrence of the element in place (a crash redelivery counts
+# as an attempt, so a poison element that kills its consumer reaches
+# max_attempts); false when the element is gone.
+_BUMP = Script(
+    """
+local i = redis.call('LPOS', KEYS[1], ARGV[1])
+if not i then return false end
+redis.call('LSET', KEYS[1], i, ARGV[2])
+return 1
+""",
+    name="reliable_list_bump",
+)
+
+# KEYS: dead consumer's processing list, queue, its heartbeat key, registry.
+# ARGV: consumer name, element, rewritten element, element, rewritten, ...
+# Gated on the heartbeat key being absent (the consumer may have come back);
+# each element is removed from the processing list and pushed onto the
+# consumer end (RIGHT) of the queue only when it was still there, so racing
+# reapers move every element once.  Elements come newest first, so the
+# oldest ends up rightmost: recovered elements are consumed first, in their
+# original order.  Returns the number moved, or -1 when the consumer is alive.
+_REAP = Script(
+    """
+if redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
+local n = 0
+for i = 2, #ARGV, 2 do
+  if redis.call('LREM', KEYS[1], 1, ARGV[i]) == 1 then
+    redis.call('RPUSH', KEYS[2], ARGV[i + 1])
+    n = n + 1
+  end
+end
+if redis.call('LLEN', KEYS[1]) == 0 then redis.call('HDEL', KEYS[4], ARGV[1]) end
+return n
+""",
+    name="reliable_list_reap",
+)
+
+
+def bumped(raw: bytes) -> bytes | None:
+    """``raw`` with its retry counter one higher (a foreign element gets an
+    envelope, retries 1, origin the digest of its bytes); None when corrupt."""
+    try:
+        body, retries, origin = unwrap(raw)
+    except CorruptEnvelope:
+        return None
+    if retries >= 0xFFFFFFFF:
+        return None
+    return wrap(body, retries + 1, origin if origin is not None else content_origin(raw))
+
+
+def _ident(raw: bytes) -> bytes:
+    """A small key for the multiset of elements this reader holds."""
+    if len(raw) <= _SMALL:
+        return raw
+    return b"#" + hashlib.blake2b(raw, digest_size=16).digest() + len(raw).to_bytes(8, "big")
+
+
+def registry_key(queue: str) -> str:
+    return derived(queue, ":consumers")
+
+
+def heartbeat_key(queue: str, consumer: str) -> str:
+    return derived(queue, f":heartbeat:{consumer}")
+
+
+class ReliableListReader:
+    """Reads one :class:`ReliableListSubscription`.
+
+    ``BLMOVE queue processing RIGHT LEFT`` on a dedicated connection (plus up
+    to 63 pipelined ``LMOVE`` when the queue is busy and the handlers fast).
+    The processing list is re-read on start (crash recovery) and after every
+    read error (a lost BLMOVE reply strands an element there).  What it
+    holds and this reader did not deliver is delivered again with the retry
+    counter in the element bumped in place (so the attempt counts the crash).
+    """
+
+    def __init__(self, sub: ReliableListSubscription) -> None:
+        self.sub = sub
+        self._held: Counter[bytes] = Counter()  # idents delivered, maybe still in the list
+        self._held_total = 0
+        self._last_len = 0
+        self._per_element = 0.0  # seconds of handler time per element (EMA)
+        self._batch = 1
+        self._next_move = 0.0
+
+    def abandon(self, deliveries: Sequence[Delivery]) -> Plan | None:
+        return None  # unstarted elements stay in the processing list
+
+    # -- bookkeeping ----------------------------------------------------------
+    def _hold(self, raw: bytes) -> None:
+        self._held[_ident(raw)] += 1
+        self._held_total += 1
+
+    def _prune(self, items: Sequence[bytes]) -> Counter[bytes]:
+        """Forget held elements no longer in the processing list ``items``."""
+        present = Counter(_ident(e) for e in items)
+        for k in list(self._held):
+            keep = min(self._held[k], present[k])
+            if keep:
+                self._held[k] = keep
+            else:
+                del self._held[k]
+        self._held_total = sum(self._held.values())
+        self._last_len = len(items)
+        return present
+
+    # -- recovery -------------------------------------------------------------
+    async def _rescan(self, conn: Connection, mount: Mount) -> None:
+        """Deliver what the processing list holds that this reader does not."""
+        t = mount.target
+        items: list[bytes] = await conn.execute("LRANGE", t.processing, 0, -1,
+                                                timeout=FINALIZE_TIMEOUT)
+        self._prune(items)
+        seen: Counter[bytes] = Counter()
+        stranded: list[bytes] = []
+        for e in reversed(items):  # oldest first
+            k = _ident(e)
+            seen[k] += 1
+            if seen[k] > self._held[k]:
+                stranded.append(e)
+        if not stranded:
+            return
+        log.warning("%s: %d element(s) in processing list %r were not finalized; "
+                    "delivering them again", mount.name, len(stranded), t.processing)
+        for i in range(0, len(stranded), 500):
+            await self._redeliver(mount, stranded[i : i + 500])
+
+    async def _redeliver(self, mount: Mount, elements: list[bytes]) -> None:
+        t = mount.target
+        news = [bumped(e) for e in elements]
+        cmds = [_BUMP.command((t.processing,), (e, n)) for e, n in zip(elements, news, strict=True)
+                if n is not None]
+        replies = iter(await mount.client.pipeline(cmds, timeout=FINALIZE_TIMEOUT) if cmds else [])
+        built: list[tuple[Delivery, Plan | None]] = []
+        for e, n in zip(elements, news, strict=True):
+            if n is None:  # corrupt: cannot carry a counter, dead-lettered as it is
+                raw = e
+            elif next(replies) is None:  # gone meanwhile (reaped, finalized)
+                continue
+            else:
+                raw = n
+            self._hold(raw)
+            built.append(build_delivery(mount, self.sub.queue, raw))
+        await dispatch(mount, built)
+
+    # -- heartbeat and reaper -----------------------------------------------------
+    def _beat(self, mount: Mount, ttl: float) -> list[Command]:
+        sub = self.sub
+        me = mount.consumer.name
+        return [
+            ("SET", heartbeat_key(sub.queue, me), me, "PX", max(1, round(ttl * 1000))),
+            ("HSET", registry_key(sub.queue), me, mount.target.processing),
+        ]
+
+    async def _heartbeat(self, mount: Mount) -> None:
+        every = self.sub.heartbeat / 3
+        while True:
+            await anyio.sleep(every)
+            try:
+                await mount.client.pipeline(self._beat(mount, self.sub.heartbeat),
+                                            timeout=min(FINALIZE_TIMEOUT, every))
+            except (rexc.ConnectionError, rexc.TimeoutError, rexc.ResponseError, OSError) as e:
+                log.warning("%s: heartbeat failed (%s); other consumers may take over this "
+                            "consumer's processing list after %.1f s without one",
+                            mount.name, e, self.sub.heartbeat)
+
+    async def _reaper(self, mount: Mount) -> None:
+        every = self.sub.heartbeat / 2
+        while True:
+            try:
+                await self.reap(mount)
+            except (rexc.ConnectionError, rexc.TimeoutError, rexc.ResponseError, OSError) as e:
+                log.warning("%s: looking for dead consumers failed: %s", mount.name, e)
+            await anyio.sleep(every * random.uniform(0.8, 1.2))
+
+    async def reap(self, mount: Mount) -> int:
+        """Move the processing lists of dead consumers back onto the queue."""
+        sub = self.sub
+        client = mount.client
+        me = mount.consumer.name.encode()
+        flat = await client.execute("HGETALL", registry_key(sub.queue), timeout=FINALIZE_TIMEOUT)
+        others = [(n, p) for n, p in zip(flat[::2], flat[1::2], strict=True) if n != me]
+        if not others:
+            return 0
+        alive = await client.pipeline(
+            [("EXISTS", heartbeat_key(sub.queue, n.decode())) for n, _ in others],
+            timeout=FINALIZE_TIMEOUT,
+        )
+        moved = 0
+        for (name, proc), live in zip(others, alive, strict=True):
+            if live:
+                continue
+            moved += await self._reap_one(mount, name.decode(), proc.decode())
+        return moved
+
+    async def _reap_one(self, mount: Mount, name: str, processing: str) -> int:
+        sub = self.sub
+        client = mount.client
+        keys = (processing, sub.queue, heartbeat_key(sub.queue, name), registry_key(sub.queue))
+        total = 0
+        for _ in range(_REAP_ROUNDS):
+            page: list[bytes] = await client.execute("LRANGE", processing, 0, _REAP_PAGE - 1,
+                                                     timeout=FINALIZE_TIMEOUT)
+            args: list[bytes | str] = [name]
+            for e in page:  # newest first (see _REAP)
+                args += [e, bumped(e) or e]
+            n = int(await client.evalsha(_REAP, keys, args, timeout=FINALIZE_TIMEOUT))
+            if n < 0:
+                break  # it came back
+            total += n
+            if not page:
+                break
+        if total:
+            mount.stats.effects["recovered"] += total
+            log.warning("%s: consumer %r stopped its heartbeat; moved %d element(s) of its "
+                        "processing list %r back onto the queue", mount.name, name, total,
+                        processing)
+        return total
+
+    # -- the loop -------------------------------------------------------------------
+    async def _move_due(self, mount: Mount) -> float:
+        """Move due copies from the durable delay set; seconds until the next is due."""
+        t = mount.target
+        moved, now_ms, first = await mount.client.evalsha(
+            MOVE_DUE_TO_LIST, (t.delay_key, t.source), (_MOVE_LIMIT,), timeout=FINALIZE_TIMEOUT
+        )
+        if moved:
+            mount.stats.effects["moved_from_delay_set"] += int(moved)
+        if int(moved) >= _MOVE_LIMIT:
+            return 0.0
+        if first is None:
+            mount.stats.delay_lag = None
+            return self.sub.block
+        lag = (int(now_ms) - float(first)) / 1000
+        mount.stats.delay_lag = max(lag, 0.0)
+        return max(0.0, min(self.sub.block, -lag))
+
+    def _tune(self, waited: float, previous: int) -> None:
+        """Pick the next prefetch from how long the handlers took per element.
+
+        ``waited``: how long handing over this batch waited for the handlers,
+        busy with the ``previous`` elements.  The prefetch at most doubles per
+        round, so slow handlers keep it at 1 (other consumers get the rest).
+        """
+        if previous:
+            self._per_element = 0.7 * self._per_element + 0.3 * (waited / previous)
+        target = _PREFETCH_MAX if self._per_element <= 0 else int(_CHUNK_WORK / self._per_element)
+        self._batch = max(1, min(_PREFETCH_MAX, target, self._batch * 2))
+
+    async def run(self, mount: Mount, *, task_status: TaskStatus[None]) -> None:
+        sub = self.sub
+        t = mount.target
+        client = mount.client
+        await check_type(client, sub.queue, "list", sub.name)
+        if t.processing != sub.queue:
+            await check_type(client, t.processing, "list", sub.name)
+        if t.dead_letter is not None:
+            await check_type(client, t.dead_letter, "list", sub.name)
+        await client.pipeline(self._beat(mount, sub.heartbeat))
+        durable = t.delayed_retry is DelayedRetry.DURABLE_ZSET
+        started = False
+        failures = 0
+        rescan = True
+        conn: Connection | None = None
+        blmove = ("BLMOVE", sub.queue, t.processing, "RIGHT", "LEFT")
+        lmove = ("LMOVE", sub.queue, t.processing, "RIGHT", "LEFT")
+        previous = 0
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._heartbeat, mount)
+                tg.start_soon(self._reaper, mount)
+                while True:
+                    try:
+                        if conn is None or conn.broken:
+                            conn = await client.connect(name=f"trf:{mount.consumer.name}:reader")
+                        block = sub.block
+                        if durable:
+                            if anyio.current_time() >= self._next_move:
+                                wait = await self._move_due(mount)
+                                self._next_move = anyio.current_time() + wait
+                            block = max(0.001, min(block, self._next_move - anyio.current_time()))
+                        if rescan or self._held_total > 2 * self._last_len + 256:
+                            await self._rescan(conn, mount)
+                            rescan = False
+                        if not started:
+                            task_status.started()
+                            started = True
+                        cmds: list[Command] = [(*blmove, f"{block:.3f}")]
+                        cmds += [lmove] * (self._batch - 1)
+                        replies = await conn.pipeline(cmds, timeout=block + _READ_MARGIN)
+                        failures = 0
+                    except (rexc.ConnectionError, rexc.TimeoutError, OSError) as e:
+                        if not started:
+                            raise
+                        mount.stats.read_errors += 1
+                        delay = backoff(failures)
+                        failures += 1
+                        log.warning("%s: read failed (%s); reconnecting in %.2f s",
+                                    mount.name, e, delay)
+                        if conn is not None:
+                            await conn.aclose()
+                        conn = None
+                        rescan = True
+                        await anyio.sleep(delay)
+                        continue
+                    elements: list[bytes] = []
+                    for cmd, r in zip(cmds, replies, strict=True):
+                        if isinstance(r, rexc.RedisError):
+                            mount.stats.read_errors += 1
+                            log.error("%s: read failed: %s", mount.name, describe_error(r, cmd))
+                        elif r is not None:
+                            elements.append(r)
+                    if any(isinstance(r, rexc.RedisError) for r in replies):
+                        await anyio.sleep(backoff(failures, cap=1.0))
+                        failures += 1
+                    if not elements:
+                        continue
+                    for raw in elements:
+                        self._hold(raw)
+                    built = [build_delivery(mount, sub.queue, raw) for raw in elements]
+                    before = anyio.current_time()
+                    await dispatch(mount, built)
+                    self._tune(anyio.current_time() - before, previous)
+                    previous = len(elements)
+        finally:
+            if conn is not None:
+                await conn.aclose()
+            if started:
+                # the handlers may still finish what they hold: keep the
+                # heartbeat alive until they must have ended
+                ttl = max(sub.heartbeat, mount.consumer.shutdown_grace + FINALIZE_GRACE)
+                with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
+                    try:
+                        await client.pipeline(self._beat(mount, ttl), timeout=1.0)
+                    except (rexc.ConnectionError, rexc.TimeoutError, rexc.ResponseError, OSError):
+                        pass

@@ -1,0 +1,247 @@
+"""Pub/Sub channels and patterns against a real redis-server: nothing to
+acknowledge, RETRY refused and counted, retry_after copies published,
+concrete channels as source, foreign and corrupt payloads, reconnection with
+the gap logged and counted, bad input."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import trio
+from _procs import Recorder, eventually
+
+from trio_redis_finalize import (
+    ACK,
+    DROP,
+    RETRY,
+    AckUnsupported,
+    ChannelSubscription,
+    Consumer,
+    Delivery,
+    PatternSubscription,
+    open_consumer,
+    retry_after,
+)
+from trio_redis_finalize._envelope import MAGIC, unwrap
+from trio_redis_finalize._plan import content_origin
+from trio_redis_finalize._transport import Client, open_client
+
+
+@pytest.fixture
+async def client(redis_url: str) -> AsyncIterator[Client]:
+    async with open_client(redis_url) as c:
+        yield c
+
+
+def stats(consumer: Consumer, name: str) -> dict[str, Any]:
+    return consumer.stats()[name]
+
+
+def effects(consumer: Consumer, name: str) -> dict[str, int]:
+    e: dict[str, int] = stats(consumer, name)["effects"]
+    return e
+
+
+async def publish(client: Client, channel: str, payload: bytes) -> int:
+    return int(await client.execute("PUBLISH", channel, payload))
+
+
+# -- channels -----------------------------------------------------------------------
+
+async def test_mount_returns_subscribed_and_ack_drop_keep_it_running(
+    redis_url: str, client: Client
+) -> None:
+    name = "channel news,alerts"
+    h = Recorder(lambda d: ACK if d.data == b"1" else DROP)
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(ChannelSubscription("news", "alerts"), h)
+        # subscribed before mount() returned: the very first PUBLISH reaches it
+        assert await publish(client, "news", b"1") == 1
+        await eventually(lambda: len(h.seen) == 1, what="first")
+        assert await publish(client, "alerts", b"2") == 1
+        await eventually(lambda: len(h.seen) == 2, what="second")
+        assert await publish(client, "news", b"3") == 1
+        await eventually(lambda: effects(consumer, name).get("nothing") == 3, what="no-ops")
+        assert stats(consumer, name)["refused"] == 0
+    assert [(d.source, d.data) for d in h.seen] == [("news", b"1"), ("alerts", b"2"), ("news", b"3")]
+    d = h.seen[0]
+    assert (d.id, dict(d.fields), d.attempt, d.origin_id) == (None, {}, 1, content_origin(b"1"))
+
+
+async def test_retry_is_refused_logged_and_counted_and_the_consumer_goes_on(
+    redis_url: str, client: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    name = "channel ch"
+    h = Recorder(lambda d: RETRY if d.data == b"r" else ACK)
+    with caplog.at_level(logging.ERROR, logger="trio_redis_finalize"):
+        async with open_consumer(redis_url, name="c1") as consumer:
+            await consumer.mount(ChannelSubscription("ch"), h)
+            await publish(client, "ch", b"r")
+            await eventually(lambda: stats(consumer, name)["refused"] == 1, what="refused")
+            await publish(client, "ch", b"next")
+            await eventually(lambda: h.data == [b"r", b"next"], what="next delivered")
+            assert effects(consumer, name).get("refused") == 1
+    msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(msgs) == 1
+    assert "a channel has nothing to acknowledge" in msgs[0] and "retry_after" in msgs[0]
+
+
+async def test_finalizing_directly_raises_ack_unsupported(redis_url: str, client: Client) -> None:
+    got: list[Delivery] = []
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(ChannelSubscription("ch"), Recorder(lambda d: ACK))
+        await consumer.mount(PatternSubscription("p.*"), lambda d: _keep(got, d))
+        await publish(client, "p.1", b"x")
+        await eventually(lambda: len(got) == 1, what="delivery")
+        for outcome in (RETRY, ACK, DROP):
+            with pytest.raises(AckUnsupported, match="nothing to acknowledge"):
+                await consumer.finalize(got[0], outcome)
+        with pytest.raises(AckUnsupported, match="retry_channel"):
+            await consumer.finalize(got[0], retry_after(1))
+
+
+async def _keep(into: list[Delivery], d: Delivery) -> Any:
+    into.append(d)
+    return ACK
+
+
+async def test_retry_after_on_a_channel_publishes_a_copy(redis_url: str, client: Client) -> None:
+    name = "channel ch"
+    h = Recorder(lambda d: retry_after(0.2) if d.attempt == 1 else ACK)
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(ChannelSubscription("ch"), h)
+        await publish(client, "ch", b"again")
+        await eventually(lambda: len(h.seen) == 2, what="copy delivered")
+        assert effects(consumer, name).get("held") == 1
+    first, second = h.seen
+    assert (second.source, second.data, second.attempt) == ("ch", b"again", 2)
+    assert second.origin_id == first.origin_id
+    assert second.raw is not None and unwrap(second.raw) == (b"again", 1, first.origin_id)
+
+
+# -- patterns -----------------------------------------------------------------------
+
+async def test_pattern_delivers_with_the_concrete_channel_as_source(
+    redis_url: str, client: Client
+) -> None:
+    h = Recorder(lambda d: ACK)
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(PatternSubscription("orders.*"), h)
+        await publish(client, "orders.eu", b"1")
+        await publish(client, "other", b"no")
+        await publish(client, "orders.us", b"2")
+        await eventually(lambda: len(h.seen) == 2, what="two")
+        await trio.sleep(0.1)
+    assert [(d.source, d.data) for d in h.seen] == [("orders.eu", b"1"), ("orders.us", b"2")]
+
+
+async def test_a_pattern_without_glob_characters_still_works(redis_url: str, client: Client) -> None:
+    h = Recorder(lambda d: ACK)
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(PatternSubscription("exact"), h)
+        await publish(client, "exact", b"hit")
+        await publish(client, "exactly", b"miss")
+        await eventually(lambda: len(h.seen) == 1, what="delivery")
+        await trio.sleep(0.1)
+    assert [(d.source, d.data) for d in h.seen] == [("exact", b"hit")]
+
+
+async def test_pattern_retry_after_publishes_to_retry_channel(redis_url: str, client: Client) -> None:
+    h = Recorder(lambda d: retry_after(0.1) if d.attempt == 1 else ACK)
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(PatternSubscription("ev.*", retry_channel="ev.retry"), h)
+        await publish(client, "ev.created", b"e")
+        await eventually(lambda: len(h.seen) == 2, what="copy delivered")
+    assert [(d.source, d.attempt) for d in h.seen] == [("ev.created", 1), ("ev.retry", 2)]
+    assert h.seen[1].data == b"e" and h.seen[1].origin_id == h.seen[0].origin_id
+
+
+async def test_pattern_retry_after_without_retry_channel_is_refused(
+    redis_url: str, client: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    name = "pattern 'ev.*'"
+    h = Recorder(lambda d: retry_after(0.1) if d.data == b"r" else ACK)
+    with caplog.at_level(logging.ERROR, logger="trio_redis_finalize"):
+        async with open_consumer(redis_url, name="c1") as consumer:
+            await consumer.mount(PatternSubscription("ev.*"), h)
+            await publish(client, "ev.a", b"r")
+            await eventually(lambda: stats(consumer, name)["refused"] == 1, what="refused")
+            await publish(client, "ev.a", b"next")
+            await eventually(lambda: len(h.seen) == 2, what="still running")
+            await trio.sleep(0.3)
+    assert h.data == [b"r", b"next"]  # no copy came
+    assert any("retry_channel" in r.getMessage() for r in caplog.records if r.levelno == logging.ERROR)
+
+
+# -- payloads -----------------------------------------------------------------------
+
+async def test_foreign_payloads_arrive_unchanged(redis_url: str, client: Client) -> None:
+    payloads = [b"\x00\xff\xfebinary", b"", b"z" * (1 << 20), b"text"]
+    h = Recorder(lambda d: ACK)
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(ChannelSubscription("raw"), h)
+        for p in payloads:
+            await publish(client, "raw", p)
+        await eventually(lambda: len(h.seen) == len(payloads), what="all delivered")
+    assert h.data == payloads
+    assert all(d.attempt == 1 for d in h.seen)
+
+
+async def test_corrupt_envelope_is_dropped_with_an_error_log(
+    redis_url: str, client: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    name = "channel ch"
+    h = Recorder(lambda d: ACK)
+    with caplog.at_level(logging.WARNING, logger="trio_redis_finalize"):
+        async with open_consumer(redis_url, name="c1") as consumer:
+            await consumer.mount(ChannelSubscription("ch"), h)
+            await publish(client, "ch", MAGIC + b"\xff\xff")
+            await publish(client, "ch", b"ok")
+            await eventually(lambda: effects(consumer, name).get("exhausted") == 1
+                             and len(h.seen) == 1, what="dropped + delivered")
+    assert h.data == [b"ok"]
+    assert any(r.levelno == logging.ERROR and "corrupt envelope" in r.getMessage()
+               and "dropped" in r.getMessage() for r in caplog.records)
+
+
+# -- connection loss ------------------------------------------------------------------
+
+async def test_killed_connection_resubscribes_and_logs_the_gap(
+    redis_url: str, client: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    name = "pattern 'g.*'"
+    h = Recorder(lambda d: ACK)
+    with caplog.at_level(logging.WARNING, logger="trio_redis_finalize"):
+        async with open_consumer(redis_url, name="c1") as consumer:
+            await consumer.mount(PatternSubscription("g.*"), h)
+            await publish(client, "g.1", b"before")
+            await eventually(lambda: len(h.seen) == 1, what="before")
+            assert await client.execute("CLIENT", "KILL", "TYPE", "pubsub") == 1
+            await eventually(lambda: effects(consumer, name).get("gaps") == 1, what="resubscribed")
+
+            async def delivered_after() -> bool:
+                await publish(client, "g.2", b"after")
+                await trio.sleep(0.05)
+                return b"after" in h.data
+            await eventually(delivered_after, what="after")
+            assert stats(consumer, name)["read_errors"] >= 1
+    assert h.data[0] == b"before" and b"after" in h.data
+    assert any("messages published meanwhile are lost" in r.getMessage() for r in caplog.records)
+
+
+# -- bad input ----------------------------------------------------------------------
+
+def test_bad_config_names_the_parameter() -> None:
+    with pytest.raises(ValueError, match="channels"):
+        ChannelSubscription()
+    with pytest.raises(ValueError, match="channels"):
+        ChannelSubscription("ok", "")
+    with pytest.raises(ValueError, match="pattern"):
+        PatternSubscription("")
+    with pytest.raises(ValueError, match="retry_channel"):
+        PatternSubscription("a.*", retry_channel="")
+    with pytest.raises(ValueError, match="max_attempts"):
+        ChannelSubscription("a", max_attempts=0)
