@@ -1,0 +1,285 @@
+"""Stream subscriptions under real faults: SIGKILL of a consumer process
+mid-handler, long handlers next to a reclaiming consumer, FLUSHALL, entries
+deleted while pending, and a read reply lost to CLIENT KILL."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+import pytest
+import trio
+
+from trio_redis_finalize import ACK, Consumer, Delivery, Mode, Outcome, StreamSubscription, open_consumer
+from trio_redis_finalize._transport import Client, open_client
+
+S, G = "jobs", "workers"
+NAME = f"stream {S!r} group {G!r}"
+PROC = Path(__file__).with_name("_stream_proc.py")
+
+
+# -- helpers ------------------------------------------------------------------
+
+@pytest.fixture
+async def client(redis_url: str) -> AsyncIterator[Client]:
+    async with open_client(redis_url) as c:
+        yield c
+
+
+async def eventually(check: Callable[[], bool | Awaitable[bool]], timeout: float = 5.0,
+                     what: str = "condition") -> None:
+    """Poll ``check`` (sync or async) until it is true."""
+    with trio.move_on_after(timeout):
+        while True:
+            ok = check()
+            if inspect.isawaitable(ok):
+                ok = await ok
+            if ok:
+                return
+            await trio.sleep(0.02)
+    raise AssertionError(f"{what} not reached within {timeout} s")
+
+
+def effects(consumer: Consumer) -> dict[str, int]:
+    e: dict[str, int] = consumer.stats()[NAME]["effects"]
+    return e
+
+
+def stats(consumer: Consumer) -> dict[str, Any]:
+    return consumer.stats()[NAME]
+
+
+async def pending_of(client: Client) -> dict[str, int]:
+    """Pending entries per consumer name."""
+    summary = await client.execute("XPENDING", S, G)
+    return {c.decode(): int(n) for c, n in (summary[3] or [])}
+
+
+async def pending(client: Client) -> int:
+    return int((await client.execute("XPENDING", S, G))[0])
+
+
+async def xadd(client: Client, **fields: str) -> str:
+    args: list[str] = []
+    for k, v in fields.items():
+        args += [k, v]
+    return str((await client.execute("XADD", S, "*", *args)).decode())
+
+
+class Recorder:
+    def __init__(self, sleep: float = 0.0) -> None:
+        self.sleep = sleep
+        self.seen: list[Delivery] = []
+        self.finished: list[str | None] = []
+
+    async def __call__(self, d: Delivery) -> Outcome:
+        self.seen.append(d)
+        if self.sleep:
+            await trio.sleep(self.sleep)
+        self.finished.append(d.id)
+        return ACK
+
+
+class ConsumerProcess:
+    """``tests/_stream_proc.py`` as a child process; lines of its stdout."""
+
+    def __init__(self, proc: anyio.abc.Process) -> None:
+        self.proc = proc
+        self._buf = b""
+
+    async def line(self, timeout: float = 15.0) -> str:
+        assert self.proc.stdout is not None
+        with anyio.fail_after(timeout):
+            while b"\n" not in self._buf:
+                self._buf += await self.proc.stdout.receive()
+        line, _, self._buf = self._buf.partition(b"\n")
+        return line.decode()
+
+    async def expect(self, prefix: str) -> list[str]:
+        while True:
+            words = (await self.line()).split()
+            if words and words[0] == prefix:
+                return words
+
+    async def kill(self) -> None:
+        self.proc.kill()  # SIGKILL
+        with anyio.fail_after(5):
+            await self.proc.wait()
+
+
+async def start_proc(url: str, name: str, mode: Mode, min_idle: float) -> ConsumerProcess:
+    proc = await anyio.open_process(
+        [sys.executable, str(PROC), url, S, G, name, mode.value, str(min_idle)],
+        stdout=subprocess.PIPE, stderr=None,
+    )
+    return ConsumerProcess(proc)
+
+
+# -- SIGKILL mid-handler -----------------------------------------------------------
+
+async def _kill_mid_handler(url: str, client: Client, name: str, mode: Mode, min_idle: float) -> str:
+    eid = await xadd(client, job="1")
+    p = await start_proc(url, name, mode, min_idle)
+    try:
+        words = await p.expect("H")
+        assert words[1:] == [eid, "1"]
+    finally:
+        await p.kill()
+    assert await pending_of(client) == {name: 1}  # stranded in the dead consumer's PEL
+    return eid
+
+
+async def test_sigkill_mid_handler_then_restart_with_the_same_name(redis_url: str, client: Client) -> None:
+    eid = await _kill_mid_handler(redis_url, client, "victim", Mode.PLAIN, 0.3)
+    h = Recorder()
+    async with open_consumer(redis_url, name="victim") as consumer:
+        await consumer.mount(StreamSubscription(S, G, block=0.1), h)
+        # mount() returns once the own PEL was re-read: the entry is in hand
+        await eventually(lambda: effects(consumer).get("acked") == 1, what="re-read entry acked")
+        await trio.sleep(0.2)
+    assert [(d.id, d.attempt) for d in h.seen] == [(eid, 2)]  # server count: read twice
+    assert await pending(client) == 0
+
+
+async def test_sigkill_mid_handler_then_another_consumer_reclaims(redis_url: str, client: Client) -> None:
+    min_idle = 0.3
+    eid = await _kill_mid_handler(redis_url, client, "victim", Mode.RECLAIM, min_idle)
+    h = Recorder()
+    async with open_consumer(redis_url, name="rescuer") as consumer:
+        await consumer.mount(StreamSubscription(S, G, mode=Mode.RECLAIM, min_idle=min_idle, block=0.05), h)
+        await eventually(lambda: effects(consumer).get("acked") == 1, what="reclaimed entry acked")
+        await trio.sleep(0.2)
+    assert [(d.id, d.attempt) for d in h.seen] == [(eid, 2)]
+    assert await pending(client) == 0
+    consumers = await client.execute("XINFO", "CONSUMERS", S, G)
+    by_name = {dict(zip(c[::2], c[1::2], strict=False))[b"name"]: c for c in consumers}
+    assert b"victim" in by_name and b"rescuer" in by_name
+
+
+# -- long handlers keep their lease ------------------------------------------------------
+
+async def test_long_handler_is_not_claimed_by_another_reclaiming_consumer(
+    redis_url: str, client: Client
+) -> None:
+    min_idle = 0.3
+    slow = Recorder(sleep=3 * min_idle)
+    other = Recorder()
+    sub = StreamSubscription(S, G, mode=Mode.RECLAIM, min_idle=min_idle, block=0.05)
+    async with open_consumer(redis_url, name="slow") as a, open_consumer(redis_url, name="other") as b:
+        await a.mount(sub, slow)
+        eid = await xadd(client, job="long")
+        await eventually(lambda: len(slow.seen) == 1, what="slow handler started")
+        await b.mount(sub, other)
+        with trio.fail_after(5):
+            while not slow.finished:
+                # while the handler runs, its entry stays with its consumer
+                assert await pending_of(client) in ({"slow": 1}, {})
+                await trio.sleep(0.05)
+        await eventually(lambda: effects(a).get("acked") == 1, what="acked by its handler")
+        await trio.sleep(min_idle + 0.2)
+        assert effects(b) == {}
+    assert [d.id for d in slow.seen] == [eid]
+    assert other.seen == []
+    assert await pending(client) == 0
+
+
+# -- FLUSHALL under a running consumer --------------------------------------------------
+
+async def test_flushall_recreates_the_group_and_goes_on(
+    redis_url: str, client: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    h = Recorder()
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(StreamSubscription(S, G, block=0.1), h)
+        await xadd(client, n="before")
+        await eventually(lambda: effects(consumer).get("acked") == 1, what="first entry")
+        await client.execute("FLUSHALL")
+        await eventually(lambda: stats(consumer)["group_recreated"] >= 1, what="group recreated")
+        after = await xadd(client, n="after")
+        await eventually(lambda: effects(consumer).get("acked") == 2, what="entry after the flush")
+        # and once more, with the reader blocked on the key right now
+        await client.execute("FLUSHALL")
+        again = await xadd(client, n="again")
+        await eventually(lambda: effects(consumer).get("acked") == 3, what="entry after the 2nd flush")
+    assert [d.fields[b"n"] for d in h.seen] == [b"before", b"after", b"again"]
+    assert [d.id for d in h.seen][1:] == [after, again]
+    assert any(r.levelname == "WARNING" and "group is gone" in r.getMessage() and NAME in r.getMessage()
+               for r in caplog.records)
+    assert await pending(client) == 0
+
+
+# -- entries deleted while pending -------------------------------------------------------
+
+async def _strand(client: Client, owner: str) -> tuple[str, str]:
+    """Two entries read by ``owner`` (never acknowledged); the first then deleted."""
+    gone, live = await xadd(client, n="gone"), await xadd(client, n="live")
+    await client.execute("XGROUP", "CREATE", S, G, "0")
+    await client.execute("XREADGROUP", "GROUP", G, owner, "COUNT", 10, "STREAMS", S, ">")
+    assert await client.execute("XDEL", S, gone) == 1
+    assert await pending_of(client) == {owner: 2}
+    return gone, live
+
+
+async def test_entry_deleted_while_pending_on_pel_reread(redis_url: str, client: Client) -> None:
+    _gone, live = await _strand(client, "c1")
+    h = Recorder()
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(StreamSubscription(S, G, block=0.05), h)
+        await eventually(lambda: effects(consumer) == {"acked": 1, "lost_before_handling": 1},
+                         what="live acked, deleted reported")
+        await trio.sleep(0.3)
+        assert effects(consumer) == {"acked": 1, "lost_before_handling": 1}  # not looped on
+    assert [d.id for d in h.seen] == [live]
+    assert await pending(client) == 0
+
+
+async def test_entry_deleted_while_pending_on_xautoclaim(redis_url: str, client: Client) -> None:
+    _gone, live = await _strand(client, "dead")
+    h = Recorder()
+    sub = StreamSubscription(S, G, mode=Mode.RECLAIM, min_idle=0.2, block=0.05)
+    async with open_consumer(redis_url, name="c2") as consumer:
+        await consumer.mount(sub, h)
+        await eventually(lambda: effects(consumer) == {"acked": 1, "lost_before_handling": 1},
+                         what="live acked, deleted reported")
+        await trio.sleep(0.5)  # several more XAUTOCLAIM rounds
+        assert effects(consumer) == {"acked": 1, "lost_before_handling": 1}
+    assert [d.id for d in h.seen] == [live]
+    assert await pending(client) == 0
+
+
+# -- a read reply lost on the wire ---------------------------------------------------------
+
+async def _reader_client(client: Client, consumer: str) -> dict[str, str]:
+    text = (await client.execute("CLIENT", "LIST")).decode()
+    for line in text.splitlines():
+        kv = dict(p.split("=", 1) for p in line.split(" ") if "=" in p)
+        if kv.get("name") == f"trf:{consumer}:reader":
+            return kv
+    raise AssertionError(f"no reader connection for {consumer} in {text}")
+
+
+async def test_lost_read_reply_is_recovered_from_the_pel_once(redis_url: str, client: Client) -> None:
+    h = Recorder()
+    async with open_consumer(redis_url, name="lr") as consumer:
+        await consumer.mount(StreamSubscription(S, G, block=0.5), h)
+        with trio.fail_after(5):
+            while True:
+                reader = await _reader_client(client, "lr")
+                if "b" in reader["flags"] and reader["cmd"] == "xreadgroup":
+                    break
+                await trio.sleep(0.01)
+        # the entry is delivered to the blocked reader (and enters its PEL), then
+        # its connection dies before the reply is written
+        eid, _ = await client.pipeline([("XADD", S, "*", "n", "1"), ("CLIENT", "KILL", "ID", reader["id"])])
+        eid = eid.decode()
+        await eventually(lambda: effects(consumer).get("acked") == 1, what="recovered entry acked")
+        await trio.sleep(0.3)
+        assert stats(consumer)["read_errors"] >= 1
+    assert [(d.id, d.attempt) for d in h.seen] == [(eid, 2)]  # from the PEL: read twice
+    assert await pending(client) == 0
