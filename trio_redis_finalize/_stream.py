@@ -167,6 +167,7 @@ class StreamReader:
         self._next_claim = 0.0
         self._next_move = 0.0
         self._conn: Connection | None = None
+        self._reread = False  # re-read the own PEL at the next turn (Redis < 7 nil claims)
 
     def abandon(self, deliveries: Sequence[Delivery]) -> Plan | None:
         return None  # unstarted entries stay in the PEL
@@ -288,6 +289,10 @@ class StreamReader:
         )
         self._cursor = _str(reply[0])
         entries: list[tuple[bytes, list[bytes] | None]] = [e for e in reply[1] if e is not None]
+        if sub.mode is Mode.RECLAIM and len(entries) < len(reply[1]):
+            # Redis < 7 answers nil (no id) for an entry deleted while pending,
+            # and claims it into our PEL: the own-PEL re-read acknowledges it
+            self._reread = True
         deleted: list[bytes] = list(reply[2]) if len(reply) > 2 else []
         for eid in deleted:
             mount.stats.effects["lost_before_handling"] += 1
@@ -364,9 +369,9 @@ class StreamReader:
                             self._next_move = anyio.current_time() + wait
                         if durable:
                             block = max(0.001, min(block, self._next_move - anyio.current_time()))
-                        if recover:
+                        if recover or self._reread:
                             await self._recover(conn, mount)
-                            recover = False
+                            recover = self._reread = False
                         if sub.mode is Mode.CLAIMING or (
                             sub.mode is Mode.RECLAIM and anyio.current_time() >= self._next_claim
                         ):
