@@ -1,10 +1,724 @@
-"""Command line (placeholder until the CLI lands)."""
+"""The command line: ``python -m trio_redis_finalize`` / ``trio-redis-finalize``.
+
+Commands (``--help`` on each)::
+
+    demo [--url URL]                         every form x every outcome, as observed
+    run MODULE:FACTORY [--url URL]           run a consumer defined in your code
+    inspect KEY [--group G] [--url URL]      a queue's state (table, or --json)
+    requeue DEAD_LETTER --to KEY [--limit N] move dead-lettered messages back
+
+``--url`` defaults to ``redis://127.0.0.1:6379/0`` (``demo`` without
+``--url`` starts a private redis-server instead).
+
+Exit codes: 0 success; 1 failure at run time (the demo lost messages, a
+factory raised); 2 bad input (unknown URL scheme, unreachable server,
+missing key, bad argument): one line on stderr, no traceback.
+"""
 
 from __future__ import annotations
 
+import argparse
+import importlib
+import inspect as pyinspect
+import json
+import logging
+import os
+import signal
 import sys
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, NoReturn
+
+import anyio
+from redis import exceptions as rexc
+
+from ._envelope import RETRIES_FIELD, CorruptEnvelope, unwrap, wrap
+from ._keys import derived, has_hash_tag, same_slot
+from ._plan import DEAD_FIELDS
+from ._transport import Client, Script, open_client, parse_url
+
+__all__ = ["CliError", "main"]
+
+PROG = "trio-redis-finalize"
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
+
+log = logging.getLogger("trio_redis_finalize.cli")
+
+
+class CliError(Exception):
+    """Bad input: printed as one line on stderr, exit code 2."""
+
+
+# -- output -------------------------------------------------------------------
+
+
+def _rich_console() -> Any:
+    """A ``rich`` console when rich is installed and stdout is a terminal."""
+    if os.environ.get("NO_COLOR") or not sys.stdout.isatty():
+        return None
+    try:
+        return importlib.import_module("rich.console").Console()
+    except ImportError:
+        return None
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[str]], title: str | None = None) -> None:
+    """Print an aligned table (with ``rich`` on a terminal when it is installed)."""
+    console = _rich_console()
+    if console is not None:
+        table = importlib.import_module("rich.table").Table(title=title)
+        for h in headers:
+            table.add_column(h)
+        for r in rows:
+            table.add_row(*r)
+        console.print(table)
+        return
+    widths = [len(h) for h in headers]
+    for r in rows:
+        for i, cell in enumerate(r):
+            widths[i] = max(widths[i], len(cell))
+    if title:
+        print(title)
+
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+
+    print(line(headers))
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in rows:
+        print(line(r))
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _str(value: Any) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "backslashreplace")
+    return str(value)
+
+
+def _pairs(flat: Sequence[Any]) -> dict[str, Any]:
+    """A RESP2 flat ``[name, value, name, value, ...]`` reply as a dict."""
+    return {_str(k): v for k, v in zip(flat[::2], flat[1::2], strict=False)}
+
+
+def _int_or_none(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+# -- connections and key checks ---------------------------------------------------
+
+
+def check_url(url: str) -> str:
+    """Parse ``url`` now so a bad one fails before anything starts."""
+    try:
+        parse_url(url)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    return url
+
+
+async def key_type(client: Client, key: str) -> str:
+    return _str(await client.execute("TYPE", key))
+
+
+async def require_key(client: Client, key: str, what: str, types: Sequence[str]) -> str:
+    kind = await key_type(client, key)
+    if kind == "none":
+        raise CliError(f"{what} {key!r} does not exist")
+    if kind not in types:
+        raise CliError(f"{what} {key!r} is a {kind}, not a {' or a '.join(types)}")
+    return kind
+
+
+# -- run ----------------------------------------------------------------------
+
+
+def load_factory(spec: str) -> Callable[[Any], Awaitable[None]]:
+    """``package.module:function`` -> the function (cwd is importable)."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise CliError(f"factory {spec!r} must look like MODULE:FACTORY (e.g. myapp.worker:setup)")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and module_name.startswith(e.name):
+            raise CliError(f"factory {spec!r}: no module named {e.name!r}") from None
+        raise
+    obj: Any = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise CliError(f"factory {spec!r}: module {module_name!r} has no {attr!r}") from None
+    if not callable(obj):
+        raise CliError(f"factory {spec!r} is not callable")
+    factory: Callable[[Any], Awaitable[None]] = obj
+    return factory
+
+
+async def _watch_signals(signals: Any, stop: anyio.CancelScope) -> None:
+    count = 0
+    async for signum in signals:
+        count += 1
+        name = signal.Signals(signum).name
+        if count == 1:
+            log.warning("%s: shutting down gracefully (send it again to exit at once)", name)
+            stop.cancel()
+        else:
+            log.warning("%s again: exiting now", name)
+            logging.shutdown()
+            os._exit(128 + int(signum))
+
+
+async def _run(url: str, factory: Callable[[Any], Awaitable[None]], spec: str, name: str | None,
+               grace: float) -> int:
+    from ._consumer import open_consumer
+
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with anyio.create_task_group() as outer:
+            stop = anyio.CancelScope()
+            outer.start_soon(_watch_signals, signals, stop)
+            with stop:
+                async with open_consumer(url, name=name, shutdown_grace=grace) as consumer:
+                    log.info("consumer %s connected to %s; calling %s", consumer.name,
+                             parse_url(url).address, spec)
+                    result = factory(consumer)
+                    if not pyinspect.isawaitable(result):
+                        raise CliError(
+                            f"factory {spec!r} must be an async function taking the consumer "
+                            "(async def setup(consumer): await consumer.mount(...))"
+                        )
+                    try:
+                        await result
+                    except (ValueError, rexc.RedisError) as e:
+                        raise CliError(f"factory {spec!r} failed: {e}") from None
+                    log.info("running %d subscription(s); SIGINT/SIGTERM to stop",
+                             len(consumer.mounts))
+                    await anyio.sleep_forever()
+            log.info("stopped")
+            outer.cancel_scope.cancel()
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=getattr(logging, args.log_level),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    url = check_url(args.url)
+    factory = load_factory(args.factory)
+    return anyio.run(_run, url, factory, args.factory, args.name, args.shutdown_grace, backend="trio")
+
+
+# -- inspect ------------------------------------------------------------------
+
+
+async def _delay_set(client: Client, key: str) -> dict[str, Any]:
+    kind = await key_type(client, key)
+    out: dict[str, Any] = {"key": key, "exists": kind != "none", "size": 0, "oldest_due_in": None}
+    if kind == "none":
+        return out
+    if kind != "zset":
+        out["error"] = f"is a {kind}, not a sorted set"
+        return out
+    out["size"] = int(await client.execute("ZCARD", key))
+    first = await client.execute("ZRANGE", key, 0, 0, "WITHSCORES")
+    if first:
+        secs, micros = await client.execute("TIME")
+        now_ms = int(secs) * 1000 + int(micros) // 1000
+        out["oldest_due_in"] = round((float(first[1]) - now_ms) / 1000, 3)
+    return out
+
+
+async def _dead_letter(client: Client, key: str) -> dict[str, Any]:
+    kind = await key_type(client, key)
+    out: dict[str, Any] = {"key": key, "type": kind, "length": 0}
+    if kind == "stream":
+        out["length"] = int(await client.execute("XLEN", key))
+    elif kind == "list":
+        out["length"] = int(await client.execute("LLEN", key))
+    elif kind != "none":
+        out["error"] = f"is a {kind}, not a stream or a list"
+    return out
+
+
+async def _oldest_idle(client: Client, key: str, group: str) -> dict[str, Any] | None:
+    """The pending entry idle longest among the 1000 oldest (by id)."""
+    rows = await client.execute("XPENDING", key, group, "-", "+", 1000)
+    if not rows:
+        return None
+    row = max(rows, key=lambda r: int(r[2]))
+    return {"id": _str(row[0]), "consumer": _str(row[1]), "idle": int(row[2]) / 1000,
+            "deliveries": int(row[3])}
+
+
+async def inspect_stream(client: Client, key: str, group: str | None) -> dict[str, Any]:
+    info = _pairs(await client.execute("XINFO", "STREAM", key))
+    first = info.get("first-entry")
+    out: dict[str, Any] = {
+        "key": key,
+        "type": "stream",
+        "length": int(info["length"]),
+        "last_id": _str(info.get("last-generated-id")),
+        "first_id": _str(first[0]) if first else None,
+        "groups": [],
+    }
+    groups = [_pairs(g) for g in await client.execute("XINFO", "GROUPS", key)]
+    if group is not None:
+        groups = [g for g in groups if _str(g["name"]) == group]
+        if not groups:
+            raise CliError(f"stream {key!r} has no consumer group {group!r}")
+    for g in groups:
+        gname = _str(g["name"])
+        consumers = [_pairs(c) for c in await client.execute("XINFO", "CONSUMERS", key, gname)]
+        out["groups"].append({
+            "name": gname,
+            "consumers": int(g["consumers"]),
+            "pending": int(g["pending"]),
+            "last_delivered_id": _str(g["last-delivered-id"]),
+            "lag": _int_or_none(g.get("lag")),
+            "oldest_idle_pending": await _oldest_idle(client, key, gname) if int(g["pending"]) else None,
+            "consumer_list": [
+                {"name": _str(c["name"]), "pending": int(c["pending"]), "idle": int(c["idle"]) / 1000}
+                for c in consumers
+            ],
+        })
+    return out
+
+
+def _processing_prefix(queue: str) -> str:
+    if has_hash_tag(queue) or "}" not in queue:
+        return derived(queue, ":processing:")
+    return queue + ":processing:"  # see _keys.derived: such names end in ~<hex>
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+async def _heartbeat(client: Client, queue: str, owner: str, period: float) -> dict[str, Any]:
+    """The owner's heartbeat key ``{queue}:heartbeat:<owner>`` (a key with a TTL of
+    ``heartbeat`` seconds, renewed every ``heartbeat / 3``): time left, and the
+    age of the last beat estimated as ``period`` minus the time left."""
+    key = derived(queue, f":heartbeat:{owner}")
+    ttl_ms = int(await client.execute("PTTL", key))
+    if ttl_ms == -2:
+        return {"heartbeat_key": key, "alive": False, "heartbeat_ttl": None, "heartbeat_age": None}
+    ttl = None if ttl_ms < 0 else ttl_ms / 1000
+    age = None if ttl is None else round(max(0.0, period - ttl), 3)
+    return {"heartbeat_key": key, "alive": True, "heartbeat_ttl": ttl, "heartbeat_age": age}
+
+
+async def inspect_list(client: Client, key: str, heartbeat: float) -> dict[str, Any]:
+    out: dict[str, Any] = {"key": key, "type": "list", "length": int(await client.execute("LLEN", key)),
+                           "processing": []}
+    prefix = _processing_prefix(key)
+    owners: dict[str, str] = {}  # processing list -> owner
+    cursor: Any = b"0"
+    while True:
+        cursor, batch = await client.execute("SCAN", cursor, "MATCH", _glob_escape(prefix) + "*",
+                                             "COUNT", 1000)
+        for b in batch:
+            owners[_str(b)] = _str(b)[len(prefix):]
+        if cursor in (b"0", "0", 0):
+            break
+    # consumers register name -> processing list in {queue}:consumers
+    registry = derived(key, ":consumers")
+    if await key_type(client, registry) == "hash":
+        for name, plist in _pairs(await client.execute("HGETALL", registry)).items():
+            owners[_str(plist)] = name
+    for plist in sorted(owners):
+        kind = await key_type(client, plist)
+        if kind not in ("list", "none"):
+            continue
+        owner = owners[plist]
+        out["processing"].append({
+            "key": plist,
+            "owner": owner,
+            "length": int(await client.execute("LLEN", plist)) if kind == "list" else 0,
+            **await _heartbeat(client, key, owner, heartbeat),
+        })
+    return out
+
+
+async def _has_list_traces(client: Client, queue: str) -> bool:
+    """True when a reliable list's registry or a processing list exists for ``queue``."""
+    if await key_type(client, derived(queue, ":consumers")) != "none":
+        return True
+    cursor: Any = b"0"
+    while True:
+        cursor, batch = await client.execute(
+            "SCAN", cursor, "MATCH", _glob_escape(_processing_prefix(queue)) + "*", "COUNT", 1000)
+        if batch:
+            return True
+        if cursor in (b"0", "0", 0):
+            return False
+
+
+async def _inspect(url: str, key: str, group: str | None, delay_key: str | None,
+                   dead_letter: str | None, heartbeat: float) -> dict[str, Any]:
+    async with open_client(url, name="trf-cli:inspect", max_connections=2) as client:
+        kind = await key_type(client, key)
+        if kind == "none" and await _has_list_traces(client, key):
+            kind = "list"  # an empty queue (Redis deletes empty lists) with live consumers
+        if kind == "none":
+            raise CliError(f"key {key!r} does not exist")
+        if kind not in ("stream", "list"):
+            raise CliError(f"key {key!r} is a {kind}, not a stream or a list")
+        if kind == "stream":
+            info = await inspect_stream(client, key, group)
+        else:
+            if group is not None:
+                raise CliError(f"--group: key {key!r} is a list, not a stream")
+            info = await inspect_list(client, key, heartbeat)
+        info["delay_set"] = await _delay_set(client, delay_key or derived(key, ":delayed"))
+        info["dead_letter"] = await _dead_letter(client, dead_letter) if dead_letter else None
+        return info
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f} s"
+
+
+def print_inspect(info: dict[str, Any]) -> None:
+    rows: list[list[str]] = [["type", info["type"]], ["length", str(info["length"])]]
+    if info["type"] == "stream":
+        rows.append(["first id", info["first_id"] or "-"])
+        rows.append(["last id", info["last_id"]])
+    ds = info["delay_set"]
+    due = ds["oldest_due_in"]
+    due_text = "" if due is None else (f", oldest due in {due:.3f} s" if due >= 0
+                                       else f", oldest overdue by {-due:.3f} s")
+    rows.append(["delay set", f"{ds['key']}: {ds['size']}{due_text}" + (
+        f" ({ds['error']})" if "error" in ds else "")])
+    dl = info["dead_letter"]
+    if dl is not None:
+        rows.append(["dead letter", f"{dl['key']}: {dl['length']}" + (
+            f" ({dl['error']})" if "error" in dl else "" if dl["type"] != "none" else " (absent)")])
+    print_table(["", info["key"]], rows)
+    if info["type"] == "stream":
+        print()
+        grows = []
+        for g in info["groups"]:
+            o = g["oldest_idle_pending"]
+            oldest = "-" if o is None else (
+                f"{o['id']} idle {o['idle']:.3f} s, {o['deliveries']} deliveries, {o['consumer']}")
+            grows.append([g["name"], str(g["consumers"]), str(g["pending"]), g["last_delivered_id"],
+                          "-" if g["lag"] is None else str(g["lag"]), oldest])
+        print_table(["group", "consumers", "pending", "last delivered", "lag", "oldest idle pending"],
+                    grows or [["(no groups)", "", "", "", "", ""]])
+        for g in info["groups"]:
+            if g["consumer_list"]:
+                print()
+                print_table(
+                    [f"consumer of {g['name']}", "pending", "idle"],
+                    [[c["name"], str(c["pending"]), _seconds(c["idle"])] for c in g["consumer_list"]],
+                )
+    else:
+        print()
+        prows = [[p["key"], p["owner"], str(p["length"]),
+                  _seconds(p["heartbeat_age"]) if p["alive"] else "none (owner dead)",
+                  _seconds(p["heartbeat_ttl"])]
+                 for p in info["processing"]]
+        print_table(["processing list", "owner", "length", "heartbeat age", "expires in"],
+                    prows or [["(none)", "", "", "", ""]])
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    url = check_url(args.url)
+    info = anyio.run(_inspect, url, args.key, args.group, args.delay_key, args.dead_letter,
+                     args.heartbeat, backend="trio")
+    if args.json:
+        print(json.dumps(info, indent=2, sort_keys=True))
+    else:
+        print_inspect(info)
+    return 0
+
+
+# -- requeue ------------------------------------------------------------------
+
+# KEYS: dead letter, destination.  ARGV: entry id, field, value, ...
+# Gated on the entry still being in the dead letter: racing requeues move it once.
+REQUEUE_STREAM = Script(
+    """
+if #redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1]) == 0 then return false end
+local new = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 2))
+redis.call('XDEL', KEYS[1], ARGV[1])
+return new
+""",
+    name="requeue_stream",
+)
+
+# KEYS: dead letter, destination.  ARGV: element as read (oldest, at the tail), new element.
+REQUEUE_LIST = Script(
+    """
+if redis.call('LINDEX', KEYS[1], -1) ~= ARGV[1] then return false end
+redis.call('LPUSH', KEYS[2], ARGV[2])
+redis.call('RPOP', KEYS[1])
+return 1
+""",
+    name="requeue_list",
+)
+
+_DROP_ON_REQUEUE = {*DEAD_FIELDS, RETRIES_FIELD}
+
+
+def requeued_fields(flat: Sequence[bytes]) -> list[bytes]:
+    """A dead entry's fields without the dead-letter fields and the retry counter."""
+    out: list[bytes] = []
+    for k, v in zip(flat[::2], flat[1::2], strict=False):
+        if k not in _DROP_ON_REQUEUE:
+            out += [k, v]
+    return out
+
+
+def requeued_element(element: bytes) -> bytes:
+    """A dead list element with its envelope's retry counter reset (origin kept)."""
+    try:
+        body, retries, origin = unwrap(element)
+    except CorruptEnvelope:
+        return element
+    if origin is None or retries == 0:
+        return element
+    return wrap(body, 0, origin)
+
+
+async def _requeue_stream(client: Client, dead: str, dest: str, limit: int | None,
+                          split: bool) -> int:
+    moved = 0
+    start = "-"
+    while limit is None or moved < limit:
+        page = 100 if limit is None else min(100, limit - moved)
+        entries = await client.execute("XRANGE", dead, start, "+", "COUNT", page)
+        if not entries:
+            break
+        for eid, flat in entries:
+            fields = requeued_fields(flat)
+            if not fields:
+                log.warning("dead entry %s has no fields of its own; left in %s", _str(eid), dead)
+                continue
+            if split:  # different cluster slots: copy first, then remove (duplicate, never loss)
+                if not await client.execute("XRANGE", dead, eid, eid):
+                    continue
+                await client.execute("XADD", dest, "*", *fields)
+                await client.execute("XDEL", dead, eid)
+                moved += 1
+            elif await client.evalsha(REQUEUE_STREAM, (dead, dest), (eid, *fields)) is not None:
+                moved += 1
+            if limit is not None and moved >= limit:
+                break
+        start = "(" + _str(entries[-1][0])
+    return moved
+
+
+async def _requeue_list(client: Client, dead: str, dest: str, limit: int | None, split: bool) -> int:
+    moved = 0
+    misses = 0
+    while limit is None or moved < limit:
+        element = await client.execute("LINDEX", dead, -1)
+        if element is None:
+            break
+        new = requeued_element(element)
+        if split:
+            await client.execute("LPUSH", dest, new)
+            await client.execute("LREM", dead, -1, element)
+            moved += 1
+            continue
+        if await client.evalsha(REQUEUE_LIST, (dead, dest), (element, new)) is None:
+            misses += 1  # someone else moved it meanwhile: read the tail again
+            if misses > 1000:
+                raise CliError(f"dead letter {dead!r} keeps changing under requeue; try again")
+            continue
+        moved += 1
+    return moved
+
+
+async def _requeue(url: str, dead: str, dest: str, limit: int | None) -> int:
+    if dead == dest:
+        raise CliError("--to must differ from the dead letter")
+    async with open_client(url, name="trf-cli:requeue", max_connections=2) as client:
+        kind = await require_key(client, dead, "dead letter", ("stream", "list"))
+        dest_kind = await key_type(client, dest)
+        if dest_kind not in ("none", kind):
+            raise CliError(f"--to {dest!r} is a {dest_kind}, but dead letter {dead!r} is a {kind}")
+        split = bool(client.params.cluster_seeds) and not same_slot(dead, dest)
+        if kind == "stream":
+            return await _requeue_stream(client, dead, dest, limit, split)
+        return await _requeue_list(client, dead, dest, limit, split)
+
+
+def cmd_requeue(args: argparse.Namespace) -> int:
+    url = check_url(args.url)
+    moved = anyio.run(_requeue, url, args.dead_letter, args.to, args.limit, backend="trio")
+    print(f"requeued {moved} message{'s' if moved != 1 else ''} from {args.dead_letter} to {args.to}")
+    return 0
+
+
+# -- demo ---------------------------------------------------------------------
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from ._demo import demo
+
+    if args.url is not None:
+        check_url(args.url)
+    return demo(args.url, verbose=args.verbose, per_cell=args.messages)
+
+
+# -- parser -------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
+    return value
+
+
+def _url_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--url", default=DEFAULT_URL,
+        help=f"Redis URL: redis://[user:password@]host:port/db, rediss://, unix://path "
+             f"(default: {DEFAULT_URL})",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=PROG,
+        description="Consume Redis streams, lists and Pub/Sub from trio, finalizing every "
+                    "delivery with the commands proper to its form and outcome.",
+        epilog="Exit codes: 0 ok; 1 failure at run time; 2 bad input (one line on stderr).",
+    )
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
+
+    p = sub.add_parser(
+        "demo", help="every form x every outcome against a real server; prints the observed table",
+        description="Mount one subscription of every form (stream, claiming stream, stream with "
+                    "a durable delay set, reliable list, simple list, channel, pattern), produce "
+                    "messages whose handlers return every outcome, record with MONITOR the "
+                    "Redis commands each finalization issued, print them as a form x outcome "
+                    "table and check that nothing was lost (last line 'lost: N'; exit 1 if N > 0).",
+    )
+    p.add_argument("--url", default=None,
+                   help="use this server (keys are prefixed trf-demo-<random> and deleted after); "
+                        "default: start a private redis-server on a free port")
+    p.add_argument("--messages", type=_positive_int, default=3, metavar="N",
+                   help="messages per form and outcome (default 3)")
+    p.add_argument("-v", "--verbose", action="store_true", help="print the library's log records")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser(
+        "run", help="run a consumer whose subscriptions your code mounts",
+        description="Import MODULE, open a consumer and await FACTORY(consumer), e.g. "
+                    "'async def setup(consumer): await consumer.mount(StreamSubscription(...), "
+                    "handle)'; then run until SIGINT or SIGTERM: the first stops gracefully "
+                    "(in-flight handlers finish, outcomes are finalized), a second exits at once "
+                    "(code 128+signal). Logs go to stderr. The current directory is importable.",
+    )
+    p.add_argument("factory", metavar="MODULE:FACTORY", help="e.g. myapp.worker:setup")
+    _url_arg(p)
+    p.add_argument("--name", default=None,
+                   help="consumer name (stable names let a restart recover pending work; "
+                        "default: host-pid-random)")
+    p.add_argument("--shutdown-grace", type=_non_negative, default=10.0, metavar="SECONDS",
+                   help="seconds in-flight handlers get to finish on shutdown (default 10)")
+    p.add_argument("--log-level", default="INFO",
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default INFO")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser(
+        "inspect", help="show a stream's or list's state: groups, pending, delay set, dead letter",
+        description="For a stream: length, consumer groups (consumers, pending, last delivered id, "
+                    "lag, oldest idle pending entry), consumers. For a list: length and the "
+                    "processing lists ({KEY}:processing:* and those registered in {KEY}:consumers) "
+                    "with their owners' heartbeat age. "
+                    "For both: the delay set ({KEY}:delayed unless --delay-key) and, with "
+                    "--dead-letter, the dead letter's length.",
+    )
+    p.add_argument("key", metavar="KEY", help="the stream or list")
+    p.add_argument("--group", default=None, help="only this consumer group (streams)")
+    _url_arg(p)
+    p.add_argument("--delay-key", default=None, help="the durable delay set (default {KEY}:delayed)")
+    p.add_argument("--dead-letter", default=None, metavar="KEY", help="also show this dead letter")
+    p.add_argument("--heartbeat", type=_non_negative, default=30.0, metavar="SECONDS",
+                   help="the subscriptions' heartbeat setting, to estimate heartbeat age from the "
+                        "heartbeat key's TTL (lists; default 30, the library's default)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser(
+        "requeue", help="move dead-lettered messages back onto a queue",
+        description="Move messages from DEAD_LETTER (oldest first) back to --to, with their "
+                    "retry counter reset and their origin id kept. Stream entries lose the "
+                    "trf-dead-* fields; each move is one script gated on the entry still being in "
+                    "the dead letter (copy first, then XDEL / RPOP), so racing requeues move a "
+                    "message once.",
+    )
+    p.add_argument("dead_letter", metavar="DEAD_LETTER", help="the dead-letter stream or list")
+    p.add_argument("--to", required=True, metavar="KEY", help="where the messages go")
+    p.add_argument("--limit", type=_positive_int, default=None, metavar="N",
+                   help="move at most N messages (default: all)")
+    _url_arg(p)
+    p.set_defaults(func=cmd_requeue)
+    return parser
+
+
+# -- main ---------------------------------------------------------------------
+
+_BAD_INPUT = (CliError, ValueError, rexc.RedisError, OSError)
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for e in exc.exceptions for leaf in _leaves(e)]
+    return [exc]
 
 
 def main(argv: list[str] | None = None) -> int:
-    print("trio-redis-finalize: CLI not written yet", file=sys.stderr)
-    return 2
+    """Entry point of ``python -m trio_redis_finalize`` and ``trio-redis-finalize``."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code: int = args.func(args)
+        return code
+    except KeyboardInterrupt:
+        return 130
+    except BaseException as exc:
+        leaves = _leaves(exc)
+        if any(isinstance(e, KeyboardInterrupt) for e in leaves):
+            return 130
+        if isinstance(exc, SystemExit):
+            raise
+        bad = [e for e in leaves if isinstance(e, _BAD_INPUT)]
+        if bad and len(bad) == len(leaves):
+            print(f"{PROG} {args.command}: error: {_one_line(str(bad[0]))}", file=sys.stderr)
+            return 2
+        raise

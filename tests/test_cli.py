@@ -1,0 +1,500 @@
+"""The command line, run as a subprocess against a real redis-server.
+
+Covers ``--help`` of every command; ``demo`` against the fixture server and
+with its own embedded server (observed table, ``lost: 0``); ``run`` of a
+factory module (graceful SIGTERM, second signal exits at once); ``inspect``
+of a stream and of a reliable list (table and ``--json``); ``requeue`` of a
+stream and a list dead letter (counter reset, origin kept, racing requeues
+move each message once); bad input (exit 2, one line on stderr, no traceback).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from trio_redis_finalize import (
+    ACK,
+    ORIGIN_FIELD,
+    RETRIES_FIELD,
+    RETRY,
+    Delivery,
+    ReliableListSubscription,
+    StreamSubscription,
+    open_consumer,
+)
+from trio_redis_finalize._demo import parse_monitor_line
+from trio_redis_finalize._envelope import unwrap
+from trio_redis_finalize.pytest_plugin import sync_command
+from trio_redis_finalize.testing import RedisServer, free_port
+
+CLI = [sys.executable, "-m", "trio_redis_finalize"]
+
+
+def cli(*args: str, cwd: Path | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+async def acli(*args: str) -> subprocess.CompletedProcess[bytes]:
+    """The CLI from inside a trio test (the consumer keeps running meanwhile)."""
+    with trio.fail_after(60):
+        return await trio.run_process([*CLI, *args], capture_stdout=True, capture_stderr=True,
+                                      check=False)
+
+
+def cmd(server: RedisServer, *args: Any) -> Any:
+    return sync_command(server, *args)
+
+
+def pairs(flat: list[Any]) -> dict[Any, Any]:
+    return dict(zip(flat[::2], flat[1::2], strict=False))
+
+
+# -- help ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [[], ["demo"], ["run"], ["inspect"], ["requeue"]])
+def test_help_of_every_command(command: list[str]) -> None:
+    r = cli(*command, "--help")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("usage: trio-redis-finalize")
+    words = {"demo": "--url", "run": "MODULE:FACTORY", "inspect": "--json", "requeue": "--limit"}
+    if command:
+        assert words[command[0]] in r.stdout
+        assert "redis://127.0.0.1:6379/0" in r.stdout or command[0] == "demo"
+    else:
+        for name in ("demo", "run", "inspect", "requeue"):
+            assert name in r.stdout
+
+
+# -- demo ---------------------------------------------------------------------
+
+EXPECTED_ROWS = {
+    "stream": ["XACK", "EVALSHA(XADD, XACK)", "XACK", "XACK then XADD", "EVALSHA(XADD, XACK)"],
+    "claiming stream": ["XACK", "none: same id re-read from the PEL", "XACK",
+                        "none: same id re-read from the PEL", "EVALSHA(XADD, XACK)"],
+    "stream (durable delay)": ["XACK", "EVALSHA(XADD, XACK)", "XACK",
+                               "EVALSHA(ZADD, XACK) then EVALSHA(XADD)", "EVALSHA(XADD, XACK)"],
+    "reliable list": ["LREM", "EVALSHA(LPUSH, LREM)", "LREM", "EVALSHA(LPUSH, LREM)",
+                      "EVALSHA(LPUSH, LREM)"],
+    "simple list": ["refused", "refused", "refused", "LPUSH", "-"],
+    "channel": ["refused", "refused", "refused", "PUBLISH", "-"],
+    "pattern": ["refused", "refused", "refused", "PUBLISH", "-"],
+}
+
+
+def check_demo_output(r: subprocess.CompletedProcess[str]) -> None:
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[-1] == "lost: 0"
+    rows = {}
+    for line in lines:
+        if line.startswith("| ") and not line.startswith("| form"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            rows[cells[0]] = cells[1:]
+    assert rows == EXPECTED_ROWS, r.stdout
+    assert "every cell matches the expected table" in r.stdout
+    assert "Traceback" not in r.stderr
+    for form in ("stream", "claiming stream", "stream (durable delay)", "reliable list"):
+        assert any(ln.strip().startswith(f"{form}: produced 15, acked 9, dropped 3, dead-lettered 3")
+                   and "still in Redis 0" in ln for ln in lines), r.stdout
+
+
+def test_demo_against_the_fixture_server(redis_url: str, redis_server: RedisServer) -> None:
+    started = time.monotonic()
+    r = cli("demo", "--url", redis_url, timeout=60)
+    assert time.monotonic() - started < 30
+    check_demo_output(r)
+    assert "started a private redis-server" not in r.stdout
+    assert cmd(redis_server, "KEYS", "trf-demo-*") == []  # the demo deletes its keys
+    assert cmd(redis_server, "KEYS", "*trf-demo-*") == []
+
+
+def test_demo_with_its_embedded_server() -> None:
+    started = time.monotonic()
+    r = cli("demo", timeout=60)
+    assert time.monotonic() - started < 30
+    check_demo_output(r)
+    assert "started a private redis-server" in r.stdout
+    assert "stopped the private redis-server" in r.stdout
+
+
+def test_monitor_line_parsing() -> None:
+    line = b'1700000000.000001 [3 lua] "LPUSH" "k" "a\\"b\\\\c\\n\\xff\\x00"'
+    assert parse_monitor_line(line) == (3, True, [b"LPUSH", b"k", b'a"b\\c\n\xff\x00'])
+    line = b'1700000000.000001 [0 127.0.0.1:5000] "xack" "s" "g" "1-0"'
+    assert parse_monitor_line(line) == (0, False, [b"XACK", b"s", b"g", b"1-0"])
+    assert parse_monitor_line(b"OK") is None
+
+
+# -- run ----------------------------------------------------------------------
+
+WORKER = """
+import pathlib
+
+import anyio
+
+from trio_redis_finalize import ACK, StreamSubscription
+
+HERE = pathlib.Path(__file__).parent
+
+
+async def handle(d):
+    with (HERE / "handled.txt").open("a") as f:
+        f.write(d.fields[b"n"].decode() + "\\n")
+    if d.fields.get(b"slow"):
+        await anyio.sleep(60)
+    return ACK
+
+
+async def setup(consumer):
+    await consumer.mount(StreamSubscription("jobs", "workers", block=0.1), handle)
+
+
+def not_async(consumer):
+    return None
+"""
+
+
+def _wait_for(predicate: Any, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def _handled(tmp_path: Path) -> list[str]:
+    path = tmp_path / "handled.txt"
+    return path.read_text().split() if path.exists() else []
+
+
+def test_run_consumes_then_stops_gracefully_on_sigterm(
+    tmp_path: Path, redis_url: str, redis_server: RedisServer
+) -> None:
+    (tmp_path / "worker_mod.py").write_text(WORKER)
+    ids = [cmd(redis_server, "XADD", "jobs", "*", "n", str(i)).decode() for i in range(5)]
+    proc = subprocess.Popen(
+        [*CLI, "run", "worker_mod:setup", "--url", redis_url, "--name", "w1"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        _wait_for(lambda: len(_handled(tmp_path)) == 5)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert sorted(_handled(tmp_path)) == [str(i) for i in range(5)]
+    assert "SIGTERM" in err and "shutting down gracefully" in err
+    assert "Traceback" not in err
+    # every handled entry was acknowledged, by consumer w1
+    assert cmd(redis_server, "XPENDING", "jobs", "workers")[0] == 0
+    (group,) = [pairs(g) for g in cmd(redis_server, "XINFO", "GROUPS", "jobs")]
+    assert group[b"last-delivered-id"].decode() == ids[-1]
+    consumers = [pairs(c)[b"name"] for c in cmd(redis_server, "XINFO", "CONSUMERS", "jobs", "workers")]
+    assert consumers == [b"w1"]
+
+
+def test_run_second_signal_exits_at_once(
+    tmp_path: Path, redis_url: str, redis_server: RedisServer
+) -> None:
+    (tmp_path / "worker_mod.py").write_text(WORKER)
+    cmd(redis_server, "XADD", "jobs", "*", "n", "0", "slow", "1")
+    proc = subprocess.Popen(
+        [*CLI, "run", "worker_mod:setup", "--url", redis_url, "--shutdown-grace", "30"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        _wait_for(lambda: _handled(tmp_path) == ["0"])
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert proc.poll() is None  # graceful: waits for the slow handler
+        proc.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        _, err = proc.communicate(timeout=10)
+        assert time.monotonic() - started < 5
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "exiting now" in err
+    # the unfinished entry was not acknowledged: it stays pending for recovery
+    assert cmd(redis_server, "XPENDING", "jobs", "workers")[0] == 1
+
+
+def test_run_rejects_a_factory_that_is_not_async(
+    tmp_path: Path, redis_url: str, redis_server: RedisServer
+) -> None:
+    (tmp_path / "worker_mod.py").write_text(WORKER)
+    r = cli("run", "worker_mod:not_async", "--url", redis_url, cwd=tmp_path, timeout=30)
+    assert r.returncode == 2
+    assert "must be an async function" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+# -- inspect ------------------------------------------------------------------
+
+
+def test_inspect_stream_table_and_json(redis_url: str, redis_server: RedisServer) -> None:
+    ids = [cmd(redis_server, "XADD", "orders", "*", "n", str(i)).decode() for i in range(3)]
+    cmd(redis_server, "XGROUP", "CREATE", "orders", "billing", "0")
+    cmd(redis_server, "XGROUP", "CREATE", "orders", "audit", "$")
+    cmd(redis_server, "XREADGROUP", "GROUP", "billing", "c1", "COUNT", "2", "STREAMS", "orders", ">")
+    secs, micros = cmd(redis_server, "TIME")
+    due = int(secs) * 1000 + int(micros) // 1000 + 60_000
+    cmd(redis_server, "ZADD", "{orders}:delayed", str(due), "copy")
+    cmd(redis_server, "XADD", "orders:dead", "*", "n", "9")
+
+    r = cli("inspect", "orders", "--url", redis_url, "--dead-letter", "orders:dead")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "| length " in out and " 3 " in out
+    assert "{orders}:delayed: 1, oldest due in" in out
+    assert "orders:dead: 1" in out
+    billing = next(ln for ln in out.splitlines() if ln.startswith("| billing"))
+    cells = [c.strip() for c in billing.strip("|").split("|")]
+    assert cells[:4] == ["billing", "1", "2", ids[1]]
+    assert cells[5].startswith(ids[0]) or cells[5].startswith(ids[1])
+    assert "c1" in cells[5]
+    assert any(ln.startswith("| audit") for ln in out.splitlines())
+    assert any(ln.startswith("| c1 ") for ln in out.splitlines())
+
+    r = cli("inspect", "orders", "--url", redis_url, "--json", "--dead-letter", "orders:dead")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["type"] == "stream" and info["length"] == 3
+    assert info["first_id"] == ids[0] and info["last_id"] == ids[2]
+    groups = {g["name"]: g for g in info["groups"]}
+    assert set(groups) == {"billing", "audit"}
+    b = groups["billing"]
+    assert (b["consumers"], b["pending"], b["last_delivered_id"]) == (1, 2, ids[1])
+    assert b["lag"] in (1, None)  # lag needs Redis 7
+    assert b["oldest_idle_pending"]["id"] in ids[:2]
+    assert b["oldest_idle_pending"]["deliveries"] == 1
+    assert b["oldest_idle_pending"]["consumer"] == "c1"
+    assert [c["name"] for c in b["consumer_list"]] == ["c1"]
+    assert groups["audit"]["pending"] == 0 and groups["audit"]["oldest_idle_pending"] is None
+    assert info["delay_set"]["key"] == "{orders}:delayed" and info["delay_set"]["size"] == 1
+    assert 50 < info["delay_set"]["oldest_due_in"] <= 60
+    assert info["dead_letter"] == {"key": "orders:dead", "type": "stream", "length": 1}
+
+    r = cli("inspect", "orders", "--url", redis_url, "--json", "--group", "billing")
+    assert r.returncode == 0, r.stderr
+    assert [g["name"] for g in json.loads(r.stdout)["groups"]] == ["billing"]
+    r = cli("inspect", "orders", "--url", redis_url, "--group", "nope")
+    assert r.returncode == 2
+    assert r.stderr.strip() == (
+        "trio-redis-finalize inspect: error: stream 'orders' has no consumer group 'nope'")
+
+
+async def test_inspect_reliable_list_of_a_running_consumer(redis_url: str) -> None:
+    """Processing list, owner and heartbeat come from a real consumer."""
+    release = trio.Event()
+    started = trio.Event()
+
+    async def handle(d: Delivery) -> Any:
+        started.set()
+        await release.wait()
+        return ACK
+
+    async with open_consumer(redis_url, name="w1") as consumer:
+        await consumer.client.execute("LPUSH", "jobs", "a")
+        await consumer.mount(ReliableListSubscription("jobs", block=0.1, heartbeat=30.0), handle)
+        with trio.fail_after(10):
+            await started.wait()
+        await consumer.client.execute("LPUSH", "jobs", "b", "c")
+        await consumer.client.execute("RPUSH", "{jobs}:processing:gone", "x")  # a dead owner's
+        r = await acli("inspect", "jobs", "--url", redis_url, "--json")
+        assert r.returncode == 0, r.stderr
+        info = json.loads(r.stdout)
+        table = await acli("inspect", "jobs", "--url", redis_url)
+        release.set()
+    assert info["type"] == "list"
+    assert info["length"] >= 0
+    procs = {p["owner"]: p for p in info["processing"]}
+    assert set(procs) == {"w1", "gone"}
+    w1 = procs["w1"]
+    assert w1["key"] == "{jobs}:processing:w1" and w1["length"] >= 1
+    assert info["length"] + w1["length"] == 3
+    assert w1["alive"] is True
+    assert 0 <= w1["heartbeat_age"] < 15 and 15 < w1["heartbeat_ttl"] <= 30
+    assert procs["gone"]["alive"] is False and procs["gone"]["length"] == 1
+    assert info["delay_set"]["key"] == "{jobs}:delayed"
+    out = table.stdout.decode()
+    assert table.returncode == 0
+    assert "{jobs}:processing:w1" in out and "{jobs}:processing:gone" in out
+    assert "none (owner dead)" in out
+
+
+# -- requeue ------------------------------------------------------------------
+
+
+async def _wait_len(client: Any, command: str, key: str, n: int) -> None:
+    with trio.fail_after(10):
+        while int(await client.execute(command, key)) < n:
+            await trio.sleep(0.02)
+
+
+async def test_requeue_stream_dead_letter(redis_url: str) -> None:
+    sub = StreamSubscription("orders", "g", block=0.1, max_attempts=2, dead_letter="orders:dead")
+    async with open_consumer(redis_url, name="c") as consumer:
+        await consumer.mount(sub, lambda d: _const(RETRY))
+        originals = [(await consumer.client.execute("XADD", "orders", "*", "n", str(i))).decode()
+                     for i in range(3)]
+        await _wait_len(consumer.client, "XLEN", "orders:dead", 3)
+    r = await acli("requeue", "orders:dead", "--to", "orders", "--limit", "2", "--url", redis_url)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.decode().strip() == "requeued 2 messages from orders:dead to orders"
+    r = await acli("requeue", "orders:dead", "--to", "orders", "--url", redis_url)
+    assert r.stdout.decode().strip() == "requeued 1 message from orders:dead to orders"
+
+    seen: list[Delivery] = []
+    async with open_consumer(redis_url, name="c") as consumer:
+        assert int(await consumer.client.execute("XLEN", "orders:dead")) == 0
+        entries = await consumer.client.execute("XRANGE", "orders", "-", "+")
+        requeued = [pairs(f) for _, f in entries[-3:]]
+        for fields in requeued:
+            assert RETRIES_FIELD not in fields
+            assert not [k for k in fields if k.startswith(b"trf-dead-")]
+        assert [f[ORIGIN_FIELD].decode() for f in requeued] == originals
+        assert [f[b"n"] for f in requeued] == [b"0", b"1", b"2"]
+
+        async def handle(d: Delivery) -> Any:
+            seen.append(d)
+            return ACK
+
+        await consumer.mount(StreamSubscription("orders", "g2", block=0.1,
+                                                start_id=entries[-4][0].decode()), handle)
+        with trio.fail_after(10):
+            while len(seen) < 3:
+                await trio.sleep(0.02)
+    assert [d.attempt for d in seen] == [1, 1, 1]
+    assert [d.origin_id for d in seen] == originals
+    assert [dict(d.fields) for d in seen] == [{b"n": str(i).encode()} for i in range(3)]
+
+
+async def _const(outcome: Any) -> Any:
+    return outcome
+
+
+async def test_requeue_list_dead_letter(redis_url: str) -> None:
+    sub = ReliableListSubscription("jobs", block=0.1, max_attempts=2, dead_letter="jobs:dead")
+    async with open_consumer(redis_url, name="c") as consumer:
+        await consumer.mount(sub, lambda d: _const(RETRY))
+        await consumer.client.execute("LPUSH", "jobs", "a", "b", "c")
+        await _wait_len(consumer.client, "LLEN", "jobs:dead", 3)
+        dead = await consumer.client.execute("LRANGE", "jobs:dead", 0, -1)
+    # a dead element is the copy as read at its last attempt: retry counter 1
+    assert sorted(unwrap(e)[1] for e in dead) == [1, 1, 1]
+    origins = {unwrap(e)[0]: unwrap(e)[2] for e in dead}
+
+    r = await acli("requeue", "jobs:dead", "--to", "jobs", "--url", redis_url)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.decode().strip() == "requeued 3 messages from jobs:dead to jobs"
+
+    seen: list[Delivery] = []
+
+    async def handle(d: Delivery) -> Any:
+        seen.append(d)
+        return ACK
+
+    async with open_consumer(redis_url, name="c") as consumer:
+        assert int(await consumer.client.execute("EXISTS", "jobs:dead")) == 0
+        queued = await consumer.client.execute("LRANGE", "jobs", 0, -1)
+        assert sorted(unwrap(e)[1] for e in queued) == [0, 0, 0]
+        await consumer.mount(ReliableListSubscription("jobs", block=0.1), handle)
+        with trio.fail_after(10):
+            while len(seen) < 3:
+                await trio.sleep(0.02)
+    assert sorted(d.data or b"" for d in seen) == [b"a", b"b", b"c"]
+    assert all(d.attempt == 1 for d in seen)
+    assert {d.data: d.origin_id for d in seen} == origins
+
+
+def test_racing_requeues_move_each_entry_once(redis_url: str, redis_server: RedisServer) -> None:
+    for i in range(60):
+        cmd(redis_server, "XADD", "dl", "*", "n", str(i), "trf-dead-reason", "x", "trf-retries", "3")
+    procs = [subprocess.Popen([*CLI, "requeue", "dl", "--to", "back", "--url", redis_url],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    moved = 0
+    for p in procs:
+        out, err = p.communicate(timeout=30)
+        assert p.returncode == 0, err
+        moved += int(out.split()[1])
+    assert moved == 60
+    assert cmd(redis_server, "XLEN", "dl") == 0
+    entries = cmd(redis_server, "XRANGE", "back", "-", "+")
+    assert sorted(int(pairs(f)[b"n"]) for _, f in entries) == list(range(60))
+    assert all(pairs(f).keys() == {b"n"} for _, f in entries)
+
+
+# -- bad input ----------------------------------------------------------------
+
+
+def _bad_cases(port: int) -> list[tuple[list[str], str]]:
+    dead = f"redis://127.0.0.1:{port}/0"
+    return [
+        (["inspect", "k", "--url", "foo://h:1/0"], "unknown scheme 'foo'"),
+        (["requeue", "d", "--to", "k", "--url", "http://h/0"], "unknown scheme 'http'"),
+        (["demo", "--url", "bogus://x"], "unknown scheme 'bogus'"),
+        (["run", "os:getcwd", "--url", "mysql://x"], "unknown scheme 'mysql'"),
+        (["inspect", "k", "--url", dead], f"cannot connect to 127.0.0.1:{port}"),
+        (["requeue", "d", "--to", "k", "--url", dead], f"cannot connect to 127.0.0.1:{port}"),
+        (["demo", "--url", dead], f"cannot connect to 127.0.0.1:{port}"),
+        (["run", "os:getcwd", "--url", dead], f"cannot connect to 127.0.0.1:{port}"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_bad_url_one_line_exit_2(case: int) -> None:
+    port = free_port()
+    args, expected = _bad_cases(port)[case]
+    r = cli(*args, timeout=30)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"trio-redis-finalize {args[0]}: error: ")
+    assert expected in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["inspect", "missing"], "key 'missing' does not exist"),
+        (["requeue", "missing", "--to", "k"], "dead letter 'missing' does not exist"),
+        (["requeue", "astring", "--to", "k"], "dead letter 'astring' is a string, not a stream or a list"),
+        (["inspect", "astring"], "key 'astring' is a string, not a stream or a list"),
+        (["run", "no_such_module_here:setup"],
+         "factory 'no_such_module_here:setup': no module named 'no_such_module_here'"),
+    ],
+)
+def test_bad_key_one_line_exit_2(
+    args: list[str], expected: str, redis_url: str, redis_server: RedisServer
+) -> None:
+    cmd(redis_server, "SET", "astring", "v")
+    r = cli(*args, "--url", redis_url, timeout=30)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip() == f"trio-redis-finalize {args[0]}: error: {expected}"
+
+
+def test_console_script_is_installed() -> None:
+    script = Path(sys.executable).with_name("trio-redis-finalize")
+    assert script.exists()
+    r = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=30,
+                       env={**os.environ})
+    assert r.returncode == 0 and r.stdout.startswith("trio-redis-finalize ")
