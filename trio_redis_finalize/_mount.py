@@ -271,7 +271,7 @@ class Mount:
                 return Plan(Effect.NOTHING)
             self.stats.refused += 1
             self.stats.effects["refused"] += 1
-            log.error("%s: %s (message %s, attempt %d)", self.name, e, d.origin_id, d.attempt)
+            log.error("%s (message %s, attempt %d)", e, d.origin_id, d.attempt)
             return None
         if (p.effect is Effect.LEFT_PENDING and outcome.kind is OutcomeKind.RETRY_AFTER
                 and outcome.delay > self.target.min_idle and not self._cut_warned):
