@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import random
+from time import monotonic
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -202,7 +203,7 @@ class Mount:
             async for chunk in recv:
                 results: list[Item] = []
                 unstarted: list[Delivery] = []
-                last_flush = anyio.current_time()
+                last_flush = monotonic()
                 try:
                     for i, d in enumerate(chunk):
                         if self.stopping:
@@ -214,10 +215,10 @@ class Mount:
                         finally:
                             self.stats.in_flight -= 1
                         results.append((d, outcome))
-                        if len(chunk) > 1 and anyio.current_time() - last_flush > _FLUSH_EVERY:
+                        if len(chunk) > 1 and monotonic() - last_flush > _FLUSH_EVERY:
                             await send.send(results)
                             results = []
-                            last_flush = anyio.current_time()
+                            last_flush = monotonic()
                 finally:
                     give_back = self.reader.abandon(unstarted) if unstarted else None
                     if give_back is not None:
@@ -294,27 +295,36 @@ class Mount:
                 plans.append((d, p))
         commands = merge_commands([p.commands for _, p in plans])
         attempt = 0
-        while commands:
-            try:
-                replies = await self.client.pipeline(
-                    commands, raise_on_error=False, timeout=FINALIZE_TIMEOUT
-                )
-            except (rexc.ConnectionError, rexc.TimeoutError, OSError) as e:
-                # Outcome unknown: every command is idempotent or gated (or, for
-                # cross-slot fallbacks, duplicates rather than loses): send again.
-                self.stats.finalize_errors += 1
-                log.warning(
-                    "%s: finalization of %d deliveries failed (%s); sending again",
-                    self.name, len(plans), e,
-                )
-                await anyio.sleep(backoff(attempt))
-                attempt += 1
-                continue
-            for cmd, r in zip(commands, replies, strict=True):
-                if isinstance(r, rexc.RedisError):
+        try:
+            while commands:
+                try:
+                    replies = await self.client.pipeline(
+                        commands, raise_on_error=False, timeout=FINALIZE_TIMEOUT
+                    )
+                except (rexc.ConnectionError, rexc.TimeoutError, OSError) as e:
+                    # Outcome unknown: every command is idempotent or gated (or, for
+                    # cross-slot fallbacks, duplicates rather than loses): send again.
                     self.stats.finalize_errors += 1
-                    log.error("%s: finalization command failed: %s", self.name, describe_error(r, cmd))
-            break
+                    log.warning(
+                        "%s: finalization of %d deliveries failed (%s); sending again",
+                        self.name, len(plans), e,
+                    )
+                    await anyio.sleep(backoff(attempt))
+                    attempt += 1
+                    continue
+                for cmd, r in zip(commands, replies, strict=True):
+                    if isinstance(r, rexc.RedisError):
+                        self.stats.finalize_errors += 1
+                        log.error("%s: finalization command failed: %s", self.name, describe_error(r, cmd))
+                break
+        except anyio.get_cancelled_exc_class():
+            # Cancelled (shutdown deadline) with the outcome unknown: a runtime
+            # retry_after's XACK may have been applied, so its copy must still
+            # go out (the shutdown flush publishes it): duplicate, never loss.
+            for _, p in plans:
+                if p.delay is not None and p.later:
+                    self.consumer.scheduler.hold(self, p.delay, p.later)
+            raise
         for d, p in plans:
             self.stats.effects[p.effect.value] += 1
             if d.id is not None:
