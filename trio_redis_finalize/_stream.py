@@ -144,6 +144,8 @@ _READ_MARGIN = 1.0
 _RECOVER_EVERY = 60.0
 _CLAIM_EVERY_MAX = 30.0
 _MOVE_LIMIT = 128
+_MOVE_RETRY = 5.0
+"""Seconds before a move of due copies that Redis refused is tried again."""
 
 
 def _str(b: bytes | str) -> str:
@@ -309,9 +311,19 @@ class StreamReader:
     async def _move_due(self, mount: Mount) -> float:
         """Move due copies from the durable delay set; seconds until the next is due."""
         t = mount.target
-        moved, now_ms, first = await mount.client.evalsha(
-            MOVE_DUE_TO_STREAM, (t.delay_key, t.source), (_MOVE_LIMIT,), timeout=FINALIZE_TIMEOUT
-        )
+        try:
+            moved, now_ms, first = await mount.client.evalsha(
+                MOVE_DUE_TO_STREAM, (t.delay_key, t.source), (_MOVE_LIMIT,), timeout=FINALIZE_TIMEOUT
+            )
+        except rexc.ResponseError as e:
+            # Redis refused a write (the stream is of another type now, or at
+            # its last possible id, ...): what was not written is still in the
+            # set.  Keep reading the stream and try again later, loudly,
+            # rather than let one bad key end the consumer.
+            mount.stats.read_errors += 1
+            log.error("%s: moving due copies from %r back to %r failed: %s; trying again in %g s",
+                      mount.name, t.delay_key, t.source, e, _MOVE_RETRY)
+            return _MOVE_RETRY
         if moved:
             mount.stats.effects["moved_from_delay_set"] += int(moved)
         if int(moved) >= _MOVE_LIMIT:
