@@ -485,6 +485,31 @@ def _fields_of(member: bytes) -> list[bytes]:
     return unpack_parts(member)[1:]
 
 
+async def test_refused_move_keeps_the_consumer_reading(
+    redis_url: str, redis: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    # the same failure under a running consumer: logged (naming both keys),
+    # counted, nothing lost, and the consumer keeps reading its stream
+    top = "18446744073709551615-18446744073709551614"
+    await redis.execute("XADD", "s", top, "seed", "1")
+    origins = [f"0-{i + 1}" for i in range(3)]
+    await redis.execute("ZADD", "{s}:delayed", *[x for o in origins for x in (0, due_member(o))])
+    rec = Recorder(lambda d: ACK)
+    async with open_consumer(redis_url) as consumer:
+        sub = StreamSubscription("s", "g", delayed_retry=DelayedRetry.DURABLE_ZSET, block=0.1)
+        await consumer.mount(sub, rec)
+        await wait_for(lambda: len(rec.calls) == 2, what="seed and the one copy written")
+        await trio.sleep(0.5)  # still alive, still reading
+        assert consumer.stats()[sub.name]["read_errors"] >= 1
+    assert rec.calls[0].delivery.id == top
+    refused = [r for r in caplog.records if r.levelno == logging.ERROR and "{s}:delayed" in r.getMessage()]
+    assert refused and "exhausted" in refused[0].getMessage()
+    in_stream = [header(f, ORIGIN_FIELD) for _, f in await stream_entries(redis, "s")][1:]
+    left = await redis.execute("ZRANGE", "{s}:delayed", 0, -1)
+    in_set = [header(_fields_of(m), ORIGIN_FIELD) for m in left]
+    assert Counter(in_stream + in_set) == Counter(o.encode() for o in origins)
+
+
 async def test_wrong_type_destination_keeps_every_member(redis: Client) -> None:
     await redis.execute("SET", "s", "not a stream")
     await redis.execute("ZADD", "{s}:delayed", 0, due_member("0-1"), 0, due_member("0-2"))
