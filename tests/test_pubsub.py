@@ -9,6 +9,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 import pytest
 import trio
 from _procs import Recorder, eventually
@@ -245,3 +246,29 @@ def test_bad_config_names_the_parameter() -> None:
         PatternSubscription("a.*", retry_channel="")
     with pytest.raises(ValueError, match="max_attempts"):
         ChannelSubscription("a", max_attempts=0)
+
+
+# -- the asyncio backend ------------------------------------------------------------
+
+def test_round_trip_under_asyncio(redis_url: str) -> None:
+    async def main() -> list[tuple[str, bytes | None, int]]:
+        seen: list[Delivery] = []
+
+        async def handler(d: Delivery) -> Any:
+            seen.append(d)
+            return retry_after(0.05) if d.attempt == 1 else ACK
+
+        async with open_client(redis_url) as c, open_consumer(redis_url, name="aio") as consumer:
+            await consumer.mount(PatternSubscription("a.*", retry_channel="a.retry"), handler)
+            await c.execute("PUBLISH", "a.b", b"m1")
+            for _ in range(3):  # several quickly: the drain path
+                await c.execute("PUBLISH", "a.c", b"m2")
+            with anyio.fail_after(5):
+                while len(seen) < 6:
+                    await anyio.sleep(0.02)
+        return sorted((d.source, d.data, d.attempt) for d in seen)
+
+    assert anyio.run(main, backend="asyncio") == sorted(
+        [("a.b", b"m1", 1), ("a.retry", b"m1", 2)]
+        + [("a.c", b"m2", 1)] * 3 + [("a.retry", b"m2", 2)] * 3
+    )

@@ -9,6 +9,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 import pytest
 import trio
 from _procs import ConsumerProcess, Monitor, Recorder, addr_of, eventually
@@ -178,6 +179,59 @@ async def test_restart_counts_the_crash_so_poison_reaches_the_dead_letter(
     assert await lrange(client, proc("w2")) == []
 
 
+async def test_read_but_never_handed_over_goes_back_to_the_queue_at_shutdown(
+    redis_url: str, client: Client
+) -> None:
+    """The handler hangs on A past shutdown_grace while the reader holds B and C
+    (moved into the processing list, waiting to be handed over): shutdown puts
+    B and C back onto the queue, uncounted; A, unfinished, stays for recovery."""
+    await client.execute("LPUSH", Q, b"A", b"B", b"C")
+    started = trio.Event()
+
+    async def hang(d: Delivery) -> Any:
+        started.set()
+        await trio.sleep_forever()
+
+    async with open_consumer(redis_url, name="c1", shutdown_grace=0.2) as consumer:
+        await consumer.mount(sub(), hang)
+        await started.wait()
+        await eventually(lambda: _len(client, Q, 0), what="B and C read")
+    assert await lrange(client, proc("c1")) == [b"A"]
+    assert await lrange(client, Q) == [b"C", b"B"]  # B is read next
+    h = Recorder(lambda d: ACK)
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(sub(), h)
+        await eventually(lambda: effects(consumer).get("acked") == 3, what="all acked")
+    assert [(d.data, d.attempt) for d in h.seen] == [(b"A", 2), (b"B", 1), (b"C", 1)]
+
+
+async def test_unstarted_part_of_a_batch_goes_back_to_the_queue_at_shutdown(
+    redis_url: str, client: Client
+) -> None:
+    """A batch [X2, X3] reached the handler; shutdown comes during X2, which
+    finishes within the grace: X3, never started, goes back to the queue."""
+    await client.execute("LPUSH", Q, b"X1", b"X2", b"X3")
+    in_x2 = trio.Event()
+
+    async def h(d: Delivery) -> Any:
+        if d.data == b"X2":
+            in_x2.set()
+            await trio.sleep(0.3)
+        return ACK
+
+    async with open_consumer(redis_url, name="c1", shutdown_grace=2) as consumer:
+        await consumer.mount(sub(), h)
+        await in_x2.wait()
+        assert await lrange(client, Q) == []
+    assert effects(consumer).get("nothing") == 1  # the handler task gave it back
+    assert await lrange(client, Q) == [b"X3"]
+    assert await lrange(client, proc("c1")) == []
+
+
+async def _len(client: Client, key: str, n: int) -> bool:
+    return int(await client.execute("LLEN", key)) == n
+
+
 async def test_lost_read_reply_is_found_in_the_processing_list(
     redis_url: str, client: Client
 ) -> None:
@@ -232,12 +286,12 @@ async def test_slow_but_alive_consumer_keeps_its_element(redis_url: str, client:
 
     other = Recorder(lambda d: ACK)
     async with open_consumer(redis_url, name="slow") as c1:
-        await c1.mount(sub(heartbeat=0.3), slow)
+        await c1.mount(sub(heartbeat=0.6), slow)
         await client.execute("LPUSH", Q, b"long-job")
         await eventually(lambda: len(slow_seen) == 1, what="slow handler started")
         async with open_consumer(redis_url, name="other") as c2:
-            await c2.mount(sub(heartbeat=0.3), other)
-            await trio.sleep(1.5)  # five heartbeats
+            await c2.mount(sub(heartbeat=0.6), other)
+            await trio.sleep(1.5)  # two and a half heartbeats
             assert other.seen == []
             assert await lrange(client, proc("slow")) == [b"long-job"]
             release.set()
@@ -426,3 +480,26 @@ async def test_mount_on_a_stream_key_names_key_and_type(redis_url: str, client: 
         # the consumer is still usable
         await consumer.mount(ReliableListSubscription("other", block=0.1), Recorder(lambda d: ACK))
     assert repr(Q) in str(info.value) and "stream" in str(info.value)
+
+
+# -- the asyncio backend ------------------------------------------------------------
+
+def test_round_trip_under_asyncio(redis_url: str) -> None:
+    async def main() -> list[tuple[bytes | None, int]]:
+        seen: list[Delivery] = []
+
+        async def handler(d: Delivery) -> Any:
+            seen.append(d)
+            return RETRY if d.attempt == 1 else ACK
+
+        async with open_client(redis_url) as c:
+            await c.execute("LPUSH", Q, b"aio")
+            async with open_consumer(redis_url, name="aio") as consumer:
+                await consumer.mount(sub(heartbeat=1), handler)
+                with anyio.fail_after(5):
+                    while consumer.stats()[NAME]["effects"].get("acked") != 1:
+                        await anyio.sleep(0.02)
+            assert await c.execute("LLEN", proc("aio")) == 0
+        return [(d.data, d.attempt) for d in seen]
+
+    assert anyio.run(main, backend="asyncio") == [(b"aio", 1), (b"aio", 2)]

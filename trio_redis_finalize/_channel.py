@@ -157,7 +157,7 @@ class PubSubReader:
                         task_status.started()
                         started = True
                     await self._read(mount, ps)
-            except (rexc.ConnectionError, rexc.TimeoutError, rexc.InvalidResponse, OSError) as e:
+            except (rexc.RedisError, OSError) as e:
                 if not started:
                     raise
                 mount.stats.read_errors += 1

@@ -10,7 +10,7 @@ from anyio.abc import TaskStatus
 from redis import exceptions as rexc
 
 from ._delivery import Delivery
-from ._envelope import CorruptEnvelope, unwrap
+from ._envelope import MAGIC, CorruptEnvelope, unwrap
 from ._mount import FINALIZE_TIMEOUT, Item, Mount, backoff, log
 from ._plan import Effect, Plan, Target, attempt_of, content_origin, plan_dead
 from ._subscription import Form, Subscription, check_key, check_limits, check_positive
@@ -50,6 +50,7 @@ class ListSubscription(Subscription):
 
 _READ_MARGIN = 1.0
 """Seconds a blocking read may exceed ``block`` before it counts as lost."""
+_MAGIC_HEAD = MAGIC[:1]
 
 
 def open_envelope(raw: bytes) -> tuple[bytes, int, str, str | None]:
@@ -65,17 +66,14 @@ def open_envelope(raw: bytes) -> tuple[bytes, int, str, str | None]:
     return body, retries, origin if origin is not None else content_origin(raw), None
 
 
-def build_delivery(
-    mount: Mount, source: str, raw: bytes, *, bump: int = 0
-) -> tuple[Delivery, Plan | None]:
+def build_delivery(mount: Mount, source: str, raw: bytes) -> tuple[Delivery, Plan | None]:
     """The delivery of ``raw``, and the plan that finalizes it without a handler
-    (corrupt envelope, or already past ``max_attempts``), if any.
-
-    ``bump``: deliveries the retry counter does not know about (a crash
-    redelivery of an element whose copy was not rewritten).
-    """
-    body, retries, origin, corrupt = open_envelope(raw)
-    attempt = attempt_of(retries, retries + 1 + bump)
+    (corrupt envelope, or already past ``max_attempts``), if any."""
+    if raw[:1] == _MAGIC_HEAD:
+        body, retries, origin, corrupt = open_envelope(raw)
+    else:  # cannot be an envelope: a foreign element
+        body, retries, origin, corrupt = raw, 0, content_origin(raw), None
+    attempt = attempt_of(retries)
     d = Delivery(
         source=source, id=None, fields={}, data=body, attempt=attempt, origin_id=origin,
         raw=raw, retries=retries, mount=mount.name, corrupt=corrupt,
@@ -143,7 +141,7 @@ class ListReader:
         conn: Connection | None = None
         started = False
         failures = 0
-        timeout = f"{sub.block:.3f}"
+        timeout = f"{max(sub.block, 0.001):.3f}"  # "0.000" would block forever
         try:
             while True:
                 try:
@@ -155,13 +153,13 @@ class ListReader:
                     reply = await conn.execute("BRPOP", sub.key, timeout,
                                                timeout=sub.block + _READ_MARGIN)
                     failures = 0
-                except (rexc.ConnectionError, rexc.TimeoutError, rexc.ResponseError, OSError) as e:
+                except (rexc.RedisError, OSError) as e:
                     if not started:
                         raise
                     mount.stats.read_errors += 1
                     delay = backoff(failures)
                     failures += 1
-                    log.warning("%s: read failed (%s); reconnecting in %.2f s", mount.name, e, delay)
+                    log.warning("%s: read failed (%s); reading again in %.2f s", mount.name, e, delay)
                     if conn is not None and not isinstance(e, rexc.ResponseError):
                         await conn.aclose()
                         conn = None

@@ -15,9 +15,9 @@ from redis import exceptions as rexc
 from ._delivery import Delivery
 from ._envelope import CorruptEnvelope, unwrap, wrap
 from ._keys import derived, same_slot
-from ._list import build_delivery, check_type, dispatch
-from ._mount import FINALIZE_GRACE, FINALIZE_TIMEOUT, Mount, backoff, describe_error, log
-from ._plan import Plan, Target, content_origin
+from ._list import build_delivery, check_type
+from ._mount import FINALIZE_GRACE, FINALIZE_TIMEOUT, Item, Mount, backoff, describe_error, log
+from ._plan import Effect, Plan, Target, content_origin
 from ._scripts import MOVE_DUE_TO_LIST
 from ._subscription import (
     DelayedRetry,
@@ -181,6 +181,25 @@ return n
 )
 
 
+# KEYS: processing list, queue.  ARGV: elements, newest first.
+# Gives back elements read but never handed to a handler (shutdown): each is
+# removed from the processing list and pushed onto the consumer end of the
+# queue only when it was still there.  Not counted as an attempt.
+_GIVE_BACK = Script(
+    """
+local n = 0
+for i = 1, #ARGV do
+  if redis.call('LREM', KEYS[1], 1, ARGV[i]) == 1 then
+    redis.call('RPUSH', KEYS[2], ARGV[i])
+    n = n + 1
+  end
+end
+return n
+""",
+    name="reliable_list_give_back",
+)
+
+
 def bumped(raw: bytes) -> bytes | None:
     """``raw`` with its retry counter one higher (a foreign element gets an
     envelope, retries 1, origin the digest of its bytes); None when corrupt."""
@@ -211,12 +230,30 @@ def heartbeat_key(queue: str, consumer: str) -> str:
 class ReliableListReader:
     """Reads one :class:`ReliableListSubscription`.
 
-    ``BLMOVE queue processing RIGHT LEFT`` on a dedicated connection (plus up
-    to 63 pipelined ``LMOVE`` when the queue is busy and the handlers fast).
-    The processing list is re-read on start (crash recovery) and after every
-    read error (a lost BLMOVE reply strands an element there).  What it
-    holds and this reader did not deliver is delivered again with the retry
-    counter in the element bumped in place (so the attempt counts the crash).
+    * ``BLMOVE queue processing RIGHT LEFT`` on a dedicated connection, with
+      up to 63 ``LMOVE`` pipelined behind it when the queue is busy and the
+      handlers fast (the prefetch adapts: slow handlers keep it at 1, so
+      other consumers get the rest).  The client-side deadline of a read is
+      ``block`` + 1 s.
+    * Crash recovery: on start, and after every read error (a lost BLMOVE
+      reply strands an element), the processing list is read; what it holds
+      that this reader did not deliver is delivered again, its retry counter
+      bumped in place first (``LSET``), so a crash counts as an attempt and a
+      poison element that kills its consumer reaches ``max_attempts`` (then
+      it is dead-lettered without calling the handler).
+    * Dead consumers: a heartbeat key with a TTL of ``heartbeat`` seconds,
+      renewed every ``heartbeat / 3``; every ``heartbeat / 2`` each consumer
+      looks in the registry for consumers whose heartbeat key is gone and
+      moves their processing lists back onto the queue (gated script,
+      element by element, counter bumped, to the consumer end in their
+      original order: recovered elements are read first).  A slow handler
+      does not stop the heartbeat; a blocked event loop does.
+    * Shutdown: elements read but never handed to a handler go back onto the
+      queue (consumer end, not counted as an attempt); those being handled
+      when ``shutdown_grace`` ran out stay in the processing list, and the
+      heartbeat is extended to cover the grace.
+    * ``DelayedRetry.DURABLE_ZSET``: due copies are moved from the delay set
+      before each read, and the read blocks no longer than the next is due.
     """
 
     def __init__(self, sub: ReliableListSubscription) -> None:
@@ -227,9 +264,45 @@ class ReliableListReader:
         self._per_element = 0.0  # seconds of handler time per element (EMA)
         self._batch = 1
         self._next_move = 0.0
+        self._target: Target | None = None
 
     def abandon(self, deliveries: Sequence[Delivery]) -> Plan | None:
-        return None  # unstarted elements stay in the processing list
+        """Give elements read but never started (shutdown) back to the queue.
+
+        They go to the consumer end, oldest rightmost, so they are read next
+        (by any consumer), and their attempt is not counted; should that fail
+        they stay in the processing list, recovered later as after a crash.
+        """
+        return self._give_back_plan([d.raw for d in deliveries if d.raw is not None])
+
+    def _give_back_plan(self, raws: Sequence[bytes]) -> Plan | None:
+        if not raws or self._target is None:
+            return None
+        t = self._target
+        return Plan(Effect.NOTHING, (_GIVE_BACK.command((t.processing, t.source), raws[::-1]),))
+
+    async def _hand_over(self, mount: Mount, built: list[tuple[Delivery, Plan | None]]) -> None:
+        """:func:`dispatch`, giving back what was not handed over when cancelled."""
+        direct: list[Item] = [(d, p) for d, p in built if p is not None]
+        ready = [d for d, p in built if p is None]
+        back = [d.raw for d, _ in built if d.raw is not None]
+        try:
+            if direct:
+                await mount.finalize_now(direct)
+            # one send when concurrency == 1: cancelled means not handed over;
+            # else it may be partly handed over: leave the rest for recovery
+            back = [d.raw for d in ready if d.raw is not None] if mount.concurrency == 1 else []
+            await mount.deliver(ready)
+        except BaseException:
+            plan = self._give_back_plan(back)
+            if plan is not None:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(FINALIZE_TIMEOUT):
+                    try:
+                        await mount.client.pipeline(plan.commands, timeout=FINALIZE_TIMEOUT)
+                    except (rexc.RedisError, OSError) as e:
+                        log.warning("%s: could not give %d element(s) back to the queue (%s); "
+                                    "they stay in the processing list", mount.name, len(back), e)
+            raise
 
     # -- bookkeeping ----------------------------------------------------------
     def _hold(self, raw: bytes) -> None:
@@ -286,7 +359,7 @@ class ReliableListReader:
                 raw = n
             self._hold(raw)
             built.append(build_delivery(mount, self.sub.queue, raw))
-        await dispatch(mount, built)
+        await self._hand_over(mount, built)
 
     # -- heartbeat and reaper -----------------------------------------------------
     def _beat(self, mount: Mount, ttl: float) -> list[Command]:
@@ -303,7 +376,7 @@ class ReliableListReader:
             await anyio.sleep(every)
             try:
                 await mount.client.pipeline(self._beat(mount, self.sub.heartbeat),
-                                            timeout=min(FINALIZE_TIMEOUT, every))
+                                            timeout=FINALIZE_TIMEOUT)
             except (rexc.ConnectionError, rexc.TimeoutError, rexc.ResponseError, OSError) as e:
                 log.warning("%s: heartbeat failed (%s); other consumers may take over this "
                             "consumer's processing list after %.1f s without one",
@@ -394,7 +467,7 @@ class ReliableListReader:
 
     async def run(self, mount: Mount, *, task_status: TaskStatus[None]) -> None:
         sub = self.sub
-        t = mount.target
+        t = self._target = mount.target
         client = mount.client
         await check_type(client, sub.queue, "list", sub.name)
         if t.processing != sub.queue:
@@ -430,21 +503,25 @@ class ReliableListReader:
                         if not started:
                             task_status.started()
                             started = True
-                        cmds: list[Command] = [(*blmove, f"{block:.3f}")]
+                        cmds: list[Command] = [(*blmove, f"{max(block, 0.001):.3f}")]
                         cmds += [lmove] * (self._batch - 1)
                         replies = await conn.pipeline(cmds, timeout=block + _READ_MARGIN)
                         failures = 0
-                    except (rexc.ConnectionError, rexc.TimeoutError, OSError) as e:
+                    except (rexc.RedisError, OSError) as e:
                         if not started:
                             raise
                         mount.stats.read_errors += 1
                         delay = backoff(failures)
                         failures += 1
-                        log.warning("%s: read failed (%s); reconnecting in %.2f s",
-                                    mount.name, e, delay)
-                        if conn is not None:
-                            await conn.aclose()
-                        conn = None
+                        if isinstance(e, rexc.ResponseError):  # WRONGTYPE, a script error...
+                            log.error("%s: read failed (%s); reading again in %.2f s",
+                                      mount.name, e, delay)
+                        else:
+                            log.warning("%s: read failed (%s); reconnecting in %.2f s",
+                                        mount.name, e, delay)
+                            if conn is not None:
+                                await conn.aclose()
+                            conn = None
                         rescan = True
                         await anyio.sleep(delay)
                         continue
@@ -464,7 +541,7 @@ class ReliableListReader:
                         self._hold(raw)
                     built = [build_delivery(mount, sub.queue, raw) for raw in elements]
                     before = anyio.current_time()
-                    await dispatch(mount, built)
+                    await self._hand_over(mount, built)
                     self._tune(anyio.current_time() - before, previous)
                     previous = len(elements)
         finally:
