@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import logging
 import random
-from time import monotonic
 from collections.abc import Awaitable, Callable, Sequence
+from time import monotonic
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
