@@ -455,3 +455,20 @@ def test_plain_round_trip_under_asyncio(redis_url: str) -> None:
 
     assert anyio.run(main, backend="asyncio") == [(1, "v"), (2, "v")]
 
+
+
+async def test_corrupt_retry_header_is_dead_lettered_with_its_reason(redis_url: str, client: Client) -> None:
+    bad = str((await client.execute("XADD", S, "*", "n", "1", RETRIES_FIELD, "not-a-number")).decode())
+    good = await xadd(client, n="2")
+    h = Recorder(lambda d: ACK)
+    sub = StreamSubscription(S, G, block=0.05, max_attempts=5, dead_letter="dead")
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(sub, h)
+        await eventually(lambda: effects(consumer) == {"acked": 1, "dead_lettered": 1},
+                         what="good acked, bad dead-lettered")
+    assert [d.id for d in h.seen] == [good]
+    dead = await xrange(client, "dead")
+    assert len(dead) == 1
+    assert dead[0][1][b"trf-dead-id"] == bad.encode()
+    assert b"corrupt" in dead[0][1][b"trf-dead-reason"]
+    assert await pending(client) == 0

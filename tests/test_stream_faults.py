@@ -283,3 +283,46 @@ async def test_lost_read_reply_is_recovered_from_the_pel_once(redis_url: str, cl
         assert stats(consumer)["read_errors"] >= 1
     assert [(d.id, d.attempt) for d in h.seen] == [(eid, 2)]  # from the PEL: read twice
     assert await pending(client) == 0
+
+
+# -- attempt counters that crashes cannot fool ---------------------------------------------
+
+async def test_pel_reread_counts_the_larger_of_header_and_delivery_count(
+    redis_url: str, client: Client
+) -> None:
+    copy = str((await client.execute("XADD", S, "*", "n", "copy", "trf-retries", "2",
+                                      "trf-origin", "1-1")).decode())
+    crashy = await xadd(client, n="crashy")
+    await client.execute("XGROUP", "CREATE", S, G, "0")
+    # both read by "c1", which crashed; "crashy" was re-read (and crashed) twice more
+    await client.execute("XREADGROUP", "GROUP", G, "c1", "COUNT", 10, "STREAMS", S, ">")
+    for _ in range(2):
+        await client.execute("XCLAIM", S, G, "c1", 0, crashy)
+    h = Recorder()
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(StreamSubscription(S, G, block=0.05), h)
+        await eventually(lambda: effects(consumer).get("acked") == 2, what="both acked")
+    by_id = {d.id: d for d in h.seen}
+    assert by_id[copy].attempt == 3 and by_id[copy].origin_id == "1-1"  # header retries + 1 > count 2
+    assert by_id[crashy].attempt == 4  # server count: 1 read + 2 claims + the re-read
+
+
+async def test_crash_loop_reaches_max_attempts_through_the_delivery_count(
+    redis_url: str, client: Client
+) -> None:
+    """A poison entry that kills its consumer on every try is dead-lettered once
+    the server's delivery count passes max_attempts, without a handler call."""
+    eid = await xadd(client, n="poison")
+    await client.execute("XGROUP", "CREATE", S, G, "0")
+    await client.execute("XREADGROUP", "GROUP", G, "c1", "COUNT", 1, "STREAMS", S, ">")
+    await client.execute("XCLAIM", S, G, "c1", 0, eid)  # count 2: crashed twice
+    h = Recorder()
+    sub = StreamSubscription(S, G, block=0.05, max_attempts=2, dead_letter="dead")
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(sub, h)  # re-read: count 3 > 2
+        await eventually(lambda: effects(consumer).get("dead_lettered") == 1, what="dead-lettered")
+    assert h.seen == []
+    assert await pending(client) == 0
+    dead = await client.execute("XRANGE", "dead", "-", "+")
+    fields = dict(zip(dead[0][1][::2], dead[0][1][1::2], strict=True))
+    assert fields[b"trf-dead-id"] == eid.encode() and fields[b"trf-dead-attempt"] == b"3"
