@@ -66,6 +66,13 @@ async def redis(redis_url: str) -> AsyncIterator[Client]:
         yield client
 
 
+@pytest.fixture
+def logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    """caplog with the library's logger at WARNING whatever earlier tests set."""
+    caplog.set_level(logging.WARNING, logger="trio_redis_finalize")
+    return caplog
+
+
 @dataclass
 class Call:
     delivery: Delivery
@@ -186,7 +193,7 @@ async def test_shutdown_writes_every_held_copy(redis_url: str, redis: Client) ->
 
 
 async def test_max_held_copies_sends_at_once_when_full(
-    redis_url: str, redis: Client, caplog: pytest.LogCaptureFixture
+    redis_url: str, redis: Client, logs: pytest.LogCaptureFixture
 ) -> None:
     for i in range(10):
         await redis.execute("XADD", "s", "*", "n", str(i))
@@ -200,7 +207,7 @@ async def test_max_held_copies_sends_at_once_when_full(
         assert len(consumer.scheduler) == 4
         await trio.sleep(0.3)
         assert len(rec.attempts(2)) == 6
-    assert warnings_with(caplog, "max_held_copies=4")
+    assert warnings_with(logs, "max_held_copies=4")
     # the 4 held copies were written at shutdown: 10 originals, 10 copies
     assert await redis.execute("XLEN", "s") == 20
 
@@ -486,7 +493,7 @@ def _fields_of(member: bytes) -> list[bytes]:
 
 
 async def test_refused_move_keeps_the_consumer_reading(
-    redis_url: str, redis: Client, caplog: pytest.LogCaptureFixture
+    redis_url: str, redis: Client, logs: pytest.LogCaptureFixture
 ) -> None:
     # the same failure under a running consumer: logged (naming both keys),
     # counted, nothing lost, and the consumer keeps reading its stream
@@ -502,7 +509,7 @@ async def test_refused_move_keeps_the_consumer_reading(
         await trio.sleep(0.5)  # still alive, still reading
         assert consumer.stats()[sub.name]["read_errors"] >= 1
     assert rec.calls[0].delivery.id == top
-    refused = [r for r in caplog.records if r.levelno == logging.ERROR and "{s}:delayed" in r.getMessage()]
+    refused = [r for r in logs.records if r.levelno == logging.ERROR and "{s}:delayed" in r.getMessage()]
     assert refused and "exhausted" in refused[0].getMessage()
     in_stream = [header(f, ORIGIN_FIELD) for _, f in await stream_entries(redis, "s")][1:]
     left = await redis.execute("ZRANGE", "{s}:delayed", 0, -1)
@@ -573,7 +580,7 @@ async def test_claiming_short_delay_lasts_min_idle(redis_url: str, redis: Client
 
 
 async def test_claiming_longer_delay_is_cut_and_logged_once(
-    redis_url: str, redis: Client, caplog: pytest.LogCaptureFixture
+    redis_url: str, redis: Client, logs: pytest.LogCaptureFixture
 ) -> None:
     for i in range(3):
         await redis.execute("XADD", "s", "*", "n", str(i))
@@ -582,14 +589,14 @@ async def test_claiming_longer_delay_is_cut_and_logged_once(
         sub = StreamSubscription("s", "g", mode=Mode.CLAIMING, min_idle=0.3, block=0.05)
         await consumer.mount(sub, rec)
         await wait_for(lambda: len(rec.attempts(2)) == 3, timeout=5, what="all three claimed back")
-    cut = warnings_with(caplog, "cut to min_idle")
+    cut = warnings_with(logs, "cut to min_idle")
     assert len(cut) == 1
     assert sub.name in cut[0].getMessage()
     assert "retry_after(30.0)" in cut[0].getMessage()
 
 
 async def test_claiming_delay_not_longer_than_min_idle_is_not_logged(
-    redis_url: str, redis: Client, caplog: pytest.LogCaptureFixture
+    redis_url: str, redis: Client, logs: pytest.LogCaptureFixture
 ) -> None:
     await redis.execute("XADD", "s", "*", "k", "v")
     rec = Recorder(once_then_ack(0.2))
@@ -597,7 +604,7 @@ async def test_claiming_delay_not_longer_than_min_idle_is_not_logged(
         sub = StreamSubscription("s", "g", mode=Mode.CLAIMING, min_idle=0.2, block=0.05)
         await consumer.mount(sub, rec)
         await wait_for(lambda: rec.attempts(2), timeout=5, what="claimed back")
-    assert not warnings_with(caplog, "cut to min_idle")
+    assert not warnings_with(logs, "cut to min_idle")
 
 
 async def test_claiming_with_durable_zset_sends_delays_to_the_set(
