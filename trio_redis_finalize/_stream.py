@@ -363,6 +363,7 @@ class StreamReader:
         next_recover = anyio.current_time() + _RECOVER_EVERY
         started = False
         failures = 0
+        regroup = False
         conn: Connection | None = None
         read = (
             "XREADGROUP", "GROUP", sub.group, consumer, "COUNT", sub.count, "BLOCK",
@@ -375,6 +376,9 @@ class StreamReader:
                     try:
                         if conn is None or conn.broken:
                             conn = await client.connect(name=f"trf:{consumer}:reader")
+                        if regroup:  # here, so that a connection error is retried
+                            await self._ensure_group(client)
+                            regroup = False
                         block = sub.block
                         if durable and anyio.current_time() >= self._next_move:
                             wait = await self._move_due(mount)
@@ -412,7 +416,7 @@ class StreamReader:
                         mount.stats.group_recreated += 1
                         log.warning("%s: group is gone (%s); recreating it at %s",
                                     mount.name, e, sub.start_id)
-                        await self._ensure_group(client)
+                        regroup = True
                         recover = sub.mode is not Mode.CLAIMING
                     except (rexc.ConnectionError, rexc.TimeoutError, OSError) as e:
                         if not started:
