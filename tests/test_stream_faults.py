@@ -18,6 +18,7 @@ import trio
 
 from trio_redis_finalize import ACK, Consumer, Delivery, Mode, Outcome, StreamSubscription, open_consumer
 from trio_redis_finalize._transport import Client, open_client
+from trio_redis_finalize.testing import RedisServer
 
 S, G = "jobs", "workers"
 NAME = f"stream {S!r} group {G!r}"
@@ -326,3 +327,27 @@ async def test_crash_loop_reaches_max_attempts_through_the_delivery_count(
     dead = await client.execute("XRANGE", "dead", "-", "+")
     fields = dict(zip(dead[0][1][::2], dead[0][1][1::2], strict=True))
     assert fields[b"trf-dead-id"] == eid.encode() and fields[b"trf-dead-attempt"] == b"3"
+
+
+# -- the server restarts under a running consumer -----------------------------------------
+
+async def test_server_restart_reconnects_recreates_the_group_and_goes_on(
+    fresh_redis_server: RedisServer,
+) -> None:
+    server = fresh_redis_server
+    h = Recorder()
+    async with open_consumer(server.url, name="c1") as consumer:
+        await consumer.mount(StreamSubscription(S, G, block=0.1), h)
+        async with open_client(server.url) as client:
+            await xadd(client, n="before")
+            await eventually(lambda: effects(consumer).get("acked") == 1, what="first entry")
+        server.restart()  # SIGKILL, no persistence: stream and group are gone
+        async with open_client(server.url) as client:
+            await eventually(lambda: stats(consumer)["read_errors"] >= 1, what="read error seen")
+            after = await xadd(client, n="after")
+            await eventually(lambda: effects(consumer).get("acked") == 2, timeout=10,
+                             what="entry after the restart")
+            assert await pending(client) == 0
+    assert [d.fields[b"n"] for d in h.seen] == [b"before", b"after"]
+    assert h.seen[1].id == after
+    assert stats(consumer)["group_recreated"] >= 1
