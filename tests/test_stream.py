@@ -5,6 +5,7 @@ max_attempts / dead letter, bad input, and the asyncio backend."""
 from __future__ import annotations
 
 import inspect
+import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -339,6 +340,7 @@ async def test_max_attempts_dead_letters_after_exactly_three_calls(
 async def test_max_attempts_without_dead_letter_acknowledges_with_a_warning(
     redis_url: str, client: Client, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.WARNING, logger="trio_redis_finalize")  # whatever earlier tests set
     await xadd(client, payload="x")
     h = Recorder(lambda d: RETRY)
     async with open_consumer(redis_url, name="c1") as consumer:

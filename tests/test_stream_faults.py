@@ -5,6 +5,7 @@ deleted while pending, and a read reply lost to CLIENT KILL."""
 from __future__ import annotations
 
 import inspect
+import logging
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -195,6 +196,7 @@ async def test_long_handler_is_not_claimed_by_another_reclaiming_consumer(
 async def test_flushall_recreates_the_group_and_goes_on(
     redis_url: str, client: Client, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.WARNING, logger="trio_redis_finalize")  # whatever earlier tests set
     h = Recorder()
     async with open_consumer(redis_url, name="c1") as consumer:
         await consumer.mount(StreamSubscription(S, G, block=0.1), h)
