@@ -4,13 +4,13 @@ backpressure."""
 
 from __future__ import annotations
 
-import inspect
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import trio
+from _procs import eventually
 
 from trio_redis_finalize import (
     ACK,
@@ -23,30 +23,14 @@ from trio_redis_finalize import (
     open_consumer,
     retry_after,
 )
-from trio_redis_finalize._transport import Client, open_client
+from trio_redis_finalize._transport import Client
 
 S, G = "events", "rt"
 NAME = f"stream {S!r} group {G!r}"
 
 
-@pytest.fixture
-async def client(redis_url: str) -> AsyncIterator[Client]:
-    async with open_client(redis_url) as c:
-        yield c
 
 
-async def eventually(check: Callable[[], bool | Awaitable[bool]], timeout: float = 5.0,
-                     what: str = "condition") -> None:
-    """Poll ``check`` (sync or async) until it is true."""
-    with trio.move_on_after(timeout):
-        while True:
-            ok = check()
-            if inspect.isawaitable(ok):
-                ok = await ok
-            if ok:
-                return
-            await trio.sleep(0.02)
-    raise AssertionError(f"{what} not reached within {timeout} s")
 
 
 def stats(consumer: Consumer) -> dict[str, Any]:

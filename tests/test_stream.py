@@ -4,15 +4,15 @@ max_attempts / dead letter, bad input, and the asyncio backend."""
 
 from __future__ import annotations
 
-import inspect
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import anyio
 import pytest
 import trio
+from _procs import eventually
 
 from trio_redis_finalize import (
     ACK,
@@ -38,24 +38,8 @@ DEAD_KEYS = (b"trf-dead-reason", b"trf-dead-source", b"trf-dead-id", b"trf-dead-
 
 # -- helpers ------------------------------------------------------------------
 
-@pytest.fixture
-async def client(redis_url: str) -> AsyncIterator[Client]:
-    async with open_client(redis_url) as c:
-        yield c
 
 
-async def eventually(check: Callable[[], bool | Awaitable[bool]], timeout: float = 5.0,
-                     what: str = "condition") -> None:
-    """Poll ``check`` (sync or async) until it is true."""
-    with trio.move_on_after(timeout):
-        while True:
-            ok = check()
-            if inspect.isawaitable(ok):
-                ok = await ok
-            if ok:
-                return
-            await trio.sleep(0.02)
-    raise AssertionError(f"{what} not reached within {timeout} s")
 
 
 def stats(consumer: Consumer) -> dict[str, Any]:

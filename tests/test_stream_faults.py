@@ -4,11 +4,9 @@ deleted while pending, and a read reply lost to CLIENT KILL."""
 
 from __future__ import annotations
 
-import inspect
 import logging
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +14,7 @@ import anyio
 import anyio.abc
 import pytest
 import trio
+from _procs import eventually
 
 from trio_redis_finalize import ACK, Consumer, Delivery, Mode, Outcome, StreamSubscription, open_consumer
 from trio_redis_finalize._transport import Client, open_client
@@ -28,24 +27,8 @@ PROC = Path(__file__).with_name("_stream_proc.py")
 
 # -- helpers ------------------------------------------------------------------
 
-@pytest.fixture
-async def client(redis_url: str) -> AsyncIterator[Client]:
-    async with open_client(redis_url) as c:
-        yield c
 
 
-async def eventually(check: Callable[[], bool | Awaitable[bool]], timeout: float = 5.0,
-                     what: str = "condition") -> None:
-    """Poll ``check`` (sync or async) until it is true."""
-    with trio.move_on_after(timeout):
-        while True:
-            ok = check()
-            if inspect.isawaitable(ok):
-                ok = await ok
-            if ok:
-                return
-            await trio.sleep(0.02)
-    raise AssertionError(f"{what} not reached within {timeout} s")
 
 
 def effects(consumer: Consumer) -> dict[str, int]:
