@@ -202,13 +202,13 @@ class Mount:
         async with recv, send:
             async for chunk in recv:
                 results: list[Item] = []
-                unstarted: list[Delivery] = []
+                started = 0  # chunk[started:] never reached a handler
                 last_flush = monotonic()
                 try:
-                    for i, d in enumerate(chunk):
+                    for d in chunk:
                         if self.stopping:
-                            unstarted = list(chunk[i:])
                             break
+                        started += 1
                         self.stats.in_flight += 1
                         try:
                             outcome = await self._call(d)
@@ -220,6 +220,9 @@ class Mount:
                             results = []
                             last_flush = monotonic()
                 finally:
+                    # stopped, or cancelled at the grace deadline mid-chunk: what
+                    # no handler started goes back (the one cancelled stays pending)
+                    unstarted = chunk[started:]
                     give_back = self.reader.abandon(unstarted) if unstarted else None
                     if give_back is not None:
                         results.append((unstarted[0], give_back))
