@@ -238,6 +238,7 @@ class Mount:
             log.exception(
                 "%s: handler raised on %s (attempt %d); outcome %r",
                 self.name, d.id or d.origin_id, d.attempt, self.on_error,
+                extra=log_extra(self.name, d, self.on_error),
             )
             return self.on_error
         if not isinstance(result, Outcome):
@@ -246,6 +247,7 @@ class Mount:
                 "%s: handler returned %r, not an Outcome, for %s (attempt %d); outcome %r",
                 self.name, result, d.id or d.origin_id, d.attempt, self.on_error,
                 exc_info=TypeError(f"handler returned {type(result).__name__}, not an Outcome"),
+                extra=log_extra(self.name, d, self.on_error),
             )
             return self.on_error
         return result
@@ -275,7 +277,8 @@ class Mount:
                 return Plan(Effect.NOTHING)
             self.stats.refused += 1
             self.stats.effects["refused"] += 1
-            log.error("%s (message %s, attempt %d)", e, d.origin_id, d.attempt)
+            log.error("%s (message %s, attempt %d)", e, d.origin_id, d.attempt,
+                      extra=log_extra(self.name, d, outcome))
             return None
         if (p.effect is Effect.LEFT_PENDING and outcome.kind is OutcomeKind.RETRY_AFTER
                 and outcome.delay > self.target.min_idle and not self._cut_warned):
@@ -287,15 +290,18 @@ class Mount:
                 "attempt %d); use delayed_retry=DelayedRetry.DURABLE_ZSET for longer delays "
                 "(logged once per subscription)",
                 self.name, outcome, self.target.min_idle, d.id, d.attempt,
+                extra=log_extra(self.name, d, outcome),
             )
         return p
 
     async def _finalize(self, items: list[Item]) -> None:
         plans: list[tuple[Delivery, Plan]] = []
+        returned: list[Outcome | Plan] = []  # what each plan came from (for logs)
         for d, outcome in items:
             p = self.plan_for(d, outcome)
             if p is not None:
                 plans.append((d, p))
+                returned.append(outcome)
         commands = merge_commands([p.commands for _, p in plans])
         attempt = 0
         try:
@@ -311,6 +317,7 @@ class Mount:
                     log.warning(
                         "%s: finalization of %d deliveries failed (%s); sending again",
                         self.name, len(plans), e,
+                        extra={"subscription": self.name},
                     )
                     await anyio.sleep(backoff(attempt))
                     attempt += 1
@@ -318,7 +325,8 @@ class Mount:
                 for cmd, r in zip(commands, replies, strict=True):
                     if isinstance(r, rexc.RedisError):
                         self.stats.finalize_errors += 1
-                        log.error("%s: finalization command failed: %s", self.name, describe_error(r, cmd))
+                        log.error("%s: finalization command failed: %s", self.name, describe_error(r, cmd),
+                                  extra={"subscription": self.name})
                 break
         except anyio.get_cancelled_exc_class():
             # Cancelled (shutdown deadline) with the outcome unknown: a runtime
@@ -328,14 +336,40 @@ class Mount:
                 if p.delay is not None and p.later:
                     self.consumer.scheduler.hold(self, p.delay, p.later)
             raise
-        for d, p in plans:
+        debug = log.isEnabledFor(logging.DEBUG)
+        for (d, p), outcome in zip(plans, returned, strict=True):
             self.stats.effects[p.effect.value] += 1
             if d.id is not None:
                 self.held.discard(d.id)
             if p.warning:
-                log.warning("%s (attempt %d, origin %s)", p.warning, d.attempt, d.origin_id)
+                log.warning("%s (attempt %d, origin %s)", p.warning, d.attempt, d.origin_id,
+                            extra=log_extra(self.name, d, outcome, p.effect.value))
+            elif debug:
+                log.debug("%s: %s (attempt %d) finalized: %s", self.name, d.id or d.origin_id,
+                          d.attempt, p.effect.value, extra=log_extra(self.name, d, outcome, p.effect.value))
             if p.delay is not None and p.later:
                 self.consumer.scheduler.hold(self, p.delay, p.later)
+
+
+def log_extra(
+    subscription: str, d: Delivery, outcome: Outcome | Plan | None, effect: str | None = None
+) -> dict[str, Any]:
+    """The structured fields of a log record about one delivery (``logging`` ``extra=``).
+
+    ``subscription``, ``entry_id`` (stream id or ``None``), ``origin_id``,
+    ``attempt``, ``outcome`` (``ack``, ``retry``, ``drop``, ``retry_after``
+    or ``None``) and, for finalization records, ``effect``.
+    """
+    extra: dict[str, Any] = {
+        "subscription": subscription,
+        "entry_id": d.id,
+        "origin_id": d.origin_id,
+        "attempt": d.attempt,
+        "outcome": outcome.kind.value if isinstance(outcome, Outcome) else None,
+    }
+    if effect is not None:
+        extra["effect"] = effect
+    return extra
 
 
 def describe_error(err: Exception, cmd: Command) -> str:
