@@ -3,10 +3,12 @@
 anyio byte streams, ``hiredis`` for packing commands and parsing replies,
 redis-py's exception classes.  One request in flight per connection; a
 connection interrupted mid-request is closed, never reused; no automatic
-retries.  See ``_client.Client`` for the interface the consumer uses.
+retries.  See ``_client.Client`` for the interface the consumer uses, and
+``_cluster.ClusterClient`` for the same interface on Redis Cluster.
 """
 
 from ._client import Client, Script, open_client
+from ._cluster import ClusterClient, RoutedConnection, slot_of
 from ._connection import (
     Arg,
     BusyGroupError,
@@ -14,6 +16,7 @@ from ._connection import (
     Connection,
     NoGroupError,
     WrongTypeError,
+    command_keys,
     describe,
     open_connection,
     pack_command,
@@ -26,18 +29,22 @@ __all__ = [
     "Arg",
     "BusyGroupError",
     "Client",
+    "ClusterClient",
     "Command",
     "Connection",
     "ConnectionParams",
     "Message",
     "NoGroupError",
     "PubSub",
+    "RoutedConnection",
     "Script",
     "WrongTypeError",
+    "command_keys",
     "describe",
     "open_client",
     "open_connection",
     "pack_command",
     "parse_url",
+    "slot_of",
     "with_context",
 ]

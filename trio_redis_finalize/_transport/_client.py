@@ -26,7 +26,7 @@ from ._connection import Arg, Command, Connection, open_connection, with_context
 from ._pubsub import PubSub
 from ._url import ConnectionParams, parse_url
 
-__all__ = ["Client", "Script", "open_client"]
+__all__ = ["Client", "Script", "open_client", "transaction_result"]
 
 _SCRIPTS: dict[bytes, bytes] = {}
 
@@ -183,16 +183,7 @@ class Client:
         replies = await self.pipeline(
             [("MULTI",), *commands, ("EXEC",)], raise_on_error=False, timeout=timeout
         )
-        for cmd, r in zip(commands, replies[1:-1], strict=True):
-            if isinstance(r, rexc.RedisError):
-                raise with_context(r, cmd)
-        result = replies[-1]
-        if isinstance(result, rexc.RedisError):
-            raise result
-        if result is None:
-            raise rexc.WatchError("transaction aborted")
-        out: list[Any] = result
-        return out
+        return transaction_result(commands, replies)
 
     async def _load_scripts(
         self, conn: Connection, commands: Sequence[Command], timeout: float | None
@@ -217,24 +208,30 @@ class Client:
         return reply
 
     # -- dedicated connections -------------------------------------------------
-    async def connect(self, *, name: str | None = None) -> Connection:
+    async def connect(self, *, name: str | None = None, key: Arg | None = None) -> Connection:
         """A new connection outside the pool, owned (and closed) by the caller.
 
-        Use ``async with await client.connect() as conn:``.
+        Use ``async with await client.connect() as conn:``.  ``key``: the key
+        the connection will serve (Redis Cluster connects to its node; one
+        server ignores it).
         """
         return await open_connection(self.params, name=name or self.name)
 
     @asynccontextmanager
     async def pubsub(
-        self, *, name: str | None = None, max_pending: int = 1000
+        self, *, name: str | None = None, max_pending: int = 1000, key: Arg | None = None
     ) -> AsyncIterator[PubSub]:
-        """A Pub/Sub connection, closed on exit."""
+        """A Pub/Sub connection, closed on exit (``key``: as for :meth:`connect`)."""
         conn = await open_connection(self.params, name=name or self.name)
         ps = PubSub(conn, max_pending=max_pending)
         try:
             yield ps
         finally:
             await conn.aclose()
+
+    async def check(self) -> None:
+        """``PING`` the server (raises when it cannot be reached)."""
+        await self.execute("PING")
 
     async def aclose(self) -> None:
         """Close every idle connection; leased ones close when given back."""
@@ -244,20 +241,44 @@ class Client:
             await conn.aclose()
 
 
+def transaction_result(commands: Sequence[Command], replies: Sequence[Any]) -> list[Any]:
+    """The commands' replies from the replies of ``MULTI``, ``commands``, ``EXEC``."""
+    for cmd, r in zip(commands, replies[1:-1], strict=True):
+        if isinstance(r, rexc.RedisError):
+            raise with_context(r, cmd)
+    result = replies[-1]
+    if isinstance(result, rexc.RedisError):
+        raise result
+    if result is None:
+        raise rexc.WatchError("transaction aborted")
+    out: list[Any] = result
+    return out
+
+
 @asynccontextmanager
 async def open_client(
     url: str | ConnectionParams, *, name: str | None = None, max_connections: int = 32
 ) -> AsyncIterator[Client]:
     """A :class:`Client` for ``url``; checks the server answers, closes on exit.
 
+    A ``redis+cluster://`` URL gives a :class:`~._cluster.ClusterClient` (the
+    same interface, commands routed by hash slot); it reads the slot map
+    from the first seed node that answers.
+
     Raises:
         ValueError: the URL is not understood.
         redis.exceptions.ConnectionError: the server cannot be reached.
     """
     params = parse_url(url) if isinstance(url, str) else url
-    client = Client(params, name=name, max_connections=max_connections)
+    client: Client
+    if params.cluster_seeds:
+        from ._cluster import ClusterClient
+
+        client = ClusterClient(params, name=name, max_connections=max_connections)
+    else:
+        client = Client(params, name=name, max_connections=max_connections)
     try:
-        await client.execute("PING")
+        await client.check()
         yield client
     finally:
         await client.aclose()

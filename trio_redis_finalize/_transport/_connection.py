@@ -32,6 +32,7 @@ __all__ = [
     "Connection",
     "NoGroupError",
     "WrongTypeError",
+    "command_keys",
     "describe",
     "open_connection",
     "pack_command",
@@ -78,25 +79,74 @@ def _text(arg: Arg) -> str:
     return str(arg)
 
 
-def describe(command: Command) -> str:
-    """``"XADD on key 'orders'"``: the command and its key(s), for error messages."""
-    name = _text(command[0]).upper() if command else "?"
-    keys: list[Arg] = []
-    if name in {"EVALSHA", "EVAL", "EVALSHA_RO", "EVAL_RO"} and len(command) > 2:
+_NO_KEYS = frozenset({
+    "ACL", "ASKING", "AUTH", "BGREWRITEAOF", "BGSAVE", "CLIENT", "CLUSTER", "COMMAND", "CONFIG",
+    "DBSIZE", "DEBUG", "DISCARD", "ECHO", "EXEC", "FLUSHALL", "FLUSHDB", "FUNCTION", "HELLO",
+    "INFO", "KEYS", "LASTSAVE", "LATENCY", "LOLWUT", "MODULE", "MONITOR", "MULTI",
+    "PING", "PSUBSCRIBE", "PUBLISH", "PUBSUB", "PUNSUBSCRIBE", "QUIT", "RANDOMKEY", "READONLY",
+    "READWRITE", "RESET", "ROLE", "SAVE", "SCAN", "SCRIPT", "SELECT", "SHUTDOWN", "SLOWLOG",
+    "SUBSCRIBE", "SWAPDB", "TIME", "UNSUBSCRIBE", "UNWATCH", "WAIT",
+})
+_ALL_KEYS = frozenset({
+    "DEL", "EXISTS", "MGET", "PFCOUNT", "PFMERGE", "SDIFF", "SDIFFSTORE", "SINTER", "SINTERSTORE",
+    "SUNION", "SUNIONSTORE", "TOUCH", "UNLINK", "WATCH",
+})
+_TWO_KEYS = frozenset({
+    "BLMOVE", "BRPOPLPUSH", "COPY", "LMOVE", "RENAME", "RENAMENX", "RPOPLPUSH", "SMOVE",
+})
+_BLOCKING_POPS = frozenset({"BLPOP", "BRPOP", "BZPOPMAX", "BZPOPMIN"})
+_SUBCOMMAND_KEY = frozenset({"MEMORY", "OBJECT", "XGROUP", "XINFO"})
+
+
+def command_keys(command: Command) -> list[Arg]:
+    """The keys ``command`` touches, as Redis Cluster routes them (``[]``: none).
+
+    ``EVALSHA``/``EVAL``/``FCALL`` read ``numkeys``; ``XREAD``/``XREADGROUP``
+    take the keys after ``STREAMS``; ``XGROUP``/``XINFO``/``OBJECT`` the
+    argument after the subcommand; multi-key and two-key commands (``DEL``,
+    ``MSET``, ``BLMOVE``, ``BLPOP`` ...) all of theirs; server commands
+    (``PING``, ``SCRIPT``, ``CLUSTER``, ``PUBLISH`` ...) none (``XINFO HELP``
+    and the like too: they name no key); any other
+    command its first argument.
+    """
+    if not command:
+        return []
+    name = _text(command[0]).upper()
+    if name in _NO_KEYS:
+        return []
+    if name in {"EVALSHA", "EVAL", "EVALSHA_RO", "EVAL_RO", "FCALL", "FCALL_RO"}:
+        if len(command) < 3:
+            return []
         try:
             nkeys = int(command[2])
         except ValueError:
-            nkeys = 0
-        keys = list(command[3 : 3 + nkeys])
-    elif name in {"XREADGROUP", "XREAD"}:
+            return []
+        return list(command[3 : 3 + max(nkeys, 0)])
+    if name in {"XREADGROUP", "XREAD"}:
         upper = [_text(a).upper() for a in command]
-        if "STREAMS" in upper:
-            rest = command[upper.index("STREAMS") + 1 :]
-            keys = list(rest[: len(rest) // 2])
-    elif name in {"PING", "SCRIPT", "CLIENT", "SELECT", "AUTH", "MULTI", "EXEC", "TIME"}:
-        keys = []
-    elif len(command) > 1:
-        keys = [command[1]]
+        if "STREAMS" not in upper:
+            return []
+        rest = command[upper.index("STREAMS") + 1 :]
+        return list(rest[: len(rest) // 2])
+    if name in _SUBCOMMAND_KEY:
+        return [command[2]] if len(command) > 2 else []
+    if name in _ALL_KEYS:
+        return list(command[1:])
+    if name in {"MSET", "MSETNX"}:
+        return list(command[1::2])
+    if name in _TWO_KEYS:
+        return list(command[1:3])
+    if name in _BLOCKING_POPS:
+        return list(command[1:-1])
+    return [command[1]] if len(command) > 1 else []
+
+
+def describe(command: Command) -> str:
+    """``"XADD on key 'orders'"``: the command and its key(s), for error messages."""
+    name = _text(command[0]).upper() if command else "?"
+    if name in {"PUBLISH", "SPUBLISH"} and len(command) > 1:
+        return f"{name} on channel {_text(command[1])!r}"
+    keys = command_keys(command)
     if not keys:
         return name
     return f"{name} on key {', '.join(repr(_text(k)) for k in keys)}"
@@ -251,9 +301,12 @@ def _handshake(params: ConnectionParams, name: str | None) -> list[Command]:
 
 
 async def open_connection(
-    params: ConnectionParams, *, name: str | None = None, extra: Iterable[Command] = ()
+    params: ConnectionParams, *, name: str | None = None, extra: Iterable[Command] = (),
+    factory: Callable[[anyio.abc.ByteStream, ConnectionParams], Connection] = Connection,
 ) -> Connection:
     """Connect, authenticate, select the database and set the client name.
+
+    ``factory`` builds the connection object (a :class:`Connection` subclass).
 
     Raises:
         redis.exceptions.ConnectionError: the server cannot be reached in
@@ -264,7 +317,7 @@ async def open_connection(
             stream = await _connect_stream(params)
     except (OSError, TimeoutError, anyio.BrokenResourceError) as e:
         raise rexc.ConnectionError(f"cannot connect to {params.address}: {e!r}") from e
-    conn = Connection(stream, params)
+    conn = factory(stream, params)
     cmds = [*_handshake(params, name), *extra]
     if cmds:
         try:
