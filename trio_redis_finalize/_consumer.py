@@ -20,7 +20,7 @@ from ._mount import FINALIZE_TIMEOUT, Handler, Mount, Reader, backoff, describe_
 from ._outcome import RETRY, Outcome
 from ._plan import plan
 from ._subscription import Form, Subscription
-from ._transport import Client, Command, open_client
+from ._transport import Client, ClusterClient, Command, open_client
 
 __all__ = ["Consumer", "open_consumer"]
 
@@ -240,7 +240,9 @@ class Consumer:
             raise ValueError(f"handler must be an async callable, got {handler!r}")
         if not isinstance(subscription, Subscription):
             raise ValueError(f"subscription must be a subscription object, got {subscription!r}")
-        target = subscription.target(self.name)  # type: ignore[attr-defined]
+        target = subscription.target(  # type: ignore[attr-defined]
+            self.name, cluster=isinstance(self.client, ClusterClient)
+        )
         reader = _reader_for(subscription)
         mount = Mount(self, subscription, handler, reader, target, concurrency=concurrency, on_error=on_error)
         try:

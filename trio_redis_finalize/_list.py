@@ -146,7 +146,8 @@ class ListReader:
             while True:
                 try:
                     if conn is None or conn.broken:
-                        conn = await client.connect(name=f"trf:{mount.consumer.name}:reader")
+                        conn = await client.connect(name=f"trf:{mount.consumer.name}:reader",
+                                                    key=sub.key)
                     if not started:
                         task_status.started()
                         started = True

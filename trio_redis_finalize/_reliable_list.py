@@ -490,7 +490,8 @@ class ReliableListReader:
                 while True:
                     try:
                         if conn is None or conn.broken:
-                            conn = await client.connect(name=f"trf:{mount.consumer.name}:reader")
+                            conn = await client.connect(name=f"trf:{mount.consumer.name}:reader",
+                                                    key=sub.queue)
                         block = sub.block
                         if durable:
                             if anyio.current_time() >= self._next_move:

@@ -375,7 +375,7 @@ class StreamReader:
                 while True:
                     try:
                         if conn is None or conn.broken:
-                            conn = await client.connect(name=f"trf:{consumer}:reader")
+                            conn = await client.connect(name=f"trf:{consumer}:reader", key=sub.stream)
                         if regroup:  # here, so that a connection error is retried
                             await self._ensure_group(client)
                             regroup = False
