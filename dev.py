@@ -8,6 +8,7 @@ installs the package with its test extra, then runs the task:
     python3 dev.py test    # the test suite (starts its own redis-servers)
     python3 dev.py lint    # ruff + mypy --strict
     python3 dev.py bench   # the benchmark suite
+    python3 dev.py docs    # the Sphinx site, warnings as errors, into docs/_build/html
 
 Extra arguments after the task are passed on (to pytest, the demo, ...).
 """
@@ -65,7 +66,11 @@ def main(argv: list[str]) -> int:
         return code or run(str(BIN / "mypy"))
     if task == "bench":
         return run(str(PY), "-m", "benchmarks", *rest)
-    print(f"dev.py: unknown task {task!r} (demo, test, lint, bench)", file=sys.stderr)
+    if task == "docs":
+        out = ROOT / "docs" / "_build" / "html"
+        return run(str(PY), "-m", "sphinx", "-W", "--keep-going", "-E", "-q", "-b", "html", *rest,
+                   str(ROOT / "docs"), str(out))
+    print(f"dev.py: unknown task {task!r} (demo, test, lint, bench, docs)", file=sys.stderr)
     return 2
 
 

@@ -56,7 +56,7 @@ class Outcome:
 
     @property
     def is_retry(self) -> bool:
-        """RETRY or retry_after: the message should be handled again."""
+        """Whether this is RETRY or retry_after (the message is to be handled again)."""
         return self.kind is OutcomeKind.RETRY or self.kind is OutcomeKind.RETRY_AFTER
 
 

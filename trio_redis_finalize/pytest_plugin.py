@@ -4,21 +4,67 @@
   for the whole session;
 * ``redis_url``: its URL, with the database flushed before each test;
 * ``fresh_redis_server``: a server of the test's own (for fault tests that
-  kill, pause or restart it).
+  kill, pause or restart it);
+* ``run_consumer``: :func:`consume_until` bound to ``redis_url``: run a
+  consumer with one subscription until a predicate holds.
+
+:func:`consume_until` also works outside pytest (any trio or anyio code).
+
+Example::
+
+    from trio_redis_finalize import ACK, StreamSubscription
+
+    async def test_orders_are_billed(redis_url, run_consumer):
+        ...  # produce three orders to the stream "orders"
+        billed = []
+
+        async def handle(delivery):
+            billed.append(delivery.fields[b"n"])
+            return ACK
+
+        stats = await run_consumer(
+            StreamSubscription("orders", group="billing"), handle,
+            lambda: len(billed) == 3, timeout=5,
+        )
+        assert stats["outcomes"] == {"ack": 3}
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import socket
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol
 
+import anyio
 import hiredis
 import pytest
 
+from ._consumer import _sole, open_consumer
+from ._outcome import RETRY, Outcome
 from ._transport._connection import pack_command
-from .testing import RedisServer
+from .testing import ClusterUnavailable, RedisCluster, RedisServer
 
-__all__ = ["fresh_redis_server", "redis_server", "redis_url", "sync_command"]
+if TYPE_CHECKING:
+    from ._delivery import Delivery
+    from ._mount import Handler
+    from ._subscription import Subscription
+    from ._transport import Client
+
+__all__ = [
+    "RunConsumer",
+    "consume_until",
+    "fresh_redis_server",
+    "redis_cluster",
+    "redis_cluster_url",
+    "redis_server",
+    "redis_url",
+    "run_consumer",
+    "sync_command",
+]
+
+Predicate = Callable[[], "bool | Awaitable[bool]"]
 
 
 def sync_command(server: RedisServer, *args: str | bytes | int | float) -> object:
@@ -61,3 +107,138 @@ def redis_url(redis_server: RedisServer) -> str:
 def fresh_redis_server() -> Iterator[RedisServer]:
     with RedisServer() as server:
         yield server
+
+
+async def consume_until(
+    url_or_client: str | Client,
+    subscription: Subscription,
+    handler: Handler,
+    predicate: Predicate,
+    *,
+    timeout: float = 10.0,
+    concurrency: int = 1,
+    on_error: Outcome = RETRY,
+    name: str | None = None,
+    shutdown_grace: float = 5.0,
+    poll: float = 0.02,
+) -> dict[str, Any]:
+    """Run a consumer with one subscription until ``predicate()`` holds.
+
+    Opens a consumer on ``url_or_client``, mounts ``subscription`` with
+    ``handler``, and checks ``predicate`` (a plain or async function of no
+    arguments) after every handler call and every ``poll`` seconds.  Once it
+    returns true the consumer shuts down gracefully, so every outcome
+    returned so far is finalized in Redis when this returns.
+
+    Args:
+        url_or_client: a Redis URL (e.g. the ``redis_url`` fixture) or a client.
+        subscription: the subscription to mount.
+        handler: ``async def handler(delivery) -> Outcome``.
+        predicate: ``() -> bool`` or ``async () -> bool``, e.g.
+            ``lambda: len(seen) == 3``.
+        timeout: seconds before giving up with :class:`TimeoutError`.
+        concurrency: as in ``consumer.mount``.
+        on_error: as in ``consumer.mount``.
+        name: the consumer name (default: unique).
+        shutdown_grace: as in ``open_consumer``.
+        poll: seconds between two checks when no handler call ends.
+
+    Returns:
+        The subscription's final ``consumer.stats()`` entry (counters after
+        the graceful shutdown).
+
+    Raises:
+        TimeoutError: ``predicate`` did not hold within ``timeout`` seconds
+            (the message shows the subscription's counters); the consumer
+            was shut down gracefully all the same.
+    """
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    if not callable(predicate):
+        raise ValueError(f"predicate must be a callable of no arguments, got {predicate!r}")
+    changed = anyio.Event()
+
+    async def observed(delivery: Delivery) -> Outcome:
+        try:
+            return await handler(delivery)
+        finally:
+            changed.set()
+
+    async def holds() -> bool:
+        result = predicate()
+        if inspect.isawaitable(result):
+            result = await result
+        return bool(result)
+
+    held = False
+    try:
+        async with open_consumer(url_or_client, name=name, shutdown_grace=shutdown_grace) as consumer:
+            await consumer.mount(subscription, functools.wraps(handler)(observed),
+                                 concurrency=concurrency, on_error=on_error)
+            with anyio.move_on_after(timeout):
+                while not (held := await holds()):
+                    with anyio.move_on_after(poll):
+                        await changed.wait()
+                    changed = anyio.Event()
+    except BaseExceptionGroup as eg:
+        # the consumer's task group wraps what the body raised (a failing
+        # mount(), a predicate that raised): raise the error itself
+        sole = _sole(eg)
+        if isinstance(sole, Exception):
+            raise sole from None
+        raise
+    stats = consumer.stats()[subscription.name]
+    if not held:
+        raise TimeoutError(
+            f"consume_until: {getattr(predicate, '__qualname__', predicate)!s} did not hold within "
+            f"{timeout:g} s on {subscription.name}; counters: {stats}"
+        )
+    return stats
+
+
+class RunConsumer(Protocol):
+    """The type of the ``run_consumer`` fixture: :func:`consume_until` without the URL."""
+
+    async def __call__(
+        self,
+        subscription: Subscription,
+        handler: Handler,
+        predicate: Predicate,
+        *,
+        timeout: float = 10.0,
+        concurrency: int = 1,
+        on_error: Outcome = RETRY,
+        name: str | None = None,
+        shutdown_grace: float = 5.0,
+        poll: float = 0.02,
+    ) -> dict[str, Any]: ...
+
+
+@pytest.fixture
+def run_consumer(redis_url: str) -> RunConsumer:
+    """:func:`consume_until` on the per-test ``redis_url``."""
+    return functools.partial(consume_until, redis_url)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisCluster]:
+    """A local Redis Cluster of three masters for the whole session.
+
+    Skipped (with the reason) only when the ``redis-server`` binary cannot
+    run a cluster.
+    """
+    try:
+        cluster = RedisCluster().start()
+    except ClusterUnavailable as e:
+        pytest.skip(f"cannot start a local Redis Cluster: {e}")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def redis_cluster_url(redis_cluster: RedisCluster) -> str:
+    """The cluster's ``redis+cluster://`` URL, every master flushed before the test."""
+    redis_cluster.flushall()
+    return redis_cluster.url

@@ -1,0 +1,324 @@
+"""Observability: the Prometheus collector (scraped for real, over HTTP from
+another thread), OpenTelemetry spans around handler calls, and structured
+log records (subscription, entry id, attempt, outcome as ``extra=`` fields)."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import urllib.request
+from typing import Any
+
+import pytest
+import trio
+from _procs import eventually
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client.parser import text_string_to_metric_families
+
+from trio_redis_finalize import (
+    ACK,
+    DROP,
+    RETRY,
+    DelayedRetry,
+    Delivery,
+    ListSubscription,
+    Outcome,
+    StreamSubscription,
+    open_consumer,
+    retry_after,
+)
+from trio_redis_finalize._otel import instrument_handler
+from trio_redis_finalize._transport import Client
+from trio_redis_finalize.prometheus import register
+from trio_redis_finalize.testing import free_port
+
+S, G = "orders", "billing"
+SUB = StreamSubscription(S, G, block=0.05)
+NAME = SUB.name
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Parse the text exposition: (sample name, sorted labels) -> value."""
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def scrape(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return samples(generate_latest(registry).decode())
+
+
+def lbl(**labels: str) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted(labels.items()))
+
+
+async def xadd(client: Client, n: str) -> str:
+    return str((await client.execute("XADD", S, "*", "n", n)).decode())
+
+
+def by_n(d: Delivery) -> bytes:
+    return d.fields[b"n"]
+
+
+# -- Prometheus ------------------------------------------------------------------------
+
+
+async def test_prometheus_families_match_stats(redis_url: str, client: Client) -> None:
+    """Every family reads consumer.stats() at scrape time: received, outcomes,
+    effects, errors, in-flight, held runtime copies, delay-set lag."""
+    for n in ("ack", "retry", "drop", "later", "boom"):
+        await xadd(client, n)
+    release = trio.Event()
+    decide: dict[bytes, Outcome] = {b"ack": ACK, b"drop": DROP, b"later": retry_after(30)}
+
+    async def handle(d: Delivery) -> Outcome:
+        if by_n(d) == b"retry":
+            return RETRY if d.attempt == 1 else ACK
+        if by_n(d) == b"boom":
+            if d.attempt == 1:
+                raise RuntimeError("boom")
+            await release.wait()  # stays in flight until released
+            return ACK
+        return decide[by_n(d)]
+
+    registry = CollectorRegistry()
+    async with open_consumer(redis_url, name="c1") as consumer:
+        register(consumer, registry)
+        assert not [k for k in scrape(registry) if k[0] == "trf_received_total"]  # nothing mounted yet
+        await consumer.mount(SUB, handle)
+        await eventually(lambda: consumer.stats()[NAME]["in_flight"] == 1, what="boom copy in flight")
+        got = scrape(registry)
+        st = consumer.stats()[NAME]
+        assert got[("trf_received_total", lbl(subscription=NAME))] == st["received"] == 7
+        for outcome, n in {"ack": 2, "retry": 2, "drop": 1, "retry_after": 1}.items():
+            assert got[("trf_outcomes_total", lbl(subscription=NAME, outcome=outcome))] == n
+            assert st["outcomes"][outcome] == n
+        for effect, n in st["effects"].items():
+            assert got[("trf_effects_total", lbl(subscription=NAME, effect=effect))] == n
+        assert st["effects"]["copied"] == 2 and st["effects"]["held"] == 1, st["effects"]
+        assert got[("trf_errors_total", lbl(subscription=NAME, kind="handler"))] == 1
+        assert got[("trf_errors_total", lbl(subscription=NAME, kind="read"))] == 0
+        assert got[("trf_in_flight", lbl(subscription=NAME))] == 1
+        assert got[("trf_held_copies", lbl(subscription=NAME))] == 1  # retry_after(30), runtime
+        assert ("trf_delay_lag_seconds", lbl(subscription=NAME)) not in got  # no delay set
+        release.set()
+        await eventually(lambda: consumer.stats()[NAME]["in_flight"] == 0)
+        assert scrape(registry)[("trf_in_flight", lbl(subscription=NAME))] == 0
+    # after the consumer closed: final counters, the held copy written at shutdown
+    final = scrape(registry)
+    assert final[("trf_held_copies", lbl(subscription=NAME))] == 0
+    assert final[("trf_outcomes_total", lbl(subscription=NAME, outcome="ack"))] == 3
+
+
+async def test_prometheus_delay_lag_of_the_durable_set(redis_url: str, client: Client) -> None:
+    sub = StreamSubscription(S, G, block=0.05, delayed_retry=DelayedRetry.DURABLE_ZSET)
+    await xadd(client, "x")
+
+    async def handle(d: Delivery) -> Outcome:
+        return retry_after(30) if d.attempt == 1 else ACK
+
+    registry = CollectorRegistry()
+    async with open_consumer(redis_url, name="c1") as consumer:
+        register(consumer, registry)
+        await consumer.mount(sub, handle)
+        await eventually(lambda: consumer.stats()[sub.name]["delay_lag"] is not None, what="lag known")
+        got = scrape(registry)
+        assert got[("trf_delay_lag_seconds", lbl(subscription=sub.name))] == 0.0  # waiting, not due
+        assert got[("trf_effects_total", lbl(subscription=sub.name, effect="delayed"))] == 1
+        assert got[("trf_held_copies", lbl(subscription=sub.name))] == 0  # in Redis, not in memory
+    assert await client.execute("ZCARD", "{orders}:delayed") == 1
+
+
+async def test_prometheus_scraped_over_http_from_another_thread(redis_url: str, client: Client) -> None:
+    """The real set-up: start_http_server's thread reads stats() while the
+    consumer keeps counting in the event loop's thread."""
+    registry = CollectorRegistry()
+    port = free_port()
+    server, thread = start_http_server(port, addr="127.0.0.1", registry=registry)
+    try:
+        async with open_consumer(redis_url, name="c1") as consumer:
+            register(consumer, registry)
+
+            async def handle(d: Delivery) -> Outcome:
+                return ACK
+
+            await consumer.mount(SUB, handle)
+            await client.pipeline([("XADD", S, "*", "n", str(i)) for i in range(300)])
+
+            def get() -> str:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                    return str(r.read().decode())
+
+            seen: list[float] = []
+            with trio.fail_after(10):
+                while not seen or seen[-1] < 300:
+                    got = samples(await trio.to_thread.run_sync(get))
+                    seen.append(got[("trf_received_total", lbl(subscription=NAME))])
+                    await trio.sleep(0.01)
+            assert seen == sorted(seen)  # a counter never goes backwards
+            await eventually(lambda: consumer.stats()[NAME]["effects"].get("acked") == 300)
+            got = samples(await trio.to_thread.run_sync(get))
+            assert got[("trf_effects_total", lbl(subscription=NAME, effect="acked"))] == 300
+    finally:
+        server.shutdown()
+        thread.join(5)
+
+
+async def test_prometheus_several_consumers_share_one_collector(redis_url: str) -> None:
+    registry = CollectorRegistry()
+
+    async def handle(d: Delivery) -> Outcome:
+        return ACK
+
+    lst = ListSubscription("jobs", block=0.05)
+    async with open_consumer(redis_url, name="a") as a, open_consumer(redis_url, name="b") as b:
+        await a.mount(lst, handle)
+        await b.mount(lst, handle)
+        collector = register(a, registry, labels={"worker": "a"})
+        assert register(b, registry, labels={"worker": "b"}) is collector
+        with pytest.raises(ValueError, match="labels"):
+            register(b, registry)  # other label names than the registered ones
+        with pytest.raises(ValueError, match="already registered"):
+            register(a, registry, labels={"worker": "x"})
+        with pytest.raises(ValueError, match="labels"):
+            register(a, CollectorRegistry(), labels={"subscription": "x"})
+        got = scrape(registry)
+        assert got[("trf_received_total", lbl(subscription=lst.name, worker="a"))] == 0
+        assert got[("trf_received_total", lbl(subscription=lst.name, worker="b"))] == 0
+        collector.remove(b)
+        assert collector.consumers() == [a]
+        assert ("trf_received_total", lbl(subscription=lst.name, worker="b")) not in scrape(registry)
+
+
+def test_prometheus_families_add_up_equal_labels() -> None:
+    """Two consumers with the same subscription and labels: counters and
+    gauges add up, the delay lag is the largest."""
+    from trio_redis_finalize._metrics import families
+
+    def st(received: int, lag: float | None) -> dict[str, dict[str, Any]]:
+        return {"s": {"received": received, "outcomes": {"ack": received}, "effects": {},
+                      "in_flight": 1, "held": 2, "delay_lag": lag}}
+
+    fams = {f.name: f for f in families([(st(3, 0.5), ()), (st(4, None), ()), (st(1, 2.0), ())])}
+    assert fams["trf_received"].samples == [(("s",), 8.0)]
+    assert fams["trf_outcomes"].samples == [(("s", "ack"), 8.0)]
+    assert fams["trf_in_flight"].samples == [(("s",), 3.0)]
+    assert fams["trf_held_copies"].samples == [(("s",), 6.0)]
+    assert fams["trf_delay_lag_seconds"].samples == [(("s",), 2.0)]
+
+
+def test_prometheus_module_without_the_extra_names_it() -> None:
+    code = (
+        "import sys; sys.modules['prometheus_client'] = None\n"
+        "try:\n"
+        "    import trio_redis_finalize.prometheus\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+        "else:\n"
+        "    raise SystemExit('imported without prometheus-client')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "pip install 'trio_redis_finalize[prometheus]'" in out.stdout
+
+
+# -- OpenTelemetry ---------------------------------------------------------------------
+
+
+async def test_otel_span_per_handler_call(redis_url: str, client: Client) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("test")
+    ids = {n: await xadd(client, n) for n in ("ack", "retry", "boom", "bad", "later")}
+
+    async def handle(d: Delivery) -> Any:
+        n = by_n(d)
+        if d.attempt > 1:
+            return ACK
+        with tracer.start_as_current_span("child"):  # the handler's own span nests
+            pass
+        if n == b"boom":
+            raise ValueError("boom")
+        return {b"ack": ACK, b"retry": RETRY, b"bad": "not an outcome", b"later": retry_after(0.05)}[n]
+
+    wrapped = instrument_handler(handle, tracer=tracer)
+    assert wrapped.__name__ == "handle"
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(SUB, wrapped)
+        await eventually(lambda: consumer.stats()[NAME]["outcomes"].get("ack") == 5, what="all acked")
+    spans = [s for s in exporter.get_finished_spans() if s.name != "child"]
+    assert len(spans) == 9  # 5 first attempts, 4 second ones (the ack needs none)
+    first = {s.attributes["messaging.message.id"]: s for s in spans if s.attributes["trf.attempt"] == 1}
+    outcome = {n: first[ids[n]].attributes["trf.outcome"] for n in ids}
+    assert outcome == {"ack": "ack", "retry": "retry", "boom": "error", "bad": "invalid",
+                       "later": "retry_after"}
+    for s in spans:
+        assert s.kind is SpanKind.CONSUMER and s.name == f"process {S}"
+        assert s.attributes["trf.subscription"] == NAME
+        assert s.attributes["messaging.system"] == "redis"
+        assert s.attributes["messaging.destination.name"] == S
+        assert s.attributes["trf.id"] == s.attributes["messaging.message.id"]
+    assert first[ids["later"]].attributes["trf.delay"] == 0.05
+    boom = first[ids["boom"]]
+    assert boom.status.status_code is StatusCode.ERROR and "ValueError: boom" in str(boom.status.description)
+    assert [e.name for e in boom.events] == ["exception"]
+    assert first[ids["bad"]].status.status_code is StatusCode.ERROR
+    assert first[ids["ack"]].status.status_code is StatusCode.UNSET
+    retried = [s for s in spans if s.attributes["trf.attempt"] == 2]
+    assert {s.attributes["trf.origin_id"] for s in retried} == {
+        ids[n] for n in ("retry", "boom", "bad", "later")}
+    children = [s for s in exporter.get_finished_spans() if s.name == "child"]
+    assert len(children) == 5
+    parents = {s.context.span_id for s in spans}
+    assert all(c.parent is not None and c.parent.span_id in parents for c in children)
+
+
+def test_otel_without_the_api_returns_the_handler_itself() -> None:
+    code = (
+        "import sys; sys.modules['opentelemetry'] = None\n"
+        "from trio_redis_finalize._otel import instrument_handler\n"
+        "async def handle(d): ...\n"
+        "assert instrument_handler(handle) is handle\n"
+        "print('unchanged')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "unchanged"
+
+
+# -- structured logs -------------------------------------------------------------------
+
+
+async def test_log_records_carry_subscription_id_attempt_outcome(
+    redis_url: str, client: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    boom = await xadd(client, "boom")
+    fine = await xadd(client, "fine")
+
+    async def handle(d: Delivery) -> Outcome:
+        if by_n(d) == b"boom":
+            raise RuntimeError("boom")
+        return ACK
+
+    caplog.set_level(logging.DEBUG, logger="trio_redis_finalize")
+    sub = StreamSubscription(S, G, block=0.05, max_attempts=2)
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(sub, handle)
+        await eventually(lambda: consumer.stats()[sub.name]["effects"].get("exhausted") == 1)
+    recs = [r for r in caplog.records if getattr(r, "subscription", None) == sub.name]
+    raised = [r for r in recs if "handler raised" in r.getMessage()]
+    assert [(r.attempt, r.outcome, r.origin_id) for r in raised] == [(1, "retry", boom), (2, "retry", boom)]
+    assert raised[0].entry_id == boom and raised[1].entry_id not in (boom, fine, None)
+    exhausted = [r for r in recs if getattr(r, "effect", None) == "exhausted"]
+    assert len(exhausted) == 1 and exhausted[0].levelno == logging.WARNING
+    assert (exhausted[0].attempt, exhausted[0].outcome) == (2, "retry")
+    acked = [r for r in recs if r.levelno == logging.DEBUG and getattr(r, "entry_id", None) == fine]
+    assert [(r.effect, r.outcome, r.attempt) for r in acked] == [("acked", "ack", 1)]
