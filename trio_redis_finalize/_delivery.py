@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Any
 
 __all__ = ["Delivery"]
 
 
-@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+# ``init=False``: the ``__init__`` below sets the slots through their
+# descriptors, about twice as fast as the generated frozen ``__init__`` (one
+# ``object.__setattr__`` per field); a delivery is built per message read.
+@dataclasses.dataclass(frozen=True, slots=True, eq=False, init=False)
 class Delivery:
     """One delivery of one message to a handler.
 
@@ -41,3 +45,43 @@ class Delivery:
     """Name of the subscription that delivered it (logs, stats)."""
     corrupt: str | None = dataclasses.field(default=None, repr=False)
     """Why the envelope could not be decoded, when it could not."""
+
+    def __init__(
+        self,
+        source: str,
+        id: str | None,
+        fields: Mapping[bytes, bytes],
+        data: bytes | None,
+        attempt: int,
+        origin_id: str,
+        raw: bytes | None = None,
+        retries: int = 0,
+        mount: str = "",
+        corrupt: str | None = None,
+    ) -> None:
+        _set_source(self, source)
+        _set_id(self, id)
+        _set_fields(self, fields)
+        _set_data(self, data)
+        _set_attempt(self, attempt)
+        _set_origin_id(self, origin_id)
+        _set_raw(self, raw)
+        _set_retries(self, retries)
+        _set_mount(self, mount)
+        _set_corrupt(self, corrupt)
+
+
+def _setter(name: str) -> Any:
+    return Delivery.__dict__[name].__set__
+
+
+_set_source = _setter("source")
+_set_id = _setter("id")
+_set_fields = _setter("fields")
+_set_data = _setter("data")
+_set_attempt = _setter("attempt")
+_set_origin_id = _setter("origin_id")
+_set_raw = _setter("raw")
+_set_retries = _setter("retries")
+_set_mount = _setter("mount")
+_set_corrupt = _setter("corrupt")

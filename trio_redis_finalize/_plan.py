@@ -48,6 +48,7 @@ __all__ = [
     "Target",
     "attempt_of",
     "content_origin",
+    "plain_removals",
     "plan",
     "plan_dead",
     "plan_lost",
@@ -259,6 +260,20 @@ def plan_dead(t: Target, d: Delivery, reason: str) -> Plan:
 def plan_lost(t: Target, d: Delivery) -> Plan:
     """An entry deleted from the stream while pending: acknowledge, count it."""
     return _stream_remove(t, d, Effect.LOST_BEFORE_HANDLING)
+
+
+def plain_removals(t: Target) -> dict[OutcomeKind, Effect]:
+    """The outcome kinds whose plan on ``t`` is one plain ``XACK`` of the entry.
+
+    For each kind ``k`` returned with effect ``e``, and every delivery ``d``
+    of ``t``, ``plan(t, d, Outcome(k)) == Plan(e, (("XACK", t.source, t.group,
+    d.id),))``.  The finalizer uses it to acknowledge such deliveries with one
+    ``XACK`` of many ids without building a plan for each (the hot path).
+    Empty for every form but streams.
+    """
+    if t.form is Form.STREAM:
+        return {OutcomeKind.ACK: Effect.ACKED, OutcomeKind.DROP: Effect.DROPPED}
+    return {}
 
 
 def _exhausted(t: Target, d: Delivery) -> bool:
