@@ -53,7 +53,7 @@ def test_api_reference_documents_every_public_name(site: Path) -> None:
     for name in trio_redis_finalize.__all__:
         assert f"trio_redis_finalize.{name}" in api, name
     for name in ("trio_redis_finalize.prometheus.register",
-                 "trio_redis_finalize._otel.instrument_handler",
+                 "trio_redis_finalize.otel.instrument_handler",
                  "trio_redis_finalize.pytest_plugin.consume_until",
                  "trio_redis_finalize.testing.RedisServer"):
         assert name in api, name

@@ -32,8 +32,8 @@ from trio_redis_finalize import (
     open_consumer,
     retry_after,
 )
-from trio_redis_finalize._otel import instrument_handler
 from trio_redis_finalize._transport import Client
+from trio_redis_finalize.otel import instrument_handler
 from trio_redis_finalize.prometheus import register
 from trio_redis_finalize.testing import free_port
 
