@@ -6,7 +6,12 @@
 * ``fresh_redis_server``: a server of the test's own (for fault tests that
   kill, pause or restart it);
 * ``run_consumer``: :func:`consume_until` bound to ``redis_url``: run a
-  consumer with one subscription until a predicate holds.
+  consumer with one subscription until a predicate holds;
+* ``redis_cluster``: a local 3-master
+  :class:`~trio_redis_finalize.testing.RedisCluster` for the whole session
+  (skipped, with the reason, only when the binary cannot run a cluster);
+  ``redis_cluster_url``: its ``redis+cluster://`` URL, every master flushed
+  before each test.
 
 :func:`consume_until` also works outside pytest (any trio or anyio code).
 

@@ -10,7 +10,8 @@
   command goes to the master of the slot of its first key
   (:func:`~._connection.command_keys`, ``redis.crc.key_slot``: hash tags
   honoured); a command without keys (``PING``, ``SCRIPT LOAD``, ``PUBLISH``:
-  classic Pub/Sub is broadcast to the whole cluster) to any node.
+  classic Pub/Sub is broadcast to the whole cluster) to any node, except
+  ``SCAN ... MATCH {tag}...``, which goes to the node of the tag's slot.
 * **Redirections** (a ``MOVED``, ``ASK`` or ``TRYAGAIN`` reply means that the
   command did not run, so sending it again is always safe):
 
@@ -68,12 +69,18 @@ from ._connection import (
 from ._pubsub import PubSub
 from ._url import ConnectionParams
 
-__all__ = ["MAX_REDIRECTS", "SLOTS", "ClusterClient", "RoutedConnection", "slot_of"]
+__all__ = ["MAX_REDIRECTS", "MAX_TRYAGAIN", "SLOTS", "ClusterClient", "RoutedConnection", "slot_of"]
 
 SLOTS = 16384
 MAX_REDIRECTS = 8
-"""Redirections (MOVED, ASK, TRYAGAIN) followed per command before giving up."""
-_TRYAGAIN_PAUSE = 0.02
+"""``MOVED`` and ``ASK`` redirections followed per command before giving up."""
+MAX_TRYAGAIN = 25
+"""``TRYAGAIN`` answers waited out per command (pauses of 10 ms doubling up to
+250 ms: about 5 s, enough for a migration to move the slot's remaining keys)."""
+
+
+def _tryagain_pause(n: int) -> float:
+    return float(min(0.25, 0.01 * 2**n))
 
 Address = tuple[str, int]
 _REDIRECTS = (rexc.MovedError, rexc.AskError, rexc.TryAgainError)
@@ -85,12 +92,35 @@ def _bytes(key: Arg) -> bytes:
     return str(key).encode()
 
 
-def slot_of(command: Command) -> int | None:
-    """The hash slot of ``command``'s first key; ``None`` when it names none."""
-    keys = command_keys(command)
-    if not keys:
+def _pattern_slot(pattern: bytes) -> int | None:
+    """The one slot of every key ``pattern`` can match, when its hash tag is literal.
+
+    ``{jobs}:processing:*`` matches only keys tagged ``jobs``; ``jobs:*`` or
+    ``{j*}:x`` can match keys of any slot (``None``).
+    """
+    start = pattern.find(b"{")
+    end = pattern.find(b"}", start + 1)
+    if start < 0 or end <= start + 1:
         return None
-    return int(key_slot(_bytes(keys[0])))
+    if any(c in pattern[:end] for c in b"*?[\\"):
+        return None
+    return int(key_slot(pattern[start + 1 : end]))
+
+
+def slot_of(command: Command) -> int | None:
+    """The hash slot of ``command``'s first key; ``None`` when it names none.
+
+    ``SCAN ... MATCH pattern`` goes to the slot of the pattern's hash tag
+    when it has a literal one (all the keys it can match live there).
+    """
+    keys = command_keys(command)
+    if keys:
+        return int(key_slot(_bytes(keys[0])))
+    if len(command) > 3 and _bytes(command[0]).upper() == b"SCAN":
+        upper = [_bytes(a).upper() for a in command]
+        if b"MATCH" in upper[2:-1]:
+            return _pattern_slot(_bytes(command[upper.index(b"MATCH", 2) + 1]))
+    return None
 
 
 def _redirect_address(err: rexc.MovedError | rexc.AskError, source: Address) -> Address:
@@ -257,22 +287,26 @@ class ClusterClient(Client):
         self, command: Command, reply: Any, source: Address, timeout: float | None
     ) -> Any:
         """Follow the redirections of ``command`` (answered ``reply`` by ``source``)."""
-        for n in range(MAX_REDIRECTS):
+        redirects = waits = 0
+        while redirects < MAX_REDIRECTS and waits < MAX_TRYAGAIN:
             if isinstance(reply, rexc.MovedError):
+                redirects += 1
                 self.moved += 1
                 source = _redirect_address(reply, source)
                 self._learn(int(reply.slot_id), source)
                 (reply,) = await self._on_node(source, [command], timeout)
             elif isinstance(reply, rexc.AskError):
+                redirects += 1
                 self.asked += 1
                 source = _redirect_address(reply, source)
                 reply = await self._asking(source, command, timeout)
             elif isinstance(reply, rexc.TryAgainError):
-                await anyio.sleep(_TRYAGAIN_PAUSE * (n + 1))
+                await anyio.sleep(_tryagain_pause(waits))
+                waits += 1
                 source = await self._route(slot_of(command))
                 (reply,) = await self._on_node(source, [command], timeout)
             else:
-                return reply
+                break
         return reply
 
     async def _run(
@@ -347,22 +381,26 @@ class ClusterClient(Client):
         block: list[Command] = [("MULTI",), *commands, ("EXEC",)]
         addr = await self._route(slot)
         replies = await self._on_node(addr, block, timeout)
-        for n in range(MAX_REDIRECTS):
+        redirects = waits = 0
+        while redirects < MAX_REDIRECTS and waits < MAX_TRYAGAIN:
             redirect = next((r for r in replies[1:-1] if isinstance(r, _REDIRECTS)), None)
             if redirect is None:
                 break
             # a redirection at queueing time aborts the transaction: nothing ran
             if isinstance(redirect, rexc.MovedError):
+                redirects += 1
                 self.moved += 1
                 addr = _redirect_address(redirect, addr)
                 self._learn(int(redirect.slot_id), addr)
                 replies = await self._on_node(addr, block, timeout)
             elif isinstance(redirect, rexc.AskError):
+                redirects += 1
                 self.asked += 1
                 addr = _redirect_address(redirect, addr)
                 replies = (await self._on_node(addr, [("ASKING",), *block], timeout))[1:]
             else:
-                await anyio.sleep(_TRYAGAIN_PAUSE * (n + 1))
+                await anyio.sleep(_tryagain_pause(waits))
+                waits += 1
                 addr = await self._route(slot)
                 replies = await self._on_node(addr, block, timeout)
         return transaction_result(commands, replies)
@@ -473,21 +511,25 @@ class RoutedConnection(Connection):
 
     async def _follow(self, command: Command, reply: Any, timeout: float | None) -> Any:
         cluster = self._cluster
-        for n in range(MAX_REDIRECTS):
+        redirects = waits = 0
+        while redirects < MAX_REDIRECTS and waits < MAX_TRYAGAIN:
             if isinstance(reply, rexc.MovedError):
+                redirects += 1
                 cluster.moved += 1
                 addr = _redirect_address(reply, self.address)
                 cluster._learn(int(reply.slot_id), addr)
                 await self._move_to(addr)
                 (reply,) = await self.roundtrip(pack_command(tuple(command)), 1, timeout)
             elif isinstance(reply, rexc.AskError):
+                redirects += 1
                 cluster.asked += 1
                 reply = await self._ask(_redirect_address(reply, self.address), command, timeout)
             elif isinstance(reply, rexc.TryAgainError):
-                await anyio.sleep(_TRYAGAIN_PAUSE * (n + 1))
+                await anyio.sleep(_tryagain_pause(waits))
+                waits += 1
                 (reply,) = await self.roundtrip(pack_command(tuple(command)), 1, timeout)
             else:
-                return reply
+                break
         return reply
 
     async def _move_to(self, addr: Address) -> None:
