@@ -1,0 +1,423 @@
+"""Crash-point enumeration: every finalization path, a fault at every command.
+
+For each path (form x outcome x delay way x dead letter) the happy path is
+run once to count its finalization commands K (the copy's own finalization
+included).  Then, for every k < K and every fault (see ``faults.shim``):
+
+* ``before`` / ``after``: command k fails before it is sent, or is applied
+  and its reply lost; the consumer lives on and its finalizer sends the
+  finalization again (the gated resend);
+* ``crash-before`` / ``crash-after``: the same, and the process dies there;
+* ``cancel-before`` / ``cancel-after``: the finalizer is cancelled while it
+  waits at command k (its request unsent / applied), by the shutdown deadline;
+
+then recovery runs: a restarted consumer with the same name, which re-reads
+its PEL / processing list and finalizes again.  The checker then reads what
+Redis physically holds: nothing lost (the message was finalized, or a copy
+of it exists), nothing stranded, at most one copy for gated paths, attempt
+counters never going back, ``max_attempts`` never exceeded by a handler call.
+
+Handlers are deterministic: a stream handler returns the path's outcome for
+the original entry (whatever its attempt: recovery resends the same
+finalization) and ACK for copies; a reliable-list handler returns the path's
+outcome on the first call for the message and ACK afterwards (a copy and a
+re-delivered original look alike there).
+
+The negative control builds the forbidden order (XACK, then XADD the copy, as
+two commands; for lists LREM then LPUSH) and shows the same checker reports
+the loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import pytest
+from faults.checks import ListState, StreamState, list_state, stream_state
+from faults.shim import Crash, FaultClient, FaultMode, open_fault_client
+
+from trio_redis_finalize import (
+    ACK,
+    DROP,
+    RETRY,
+    DelayedRetry,
+    Delivery,
+    Mode,
+    Outcome,
+    ReliableListSubscription,
+    StreamSubscription,
+    _consumer,
+    _mount,
+    _plan,
+    open_consumer,
+    retry_after,
+)
+from trio_redis_finalize._envelope import wrap
+from trio_redis_finalize._keys import same_slot
+from trio_redis_finalize._plan import Effect, Plan
+from trio_redis_finalize._scripts import LIST_COPY_REMOVE, LIST_ZADD_REMOVE
+from trio_redis_finalize._transport import Client, open_client
+
+NAME = "w1"
+S, G = "orders", "billing"
+Q = "jobs"
+DEAD = "dead-letters"  # another hash slot than the sources: the cluster split plans
+assert not same_slot(S, DEAD) and not same_slot(Q, DEAD)
+S_DELAYS, Q_DELAYS = "{orders}:delayed", "{jobs}:delayed"
+PROCESSING = "{jobs}:processing:" + NAME
+
+FAULTS = ["before", "after", "crash-before", "crash-after", "cancel-before", "cancel-after"]
+
+
+@pytest.fixture(autouse=True)
+def _quick_timers(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a cancelled finalizer gives up after 0.2 s instead of 10 s at shutdown
+    monkeypatch.setattr(_mount, "FINALIZE_GRACE", 0.2)
+    # a stalled (never cancelled) request times out after 0.3 s instead of 5 s
+    monkeypatch.setattr(_mount, "FINALIZE_TIMEOUT", 0.3)
+    monkeypatch.setattr(_consumer, "FINALIZE_TIMEOUT", 0.3)
+
+
+# -- paths --------------------------------------------------------------------
+
+Planner = Callable[[_plan.Target, Delivery, Outcome], Plan]
+
+
+@dataclasses.dataclass(frozen=True)
+class Path:
+    """One finalization path and what it must leave behind."""
+
+    id: str
+    form: str  # "stream" or "list"
+    outcome: Outcome
+    expect: str  # "gone" (ACK/DROP/exhausted), "copy", "dead", "runtime" (copy in memory)
+    gated: bool = True
+    sub: dict[str, Any] = dataclasses.field(default_factory=dict)
+    preset_retries: int = 0  # the original arrives carrying this retry counter
+    planner: Planner | None = None  # replaces the planner (cluster split, broken order)
+
+    def subscription(self) -> StreamSubscription | ReliableListSubscription:
+        if self.form == "stream":
+            return StreamSubscription(S, G, **{"block": 0.05, "min_idle": 0.1, **self.sub})
+        return ReliableListSubscription(Q, **{"block": 0.05, **self.sub})
+
+    @property
+    def max_attempts(self) -> int | None:
+        limit: int | None = self.sub.get("max_attempts")
+        return limit
+
+
+def _cluster_split(t: _plan.Target, d: Delivery, o: Outcome) -> Plan:
+    """The plan Redis Cluster gets when the dead letter lives on another slot."""
+    return _plan.plan(dataclasses.replace(t, cluster=True), d, o)
+
+
+def _remove_then_copy(t: _plan.Target, d: Delivery, o: Outcome) -> Plan:
+    """The forbidden order: remove the original, then add the copy (two commands)."""
+    if o != RETRY:
+        return _plan.plan(t, d, o)
+    if d.id is not None:
+        return Plan(Effect.COPIED, (("XACK", t.source, t.group, d.id),
+                                    ("XADD", t.source, "*", *_plan._stream_copy_fields(d))),
+                    gated=False)
+    assert d.raw is not None
+    return Plan(Effect.COPIED, (("LREM", t.processing, 1, d.raw),
+                                ("LPUSH", t.source, _plan._list_copy(d))), gated=False)
+
+
+DURABLE = {"delayed_retry": DelayedRetry.DURABLE_ZSET}
+DEAD3 = {"max_attempts": 3, "dead_letter": DEAD}
+STREAM_PATHS = [
+    Path("ack", "stream", ACK, "gone"),
+    Path("drop", "stream", DROP, "gone"),
+    Path("retry", "stream", RETRY, "copy"),
+    Path("retry-after-durable", "stream", retry_after(0.02), "copy", sub=DURABLE),
+    Path("retry-after-runtime", "stream", retry_after(0.02), "runtime", gated=False),
+    Path("dead-letter", "stream", RETRY, "dead", preset_retries=2, sub=DEAD3),
+    Path("dead-letter-cluster-split", "stream", RETRY, "dead", gated=False, preset_retries=2,
+         sub=DEAD3, planner=_cluster_split),
+    Path("exhausted-no-dead-letter", "stream", RETRY, "gone", preset_retries=2,
+         sub={"max_attempts": 3}),
+    Path("claiming-retry", "stream", RETRY, "gone", sub={"mode": Mode.CLAIMING}),
+    Path("reclaim-retry", "stream", RETRY, "copy", sub={"mode": Mode.RECLAIM}),
+]
+LIST_PATHS = [
+    Path("ack", "list", ACK, "gone"),
+    Path("drop", "list", DROP, "gone"),
+    Path("retry", "list", RETRY, "copy"),
+    Path("retry-after-durable", "list", retry_after(0.02), "copy", sub=DURABLE),
+    Path("retry-after-runtime", "list", retry_after(0.02), "copy"),
+    Path("dead-letter", "list", RETRY, "dead", preset_retries=2, sub=DEAD3),
+    Path("dead-letter-cluster-split", "list", RETRY, "dead", gated=False, preset_retries=2,
+         sub=DEAD3, planner=_cluster_split),
+    Path("exhausted-no-dead-letter", "list", RETRY, "gone", preset_retries=2,
+         sub={"max_attempts": 3}),
+]
+BROKEN_STREAM = Path("broken-ack-then-copy", "stream", RETRY, "copy", gated=False,
+                     planner=_remove_then_copy)
+BROKEN_LIST = Path("broken-lrem-then-lpush", "list", RETRY, "copy", gated=False,
+                   planner=_remove_then_copy)
+
+
+# -- the harness ----------------------------------------------------------------
+
+@dataclasses.dataclass
+class Call:
+    id: str | None
+    origin: str
+    attempt: int
+    outcome: Outcome
+
+
+@dataclasses.dataclass
+class Case:
+    path: Path
+    k: int | None
+    fault: str
+    original: str = ""  # the stream entry id of the original
+    origin: str = ""
+    calls: list[Call] = dataclasses.field(default_factory=list)
+    crashed: bool = False
+    list_copies: int = 0
+
+    @property
+    def label(self) -> str:
+        return f"{self.path.form} {self.path.id} k={self.k} {self.fault}"
+
+    def outcome_for(self, d: Delivery) -> Outcome:
+        path = self.path
+        if path.form == "stream":
+            if path.sub.get("mode") is Mode.CLAIMING:
+                return path.outcome if d.attempt == 1 else ACK
+            return path.outcome if d.id == self.original else ACK
+        return path.outcome if not self.calls else ACK
+
+    def handler(self) -> Callable[[Delivery], Awaitable[Outcome]]:
+        async def handle(d: Delivery) -> Outcome:
+            outcome = self.outcome_for(d)
+            self.calls.append(Call(d.id, d.origin_id, d.attempt, outcome))
+            return outcome
+
+        return handle
+
+
+async def _settled(client: Client, consumer: Any, form: str) -> bool:
+    """Nothing left to do: no pending, nothing unread, nothing delayed or held."""
+    if len(consumer.scheduler) or any(m.held or m.stats.in_flight for m in consumer.mounts):
+        return False
+    if form == "list":
+        lens = await client.pipeline([("LLEN", Q), ("LLEN", PROCESSING), ("ZCARD", Q_DELAYS)])
+        return not any(lens)
+    summary = await client.execute("XPENDING", S, G)
+    if int(summary[0]) or int(await client.execute("ZCARD", S_DELAYS)):
+        return False
+    last = await client.execute("XREVRANGE", S, "+", "-", "COUNT", 1)
+    info = {g[1]: g[7] for g in await client.execute("XINFO", "GROUPS", S)}
+    return not last or info.get(G.encode()) == last[0][0]
+
+
+def _not_collateral(e: BaseException) -> bool:
+    collateral = (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.get_cancelled_exc_class())
+    return not isinstance(e, (BaseExceptionGroup, *collateral))
+
+
+async def _run(client: FaultClient, case: Case, *, stop_when_fired: bool, budget: float = 5.0) -> None:
+    """One consumer life: until settled twice in a row, until the fault fired
+    (cancel: then shut down), or until it crashed."""
+    try:
+        async with open_consumer(client, name=NAME, shutdown_grace=0.0) as consumer:
+            await consumer.mount(case.path.subscription(), case.handler())
+            calm = 0
+            with anyio.fail_after(budget):
+                while calm < 2:
+                    await anyio.sleep(0.015)
+                    if stop_when_fired and client.fired is not None:
+                        return
+                    calm = calm + 1 if await _settled(client, consumer, case.path.form) else 0
+    except BaseExceptionGroup as eg:
+        crash, rest = eg.split(Crash)
+        if crash is None:
+            raise
+        case.crashed = True
+        # the simulated death closes channels under the other tasks: that
+        # collateral is all that may come with it
+        if rest is not None and rest.subgroup(_not_collateral) is not None:
+            raise
+
+
+async def _produce(client: Client, case: Case) -> None:
+    path = case.path
+    if path.form == "stream":
+        await client.execute("XGROUP", "CREATE", S, G, "0", "MKSTREAM")
+        fields: list[str] = ["n", "1"]
+        if path.preset_retries:
+            fields += ["trf-retries", str(path.preset_retries)]
+        case.original = case.origin = (await client.execute("XADD", S, "*", *fields)).decode()
+        return
+    case.origin = "job-1"
+    element = wrap(b"job", path.preset_retries, case.origin) if path.preset_retries else b"job"
+    if not path.preset_retries:
+        case.origin = _plan.content_origin(element)
+    await client.execute("LPUSH", Q, element)
+
+
+async def _state(client: Client, form: str) -> StreamState | ListState:
+    if form == "stream":
+        return await stream_state(client, S, G, delay_key=S_DELAYS, dead_letter=DEAD)
+    return await list_state(client, Q, [PROCESSING], delay_key=Q_DELAYS, dead_letter=DEAD)
+
+
+@dataclasses.dataclass
+class Report:
+    case: Case
+    problems: list[str]
+    copies: int
+    dead: int
+
+
+def judge(case: Case, state: StreamState | ListState) -> Report:
+    """The checker: what Redis holds after recovery, against what the path promises."""
+    path, origin = case.path, case.origin
+    problems: list[str] = []
+    if path.form == "stream":
+        assert isinstance(state, StreamState)
+        copies = state.copies()[origin]
+    else:
+        assert isinstance(state, ListState)
+        copies = case.list_copies
+    dead = state.dead_letters()[origin]
+    present = state.present()[origin]
+    if present:
+        problems.append(f"stranded: {present} token(s) of the message still pending/unread/delayed")
+    limit = path.max_attempts
+    handled_to_the_end = any(  # ACK, DROP, or the last allowed attempt (exhausted)
+        c.outcome in (ACK, DROP) or (limit is not None and c.attempt >= limit) for c in case.calls
+    )
+    finalized = {
+        "gone": handled_to_the_end or bool(dead),
+        "copy": copies >= 1 or handled_to_the_end,
+        "dead": dead >= 1,
+        "runtime": copies >= 1,
+    }[path.expect]
+    if path.form == "stream" and path.expect == "copy":
+        finalized = copies >= 1  # the original's finalization is resent: a copy must exist
+    documented = path.expect == "runtime" and case.crashed  # a runtime copy dies with its process
+    if not finalized and not present and not documented:
+        problems.append(f"LOST: no {path.expect} successor and nothing left in Redis")
+    if path.gated and (copies > 1 or dead > 1):
+        problems.append(f"gated path made {copies} copies and {dead} dead letters")
+    if path.expect in ("gone", "dead") and copies:
+        problems.append(f"{copies} unexpected copies")
+    if path.expect != "dead" and dead:
+        problems.append(f"{dead} unexpected dead letters")
+    # attempt counters: never back, never past max_attempts
+    seen = 0
+    for c in case.calls:
+        if limit is not None and c.attempt > limit:
+            problems.append(f"handler called at attempt {c.attempt} > max_attempts={limit}")
+        if c.attempt < seen:
+            problems.append(f"attempt went back from {seen} to {c.attempt}")
+        seen = max(seen, c.attempt)
+    if not case.calls:
+        problems.append("the handler never ran")
+    return Report(case, problems, copies, dead)
+
+
+def list_copies(applied: list[tuple[Any, Any]]) -> int:
+    """Copies of a list element that Redis made (gate open), dead letters aside.
+
+    A copy cannot be told from a re-delivered original by its bytes once it is
+    consumed, so they are counted from the replies of the copy commands.
+    """
+    n = 0
+    for cmd, reply in applied:
+        name = cmd[0]
+        if name == b"EVALSHA" and cmd[1] in (LIST_COPY_REMOVE.sha, LIST_ZADD_REMOVE.sha):
+            if cmd[4] != DEAD and reply is not None and not isinstance(reply, Exception):
+                n += 1
+        elif name == "LPUSH" and cmd[1] == Q:
+            n += 1
+    return n
+
+
+async def run_case(url: str, path: Path, k: int | None, fault: str,
+                   monkeypatch: pytest.MonkeyPatch) -> tuple[Report, int]:
+    """Run one case and recovery; returns the report and the number of
+    finalization commands the first run sent (``k=None``: the happy path)."""
+    if path.planner is not None:
+        monkeypatch.setattr(_mount, "plan", path.planner)
+    case = Case(path, k, fault)
+    async with open_client(url) as admin:
+        await admin.execute("FLUSHALL")
+        await _produce(admin, case)
+        async with open_fault_client(url) as client:
+            if k is not None:
+                mode = FaultMode.AFTER if fault.endswith("after") else FaultMode.BEFORE
+                client.arm(k, mode, crash=fault.startswith("crash"), cancel=fault.startswith("cancel"))
+            await _run(client, case, stop_when_fired=fault.startswith("cancel"))
+            sent = len(client.sent)
+            case.list_copies += list_copies(client.applied)
+        # recovery: the restarted process, same consumer name
+        async with open_fault_client(url) as client:
+            await _run(client, case, stop_when_fired=False)
+            case.list_copies += list_copies(client.applied)
+        return judge(case, await _state(admin, path.form)), sent
+
+
+_STEPS: dict[tuple[str, str], int] = {}
+
+
+async def enumerate_path(url: str, path: Path, fault: str,
+                         monkeypatch: pytest.MonkeyPatch) -> list[Report]:
+    """The happy path once per path (K, and its own soundness), then k < K."""
+    steps = _STEPS.get((path.form, path.id))
+    if steps is None:
+        happy, steps = await run_case(url, path, None, "none", monkeypatch)
+        assert not happy.problems, happy.problems
+        assert steps >= 1
+        _STEPS[path.form, path.id] = steps
+    return [(await run_case(url, path, k, fault, monkeypatch))[0] for k in range(steps)]
+
+
+def _problems(reports: list[Report]) -> list[str]:
+    return [f"{r.case.label}: {p}" for r in reports for p in r.problems]
+
+
+def _assert_sound(path: Path, reports: list[Report]) -> None:
+    assert not _problems(reports)
+    if path.gated and path.expect == "dead":
+        assert all(r.dead == 1 for r in reports)
+    if path.gated and path.expect == "copy" and path.form == "stream":
+        assert all(r.copies == 1 for r in reports)
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("path", STREAM_PATHS, ids=lambda p: p.id)
+async def test_stream_crash_points(redis_url: str, path: Path, fault: str,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    _assert_sound(path, await enumerate_path(redis_url, path, fault, monkeypatch))
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("path", LIST_PATHS, ids=lambda p: p.id)
+async def test_reliable_list_crash_points(redis_url: str, path: Path, fault: str,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    _assert_sound(path, await enumerate_path(redis_url, path, fault, monkeypatch))
+
+
+@pytest.mark.parametrize("path", [BROKEN_STREAM, BROKEN_LIST], ids=lambda p: p.form)
+async def test_negative_control_remove_then_copy_is_caught_as_a_loss(
+    redis_url: str, path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same enumeration and checker, on the order the contract forbids."""
+    lost = []
+    for fault in ("crash-after", "crash-before"):
+        for r in await enumerate_path(redis_url, path, fault, monkeypatch):
+            if any(p.startswith("LOST") for p in r.problems):
+                lost.append(r.case.label)
+    # the original removed, the process dies before the copy: the message is gone
+    assert f"{path.form} {path.id} k=0 crash-after" in lost
+    assert f"{path.form} {path.id} k=1 crash-before" in lost
