@@ -476,7 +476,9 @@ async def test_pubsub_messages_from_any_node(redis_cluster: RedisCluster, cc: Cl
 # -- keys on different nodes, one consumer --------------------------------------------------
 
 
-async def test_streams_on_three_nodes_one_consumer(redis_cluster: RedisCluster, cc: ClusterClient) -> None:
+async def test_streams_on_three_nodes_one_consumer(
+    redis_cluster: RedisCluster, redis_cluster_url: str, cc: ClusterClient
+) -> None:
     streams = [key_on(cc, n, f"s{i}-") for i, n in enumerate(cc.nodes)]
     assert len({node_of(cc, s) for s in streams}) == 3
     produced = {s: set(await xadd_many(cc, s, 100)) for s in streams}
@@ -486,7 +488,7 @@ async def test_streams_on_three_nodes_one_consumer(redis_cluster: RedisCluster, 
         seen[d.source].add(d.origin_id)
         return RETRY if d.attempt == 1 and int(d.fields[b"n"]) % 10 == 0 else ACK
 
-    async with open_consumer(cc, name="multi") as consumer:
+    async with open_consumer(redis_cluster_url, name="multi") as consumer:  # the URL, this time
         for s in streams:
             await consumer.mount(StreamSubscription(s, G, block=0.1), handle, concurrency=4)
         names = [f"stream {s!r} group {G!r}" for s in streams]
