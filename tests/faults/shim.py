@@ -167,9 +167,9 @@ class FaultClient(Client):
             return reply
         return await super().execute(*args, timeout=timeout)
 
-    async def connect(self, *, name: str | None = None) -> Connection:
+    async def connect(self, **kwargs: Any) -> Connection:
         self._check_alive()
-        return await super().connect(name=name)
+        return await super().connect(**kwargs)
 
 
 @asynccontextmanager
