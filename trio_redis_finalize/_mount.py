@@ -2,14 +2,21 @@
 
 ::
 
-    reader task --(chunks of deliveries)--> N handler tasks --(outcomes)--> finalizer task
-         |                                                                        ^
-         +-------------------(precomputed plans: dead, lost)----------------------+
+    reader task --(batches)--> work queue --(one delivery at a time)--> N handler tasks
+         |                                                                    |
+         |                                                        (lists of outcomes)
+         |                                                                    v
+         +------------(precomputed plans: dead, lost)-----------------> finalizer task
 
-Channels are bounded; each has one owner that closes it: the reader owns the
-delivery sender, each handler its clone of the outcome sender, the reader its
-own clone; the finalizer drains the outcome receiver until every sender has
-closed.  The reader owns a dedicated connection; the finalizer uses the pool.
+Everything in between is bounded.  The work queue (:class:`_WorkQueue`) takes
+a whole batch from the reader once it is empty, and each handler task takes
+one delivery at a time from it: fast handlers drain a batch in one task
+without a switch per delivery, slow ones share it delivery by delivery (no
+task idles behind another's slow delivery).  Outcomes travel in lists over a
+bounded channel, flushed when the queue runs dry or every ``_FLUSH_EVERY``
+seconds; the finalizer drains the outcome receiver until every sender (the
+reader's and the handlers') has closed.  The reader owns a dedicated
+connection; the finalizer uses the pool.
 
 Shutdown (:meth:`Mount.stop`): cancel the reader; handlers finish what they
 hold within ``shutdown_grace`` and start nothing new; the finalizer sends
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from time import monotonic
 from typing import TYPE_CHECKING, Any, Protocol
@@ -53,6 +61,8 @@ FINALIZE_TIMEOUT = 5.0
 FINALIZE_GRACE = 10.0
 """Seconds the finalizer keeps trying after the handlers stopped, at shutdown."""
 _FLUSH_EVERY = 0.05
+_SLOW_CALL = 0.0005
+"""Seconds of a handler call after which its outcome is sent on at once."""
 _MAX_BATCH = 1000
 
 
@@ -83,6 +93,82 @@ class _Status:
         self.inner.started()
 
 
+class _WorkQueue:
+    """Deliveries read and not yet taken by a handler task (work sharing).
+
+    :meth:`put` waits until the queue is empty, then adds a whole batch at once,
+    so a cancelled ``put`` hands over nothing.  Handler tasks :meth:`take`
+    one delivery at a time; a task that takes one while more wait wakes one
+    idle task, so a slow delivery never holds the rest of a batch back, and
+    a handler that never blocks drains the batch alone, without waking the
+    others more than once.
+    """
+
+    __slots__ = ("_idle", "_room", "closed", "items")
+
+    def __init__(self) -> None:
+        self.items: deque[Delivery] = deque()
+        self._idle: deque[anyio.Event] = deque()  # handler tasks waiting for work
+        self._room: anyio.Event | None = None  # the reader waiting for the queue to empty
+        self.closed = False
+
+    async def put(self, deliveries: Sequence[Delivery]) -> None:
+        while self.items:
+            room = self._room = anyio.Event()
+            await room.wait()
+        self.items.extend(deliveries)
+        self._wake_one()
+
+    def take(self) -> Delivery | None:
+        """The next delivery, or None when there is none now."""
+        items = self.items
+        if not items:
+            return None
+        d = items.popleft()
+        if items:
+            self._wake_one()
+        elif self._room is not None:
+            self._room.set()
+            self._room = None
+        return d
+
+    async def wait(self) -> bool:
+        """Wait for work: True when there is some, False once closed and empty."""
+        while not self.items:
+            if self.closed:
+                return False
+            ev = anyio.Event()
+            self._idle.append(ev)
+            try:
+                await ev.wait()
+            except BaseException:
+                if ev.is_set():
+                    self._wake_one()  # pass on the wake-up this task will not use
+                else:
+                    self._idle.remove(ev)
+                raise
+        return True
+
+    def _wake_one(self) -> None:
+        if self._idle:
+            self._idle.popleft().set()
+
+    def close(self) -> None:
+        """No more puts: wake every idle task (each ends once the queue is empty)."""
+        self.closed = True
+        while self._idle:
+            self._idle.popleft().set()
+
+    def drain(self) -> list[Delivery]:
+        """Take out every delivery no handler started."""
+        items = list(self.items)
+        self.items.clear()
+        if self._room is not None:
+            self._room.set()
+            self._room = None
+        return items
+
+
 class Mount:
     """One subscription mounted on a consumer (internal; see ``Consumer.mount``)."""
 
@@ -108,6 +194,7 @@ class Mount:
         self.name = target.name
         self.stats = MountStats(subscription=self.name)
         self._removals = plain_removals(target)
+        self._removal_kinds = tuple(self._removals)
         self.held: set[str] = set()  # stream ids read and not yet finalized
         self.stopping = False
         self._cut_warned = False  # claiming: a retry_after longer than min_idle was logged
@@ -116,9 +203,7 @@ class Mount:
         self._handlers_scope = anyio.CancelScope()
         self._finalizer_scope = anyio.CancelScope()
         self._outer_scope = anyio.CancelScope(shield=True)
-        send, recv = anyio.create_memory_object_stream[list[Delivery]](0)
-        self._deliver_send: Send[list[Delivery]] = send
-        self._deliver_recv: Recv[list[Delivery]] = recv
+        self._queue = _WorkQueue()
         osend, orecv = anyio.create_memory_object_stream[list[Item]](max(4, 2 * concurrency))
         self._outcome_send: Send[list[Item]] = osend
         self._outcome_recv: Recv[list[Item]] = orecv
@@ -129,15 +214,12 @@ class Mount:
         if not deliveries:
             return
         self.stats.received += len(deliveries)
+        held = self.held
         for d in deliveries:
             if d.id is not None:
-                self.held.add(d.id)
-        # Chunks of ceil(n / concurrency): every handler task gets a share of
-        # a batch at the cost of one channel hop per chunk, not per delivery.
-        size = -(-len(deliveries) // self.concurrency)
-        send = self._deliver_send.send
-        for i in range(0, len(deliveries), size):
-            await send(list(deliveries[i : i + size]))
+                held.add(d.id)
+        # all or nothing: cancelled while waiting, nothing was handed over
+        await self._queue.put(deliveries)
 
     async def finalize_now(self, items: list[Item]) -> None:
         """Send precomputed plans (dead letter, lost entry) to the finalizer."""
@@ -162,7 +244,7 @@ class Mount:
     async def _read(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         status = _Status(task_status)
         try:
-            async with self._deliver_send, self._reader_outcomes:
+            async with self._reader_outcomes:
                 with self._reader_scope:
                     await self.reader.run(self, task_status=status)
         except BaseException:
@@ -171,6 +253,8 @@ class Mount:
                 self._handlers_scope.cancel()
                 self._finalizer_scope.cancel()
             raise
+        finally:
+            self._queue.close()
 
     async def stop(self, grace: float) -> None:
         """Graceful stop; returns when the mount's tasks have all ended."""
@@ -186,58 +270,66 @@ class Mount:
 
     # -- handlers -------------------------------------------------------------
     async def _handlers(self, senders: list[Send[list[Item]]]) -> None:
-        with self._handlers_scope:
-            async with anyio.create_task_group() as tg:
-                for i, send in enumerate(senders):
-                    tg.start_soon(self._handler_loop, self._deliver_recv.clone(), send, i)
-                await self._deliver_recv.aclose()
-        for s in senders:  # closed here too in case the scope was cancelled early
-            await s.aclose()
+        try:
+            with self._handlers_scope:
+                async with anyio.create_task_group() as tg:
+                    for send in senders:
+                        tg.start_soon(self._handler_loop, send)
+        finally:
+            # stopped, or cancelled at the grace deadline: what no handler
+            # started goes back (one cancelled mid-handler stays pending)
+            with anyio.CancelScope(shield=True):
+                unstarted = self._queue.drain()
+                give_back = self.reader.abandon(unstarted) if unstarted else None
+                if give_back is not None:
+                    with anyio.move_on_after(FINALIZE_GRACE):
+                        await senders[0].send([(unstarted[0], give_back)])
+                for s in senders:
+                    await s.aclose()
 
-    async def _handler_loop(
-        self,
-        recv: Recv[list[Delivery]],
-        send: Send[list[Item]],
-        index: int,
-    ) -> None:
+    async def _handler_loop(self, send: Send[list[Item]]) -> None:
+        queue = self._queue
         handler = self.handler
         stats = self.stats
-        async with recv, send:
-            async for chunk in recv:
-                results: list[Item] = []
-                started = 0  # chunk[started:] never reached a handler
-                several = len(chunk) > 1
-                last_flush = monotonic()
-                try:
-                    for d in chunk:
-                        if self.stopping:
-                            break
-                        started += 1
-                        stats.in_flight += 1
-                        try:  # what _call does, inlined: one coroutine less per delivery
-                            outcome = await handler(d)
-                        except Exception:
-                            outcome = self._raised(d)
-                        else:
-                            if outcome.__class__ is not Outcome and not isinstance(outcome, Outcome):
-                                outcome = self._not_outcome(d, outcome)
-                        finally:
-                            stats.in_flight -= 1
-                        results.append((d, outcome))
-                        if several and monotonic() - last_flush > _FLUSH_EVERY:
-                            await send.send(results)
-                            results = []
-                            last_flush = monotonic()
+        items = queue.items
+        results: list[Item] = []
+        last_flush = monotonic()
+        try:
+            while not self.stopping:
+                d = queue.take()
+                if d is None:
+                    if results:  # another task took the batch's last delivery
+                        await send.send(results)
+                        results = []
+                    if not await queue.wait():
+                        return
+                    last_flush = monotonic()
+                    continue
+                last = not items  # the last delivery of a batch
+                stats.in_flight += 1
+                start = monotonic()
+                try:  # what _call does, inlined: one coroutine less per delivery
+                    outcome = await handler(d)
+                except Exception:
+                    outcome = self._raised(d)
+                else:
+                    if outcome.__class__ is not Outcome and not isinstance(outcome, Outcome):
+                        outcome = self._not_outcome(d, outcome)
                 finally:
-                    # stopped, or cancelled at the grace deadline mid-chunk: what
-                    # no handler started goes back (the one cancelled stays pending)
-                    unstarted = chunk[started:]
-                    give_back = self.reader.abandon(unstarted) if unstarted else None
-                    if give_back is not None:
-                        results.append((unstarted[0], give_back))
-                    if results:
-                        with anyio.CancelScope(shield=True), anyio.move_on_after(FINALIZE_GRACE):
-                            await send.send(results)
+                    stats.in_flight -= 1
+                results.append((d, outcome))
+                # Hand the outcomes on at the end of a batch, after a slow
+                # handler call (the send costs little beside it), or when the
+                # oldest has waited _FLUSH_EVERY; else gather more.
+                now = monotonic()
+                if last or now - start > _SLOW_CALL or now - last_flush > _FLUSH_EVERY:
+                    await send.send(results)
+                    results = []
+                    last_flush = now
+        finally:
+            if results:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(FINALIZE_GRACE):
+                    await send.send(results)
 
     async def _call(self, d: Delivery) -> Outcome:
         """One handler call (the handler loop inlines the same steps)."""
@@ -317,22 +409,24 @@ class Mount:
         returned: list[Outcome | Plan] = []  # what each plan came from (for logs)
         # The hot path: outcomes that only remove the entry (ACK, DROP on a
         # stream) need no plan of their own: their ids go into one XACK.
-        removals = self._removals
+        removals = self._removal_kinds
         ids: list[Any] = []
-        tally: dict[OutcomeKind, int] = {}
+        kinds: list[OutcomeKind] = []  # counted per kind once the batch is sorted out
         for d, outcome in items:
             if removals and outcome.__class__ is Outcome:
                 kind = outcome.kind
-                if kind in removals:
+                if kind in removals:  # a tuple: identity, no Enum.__hash__ call
                     ids.append(d.id)
-                    tally[kind] = tally.get(kind, 0) + 1
+                    kinds.append(kind)
                     continue
             p = self.plan_for(d, outcome)
             if p is not None:
                 plans.append((d, p))
                 returned.append(outcome)
+        tally: list[tuple[OutcomeKind, int]] = []
         if ids:
-            for kind, n in tally.items():
+            tally = [(k, n) for k in removals if (n := kinds.count(k))]
+            for kind, n in tally:
                 self.stats.outcomes[kind.value] += n
             xack: Command = ("XACK", self.target.source, self.target.group, *ids)
             commands = merge_commands([(xack,), *[p.commands for _, p in plans]]) if plans else [xack]
@@ -373,12 +467,12 @@ class Mount:
             raise
         debug = log.isEnabledFor(logging.DEBUG)
         if ids:
-            for kind, n in tally.items():
-                self.stats.effects[removals[kind].value] += n
+            for kind, n in tally:
+                self.stats.effects[self._removals[kind].value] += n
             self.held.difference_update(ids)
             if debug:
                 for d, outcome in items:
-                    effect = removals.get(outcome.kind) if outcome.__class__ is Outcome else None
+                    effect = self._removals.get(outcome.kind) if outcome.__class__ is Outcome else None
                     if effect is not None:
                         log.debug("%s: %s (attempt %d) finalized: %s", self.name, d.id, d.attempt,
                                   effect.value, extra=log_extra(self.name, d, outcome, effect.value))
