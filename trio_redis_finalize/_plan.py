@@ -31,6 +31,7 @@ import enum
 import hashlib
 import uuid
 from collections.abc import Mapping
+from itertools import chain
 
 from . import _scripts
 from ._delivery import Delivery
@@ -96,7 +97,9 @@ class Target:
     cluster: bool = False
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+# ``init=False``: the ``__init__`` below sets the frozen slots through their
+# descriptors, faster than the generated one (a plan is built per message).
+@dataclasses.dataclass(frozen=True, slots=True, init=False)
 class Plan:
     """Commands to send now, in order; ``later`` after ``delay`` seconds.
 
@@ -111,6 +114,30 @@ class Plan:
     later: tuple[Command, ...] = ()
     gated: bool = True
     warning: str | None = None
+
+    def __init__(
+        self,
+        effect: Effect,
+        commands: tuple[Command, ...] = (),
+        delay: float | None = None,
+        later: tuple[Command, ...] = (),
+        gated: bool = True,
+        warning: str | None = None,
+    ) -> None:
+        _set_effect(self, effect)
+        _set_commands(self, commands)
+        _set_delay(self, delay)
+        _set_later(self, later)
+        _set_gated(self, gated)
+        _set_warning(self, warning)
+
+
+_set_effect = Plan.__dict__["effect"].__set__
+_set_commands = Plan.__dict__["commands"].__set__
+_set_delay = Plan.__dict__["delay"].__set__
+_set_later = Plan.__dict__["later"].__set__
+_set_gated = Plan.__dict__["gated"].__set__
+_set_warning = Plan.__dict__["warning"].__set__
 
 
 def attempt_of(retries: int, delivery_count: int = 1) -> int:
@@ -128,11 +155,7 @@ def content_origin(payload: bytes) -> str:
 
 
 def _flat(fields: Mapping[bytes, bytes]) -> list[bytes]:
-    out: list[bytes] = []
-    for k, v in fields.items():
-        out.append(k)
-        out.append(v)
-    return out
+    return list(chain.from_iterable(fields.items()))
 
 
 def _copy_retries(d: Delivery) -> int:
@@ -146,11 +169,9 @@ def _copy_retries(d: Delivery) -> int:
 
 
 def _stream_copy_fields(d: Delivery) -> list[bytes]:
-    return [
-        *_flat(d.fields),
-        RETRIES_FIELD, str(_copy_retries(d)).encode(),
-        ORIGIN_FIELD, d.origin_id.encode(),
-    ]
+    out = _flat(d.fields)
+    out += (RETRIES_FIELD, str(_copy_retries(d)).encode(), ORIGIN_FIELD, d.origin_id.encode())
+    return out
 
 
 def _body(d: Delivery) -> bytes:
