@@ -378,9 +378,9 @@ class StreamReader:
         failures = 0
         regroup = False
         conn: Connection | None = None
-        read = (
-            "XREADGROUP", "GROUP", sub.group, consumer, "COUNT", sub.count, "BLOCK",
-        )
+        read_now = ("XREADGROUP", "GROUP", sub.group, consumer, "COUNT", sub.count)
+        read = (*read_now, "BLOCK")
+        claiming = sub.mode is not Mode.PLAIN
         try:
             async with anyio.create_task_group() as tg:
                 if leased:
@@ -408,10 +408,21 @@ class StreamReader:
                         if not started:
                             task_status.started()
                             started = True
-                        reply = await conn.execute(
-                            *read, max(1, round(block * 1000)), "STREAMS", sub.stream, ">",
-                            timeout=block + _READ_MARGIN,
-                        )
+                        if (durable and self._next_move <= anyio.current_time()) or (
+                            claiming and self._next_claim == 0.0
+                        ):
+                            # more due copies to move, or more of the PEL to claim:
+                            # read what is new without blocking, then go on at once
+                            # (a BLOCK, however short, can last the server's
+                            # timer resolution, 100 ms at the default hz)
+                            reply = await conn.execute(
+                                *read_now, "STREAMS", sub.stream, ">", timeout=FINALIZE_TIMEOUT,
+                            )
+                        else:
+                            reply = await conn.execute(
+                                *read, max(1, round(block * 1000)), "STREAMS", sub.stream, ">",
+                                timeout=block + _READ_MARGIN,
+                            )
                         failures = 0
                         if reply:
                             await self._dispatch(mount, _entries(reply))
