@@ -4,7 +4,7 @@ On one private redis-server, N = 20,000 entries preloaded per run (fields
 ``payload`` = 32 bytes and ``kind``), each run in a group of its own:
 
 * **ACK**: the library (``StreamSubscription``, a no-op handler returning
-  ``ACK``) at concurrency 1 and 8, timed from ``mount()`` until every entry
+  ``ACK``) at concurrency 1 and 16, timed from ``mount()`` until every entry
   is acknowledged (the ``acked`` counter reaches N), against the **raw
   floor**: our transport alone doing ``XREADGROUP COUNT 100`` on a dedicated
   connection and one ``XACK`` of the whole batch on a pool connection.
@@ -13,7 +13,7 @@ On one private redis-server, N = 20,000 entries preloaded per run (fields
   copied and acknowledged, against the floor of one gated script per entry:
   ``XREADGROUP COUNT 100`` then the batch's ``EVALSHA stream_copy_ack``
   commands pipelined in one round trip.
-* **memory**: peak RSS (``resource.getrusage`` in a child process that runs
+* **memory**: peak RSS (``VmHWM`` in a child process that runs
   only the consumer, ACKing everything) at 20,000 and at 200,000 preloaded
   entries; flat memory means a ratio close to 1.
 
@@ -176,6 +176,22 @@ def _rss_now() -> int:
     return pages * os.sysconf("SC_PAGE_SIZE") // 1024
 
 
+def _peak_rss() -> int:
+    """Peak RSS of this process in KiB: ``VmHWM`` of ``/proc/self/status``.
+
+    Not ``getrusage``'s ``ru_maxrss``: Linux carries that over ``execve``, so
+    a child started by a bigger parent reports the parent's size.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
 async def _child(url: str, stream: str, group: str, n: int) -> None:
     name = f"stream {stream!r} group {group!r}"
 
@@ -185,16 +201,15 @@ async def _child(url: str, stream: str, group: str, n: int) -> None:
     before = _rss_now()
     highest = before
     async with open_consumer(url, name="bench-rss") as consumer:
-        await consumer.mount(StreamSubscription(stream, group, count=COUNT), handle, concurrency=8)
+        await consumer.mount(StreamSubscription(stream, group, count=COUNT), handle, concurrency=16)
         while consumer.stats()[name]["effects"].get("acked", 0) < n:
             highest = max(highest, _rss_now())
             await trio.sleep(0.01)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(f"{peak} {before} {highest}", flush=True)
+    print(f"{_peak_rss()} {before} {highest}", flush=True)
 
 
 async def peak_rss(url: str, client: Client, n: int) -> tuple[int, int, int, float]:
-    """A child consuming ``n`` entries: (peak RSS from getrusage, RSS before mounting,
+    """A child consuming ``n`` entries: (peak RSS, RSS before mounting,
     highest RSS sampled while consuming) in KiB, and seconds (start-up included)."""
     stream = f"bench:rss:{n}"
     await preload(client, stream, n)
@@ -222,7 +237,7 @@ async def _run(url: str, n: int) -> None:
         runs: dict[str, Callable[[int], Awaitable[float]]] = {
             RAW: lambda k: raw_ack(client, k),
             f"{lib}, concurrency 1": lambda k: lib_ack(url, client, k, 1),
-            f"{lib}, concurrency 8": lambda k: lib_ack(url, client, k, 8),
+            f"{lib}, concurrency 16": lambda k: lib_ack(url, client, k, 16),
         }
         ack = await _interleaved(runs, n)
         print_table(f"stream ACK: {n:,} entries, XREADGROUP COUNT {COUNT} (best of {REPEAT})", ack,
@@ -239,7 +254,7 @@ async def _run(url: str, n: int) -> None:
 
         small = await peak_rss(url, client, n)
         big = await peak_rss(url, client, BIG)
-        print("\nmemory of a consumer process (concurrency 8, ACK), KiB")
+        print("\nmemory of a consumer process (concurrency 16, ACK), KiB")
         print(f"  {'entries':>9}  {'peak RSS':>9}  {'RSS before mount':>16}  {'highest while consuming':>23}")
         for k, (peak, before, highest, secs) in ((n, small), (BIG, big)):
             print(f"  {k:>9,}  {peak:>9,}  {before:>16,}  {highest:>23,}   ({k / secs:,.0f} entries/s "
