@@ -229,11 +229,12 @@ async def test_stall_longer_than_the_finalize_deadline_is_settled_once(
             await consumer.mount(StreamSubscription(S, G, block=0.2), handler)
             await eventually(lambda: stats(consumer)["finalize_errors"] != 0, 2,
                              "the finalization timing out")
-            await eventually(lambda: recorder.origins[original] == 2, 8, "the copy being handled")
+            await eventually(lambda: recorder.origins[original] >= 2, 8, "the copy being handled")
             await eventually(lambda: settled(admin), 3, "nothing pending")
     state = await stream_state(admin, S, G)
-    assert state.copies()[original] == 1
+    assert state.copies()[original] == 1, f"{state.copies()[original]} copies of the message"
     assert recorder.calls[original] == 1
+    assert recorder.origins[original] == 2  # the original once, its one copy once
     assert not state.pending
 
 

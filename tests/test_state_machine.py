@@ -95,9 +95,9 @@ TERMINAL = {Effect.ACKED, Effect.DROPPED, Effect.EXHAUSTED, Effect.DEAD_LETTERED
 T = TypeVar("T")
 
 OUTCOMES = st.sampled_from(["ack", "drop", "retry", "later-durable", "later-runtime"])
-FAULT = st.one_of(
-    st.none(), st.none(),
-    st.tuples(st.integers(0, 2), st.sampled_from([FaultMode.BEFORE, FaultMode.AFTER]),
+FAULT = st.one_of(  # half of the finalizations get a fault, mostly at their first command
+    st.none(),
+    st.tuples(st.sampled_from([0, 0, 0, 1, 2]), st.sampled_from([FaultMode.BEFORE, FaultMode.AFTER]),
               st.sampled_from(["resend", "crash"])),
 )
 
@@ -939,11 +939,11 @@ def _run_machine(machine: type[Base], server: RedisServer) -> None:
     run_state_machine_as_test(machine, settings=PROFILE)
 
 
-@pytest.mark.timeout(3600 if LONG else 120)
+@pytest.mark.timeout(3600 if LONG else 600)  # shrinking a failure takes minutes
 def test_stream_state_machine(redis_server: RedisServer) -> None:
     _run_machine(StreamMachine, redis_server)
 
 
-@pytest.mark.timeout(3600 if LONG else 120)
+@pytest.mark.timeout(3600 if LONG else 600)  # shrinking a failure takes minutes
 def test_reliable_list_state_machine(redis_server: RedisServer) -> None:
     _run_machine(ListMachine, redis_server)
