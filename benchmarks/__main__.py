@@ -1,10 +1,13 @@
 """Run every benchmark module's ``main()`` in turn.
 
-    python -m benchmarks                # all of them
+    python -m benchmarks                # all of them but the optional ones
     python -m benchmarks transport ...  # only these
+    python -m benchmarks --peers        # all of them and ``peers``
 
 Modules are found by listing this directory: every ``*.py`` whose name does
 not start with ``_`` (so ``__init__``, ``__main__`` and ``_common`` are skipped).
+Optional modules (``peers``: it installs a third-party package into a
+virtualenv of its own) run only when named or asked for with ``--peers``.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import time
 import traceback
 from pathlib import Path
 
+OPTIONAL = ("peers",)
+
 
 def discover() -> list[str]:
     here = Path(__file__).resolve().parent
@@ -23,7 +28,11 @@ def discover() -> list[str]:
 
 def main(argv: list[str]) -> int:
     names = discover()
-    wanted = argv or names
+    peers = "--peers" in argv
+    argv = [a for a in argv if a != "--peers"]
+    wanted = argv or [n for n in names if n not in OPTIONAL]
+    if peers and "peers" not in wanted:
+        wanted.append("peers")
     unknown = [n for n in wanted if n not in names]
     if unknown:
         print(f"benchmarks: unknown module(s) {', '.join(unknown)}; have {', '.join(names)}", file=sys.stderr)
