@@ -451,6 +451,18 @@ class Mount:
                     await anyio.sleep(backoff(attempt))
                     attempt += 1
                     continue
+                passing = [(cmd, r) for cmd, r in zip(commands, replies, strict=True)
+                           if isinstance(r, _PASSING)]
+                if passing:
+                    # The server could not run them now (loading, failover,
+                    # slot migration): they did not run, so send again.
+                    self.stats.finalize_errors += 1
+                    log.warning("%s: finalization deferred by the server (%s); sending again",
+                                self.name, describe_error(passing[0][1], passing[0][0]),
+                                extra={"subscription": self.name})
+                    await anyio.sleep(backoff(attempt))
+                    attempt += 1
+                    continue
                 for cmd, r in zip(commands, replies, strict=True):
                     if isinstance(r, rexc.RedisError):
                         self.stats.finalize_errors += 1
@@ -509,6 +521,10 @@ def log_extra(
     if effect is not None:
         extra["effect"] = effect
     return extra
+
+
+_PASSING = (rexc.TryAgainError, rexc.ClusterDownError, rexc.BusyLoadingError, rexc.ReadOnlyError)
+"""Error replies for commands the server did not run and will run later."""
 
 
 def describe_error(err: Exception, cmd: Command) -> str:

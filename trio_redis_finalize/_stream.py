@@ -430,6 +430,18 @@ class StreamReader:
                         if sub.mode is not Mode.CLAIMING and now >= next_recover:
                             next_recover = now + _RECOVER_EVERY
                             recover = not mount.held
+                    except _TRANSIENT as e:
+                        # the server cannot serve writes now (replica after a
+                        # failover, loading, slot moving): wait, read again
+                        if not started:
+                            raise
+                        mount.stats.read_errors += 1
+                        delay = backoff(failures, cap=5.0)
+                        failures += 1
+                        log.warning("%s: server refused the read for now (%s); again in %.2f s",
+                                    mount.name, e, delay)
+                        recover = sub.mode is not Mode.CLAIMING
+                        await anyio.sleep(delay)
                     except rexc.ResponseError as e:
                         # NOGROUP; or UNBLOCKED: the key was deleted (FLUSHALL,
                         # DEL) while this read blocked on it (Redis 7+)
@@ -458,6 +470,10 @@ class StreamReader:
         finally:
             if conn is not None:
                 await conn.aclose()
+
+
+_TRANSIENT = (rexc.ReadOnlyError, rexc.TryAgainError, rexc.ClusterDownError)
+"""Error replies after which reading again later succeeds (LOADING is a ConnectionError)."""
 
 
 def _id_key(eid: bytes) -> tuple[int, int]:
