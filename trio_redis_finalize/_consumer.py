@@ -387,7 +387,9 @@ async def open_consumer(
             try:
                 yield consumer
             finally:
-                with anyio.CancelScope(shield=True):
-                    await consumer.aclose()
-                sched_scope.cancel()
+                try:
+                    with anyio.CancelScope(shield=True):
+                        await consumer.aclose()
+                finally:  # even if shutdown failed: the shielded task must end
+                    sched_scope.cancel()
 
