@@ -41,7 +41,7 @@ from redis import exceptions as rexc
 from ._delivery import Delivery
 from ._errors import AckUnsupported
 from ._outcome import Outcome, OutcomeKind
-from ._plan import Effect, Plan, Target, plain_removals, plan
+from ._plan import Effect, Plan, Target, plain_removals, plan, removal_commands
 from ._stats import MountStats
 from ._subscription import Subscription
 from ._transport import Client, Command
@@ -407,16 +407,17 @@ class Mount:
     async def _finalize(self, items: list[Item]) -> None:
         plans: list[tuple[Delivery, Plan]] = []
         returned: list[Outcome | Plan] = []  # what each plan came from (for logs)
-        # The hot path: outcomes that only remove the entry (ACK, DROP on a
-        # stream) need no plan of their own: their ids go into one XACK.
+        # The hot path: outcomes that only remove the original (ACK, DROP on
+        # a stream or a reliable list) need no plan each: removal_commands()
+        # removes them all (one XACK of every id on a stream).
         removals = self._removal_kinds
-        ids: list[Any] = []
+        removed: list[Delivery] = []
         kinds: list[OutcomeKind] = []  # counted per kind once the batch is sorted out
         for d, outcome in items:
             if removals and outcome.__class__ is Outcome:
                 kind = outcome.kind
                 if kind in removals:  # a tuple: identity, no Enum.__hash__ call
-                    ids.append(d.id)
+                    removed.append(d)
                     kinds.append(kind)
                     continue
             p = self.plan_for(d, outcome)
@@ -424,12 +425,12 @@ class Mount:
                 plans.append((d, p))
                 returned.append(outcome)
         tally: list[tuple[OutcomeKind, int]] = []
-        if ids:
+        if removed:
             tally = [(k, n) for k in removals if (n := kinds.count(k))]
             for kind, n in tally:
                 self.stats.outcomes[kind.value] += n
-            xack: Command = ("XACK", self.target.source, self.target.group, *ids)
-            commands = merge_commands([(xack,), *[p.commands for _, p in plans]]) if plans else [xack]
+            fast = removal_commands(self.target, removed)
+            commands = merge_commands([fast, *[p.commands for _, p in plans]]) if plans else fast
         else:
             commands = merge_commands([p.commands for _, p in plans])
         attempt = 0
@@ -445,7 +446,7 @@ class Mount:
                     self.stats.finalize_errors += 1
                     log.warning(
                         "%s: finalization of %d deliveries failed (%s); sending again",
-                        self.name, len(plans) + len(ids), e,
+                        self.name, len(plans) + len(removed), e,
                         extra={"subscription": self.name},
                     )
                     await anyio.sleep(backoff(attempt))
@@ -478,16 +479,18 @@ class Mount:
                     self.consumer.scheduler.hold(self, p.delay, p.later)
             raise
         debug = log.isEnabledFor(logging.DEBUG)
-        if ids:
+        if removed:
             for kind, n in tally:
                 self.stats.effects[self._removals[kind].value] += n
-            self.held.difference_update(ids)
+            if self.held:
+                self.held.difference_update([d.id for d in removed])
             if debug:
                 for d, outcome in items:
                     effect = self._removals.get(outcome.kind) if outcome.__class__ is Outcome else None
                     if effect is not None:
-                        log.debug("%s: %s (attempt %d) finalized: %s", self.name, d.id, d.attempt,
-                                  effect.value, extra=log_extra(self.name, d, outcome, effect.value))
+                        log.debug("%s: %s (attempt %d) finalized: %s", self.name, d.id or d.origin_id,
+                                  d.attempt, effect.value,
+                                  extra=log_extra(self.name, d, outcome, effect.value))
         for (d, p), outcome in zip(plans, returned, strict=True):
             self.stats.effects[p.effect.value] += 1
             if d.id is not None:

@@ -30,7 +30,7 @@ import dataclasses
 import enum
 import hashlib
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from itertools import chain
 
 from . import _scripts
@@ -53,6 +53,7 @@ __all__ = [
     "plan",
     "plan_dead",
     "plan_lost",
+    "removal_commands",
 ]
 
 DEAD_REASON = b"trf-dead-reason"
@@ -284,17 +285,36 @@ def plan_lost(t: Target, d: Delivery) -> Plan:
 
 
 def plain_removals(t: Target) -> dict[OutcomeKind, Effect]:
-    """The outcome kinds whose plan on ``t`` is one plain ``XACK`` of the entry.
+    """The outcome kinds whose plan on ``t`` is the plain removal of the original.
 
     For each kind ``k`` returned with effect ``e``, and every delivery ``d``
-    of ``t``, ``plan(t, d, Outcome(k)) == Plan(e, (("XACK", t.source, t.group,
-    d.id),))``.  The finalizer uses it to acknowledge such deliveries with one
-    ``XACK`` of many ids without building a plan for each (the hot path).
-    Empty for every form but streams.
+    of ``t``, ``plan(t, d, Outcome(k))`` is ``Plan(e, removal_commands(t,
+    [d]))``: one ``XACK`` of the entry (stream), one ``LREM`` of the element
+    from the processing list (reliable list).  The finalizer uses it to
+    remove such deliveries with :func:`removal_commands`, many at once,
+    without building a plan for each (the hot path).  Empty for the forms
+    that have nothing to remove.
     """
-    if t.form is Form.STREAM:
+    if t.form is Form.STREAM or t.form is Form.RELIABLE_LIST:
         return {OutcomeKind.ACK: Effect.ACKED, OutcomeKind.DROP: Effect.DROPPED}
     return {}
+
+
+def removal_commands(t: Target, deliveries: Sequence[Delivery]) -> list[Command]:
+    """The commands that remove ``deliveries`` of ``t`` (see :func:`plain_removals`).
+
+    A stream's entries go in one ``XACK`` of all their ids (what the plans'
+    single-id ``XACK`` commands merge into); a reliable list's elements need
+    one ``LREM`` each.
+    """
+    if not deliveries:
+        return []
+    if t.form is Form.STREAM:
+        return [("XACK", t.source, t.group, *[d.id for d in deliveries if d.id is not None])]
+    if t.form is Form.RELIABLE_LIST:
+        processing = t.processing
+        return [("LREM", processing, 1, d.raw) for d in deliveries if d.raw is not None]
+    raise ValueError(f"{t.name}: a {t.form.value} has nothing to remove")
 
 
 def _exhausted(t: Target, d: Delivery) -> bool:
