@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import pytest
 import trio
 from _procs import eventually
 
-from trio_redis_finalize import ACK, Delivery, Outcome, ReliableListSubscription, open_consumer
+from trio_redis_finalize import (
+    ACK,
+    Consumer,
+    Delivery,
+    Outcome,
+    ReliableListSubscription,
+    open_consumer,
+)
 from trio_redis_finalize._keys import derived
 from trio_redis_finalize._transport import Client
 
@@ -38,3 +46,16 @@ async def test_grace_deadline_mid_chunk_gives_back_what_no_handler_started(
     queue = await client.execute("LRANGE", "jobs", 0, -1)
     assert len(queue) == n - 151
     assert sorted(queue + handled + [b"m150"]) == sorted(f"m{i}".encode() for i in range(n))
+
+
+async def test_a_failing_shutdown_raises_instead_of_hanging(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def broken_aclose(self: Consumer) -> None:
+        raise RuntimeError("shutdown failed")
+
+    monkeypatch.setattr(Consumer, "aclose", broken_aclose)
+    with trio.fail_after(5), pytest.raises(BaseExceptionGroup) as info:
+        async with open_consumer(redis_url, name="c1"):
+            pass
+    assert info.value.subgroup(RuntimeError) is not None
