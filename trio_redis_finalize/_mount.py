@@ -98,17 +98,19 @@ class _WorkQueue:
 
     :meth:`put` waits until the queue is empty, then adds a whole batch at once,
     so a cancelled ``put`` hands over nothing.  Handler tasks :meth:`take`
-    one delivery at a time; a task that takes one while more wait wakes one
-    idle task, so a slow delivery never holds the rest of a batch back, and
-    a handler that never blocks drains the batch alone, without waking the
-    others more than once.
+    one delivery at a time.  A task that takes one while more wait wakes one
+    idle task, unless one is already woken and has not run yet: slow
+    deliveries spread over the tasks one by one (none idles behind another's
+    slow delivery), and a handler that never blocks drains a whole batch in
+    one task, with a single other task woken in vain.
     """
 
-    __slots__ = ("_idle", "_room", "closed", "items")
+    __slots__ = ("_idle", "_room", "_waking", "closed", "items")
 
     def __init__(self) -> None:
         self.items: deque[Delivery] = deque()
         self._idle: deque[anyio.Event] = deque()  # handler tasks waiting for work
+        self._waking = 0  # of those, woken and not yet running
         self._room: anyio.Event | None = None  # the reader waiting for the queue to empty
         self.closed = False
 
@@ -143,20 +145,24 @@ class _WorkQueue:
                 await ev.wait()
             except BaseException:
                 if ev.is_set():
+                    self._waking -= 1
                     self._wake_one()  # pass on the wake-up this task will not use
                 else:
                     self._idle.remove(ev)
                 raise
+            self._waking -= 1
         return True
 
     def _wake_one(self) -> None:
-        if self._idle:
+        if self._idle and not self._waking:
+            self._waking += 1
             self._idle.popleft().set()
 
     def close(self) -> None:
         """No more puts: wake every idle task (each ends once the queue is empty)."""
         self.closed = True
         while self._idle:
+            self._waking += 1
             self._idle.popleft().set()
 
     def drain(self) -> list[Delivery]:
