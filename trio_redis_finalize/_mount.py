@@ -220,10 +220,7 @@ class Mount:
         if not deliveries:
             return
         self.stats.received += len(deliveries)
-        held = self.held
-        for d in deliveries:
-            if d.id is not None:
-                held.add(d.id)
+        self.held.update([d.id for d in deliveries if d.id is not None])
         # all or nothing: cancelled while waiting, nothing was handed over
         await self._queue.put(deliveries)
 

@@ -245,15 +245,16 @@ class StreamReader:
                 direct.append((d, plan_lost(mount.target, d)))
                 continue
             count = counts.get(eid, 1) if counts else 1
-            if count == 1 and RETRIES_FIELD not in flat and ORIGIN_FIELD not in flat:
-                # the common case: what _build does for the first delivery of an
-                # original (no header field, attempt 1: within any max_attempts).
-                # A header name among the values only costs the slow path.
+            if count == 1:
                 it = iter(flat)
-                entry_id = eid.decode()
-                ready.append(Delivery(source, entry_id, dict(zip(it, it, strict=False)), None, 1, entry_id,
-                                      None, 0, name, None))
-                continue
+                fields = dict(zip(it, it, strict=False))
+                if RETRIES_FIELD not in fields and ORIGIN_FIELD not in fields:
+                    # the common case: what _build does for the first delivery of
+                    # an original (no header field, attempt 1: within any limit)
+                    entry_id = eid.decode()
+                    ready.append(Delivery(source, entry_id, fields, None, 1, entry_id,
+                                          None, 0, name, None))
+                    continue
             d, p = build(mount, eid, flat, count)
             if p is None:
                 ready.append(d)
