@@ -382,7 +382,7 @@ class Mount:
         """The plan for one item; ``None`` when refused (logged and counted)."""
         if isinstance(outcome, Plan):
             return outcome
-        self.stats.outcomes[outcome.kind.value] += 1
+        self.stats.outcomes[outcome.kind._value_] += 1  # not .value: a Python-level property
         try:
             p = plan(self.target, d, outcome)
         except AckUnsupported as e:
@@ -495,7 +495,7 @@ class Mount:
                                   d.attempt, effect.value,
                                   extra=log_extra(self.name, d, outcome, effect.value))
         for (d, p), outcome in zip(plans, returned, strict=True):
-            self.stats.effects[p.effect.value] += 1
+            self.stats.effects[p.effect._value_] += 1
             if d.id is not None:
                 self.held.discard(d.id)
             if p.warning:

@@ -171,7 +171,10 @@ def _copy_retries(d: Delivery) -> int:
 
 def _stream_copy_fields(d: Delivery) -> list[bytes]:
     out = _flat(d.fields)
-    out += (RETRIES_FIELD, str(_copy_retries(d)).encode(), ORIGIN_FIELD, d.origin_id.encode())
+    retries = d.retries + 1  # _copy_retries(d), inlined
+    if d.attempt > retries:
+        retries = d.attempt
+    out += (RETRIES_FIELD, str(retries).encode(), ORIGIN_FIELD, d.origin_id.encode())
     return out
 
 
@@ -347,7 +350,7 @@ def plan(t: Target, d: Delivery, outcome: Outcome) -> Plan:
             f"{t.name}: a pattern subscription needs retry_channel= to publish "
             "retry_after copies (the pattern names no single channel)"
         )
-    if outcome.is_retry and _exhausted(t, d):
+    if (kind is OutcomeKind.RETRY or kind is OutcomeKind.RETRY_AFTER) and _exhausted(t, d):
         return plan_dead(t, d, f"max_attempts={t.max_attempts} reached at attempt {d.attempt}")
 
     if form is Form.STREAM:
