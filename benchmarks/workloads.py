@@ -278,7 +278,10 @@ class _TimedClient(Client):
         for c in commands:
             if c[0] == "XACK" and c[1] == LATENCY_STREAM:
                 for eid in c[3:]:
-                    xadd, started = self.sent.pop(str(eid))
+                    times = self.sent.pop(str(eid), None)
+                    if times is None:  # an XACK sent again after a failure
+                        continue
+                    xadd, started = times
                     if xadd >= self.count_after:
                         self.end_to_end.append(now - xadd)
                         self.handler_to_final.append(now - started)
