@@ -649,3 +649,47 @@ def test_crafted_huge_counter_still_plans() -> None:
                  raw=raw, retries=2**32 - 1)
     p = plan(t, d, RETRY)
     assert unwrap(evalsha(p.commands[0])[2][1])[1] == 2**32 - 1
+
+
+# -- the finalizer's fast path equals the per-delivery plans ------------------------
+
+@settings(max_examples=60, deadline=None)
+@given(
+    f=st.sampled_from([f for f in FORMS if f.kind in ("stream", "rlist")]),
+    n=st.integers(1, 20),
+    max_attempts=st.none() | st.integers(1, 5),
+    attempt=st.integers(1, 6),
+    bodies=st.lists(st.binary(max_size=8), min_size=20, max_size=20),
+)
+def test_removal_fast_path_is_what_the_plans_say(
+    f: Form_, n: int, max_attempts: int | None, attempt: int, bodies: list[bytes]
+) -> None:
+    from trio_redis_finalize._mount import merge_commands
+    from trio_redis_finalize._plan import plain_removals, removal_commands
+
+    t = make_target(f, max_attempts, None, False)
+    ds = [
+        make_delivery(f, attempt=attempt, retries=0, fields={b"k": b"v"}, body=bodies[i],
+                      entry_id=f"1700000000000-{i}")
+        for i in range(n)
+    ]
+    kinds = plain_removals(t)
+    assert set(kinds) == {OutcomeKind.ACK, OutcomeKind.DROP}
+    for kind, effect in kinds.items():
+        outcome = ACK if kind is OutcomeKind.ACK else DROP
+        plans = [plan(t, d, outcome) for d in ds]
+        for d, p in zip(ds, plans, strict=True):
+            assert p == Plan(effect, tuple(removal_commands(t, [d])))
+        merged = [tuple(c) for c in merge_commands([p.commands for p in plans])]
+        assert merged == [tuple(c) for c in removal_commands(t, ds)]
+
+
+def test_no_fast_path_where_nothing_is_removed() -> None:
+    from trio_redis_finalize._plan import plain_removals, removal_commands
+
+    for f in FORMS:
+        if f.kind in ("list", "channel", "pattern"):
+            t = make_target(f, None, None, False)
+            assert plain_removals(t) == {}
+            with pytest.raises(ValueError, match="nothing to remove"):
+                removal_commands(t, [make_delivery(f, attempt=1, retries=0, fields={}, body=b"x")])
