@@ -22,7 +22,7 @@ from typing import Any
 import anyio
 from redis import exceptions as rexc
 
-from ._connection import Arg, Command, Connection, open_connection, with_context
+from ._connection import Arg, Command, Connection, open_connection, raise_first_error
 from ._pubsub import PubSub
 from ._url import ConnectionParams, parse_url
 
@@ -171,9 +171,7 @@ class Client:
             finally:
                 await self._release(conn)
         if raise_on_error:
-            for cmd, r in zip(commands, replies, strict=True):
-                if isinstance(r, rexc.RedisError):
-                    raise with_context(r, cmd)
+            raise_first_error(commands, replies)
         return replies
 
     async def transaction(
@@ -243,9 +241,7 @@ class Client:
 
 def transaction_result(commands: Sequence[Command], replies: Sequence[Any]) -> list[Any]:
     """The commands' replies from the replies of ``MULTI``, ``commands``, ``EXEC``."""
-    for cmd, r in zip(commands, replies[1:-1], strict=True):
-        if isinstance(r, rexc.RedisError):
-            raise with_context(r, cmd)
+    raise_first_error(commands, replies[1:-1])
     result = replies[-1]
     if isinstance(result, rexc.RedisError):
         raise result

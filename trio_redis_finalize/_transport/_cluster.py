@@ -64,6 +64,7 @@ from ._connection import (
     command_keys,
     open_connection,
     pack_command,
+    raise_first_error,
     with_context,
 )
 from ._pubsub import PubSub
@@ -359,9 +360,7 @@ class ClusterClient(Client):
         for s, run in runs:
             replies.extend(await self._run(s, run, timeout))
         if raise_on_error:
-            for cmd, r in zip(commands, replies, strict=True):
-                if isinstance(r, rexc.RedisError):
-                    raise with_context(r, cmd)
+            raise_first_error(commands, replies)
         return replies
 
     async def transaction(

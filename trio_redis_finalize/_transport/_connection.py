@@ -36,6 +36,7 @@ __all__ = [
     "describe",
     "open_connection",
     "pack_command",
+    "raise_first_error",
 ]
 
 Arg = bytes | str | int | float
@@ -160,6 +161,13 @@ def with_context(err: rexc.RedisError, command: Command) -> rexc.RedisError:
     except Exception:  # pragma: no cover - exotic constructor
         return err
     return new
+
+
+def raise_first_error(commands: Sequence[Command], replies: Sequence[Any]) -> None:
+    """Raise the first error reply, naming its command and key (pipelines)."""
+    for cmd, r in zip(commands, replies, strict=True):
+        if isinstance(r, rexc.RedisError):
+            raise with_context(r, cmd)
 
 
 class Connection:
