@@ -12,6 +12,7 @@ import anyio
 from anyio.abc import TaskStatus
 from redis import exceptions as rexc
 
+from ._delay_set import move_due
 from ._delivery import Delivery
 from ._envelope import CorruptEnvelope, unwrap, wrap
 from ._keys import derived, same_slot
@@ -133,7 +134,6 @@ class ReliableListSubscription(Subscription):
 
 _READ_MARGIN = 1.0
 """Seconds a blocking read may exceed ``block`` before it counts as lost."""
-_MOVE_LIMIT = 128
 _PREFETCH_MAX = 64
 """At most this many elements move into the processing list per round trip."""
 _CHUNK_WORK = 0.01
@@ -438,20 +438,7 @@ class ReliableListReader:
     # -- the loop -------------------------------------------------------------------
     async def _move_due(self, mount: Mount) -> float:
         """Move due copies from the durable delay set; seconds until the next is due."""
-        t = mount.target
-        moved, now_ms, first = await mount.client.evalsha(
-            MOVE_DUE_TO_LIST, (t.delay_key, t.source), (_MOVE_LIMIT,), timeout=FINALIZE_TIMEOUT
-        )
-        if moved:
-            mount.stats.effects["moved_from_delay_set"] += int(moved)
-        if int(moved) >= _MOVE_LIMIT:
-            return 0.0
-        if first is None:
-            mount.stats.delay_lag = None
-            return self.sub.block
-        lag = (int(now_ms) - float(first)) / 1000
-        mount.stats.delay_lag = max(lag, 0.0)
-        return max(0.0, min(self.sub.block, -lag))
+        return await move_due(mount, MOVE_DUE_TO_LIST, self.sub.block)
 
     def _tune(self, waited: float, previous: int) -> None:
         """Pick the next prefetch from how long the handlers took per element.

@@ -10,6 +10,7 @@ import anyio
 from anyio.abc import TaskStatus
 from redis import exceptions as rexc
 
+from ._delay_set import move_due
 from ._delivery import Delivery
 from ._envelope import ORIGIN_FIELD, RETRIES_FIELD
 from ._keys import derived, same_slot
@@ -143,7 +144,6 @@ _READ_MARGIN = 1.0
 """Seconds a blocking read may exceed ``block`` before it counts as lost."""
 _RECOVER_EVERY = 60.0
 _CLAIM_EVERY_MAX = 30.0
-_MOVE_LIMIT = 128
 _MOVE_RETRY = 5.0
 """Seconds before a move of due copies that Redis refused is tried again."""
 
@@ -324,30 +324,18 @@ class StreamReader:
 
     async def _move_due(self, mount: Mount) -> float:
         """Move due copies from the durable delay set; seconds until the next is due."""
-        t = mount.target
         try:
-            moved, now_ms, first = await mount.client.evalsha(
-                MOVE_DUE_TO_STREAM, (t.delay_key, t.source), (_MOVE_LIMIT,), timeout=FINALIZE_TIMEOUT
-            )
+            return await move_due(mount, MOVE_DUE_TO_STREAM, self.sub.block)
         except rexc.ResponseError as e:
             # Redis refused a write (the stream is of another type now, or at
             # its last possible id, ...): what was not written is still in the
             # set.  Keep reading the stream and try again later, loudly,
             # rather than let one bad key end the consumer.
+            t = mount.target
             mount.stats.read_errors += 1
             log.error("%s: moving due copies from %r back to %r failed: %s; trying again in %g s",
                       mount.name, t.delay_key, t.source, e, _MOVE_RETRY)
             return _MOVE_RETRY
-        if moved:
-            mount.stats.effects["moved_from_delay_set"] += int(moved)
-        if int(moved) >= _MOVE_LIMIT:
-            return 0.0
-        if first is None:
-            mount.stats.delay_lag = None
-            return self.sub.block
-        lag = (int(now_ms) - float(first)) / 1000
-        mount.stats.delay_lag = max(lag, 0.0)
-        return max(0.0, min(self.sub.block, -lag))
 
     async def _lease(self, mount: Mount) -> None:
         """Keep held entries' idle time low so no other consumer claims them."""
