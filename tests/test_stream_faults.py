@@ -225,10 +225,13 @@ async def test_entry_deleted_while_pending_on_pel_reread(redis_url: str, client:
     assert await pending(client) == 0
 
 
-async def test_entry_deleted_while_pending_on_xautoclaim(redis_url: str, client: Client) -> None:
+@pytest.mark.parametrize("mode", [Mode.RECLAIM, Mode.CLAIMING])
+async def test_entry_deleted_while_pending_on_xautoclaim(
+    redis_url: str, client: Client, mode: Mode
+) -> None:
     _gone, live = await _strand(client, "dead")
     h = Recorder()
-    sub = StreamSubscription(S, G, mode=Mode.RECLAIM, min_idle=0.2, block=0.05)
+    sub = StreamSubscription(S, G, mode=mode, min_idle=0.2, block=0.05)
     async with open_consumer(redis_url, name="c2") as consumer:
         await consumer.mount(sub, h)
         await eventually(lambda: effects(consumer) == {"acked": 1, "lost_before_handling": 1},

@@ -303,12 +303,17 @@ class StreamReader:
             round(sub.min_idle * 1000), self._cursor, "COUNT", sub.count,
             timeout=FINALIZE_TIMEOUT,
         )
-        self._cursor = _str(reply[0])
+        start, self._cursor = self._cursor, _str(reply[0])
         entries: list[tuple[bytes, list[bytes] | None]] = [e for e in reply[1] if e is not None]
-        if sub.mode is Mode.RECLAIM and len(entries) < len(reply[1]):
+        if len(entries) < len(reply[1]):
             # Redis < 7 answers nil (no id) for an entry deleted while pending,
-            # and claims it into our PEL: the own-PEL re-read acknowledges it
-            self._reread = True
+            # and claims it into our PEL.  RECLAIM: the own-PEL re-read
+            # acknowledges it.  CLAIMING never re-reads its own PEL (that would
+            # undo the delays it keeps there): find the vanished ids by hand.
+            if sub.mode is Mode.RECLAIM:
+                self._reread = True
+            else:
+                await self._ack_vanished(mount, start, self._cursor, {e[0] for e in entries})
         deleted: list[bytes] = list(reply[2]) if len(reply) > 2 else []
         for eid in deleted:
             mount.stats.effects["lost_before_handling"] += 1
@@ -321,6 +326,36 @@ class StreamReader:
         interval = min(max(sub.min_idle / 2, 0.05), _CLAIM_EVERY_MAX)
         # a full page or a cursor mid-PEL: claim again at once
         self._next_claim = 0.0 if self._cursor != "0-0" else anyio.current_time() + interval
+
+    async def _ack_vanished(
+        self, mount: Mount, start: str, end: str, claimed: set[bytes]
+    ) -> None:
+        """Acknowledge our pending entries in [start, end) that the stream no longer has."""
+        sub = self.sub
+        client = mount.client
+        rows = await client.execute(
+            "XPENDING", sub.stream, sub.group, start, "+",
+            sub.count + len(mount.held) + 100, mount.consumer.name, timeout=FINALIZE_TIMEOUT,
+        )
+        stop = None if end == "0-0" else _id_key(end.encode())
+        candidates = [
+            r[0] for r in rows
+            if r[0] not in claimed and r[0].decode() not in mount.held
+            and (stop is None or _id_key(r[0]) < stop)
+        ]
+        if not candidates:
+            return
+        found = await client.pipeline(
+            [("XRANGE", sub.stream, eid, eid) for eid in candidates], timeout=FINALIZE_TIMEOUT
+        )
+        gone = [eid for eid, hit in zip(candidates, found, strict=True) if not hit]
+        items: list[Item] = []
+        for eid in gone:
+            d = Delivery(source=sub.stream, id=eid.decode(), fields={}, data=None,
+                         attempt=1, origin_id=eid.decode(), mount=mount.name)
+            log.warning("%s: entry %s was deleted while pending; acknowledged", mount.name, d.id)
+            items.append((d, plan_lost(mount.target, d)))
+        await mount.finalize_now(items)
 
     async def _move_due(self, mount: Mount) -> float:
         """Move due copies from the durable delay set; seconds until the next is due."""
