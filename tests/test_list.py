@@ -5,7 +5,6 @@ and corrupt elements, shutdown giving back what was never started, bad input."""
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -26,16 +25,12 @@ from trio_redis_finalize import (
 )
 from trio_redis_finalize._envelope import MAGIC, unwrap
 from trio_redis_finalize._plan import content_origin
-from trio_redis_finalize._transport import Client, WrongTypeError, open_client
+from trio_redis_finalize._transport import Client, WrongTypeError
 
 K = "inbox"
 NAME = f"list {K!r}"
 
 
-@pytest.fixture
-async def client(redis_url: str) -> AsyncIterator[Client]:
-    async with open_client(redis_url) as c:
-        yield c
 
 
 def stats(consumer: Consumer) -> dict[str, Any]:

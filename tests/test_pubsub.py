@@ -6,7 +6,6 @@ the gap logged and counted, bad input."""
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -29,12 +28,6 @@ from trio_redis_finalize import (
 from trio_redis_finalize._envelope import MAGIC, unwrap
 from trio_redis_finalize._plan import content_origin
 from trio_redis_finalize._transport import Client, open_client
-
-
-@pytest.fixture
-async def client(redis_url: str) -> AsyncIterator[Client]:
-    async with open_client(redis_url) as c:
-        yield c
 
 
 def stats(consumer: Consumer, name: str) -> dict[str, Any]:

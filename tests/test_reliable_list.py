@@ -6,7 +6,6 @@ dead letter, foreign and corrupt elements, bad input."""
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -37,10 +36,6 @@ def proc(consumer: str) -> str:
     return f"{{{Q}}}:processing:{consumer}"
 
 
-@pytest.fixture
-async def client(redis_url: str) -> AsyncIterator[Client]:
-    async with open_client(redis_url) as c:
-        yield c
 
 
 def stats(consumer: Consumer) -> dict[str, Any]:
