@@ -287,7 +287,12 @@ async def _connect_stream(params: ConnectionParams) -> anyio.abc.ByteStream:
     if params.path:
         return await anyio.connect_unix(params.path)
     if params.tls:
-        ctx = ssl.create_default_context()
+        ctx = ssl.create_default_context(cafile=params.tls_ca_certs)
+        if not params.tls_verify:
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+        if params.tls_certfile:
+            ctx.load_cert_chain(params.tls_certfile, params.tls_keyfile)
         return await anyio.connect_tcp(
             params.host, params.port, tls=True, ssl_context=ctx, tls_standard_compatible=False
         )

@@ -23,6 +23,10 @@ class ConnectionParams:
     tls: bool = False
     cluster_seeds: tuple[tuple[str, int], ...] = ()
     connect_timeout: float = 5.0
+    tls_ca_certs: str | None = None  # CA bundle to verify the server with
+    tls_verify: bool = True  # False: no certificate or host name check
+    tls_certfile: str | None = None  # client certificate (mutual TLS)
+    tls_keyfile: str | None = None
 
     @property
     def address(self) -> str:
@@ -58,7 +62,10 @@ def parse_url(url: str) -> ConnectionParams:
     ``redis://[[user]:password@]host[:port][/db][?timeout=seconds]``;
     ``unix://[[user]:password@]/path/to.sock[?db=n]``; the query may also give
     ``db``, ``username`` and ``password`` (as redis-py accepts them).  User name
-    and password are percent-decoded.
+    and password are percent-decoded.  TLS (``rediss://``) options, with
+    redis-py's names: ``ssl_ca_certs=<CA file>``, ``ssl_cert_reqs=none`` (no
+    verification: tests only), ``ssl_certfile`` / ``ssl_keyfile`` (client
+    certificate).
 
     Raises:
         ValueError: naming ``url`` when the scheme or a part is not understood
@@ -91,6 +98,15 @@ def parse_url(url: str) -> ConnectionParams:
             connect_timeout=timeout,
         )
     tls = scheme.startswith("rediss")
+    reqs = query.get("ssl_cert_reqs", ["required"])[0].lower()
+    if reqs not in ("none", "optional", "required"):
+        raise ValueError(f"url: ssl_cert_reqs must be none, optional or required, not {reqs!r}")
+    def opt(name: str) -> str | None:
+        return query[name][0] if name in query else None
+
+    ca, certfile, keyfile, verify = (
+        opt("ssl_ca_certs"), opt("ssl_certfile"), opt("ssl_keyfile"), reqs != "none"
+    )
     if scheme.endswith("+cluster"):
         netloc = parts.netloc.rsplit("@", 1)[-1]
         seeds = []
@@ -110,6 +126,7 @@ def parse_url(url: str) -> ConnectionParams:
         return ConnectionParams(
             host=seeds[0][0], port=seeds[0][1], username=username, password=password,
             tls=tls, cluster_seeds=tuple(seeds), connect_timeout=timeout,
+            tls_ca_certs=ca, tls_verify=verify, tls_certfile=certfile, tls_keyfile=keyfile,
         )
     try:
         port = parts.port or 6379
@@ -118,4 +135,5 @@ def parse_url(url: str) -> ConnectionParams:
     return ConnectionParams(
         host=parts.hostname or "127.0.0.1", port=port, db=db, username=username,
         password=password, tls=tls, connect_timeout=timeout,
+        tls_ca_certs=ca, tls_verify=verify, tls_certfile=certfile, tls_keyfile=keyfile,
     )
