@@ -76,6 +76,10 @@ class Monitor:
                 if m:
                     self.lines.append((m[1], m[2].upper(), m[3]))
 
+    def where(self, command: str) -> set[str]:
+        """The addresses that sent ``command``."""
+        return {addr for addr, cmd, _ in self.lines if cmd == command}
+
     def index(self, addr: str, command: str, contains: str = "") -> int:
         for i, (a, c, rest) in enumerate(self.lines):
             if (a == addr or addr == "*") and c == command and contains in rest:

@@ -5,14 +5,13 @@ max_attempts / dead letter, bad input, and the asyncio backend."""
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable
 from typing import Any
 
 import anyio
 import pytest
 import trio
-from _procs import eventually
+from _procs import Monitor, eventually
 
 from trio_redis_finalize import (
     ACK,
@@ -199,36 +198,6 @@ async def test_mount_on_a_missing_stream_creates_it(redis_url: str, client: Clie
 
 
 # -- MONITOR: which connection sends what, in which order ------------------------
-
-_LINE = re.compile(r'^[\d.]+ \[\d+ ([^\]]+)\] "([^"]+)"(.*)$')
-
-
-class Monitor:
-    """MONITOR lines as (client address or 'lua', COMMAND, rest)."""
-
-    def __init__(self) -> None:
-        self.lines: list[tuple[str, str, str]] = []
-
-    async def run(self, client: Client, *, task_status: trio.TaskStatus[None]) -> None:
-        async with await client.connect(name="test-monitor") as conn:
-            assert await conn.execute("MONITOR") in (b"OK", "OK")
-            task_status.started()
-            while True:
-                line = await conn._read_reply()
-                text = line.decode() if isinstance(line, bytes) else str(line)
-                m = _LINE.match(text)
-                if m:
-                    self.lines.append((m[1], m[2].upper(), m[3]))
-
-    def where(self, command: str) -> set[str]:
-        return {addr for addr, cmd, _ in self.lines if cmd == command}
-
-    def index(self, addr: str, command: str, contains: str = "") -> int:
-        for i, (a, c, rest) in enumerate(self.lines):
-            if a == addr and c == command and contains in rest:
-                return i
-        raise AssertionError(f"no {command} {contains!r} from {addr} in {self.lines}")
-
 
 async def _names_by_addr(client: Client) -> dict[str, str]:
     text = (await client.execute("CLIENT", "LIST")).decode()
