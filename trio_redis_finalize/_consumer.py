@@ -20,7 +20,7 @@ from ._mount import FINALIZE_TIMEOUT, Handler, Mount, Reader, backoff, describe_
 from ._outcome import RETRY, Outcome
 from ._plan import plan
 from ._subscription import Form, Subscription
-from ._transport import Client, ClusterClient, Command, open_client
+from ._transport import DEFERRED_REPLIES, Client, ClusterClient, Command, open_client
 
 __all__ = ["Consumer", "open_consumer"]
 
@@ -179,6 +179,11 @@ class Scheduler:
             replies = await self.client.pipeline(commands, raise_on_error=False, timeout=FINALIZE_TIMEOUT)
         except (rexc.ConnectionError, rexc.TimeoutError, OSError) as e:
             log.warning("sending %d delayed copies failed (%s); sending them again", len(batch), e)
+            return False
+        deferred = [r for r in replies if isinstance(r, DEFERRED_REPLIES)]
+        if deferred:  # the server did not run them (failover, loading...): again later
+            log.warning("sending %d delayed copies deferred by the server (%s); sending them again",
+                        len(batch), deferred[0])
             return False
         i = 0
         for mount, cmds in batch:

@@ -44,7 +44,7 @@ from ._outcome import Outcome, OutcomeKind
 from ._plan import Effect, Plan, Target, plain_removals, plan, removal_commands
 from ._stats import MountStats
 from ._subscription import Subscription
-from ._transport import Client, Command
+from ._transport import DEFERRED_REPLIES, Client, Command
 
 if TYPE_CHECKING:
     from ._consumer import Consumer
@@ -456,7 +456,7 @@ class Mount:
                     attempt += 1
                     continue
                 passing = [(cmd, r) for cmd, r in zip(commands, replies, strict=True)
-                           if isinstance(r, _PASSING)]
+                           if isinstance(r, DEFERRED_REPLIES)]
                 if passing:
                     # The server could not run them now (loading, failover,
                     # slot migration): they did not run, so send again.
@@ -527,10 +527,6 @@ def log_extra(
     if effect is not None:
         extra["effect"] = effect
     return extra
-
-
-_PASSING = (rexc.TryAgainError, rexc.ClusterDownError, rexc.BusyLoadingError, rexc.ReadOnlyError)
-"""Error replies for commands the server did not run and will run later."""
 
 
 def describe_error(err: Exception, cmd: Command) -> str:

@@ -26,7 +26,7 @@ from ._subscription import (
     check_limits,
     check_positive,
 )
-from ._transport import BusyGroupError, Client, Connection, NoGroupError, WrongTypeError
+from ._transport import DEFERRED_REPLIES, BusyGroupError, Client, Connection, NoGroupError, WrongTypeError
 
 __all__ = ["StreamReader", "StreamSubscription"]
 
@@ -454,7 +454,7 @@ class StreamReader:
                         if sub.mode is not Mode.CLAIMING and now >= next_recover:
                             next_recover = now + _RECOVER_EVERY
                             recover = not mount.held
-                    except _TRANSIENT as e:
+                    except DEFERRED_REPLIES as e:
                         # the server cannot serve writes now (replica after a
                         # failover, loading, slot moving): wait, read again
                         if not started:
@@ -494,10 +494,6 @@ class StreamReader:
         finally:
             if conn is not None:
                 await conn.aclose()
-
-
-_TRANSIENT = (rexc.ReadOnlyError, rexc.TryAgainError, rexc.ClusterDownError)
-"""Error replies after which reading again later succeeds (LOADING is a ConnectionError)."""
 
 
 def _id_key(eid: bytes) -> tuple[int, int]:

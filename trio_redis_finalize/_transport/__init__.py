@@ -10,6 +10,7 @@ retries.  See ``_client.Client`` for the interface the consumer uses, and
 from ._client import Client, Script, open_client
 from ._cluster import ClusterClient, RoutedConnection, slot_of
 from ._connection import (
+    DEFERRED_REPLIES,
     Arg,
     BusyGroupError,
     Command,
@@ -26,6 +27,7 @@ from ._pubsub import Message, PubSub
 from ._url import ConnectionParams, parse_url
 
 __all__ = [
+    "DEFERRED_REPLIES",
     "Arg",
     "BusyGroupError",
     "Client",

@@ -26,6 +26,7 @@ from redis._parsers.base import BaseParser
 from ._url import ConnectionParams
 
 __all__ = [
+    "DEFERRED_REPLIES",
     "Arg",
     "BusyGroupError",
     "Command",
@@ -161,6 +162,13 @@ def with_context(err: rexc.RedisError, command: Command) -> rexc.RedisError:
     except Exception:  # pragma: no cover - exotic constructor
         return err
     return new
+
+
+DEFERRED_REPLIES: tuple[type[rexc.RedisError], ...] = (
+    rexc.TryAgainError, rexc.ClusterDownError, rexc.BusyLoadingError, rexc.ReadOnlyError,
+)
+"""Error replies for commands the server did not run and will run later
+(slot moving, cluster down, loading, a replica after failover): send again."""
 
 
 def raise_first_error(commands: Sequence[Command], replies: Sequence[Any]) -> None:
