@@ -217,21 +217,20 @@ async def test_runtime_copy_survives_cut_connections(redis_url: str, redis: Clie
     # copy is due: the scheduler sends it again (duplicate, never loss)
     first = (await redis.execute("XADD", "s", "*", "k", "v")).decode()
     rec = Recorder(once_then_ack(0.5))
-    async with await redis.connect(name="killer") as killer:
-        async with open_consumer(redis_url) as consumer:
-            sub = StreamSubscription("s", "g", block=0.1)
-            await consumer.mount(sub, rec)
-            await wait_for(lambda: consumer.stats()[sub.name]["held"] == 1, what="held copy")
-            with trio.move_on_after(0.8):
-                while True:
-                    await killer.execute("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
-                    await trio.sleep(0.01)
-            await wait_for(lambda: rec.attempts(2), timeout=10, what="the copy")
-            # the killer's own request may have been cut by move_on_after (a
-            # cut connection is closed, never reused): check on a fresh one
-            async with await redis.connect(name="checker") as checker:
-                await wait_for(lambda: equals(pending(checker, "s", "g"), 0), timeout=10)
-                raw = await checker.execute("XRANGE", "s", "-", "+")
+    async with await redis.connect(name="killer") as killer, open_consumer(redis_url) as consumer:
+        sub = StreamSubscription("s", "g", block=0.1)
+        await consumer.mount(sub, rec)
+        await wait_for(lambda: consumer.stats()[sub.name]["held"] == 1, what="held copy")
+        with trio.move_on_after(0.8):
+            while True:
+                await killer.execute("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+                await trio.sleep(0.01)
+        await wait_for(lambda: rec.attempts(2), timeout=10, what="the copy")
+        # the killer's own request may have been cut by move_on_after (a
+        # cut connection is closed, never reused): check on a fresh one
+        async with await redis.connect(name="checker") as checker:
+            await wait_for(lambda: equals(pending(checker, "s", "g"), 0), timeout=10)
+            raw = await checker.execute("XRANGE", "s", "-", "+")
     copies = [f for _, f in raw if header(list(f), ORIGIN_FIELD) == first.encode()]
     assert 1 <= len(copies) <= 2
 
