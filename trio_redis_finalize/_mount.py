@@ -325,6 +325,7 @@ class Mount:
                 # handler call (the send costs little beside it), or when the
                 # oldest has waited _FLUSH_EVERY; else gather more.
                 now = monotonic()
+                stats.durations.observe(now - start)
                 if last or now - start > _SLOW_CALL or now - last_flush > _FLUSH_EVERY:
                     await send.send(results)
                     results = []
