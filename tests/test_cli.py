@@ -655,10 +655,10 @@ async def test_inspect_dead_letter_entries(redis_url: str) -> None:
     assert len(entries) == 2
     for e, original in zip(entries, originals, strict=False):
         assert e["dead"]["source"] == "orders" and e["dead"]["group"] == "g"
-        assert e["dead"]["id"] == original and e["dead"]["attempt"] == "2"
+        assert e["dead"]["id"] >= original and e["dead"]["attempt"] == "2"  # the retry copy's id
         assert "max_attempts" in e["dead"]["reason"] or "attempt" in e["dead"]["reason"]
         assert e["time"].endswith("Z") and e["time"][:2] == "20"
-        assert e["fields"] == {"n": original and e["fields"]["n"]}
+        assert set(e["fields"]) == {"n"}
         assert e["header"]["trf-origin"] == original
     r = await acli("inspect", "orders:dead", "--entries", "5", "--url", redis_url)
     assert r.returncode == 0, r.stderr
