@@ -199,6 +199,9 @@ class Mount:
         self.on_error = on_error
         self.name = target.name
         self.stats = MountStats(subscription=self.name)
+        # instrumentation (trio_redis_finalize.otel): learns the mount, watches finalization
+        bind = getattr(handler, "trf_bind", None)
+        self.settled: Callable[[list[tuple[Delivery, str]]], None] | None = bind(self) if bind else None
         self._removals = plain_removals(target)
         self._removal_kinds = tuple(self._removals)
         self.held: set[str] = set()  # stream ids read and not yet finalized
@@ -507,6 +510,9 @@ class Mount:
                           d.attempt, p.effect.value, extra=log_extra(self.name, d, outcome, p.effect.value))
             if p.delay is not None and p.later:
                 self.consumer.scheduler.hold(self, p.delay, p.later)
+        if self.settled is not None:  # instrumentation: each delivery and its confirmed effect
+            self.settled([(d, self._removals[k].value) for d, k in zip(removed, kinds, strict=True)]
+                         + [(d, p.effect.value) for d, p in plans])
 
 
 def log_extra(
