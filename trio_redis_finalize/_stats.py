@@ -30,7 +30,7 @@ class Durations:
 
 @dataclasses.dataclass(slots=True)
 class MountStats:
-    """Live counters of one mounted subscription (see :meth:`Consumer.stats`).
+    """Live counters of one mounted subscription (see :meth:`~trio_redis_finalize.Consumer.stats`).
 
     ``outcomes`` counts what handlers returned (``ack``, ``retry``, ``drop``,
     ``retry_after``); ``effects`` counts what finalization did in Redis
