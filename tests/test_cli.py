@@ -614,8 +614,11 @@ def test_run_metrics_port_serves_prometheus(
         _wait_for(lambda: len(_handled(tmp_path)) == 4)
 
         def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-                text = resp.read().decode()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+                    text = resp.read().decode()
+            except OSError:  # not listening yet
+                return {}
             return {(s.name, tuple(sorted(s.labels.items()))): s.value
                     for f in text_string_to_metric_families(text) for s in f.samples}
 

@@ -220,6 +220,8 @@ async def _run(url: str, factory: Callable[[Any], Awaitable[None]], spec: str, n
             with stop:
                 async with open_consumer(url, name=name, shutdown_grace=grace) as consumer:
                     running = consumer
+                    if metrics_port is not None:  # before the factory: serves from the first mount
+                        await outer.start(_serve_metrics, consumer, metrics_port, metrics_prefix)
                     log.info("consumer %s connected to %s; calling %s", consumer.name,
                              parse_url(url).address, spec)
                     try:
@@ -237,8 +239,6 @@ async def _run(url: str, factory: Callable[[Any], Awaitable[None]], spec: str, n
                         failure = (f"factory {spec!r} mounted nothing "
                                    "(call await consumer.mount(subscription, handler))")
                     if failure is None:
-                        if metrics_port is not None:
-                            await outer.start(_serve_metrics, consumer, metrics_port, metrics_prefix)
                         log.info("running %d subscription(s); SIGINT/SIGTERM to stop",
                                  len(consumer.mounts))
                         await anyio.sleep_forever()
