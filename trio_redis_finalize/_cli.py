@@ -39,7 +39,7 @@ from redis import exceptions as rexc
 
 from ._envelope import ORIGIN_FIELD, RETRIES_FIELD, CorruptEnvelope, unwrap, wrap
 from ._keys import derived, has_hash_tag, same_slot
-from ._plan import DEAD_FIELDS, DEAD_REASON
+from ._plan import DEAD_FIELDS, DEAD_REASON, Effect
 from ._transport import Client, Script, open_client, parse_url
 
 __all__ = ["CliError", "main"]
@@ -185,8 +185,10 @@ def shutdown_summary(stats: dict[str, dict[str, Any]]) -> str:
         handled += sum(int(n) for n in s.get("outcomes", {}).values())
         for effect, n in s.get("effects", {}).items():
             effects[effect] = effects.get(effect, 0) + int(n)
-    finalized = sum(n for e, n in effects.items() if e != "left_pending")
-    detail = ", ".join(f"{e} {n}" for e, n in sorted(effects.items()) if n)
+    # effects of finalizing a delivery (not: recovered lists, moves out of the delay set, ...)
+    kinds = {e.value for e in Effect} - {Effect.LEFT_PENDING.value}
+    finalized = sum(n for e, n in effects.items() if e in kinds)
+    detail = ", ".join(f"{e} {n}" for e, n in sorted(effects.items()) if n and e in kinds)
     left = max(0, received - handled) + effects.get("left_pending", 0)
     return (f"stopped: finalized {finalized} deliver{'y' if finalized == 1 else 'ies'}"
             f"{f' ({detail})' if detail else ''}; left pending {left} (redelivered later)")
