@@ -180,7 +180,8 @@ class Publisher:
 
         Read by :class:`~trio_redis_finalize.ChannelSubscription` and
         :class:`~trio_redis_finalize.PatternSubscription` as ``delivery.data
-        == payload``; on Redis Cluster, sent to the node of the channel's slot.
+        == payload``; on Redis Cluster, classic Pub/Sub is broadcast to
+        every node, so any node takes it.
         """
         _key("channel", channel)
         with _send_span("publish", channel, self.name) as ctx:
