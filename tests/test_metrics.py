@@ -40,6 +40,7 @@ from trio_redis_finalize.testing import free_port
 S, G = "orders", "billing"
 SUB = StreamSubscription(S, G, block=0.05)
 NAME = SUB.name
+SL = {"form": "stream", "key": S, "group": G}
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -91,30 +92,30 @@ async def test_prometheus_families_match_stats(redis_url: str, client: Client) -
     registry = CollectorRegistry()
     async with open_consumer(redis_url, name="c1") as consumer:
         register(consumer, registry)
-        assert not [k for k in scrape(registry) if k[0] == "trf_received_total"]  # nothing mounted yet
+        assert not [k for k in scrape(registry) if k[0] == "trf_deliveries_read_total"]  # nothing mounted yet
         await consumer.mount(SUB, handle)
         await eventually(lambda: consumer.stats()[NAME]["in_flight"] == 1, what="boom copy in flight")
         got = scrape(registry)
         st = consumer.stats()[NAME]
-        assert got[("trf_received_total", lbl(subscription=NAME))] == st["received"] == 7
+        assert got[("trf_deliveries_read_total", lbl(**SL))] == st["received"] == 7
         for outcome, n in {"ack": 2, "retry": 2, "drop": 1, "retry_after": 1}.items():
-            assert got[("trf_outcomes_total", lbl(subscription=NAME, outcome=outcome))] == n
+            assert got[("trf_handler_outcomes_total", lbl(**SL, outcome=outcome))] == n
             assert st["outcomes"][outcome] == n
         for effect, n in st["effects"].items():
-            assert got[("trf_effects_total", lbl(subscription=NAME, effect=effect))] == n
+            assert got[("trf_effects_total", lbl(**SL, effect=effect))] == n
         assert st["effects"]["copied"] == 2 and st["effects"]["held"] == 1, st["effects"]
-        assert got[("trf_errors_total", lbl(subscription=NAME, kind="handler"))] == 1
-        assert got[("trf_errors_total", lbl(subscription=NAME, kind="read"))] == 0
-        assert got[("trf_in_flight", lbl(subscription=NAME))] == 1
-        assert got[("trf_held_copies", lbl(subscription=NAME))] == 1  # retry_after(30), runtime
-        assert ("trf_delay_lag_seconds", lbl(subscription=NAME)) not in got  # no delay set
+        assert got[("trf_errors_total", lbl(**SL, kind="handler"))] == 1
+        assert got[("trf_errors_total", lbl(**SL, kind="read"))] == 0
+        assert got[("trf_in_flight", lbl(**SL))] == 1
+        assert got[("trf_held_copies", lbl(**SL))] == 1  # retry_after(30), runtime
+        assert ("trf_delay_lag_seconds", lbl(**SL)) not in got  # no delay set
         release.set()
         await eventually(lambda: consumer.stats()[NAME]["in_flight"] == 0)
-        assert scrape(registry)[("trf_in_flight", lbl(subscription=NAME))] == 0
+        assert scrape(registry)[("trf_in_flight", lbl(**SL))] == 0
     # after the consumer closed: final counters, the held copy written at shutdown
     final = scrape(registry)
-    assert final[("trf_held_copies", lbl(subscription=NAME))] == 0
-    assert final[("trf_outcomes_total", lbl(subscription=NAME, outcome="ack"))] == 3
+    assert final[("trf_held_copies", lbl(**SL))] == 0
+    assert final[("trf_handler_outcomes_total", lbl(**SL, outcome="ack"))] == 3
 
 
 async def test_prometheus_delay_lag_of_the_durable_set(redis_url: str, client: Client) -> None:
@@ -130,9 +131,9 @@ async def test_prometheus_delay_lag_of_the_durable_set(redis_url: str, client: C
         await consumer.mount(sub, handle)
         await eventually(lambda: consumer.stats()[sub.name]["delay_lag"] is not None, what="lag known")
         got = scrape(registry)
-        assert got[("trf_delay_lag_seconds", lbl(subscription=sub.name))] == 0.0  # waiting, not due
-        assert got[("trf_effects_total", lbl(subscription=sub.name, effect="delayed"))] == 1
-        assert got[("trf_held_copies", lbl(subscription=sub.name))] == 0  # in Redis, not in memory
+        assert got[("trf_delay_lag_seconds", lbl(**SL))] == 0.0  # waiting, not due
+        assert got[("trf_effects_total", lbl(**SL, effect="delayed"))] == 1
+        assert got[("trf_held_copies", lbl(**SL))] == 0  # in Redis, not in memory
     assert await client.execute("ZCARD", "{orders}:delayed") == 1
 
 
@@ -160,12 +161,12 @@ async def test_prometheus_scraped_over_http_from_another_thread(redis_url: str, 
             with trio.fail_after(10):
                 while not seen or seen[-1] < 300:
                     got = samples(await trio.to_thread.run_sync(get))
-                    seen.append(got[("trf_received_total", lbl(subscription=NAME))])
+                    seen.append(got[("trf_deliveries_read_total", lbl(**SL))])
                     await trio.sleep(0.01)
             assert seen == sorted(seen)  # a counter never goes backwards
             await eventually(lambda: consumer.stats()[NAME]["effects"].get("acked") == 300)
             got = samples(await trio.to_thread.run_sync(get))
-            assert got[("trf_effects_total", lbl(subscription=NAME, effect="acked"))] == 300
+            assert got[("trf_effects_total", lbl(**SL, effect="acked"))] == 300
     finally:
         server.shutdown()
         thread.join(5)
@@ -188,30 +189,114 @@ async def test_prometheus_several_consumers_share_one_collector(redis_url: str) 
         with pytest.raises(ValueError, match="already registered"):
             register(a, registry, labels={"worker": "x"})
         with pytest.raises(ValueError, match="labels"):
-            register(a, CollectorRegistry(), labels={"subscription": "x"})
+            register(a, CollectorRegistry(), labels={"key": "x"})
         got = scrape(registry)
-        assert got[("trf_received_total", lbl(subscription=lst.name, worker="a"))] == 0
-        assert got[("trf_received_total", lbl(subscription=lst.name, worker="b"))] == 0
+        assert got[("trf_deliveries_read_total", lbl(form="list", key="jobs", group="", worker="a"))] == 0
+        assert got[("trf_deliveries_read_total", lbl(form="list", key="jobs", group="", worker="b"))] == 0
         collector.remove(b)
         assert collector.consumers() == [a]
-        assert ("trf_received_total", lbl(subscription=lst.name, worker="b")) not in scrape(registry)
+        gone = ("trf_deliveries_read_total", lbl(form="list", key="jobs", group="", worker="b"))
+        assert gone not in scrape(registry)
 
 
 def test_prometheus_families_add_up_equal_labels() -> None:
-    """Two consumers with the same subscription and labels: counters and
-    gauges add up, the delay lag is the largest."""
-    from trio_redis_finalize._metrics import families
+    """Two consumers with the same form, key, group and labels: counters and
+    gauges add up, the delay lag is the largest, histogram buckets add up."""
+    from trio_redis_finalize._metrics import MountSample, families
+    from trio_redis_finalize._stats import DURATION_BOUNDS
 
-    def st(received: int, lag: float | None) -> dict[str, dict[str, Any]]:
-        return {"s": {"received": received, "outcomes": {"ack": received}, "effects": {},
-                      "in_flight": 1, "held": 2, "delay_lag": lag}}
+    def st(received: int, lag: float | None) -> list[MountSample]:
+        buckets = [0] * (len(DURATION_BOUNDS) + 1)
+        buckets[0] = received
+        return [MountSample("stream", "s", "g", {
+            "received": received, "outcomes": {"ack": received}, "effects": {},
+            "in_flight": 1, "held": 2, "delay_lag": lag}, buckets, 0.5)]
 
     fams = {f.name: f for f in families([(st(3, 0.5), ()), (st(4, None), ()), (st(1, 2.0), ())])}
-    assert fams["trf_received"].samples == [(("s",), 8.0)]
-    assert fams["trf_outcomes"].samples == [(("s", "ack"), 8.0)]
-    assert fams["trf_in_flight"].samples == [(("s",), 3.0)]
-    assert fams["trf_held_copies"].samples == [(("s",), 6.0)]
-    assert fams["trf_delay_lag_seconds"].samples == [(("s",), 2.0)]
+    k = ("stream", "s", "g")
+    assert fams["trf_deliveries_read"].samples == [(k, 8.0)]
+    assert dict(fams["trf_handler_outcomes"].samples) == {
+        (*k, "ack"): 8.0, (*k, "retry"): 0.0, (*k, "drop"): 0.0, (*k, "retry_after"): 0.0}
+    assert fams["trf_in_flight"].samples == [(k, 3.0)]
+    assert fams["trf_held_copies"].samples == [(k, 6.0)]
+    assert fams["trf_delay_lag_seconds"].samples == [(k, 2.0)]
+    ((labels, (cum, total)),) = fams["trf_handler_duration_seconds"].samples
+    assert labels == k and cum == [8] * (len(DURATION_BOUNDS) + 1) and total == 1.5
+    assert {f.name for f in families([], prefix="app_q")} >= {"app_q_effects", "app_q_group_lag"}
+
+
+async def test_prometheus_every_series_from_zero_with_help_and_histogram(
+    redis_url: str, client: Client
+) -> None:
+    """Before any message: every outcome, effect and error series is there at 0;
+    HELP says reads are not handler calls; the histogram counts handler calls."""
+    registry = CollectorRegistry()
+
+    async def handle(d: Delivery) -> Outcome:
+        await trio.sleep(0.02)
+        return ACK
+
+    async with open_consumer(redis_url, name="c1") as consumer:
+        register(consumer, registry, prefix="shop")
+        await consumer.mount(SUB, handle)
+        text = generate_latest(registry).decode()
+        got = samples(text)
+        for outcome in ("ack", "retry", "drop", "retry_after"):
+            assert got[("shop_handler_outcomes_total", lbl(**SL, outcome=outcome))] == 0
+        for effect in ("acked", "dropped", "copied", "delayed", "held", "left_pending",
+                       "dead_lettered", "exhausted", "refused", "lost_before_handling"):
+            assert got[("shop_effects_total", lbl(**SL, effect=effect))] == 0, effect
+        assert got[("shop_handler_duration_seconds_count", lbl(**SL))] == 0
+        assert "# HELP shop_deliveries_read_total Deliveries read from Redis" in text
+        assert "not handler calls" in text
+        assert not [k for k in got if "subscription" in dict(k[1])]
+        for i in range(3):
+            await xadd(client, str(i))
+        await eventually(lambda: consumer.stats()[NAME]["effects"].get("acked") == 3)
+        got = scrape(registry)
+        assert got[("shop_handler_duration_seconds_count", lbl(**SL))] == 3
+        assert got[("shop_handler_duration_seconds_bucket", lbl(**SL, le="0.01"))] == 0  # slept 0.02
+        assert got[("shop_handler_duration_seconds_bucket", lbl(**SL, le="+Inf"))] == 3
+        assert got[("shop_handler_duration_seconds_sum", lbl(**SL))] >= 0.06
+    with pytest.raises(ValueError, match="prefix"):
+        register(consumer, CollectorRegistry(), prefix="no-dashes")
+
+
+async def test_prometheus_group_lag_pending_and_oldest_idle(redis_url: str, client: Client) -> None:
+    """The KEDA-style gauges come from Redis: lag (undelivered), pending (PEL), oldest idle."""
+    from trio_redis_finalize.prometheus import refresh_backlog
+
+    registry = CollectorRegistry()
+    release = trio.Event()
+
+    async def handle(d: Delivery) -> Outcome:
+        await release.wait()
+        return ACK
+
+    for i in range(5):
+        await xadd(client, str(i))
+    sub = StreamSubscription(S, G, block=0.05, count=2)
+    async with open_consumer(redis_url, name="c1") as consumer:
+        register(consumer, registry)
+        await consumer.mount(sub, handle)
+        await eventually(lambda: consumer.stats()[sub.name]["in_flight"] == 1)
+        await trio.sleep(0.2)
+        await refresh_backlog(consumer)
+        got = scrape(registry)
+        pending = (await client.execute("XPENDING", S, G))[0]
+        assert 2 <= pending < 5  # batches of count=2 read ahead, the first one held up
+        assert got[("trf_pending", lbl(**SL))] == pending
+        version = await client.execute("INFO", "server")
+        if b"redis_version:6." not in version:  # 6.2 has no lag field
+            assert got[("trf_group_lag", lbl(**SL))] == 5 - pending
+        assert got[("trf_oldest_pending_idle_seconds", lbl(**SL))] >= 0.1
+        release.set()
+        await eventually(lambda: consumer.stats()[sub.name]["effects"].get("acked") == 5)
+        await refresh_backlog(consumer)
+        got = scrape(registry)
+        assert got[("trf_pending", lbl(**SL))] == 0
+        assert got[("trf_group_lag", lbl(**SL))] == 0
+        assert got[("trf_oldest_pending_idle_seconds", lbl(**SL))] == 0
 
 
 def test_prometheus_module_without_the_extra_names_it() -> None:
@@ -254,7 +339,7 @@ async def test_otel_span_per_handler_call(redis_url: str, client: Client) -> Non
     async with open_consumer(redis_url, name="c1") as consumer:
         await consumer.mount(SUB, wrapped)
         await eventually(lambda: consumer.stats()[NAME]["outcomes"].get("ack") == 5, what="all acked")
-    spans = [s for s in exporter.get_finished_spans() if s.name != "child"]
+    spans = [s for s in exporter.get_finished_spans() if s.name.startswith("process ")]
     assert len(spans) == 9  # 5 first attempts, 4 second ones (the ack needs none)
     first = {s.attributes["messaging.message.id"]: s for s in spans if s.attributes["trf.attempt"] == 1}
     outcome = {n: first[ids[n]].attributes["trf.outcome"] for n in ids}

@@ -22,6 +22,8 @@ from ._outcome import DROP as DROP
 from ._outcome import RETRY as RETRY
 from ._outcome import Outcome as Outcome
 from ._outcome import retry_after as retry_after
+from ._publisher import Publisher as Publisher
+from ._publisher import open_publisher as open_publisher
 from ._reliable_list import ReliableListSubscription as ReliableListSubscription
 from ._stream import StreamSubscription as StreamSubscription
 from ._subscription import DelayedRetry as DelayedRetry
@@ -45,8 +47,10 @@ __all__ = [
     "Mode",
     "Outcome",
     "PatternSubscription",
+    "Publisher",
     "ReliableListSubscription",
     "StreamSubscription",
     "open_consumer",
+    "open_publisher",
     "retry_after",
 ]

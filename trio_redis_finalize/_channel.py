@@ -22,6 +22,11 @@ class ChannelSubscription(Subscription):
     """SUBSCRIBE to one or more channels.  Pub/Sub is at-most-once: what is
     published while no connection is subscribed is gone.  ``retry_after``
     PUBLISHes a copy to the channel the message came on.
+
+    Args:
+        channels: one or more channel names.
+        max_attempts: attempts after which a ``retry_after`` copy is dropped
+            (with a warning) instead of published.
     """
 
     __slots__ = ("channels", "max_attempts")
@@ -51,6 +56,13 @@ class ChannelSubscription(Subscription):
 class PatternSubscription(Subscription):
     """PSUBSCRIBE to a glob pattern; :attr:`Delivery.source` is the concrete
     channel.  ``retry_after`` needs ``retry_channel`` (where copies go).
+
+    Args:
+        pattern: a glob-style pattern (``news.*``).
+        retry_channel: the channel ``retry_after`` copies are published to;
+            without it ``retry_after`` is refused with :class:`AckUnsupported`.
+        max_attempts: attempts after which a ``retry_after`` copy is dropped
+            (with a warning) instead of published.
     """
 
     __slots__ = ("max_attempts", "pattern", "retry_channel")

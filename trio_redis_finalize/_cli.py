@@ -2,22 +2,27 @@
 
 Commands (``--help`` on each)::
 
-    demo [--url URL]                         every form x every outcome, as observed
-    run MODULE:FACTORY [--url URL]           run a consumer defined in your code
-    inspect KEY [--group G] [--url URL]      a queue's state (table, or --json)
-    requeue DEAD_LETTER --to KEY [--limit N] move dead-lettered messages back
+    demo [--url URL]                                every form x every outcome, as observed
+    run MODULE:FACTORY [--url URL] [--backend trio|asyncio] [--metrics-port N]
+                                                    run a consumer defined in your code
+    inspect KEY [--group G] [--entries N] [--url URL] [--json]
+                                                    a queue's state (table, or --json)
+    requeue DEAD_LETTER --to KEY [--limit N] [--force] [--url URL]
+                                                    move dead-lettered messages back
 
 ``--url`` defaults to ``redis://127.0.0.1:6379/0`` (``demo`` without
 ``--url`` starts a private redis-server instead).
 
-Exit codes: 0 success; 1 failure at run time (the demo lost messages, a
-factory raised); 2 bad input (unknown URL scheme, unreachable server,
-missing key, bad argument): one line on stderr, no traceback.
+Exit codes: 0 success; 1 failure at run time (the demo lost messages); 2 bad
+input (unknown URL scheme, unreachable server, missing key, bad argument, a
+factory module that fails to import, a factory that raises or mounts
+nothing): one line on stderr, no traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib
 import inspect as pyinspect
 import json
@@ -29,11 +34,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NoReturn
 
 import anyio
+from anyio.abc import TaskStatus
 from redis import exceptions as rexc
 
-from ._envelope import RETRIES_FIELD, CorruptEnvelope, unwrap, wrap
+from ._envelope import ORIGIN_FIELD, RETRIES_FIELD, CorruptEnvelope, unwrap, wrap
 from ._keys import derived, has_hash_tag, same_slot
-from ._plan import DEAD_FIELDS
+from ._plan import DEAD_FIELDS, DEAD_REASON, Effect
 from ._transport import Client, Script, open_client, parse_url
 
 __all__ = ["CliError", "main"]
@@ -147,7 +153,9 @@ def load_factory(spec: str) -> Callable[[Any], Awaitable[None]]:
     except ModuleNotFoundError as e:
         if e.name and module_name.startswith(e.name):
             raise CliError(f"factory {spec!r}: no module named {e.name!r}") from None
-        raise
+        raise CliError(f"factory {spec!r}: importing {module_name!r} failed: {_describe(e)}") from None
+    except Exception as e:
+        raise CliError(f"factory {spec!r}: importing {module_name!r} failed: {_describe(e)}") from None
     obj: Any = module
     for part in attr.split("."):
         try:
@@ -158,6 +166,32 @@ def load_factory(spec: str) -> Callable[[Any], Awaitable[None]]:
         raise CliError(f"factory {spec!r} is not callable")
     factory: Callable[[Any], Awaitable[None]] = obj
     return factory
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: message`` of an exception (of its first leaf, for a group), on one line."""
+    leaves = _leaves(exc)
+    first = leaves[0] if leaves else exc
+    text = _one_line(str(first))
+    return f"{type(first).__name__}: {text}" if text else type(first).__name__
+
+
+def shutdown_summary(stats: dict[str, dict[str, Any]]) -> str:
+    """One line: what the consumer finalized and what it left pending."""
+    effects: dict[str, int] = {}
+    received = handled = 0
+    for s in stats.values():
+        received += int(s.get("received", 0))
+        handled += sum(int(n) for n in s.get("outcomes", {}).values())
+        for effect, n in s.get("effects", {}).items():
+            effects[effect] = effects.get(effect, 0) + int(n)
+    # effects of finalizing a delivery (not: recovered lists, moves out of the delay set, ...)
+    kinds = {e.value for e in Effect} - {Effect.LEFT_PENDING.value}
+    finalized = sum(n for e, n in effects.items() if e in kinds)
+    detail = ", ".join(f"{e} {n}" for e, n in sorted(effects.items()) if n and e in kinds)
+    left = max(0, received - handled) + effects.get("left_pending", 0)
+    return (f"stopped: finalized {finalized} deliver{'y' if finalized == 1 else 'ies'}"
+            f"{f' ({detail})' if detail else ''}; left pending {left} (redelivered later)")
 
 
 async def _watch_signals(signals: Any, stop: anyio.CancelScope) -> None:
@@ -175,33 +209,58 @@ async def _watch_signals(signals: Any, stop: anyio.CancelScope) -> None:
 
 
 async def _run(url: str, factory: Callable[[Any], Awaitable[None]], spec: str, name: str | None,
-               grace: float) -> int:
+               grace: float, metrics_port: int | None, metrics_prefix: str) -> int:
     from ._consumer import open_consumer
 
+    failure: str | None = None
+    summary = ""
+    running: Any = None
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with anyio.create_task_group() as outer:
             stop = anyio.CancelScope()
             outer.start_soon(_watch_signals, signals, stop)
             with stop:
                 async with open_consumer(url, name=name, shutdown_grace=grace) as consumer:
+                    running = consumer
+                    if metrics_port is not None:  # before the factory: serves from the first mount
+                        await outer.start(_serve_metrics, consumer, metrics_port, metrics_prefix)
                     log.info("consumer %s connected to %s; calling %s", consumer.name,
                              parse_url(url).address, spec)
-                    result = factory(consumer)
-                    if not pyinspect.isawaitable(result):
-                        raise CliError(
-                            f"factory {spec!r} must be an async function taking the consumer "
-                            "(async def setup(consumer): await consumer.mount(...))"
-                        )
                     try:
-                        await result
-                    except (ValueError, rexc.RedisError) as e:
-                        raise CliError(f"factory {spec!r} failed: {e}") from None
-                    log.info("running %d subscription(s); SIGINT/SIGTERM to stop",
-                             len(consumer.mounts))
-                    await anyio.sleep_forever()
-            log.info("stopped")
+                        result = factory(consumer)
+                        if not pyinspect.isawaitable(result):
+                            failure = (
+                                f"factory {spec!r} must be an async function taking the consumer "
+                                "(async def setup(consumer): await consumer.mount(...))"
+                            )
+                        else:
+                            await result
+                    except Exception as e:
+                        failure = f"factory {spec!r} failed: {_describe(e)}"
+                    if failure is None and not consumer.mounts:
+                        failure = (f"factory {spec!r} mounted nothing "
+                                   "(call await consumer.mount(subscription, handler))")
+                    if failure is None:
+                        log.info("running %d subscription(s); SIGINT/SIGTERM to stop",
+                                 len(consumer.mounts))
+                        await anyio.sleep_forever()
+            if failure is None and running is not None:
+                summary = shutdown_summary(running.stats())
             outer.cancel_scope.cancel()
+    if failure is not None:
+        raise CliError(failure)
+    log.info("stopped")
+    print(f"{PROG} run: {summary}", file=sys.stderr, flush=True)
     return 0
+
+
+async def _serve_metrics(consumer: Any, port: int, prefix: str, *,
+                         task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+    try:
+        from . import prometheus
+    except ImportError as e:
+        raise CliError(str(e)) from None
+    await prometheus.serve(consumer, port, prefix=prefix, task_status=task_status)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -212,7 +271,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
     url = check_url(args.url)
     factory = load_factory(args.factory)
-    return anyio.run(_run, url, factory, args.factory, args.name, args.shutdown_grace, backend="trio")
+    code: int = anyio.run(_run, url, factory, args.factory, args.name, args.shutdown_grace,
+                          args.metrics_port, args.metrics_prefix, backend=args.backend)
+    return code
 
 
 # -- inspect ------------------------------------------------------------------
@@ -360,8 +421,75 @@ async def _has_list_traces(client: Client, queue: str) -> bool:
             return False
 
 
+_MAX_SHOWN = 200
+"""Characters of a field value or list element shown by ``inspect --entries``."""
+
+
+def _shown(value: bytes) -> str:
+    text = _str(value)
+    return text if len(text) <= _MAX_SHOWN else text[:_MAX_SHOWN] + "..."
+
+
+def _id_time(entry_id: str) -> str | None:
+    """The UTC time (ISO 8601, ms) of a stream entry id generated by the server."""
+    ms, _, _ = entry_id.partition("-")
+    try:
+        stamp = datetime.datetime.fromtimestamp(int(ms) / 1000, tz=datetime.UTC)
+    except (ValueError, OverflowError, OSError):
+        return None
+    return stamp.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+_DEAD_NAMES = {f: _str(f)[len("trf-dead-"):] for f in DEAD_FIELDS}
+
+
+def stream_entry(eid: Any, flat: Sequence[bytes]) -> dict[str, Any]:
+    """One stream entry as ``inspect --entries`` shows it.
+
+    ``dead`` holds the ``trf-dead-*`` fields without the prefix (``reason``,
+    ``source``, ``id``, ``group``, ``attempt``, and ``error`` when the
+    library recorded the handler's exception), or is ``None`` for an entry
+    that is not a dead letter.  ``time`` is the entry's own id as a time:
+    when it was written (for a dead letter, when it was dead-lettered).
+    """
+    entry_id = _str(eid)
+    fields: dict[str, str] = {}
+    dead: dict[str, str] = {}
+    header: dict[str, str] = {}
+    for k, v in zip(flat[::2], flat[1::2], strict=False):
+        if k in _DEAD_NAMES:
+            dead[_DEAD_NAMES[k]] = _shown(v)
+        elif k.startswith(b"trf-dead-"):
+            dead[_str(k)[len("trf-dead-"):]] = _shown(v)
+        elif k in (RETRIES_FIELD, ORIGIN_FIELD):
+            header[_str(k)] = _str(v)
+        else:
+            fields[_str(k)] = _shown(v)
+    return {"id": entry_id, "time": _id_time(entry_id), "fields": fields, "header": header,
+            "dead": dead or None}
+
+
+def list_element(element: bytes) -> dict[str, Any]:
+    """One list element as ``inspect --entries`` shows it (envelope decoded)."""
+    try:
+        body, retries, origin = unwrap(element)
+    except CorruptEnvelope as e:
+        return {"data": _shown(element), "retries": None, "origin": None, "corrupt": str(e)}
+    return {"data": _shown(body), "retries": retries, "origin": origin, "corrupt": None}
+
+
+async def _entries(client: Client, key: str, kind: str, n: int) -> list[dict[str, Any]]:
+    if kind == "stream":
+        rows = await client.execute("XRANGE", key, "-", "+", "COUNT", n)
+        return [stream_entry(eid, flat) for eid, flat in rows]
+    # the oldest elements are at the tail (LPUSH adds at the head, consumers pop the tail)
+    elements = await client.execute("LRANGE", key, -n, -1)
+    return [list_element(e) for e in reversed(elements)]
+
+
 async def _inspect(url: str, key: str, group: str | None, delay_key: str | None,
-                   dead_letter: str | None, heartbeat: float) -> dict[str, Any]:
+                   dead_letter: str | None, heartbeat: float, entries: int | None = None
+                   ) -> dict[str, Any]:
     async with open_client(url, name="trf-cli:inspect", max_connections=2) as client:
         kind = await key_type(client, key)
         if kind == "none" and await _has_list_traces(client, key):
@@ -378,6 +506,8 @@ async def _inspect(url: str, key: str, group: str | None, delay_key: str | None,
             info = await inspect_list(client, key, heartbeat)
         info["delay_set"] = await _delay_set(client, delay_key or derived(key, ":delayed"))
         info["dead_letter"] = await _dead_letter(client, dead_letter) if dead_letter else None
+        if entries is not None:
+            info["entries"] = await _entries(client, key, kind, entries)
         return info
 
 
@@ -427,12 +557,42 @@ def print_inspect(info: dict[str, Any]) -> None:
                  for p in info["processing"]]
         print_table(["processing list", "owner", "length", "heartbeat age", "expires in"],
                     prows or [["(none)", "", "", "", ""]])
+    if "entries" in info:
+        print()
+        print_entries(info["type"], info["entries"])
+
+
+def _fields_text(fields: dict[str, str]) -> str:
+    return " ".join(f"{k}={v}" for k, v in fields.items())
+
+
+def print_entries(kind: str, entries: list[dict[str, Any]]) -> None:
+    """The ``--entries`` table: dead-letter columns when any entry is a dead letter."""
+    if kind == "stream":
+        if any(e["dead"] for e in entries):
+            rows = []
+            for e in entries:
+                d = e["dead"] or {}
+                rows.append([e["id"], e["time"] or "-", d.get("reason", "-"), d.get("source", "-"),
+                             d.get("id", "-"), d.get("group", "-"), d.get("attempt", "-"),
+                             d.get("error", "-"), _fields_text(e["fields"])])
+            print_table(["entry", "dead-lettered at", "reason", "source", "source id", "group",
+                         "attempt", "error", "fields"], rows)
+        else:
+            print_table(["entry", "written at", "fields"],
+                        [[e["id"], e["time"] or "-", _fields_text(e["fields"])] for e in entries]
+                        or [["(empty)", "", ""]])
+        return
+    print_table(["#", "data", "retries", "origin"],
+                [[str(i), e["data"], "-" if e["retries"] is None else str(e["retries"]),
+                  e["origin"] or (e["corrupt"] and f"corrupt: {e['corrupt']}") or "-"]
+                 for i, e in enumerate(entries)] or [["(empty)", "", "", ""]])
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     url = check_url(args.url)
     info = anyio.run(_inspect, url, args.key, args.group, args.delay_key, args.dead_letter,
-                     args.heartbeat, backend="trio")
+                     args.heartbeat, args.entries, backend="trio")
     if args.json:
         print(json.dumps(info, indent=2, sort_keys=True))
     else:
@@ -472,7 +632,7 @@ def requeued_fields(flat: Sequence[bytes]) -> list[bytes]:
     """A dead entry's fields without the dead-letter fields and the retry counter."""
     out: list[bytes] = []
     for k, v in zip(flat[::2], flat[1::2], strict=False):
-        if k not in _DROP_ON_REQUEUE:
+        if k not in _DROP_ON_REQUEUE and not k.startswith(b"trf-dead-"):
             out += [k, v]
     return out
 
@@ -538,7 +698,31 @@ async def _requeue_list(client: Client, dead: str, dest: str, limit: int | None,
     return moved
 
 
-async def _requeue(url: str, dead: str, dest: str, limit: int | None) -> int:
+async def refusal(client: Client, dead: str, kind: str) -> str | None:
+    """Why ``requeue`` should not move from ``dead`` (``None``: it is a dead letter).
+
+    A stream: an entry among the oldest 100 without ``trf-dead-reason`` (not
+    a dead letter this library wrote), or a consumer group with entries
+    pending (a live queue: moving would take work from under its consumers).
+    A list: a reliable list's consumers registered or processing lists.
+    """
+    if kind == "stream":
+        for g in await client.execute("XINFO", "GROUPS", dead):
+            info = _pairs(g)
+            if int(info["pending"]):
+                return (f"dead letter {dead!r}: consumer group {_str(info['name'])!r} reads it with "
+                        f"{int(info['pending'])} entries pending (a live stream, not a dead letter)")
+        for eid, flat in await client.execute("XRANGE", dead, "-", "+", "COUNT", 100):
+            if DEAD_REASON not in flat[::2]:
+                return (f"dead letter {dead!r}: entry {_str(eid)} has no "
+                        f"{_str(DEAD_REASON)} field (not a dead letter written by trio_redis_finalize)")
+        return None
+    if await _has_list_traces(client, dead):
+        return f"dead letter {dead!r}: consumers are reading it (processing lists exist)"
+    return None
+
+
+async def _requeue(url: str, dead: str, dest: str, limit: int | None, force: bool = False) -> int:
     if dead == dest:
         raise CliError("--to must differ from the dead letter")
     async with open_client(url, name="trf-cli:requeue", max_connections=2) as client:
@@ -546,6 +730,10 @@ async def _requeue(url: str, dead: str, dest: str, limit: int | None) -> int:
         dest_kind = await key_type(client, dest)
         if dest_kind not in ("none", kind):
             raise CliError(f"--to {dest!r} is a {dest_kind}, but dead letter {dead!r} is a {kind}")
+        if not force:
+            why = await refusal(client, dead, kind)
+            if why is not None:
+                raise CliError(f"{why}; nothing moved (--force moves anyway)")
         split = bool(client.params.cluster_seeds) and not same_slot(dead, dest)
         if kind == "stream":
             return await _requeue_stream(client, dead, dest, limit, split)
@@ -554,7 +742,7 @@ async def _requeue(url: str, dead: str, dest: str, limit: int | None) -> int:
 
 def cmd_requeue(args: argparse.Namespace) -> int:
     url = check_url(args.url)
-    moved = anyio.run(_requeue, url, args.dead_letter, args.to, args.limit, backend="trio")
+    moved = anyio.run(_requeue, url, args.dead_letter, args.to, args.limit, args.force, backend="trio")
     print(f"requeued {moved} message{'s' if moved != 1 else ''} from {args.dead_letter} to {args.to}")
     return 0
 
@@ -589,6 +777,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0-65535)")
+    return value
+
+
 def _non_negative(text: str) -> float:
     try:
         value = float(text)
@@ -612,7 +810,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Consume Redis streams, lists and Pub/Sub from trio, finalizing every "
                     "delivery with the commands proper to its form and outcome.",
-        epilog="Exit codes: 0 ok; 1 failure at run time; 2 bad input (one line on stderr).",
+        epilog="Exit codes: 0 ok; 1 failure at run time (the demo lost messages); 2 bad input "
+               "(one line on stderr).",
     )
     from . import __version__
 
@@ -650,6 +849,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: host-pid-random)")
     p.add_argument("--shutdown-grace", type=_non_negative, default=10.0, metavar="SECONDS",
                    help="seconds in-flight handlers get to finish on shutdown (default 10)")
+    p.add_argument("--backend", default="trio", choices=["trio", "asyncio"],
+                   help="the event loop the consumer and your handlers run on: trio (default) "
+                        "or asyncio (for handlers that use asyncio libraries)")
+    p.add_argument("--metrics-port", type=_port, default=None, metavar="N",
+                   help="serve Prometheus metrics on http://0.0.0.0:N/metrics "
+                        "(needs the [prometheus] extra)")
+    p.add_argument("--metrics-prefix", default="trf", metavar="PREFIX",
+                   help="prefix of the metric names (default trf)")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default INFO")
     p.set_defaults(func=cmd_run)
@@ -671,6 +878,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat", type=_non_negative, default=30.0, metavar="SECONDS",
                    help="the subscriptions' heartbeat setting, to estimate heartbeat age from the "
                         "heartbeat key's TTL (lists; default 30, the library's default)")
+    p.add_argument("--entries", type=_positive_int, default=None, metavar="N",
+                   help="also list the N oldest entries (stream) or elements (list); for a dead "
+                        "letter, with why each was dead-lettered (reason, source, entry id, "
+                        "group, attempt, time)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(func=cmd_inspect)
 
@@ -680,12 +891,18 @@ def build_parser() -> argparse.ArgumentParser:
                     "retry counter reset and their origin id kept. Stream entries lose the "
                     "trf-dead-* fields; each move is one script gated on the entry still being in "
                     "the dead letter (copy first, then XDEL / RPOP), so racing requeues move a "
-                    "message once.",
+                    "message once. Refused, unless --force: a stream whose entries lack the "
+                    "trf-dead-* fields (not a dead letter this library wrote), a stream a "
+                    "consumer group reads with entries pending, a list consumers are reading.",
     )
     p.add_argument("dead_letter", metavar="DEAD_LETTER", help="the dead-letter stream or list")
     p.add_argument("--to", required=True, metavar="KEY", help="where the messages go")
     p.add_argument("--limit", type=_positive_int, default=None, metavar="N",
                    help="move at most N messages (default: all)")
+    p.add_argument("--force", action="store_true",
+                   help="move even from a stream whose entries are not dead letters written by "
+                        "this library, or that a consumer group reads with entries pending, or "
+                        "from a list that consumers are reading (processing lists exist)")
     _url_arg(p)
     p.set_defaults(func=cmd_requeue)
     return parser

@@ -355,7 +355,7 @@ async def open_consumer(
     finalizes every outcome they returned, sends held delayed copies at once
     (early rather than lost) and closes connections.  What is unfinished
     stays pending for recovery.  A runtime delayed copy is lost only if the
-    process dies while it waits (see :class:`Scheduler`; use
+    process dies while it waits (see :class:`~trio_redis_finalize._consumer.Scheduler`; use
     ``DelayedRetry.DURABLE_ZSET`` to keep delayed copies in Redis).
 
     Raises:

@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["Delivery"]
+__all__ = ["MAX_ERROR", "Delivery", "record_error"]
 
 
 # ``init=False``: the ``__init__`` below sets the slots through their
@@ -45,6 +45,9 @@ class Delivery:
     """Name of the subscription that delivered it (logs, stats)."""
     corrupt: str | None = dataclasses.field(default=None, repr=False)
     """Why the envelope could not be decoded, when it could not."""
+    error: str | None = dataclasses.field(default=None, repr=False)
+    """``Type: message`` of the handler's exception (bounded), set when it raised;
+    unset (read it with ``getattr(d, "error", None)``) otherwise."""
 
     def __init__(
         self,
@@ -85,3 +88,18 @@ _set_raw = _setter("raw")
 _set_retries = _setter("retries")
 _set_mount = _setter("mount")
 _set_corrupt = _setter("corrupt")
+_set_error = _setter("error")
+
+MAX_ERROR = 500
+"""Characters of a handler exception's ``Type: message`` kept (in dead-letter entries)."""
+
+
+def record_error(d: Delivery, exc: BaseException | None) -> None:
+    """Remember the handler's exception on ``d`` (its dead-letter entry records it)."""
+    if exc is None:
+        return
+    cls = type(exc)
+    name = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+    text = " ".join(str(exc).split())
+    full = f"{name}: {text}" if text else name
+    _set_error(d, full if len(full) <= MAX_ERROR else full[: MAX_ERROR - 3] + "...")

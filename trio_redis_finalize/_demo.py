@@ -8,7 +8,7 @@ connection runs ``MONITOR`` meanwhile; every finalization command it sees
 (XACK, XADD, EVALSHA and the commands inside the scripts, LREM, LPUSH, ZADD,
 PUBLISH) is attributed to the delivery and outcome that caused it: stream
 ids are matched with what the handlers saw, copies by their content and
-retry counter.  The result is printed as the table of DESIGN §1, followed
+retry counter.  The result is printed as a form x outcome table, followed
 by a check that every message produced to a stream or reliable list was
 finalized (``lost: 0``).
 """
@@ -581,11 +581,11 @@ def _print_table(forms: list[Form], table: dict[str, dict[str, str]]) -> None:
         if label in EXPECTED and row[col] != EXPECTED[label][col]
     ]
     if differ:
-        _out(f"{len(differ)} cells differ from the expected table (DESIGN §1):")
+        _out(f"{len(differ)} cells differ from the expected table:")
         for line in differ:
             _out(line)
     else:
-        _out("every cell matches the expected table (DESIGN §1)")
+        _out("every cell matches the expected table")
     _out()
 
 

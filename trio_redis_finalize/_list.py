@@ -24,9 +24,16 @@ class ListSubscription(Subscription):
     """Pop elements with BRPOP.  At-most-once: a crash during a handler loses
     the element.  ACK/RETRY/DROP are refused (:class:`AckUnsupported`);
     ``retry_after`` LPUSHes a copy back after the delay.
+
+    Args:
+        key: the list producers LPUSH onto.
+        block: seconds one BRPOP blocks.
+        max_attempts: attempts after which a ``retry_after`` copy is dropped
+            (with a warning) instead of written.
     """
 
     key: str
+    _: dataclasses.KW_ONLY  # the rest keyword-only, as documented
     block: float = 1.0
     max_attempts: int | None = None
 

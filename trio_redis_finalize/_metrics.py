@@ -1,44 +1,53 @@
-"""Metric families computed from ``consumer.stats()`` (backend-neutral).
+"""Metric families computed from the consumers' counters (backend-neutral).
 
 Exporters (:mod:`trio_redis_finalize.prometheus`) call :func:`families` at
-scrape time: nothing is counted twice and the hot path pays nothing, since
-the runtime keeps its plain counters (:class:`~trio_redis_finalize._stats.MountStats`)
-either way.
+scrape time: nothing is counted twice and the hot path pays nothing more
+than the runtime's plain counters (:class:`~trio_redis_finalize._stats.MountStats`).
 
-Families (every sample is labelled with ``subscription``, the subscription's
-name as in ``consumer.stats()``):
+Every sample is labelled ``form`` (``stream``, ``reliable_list``, ``list``,
+``channel``, ``pattern``), ``key`` (the stream, list, channel(s) or
+pattern) and ``group`` (the consumer group; empty for the other forms).
+Names below use the default prefix ``trf``:
 
-==================================  =======  ===============================================
-name                                type     what
-==================================  =======  ===============================================
-``trf_received_total``              counter  deliveries read and handed to the runtime
-``trf_outcomes_total{outcome}``     counter  what handlers returned: ``ack``, ``retry``,
-                                             ``drop``, ``retry_after``
-``trf_effects_total{effect}``       counter  what finalization did in Redis: ``acked``,
-                                             ``copied``, ``delayed``, ``held``,
-                                             ``dead_lettered``, ``refused``,
-                                             ``lost_before_handling``, ...
-``trf_errors_total{kind}``          counter  ``handler``, ``finalize``, ``read`` errors and
-                                             ``group_recreated``
-``trf_in_flight``                   gauge    handler calls running now
-``trf_held_copies``                 gauge    runtime ``retry_after`` copies held in memory
-``trf_delay_lag_seconds``           gauge    how overdue the oldest copy in the durable
-                                             delay set was at the last read (0 when
-                                             none is due; absent while the set is
-                                             empty or unused)
-==================================  =======  ===============================================
+=======================================  =========  ==========================================
+name                                     type       what
+=======================================  =========  ==========================================
+``trf_deliveries_read_total``            counter    deliveries read from Redis (redeliveries
+                                                    included), counted when read, before any
+                                                    handler call
+``trf_handler_outcomes_total{outcome}``  counter    handler calls by what they returned:
+                                                    ``ack``, ``retry``, ``drop``,
+                                                    ``retry_after`` (a raise counts as the
+                                                    ``on_error`` outcome)
+``trf_handler_duration_seconds``         histogram  how long handler calls took
+``trf_effects_total{effect}``            counter    what finalization did, as Redis confirmed
+``trf_errors_total{kind}``               counter    ``handler``, ``finalize``, ``read`` errors,
+                                                    ``group_recreated``
+``trf_in_flight``                        gauge      handler calls running now
+``trf_held_copies``                      gauge      runtime ``retry_after`` copies in memory
+``trf_delay_lag_seconds``                gauge      how overdue the oldest copy of the durable
+                                                    delay set was at the last read
+``trf_group_lag``                        gauge      entries not yet delivered to the group
+                                                    (stream) / elements waiting (list)
+``trf_pending``                          gauge      delivered, not yet finalized: the group's
+                                                    PEL / the processing list
+``trf_oldest_pending_idle_seconds``      gauge      idle time of the longest-idle pending
+                                                    entry of the group
+=======================================  =========  ==========================================
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
+
+from ._stats import DURATION_BOUNDS
 
 if TYPE_CHECKING:
     from ._consumer import Consumer
 
-__all__ = ["Family", "families", "read_stats"]
+__all__ = ["EFFECTS", "OUTCOMES", "Backlog", "Family", "MountSample", "families", "read_samples"]
 
 _ERROR_KINDS = (
     ("handler", "handler_errors"),
@@ -46,85 +55,197 @@ _ERROR_KINDS = (
     ("read", "read_errors"),
     ("group_recreated", "group_recreated"),
 )
+OUTCOMES = ("ack", "retry", "drop", "retry_after")
+EFFECTS = (
+    "acked", "dropped", "copied", "delayed", "held", "left_pending", "dead_lettered", "exhausted",
+    "nothing", "lost_before_handling", "refused", "recovered", "moved_from_delay_set", "held_lost",
+    "released", "gaps",
+)
+"""Every effect the runtime counts; each series is exported from zero."""
+LABELS = ("form", "key", "group")
+
+
+@dataclasses.dataclass(slots=True)
+class Backlog:
+    """What Redis says about a subscription's queue (read by a refresh, not the hot path)."""
+
+    lag: float | None = None
+    pending: float | None = None
+    oldest_idle: float | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class MountSample:
+    """One mounted subscription's labels and counters at one instant."""
+
+    form: str
+    key: str
+    group: str
+    stats: Mapping[str, Any]
+    buckets: Sequence[int] = ()
+    duration_sum: float = 0.0
+    backlog: Backlog | None = None
+
+    @property
+    def labels(self) -> tuple[str, str, str]:
+        return (self.form, self.key, self.group)
 
 
 @dataclasses.dataclass(slots=True)
 class Family:
-    """One metric family: a name (without ``_total``), a type, help and samples."""
+    """One metric family: a name (without ``_total``), a type, help and samples.
+
+    For a histogram, each sample's value is ``(cumulative bucket counts, sum)``
+    with the buckets of :data:`~trio_redis_finalize._stats.DURATION_BOUNDS`
+    and ``+Inf`` last.
+    """
 
     name: str
-    type: Literal["counter", "gauge"]
+    type: Literal["counter", "gauge", "histogram"]
     help: str
     label_names: tuple[str, ...]
-    samples: list[tuple[tuple[str, ...], float]] = dataclasses.field(default_factory=list)
+    samples: list[tuple[tuple[str, ...], Any]] = dataclasses.field(default_factory=list)
 
 
-def read_stats(consumer: Consumer, tries: int = 5) -> dict[str, dict[str, Any]]:
-    """``consumer.stats()``, safe to call from another thread (a scrape thread).
+def labels_of(mount: Any) -> tuple[str, str, str]:
+    """``(form, key, group)`` of a mounted subscription."""
+    t = mount.target
+    form = str(t.form.value).replace(" ", "_")
+    channels = getattr(mount.subscription, "channels", None)
+    key = ",".join(channels) if channels else str(t.source)
+    return form, key, str(t.group)
+
+
+def read_samples(consumer: Consumer, backlogs: Mapping[str, Backlog] | None = None,
+                 tries: int = 5) -> list[MountSample]:
+    """The consumer's subscriptions now; safe to call from another thread (a scrape thread).
 
     The counters are plain dicts mutated by the event loop's thread; a copy
     that races with a first insertion of a key is simply taken again.
     """
-    for _ in range(tries - 1):
+    for attempt in range(tries):
         try:
-            return consumer.stats()
+            out = []
+            for m in consumer.mounts:
+                snap = m.stats.snapshot()
+                snap["held"] = consumer.scheduler.held_by(m)
+                form, key, group = labels_of(m)
+                d = m.stats.durations
+                out.append(MountSample(form, key, group, snap, list(d.counts), d.sum,
+                                       (backlogs or {}).get(m.name)))
+            return out
         except RuntimeError:  # "dictionary changed size during iteration"
-            continue
-    return consumer.stats()
+            if attempt == tries - 1:
+                raise
+    return []  # pragma: no cover
 
 
 def families(
-    sources: Iterable[tuple[Mapping[str, Mapping[str, Any]], tuple[str, ...]]],
+    sources: Iterable[tuple[Sequence[MountSample], tuple[str, ...]]],
     label_names: tuple[str, ...] = (),
+    prefix: str = "trf",
 ) -> list[Family]:
-    """The metric families for ``consumer.stats()`` results.
+    """The metric families for the consumers' samples.
 
     Args:
-        sources: pairs of a ``consumer.stats()`` result and the values of the
-            extra labels ``label_names`` for that consumer.  Samples with the
-            same labels (the same subscription name in two consumers with the
-            same extra labels) are added up; for ``trf_delay_lag_seconds`` the
-            largest is kept.
-        label_names: extra label names, after ``subscription``.
+        sources: pairs of a consumer's :func:`read_samples` and the values of
+            the extra labels ``label_names`` for that consumer.  Samples with
+            the same labels are added up; for the delay lag and the oldest
+            pending idle time the largest is kept, for the group lag too
+            (two consumers of one group see the same lag).
+        label_names: extra label names, after ``form``, ``key``, ``group``.
+        prefix: the start of every name (``trf`` gives ``trf_effects_total``).
     """
-    sub = ("subscription", *label_names)
+    base_names = (*LABELS, *label_names)
+    p = prefix + "_"
     fams = {
-        "received": Family("trf_received", "counter", "Deliveries read and handed to handlers.", sub),
-        "outcomes": Family("trf_outcomes", "counter", "Outcomes returned by handlers (ack, retry, "
-                           "drop, retry_after).", (*sub, "outcome")),
-        "effects": Family("trf_effects", "counter", "Redis effects of finalization (acked, copied, "
-                          "delayed, dead_lettered, refused, lost_before_handling, ...).", (*sub, "effect")),
-        "errors": Family("trf_errors", "counter", "Handler, finalization and read errors, and consumer "
-                         "groups recreated.", (*sub, "kind")),
-        "in_flight": Family("trf_in_flight", "gauge", "Handler calls running now.", sub),
-        "held": Family("trf_held_copies", "gauge", "Runtime retry_after copies waiting in process "
-                       "memory.", sub),
-        "lag": Family("trf_delay_lag_seconds", "gauge", "How overdue the oldest copy in the durable "
-                      "delay set was at the last read (0: none due).", sub),
+        "read": Family(p + "deliveries_read", "counter",
+                       "Deliveries read from Redis, counted when read (redeliveries included), before "
+                       "any handler call; not handler calls.", base_names),
+        "outcomes": Family(p + "handler_outcomes", "counter",
+                           "Handler calls by the outcome they returned (ack, retry, drop, retry_after); "
+                           "a raise counts as the on_error outcome.", (*base_names, "outcome")),
+        "duration": Family(p + "handler_duration_seconds", "histogram",
+                           "Seconds each handler call took.", base_names),
+        "effects": Family(p + "effects", "counter",
+                          "What finalization did in Redis, counted once Redis confirmed it (acked, "
+                          "copied, delayed, dead_lettered, refused, lost_before_handling, ...).",
+                          (*base_names, "effect")),
+        "errors": Family(p + "errors", "counter",
+                         "Errors by kind: handler raised or returned no outcome, finalization and read "
+                         "errors; and consumer groups recreated.", (*base_names, "kind")),
+        "in_flight": Family(p + "in_flight", "gauge", "Handler calls running now.", base_names),
+        "held": Family(p + "held_copies", "gauge",
+                       "Runtime retry_after copies waiting in process memory (lost if the process "
+                       "is killed).", base_names),
+        "delay_lag": Family(p + "delay_lag_seconds", "gauge",
+                            "How overdue the oldest copy in the durable delay set was at the last "
+                            "read (0: none due).", base_names),
+        "lag": Family(p + "group_lag", "gauge",
+                      "Messages waiting to be read: entries not yet delivered to the consumer group "
+                      "(stream), elements in the queue (reliable list).", base_names),
+        "pending": Family(p + "pending", "gauge",
+                          "Messages read and not yet finalized: the group's pending entries (stream), "
+                          "this consumer's processing list (reliable list).", base_names),
+        "idle": Family(p + "oldest_pending_idle_seconds", "gauge",
+                       "Idle seconds of the group's longest-idle pending entry (0: none pending).",
+                       base_names),
     }
-    acc: dict[str, dict[tuple[str, ...], float]] = {k: {} for k in fams}
+    acc: dict[str, dict[tuple[str, ...], Any]] = {k: {} for k in fams}
 
     def add(family: str, labels: tuple[str, ...], value: float) -> None:
         values = acc[family]
         values[labels] = values.get(labels, 0.0) + value
 
-    for stats, extra in sources:
+    def most(family: str, labels: tuple[str, ...], value: float) -> None:
+        values = acc[family]
+        values[labels] = max(value, values.get(labels, value))
+
+    for samples, extra in sources:
         if len(extra) != len(label_names):
             raise ValueError(f"labels: expected values for {label_names!r}, got {extra!r}")
-        for name, s in stats.items():
-            base = (name, *extra)
-            add("received", base, float(s.get("received", 0)))
-            for outcome, n in s.get("outcomes", {}).items():
-                add("outcomes", (*base, outcome), float(n))
-            for effect, n in s.get("effects", {}).items():
-                add("effects", (*base, effect), float(n))
+        for m in samples:
+            s = m.stats
+            base = (*m.labels, *extra)
+            add("read", base, float(s.get("received", 0)))
+            got = s.get("outcomes", {})
+            for outcome in (*OUTCOMES, *(o for o in got if o not in OUTCOMES)):
+                add("outcomes", (*base, outcome), float(got.get(outcome, 0)))
+            got = s.get("effects", {})
+            for effect in (*EFFECTS, *(e for e in got if e not in EFFECTS)):
+                add("effects", (*base, effect), float(got.get(effect, 0)))
             for kind, key in _ERROR_KINDS:
                 add("errors", (*base, kind), float(s.get(key, 0)))
             add("in_flight", base, float(s.get("in_flight", 0)))
             add("held", base, float(s.get("held", 0)))
             if s.get("delay_lag") is not None:
-                lag = float(s["delay_lag"])
-                acc["lag"][base] = max(lag, acc["lag"].get(base, lag))
+                most("delay_lag", base, float(s["delay_lag"]))
+            buckets = list(m.buckets) or [0] * (len(DURATION_BOUNDS) + 1)
+            old = acc["duration"].get(base)
+            if old is not None:
+                buckets = [a + b for a, b in zip(old[0], buckets, strict=True)]
+                total = old[1] + m.duration_sum
+            else:
+                total = m.duration_sum
+            acc["duration"][base] = (buckets, total)
+            b = m.backlog
+            if b is not None:
+                if b.lag is not None:
+                    most("lag", base, b.lag)
+                if b.pending is not None:
+                    (most if m.group else add)("pending", base, b.pending)
+                if b.oldest_idle is not None:
+                    most("idle", base, b.oldest_idle)
     for key, family in fams.items():
-        family.samples = sorted(acc[key].items())
+        if key == "duration":
+            cumulative = []
+            for labels, (buckets, total) in acc[key].items():
+                running, cum = 0, []
+                for n in buckets:
+                    running += n
+                    cum.append(running)
+                cumulative.append((labels, (cum, total)))
+            family.samples = sorted(cumulative)
+        else:
+            family.samples = sorted(acc[key].items())
     return list(fams.values())

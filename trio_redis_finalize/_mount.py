@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import random
+import sys
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from time import monotonic
@@ -38,7 +39,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream as Recv
 from anyio.streams.memory import MemoryObjectSendStream as Send
 from redis import exceptions as rexc
 
-from ._delivery import Delivery
+from ._delivery import Delivery, record_error
 from ._errors import AckUnsupported
 from ._outcome import Outcome, OutcomeKind
 from ._plan import Effect, Plan, Target, plain_removals, plan, removal_commands
@@ -199,6 +200,9 @@ class Mount:
         self.on_error = on_error
         self.name = target.name
         self.stats = MountStats(subscription=self.name)
+        # instrumentation (trio_redis_finalize.otel): learns the mount, watches finalization
+        bind = getattr(handler, "trf_bind", None)
+        self.settled: Callable[[list[tuple[Delivery, str]]], None] | None = bind(self) if bind else None
         self._removals = plain_removals(target)
         self._removal_kinds = tuple(self._removals)
         self.held: set[str] = set()  # stream ids read and not yet finalized
@@ -325,6 +329,7 @@ class Mount:
                 # handler call (the send costs little beside it), or when the
                 # oldest has waited _FLUSH_EVERY; else gather more.
                 now = monotonic()
+                stats.durations.observe(now - start)
                 if last or now - start > _SLOW_CALL or now - last_flush > _FLUSH_EVERY:
                     await send.send(results)
                     results = []
@@ -347,6 +352,7 @@ class Mount:
     def _raised(self, d: Delivery) -> Outcome:
         """The handler raised (called inside the ``except``): count, log, ``on_error``."""
         self.stats.handler_errors += 1
+        record_error(d, sys.exc_info()[1])  # for the dead-letter entry
         log.exception(
             "%s: handler raised on %s (attempt %d); outcome %r",
             self.name, d.id or d.origin_id, d.attempt, self.on_error,
@@ -506,6 +512,9 @@ class Mount:
                           d.attempt, p.effect.value, extra=log_extra(self.name, d, outcome, p.effect.value))
             if p.delay is not None and p.later:
                 self.consumer.scheduler.hold(self, p.delay, p.later)
+        if self.settled is not None:  # instrumentation: each delivery and its confirmed effect
+            self.settled([(d, self._removals[k].value) for d, k in zip(removed, kinds, strict=True)]
+                         + [(d, p.effect.value) for d, p in plans])
 
 
 def log_extra(

@@ -62,6 +62,7 @@ DEAD_ID = b"trf-dead-id"
 DEAD_GROUP = b"trf-dead-group"
 DEAD_ATTEMPT = b"trf-dead-attempt"
 DEAD_FIELDS = (DEAD_REASON, DEAD_SOURCE, DEAD_ID, DEAD_GROUP, DEAD_ATTEMPT)
+DEAD_ERROR = b"trf-dead-error"  # the handler's exception, when it raised (not always there)
 
 
 class Effect(enum.Enum):
@@ -267,6 +268,8 @@ def plan_dead(t: Target, d: Delivery, reason: str) -> Plan:
             DEAD_GROUP, t.group.encode(),
             DEAD_ATTEMPT, str(d.attempt).encode(),
         ]
+        if error := getattr(d, "error", None):  # set by the runtime when the handler raised
+            fields += [DEAD_ERROR, error.encode()]
         p = _stream_copy(t, d, t.dead_letter, fields, Effect.DEAD_LETTERED)
         return dataclasses.replace(p, warning=warning + f"entry {d.id} dead-lettered")
     if t.form is Form.RELIABLE_LIST:

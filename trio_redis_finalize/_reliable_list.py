@@ -51,6 +51,7 @@ class ReliableListSubscription(Subscription):
     """
 
     queue: str
+    _: dataclasses.KW_ONLY  # the rest keyword-only, as documented
     processing: str | None = None
     delayed_retry: DelayedRetry | None = None
     max_attempts: int | None = None

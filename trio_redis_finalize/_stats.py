@@ -3,14 +3,34 @@
 from __future__ import annotations
 
 import dataclasses
+from bisect import bisect_left
 from collections import Counter
 
-__all__ = ["MountStats"]
+__all__ = ["DURATION_BOUNDS", "Durations", "MountStats"]
+
+DURATION_BOUNDS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)
+"""Upper bounds (seconds) of the handler-duration histogram buckets."""
+
+
+class Durations:
+    """Handler call durations: counts per bucket of :data:`DURATION_BOUNDS` (+Inf last), sum."""
+
+    __slots__ = ("counts", "sum")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(DURATION_BOUNDS) + 1)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect_left(DURATION_BOUNDS, seconds)] += 1
+        self.sum += seconds
 
 
 @dataclasses.dataclass(slots=True)
 class MountStats:
-    """Live counters of one mounted subscription (see :meth:`Consumer.stats`).
+    """Live counters of one mounted subscription (see :meth:`~trio_redis_finalize.Consumer.stats`).
 
     ``outcomes`` counts what handlers returned (``ack``, ``retry``, ``drop``,
     ``retry_after``); ``effects`` counts what finalization did in Redis
@@ -29,6 +49,8 @@ class MountStats:
     delay_lag: float | None = None
     outcomes: Counter[str] = dataclasses.field(default_factory=Counter)
     effects: Counter[str] = dataclasses.field(default_factory=Counter)
+    durations: Durations = dataclasses.field(default_factory=Durations)
+    """How long handler calls took (the Prometheus histogram)."""
 
     def snapshot(self) -> dict[str, object]:
         """A plain dict copy (safe to keep, print or serialize)."""

