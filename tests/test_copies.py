@@ -354,3 +354,56 @@ async def test_scripts_write_entries_of_any_width(redis: Client, n: int) -> None
     assert (moved, first, back) == (1, None, [])
     assert (await entries(redis))[-1][1] == fields
     assert await redis.execute("XLEN", S) == 3
+
+
+async def test_client_writes_what_the_script_writes(redis: Client) -> None:
+    # the client's decoding of a handed-back member (stream_fields) is the script's
+    from trio_redis_finalize._envelope import MAGIC_DELAY
+
+    uid = b"u" * 16
+    cases = [
+        pack_parts([uid, b"f", b"v", b"f", b"w"]),
+        pack_parts([uid, b"", b""]),
+        pack_parts([uid, b"f"]),  # a field without value
+        pack_parts([uid]),
+        pack_parts([]),
+        pack_parts([uid, b"f", b"v"]) + b"trailing",
+        MAGIC_DELAY + b"\xff\xff\xff\xff" + b"\x00" * 8,
+        b"not a member",
+        b"",
+    ]
+    for i, m in enumerate(cases):
+        await redis.execute("ZADD", DELAY_KEY, i, m)
+    moved, _, first, *back = await redis.evalsha(MOVE_DUE_TO_STREAM, (DELAY_KEY, S), (128,))
+    assert (moved, first, back) == (len(cases), None, [])
+    assert [f for _, f in await entries(redis)] == [_delay_set.stream_fields(m) for m in cases]
+
+
+async def test_racing_movers_write_each_handed_back_member_once(
+    redis_url: str, redis: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # every member past the budget: two consumers of one group move them all
+    # by hand, and the lease keeps them from writing one twice
+    monkeypatch.setattr(_delay_set, "MOVE_WIDTH", 4)
+    n = 1000
+    origins = [f"0-{i + 1}" for i in range(n)]
+    await redis.execute("ZADD", DELAY_KEY, *[
+        x for o in origins
+        for x in (0, member([b"n", b"1", ORIGIN_FIELD, o.encode(), RETRIES_FIELD, b"1"]))])
+    seen: list[Delivery] = []
+
+    async def handle(d: Delivery) -> Outcome:
+        seen.append(d)
+        return ACK
+
+    sub = StreamSubscription(S, G, delayed_retry=DZ, block=0.05)
+    async with open_consumer(redis_url, name="a") as one, open_consumer(redis_url, name="b") as two:
+        await one.mount(sub, handle)
+        await two.mount(sub, handle)
+        await wait_for(lambda: len(seen) >= n, what=f"{n} deliveries")
+        await trio.sleep(0.3)  # a second write of anything would show up by now
+        moved = [c.stats()[sub.name]["effects"].get("moved_from_delay_set", 0) for c in (one, two)]
+    assert sorted(d.origin_id for d in seen) == sorted(origins)
+    assert await redis.execute("XLEN", S) == n
+    assert await redis.execute("EXISTS", DELAY_KEY) == 0
+    assert sum(moved) == n
