@@ -15,6 +15,7 @@ __all__ = [
     "CORRUPT_FIELD",
     "LIST_COPY_REMOVE",
     "LIST_ZADD_REMOVE",
+    "LUA_XADD",
     "MOVE_DUE_TO_LIST",
     "MOVE_DUE_TO_STREAM",
     "STREAM_COPY_ACK",
@@ -43,12 +44,13 @@ UNPACK_MAX = 7000
 _CHUNK = 200
 """Values a wider XADD gains per step (a Lua call holds at most ~250 registers)."""
 
-# ``xadd(key, t, from)``: XADD key * t[from], ..., t[#t], for any number of
-# values.  Up to UNPACK_MAX values go in one unpack; a wider list is built up
+# LUA_XADD defines ``xadd(key, t, from)``: XADD key * t[from], ..., t[#t],
+# for any number of values (prefix it to a script that writes entries whose
+# width it does not know).  Up to UNPACK_MAX values go in one unpack; a wider list is built up
 # in the arguments of tail calls, _CHUNK values put in front at each step
 # (the values are copied once per step: about n * n / (2 * _CHUNK) copies,
 # ~10 ms for 5,000 fields, ~0.3 s for 100,000).
-_XADD = (
+LUA_XADD = (
     """
 local function xadd(key, t, from)
   local n = #t
@@ -68,9 +70,9 @@ end
 )
 
 # KEYS: stream, destination stream.  ARGV: group, id, field, value, ...
-# The fields may be any number (wide entries included, see _XADD).
+# The fields may be any number (wide entries included, see LUA_XADD).
 STREAM_COPY_ACK = Script(
-    _XADD
+    LUA_XADD
     + _STREAM_GATE
     + """
 local new = xadd(KEYS[2], ARGV, 3)
@@ -195,7 +197,7 @@ CORRUPT_FIELD = b"trf-delayed-corrupt"
 # ``width`` field values (none without a width) are handed back, see above.
 # A member that does not decode is added as one field CORRUPT_FIELD.
 MOVE_DUE_TO_STREAM = Script(
-    _XADD
+    LUA_XADD
     + _MOVE_HEAD
     + """
   if ps and #ps >= 3 and #ps % 2 == 1 then

@@ -30,6 +30,7 @@ from ._transport import DEFERRED_REPLIES, BusyGroupError, Client, Connection, No
 
 __all__ = ["StreamReader", "StreamSubscription"]
 
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class StreamSubscription(Subscription):
     """Read a stream as consumer ``<consumer name>`` of ``group``.
