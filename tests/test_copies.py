@@ -22,6 +22,8 @@ from typing import Any
 import pytest
 import trio
 from _procs import Monitor
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from trio_redis_finalize import (
     ACK,
@@ -407,3 +409,68 @@ async def test_racing_movers_write_each_handed_back_member_once(
     assert await redis.execute("XLEN", S) == n
     assert await redis.execute("EXISTS", DELAY_KEY) == 0
     assert sum(moved) == n
+
+
+# -- the round trip read -> plan -> script -> read, on any field list ---------------------------
+
+class _MountStub:
+    def __init__(self, sub: StreamSubscription) -> None:
+        self.name = sub.name
+        self.target = sub.target("c")
+
+
+_NAMES = st.one_of(st.sampled_from([b"item", b"", b"trf-", RETRIES_FIELD, GROUP_FIELD]),
+                   st.binary(max_size=6))
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(_NAMES, st.binary(max_size=10)), min_size=1, max_size=8),
+       st.sampled_from(["retry", "durable", "runtime", "dead"]))
+def test_round_trip_keeps_any_field_list(redis_url: str, written: list[tuple[bytes, bytes]],
+                                         way: str) -> None:
+    from trio_redis_finalize._plan import plan
+    from trio_redis_finalize._stream import StreamReader
+
+    flat = [x for kv in written for x in kv]
+    own = [(n, v) for n, v in written if n not in HEADERS]
+    key = f"rt-{uuid.uuid4().hex}"
+    extra, outcome = WAYS[way]
+    sub = StreamSubscription(key, G, **{**extra, "dead_letter": f"{{{key}}}:dead"}
+                             if way == "dead" else extra)
+    mount = _MountStub(sub)
+    reader = StreamReader(sub)
+
+    async def read(client: Client) -> tuple[Delivery, Any]:
+        [[_, [(eid, got)]]] = await client.execute(
+            "XREADGROUP", "GROUP", G, "c", "COUNT", 1, "STREAMS", key, ">")
+        return reader._build(mount, eid, got, 1)  # type: ignore[arg-type]
+
+    async def body() -> None:
+        async with open_client(redis_url) as client:
+            await client.execute("XGROUP", "CREATE", key, G, "0", "MKSTREAM")
+            await client.execute("XADD", key, "*", *flat)
+            d, direct = await read(client)
+            if direct is not None:  # a corrupt or foreign header drawn: not handled
+                assert d.field_list == tuple(own)
+                return
+            assert d.field_list == tuple(own)
+            p = plan(mount.target, d, outcome)  # type: ignore[arg-type]
+            await client.pipeline(p.commands)
+            if p.later:
+                await client.pipeline(p.later)
+            if way == "durable":
+                await client.evalsha(MOVE_DUE_TO_STREAM, (mount.target.delay_key, key), (128,))
+            if way == "dead":
+                [(_, copy)] = await client.execute("XRANGE", f"{{{key}}}:dead", "-", "+")
+                assert list(copy[: 2 * len(own)]) == [x for kv in own for x in kv]
+                return
+            (_, copy) = (await client.execute("XRANGE", key, "-", "+"))[-1]
+            assert list(copy) == [*(x for kv in own for x in kv), RETRIES_FIELD, b"%d" % d.attempt,
+                                  ORIGIN_FIELD, d.origin_id.encode(), GROUP_FIELD, G.encode()]
+            again, direct = await read(client)
+            assert direct is None
+            assert again.field_list == tuple(own)
+            assert (again.origin_id, again.attempt) == (d.origin_id, d.attempt + 1)
+
+    trio.run(body)
