@@ -39,7 +39,7 @@ from trio_redis_finalize import (
     _scripts,
     retry_after,
 )
-from trio_redis_finalize._envelope import unpack_parts, unwrap, wrap
+from trio_redis_finalize._envelope import GROUP_FIELD, unpack_parts, unwrap, wrap
 from trio_redis_finalize._keys import same_slot
 from trio_redis_finalize._outcome import OutcomeKind
 from trio_redis_finalize._plan import (
@@ -55,6 +55,7 @@ from trio_redis_finalize._plan import (
     content_origin,
     plan,
     plan_dead,
+    plan_foreign,
     plan_lost,
 )
 from trio_redis_finalize._subscription import Form
@@ -126,10 +127,15 @@ def make_target(
 
 def make_delivery(
     f: Form_, *, attempt: int, retries: int, fields: Mapping[bytes, bytes], body: bytes,
-    entry_id: str = "1700000000000-7",
+    entry_id: str = "1700000000000-7", field_list: Sequence[tuple[bytes, bytes]] | None = None,
 ) -> Delivery:
+    """A delivery; a stream's ``field_list`` (repeated names) makes its ``fields``."""
     if f.kind == "stream":
         origin = "1600000000000-0" if retries else entry_id
+        if field_list is not None:
+            return Delivery(source=STREAM, id=entry_id, fields=dict(field_list), data=None,
+                            attempt=attempt, origin_id=origin, retries=retries, mount="m",
+                            flat=[x for kv in field_list for x in kv])
         return Delivery(source=STREAM, id=entry_id, fields=dict(fields), data=None,
                         attempt=attempt, origin_id=origin, retries=retries, mount="m")
     origin = content_origin(body) if not retries else "1-1"
@@ -153,10 +159,6 @@ def pairs(flat: Sequence[Any]) -> list[tuple[Any, Any]]:
     return list(zip(flat[::2], flat[1::2], strict=True))
 
 
-def flat(fields: Mapping[bytes, bytes]) -> list[bytes]:
-    return [x for kv in fields.items() for x in kv]
-
-
 def shape(p: Plan) -> list[tuple[Any, ...]]:
     """Command names and keys: ("XACK", key) / ("EVALSHA", script name, keys...)."""
     out: list[tuple[Any, ...]] = []
@@ -177,12 +179,20 @@ SCRIPT_NAMES: dict[Any, str] = {
 }
 
 
+def own_fields(d: Delivery) -> list[bytes]:
+    """The entry's field list as read, flat (repeated names included)."""
+    return [x for kv in d.field_list for x in kv]
+
+
 def check_stream_copy(fields_flat: Sequence[Any], d: Delivery, retries: int) -> None:
-    """A stream copy: the entry's fields in order, then the two headers."""
-    n = len(d.fields) * 2
-    assert list(fields_flat[:n]) == flat(d.fields)
+    """A stream copy: the entry's field list byte for byte, then the three
+    headers (the copy is addressed to the group that wrote it)."""
+    own = own_fields(d)
+    n = len(own)
+    assert list(fields_flat[:n]) == own
     assert pairs(fields_flat[n:]) == [
         (RETRIES_FIELD, str(retries).encode()), (ORIGIN_FIELD, d.origin_id.encode()),
+        (GROUP_FIELD, GROUP.encode()),
     ]
 
 
@@ -225,15 +235,16 @@ def cells(draw: st.DrawFn) -> dict[str, Any]:
         src = STREAM if f.kind == "stream" else QUEUE
         dead = draw(st.sampled_from([None, DEAD_SAME[src], DEAD_OTHER[src]]))
     cluster = draw(st.booleans())
-    fields = draw(st.dictionaries(
-        st.binary(max_size=8).filter(lambda k: k not in (RETRIES_FIELD, ORIGIN_FIELD)),
-        st.binary(max_size=16), min_size=0, max_size=4,
-    ))
-    if f.kind == "stream" and not fields:
-        fields = {b"k": b"v"}
+    # a field list: names may repeat (a few short names make repeats likely)
+    names = st.one_of(st.sampled_from([b"a", b"b", b""]), st.binary(max_size=8)).filter(
+        lambda k: k not in (RETRIES_FIELD, ORIGIN_FIELD, GROUP_FIELD))
+    field_list = draw(st.lists(st.tuples(names, st.binary(max_size=16)), max_size=6))
+    if f.kind == "stream" and not field_list:
+        field_list = [(b"k", b"v")]
     body = draw(st.binary(max_size=32))
     return dict(f=f, outcome=outcome, attempt=attempt, retries=retries,
-                max_attempts=max_attempts, dead=dead, cluster=cluster, fields=fields, body=body)
+                max_attempts=max_attempts, dead=dead, cluster=cluster,
+                fields=dict(field_list), field_list=field_list, body=body)
 
 
 @SETTINGS
@@ -243,7 +254,7 @@ def test_table(cell: dict[str, Any]) -> None:
     outcome: Outcome = cell["outcome"]
     t = make_target(f, cell["max_attempts"], cell["dead"], cell["cluster"])
     d = make_delivery(f, attempt=cell["attempt"], retries=cell["retries"], fields=cell["fields"],
-                      body=cell["body"])
+                      body=cell["body"], field_list=cell["field_list"])
     check_cell(f, t, d, outcome)
 
 
@@ -384,9 +395,11 @@ def check_dead(f: Form_, t: Target, d: Delivery, p: Plan) -> None:
             _, _, args = evalsha(p.commands[0])
             assert args[:2] == [GROUP, d.id]
             copy_fields = args[2:]
-        n = len(d.fields) * 2
-        assert copy_fields[:n] == flat(d.fields)
+        own = own_fields(d)
+        n = len(own)
+        assert copy_fields[:n] == own
         headers = dict(pairs(copy_fields[n:]))
+        assert GROUP_FIELD not in headers  # the dead letter is read by other groups
         assert headers[RETRIES_FIELD] == str(d.retries).encode()
         assert headers[ORIGIN_FIELD] == d.origin_id.encode()
         assert b"max_attempts" in headers[DEAD_REASON]
@@ -423,6 +436,10 @@ def test_every_cell(f: Form_, outcome: Outcome, limit: str, cluster: bool) -> No
             limit)
     t = make_target(f, max_attempts, dead, cluster)
     d = make_delivery(f, attempt=2, retries=1, fields={b"a": b"1", b"b\x00": b"\xff"}, body=b"x")
+    check_cell(f, t, d, outcome)
+    # the same with a field list that repeats a name
+    d = make_delivery(f, attempt=2, retries=1, fields={}, body=b"x",
+                      field_list=[(b"a", b"1"), (b"b\x00", b"\xff"), (b"a", b"2")])
     check_cell(f, t, d, outcome)
 
 
@@ -529,6 +546,8 @@ def test_plan_dead_and_lost() -> None:
     assert fields[DEAD_REASON] == b"corrupt header"
     lost = plan_lost(t, d)
     assert lost == Plan(Effect.LOST_BEFORE_HANDLING, (("XACK", STREAM, GROUP, str(d.id)),))
+    foreign = plan_foreign(t, d)
+    assert foreign == Plan(Effect.FOREIGN_COPY, (("XACK", STREAM, GROUP, str(d.id)),))
     # reliable list: the element goes to the dead letter as read (envelope kept)
     tl = ReliableListSubscription(QUEUE, max_attempts=1, dead_letter="{jobs}:dead").target(CONSUMER)
     dl = make_delivery(Form_("rlist"), attempt=2, retries=1, fields={}, body=b"b")

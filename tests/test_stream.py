@@ -16,6 +16,7 @@ from _procs import Monitor, eventually
 from trio_redis_finalize import (
     ACK,
     DROP,
+    GROUP_FIELD,
     ORIGIN_FIELD,
     RETRIES_FIELD,
     RETRY,
@@ -121,7 +122,7 @@ async def test_retry_appends_one_copy_with_headers_and_acks(redis_url: str, clie
     rows = await xrange(client)
     assert [eid for eid, _ in rows] == [orig, second.id]  # exactly one copy
     assert rows[1][1] == {b"payload": b"p1", b"kind": b"k",
-                          RETRIES_FIELD: b"1", ORIGIN_FIELD: orig.encode()}
+                          RETRIES_FIELD: b"1", ORIGIN_FIELD: orig.encode(), GROUP_FIELD: G.encode()}
     assert await pending(client) == 0
 
 

@@ -12,6 +12,7 @@ from ._channel import PatternSubscription as PatternSubscription
 from ._consumer import Consumer as Consumer
 from ._consumer import open_consumer as open_consumer
 from ._delivery import Delivery as Delivery
+from ._envelope import GROUP_FIELD as GROUP_FIELD
 from ._envelope import ORIGIN_FIELD as ORIGIN_FIELD
 from ._envelope import RETRIES_FIELD as RETRIES_FIELD
 from ._errors import AckError as AckError
@@ -34,6 +35,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ACK",
     "DROP",
+    "GROUP_FIELD",
     "ORIGIN_FIELD",
     "RETRIES_FIELD",
     "RETRY",

@@ -1,18 +1,50 @@
 """The durable delay set, reader side: move due copies back before a read.
 
 Shared by the stream and reliable-list readers; the move itself is one
-atomic Lua script (``MOVE_DUE_TO_STREAM`` / ``MOVE_DUE_TO_LIST``).
+atomic Lua script (``MOVE_DUE_TO_STREAM`` / ``MOVE_DUE_TO_LIST``).  A stream
+member wider than :data:`MOVE_WIDTH` values is handed back by the script
+(leased for :data:`MOVE_LEASE_MS`, so no racing mover takes it too) and
+written here: XADD first, ZREM second (duplicate, never loss).
 """
 
 from __future__ import annotations
 
-from ._mount import FINALIZE_TIMEOUT, Mount
-from ._transport import Script
+from collections.abc import Sequence
 
-__all__ = ["MOVE_LIMIT", "move_due"]
+from ._envelope import CorruptEnvelope, unpack_parts
+from ._mount import FINALIZE_TIMEOUT, Mount
+from ._scripts import CORRUPT_FIELD
+from ._subscription import Form
+from ._transport import Command, Script
+from ._transport._connection import raise_first_error
+
+__all__ = ["MOVE_LEASE_MS", "MOVE_LIMIT", "MOVE_WIDTH", "move_due", "stream_fields"]
 
 MOVE_LIMIT = 128
 """At most this many due copies move per read."""
+
+MOVE_WIDTH = 20_000
+"""Field values (10,000 fields) of the widest stream member the move script
+writes itself; wider ones (rare: the script's XADD costs grow with the square
+of the width) are handed back and written by the client."""
+
+MOVE_LEASE_MS = 30_000
+"""How long a handed-back member is hidden from other movers."""
+
+
+def stream_fields(member: bytes) -> list[bytes]:
+    """The fields the move script writes for a stream delay-set ``member``.
+
+    ``[field, value, ...]`` of a member that decodes to a unique id and
+    pairs; one field :data:`CORRUPT_FIELD` holding the member otherwise.
+    """
+    try:
+        parts = unpack_parts(member)
+    except CorruptEnvelope:
+        return [CORRUPT_FIELD, member]
+    if len(parts) >= 3 and len(parts) % 2 == 1:
+        return parts[1:]
+    return [CORRUPT_FIELD, member]
 
 
 async def move_due(mount: Mount, script: Script, block: float) -> float:
@@ -26,12 +58,16 @@ async def move_due(mount: Mount, script: Script, block: float) -> float:
             written is still in the set).
     """
     t = mount.target
-    moved, now_ms, first = await mount.client.evalsha(
-        script, (t.delay_key, t.source), (MOVE_LIMIT,), timeout=FINALIZE_TIMEOUT
+    moved, now_ms, first, *back = await mount.client.evalsha(
+        script, (t.delay_key, t.source), (MOVE_LIMIT, MOVE_WIDTH, MOVE_LEASE_MS),
+        timeout=FINALIZE_TIMEOUT,
     )
+    moved = int(moved)
     if moved:
-        mount.stats.effects["moved_from_delay_set"] += int(moved)
-    if int(moved) >= MOVE_LIMIT:
+        mount.stats.effects["moved_from_delay_set"] += moved
+    if back:
+        await _move_back(mount, back)
+    if moved + len(back) >= MOVE_LIMIT:
         return 0.0
     if first is None:
         mount.stats.delay_lag = None
@@ -39,3 +75,22 @@ async def move_due(mount: Mount, script: Script, block: float) -> float:
     lag = (int(now_ms) - float(first)) / 1000
     mount.stats.delay_lag = max(lag, 0.0)
     return max(0.0, min(block, -lag))
+
+
+async def _move_back(mount: Mount, members: Sequence[bytes]) -> None:
+    """Write the members the script handed back, then remove those written.
+
+    Each member is tried on its own (one that Redis refuses holds up no
+    other); the first refusal is raised once the others are moved.
+    """
+    t = mount.target
+    if t.form is not Form.STREAM:  # pragma: no cover - the list script hands nothing back
+        raise ValueError(f"{t.name}: no member is handed back for a {t.form.value}")
+    client = mount.client
+    adds: list[Command] = [("XADD", t.source, "*", *stream_fields(m)) for m in members]
+    replies = await client.pipeline(adds, raise_on_error=False, timeout=FINALIZE_TIMEOUT)
+    written = [m for m, r in zip(members, replies, strict=True) if not isinstance(r, Exception)]
+    if written:
+        await client.execute("ZREM", t.delay_key, *written, timeout=FINALIZE_TIMEOUT)
+        mount.stats.effects["moved_from_delay_set"] += len(written)
+    raise_first_error(adds, replies)

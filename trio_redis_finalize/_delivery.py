@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = ["MAX_ERROR", "Delivery", "record_error"]
@@ -21,8 +21,11 @@ class Delivery:
             for a pattern subscription, the concrete channel.
         id: the stream entry id; ``None`` for other forms.
         fields: the stream entry's field map without the library's header
-            fields (:data:`RETRIES_FIELD`, :data:`ORIGIN_FIELD`); empty for
-            other forms.
+            fields (:data:`RETRIES_FIELD`, :data:`ORIGIN_FIELD`,
+            :data:`GROUP_FIELD`); empty for other forms.  A name the entry
+            repeats maps to its last value; :attr:`field_list` has them all.
+        field_list: (the property below) the entry's fields as written, in
+            order, repeated names included, without the header fields.
         data: the list element or message payload without envelope; ``None``
             for streams.
         attempt: 1 on the first delivery, one more on every retry (and on
@@ -48,6 +51,23 @@ class Delivery:
     error: str | None = dataclasses.field(default=None, repr=False)
     """``Type: message`` of the handler's exception (bounded), set when it raised;
     unset (read it with ``getattr(d, "error", None)``) otherwise."""
+    flat: Sequence[bytes] | None = dataclasses.field(default=None, repr=False)
+    """The entry's fields as read, flat (name, value, ...), without the header
+    fields; ``None``: the same as ``fields`` (built without a field list)."""
+
+    @property
+    def field_list(self) -> tuple[tuple[bytes, bytes], ...]:
+        """The stream entry's ``(name, value)`` pairs as written, in order.
+
+        Repeated names are all there (``fields`` keeps the last value of
+        each); the library's header fields are not.  Copies (RETRY, delayed,
+        dead letter) keep this list byte for byte.  Empty for other forms.
+        """
+        flat = self.flat
+        if flat is None:
+            return tuple(self.fields.items())
+        it = iter(flat)
+        return tuple(zip(it, it, strict=False))
 
     def __init__(
         self,
@@ -61,6 +81,7 @@ class Delivery:
         retries: int = 0,
         mount: str = "",
         corrupt: str | None = None,
+        flat: Sequence[bytes] | None = None,
     ) -> None:
         _set_source(self, source)
         _set_id(self, id)
@@ -72,6 +93,7 @@ class Delivery:
         _set_retries(self, retries)
         _set_mount(self, mount)
         _set_corrupt(self, corrupt)
+        _set_flat(self, flat)
 
 
 def _setter(name: str) -> Any:
@@ -89,6 +111,7 @@ _set_retries = _setter("retries")
 _set_mount = _setter("mount")
 _set_corrupt = _setter("corrupt")
 _set_error = _setter("error")
+_set_flat = _setter("flat")
 
 MAX_ERROR = 500
 """Characters of a handler exception's ``Type: message`` kept (in dead-letter entries)."""

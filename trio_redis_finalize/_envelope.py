@@ -1,8 +1,12 @@
 """Headers carried by copies.
 
-Stream copies carry two header fields, :data:`RETRIES_FIELD` (the retry
-counter, decimal) and :data:`ORIGIN_FIELD` (id of the first entry of the
-chain).
+Stream copies keep the entry's field list byte for byte (order and
+repeated names included) and append header fields: :data:`RETRIES_FIELD`
+(the retry counter, decimal), :data:`ORIGIN_FIELD` (id of the first entry of
+the chain) and, on copies written back to the stream (RETRY, delayed copies;
+not dead letters), :data:`GROUP_FIELD` (the group that wrote the copy: other
+groups of the stream acknowledge it unhandled).  A copy without
+:data:`GROUP_FIELD` (older versions) is handled by every group.
 
 List elements and Pub/Sub payloads have no fields, so their copies are
 wrapped in an envelope, version 1::
@@ -26,6 +30,7 @@ from collections.abc import Sequence
 from typing import Final
 
 __all__ = [
+    "GROUP_FIELD",
     "MAGIC",
     "MAGIC_DELAY",
     "ORIGIN_FIELD",
@@ -41,6 +46,8 @@ RETRIES_FIELD: Final[bytes] = b"trf-retries"
 """Stream header field: how many times the message was retried (copies only)."""
 ORIGIN_FIELD: Final[bytes] = b"trf-origin"
 """Stream header field: id of the first entry of the chain (copies only)."""
+GROUP_FIELD: Final[bytes] = b"trf-group"
+"""Stream header field: the consumer group that wrote the copy to the stream."""
 
 MAGIC: Final = b"\xfftrf\x01"
 MAGIC_DELAY: Final = b"\xfftrd\x01"

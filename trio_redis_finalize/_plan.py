@@ -35,7 +35,7 @@ from itertools import chain
 
 from . import _scripts
 from ._delivery import Delivery
-from ._envelope import ORIGIN_FIELD, RETRIES_FIELD, pack_parts, wrap
+from ._envelope import GROUP_FIELD, ORIGIN_FIELD, RETRIES_FIELD, pack_parts, wrap
 from ._errors import AckUnsupported
 from ._keys import same_slot
 from ._outcome import Outcome, OutcomeKind
@@ -52,6 +52,7 @@ __all__ = [
     "plain_removals",
     "plan",
     "plan_dead",
+    "plan_foreign",
     "plan_lost",
     "removal_commands",
 ]
@@ -78,6 +79,7 @@ class Effect(enum.Enum):
     EXHAUSTED = "exhausted"  # max_attempts reached, no dead letter: removed
     NOTHING = "nothing"  # no-ack form, ACK/DROP: nothing to do
     LOST_BEFORE_HANDLING = "lost_before_handling"  # deleted while pending
+    FOREIGN_COPY = "foreign_copy"  # another group's copy: acknowledged, not handled
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -170,12 +172,26 @@ def _copy_retries(d: Delivery) -> int:
     return max(d.retries + 1, d.attempt)
 
 
-def _stream_copy_fields(d: Delivery) -> list[bytes]:
-    out = _flat(d.fields)
+def _entry_fields(d: Delivery) -> list[bytes]:
+    """The entry's field list as read (order and repeated names kept), flat."""
+    if d.flat is not None:
+        return list(d.flat)
+    return _flat(d.fields)
+
+
+def _stream_copy_fields(d: Delivery, group: str = "") -> list[bytes]:
+    """A copy's fields: the entry's own, byte for byte, then the headers.
+
+    ``group``: the group the copy is addressed to (:data:`GROUP_FIELD`,
+    for copies written back to the stream); ``""``: no address.
+    """
+    out = _entry_fields(d)
     retries = d.retries + 1  # _copy_retries(d), inlined
     if d.attempt > retries:
         retries = d.attempt
     out += (RETRIES_FIELD, str(retries).encode(), ORIGIN_FIELD, d.origin_id.encode())
+    if group:
+        out += (GROUP_FIELD, group.encode())
     return out
 
 
@@ -258,8 +274,10 @@ def plan_dead(t: Target, d: Delivery, reason: str) -> Plan:
                 _stream_remove(t, d, Effect.EXHAUSTED),
                 warning=warning + f"entry {d.id} acknowledged without dead letter",
             )
+        # the entry's own field list, byte for byte; no group address (the
+        # dead letter is another stream, read by other groups)
         fields = [
-            *_flat(d.fields),
+            *_entry_fields(d),
             RETRIES_FIELD, str(d.retries).encode(),
             ORIGIN_FIELD, d.origin_id.encode(),
             DEAD_REASON, reason.encode(),
@@ -288,6 +306,11 @@ def plan_dead(t: Target, d: Delivery, reason: str) -> Plan:
 def plan_lost(t: Target, d: Delivery) -> Plan:
     """An entry deleted from the stream while pending: acknowledge, count it."""
     return _stream_remove(t, d, Effect.LOST_BEFORE_HANDLING)
+
+
+def plan_foreign(t: Target, d: Delivery) -> Plan:
+    """A copy another group wrote to the stream: acknowledge it unhandled, count it."""
+    return _stream_remove(t, d, Effect.FOREIGN_COPY)
 
 
 def plain_removals(t: Target) -> dict[OutcomeKind, Effect]:
@@ -364,14 +387,14 @@ def plan(t: Target, d: Delivery, outcome: Outcome) -> Plan:
         if kind is OutcomeKind.RETRY:
             if t.mode is Mode.CLAIMING:
                 return Plan(Effect.LEFT_PENDING)
-            return _stream_copy(t, d, t.source, _stream_copy_fields(d), Effect.COPIED)
+            return _stream_copy(t, d, t.source, _stream_copy_fields(d, t.group), Effect.COPIED)
         # retry_after
         way = t.delayed_retry
         if way is None:  # claiming: the PEL is the delay
             return Plan(Effect.LEFT_PENDING)
         if way is DelayedRetry.DURABLE_ZSET:
             assert d.id is not None
-            member = _member(*_stream_copy_fields(d))
+            member = _member(*_stream_copy_fields(d, t.group))
             return Plan(
                 Effect.DELAYED,
                 (
@@ -386,7 +409,7 @@ def plan(t: Target, d: Delivery, outcome: Outcome) -> Plan:
             Effect.HELD,
             _stream_remove(t, d, Effect.HELD).commands,
             delay=outcome.delay,
-            later=(("XADD", t.source, "*", *_stream_copy_fields(d)),),
+            later=(("XADD", t.source, "*", *_stream_copy_fields(d, t.group)),),
             gated=False,
         )
 

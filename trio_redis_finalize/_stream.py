@@ -12,10 +12,10 @@ from redis import exceptions as rexc
 
 from ._delay_set import move_due
 from ._delivery import Delivery
-from ._envelope import ORIGIN_FIELD, RETRIES_FIELD
+from ._envelope import GROUP_FIELD, ORIGIN_FIELD, RETRIES_FIELD
 from ._keys import derived, same_slot
 from ._mount import FINALIZE_TIMEOUT, Item, Mount, backoff, log
-from ._plan import Plan, Target, attempt_of, plan_dead, plan_lost
+from ._plan import Plan, Target, attempt_of, plan_dead, plan_foreign, plan_lost
 from ._scripts import MOVE_DUE_TO_STREAM
 from ._subscription import (
     DelayedRetry,
@@ -198,12 +198,24 @@ class StreamReader:
         self, mount: Mount, eid: bytes, flat: list[bytes], count: int
     ) -> tuple[Delivery, Plan | None]:
         """A delivery, and the plan that finalizes it without a handler, if any."""
-        it = iter(flat)
+        # the entry's own fields, in order, without the header fields (a
+        # repeated header name: its last value counts, as in a mapping)
+        header_names = (RETRIES_FIELD, ORIGIN_FIELD, GROUP_FIELD)
+        body: list[bytes] = []
+        headers: dict[bytes, bytes] = {}
+        for i in range(0, len(flat) - 1, 2):
+            name = flat[i]
+            if name in header_names:
+                headers[name] = flat[i + 1]
+            else:
+                body.append(name)
+                body.append(flat[i + 1])
+        it = iter(body)
         fields = dict(zip(it, it, strict=False))
         entry_id = eid.decode()
         corrupt = None
         retries = 0
-        raw_retries = fields.pop(RETRIES_FIELD, None)
+        raw_retries = headers.get(RETRIES_FIELD)
         if raw_retries is not None:
             try:
                 retries = int(raw_retries)
@@ -212,13 +224,17 @@ class StreamReader:
             except ValueError:
                 corrupt = f"corrupt {RETRIES_FIELD.decode()} header {raw_retries!r}"
                 retries = 0
-        raw_origin = fields.pop(ORIGIN_FIELD, None)
+        raw_origin = headers.get(ORIGIN_FIELD)
         origin = raw_origin.decode("utf-8", "replace") if raw_origin is not None else entry_id
         attempt = attempt_of(retries, count)
         d = Delivery(
             source=self.sub.stream, id=entry_id, fields=fields, data=None, attempt=attempt,
-            origin_id=origin, retries=retries, mount=mount.name, corrupt=corrupt,
+            origin_id=origin, retries=retries, mount=mount.name, corrupt=corrupt, flat=body,
         )
+        group = headers.get(GROUP_FIELD)
+        if group is not None and group != self.sub.group.encode():
+            # a copy another group wrote (RETRY, delayed): that group handles it
+            return d, plan_foreign(mount.target, d)
         if corrupt is not None:
             return d, plan_dead(mount.target, d, corrupt)
         limit = self.sub.max_attempts
@@ -249,12 +265,14 @@ class StreamReader:
             if count == 1:
                 it = iter(flat)
                 fields = dict(zip(it, it, strict=False))
-                if RETRIES_FIELD not in fields and ORIGIN_FIELD not in fields:
+                if (RETRIES_FIELD not in fields and ORIGIN_FIELD not in fields
+                        and GROUP_FIELD not in fields):
                     # the common case: what _build does for the first delivery of
-                    # an original (no header field, attempt 1: within any limit)
+                    # an original (no header field, attempt 1: within any limit);
+                    # the entry's list as read is its field list
                     entry_id = eid.decode()
                     ready.append(Delivery(source, entry_id, fields, None, 1, entry_id,
-                                          None, 0, name, None))
+                                          None, 0, name, None, flat))
                     continue
             d, p = build(mount, eid, flat, count)
             if p is None:
