@@ -166,7 +166,7 @@ async def test_resent_ack_never_removes_another_in_flight_copy(redis_url: str, c
     await client.execute("LPUSH", Q, b"X", b"X")
     seen: list[Delivery] = []
     both = trio.Event()
-    consumer: Consumer | None = None
+    box: list[Consumer] = []
 
     async def h(d: Delivery) -> Any:
         seen.append(d)
@@ -176,12 +176,12 @@ async def test_resent_ack_never_removes_another_in_flight_copy(redis_url: str, c
             await both.wait()
             return ACK
         if len(seen) == 2:
-            assert consumer is not None
-            await eventually(lambda: effects(consumer).get("acked") == 1, what="first ACK, resent")
+            await eventually(lambda: effects(box[0]).get("acked") == 1, what="first ACK, resent")
             return RETRY
         return ACK
 
     async with losing_client(redis_url) as lc, open_consumer(lc, name="c1") as consumer:
+        box.append(consumer)
         lc.lose(removes_from(proc("c1")))
         await consumer.mount(sub(), h, concurrency=2)
         await eventually(lambda: len(seen) >= 3 and effects(consumer).get("acked") == 2,
@@ -197,7 +197,7 @@ async def test_resent_retry_of_one_copy_keeps_the_other(redis_url: str, client: 
     await client.execute("LPUSH", Q, b"X", b"X")
     seen: list[Delivery] = []
     both = trio.Event()
-    consumer: Consumer | None = None
+    box: list[Consumer] = []
 
     async def h(d: Delivery) -> Any:
         seen.append(d)
@@ -208,12 +208,12 @@ async def test_resent_retry_of_one_copy_keeps_the_other(redis_url: str, client: 
             await both.wait()
             return RETRY
         if n == 2:
-            assert consumer is not None
-            await eventually(lambda: effects(consumer).get("copied") == 1, what="first RETRY")
+            await eventually(lambda: effects(box[0]).get("copied") == 1, what="first RETRY")
             return RETRY
         return ACK
 
     async with losing_client(redis_url) as lc, open_consumer(lc, name="c1") as consumer:
+        box.append(consumer)
         lc.lose(removes_from(proc("c1")))
         await consumer.mount(sub(), h, concurrency=2)
         await eventually(lambda: effects(consumer).get("acked") == 2, what="both copies acked")
@@ -229,19 +229,19 @@ async def test_resent_dead_letter_keeps_the_other_copy(redis_url: str, client: C
     await client.execute("LPUSH", Q, b"X", b"X")
     seen: list[Delivery] = []
     both = trio.Event()
-    consumer: Consumer | None = None
+    box: list[Consumer] = []
 
     async def h(d: Delivery) -> Any:
         seen.append(d)
         if len(seen) == 2:
             both.set()
-            assert consumer is not None
-            await eventually(lambda: effects(consumer).get("dead_lettered") == 1, what="first dead")
+            await eventually(lambda: effects(box[0]).get("dead_lettered") == 1, what="first dead")
         else:
             await both.wait()
         return RETRY
 
     async with losing_client(redis_url) as lc, open_consumer(lc, name="c1") as consumer:
+        box.append(consumer)
         lc.lose(removes_from(proc("c1")))
         await consumer.mount(sub(max_attempts=1, dead_letter="dead"), h, concurrency=2)
         await eventually(lambda: effects(consumer).get("dead_lettered") == 2, what="two dead letters")
@@ -421,7 +421,7 @@ async def test_runtime_retry_after_beside_an_identical_copy(redis_url: str, clie
     await client.execute("LPUSH", Q, b"X", b"X")
     seen: list[Delivery] = []
     both = trio.Event()
-    consumer: Consumer | None = None
+    box: list[Consumer] = []
 
     async def h(d: Delivery) -> Any:
         seen.append(d)
@@ -432,15 +432,33 @@ async def test_runtime_retry_after_beside_an_identical_copy(redis_url: str, clie
             await both.wait()
             return retry_after(0.5)
         if n == 2:
-            assert consumer is not None
-            await eventually(lambda: effects(consumer).get("held") == 1, what="first held")
+            await eventually(lambda: effects(box[0]).get("held") == 1, what="first held")
             return ACK
         return ACK
 
     async with losing_client(redis_url) as lc, open_consumer(lc, name="c1") as consumer:
+        box.append(consumer)
         await consumer.mount(sub(), h, concurrency=2)
         lc.lose(lambda c: _name(c) == b"LREM" or removes_from(proc("c1"))(c))
         await eventually(lambda: effects(consumer).get("acked") == 2, what="ack + delayed copy acked")
         assert lc.lost
     assert [(d.data, d.attempt) for d in seen] == [(b"X", 1), (b"X", 1), (b"X", 2)]
     assert await lrange(client, proc("c1")) == [] and await lrange(client, Q) == []
+
+
+async def test_identical_element_after_a_runtime_retry_after_is_acked(
+    redis_url: str, client: Client
+) -> None:
+    """X waits in memory (runtime retry_after), its copy comes back and is acked;
+    then a new X arrives: its ACK removes it (the waiting X is no longer
+    counted as held once its copy was sent)."""
+    await client.execute("LPUSH", Q, b"X")
+    h = Recorder(lambda d: retry_after(0.1) if d.attempt == 1 and len(h.seen) == 1 else ACK)
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(sub(), h)
+        await eventually(lambda: effects(consumer).get("acked") == 1, what="delayed copy acked")
+        await trio.sleep(0.7)
+        await client.execute("LPUSH", Q, b"X")
+        await eventually(lambda: effects(consumer).get("acked") == 2, what="second X acked")
+        await eventually(lambda: _llen(client, proc("c1"), 0), what="processing list empty")
+    assert [(d.data, d.attempt) for d in h.seen] == [(b"X", 1), (b"X", 2), (b"X", 1)]
