@@ -255,10 +255,21 @@ class ReliableListReader:
       ``block`` + 1 s.
     * Crash recovery: on start, and after every read error (a lost BLMOVE
       reply strands an element), the processing list is read; what it holds
-      that this reader did not deliver is delivered again, its retry counter
-      bumped in place first (``LSET``), so a crash counts as an attempt and a
-      poison element that kills its consumer reaches ``max_attempts`` (then
-      it is dead-lettered without calling the handler).
+      that this reader does not hold (as a multiset: identical elements are
+      counted) is delivered again.  On start its retry counter is bumped in
+      place first (``LSET``): the previous process may have been handling
+      it, so a crash counts as an attempt and a poison element that kills
+      its consumer reaches ``max_attempts`` (then it is dead-lettered without
+      calling the handler).  Later, such an element was stranded by a lost
+      read of this process and no handler saw it: delivered as it is (not an
+      attempt), unless a copy this reader handled may have been left by its
+      removal (a closed gate, an error reply).
+    * Identical elements: the finalizer asks :meth:`prepare` for the
+      commands of each batch before it is first sent; a removal of an
+      element of which this reader holds several copies then carries ``n``
+      (see ``_plan.list_counted``), so that a resend after an unknown outcome
+      never removes a copy another handler still holds; :meth:`settle`
+      counts answered removals down.
     * Dead consumers: a heartbeat key with a TTL of ``heartbeat`` seconds,
       renewed every ``heartbeat / 3``; every ``heartbeat / 2`` each consumer
       looks in the registry for consumers whose heartbeat key is gone and
@@ -362,16 +373,26 @@ class ReliableListReader:
         if t is None:
             return commands
         self._expire()
+        unsent = self._unsent
+        processing = t.processing
         out: list[Command] | None = None
         for i, cmd in enumerate(commands):
-            e = list_removal(t, cmd)
+            e: bytes | None
+            if cmd[0] == "LREM" and cmd[1] == processing:  # the ACK / DROP fast path
+                x = cmd[3]
+                e = x if isinstance(x, bytes) else None
+            else:
+                e = list_removal(t, cmd)
             if e is not None:
-                n = self._take(e)
+                n = unsent.get(e, 0)
                 if n > 1:
+                    unsent[e] = n - 1
                     if out is None:
                         out = list(commands)
                     out[i] = list_counted(cmd, n)
-            elif cmd[0] == b"EVALSHA" and cmd[1] == _GIVE_BACK.sha and cmd[3] == t.processing:
+                elif n:
+                    del unsent[e]
+            elif cmd[0] == b"EVALSHA" and cmd[1] == _GIVE_BACK.sha and cmd[3] == processing:
                 args = list(cmd)
                 for j in range(5, len(args), 2):
                     g = args[j]
@@ -393,36 +414,50 @@ class ReliableListReader:
         t = self._target
         if t is None:
             return
+        held = self._held
+        processing = t.processing
         for cmd, r in zip(commands, replies, strict=True):
-            e = list_removal(t, cmd)
-            if e is None:
-                if cmd[0] == b"EVALSHA" and cmd[1] == _GIVE_BACK.sha and cmd[3] == t.processing:
+            if cmd[0] == "LREM" and cmd[1] == processing:  # the ACK / DROP fast path
+                e = cmd[3]
+                if not isinstance(e, bytes):
+                    continue
+                n = held.get(e, 0)
+                if n > 1:
+                    held[e] = n - 1
+                elif n:
+                    del held[e]
+                if isinstance(r, rexc.RedisError):
+                    self._leftover[e] = self._leftover.get(e, 0) + 1
+                continue
+            element = list_removal(t, cmd)
+            if element is None:
+                if cmd[0] == b"EVALSHA" and cmd[1] == _GIVE_BACK.sha and cmd[3] == processing:
                     for g in cmd[5::2]:
                         if isinstance(g, bytes):
-                            _dec(self._held, g)
+                            _dec(held, g)
                 continue
-            _dec(self._held, e)
+            _dec(held, element)
             failed = isinstance(r, rexc.RedisError)
             if failed or (not r and list_copies(cmd) > 1):
-                self._leftover[e] = self._leftover.get(e, 0) + 1
+                self._leftover[element] = self._leftover.get(element, 0) + 1
                 if not failed:
                     self._rescan_wanted = True
-        runtime = t.delayed_retry is DelayedRetry.RUNTIME
+        if t.delayed_retry is not DelayedRetry.RUNTIME:
+            return
         limit = t.max_attempts
+        retry_after = OutcomeKind.RETRY_AFTER
         for d, o in items:
-            if d.raw is None:
-                continue
             if o.__class__ is Outcome:
                 assert isinstance(o, Outcome)
-                if (not runtime or o.kind is not OutcomeKind.RETRY_AFTER
-                        or (limit is not None and d.attempt >= limit)):
+                if o.kind is not retry_after or (limit is not None and d.attempt >= limit):
                     continue
                 delay = o.delay
             elif isinstance(o, Plan) and o.effect is Effect.HELD and o.delay is not None:
                 delay = o.delay
             else:
                 continue
-            heapq.heappush(self._delayed, (anyio.current_time() + delay + _HELD_MARGIN, d.raw))
+            if d.raw is not None:
+                heapq.heappush(self._delayed, (anyio.current_time() + delay + _HELD_MARGIN, d.raw))
 
     # -- recovery -------------------------------------------------------------
     async def _rescan(self, conn: Connection, mount: Mount, *, start: bool) -> None:
