@@ -460,7 +460,7 @@ class ReliableListReader:
                 heapq.heappush(self._delayed, (anyio.current_time() + delay + _HELD_MARGIN, d.raw))
 
     # -- recovery -------------------------------------------------------------
-    async def _rescan(self, conn: Connection, mount: Mount, *, start: bool) -> None:
+    async def _rescan(self, conn: Connection, mount: Mount, *, start: bool = True) -> None:
         """Deliver what the processing list holds that this reader does not.
 
         At start (``start``) every element there is an attempt: the previous
