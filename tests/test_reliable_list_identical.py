@@ -125,18 +125,27 @@ class LosingClient(Client):
         self.lost_reads: list[list[bytes]] = []
         self._match: Match | None = None
         self._times = 0
+        self._every = 1
+        self._hits = 0
         self.lost: list[tuple[Command, Any]] = []
         """(command, the reply Redis gave) for every reply lost on the pool."""
 
-    def lose(self, match: Match, times: int = 1) -> None:
-        """Lose the reply of the next ``times`` pool commands that ``match``."""
+    def lose(self, match: Match, times: int = 1, every: int = 1) -> None:
+        """Lose the reply of ``times`` pool commands that ``match``: of every
+        ``every``-th one from now on (1: the next ``times``)."""
         self._match = match
         self._times = times
+        self._every = every
+        self._hits = 0
 
     async def pipeline(self, commands: Sequence[Command], *, raise_on_error: bool = True,
                        timeout: float | None = None) -> list[Any]:
         match = self._match
         hit = next((i for i, c in enumerate(commands) if match is not None and match(c)), None)
+        if hit is not None and self._times:
+            self._hits += 1
+            if self._hits % self._every:
+                hit = None
         if hit is None or not self._times:
             return await super().pipeline(commands, raise_on_error=raise_on_error, timeout=timeout)
         self._times -= 1
@@ -462,3 +471,36 @@ async def test_identical_element_after_a_runtime_retry_after_is_acked(
         await eventually(lambda: effects(consumer).get("acked") == 2, what="second X acked")
         await eventually(lambda: _llen(client, proc("c1"), 0), what="processing list empty")
     assert [(d.data, d.attempt) for d in h.seen] == [(b"X", 1), (b"X", 2), (b"X", 1)]
+
+
+async def test_many_identical_elements_with_lost_finalization_replies(
+    redis_url: str, client: Client
+) -> None:
+    """20 identical elements, 4 handlers, RETRY or ACK, every second removal's
+    reply lost (and resent): each of the 20 is acknowledged exactly once in
+    the end, nothing is left behind, nothing is delivered more than needed."""
+    n = 20
+    await client.execute("LPUSH", Q, *([b"X"] * n))
+    outcomes: list[tuple[int, str]] = []
+    flip = [False]
+
+    async def h(d: Delivery) -> Any:
+        await trio.sleep(0.01)
+        flip[0] = not flip[0]
+        if d.attempt == 1 and flip[0]:
+            outcomes.append((d.attempt, "retry"))
+            return RETRY
+        outcomes.append((d.attempt, "ack"))
+        return ACK
+
+    async with losing_client(redis_url) as lc, open_consumer(lc, name="c1") as consumer:
+        lc.lose(removes_from(proc("c1")), times=20, every=2)
+        await consumer.mount(sub(), h, concurrency=4)
+        await eventually(lambda: sum(1 for _, o in outcomes if o == "ack") >= n, timeout=20,
+                         what="all acknowledged")
+        await trio.sleep(0.5)
+        assert lc.lost
+    retries = sum(1 for _, o in outcomes if o == "retry")
+    assert sum(1 for _, o in outcomes if o == "ack") == n
+    assert len(outcomes) == n + retries  # every RETRY came back once, nothing else twice
+    assert await lrange(client, proc("c1")) == [] and await lrange(client, Q) == []
