@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 import trio
-from _procs import Recorder, eventually
+from _procs import Recorder, addr_of, eventually
 from redis import exceptions as rexc
 
 from trio_redis_finalize import (
@@ -349,6 +349,41 @@ async def test_in_the_processing_list_at_start_still_counts(redis_url: str, clie
     assert h.seen == []
     (dead,) = await lrange(client, "dead")
     assert unwrap(dead)[:2] == (b"was-handled", 1)
+
+
+async def test_read_errors_during_a_handler_are_not_attempts_a_crash_is(
+    redis_url: str, client: Client
+) -> None:
+    """Three read errors (rescans) while X is being handled bump nothing; X left
+    unfinished at shutdown (as after a crash) arrives at attempt 2 on restart."""
+    await client.execute("LPUSH", Q, b"X")
+    started = trio.Event()
+
+    async def hang(d: Delivery) -> Any:
+        started.set()
+        await trio.sleep_forever()
+
+    async with open_consumer(redis_url, name="c1", shutdown_grace=0.1) as consumer:
+        await consumer.mount(sub(), hang)
+        await started.wait()
+        for i in range(3):
+            await client.execute("CLIENT", "KILL", "ADDR", await addr_of(client, "trf:c1:reader"))
+            await eventually(lambda i=i: consumer.stats()[NAME]["read_errors"] > i, what="read error")
+            await eventually(lambda: _reader_back(client), what="reader reconnected")
+        assert await lrange(client, proc("c1")) == [b"X"]  # not rewritten by a bump
+    h = Recorder(lambda d: ACK)
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(sub(max_attempts=2), h)
+        await eventually(lambda: effects(consumer).get("acked") == 1, what="recovered and acked")
+    assert [(d.data, d.attempt) for d in h.seen] == [(b"X", 2)]
+
+
+async def _reader_back(client: Client) -> bool:
+    try:
+        await addr_of(client, "trf:c1:reader")
+    except AssertionError:
+        return False
+    return True
 
 
 async def test_unstarted_elements_go_back_at_shutdown_with_concurrency(
