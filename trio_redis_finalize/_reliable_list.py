@@ -269,7 +269,13 @@ class ReliableListReader:
       element of which this reader holds several copies then carries ``n``
       (see ``_plan.list_counted``), so that a resend after an unknown outcome
       never removes a copy another handler still holds; :meth:`settle`
-      counts answered removals down.
+      counts answered removals down.  What counting cannot tell apart: a
+      removal of X resent after an unknown outcome while a read of another
+      X also lost its reply and the rescan has not adopted it yet - "sent
+      removal applied + one stranded X" and "removal not applied" leave the
+      same list, and the resend removes one X.  For a copying removal
+      (RETRY, dead letter, delay) the stranded X lives on as the second copy;
+      for ACK / DROP it is gone (two lost replies on identical bytes).
     * Dead consumers: a heartbeat key with a TTL of ``heartbeat`` seconds,
       renewed every ``heartbeat / 3``; every ``heartbeat / 2`` each consumer
       looks in the registry for consumers whose heartbeat key is gone and
