@@ -205,6 +205,9 @@ class Mount:
         self.settled: Callable[[list[tuple[Delivery, str]]], None] | None = bind(self) if bind else None
         self._removals = plain_removals(target)
         self._removal_kinds = tuple(self._removals)
+        # reliable lists: identical elements' removals get their count (_plan.list_counted)
+        self._prepare = getattr(reader, "prepare", None)
+        self._settle = getattr(reader, "settle", None)
         self.held: set[str] = set()  # stream ids read and not yet finalized
         self.stopping = False
         self._cut_warned = False  # claiming: a retry_after longer than min_idle was logged
@@ -442,6 +445,9 @@ class Mount:
             commands = merge_commands([fast, *[p.commands for _, p in plans]]) if plans else fast
         else:
             commands = merge_commands([p.commands for _, p in plans])
+        if self._prepare is not None:
+            commands = self._prepare(commands)
+        replies: list[Any] = []
         attempt = 0
         try:
             while commands:
@@ -487,6 +493,8 @@ class Mount:
                 if p.delay is not None and p.later:
                     self.consumer.scheduler.hold(self, p.delay, p.later)
             raise
+        if self._settle is not None:
+            self._settle(items, commands, replies)
         debug = log.isEnabledFor(logging.DEBUG)
         if removed:
             for kind, n in tally:

@@ -49,6 +49,9 @@ __all__ = [
     "Target",
     "attempt_of",
     "content_origin",
+    "list_copies",
+    "list_counted",
+    "list_removal",
     "plain_removals",
     "plan",
     "plan_dead",
@@ -231,6 +234,61 @@ def _stream_remove(t: Target, d: Delivery, effect: Effect) -> Plan:
 def _list_remove(t: Target, d: Delivery, effect: Effect) -> Plan:
     assert d.raw is not None
     return Plan(effect, (("LREM", t.processing, 1, d.raw),))
+
+
+# Identical elements (``LPUSH q X X``): a reliable list's removal of element
+# ``e`` carries ``n``, the number of copies of ``e`` the consumer holds whose
+# removal was not sent before this one (this one included), and removes only
+# while the processing list holds at least ``n`` copies (``LPOS … RANK n``).
+# Removals are sent in the order their ``n`` was taken, so a removal sent
+# again after an unknown outcome (applied: ``n - 1`` left) finds the gate
+# closed instead of removing a copy another handler still holds.  ``n == 1``
+# (unique elements, the common case) is the plain ``LREM`` / the scripts'
+# plain ``LPOS`` gate.  The reader assigns ``n`` (``list_counted``) just
+# before a finalization is first sent.
+
+_COPY_REMOVE_SHA = _scripts.LIST_COPY_REMOVE.sha
+_ZADD_REMOVE_SHA = _scripts.LIST_ZADD_REMOVE.sha
+_REMOVE_SHA = _scripts.LIST_REMOVE.sha
+# EVALSHA sha numkeys processing ...: index of the element, and the length
+# of the command without its trailing n
+_COUNTED_SHAS: dict[object, tuple[int, int]] = {
+    _COPY_REMOVE_SHA: (5, 7), _ZADD_REMOVE_SHA: (5, 8), _REMOVE_SHA: (4, 5),
+}
+
+
+def list_removal(t: Target, cmd: Command) -> bytes | None:
+    """The element that ``cmd``, a command of a reliable list's plan, removes
+    from ``t.processing`` (one copy), or None when it removes none."""
+    head = cmd[0]
+    if head == "LREM":
+        e = cmd[3]
+        return e if cmd[1] == t.processing and isinstance(e, bytes) else None
+    if head == b"EVALSHA":
+        at = _COUNTED_SHAS.get(cmd[1])
+        if at is not None and cmd[3] == t.processing:
+            e = cmd[at[0]]
+            return e if isinstance(e, bytes) else None
+    return None
+
+
+def list_copies(cmd: Command) -> int:
+    """The ``n`` a removal :func:`list_removal` names is gated on (1: a plain gate)."""
+    if cmd[0] == b"EVALSHA":
+        at = _COUNTED_SHAS.get(cmd[1])
+        if at is not None and len(cmd) > at[1]:
+            return int(cmd[at[1]])
+    return 1
+
+
+def list_counted(cmd: Command, n: int) -> Command:
+    """``cmd`` (a removal :func:`list_removal` names) gated on ``n`` copies."""
+    if cmd[0] == "LREM":
+        if n == 1:
+            return cmd
+        return _scripts.LIST_REMOVE.command((cmd[1],), (cmd[3], n))
+    at = _COUNTED_SHAS[cmd[1]]
+    return (*cmd[: at[1]], n)
 
 
 def _stream_copy(t: Target, d: Delivery, dest: str, fields: list[bytes], effect: Effect) -> Plan:

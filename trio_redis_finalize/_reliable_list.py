@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
+import heapq
 import random
 from collections import Counter
 from collections.abc import Sequence
@@ -18,7 +18,8 @@ from ._envelope import CorruptEnvelope, unwrap, wrap
 from ._keys import derived, same_slot
 from ._list import build_delivery, check_type
 from ._mount import FINALIZE_GRACE, FINALIZE_TIMEOUT, Item, Mount, backoff, describe_error, log
-from ._plan import Effect, Plan, Target, content_origin
+from ._outcome import Outcome, OutcomeKind
+from ._plan import Effect, Plan, Target, content_origin, list_copies, list_counted, list_removal
 from ._scripts import MOVE_DUE_TO_LIST
 from ._subscription import (
     DelayedRetry,
@@ -79,8 +80,15 @@ class ReliableListSubscription(Subscription):
             raise ValueError("dead_letter must differ from queue and processing")
         if self.delay_key is not None and self.delay_key in (self.queue, self.processing):
             raise ValueError("delay_key must differ from queue and processing")
+        if (self.dead_letter is not None and self.delayed_retry is DelayedRetry.DURABLE_ZSET
+                and self.dead_letter == (self.delay_key or derived(self.queue, ":delayed"))):
+            raise ValueError(f"dead_letter must differ from the delay_key {self.dead_letter!r} "
+                             "(the dead letter is a list, the delay set a sorted set)")
         check_positive("block", self.block)
         check_positive("heartbeat", self.heartbeat)
+        if self.heartbeat < _MIN_HEARTBEAT:
+            raise ValueError(f"heartbeat must be >= {_MIN_HEARTBEAT} s (too short to renew a "
+                             f"consumer's lease), got {self.heartbeat!r}")
 
     @property
     def name(self) -> str:
@@ -121,6 +129,10 @@ class ReliableListSubscription(Subscription):
         return t
 
 
+_MIN_HEARTBEAT = 0.01
+"""Seconds: a shorter heartbeat cannot be renewed (every ``heartbeat / 3``) in time."""
+
+
 # -- runtime ------------------------------------------------------------------
 #
 # Keys beside the queue (all in the queue's hash slot):
@@ -141,7 +153,8 @@ _CHUNK_WORK = 0.01
 """Seconds of handler work one prefetch aims at (fast handlers: bigger batches)."""
 _REAP_PAGE = 100
 _REAP_ROUNDS = 1000
-_SMALL = 64
+_HELD_MARGIN = 0.5
+"""Seconds after its due time a runtime ``retry_after`` original counts as sent."""
 
 # KEYS: processing list.  ARGV: element, its rewritten copy.
 # Replaces one occurrence of the element in place (a crash redelivery counts
@@ -182,15 +195,17 @@ return n
 )
 
 
-# KEYS: processing list, queue.  ARGV: elements, newest first.
+# KEYS: processing list, queue.  ARGV: element, n, element, n, ..., newest first.
 # Gives back elements read but never handed to a handler (shutdown): each is
 # removed from the processing list and pushed onto the consumer end of the
-# queue only when it was still there.  Not counted as an attempt.
+# queue only while the list still holds n copies of it (n: as for the
+# finalization scripts, see ``_plan.list_counted``).  Not counted as an attempt.
 _GIVE_BACK = Script(
     """
 local n = 0
-for i = 1, #ARGV do
-  if redis.call('LREM', KEYS[1], 1, ARGV[i]) == 1 then
+for i = 1, #ARGV, 2 do
+  if redis.call('LPOS', KEYS[1], ARGV[i], 'RANK', tonumber(ARGV[i + 1])) then
+    redis.call('LREM', KEYS[1], 1, ARGV[i])
     redis.call('RPUSH', KEYS[2], ARGV[i])
     n = n + 1
   end
@@ -213,11 +228,14 @@ def bumped(raw: bytes) -> bytes | None:
     return wrap(body, retries + 1, origin if origin is not None else content_origin(raw))
 
 
-def _ident(raw: bytes) -> bytes:
-    """A small key for the multiset of elements this reader holds."""
-    if len(raw) <= _SMALL:
-        return raw
-    return b"#" + hashlib.blake2b(raw, digest_size=16).digest() + len(raw).to_bytes(8, "big")
+def _dec(counts: dict[bytes, int], e: bytes) -> int:
+    """Count ``e`` down by one (never below 0); its count before."""
+    n = counts.get(e, 0)
+    if n > 1:
+        counts[e] = n - 1
+    elif n:
+        del counts[e]
+    return n
 
 
 def registry_key(queue: str) -> str:
@@ -238,10 +256,27 @@ class ReliableListReader:
       ``block`` + 1 s.
     * Crash recovery: on start, and after every read error (a lost BLMOVE
       reply strands an element), the processing list is read; what it holds
-      that this reader did not deliver is delivered again, its retry counter
-      bumped in place first (``LSET``), so a crash counts as an attempt and a
-      poison element that kills its consumer reaches ``max_attempts`` (then
-      it is dead-lettered without calling the handler).
+      that this reader does not hold (as a multiset: identical elements are
+      counted) is delivered again.  On start its retry counter is bumped in
+      place first (``LSET``): the previous process may have been handling
+      it, so a crash counts as an attempt and a poison element that kills
+      its consumer reaches ``max_attempts`` (then it is dead-lettered without
+      calling the handler).  Later, such an element was stranded by a lost
+      read of this process and no handler saw it: delivered as it is (not an
+      attempt), unless a copy this reader handled may have been left by its
+      removal (a closed gate, an error reply).
+    * Identical elements: the finalizer asks :meth:`prepare` for the
+      commands of each batch before it is first sent; a removal of an
+      element of which this reader holds several copies then carries ``n``
+      (see ``_plan.list_counted``), so that a resend after an unknown outcome
+      never removes a copy another handler still holds; :meth:`settle`
+      counts answered removals down.  What counting cannot tell apart: a
+      removal of X resent after an unknown outcome while a read of another
+      X also lost its reply and the rescan has not adopted it yet - "sent
+      removal applied + one stranded X" and "removal not applied" leave the
+      same list, and the resend removes one X.  For a copying removal
+      (RETRY, dead letter, delay) the stranded X lives on as the second copy;
+      for ACK / DROP it is gone (two lost replies on identical bytes).
     * Dead consumers: a heartbeat key with a TTL of ``heartbeat`` seconds,
       renewed every ``heartbeat / 3``; every ``heartbeat / 2`` each consumer
       looks in the registry for consumers whose heartbeat key is gone and
@@ -259,9 +294,13 @@ class ReliableListReader:
 
     def __init__(self, sub: ReliableListSubscription) -> None:
         self.sub = sub
-        self._held: Counter[bytes] = Counter()  # idents delivered, maybe still in the list
-        self._held_total = 0
-        self._last_len = 0
+        # The multiset of elements this reader delivered, by bytes (identical
+        # elements are told apart by count only):
+        self._unsent: dict[bytes, int] = {}  # delivered, removal not sent yet
+        self._held: dict[bytes, int] = {}  # delivered, removal not answered yet
+        self._leftover: dict[bytes, int] = {}  # handled; the removal may have left a copy
+        self._delayed: list[tuple[float, bytes]] = []  # runtime retry_after: (counts until, element)
+        self._rescan_wanted = False
         self._per_element = 0.0  # seconds of handler time per element (EMA)
         self._batch = 1
         self._next_move = 0.0
@@ -280,7 +319,10 @@ class ReliableListReader:
         if not raws or self._target is None:
             return None
         t = self._target
-        return Plan(Effect.NOTHING, (_GIVE_BACK.command((t.processing, t.source), raws[::-1]),))
+        args: list[bytes | int] = []
+        for e in reversed(raws):
+            args += [e, 1]  # n: set by prepare() when it is sent
+        return Plan(Effect.NOTHING, (_GIVE_BACK.command((t.processing, t.source), args),))
 
     async def _hand_over(self, mount: Mount, built: list[tuple[Delivery, Plan | None]]) -> None:
         """:func:`dispatch`, giving back what was not handed over when cancelled."""
@@ -290,16 +332,18 @@ class ReliableListReader:
         try:
             if direct:
                 await mount.finalize_now(direct)
-            # one send when concurrency == 1: cancelled means not handed over;
-            # else it may be partly handed over: leave the rest for recovery
-            back = [d.raw for d in ready if d.raw is not None] if mount.concurrency == 1 else []
+            # Mount.deliver() hands over all or nothing: cancelled means none
+            # of them reached a handler, whatever the concurrency
+            back = [d.raw for d in ready if d.raw is not None]
             await mount.deliver(ready)
         except BaseException:
             plan = self._give_back_plan(back)
             if plan is not None:
+                commands = self.prepare(list(plan.commands))
                 with anyio.CancelScope(shield=True), anyio.move_on_after(FINALIZE_TIMEOUT):
                     try:
-                        await mount.client.pipeline(plan.commands, timeout=FINALIZE_TIMEOUT)
+                        replies = await mount.client.pipeline(commands, timeout=FINALIZE_TIMEOUT)
+                        self.settle([], commands, replies)
                     except (rexc.RedisError, OSError) as e:
                         log.warning("%s: could not give %d element(s) back to the queue (%s); "
                                     "they stay in the processing list", mount.name, len(back), e)
@@ -307,36 +351,146 @@ class ReliableListReader:
 
     # -- bookkeeping ----------------------------------------------------------
     def _hold(self, raw: bytes) -> None:
-        self._held[_ident(raw)] += 1
-        self._held_total += 1
+        self._unsent[raw] = self._unsent.get(raw, 0) + 1
+        self._held[raw] = self._held.get(raw, 0) + 1
 
-    def _prune(self, items: Sequence[bytes]) -> Counter[bytes]:
-        """Forget held elements no longer in the processing list ``items``."""
-        present = Counter(_ident(e) for e in items)
-        for k in list(self._held):
-            keep = min(self._held[k], present[k])
-            if keep:
-                self._held[k] = keep
+    def _take(self, e: bytes) -> int:
+        """``n`` for the removal of one copy of ``e`` sent now (see ``_plan.list_counted``)."""
+        return max(1, _dec(self._unsent, e))
+
+    def _expire(self) -> None:
+        """Runtime ``retry_after`` originals whose copy must have been sent: no longer held."""
+        delayed = self._delayed
+        if not delayed:
+            return
+        now = anyio.current_time()
+        while delayed and delayed[0][0] <= now:
+            _, e = heapq.heappop(delayed)
+            _dec(self._unsent, e)
+            _dec(self._held, e)
+            if e in self._leftover:
+                self._rescan_wanted = True
+
+    def prepare(self, commands: list[Command]) -> list[Command]:
+        """The finalizer calls this once per batch before it is first sent (a
+        resend sends the same commands): each removal of an element of which
+        this reader holds several copies gets its ``n`` (unique elements: the
+        commands as they are)."""
+        t = self._target
+        if t is None:
+            return commands
+        self._expire()
+        unsent = self._unsent
+        processing = t.processing
+        out: list[Command] | None = None
+        for i, cmd in enumerate(commands):
+            e: bytes | None
+            if cmd[0] == "LREM" and cmd[1] == processing:  # the ACK / DROP fast path
+                x = cmd[3]
+                e = x if isinstance(x, bytes) else None
             else:
-                del self._held[k]
-        self._held_total = sum(self._held.values())
-        self._last_len = len(items)
-        return present
+                e = list_removal(t, cmd)
+            if e is not None:
+                n = unsent.get(e, 0)
+                if n > 1:
+                    unsent[e] = n - 1
+                    if out is None:
+                        out = list(commands)
+                    out[i] = list_counted(cmd, n)
+                elif n:
+                    del unsent[e]
+            elif cmd[0] == b"EVALSHA" and cmd[1] == _GIVE_BACK.sha and cmd[3] == processing:
+                args = list(cmd)
+                for j in range(5, len(args), 2):
+                    g = args[j]
+                    if isinstance(g, bytes):
+                        args[j + 1] = self._take(g)
+                if out is None:
+                    out = list(commands)
+                out[i] = tuple(args)
+        return commands if out is None else out
+
+    def settle(self, items: Sequence[Item], commands: Sequence[Command], replies: Sequence[object]) -> None:
+        """The finalizer calls this with the replies of a batch :meth:`prepare` saw.
+
+        Answered removals are no longer held; a removal whose ``n`` gate was
+        closed (or that failed) may have left a copy that was handled: the
+        next rescan delivers it again as an attempt.  Runtime ``retry_after``
+        originals stay held until their copy must have been sent.
+        """
+        t = self._target
+        if t is None:
+            return
+        held = self._held
+        processing = t.processing
+        for cmd, r in zip(commands, replies, strict=True):
+            if cmd[0] == "LREM" and cmd[1] == processing:  # the ACK / DROP fast path
+                e = cmd[3]
+                if not isinstance(e, bytes):
+                    continue
+                n = held.get(e, 0)
+                if n > 1:
+                    held[e] = n - 1
+                elif n:
+                    del held[e]
+                if isinstance(r, rexc.RedisError):
+                    self._leftover[e] = self._leftover.get(e, 0) + 1
+                continue
+            element = list_removal(t, cmd)
+            if element is None:
+                if cmd[0] == b"EVALSHA" and cmd[1] == _GIVE_BACK.sha and cmd[3] == processing:
+                    for g in cmd[5::2]:
+                        if isinstance(g, bytes):
+                            _dec(held, g)
+                continue
+            _dec(held, element)
+            failed = isinstance(r, rexc.RedisError)
+            if failed or (not r and list_copies(cmd) > 1):
+                self._leftover[element] = self._leftover.get(element, 0) + 1
+                if not failed:
+                    self._rescan_wanted = True
+        if t.delayed_retry is not DelayedRetry.RUNTIME:
+            return
+        limit = t.max_attempts
+        retry_after = OutcomeKind.RETRY_AFTER
+        for d, o in items:
+            if o.__class__ is Outcome:
+                assert isinstance(o, Outcome)
+                if o.kind is not retry_after or (limit is not None and d.attempt >= limit):
+                    continue
+                delay = o.delay
+            elif isinstance(o, Plan) and o.effect is Effect.HELD and o.delay is not None:
+                delay = o.delay
+            else:
+                continue
+            if d.raw is not None:
+                heapq.heappush(self._delayed, (anyio.current_time() + delay + _HELD_MARGIN, d.raw))
 
     # -- recovery -------------------------------------------------------------
-    async def _rescan(self, conn: Connection, mount: Mount) -> None:
-        """Deliver what the processing list holds that this reader does not."""
+    async def _rescan(self, conn: Connection, mount: Mount, *, start: bool = True) -> None:
+        """Deliver what the processing list holds that this reader does not.
+
+        At start (``start``) every element there is an attempt: the previous
+        process may have been handling it (its counter is bumped in place).
+        Later, an element this reader does not hold was stranded by a lost
+        read reply of this process: delivered as it is (no handler saw it),
+        but for copies this reader handled whose removal may have left them.
+        """
         t = mount.target
+        self._rescan_wanted = False
         items: list[bytes] = await conn.execute("LRANGE", t.processing, 0, -1,
                                                 timeout=FINALIZE_TIMEOUT)
-        self._prune(items)
+        self._expire()
         seen: Counter[bytes] = Counter()
-        stranded: list[bytes] = []
+        stranded: list[tuple[bytes, bool]] = []
+        leftover = self._leftover
         for e in reversed(items):  # oldest first
-            k = _ident(e)
-            seen[k] += 1
-            if seen[k] > self._held[k]:
-                stranded.append(e)
+            seen[e] += 1
+            if seen[e] > self._held.get(e, 0):
+                stranded.append((e, start or _dec(leftover, e) > 0))
+        delayed = {e for _, e in self._delayed}
+        for e in [e for e in leftover if e not in delayed]:
+            del leftover[e]  # its removal did remove it after all (a resend)
         if not stranded:
             return
         log.warning("%s: %d element(s) in processing list %r were not finalized; "
@@ -344,17 +498,17 @@ class ReliableListReader:
         for i in range(0, len(stranded), 500):
             await self._redeliver(mount, stranded[i : i + 500])
 
-    async def _redeliver(self, mount: Mount, elements: list[bytes]) -> None:
+    async def _redeliver(self, mount: Mount, elements: list[tuple[bytes, bool]]) -> None:
         t = mount.target
-        news = [bumped(e) for e in elements]
-        cmds = [_BUMP.command((t.processing,), (e, n)) for e, n in zip(elements, news, strict=True)
-                if n is not None]
+        news = [bumped(e) if bump else e for e, bump in elements]
+        cmds = [_BUMP.command((t.processing,), (e, n))
+                for (e, bump), n in zip(elements, news, strict=True) if bump and n is not None]
         replies = iter(await mount.client.pipeline(cmds, timeout=FINALIZE_TIMEOUT) if cmds else [])
         built: list[tuple[Delivery, Plan | None]] = []
-        for e, n in zip(elements, news, strict=True):
+        for (e, bump), n in zip(elements, news, strict=True):
             if n is None:  # corrupt: cannot carry a counter, dead-lettered as it is
                 raw = e
-            elif next(replies) is None:  # gone meanwhile (reaped, finalized)
+            elif bump and next(replies) is None:  # gone meanwhile (reaped, finalized)
                 continue
             else:
                 raw = n
@@ -462,8 +616,10 @@ class ReliableListReader:
             await check_type(client, t.processing, "list", sub.name)
         if t.dead_letter is not None:
             await check_type(client, t.dead_letter, "list", sub.name)
-        await client.pipeline(self._beat(mount, sub.heartbeat))
         durable = t.delayed_retry is DelayedRetry.DURABLE_ZSET
+        if durable:
+            await check_type(client, t.delay_key, "zset", sub.name)
+        await client.pipeline(self._beat(mount, sub.heartbeat))
         started = False
         failures = 0
         rescan = True
@@ -486,8 +642,8 @@ class ReliableListReader:
                                 wait = await self._move_due(mount)
                                 self._next_move = anyio.current_time() + wait
                             block = max(0.001, min(block, self._next_move - anyio.current_time()))
-                        if rescan or self._held_total > 2 * self._last_len + 256:
-                            await self._rescan(conn, mount)
+                        if rescan or self._rescan_wanted:
+                            await self._rescan(conn, mount, start=not started)
                             rescan = False
                         if not started:
                             task_status.started()

@@ -14,6 +14,7 @@ from ._transport import Script
 __all__ = [
     "CORRUPT_FIELD",
     "LIST_COPY_REMOVE",
+    "LIST_REMOVE",
     "LIST_ZADD_REMOVE",
     "LUA_XADD",
     "MOVE_DUE_TO_LIST",
@@ -28,9 +29,20 @@ local ok, p = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 
 if not ok or #p == 0 then return false end
 """
 
-_LIST_GATE = """
-if not redis.call('LPOS', KEYS[1], ARGV[1]) then return false end
+
+def _list_gate(copies: int) -> str:
+    """Open while the processing list holds at least n copies of the element.
+
+    n (``ARGV[copies]``, 1 when absent) is how many copies of those bytes the
+    consumer holds whose removal was not sent before this one, this one
+    included: a finalization sent again after an unknown outcome (the first
+    send applied, n - 1 copies left) then finds the gate closed instead of
+    removing a copy another handler still holds.
+    """
+    return f"""
+if not redis.call('LPOS', KEYS[1], ARGV[1], 'RANK', tonumber(ARGV[{copies}] or 1)) then return false end
 """
+
 
 _NOW_MS = """
 local t = redis.call('TIME')
@@ -94,9 +106,19 @@ return now + tonumber(ARGV[3])
     name="stream_zadd_ack",
 )
 
-# KEYS: processing list, destination list.  ARGV: element, copy
+# KEYS: processing list.  ARGV: element, n (see _list_gate; > 1).
+# LREM of one copy, gated: returns 1 when removed, 0 when the gate was closed.
+LIST_REMOVE = Script(
+    """
+if not redis.call('LPOS', KEYS[1], ARGV[1], 'RANK', tonumber(ARGV[2])) then return 0 end
+return redis.call('LREM', KEYS[1], 1, ARGV[1])
+""",
+    name="list_remove",
+)
+
+# KEYS: processing list, destination list.  ARGV: element, copy[, n]
 LIST_COPY_REMOVE = Script(
-    _LIST_GATE
+    _list_gate(3)
     + """
 redis.call('LPUSH', KEYS[2], ARGV[2])
 redis.call('LREM', KEYS[1], 1, ARGV[1])
@@ -105,9 +127,9 @@ return 1
     name="list_copy_remove",
 )
 
-# KEYS: processing list, delay set.  ARGV: element, delay ms, member
+# KEYS: processing list, delay set.  ARGV: element, delay ms, member[, n]
 LIST_ZADD_REMOVE = Script(
-    _LIST_GATE
+    _list_gate(4)
     + _NOW_MS
     + """
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[3])
