@@ -56,7 +56,7 @@ _FINALIZE_NAMES = {b"XACK", b"XADD", b"LREM", b"LPUSH", b"RPUSH", b"ZADD"}
 _FINALIZE_SCRIPTS = {
     s.sha for s in (
         _scripts.STREAM_COPY_ACK, _scripts.STREAM_ZADD_ACK,
-        _scripts.LIST_COPY_REMOVE, _scripts.LIST_ZADD_REMOVE,
+        _scripts.LIST_COPY_REMOVE, _scripts.LIST_ZADD_REMOVE, _scripts.LIST_REMOVE,
     )
 }
 
