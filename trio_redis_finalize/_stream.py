@@ -211,6 +211,10 @@ class StreamReader:
         # A read (or claim) was sent and its reply not seen: it may have
         # moved entries into the own PEL unseen.
         self._unsure = False
+        # Own pending entries being taken over, and the attempt each is to
+        # count (None: the server count as it is), until handed over: a
+        # recovery after a failure in between counts them alike (no bump twice).
+        self._taking: dict[bytes, int | None] = {}
 
     def abandon(self, deliveries: Sequence[Delivery]) -> Plan | None:
         """Give deliveries read but never started back to the PEL, uncounted.
@@ -391,19 +395,30 @@ class StreamReader:
             if n != 1:
                 given[eid.decode()] = n
 
-    async def _counts(self, client: Client, ids: list[bytes]) -> dict[bytes, int]:
-        """Server delivery counts of ``ids``: one exact ``XPENDING`` each, pipelined.
+    async def _counts(self, client: Client, consumer: str, ids: list[bytes]) -> dict[bytes, int]:
+        """Server delivery counts of ``ids`` (claimed by ``consumer`` just now).
 
-        (One ``XPENDING`` over the range of the ids, capped at some count, can
-        miss ids when the consumer holds many other entries in between.)
+        One ``XPENDING`` over the range of the ids first; a capped range can
+        miss ids when the consumer holds many other entries in between, so
+        those missed are then asked one ``XPENDING`` each (pipelined).
         """
         if not ids:
             return {}
         sub = self.sub
-        replies = await client.pipeline(
-            [("XPENDING", sub.stream, sub.group, eid, eid, 1) for eid in ids], timeout=FINALIZE_TIMEOUT
+        rows = await client.execute(
+            "XPENDING", sub.stream, sub.group, min(ids, key=_id_key), max(ids, key=_id_key),
+            len(ids) + 100, consumer, timeout=FINALIZE_TIMEOUT,
         )
-        return {rows[0][0]: int(rows[0][3]) for rows in replies if rows}
+        wanted = set(ids)
+        out = {r[0]: int(r[3]) for r in rows if r[0] in wanted}
+        missed = [eid for eid in ids if eid not in out]
+        if missed:
+            replies = await client.pipeline(
+                [("XPENDING", sub.stream, sub.group, eid, eid, 1) for eid in missed],
+                timeout=FINALIZE_TIMEOUT,
+            )
+            out.update((r[0][0], int(r[0][3])) for r in replies if r)
+        return out
 
     async def _lost(self, mount: Mount, ids: Sequence[bytes]) -> None:
         """Acknowledge entries deleted while pending, once each (reported lost)."""
@@ -448,16 +463,20 @@ class StreamReader:
                 "XPENDING", sub.stream, sub.group, lo, "+", sub.count, me, timeout=FINALIZE_TIMEOUT,
             )
             if not rows:
+                self._taking.clear()  # the whole PEL seen: what is left there is not ours
                 return
             lo = "(" + _str(rows[-1][0])
             last = _id_key(self._last) if self._last is not None else (-1, -1)
             wanted: dict[int, list[tuple[bytes, int]]] = {}  # attempt -> (id, idle ms)
             held = mount.held
+            taking = self._taking
             for eid, _owner, idle, count in rows:
                 if eid.decode() in held:
                     continue
                 n = int(count)
-                if start:
+                if eid in taking:
+                    n = taking[eid] or n
+                elif start:
                     n += 1
                 elif _id_key(eid) <= last:
                     if sub.mode is Mode.CLAIMING:
@@ -467,12 +486,14 @@ class StreamReader:
             for n, taken in wanted.items():
                 await self._take(conn, mount, taken, n)
             if len(rows) < sub.count:
+                self._taking.clear()
                 return
 
     async def _take(self, conn: Connection, mount: Mount, taken: list[tuple[bytes, int]], n: int) -> None:
         """XCLAIM own pending entries with their count set to ``n``; hand them over."""
         sub = self.sub
         ids = [eid for eid, _ in taken]
+        self._taking.update(dict.fromkeys(ids, n))
         reply = await conn.execute(
             "XCLAIM", sub.stream, sub.group, mount.consumer.name, min(idle for _, idle in taken),
             *ids, "RETRYCOUNT", n, timeout=FINALIZE_TIMEOUT,
@@ -493,6 +514,8 @@ class StreamReader:
             counts = dict.fromkeys(got, n)
             self._note(mount, entries, counts)
             await self._hand(mount, entries, counts)
+        for eid in ids:
+            self._taking.pop(eid, None)
 
     async def _claim(self, conn: Connection, mount: Mount) -> None:
         """XAUTOCLAIM entries idle ``min_idle`` (any consumer), one page."""
@@ -503,9 +526,11 @@ class StreamReader:
             round(sub.min_idle * 1000), self._cursor, "COUNT", sub.count,
             timeout=FINALIZE_TIMEOUT,
         )
-        self._unsure = False
         start, self._cursor = self._cursor, _str(reply[0])
         claimed: list[tuple[bytes, list[bytes] | None]] = [e for e in reply[1] if e is not None]
+        # claimed (count + 1), not yet handed over: a recovery after a failure
+        # below takes them as they are
+        self._taking.update(dict.fromkeys([e[0] for e in claimed], None))
         if len(claimed) < len(reply[1]):
             # Redis < 7 answers nil (no id) for an entry deleted while pending,
             # and claims it into our PEL: find the vanished ids by hand.
@@ -521,7 +546,7 @@ class StreamReader:
         await self._lost(mount, [e[0] for e in claimed if e[1] is None])
         live = [e for e in claimed if e[1] is not None]
         if live:
-            counts = await self._counts(mount.client, [e[0] for e in live])
+            counts = await self._counts(mount.client, mount.consumer.name, [e[0] for e in live])
             # our own entries still being handled, whose lease lapsed (a
             # stalled process): never to a second handler, and their claim
             # did not count an attempt
@@ -536,6 +561,9 @@ class StreamReader:
                 live = [e for e in live if e[0].decode() not in held]
             self._note(mount, live, counts)
             await self._hand(mount, live, counts)
+        for e in claimed:
+            self._taking.pop(e[0], None)
+        self._unsure = False
         interval = min(max(sub.min_idle / 2, 0.05), _CLAIM_EVERY_MAX)
         # a full page or a cursor mid-PEL: claim again at once
         self._next_claim = 0.0 if self._cursor != "0-0" else anyio.current_time() + interval
