@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 import trio
 from _procs import eventually
+from redis import exceptions as rexc
 
 from trio_redis_finalize import ACK, Consumer, Delivery, Mode, Outcome, StreamSubscription, open_consumer
-from trio_redis_finalize._transport import Client
+from trio_redis_finalize._transport import Client, parse_url
 
 S, G = "jobs", "workers"
 NAME = f"stream {S!r} group {G!r}"
@@ -241,3 +242,42 @@ async def test_claiming_counts_every_claimed_id(redis_url: str, client: Client) 
         await eventually(lambda: {first, last} <= {d.id for d in h.seen}, what="both claimed")
     by_id = {d.id: d.attempt for d in h.seen}
     assert (by_id[first], by_id[last]) == (7, 7)
+
+
+# -- a failure between a claim and its hand-over ---------------------------------------------
+
+class _LosingClient(Client):
+    """A client whose pooled ``XPENDING`` replies are lost, ``lose`` times:
+    the server ran the command, the caller sees ``ConnectionError``."""
+
+    def __init__(self, *args: Any, lose: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lose = lose
+
+    async def execute(self, *args: Any, timeout: float | None = None) -> Any:
+        reply = await super().execute(*args, timeout=timeout)
+        if self.lose and str(args[0]).upper() == "XPENDING" and len(args) == 7:
+            self.lose -= 1
+            raise rexc.ConnectionError("test: reply of XPENDING lost")
+        return reply
+
+
+async def test_failure_after_a_claim_does_not_count_it_twice(redis_url: str, client: Client) -> None:
+    """RECLAIM claims an entry of a dead consumer (count 2: its crash, and this
+    delivery); the counts' reply is lost; the recovery that follows hands it
+    over as attempt 2, not 3."""
+    eid = (await client.execute("XADD", S, "*", "n", "1")).decode()
+    await client.execute("XGROUP", "CREATE", S, G, "0")
+    await client.execute("XREADGROUP", "GROUP", G, "dead", "COUNT", 10, "STREAMS", S, ">")
+    h = Recorder()
+    lc = _LosingClient(parse_url(redis_url), name="t", max_connections=8, lose=1)
+    try:
+        async with open_consumer(lc, name="c2") as consumer:
+            # mounted before the entry is idle min_idle: claimed by a later round
+            await consumer.mount(sub_for(Mode.RECLAIM, min_idle=0.5, block=0.05), h)
+            await eventually(lambda: effects(consumer).get("acked") == 1, what="acked")
+            assert stats(consumer)["read_errors"] >= 1
+    finally:
+        await lc.aclose()
+    assert lc.lose == 0
+    assert h.calls == [(eid, 2)]

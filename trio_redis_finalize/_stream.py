@@ -74,6 +74,19 @@ class StreamSubscription(Subscription):
             (``XGROUP DESTROY``, a flush, a restart without persistence) is
             recreated at the last id this reader delivered, not at
             ``start_id``: nothing is skipped, nothing handled twice.
+
+    Attempts count handler calls that may have happened.  ``attempt`` is
+    ``max(header retries + 1, server delivery count)``, and the reader keeps
+    the server count honest: a read whose reply was lost, a re-read of its
+    own PEL while a delivery is in flight and a delivery given back unstarted
+    at shutdown do not count (recovery inside a running process takes its
+    entries with ``XPENDING`` + ``XCLAIM ... RETRYCOUNT``; the give-back sets
+    the count back by one); a crash during a handler does (the first look at
+    the own PEL after a start counts one more).  What remains: a lost
+    ``XAUTOCLAIM`` reply (RECLAIM, CLAIMING) may count one attempt too many
+    for what it claimed -- a poison entry may reach the dead letter one
+    attempt early, the handler is never called past ``max_attempts``; and
+    after a crash, entries read but not yet started count one attempt too.
     """
 
     stream: str
