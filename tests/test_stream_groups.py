@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 import trio
 from _procs import eventually
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from redis import exceptions as rexc
 
 from trio_redis_finalize import (
@@ -22,7 +24,7 @@ from trio_redis_finalize import (
     StreamSubscription,
     open_consumer,
 )
-from trio_redis_finalize._transport import Client
+from trio_redis_finalize._transport import Client, open_client
 
 S, G = "jobs", "workers"
 NAME = f"stream {S!r} group {G!r}"
@@ -161,3 +163,22 @@ async def test_mount_names_key_and_type_of_a_wrong_typed_key(
             await consumer.mount(sub, Recorder())
     msg = str(info.value)
     assert key in msg and kind in msg, msg
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(start_id=st.one_of(
+    st.integers(0, 2**65).map(str),
+    st.tuples(st.integers(0, 2**65), st.integers(0, 2**65)).map(lambda t: f"{t[0]}-{t[1]}"),
+    st.sampled_from(["0", "$", "0-0", "-", "+", ">", "*", "1-*", "0x1", "1e3", "1.5", "-1", "1-", "1--2"]),
+    st.text(alphabet="0123456789-$+ *x", max_size=8),
+))
+async def test_start_id_accepted_only_if_redis_accepts_it(redis_url: str, start_id: str) -> None:
+    """Every start_id the subscription accepts, XGROUP CREATE accepts too."""
+    try:
+        StreamSubscription(S, G, start_id=start_id)
+    except ValueError as e:
+        assert "start_id" in str(e)
+        return
+    async with open_client(redis_url) as c:
+        await c.execute("DEL", S)
+        assert await c.execute("XGROUP", "CREATE", S, G, start_id, "MKSTREAM") in (b"OK", "OK")

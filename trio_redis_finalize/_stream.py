@@ -129,7 +129,9 @@ class StreamSubscription(Subscription):
         if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
             raise ValueError(f"count must be an int >= 1, got {self.count!r}")
         check_key("start_id", self.start_id)
-        if not _STREAM_ID.match(self.start_id):
+        if not _STREAM_ID.match(self.start_id) or any(
+            int(part) >= 2**64 for part in self.start_id.split("-") if part != "$"
+        ):
             raise ValueError(
                 f"start_id must be a stream id ('0', '$', '<ms>' or '<ms>-<seq>'), "
                 f"got {self.start_id!r}"
