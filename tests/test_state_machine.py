@@ -397,8 +397,11 @@ S_DELAYS = "{orders}:delayed"
 
 
 def _stream_sub(way: DelayedRetry, *, mode: Mode = Mode.PLAIN, min_idle: float = 60.0) -> StreamSubscription:
-    return StreamSubscription(S, G, mode=mode, delayed_retry=way, max_attempts=MAX_ATTEMPTS,
-                              dead_letter=DEAD, min_idle=min_idle, block=0.05)
+    sub = StreamSubscription(S, G, mode=mode, delayed_retry=way, max_attempts=MAX_ATTEMPTS,
+                             dead_letter=DEAD, min_idle=max(min_idle, 0.01), block=0.05)
+    if min_idle < 0.01:  # the readers' claim called directly: claim at once (no lease here)
+        object.__setattr__(sub, "min_idle", min_idle)
+    return sub
 
 
 class StreamMachine(Base):

@@ -231,7 +231,8 @@ class Consumer:
                 something that is not an :class:`Outcome`.
 
         Raises:
-            ValueError: bad ``concurrency`` / ``on_error`` / ``handler``.
+            ValueError: bad ``concurrency`` / ``on_error`` / ``handler``; the
+                same subscription mounted already on this consumer.
             redis.exceptions.ResponseError: the key holds another type (the
                 message names key and type).
         """
@@ -248,6 +249,9 @@ class Consumer:
         target = subscription.target(  # type: ignore[attr-defined]
             self.name, cluster=isinstance(self.client, ClusterClient)
         )
+        if any(m.name == target.name for m in self._mounts):
+            raise ValueError(f"subscription: {target.name} is already mounted on consumer "
+                             f"{self.name!r} (a second mount would handle everything twice)")
         reader = _reader_for(subscription)
         mount = Mount(self, subscription, handler, reader, target, concurrency=concurrency, on_error=on_error)
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,7 +16,7 @@ from ._delivery import Delivery
 from ._envelope import GROUP_FIELD, ORIGIN_FIELD, RETRIES_FIELD
 from ._keys import derived, same_slot
 from ._mount import FINALIZE_TIMEOUT, Item, Mount, backoff, log
-from ._plan import Plan, Target, attempt_of, plan_dead, plan_foreign, plan_lost
+from ._plan import Effect, Plan, Target, attempt_of, plan_dead, plan_foreign, plan_lost
 from ._scripts import MOVE_DUE_TO_STREAM
 from ._subscription import (
     DelayedRetry,
@@ -28,7 +29,13 @@ from ._subscription import (
 )
 from ._transport import DEFERRED_REPLIES, BusyGroupError, Client, Connection, NoGroupError, WrongTypeError
 
-__all__ = ["StreamReader", "StreamSubscription"]
+__all__ = ["MIN_IDLE_FLOOR", "StreamReader", "StreamSubscription"]
+
+MIN_IDLE_FLOOR = 0.01
+"""The shortest ``min_idle`` of RECLAIM and CLAIMING: the lease of an entry
+being handled is renewed every ``min_idle / 3``, and needs the room."""
+
+_STREAM_ID = re.compile(r"\A(?:\$|[0-9]+(?:-[0-9]+)?)\Z")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -42,7 +49,9 @@ class StreamSubscription(Subscription):
         stream: the stream key.
         group: the consumer group.
         mode: :class:`Mode` ``PLAIN``, ``RECLAIM`` or ``CLAIMING``.
-        min_idle: seconds an entry must be idle before RECLAIM/CLAIMING claims it.
+        min_idle: seconds an entry must be idle before RECLAIM/CLAIMING claims it
+            (at least 0.01 there: entries being handled have their lease
+            renewed every ``min_idle / 3``).
         delayed_retry: where ``retry_after`` waits; ``None``: RUNTIME for plain
             and reclaim, the PEL for claiming.  RUNTIME acknowledges the
             original at once and holds the copy in process memory (lost if
@@ -59,7 +68,25 @@ class StreamSubscription(Subscription):
         dead_letter: stream that receives exhausted entries.
         block: seconds one XREADGROUP blocks.
         count: entries per read.
-        start_id: where a new group starts.
+        start_id: where a new group starts: ``"0"`` (everything in the
+            stream), ``"$"`` (only what is added from now on) or an entry id
+            (``ms`` or ``ms-seq``).  A group destroyed while the consumer runs
+            (``XGROUP DESTROY``, a flush, a restart without persistence) is
+            recreated at the last id this reader delivered, not at
+            ``start_id``: nothing is skipped, nothing handled twice.
+
+    Attempts count handler calls that may have happened.  ``attempt`` is
+    ``max(header retries + 1, server delivery count)``, and the reader keeps
+    the server count honest: a read whose reply was lost, a re-read of its
+    own PEL while a delivery is in flight and a delivery given back unstarted
+    at shutdown do not count (recovery inside a running process takes its
+    entries with ``XPENDING`` + ``XCLAIM ... RETRYCOUNT``; the give-back sets
+    the count back by one); a crash during a handler does (the first look at
+    the own PEL after a start counts one more).  What remains: a lost
+    ``XAUTOCLAIM`` reply (RECLAIM, CLAIMING) may count one attempt too many
+    for what it claimed -- a poison entry may reach the dead letter one
+    attempt early, the handler is never called past ``max_attempts``; and
+    after a crash, entries read but not yet started count one attempt too.
     """
 
     stream: str
@@ -83,6 +110,11 @@ class StreamSubscription(Subscription):
         if not isinstance(self.mode, Mode):
             raise ValueError(f"mode must be a Mode, got {self.mode!r}")
         check_positive("min_idle", self.min_idle, allow_zero=True)
+        if self.mode is not Mode.PLAIN and self.min_idle < MIN_IDLE_FLOOR:
+            raise ValueError(
+                f"min_idle must be >= {MIN_IDLE_FLOOR} s in {self.mode.name} mode (the lease of "
+                f"an entry being handled is renewed every min_idle / 3), got {self.min_idle!r}"
+            )
         check_positive("block", self.block)
         if self.delayed_retry is not None and not isinstance(self.delayed_retry, DelayedRetry):
             raise ValueError(f"delayed_retry must be a DelayedRetry or None, got {self.delayed_retry!r}")
@@ -98,6 +130,20 @@ class StreamSubscription(Subscription):
         if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
             raise ValueError(f"count must be an int >= 1, got {self.count!r}")
         check_key("start_id", self.start_id)
+        if not _STREAM_ID.match(self.start_id) or any(
+            int(part) >= 2**64 for part in self.start_id.split("-") if part != "$"
+        ):
+            raise ValueError(
+                f"start_id must be a stream id ('0', '$', '<ms>' or '<ms>-<seq>'), "
+                f"got {self.start_id!r}"
+            )
+        if self.dead_letter is not None:
+            delay_key = self.delay_key or derived(self.stream, ":delayed")
+            if self.dead_letter == delay_key:
+                raise ValueError(
+                    f"dead_letter must differ from delay_key {delay_key!r} "
+                    "(the delay set and the dead letter would share one key)"
+                )
 
     @property
     def name(self) -> str:
@@ -170,10 +216,44 @@ class StreamReader:
         self._next_claim = 0.0
         self._next_move = 0.0
         self._conn: Connection | None = None
-        self._reread = False  # re-read the own PEL at the next turn (Redis < 7 nil claims)
+        self._me = ""  # the consumer name (set by run)
+        # The greatest id this reader knows it was handed (by a read, a claim or
+        # a recovery), or the group's last delivered id at start: an own
+        # pending entry above it came from a read whose reply was lost.
+        self._last: bytes | None = None
+        # Server delivery counts of deliveries handed over with a count other
+        # than 1 (recovered, claimed): what abandon() sets back.  Pruned.
+        self._given: dict[str, int] = {}
+        # A read (or claim) was sent and its reply not seen: it may have
+        # moved entries into the own PEL unseen.
+        self._unsure = False
+        # Own pending entries being taken over, and the attempt each is to
+        # count (None: the server count as it is), until handed over: a
+        # recovery after a failure in between counts them alike (no bump twice).
+        self._taking: dict[bytes, int | None] = {}
 
     def abandon(self, deliveries: Sequence[Delivery]) -> Plan | None:
-        return None  # unstarted entries stay in the PEL
+        """Give deliveries read but never started back to the PEL, uncounted.
+
+        Each stays pending for this consumer (recovered at restart, or claimed
+        by another in RECLAIM/CLAIMING), its server delivery count set back by
+        one with ``XCLAIM ... RETRYCOUNT`` so the next delivery does not count
+        a handler call that never happened.
+        """
+        return self._give_back(
+            [(d.id, self._given.get(d.id, 1)) for d in deliveries if d.id is not None]
+        )
+
+    def _give_back(self, items: Sequence[tuple[str | bytes, int]]) -> Plan | None:
+        by_count: dict[int, list[str | bytes]] = {}
+        for eid, count in items:
+            by_count.setdefault(max(count - 1, 0), []).append(eid)
+        sub = self.sub
+        commands = tuple(
+            ("XCLAIM", sub.stream, sub.group, self._me, 0, *ids, "RETRYCOUNT", n, "JUSTID")
+            for n, ids in by_count.items()
+        )
+        return Plan(Effect.NOTHING, commands) if commands else None
 
     # -- set-up ---------------------------------------------------------------
     async def _check_type(self, client: Client) -> None:
@@ -184,14 +264,40 @@ class StreamReader:
                 f"(mounting {self.sub.name})"
             )
 
-    async def _ensure_group(self, client: Client) -> bool:
+    async def _check_keys(self, mount: Mount) -> None:
+        """The dead letter must be a stream, the durable delay set a sorted set."""
+        t = mount.target
+        wanted: list[tuple[str, str, str]] = []
+        if t.dead_letter is not None:
+            wanted.append(("dead_letter", t.dead_letter, "stream"))
+        if t.delayed_retry is DelayedRetry.DURABLE_ZSET:
+            wanted.append(("delay_key", t.delay_key, "zset"))
+        for param, key, want in wanted:
+            kind = _str(await mount.client.execute("TYPE", key, timeout=FINALIZE_TIMEOUT))
+            if kind not in (want, "none"):
+                raise WrongTypeError(
+                    f"WRONGTYPE key {key!r} ({param}) holds a {kind}, not a {want} "
+                    f"(mounting {self.sub.name})"
+                )
+
+    async def _ensure_group(self, client: Client, at: str | None = None) -> bool:
         try:
             await client.execute(
-                "XGROUP", "CREATE", self.sub.stream, self.sub.group, self.sub.start_id, "MKSTREAM"
+                "XGROUP", "CREATE", self.sub.stream, self.sub.group, at or self.sub.start_id,
+                "MKSTREAM",
             )
             return True
         except BusyGroupError:
             return False
+
+    async def _group_last(self, client: Client) -> bytes | None:
+        """The group's last delivered id (``XINFO GROUPS``), None if unknown."""
+        for row in await client.execute("XINFO", "GROUPS", self.sub.stream, timeout=FINALIZE_TIMEOUT):
+            info = dict(zip(row[::2], row[1::2], strict=False))
+            if _str(info.get(b"name", b"")) == self.sub.group:
+                last = info.get(b"last-delivered-id")
+                return last if isinstance(last, bytes) else None
+        return None
 
     # -- deliveries -----------------------------------------------------------
     def _build(
@@ -283,65 +389,215 @@ class StreamReader:
             await mount.finalize_now(direct)
         await mount.deliver(ready)
 
+    async def _hand(
+        self, mount: Mount, entries: list[tuple[bytes, list[bytes] | None]],
+        counts: dict[bytes, int] | None = None,
+    ) -> None:
+        """:meth:`_dispatch`, giving back what a cancellation kept from the handlers.
+
+        ``Mount.deliver`` hands a batch over all or nothing, so cancelled
+        (shutdown) inside, none of ``entries`` reached a handler: their
+        delivery counts are set back (see :meth:`abandon`), shielded and
+        bounded; should that fail they stay pending as they are.
+        """
+        try:
+            await self._dispatch(mount, entries, counts)
+        except anyio.get_cancelled_exc_class():
+            got = counts or {}
+            p = self._give_back([(eid, got.get(eid, 1)) for eid, flat in entries if flat is not None])
+            if p is not None:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(FINALIZE_TIMEOUT):
+                    try:
+                        await mount.client.pipeline(p.commands, timeout=FINALIZE_TIMEOUT)
+                    except (rexc.RedisError, OSError) as e:
+                        log.warning("%s: could not give %d unstarted entries back (%s); they "
+                                    "stay pending", mount.name, len(entries), e)
+            raise
+
+    def _note(self, mount: Mount, entries: Sequence[tuple[bytes, Any]], counts: dict[bytes, int]) -> None:
+        """Remember what recovery and claims hand over: the last id, counts other than 1."""
+        if not entries:
+            return
+        top = max((e[0] for e in entries), key=_id_key)
+        if self._last is None or _id_key(top) > _id_key(self._last):
+            self._last = top
+        given = self._given
+        if len(given) > 2 * len(mount.held) + 1000:  # forget what was finalized
+            self._given = given = {k: v for k, v in given.items() if k in mount.held}
+        for eid, _ in entries:
+            n = counts.get(eid, 1)
+            if n != 1:
+                given[eid.decode()] = n
+
     async def _counts(self, client: Client, consumer: str, ids: list[bytes]) -> dict[bytes, int]:
-        """Server delivery counts of ``ids`` in this consumer's PEL."""
+        """Server delivery counts of ``ids`` (claimed by ``consumer`` just now).
+
+        One ``XPENDING`` over the range of the ids first; a capped range can
+        miss ids when the consumer holds many other entries in between, so
+        those missed are then asked one ``XPENDING`` each (pipelined).
+        """
         if not ids:
             return {}
+        sub = self.sub
         rows = await client.execute(
-            "XPENDING", self.sub.stream, self.sub.group, min(ids, key=_id_key),
-            max(ids, key=_id_key), len(ids) + 1000, consumer,
+            "XPENDING", sub.stream, sub.group, min(ids, key=_id_key), max(ids, key=_id_key),
+            len(ids) + 100, consumer, timeout=FINALIZE_TIMEOUT,
         )
         wanted = set(ids)
-        return {r[0]: int(r[3]) for r in rows if r[0] in wanted}
-
-    async def _recover(self, conn: Connection, mount: Mount) -> None:
-        """Re-read this consumer's own PEL (``XREADGROUP ... 0``), page by page."""
-        sub = self.sub
-        last = "0"
-        while True:
-            reply = await conn.execute(
-                "XREADGROUP", "GROUP", sub.group, mount.consumer.name, "COUNT", sub.count,
-                "STREAMS", sub.stream, last, timeout=FINALIZE_TIMEOUT,
+        out = {r[0]: int(r[3]) for r in rows if r[0] in wanted}
+        missed = [eid for eid in ids if eid not in out]
+        if missed:
+            replies = await client.pipeline(
+                [("XPENDING", sub.stream, sub.group, eid, eid, 1) for eid in missed],
+                timeout=FINALIZE_TIMEOUT,
             )
-            entries = _entries(reply)
-            if not entries:
+            out.update((r[0][0], int(r[0][3])) for r in replies if r)
+        return out
+
+    async def _lost(self, mount: Mount, ids: Sequence[bytes]) -> None:
+        """Acknowledge entries deleted while pending, once each (reported lost)."""
+        items: list[Item] = []
+        held = mount.held
+        for eid in ids:
+            entry_id = eid.decode()
+            if entry_id in held:  # reported already (its acknowledgement is on the way), or handled
+                continue
+            held.add(entry_id)  # until finalized: no second report meanwhile
+            d = Delivery(source=self.sub.stream, id=entry_id, fields={}, data=None,
+                         attempt=1, origin_id=entry_id, mount=mount.name)
+            log.warning("%s: entry %s was deleted while pending; acknowledged", mount.name, entry_id)
+            items.append((d, plan_lost(mount.target, d)))
+        await mount.finalize_now(items)
+
+    async def _recover(self, conn: Connection, mount: Mount, *, start: bool = False) -> None:
+        """Take back this consumer's own pending entries that no handler holds.
+
+        Page by page: ``XPENDING`` (ids, idle times, delivery counts), then
+        ``XCLAIM ... RETRYCOUNT n`` of those entries to this consumer (their
+        bodies, the count set to exactly what the next attempt is; only if
+        still as idle as seen, so an entry another consumer claimed
+        meanwhile stays there).  The attempt counted:
+
+        * ``start`` (the first look after a (re)start): one more than the
+          server count; a crash may have interrupted the handler;
+        * later (after a read error, periodically): an entry above the last id
+          this reader was handed came from a read whose reply was lost; it was
+          never handled, its count stays.  One at or below it was handed
+          before and is handed again: one more.  CLAIMING takes only the
+          former: the PEL holds its delayed retries, claimed back later.
+
+        Entries the stream no longer has are acknowledged and reported lost.
+        """
+        sub = self.sub
+        me = mount.consumer.name
+        start = start or self._last is None  # a reader that knows nothing: a restart
+        lo = "-"
+        while True:
+            rows = await conn.execute(
+                "XPENDING", sub.stream, sub.group, lo, "+", sub.count, me, timeout=FINALIZE_TIMEOUT,
+            )
+            if not rows:
+                self._taking.clear()  # the whole PEL seen: what is left there is not ours
                 return
-            last = entries[-1][0].decode()
-            fresh = [e for e in entries if e[0].decode() not in mount.held]
-            live = [e[0] for e in fresh if e[1] is not None]
-            counts = await self._counts(mount.client, mount.consumer.name, live)
-            await self._dispatch(mount, fresh, counts)
-            if len(entries) < sub.count:
+            lo = "(" + _str(rows[-1][0])
+            last = _id_key(self._last) if self._last is not None else (-1, -1)
+            wanted: dict[int, list[tuple[bytes, int]]] = {}  # attempt -> (id, idle ms)
+            held = mount.held
+            taking = self._taking
+            for eid, _owner, idle, count in rows:
+                if eid.decode() in held:
+                    continue
+                n = int(count)
+                if eid in taking:
+                    n = taking[eid] or n
+                elif start:
+                    n += 1
+                elif _id_key(eid) <= last:
+                    if sub.mode is Mode.CLAIMING:
+                        continue
+                    n += 1
+                wanted.setdefault(max(n, 1), []).append((eid, int(idle)))
+            for n, taken in wanted.items():
+                await self._take(conn, mount, taken, n)
+            if len(rows) < sub.count:
+                self._taking.clear()
                 return
+
+    async def _take(self, conn: Connection, mount: Mount, taken: list[tuple[bytes, int]], n: int) -> None:
+        """XCLAIM own pending entries with their count set to ``n``; hand them over."""
+        sub = self.sub
+        ids = [eid for eid, _ in taken]
+        self._taking.update(dict.fromkeys(ids, n))
+        reply = await conn.execute(
+            "XCLAIM", sub.stream, sub.group, mount.consumer.name, min(idle for _, idle in taken),
+            *ids, "RETRYCOUNT", n, timeout=FINALIZE_TIMEOUT,
+        )
+        entries: list[tuple[bytes, list[bytes] | None]] = [
+            (e[0], e[1]) for e in reply if e is not None and e[1] is not None
+        ]
+        got = {e[0] for e in entries}
+        missing = [eid for eid in ids if eid not in got]
+        if missing:
+            # deleted while pending (Redis 7 drops them from the PEL here, 6.2
+            # answers nil and keeps them), or claimed by another consumer
+            found = await mount.client.pipeline(
+                [("XRANGE", sub.stream, eid, eid) for eid in missing], timeout=FINALIZE_TIMEOUT
+            )
+            await self._lost(mount, [eid for eid, hit in zip(missing, found, strict=True) if not hit])
+        if entries:
+            counts = dict.fromkeys(got, n)
+            self._note(mount, entries, counts)
+            await self._hand(mount, entries, counts)
+        for eid in ids:
+            self._taking.pop(eid, None)
 
     async def _claim(self, conn: Connection, mount: Mount) -> None:
         """XAUTOCLAIM entries idle ``min_idle`` (any consumer), one page."""
         sub = self.sub
+        self._unsure = True
         reply = await conn.execute(
             "XAUTOCLAIM", sub.stream, sub.group, mount.consumer.name,
             round(sub.min_idle * 1000), self._cursor, "COUNT", sub.count,
             timeout=FINALIZE_TIMEOUT,
         )
         start, self._cursor = self._cursor, _str(reply[0])
-        entries: list[tuple[bytes, list[bytes] | None]] = [e for e in reply[1] if e is not None]
-        if len(entries) < len(reply[1]):
+        claimed: list[tuple[bytes, list[bytes] | None]] = [e for e in reply[1] if e is not None]
+        # claimed (count + 1), not yet handed over: a recovery after a failure
+        # below takes them as they are
+        self._taking.update(dict.fromkeys([e[0] for e in claimed], None))
+        if len(claimed) < len(reply[1]):
             # Redis < 7 answers nil (no id) for an entry deleted while pending,
-            # and claims it into our PEL.  RECLAIM: the own-PEL re-read
-            # acknowledges it.  CLAIMING never re-reads its own PEL (that would
-            # undo the delays it keeps there): find the vanished ids by hand.
-            if sub.mode is Mode.RECLAIM:
-                self._reread = True
-            else:
-                await self._ack_vanished(mount, start, self._cursor, {e[0] for e in entries})
+            # and claims it into our PEL: find the vanished ids by hand.
+            await self._ack_vanished(mount, start, self._cursor, {e[0] for e in claimed})
         deleted: list[bytes] = list(reply[2]) if len(reply) > 2 else []
-        for eid in deleted:
+        held = mount.held
+        for eid in deleted:  # Redis 7+: dropped from the PEL by XAUTOCLAIM itself
+            if eid.decode() in held:  # reported already, or being handled
+                continue
             mount.stats.effects["lost_before_handling"] += 1
             log.warning("%s: entry %s was deleted while pending; dropped from the PEL",
                         mount.name, eid.decode())
-        if entries:
-            live = [e[0] for e in entries if e[1] is not None]
-            counts = await self._counts(mount.client, mount.consumer.name, live)
-            await self._dispatch(mount, entries, counts)
+        await self._lost(mount, [e[0] for e in claimed if e[1] is None])
+        live = [e for e in claimed if e[1] is not None]
+        if live:
+            counts = await self._counts(mount.client, mount.consumer.name, [e[0] for e in live])
+            # our own entries still being handled, whose lease lapsed (a
+            # stalled process): never to a second handler, and their claim
+            # did not count an attempt
+            own = [e[0] for e in live if e[0].decode() in held]
+            if own:
+                log.warning("%s: %d entries being handled were idle min_idle=%g s (lease "
+                            "renewal late); kept with their handlers", mount.name, len(own),
+                            sub.min_idle)
+                p = self._give_back([(eid, counts.get(eid, 2)) for eid in own])
+                if p is not None:
+                    await mount.client.pipeline(p.commands, timeout=FINALIZE_TIMEOUT)
+                live = [e for e in live if e[0].decode() not in held]
+            self._note(mount, live, counts)
+            await self._hand(mount, live, counts)
+        for e in claimed:
+            self._taking.pop(e[0], None)
+        self._unsure = False
         interval = min(max(sub.min_idle / 2, 0.05), _CLAIM_EVERY_MAX)
         # a full page or a cursor mid-PEL: claim again at once
         self._next_claim = 0.0 if self._cursor != "0-0" else anyio.current_time() + interval
@@ -352,29 +608,25 @@ class StreamReader:
         """Acknowledge our pending entries in [start, end) that the stream no longer has."""
         sub = self.sub
         client = mount.client
-        rows = await client.execute(
-            "XPENDING", sub.stream, sub.group, start, "+",
-            sub.count + len(mount.held) + 100, mount.consumer.name, timeout=FINALIZE_TIMEOUT,
-        )
         stop = None if end == "0-0" else _id_key(end.encode())
-        candidates = [
-            r[0] for r in rows
-            if r[0] not in claimed and r[0].decode() not in mount.held
-            and (stop is None or _id_key(r[0]) < stop)
-        ]
-        if not candidates:
-            return
-        found = await client.pipeline(
-            [("XRANGE", sub.stream, eid, eid) for eid in candidates], timeout=FINALIZE_TIMEOUT
-        )
-        gone = [eid for eid, hit in zip(candidates, found, strict=True) if not hit]
-        items: list[Item] = []
-        for eid in gone:
-            d = Delivery(source=sub.stream, id=eid.decode(), fields={}, data=None,
-                         attempt=1, origin_id=eid.decode(), mount=mount.name)
-            log.warning("%s: entry %s was deleted while pending; acknowledged", mount.name, d.id)
-            items.append((d, plan_lost(mount.target, d)))
-        await mount.finalize_now(items)
+        lo = start
+        page = sub.count + 100
+        while True:
+            rows = await client.execute(
+                "XPENDING", sub.stream, sub.group, lo, "+", page, mount.consumer.name,
+                timeout=FINALIZE_TIMEOUT,
+            )
+            inside = [r[0] for r in rows if stop is None or _id_key(r[0]) < stop]
+            candidates = [eid for eid in inside if eid not in claimed and eid.decode() not in mount.held]
+            if candidates:
+                found = await client.pipeline(
+                    [("XRANGE", sub.stream, eid, eid) for eid in candidates], timeout=FINALIZE_TIMEOUT
+                )
+                await self._lost(mount, [eid for eid, hit in zip(candidates, found, strict=True)
+                                         if not hit])
+            if len(rows) < page or len(inside) < len(rows):
+                return
+            lo = "(" + _str(rows[-1][0])
 
     async def _move_due(self, mount: Mount) -> float:
         """Move due copies from the durable delay set; seconds until the next is due."""
@@ -392,8 +644,14 @@ class StreamReader:
             return _MOVE_RETRY
 
     async def _lease(self, mount: Mount) -> None:
-        """Keep held entries' idle time low so no other consumer claims them."""
-        interval = max(self.sub.min_idle / 3, 0.05)
+        """Keep held entries' idle time low so no other consumer claims them.
+
+        Renewed every ``min_idle / 3`` (``min_idle`` >= 0.01 s in the modes
+        that lease), so an entry being handled stays well below ``min_idle``
+        while the process runs; should one lapse all the same, the claim
+        that finds it keeps it with its handler (see :meth:`_claim`).
+        """
+        interval = max(self.sub.min_idle / 3, 0.001)
         while True:
             await anyio.sleep(interval)
             ids = sorted(mount.held)
@@ -406,13 +664,22 @@ class StreamReader:
                 except (rexc.ConnectionError, rexc.TimeoutError, rexc.ResponseError) as e:
                     log.warning("%s: lease renewal failed: %s", mount.name, e)
 
+    def _resume_at(self) -> str:
+        """Where a group destroyed mid-run is recreated: the last id handed over."""
+        return self._last.decode() if self._last is not None else self.sub.start_id
+
     # -- the loop ---------------------------------------------------------------
     async def run(self, mount: Mount, *, task_status: TaskStatus[None]) -> None:
         sub = self.sub
         client = mount.client
-        consumer = mount.consumer.name
+        consumer = self._me = mount.consumer.name
         await self._check_type(client)
+        await self._check_keys(mount)
         await self._ensure_group(client)
+        last = await self._group_last(client)
+        if last is not None and (self._last is None or _id_key(last) > _id_key(self._last)):
+            self._last = last
+        first = sub.mode is not Mode.CLAIMING  # the first recovery counts a crash
         durable = mount.target.delayed_retry is DelayedRetry.DURABLE_ZSET
         leased = sub.mode in (Mode.RECLAIM, Mode.CLAIMING)
         recover = sub.mode is not Mode.CLAIMING
@@ -433,17 +700,19 @@ class StreamReader:
                         if conn is None or conn.broken:
                             conn = await client.connect(name=f"trf:{consumer}:reader", key=sub.stream)
                         if regroup:  # here, so that a connection error is retried
-                            await self._ensure_group(client)
+                            await self._ensure_group(client, self._resume_at())
                             regroup = False
+                        if self._unsure:  # a read's reply was lost: it may have left entries
+                            recover, self._unsure = True, False
                         block = sub.block
                         if durable and anyio.current_time() >= self._next_move:
                             wait = await self._move_due(mount)
                             self._next_move = anyio.current_time() + wait
                         if durable:
                             block = max(0.001, min(block, self._next_move - anyio.current_time()))
-                        if recover or self._reread:
-                            await self._recover(conn, mount)
-                            recover = self._reread = False
+                        if recover:
+                            await self._recover(conn, mount, start=first)
+                            recover = first = False
                         if sub.mode is Mode.CLAIMING or (
                             sub.mode is Mode.RECLAIM and anyio.current_time() >= self._next_claim
                         ):
@@ -458,17 +727,22 @@ class StreamReader:
                             # read what is new without blocking, then go on at once
                             # (a BLOCK, however short, can last the server's
                             # timer resolution, 100 ms at the default hz)
+                            self._unsure = True
                             reply = await conn.execute(
                                 *read_now, "STREAMS", sub.stream, ">", timeout=FINALIZE_TIMEOUT,
                             )
                         else:
+                            self._unsure = True
                             reply = await conn.execute(
                                 *read, max(1, round(block * 1000)), "STREAMS", sub.stream, ">",
                                 timeout=block + _READ_MARGIN,
                             )
+                        self._unsure = False
                         failures = 0
                         if reply:
-                            await self._dispatch(mount, _entries(reply))
+                            entries = _entries(reply)
+                            self._last = entries[-1][0]
+                            await self._hand(mount, entries)
                         now = anyio.current_time()
                         if sub.mode is not Mode.CLAIMING and now >= next_recover:
                             next_recover = now + _RECOVER_EVERY
@@ -493,9 +767,10 @@ class StreamReader:
                         ):
                             raise
                         mount.stats.group_recreated += 1
-                        log.warning("%s: group is gone (%s); recreating it at %s",
-                                    mount.name, e, sub.start_id)
+                        log.warning("%s: group is gone (%s); recreating it at %s, the last id "
+                                    "this reader delivered", mount.name, e, self._resume_at())
                         regroup = True
+                        self._unsure = False  # the PEL went with the group
                         recover = sub.mode is not Mode.CLAIMING
                     except (rexc.ConnectionError, rexc.TimeoutError, OSError) as e:
                         if not started:
@@ -515,6 +790,8 @@ class StreamReader:
                 await conn.aclose()
 
 
-def _id_key(eid: bytes) -> tuple[int, int]:
+def _id_key(eid: bytes | str) -> tuple[int, int]:
+    if isinstance(eid, str):
+        eid = eid.encode()
     ms, _, seq = eid.partition(b"-")
     return int(ms), int(seq or 0)
