@@ -22,7 +22,9 @@ for a ``redis+sentinel://`` URL (or :func:`~._url.sentinel_params`).
   (re)subscription, and on a switch closes every connection to the old
   master: idle pooled ones, leased ones and readers' dedicated ones alike
   (their requests end with ``ConnectionError``: outcome unknown, which the
-  finalizer re-sends and a reader turns into a reconnect).  The old master
+  finalizer re-sends; a dedicated connection fails on its owner's next
+  request even if it was idle, so a reader reconnects and re-reads its PEL
+  or processing list, as after any lost connection).  The old master
   may keep accepting writes for a while after the sentinels promoted its
   replica (they reconfigure it some seconds later): what a client writes
   there is lost, so nothing is left talking to it.
@@ -45,7 +47,7 @@ import anyio.abc
 from redis import exceptions as rexc
 
 from ._client import Client
-from ._connection import Connection, open_connection
+from ._connection import _CLOSE_TIMEOUT, Connection, open_connection
 from ._pubsub import PubSub
 from ._url import ConnectionParams
 
@@ -92,6 +94,23 @@ class MasterConnection(Connection):
     ) -> None:
         super().__init__(stream, params)
         self._client = client
+        self.pooled = False
+
+    async def sever(self) -> None:
+        """Close the socket, but let the owner find out on its next request.
+
+        The request (or the one in flight) fails with ``ConnectionError`` as if
+        the server had closed the connection, so a reader takes its usual path
+        after a lost connection: reconnect, and re-read what it may have missed
+        (its PEL, its processing list).  Closing it quietly would let a reader
+        that was busy elsewhere just reconnect, and never re-read what the old
+        master took but did not pass on.
+        """
+        with anyio.move_on_after(_CLOSE_TIMEOUT, shield=True):
+            try:
+                await self._stream.aclose()
+            except Exception:
+                pass
 
     @property
     def address(self) -> Address:
@@ -229,7 +248,10 @@ class SentinelClient(Client):
                     self.service_name, old[0], old[1], master[0], master[1], source)
         for conn in list(self._conns):
             if conn.address != master:
-                await conn.aclose()
+                if conn.pooled:
+                    await conn.aclose()  # idle ones are skipped, leased ones fail: re-sent
+                else:
+                    await conn.sever()
 
     # -- connections ---------------------------------------------------------------------
     async def _dial(self, name: str | None) -> Connection:
@@ -285,6 +307,12 @@ class SentinelClient(Client):
             raise
         return _text(reply[0]) if reply else "?"
 
+    async def _open(self) -> Connection:
+        conn = await super()._open()
+        if isinstance(conn, MasterConnection):
+            conn.pooled = True
+        return conn
+
     async def _release(self, conn: Connection) -> None:
         if isinstance(conn, MasterConnection) and conn.address != self._master:
             await conn.aclose()  # to an old master: never back into the pool
@@ -298,13 +326,21 @@ class SentinelClient(Client):
     # -- following +switch-master -----------------------------------------------------------
     @asynccontextmanager
     async def following(self) -> AsyncIterator[SentinelClient]:
-        """Follow ``+switch-master`` in a background task while the block runs."""
+        """Follow ``+switch-master`` in a background task while the block runs.
+
+        What the block raises comes out as it is (not in an exception group).
+        """
+        raised: BaseException | None = None
         async with anyio.create_task_group() as tg:
             await tg.start(self.follow)
             try:
                 yield self
+            except BaseException as e:  # re-raised below, outside the task group
+                raised = e
             finally:
                 tg.cancel_scope.cancel()
+        if raised is not None:
+            raise raised
 
     async def follow(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
                      ) -> None:
@@ -330,6 +366,9 @@ class SentinelClient(Client):
                 except (rexc.RedisError, OSError, TimeoutError) as e:
                     log.info("+switch-master subscription on sentinel %s:%d: %s",
                              addr[0], addr[1], e)
+                except Exception:  # a bug here must not end the client: log it, go on
+                    log.exception("+switch-master subscription on sentinel %s:%d failed",
+                                  addr[0], addr[1])
             if not reported:
                 reported = True
                 task_status.started()
