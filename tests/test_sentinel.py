@@ -245,7 +245,7 @@ async def produce(client: Client, numbers: range) -> None:
     for n in numbers:
         for cmd in (("XADD", STREAM, "*", "n", n), ("LPUSH", QUEUE, n),
                     ("XADD", DELAYED, "*", "n", n)):
-            for attempt in range(200):
+            for _ in range(200):
                 try:
                     await client.execute(*cmd, timeout=2.0)
                     break
@@ -339,3 +339,117 @@ async def test_failover_under_a_running_consumer_loses_nothing(
             assert set(done) == everything, (form, sorted(everything - set(done))[:10])
         assert all(s["effects"].get("acked", 0) >= BEFORE + AFTER for s in stats.values()), stats
         assert producer.switches == 1 and producer.master == ("127.0.0.1", new)
+
+
+# -- connections that notice silence -------------------------------------------------------------
+
+_GENERATION: contextvars.ContextVar[int] = contextvars.ContextVar("generation", default=0)
+
+
+class SilencingProxy(ChaosProxy):
+    """A :class:`ChaosProxy` whose :meth:`silence` holds the bytes of the
+    connections open now, for good, while later connections flow: a NAT or
+    firewall that forgot one idle connection (no RST, no FIN)."""
+
+    def __init__(self, upstream_port: int) -> None:
+        super().__init__(upstream_port)
+        self._generation = 1
+        self._cutoff = 0
+
+    def silence(self) -> None:
+        self._cutoff = self._generation
+        self._generation += 1
+
+    async def _handle(self, client: anyio.abc.SocketStream) -> None:
+        _GENERATION.set(self._generation)  # inherited by this connection's pumps
+        await super()._handle(client)
+
+    async def _wait_flowing(self) -> None:
+        await super()._wait_flowing()
+        if _GENERATION.get() <= self._cutoff:
+            await anyio.sleep_forever()
+
+
+@asynccontextmanager
+async def silencing(server: RedisServer) -> AsyncIterator[SilencingProxy]:
+    async with trio.open_nursery() as n:
+        proxy = SilencingProxy(server.port)
+        await n.start(proxy.serve)
+        try:
+            yield proxy
+        finally:
+            n.cancel_scope.cancel()
+
+
+async def test_an_idle_pooled_connection_cut_silently_costs_a_short_check(
+    redis_server: RedisServer,
+) -> None:
+    async with silencing(redis_server) as proxy, open_client(
+        proxy.url + "?health_check_interval=0.2"
+    ) as client:
+        await client.execute("SET", "trf-k", "1")  # the pool keeps this connection idle
+        opened = client.connections_opened
+        await trio.sleep(0.3)  # quiet longer than health_check_interval
+        proxy.silence()
+        start = trio.current_time()
+        # without the check the GET is sent on the silent connection: no answer
+        # for its whole deadline, then TimeoutError
+        assert await client.execute("GET", "trf-k", timeout=5.0) == b"1"
+        print(f"\na silently cut idle connection cost {trio.current_time() - start:.2f} s "
+              f"(health check deadline {client.health_check_timeout} s)")
+        assert (client.health_checks, client.health_check_failures) == (1, 1)
+        assert client.connections_opened == opened + 1
+        # a connection used within the interval is not checked
+        assert await client.execute("GET", "trf-k") == b"1"
+        assert client.health_checks == 1
+
+
+async def test_the_next_finalization_after_a_silent_partition_does_not_stall(
+    redis_server: RedisServer, redis_url: str,
+) -> None:
+    handled: list[str] = []
+
+    async def handle(d: Delivery) -> Outcome:
+        assert d.id is not None
+        handled.append(d.id)
+        return ACK
+
+    name = "stream 'quiet' group 'g'"
+    async with open_client(redis_url) as admin, silencing(redis_server) as proxy:
+        await admin.execute("XGROUP", "CREATE", "quiet", "g", "0", "MKSTREAM")
+        async with open_consumer(proxy.url + "?health_check_interval=0.5", name="q1",
+                                 shutdown_grace=1.0) as consumer:
+            await consumer.mount(StreamSubscription("quiet", group="g", block=0.2), handle)
+            await admin.execute("XADD", "quiet", "*", "n", 1)
+            await eventually(lambda: consumer.stats()[name]["effects"].get("acked") == 1, 5,
+                             "the first entry acknowledged")
+            await trio.sleep(0.6)  # the pooled connection is quiet, the reader blocks
+            proxy.silence()  # both go silent; new connections work
+            start = trio.current_time()
+            await admin.execute("XADD", "quiet", "*", "n", 2)
+            await eventually(lambda: len(handled) == 2, 10, "the reader reconnecting")
+            await eventually(lambda: consumer.stats()[name]["effects"].get("acked") == 2, 10,
+                             "the second entry acknowledged")
+            stats = consumer.stats()[name]
+            pool = consumer.client
+            print(f"\nan entry written during a silent partition was acknowledged after "
+                  f"{trio.current_time() - start:.2f} s (the reader's read deadline included); "
+                  f"health checks {pool.health_checks}, failed {pool.health_check_failures}")
+        # without the pool's check the XACK waits for its 5 s deadline, fails, is re-sent
+        assert stats["finalize_errors"] == 0, stats
+        assert (await admin.execute("XPENDING", "quiet", "g"))[0] == 0
+
+
+async def test_every_tcp_connection_has_keepalive(redis_server: RedisServer) -> None:
+    async with open_client(redis_server.url) as client, await client.connect() as conn:
+        sock: socket.socket = conn._stream.extra(SocketAttribute.raw_socket)
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        if hasattr(socket, "TCP_KEEPIDLE"):
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 15
+        if hasattr(socket, "TCP_KEEPCNT"):
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 3
+    async with open_client(redis_server.url + "?keepalive=0") as client:
+        conn = await client.connect()
+        async with conn:
+            sock = conn._stream.extra(SocketAttribute.raw_socket)
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 0
