@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import contextvars
 import socket
+import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -197,6 +199,29 @@ async def test_consumer_from_a_sentinel_url_consumes_on_the_master(
         async with await client.connect() as again:  # the sentinels asked again: the master
             assert again.params.port == master
         await client.aclose()
+
+
+def test_the_command_line_takes_a_sentinel_url(redis_sentinel: RedisSentinel) -> None:
+    top = redis_sentinel
+    top.command(top.master_port(), "XADD", "dead", "*", "a", "1")
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "trio_redis_finalize", *args, "--url", top.url],
+                              capture_output=True, text=True, timeout=60)
+
+    inspect = cli("inspect", "dead", "--json")
+    assert inspect.returncode == 0 and '"length": 1' in inspect.stdout, inspect.stderr
+    requeue = cli("requeue", "dead", "--to", "again")
+    assert requeue.returncode == 0 and "requeued 1" in requeue.stdout, requeue.stderr
+    assert top.command(top.master_port(), "XLEN", "again") == 1
+    demo = cli("demo")  # MONITOR on the master the sentinels name, not on a sentinel
+    assert demo.returncode == 0 and demo.stdout.rstrip().endswith("lost: 0"), demo.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "trio_redis_finalize", "inspect", "k", "--url",
+         f"redis+sentinel://127.0.0.1:{top.sentinel_ports[0]}/no-such-master"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert bad.returncode == 2 and "no-such-master" in bad.stderr and "Traceback" not in bad.stderr
 
 
 # -- failover under a running consumer ---------------------------------------------------------
