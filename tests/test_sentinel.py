@@ -28,12 +28,15 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from urllib.parse import quote
 
 import anyio
 import pytest
 import trio
 from anyio.abc import SocketAttribute
 from faults.chaosproxy import ChaosProxy
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from redis import exceptions as rexc
 
 from trio_redis_finalize import (
@@ -85,6 +88,29 @@ def test_sentinel_url_credentials_tls_and_options() -> None:
     assert (s.username, s.password, s.db, s.tls, s.connect_timeout) == ("su", "sp", 0, True, 0.5)
     # no sentinel password given: the sentinels are asked without AUTH
     assert parse_url("redis+sentinel://:pw@h/m").for_sentinel("h", 1).password is None
+
+
+_HOSTS = st.from_regex(r"[a-z][a-z0-9.-]{0,20}", fullmatch=True)
+_TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=12)
+
+
+@given(
+    sentinels=st.lists(st.tuples(_HOSTS, st.integers(1, 65535)), min_size=1, max_size=5),
+    service=_TEXT, db=st.integers(0, 15), password=st.none() | _TEXT,
+    sentinel_password=st.none() | _TEXT, tls=st.booleans(),
+)
+@settings(max_examples=100, deadline=None)
+def test_sentinel_urls_round_trip(
+    sentinels: list[tuple[str, int]], service: str, db: int, password: str | None,
+    sentinel_password: str | None, tls: bool,
+) -> None:
+    auth = f":{quote(password, safe='')}@" if password is not None else ""
+    query = f"?sentinel_password={quote(sentinel_password, safe='')}" if sentinel_password else ""
+    nodes = ",".join(f"{h}:{p}" for h, p in sentinels)
+    scheme = "rediss+sentinel" if tls else "redis+sentinel"
+    p = parse_url(f"{scheme}://{auth}{nodes}/{quote(service, safe='')}/{db}{query}")
+    assert p == sentinel_params(sentinels, service, db=db, password=password,
+                                sentinel_password=sentinel_password or None, tls=tls)
 
 
 @pytest.mark.parametrize("url, words", [
