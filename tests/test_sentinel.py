@@ -226,6 +226,17 @@ async def test_consumer_from_a_sentinel_url_consumes_on_the_master(
             assert again.params.port == master
         await client.aclose()
 
+        # the sentinel the producer follows +switch-master on dies: the next one takes over
+        followed = producer.subscribed_to
+        assert followed is not None
+        top.sentinels[top.sentinel_ports.index(followed[1])].kill()
+        new = await trio.to_thread.run_sync(top.failover)
+        await eventually(lambda: producer.master == ("127.0.0.1", new), 10,
+                         "following the switch through another sentinel")
+        assert producer.subscribed_to not in (None, followed)
+        assert await producer.execute("SET", "k", "v") == b"OK"
+        assert top.role(new) == "master"
+
 
 def test_the_command_line_takes_a_sentinel_url(redis_sentinel: RedisSentinel) -> None:
     top = redis_sentinel

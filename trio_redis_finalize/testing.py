@@ -780,7 +780,7 @@ class RedisSentinel:
         deadline = time.monotonic() + timeout
         while True:  # NOGOODSLAVE / INPROG right after a change: ask again
             try:
-                self.sentinel("failover", self.service_name, index=0)
+                self.sentinel("failover", self.service_name)  # the first live sentinel
                 break
             except RuntimeError:
                 if time.monotonic() > deadline:

@@ -160,6 +160,8 @@ class SentinelClient(Client):
         self.discoveries = 0
         self.switches = 0
         self.refused = 0
+        self.subscribed_to: Address | None = None
+        """The sentinel whose ``+switch-master`` this client follows now."""
 
     # -- where the master is ----------------------------------------------------------
     @property
@@ -381,19 +383,27 @@ class SentinelClient(Client):
         async with conn:
             ps = PubSub(conn, max_pending=100)
             await ps.subscribe(SWITCH_CHANNEL, timeout=timeout)
+            self.subscribed_to = addr
             subscribed()
             # a switch may have happened while no subscription was listening
             try:
                 await self.discover()
             except rexc.ConnectionError as e:
                 log.warning("%s", e)
-            while True:
-                msg = await ps.get_message(timeout=_PING_EVERY)
-                if msg is None:
-                    await ps.ping(timeout=timeout)
-                    continue
-                parts = _text(msg.data).split()
-                if len(parts) == 5 and parts[0] == self.service_name:
-                    await self._switch_to(
-                        (parts[3], int(parts[4])), f"+switch-master from sentinel {addr[0]}:{addr[1]}"
-                    )
+            try:
+                await self._listen(ps, addr)
+            finally:
+                self.subscribed_to = None
+
+    async def _listen(self, ps: PubSub, addr: Address) -> None:
+        timeout = self.params.sentinel_timeout
+        while True:
+            msg = await ps.get_message(timeout=_PING_EVERY)
+            if msg is None:
+                await ps.ping(timeout=timeout)  # a quiet sentinel must still answer
+                continue
+            parts = _text(msg.data).split()  # name old-ip old-port new-ip new-port
+            if len(parts) == 5 and parts[0] == self.service_name:
+                await self._switch_to(
+                    (parts[3], int(parts[4])), f"+switch-master from sentinel {addr[0]}:{addr[1]}"
+                )
