@@ -238,6 +238,34 @@ async def test_consumer_from_a_sentinel_url_consumes_on_the_master(
         assert top.role(new) == "master"
 
 
+async def test_sentinel_and_master_credentials_come_from_the_url() -> None:
+    with RedisSentinel(password="master-pw", sentinel_password="sentinel:pw") as top:
+        assert "sentinel_password=sentinel%3Apw" in top.url
+        handled: list[bytes] = []
+
+        async def handle(d: Delivery) -> Outcome:
+            assert d.data is not None
+            handled.append(d.data)
+            return ACK
+
+        with trio.fail_after(15):
+            async with open_client(top.url) as producer:
+                await producer.execute("LPUSH", "auth-q", b"x")
+                async with open_consumer(top.url, name="a1", shutdown_grace=1.0) as consumer:
+                    await consumer.mount(ReliableListSubscription("auth-q", block=0.2), handle)
+                    await eventually(lambda: handled == [b"x"], 5, "consuming with credentials")
+        # the master's password is not the sentinels' (and the other way round)
+        wrong = top.url.replace("sentinel%3Apw", "nope")
+        with trio.fail_after(10), pytest.raises(rexc.ConnectionError) as err:
+            async with open_client(wrong):
+                pass
+        assert "no sentinel named the master" in str(err.value) and "nope" not in str(err.value)
+        no_master_pw = top.url.replace(":master-pw@", "")
+        with trio.fail_after(10), pytest.raises(rexc.ConnectionError):
+            async with open_client(no_master_pw) as client:
+                await client.execute("PING")
+
+
 def test_the_command_line_takes_a_sentinel_url(redis_sentinel: RedisSentinel) -> None:
     top = redis_sentinel
     top.command(top.master_port(), "XADD", "dead", "*", "a", "1")

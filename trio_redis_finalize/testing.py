@@ -46,6 +46,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+from urllib.parse import quote
 
 import hiredis
 
@@ -297,27 +298,34 @@ def free_cluster_port() -> int:
     raise RuntimeError("no free port pair (p, p + 10000) for a cluster node")
 
 
-def command(port: int, *args: str | bytes | int | float, timeout: float = 5.0) -> Any:
+def command(
+    port: int, *args: str | bytes | int | float, timeout: float = 5.0, password: str | None = None
+) -> Any:
     """Run one command on the server at ``127.0.0.1:port`` (synchronous).
 
-    An error reply is raised as :class:`RuntimeError` naming the command.
+    ``password``: ``AUTH`` first.  An error reply is raised as
+    :class:`RuntimeError` naming the command.
     """
     from ._transport._connection import pack_command
 
+    sent = [("AUTH", password), args] if password is not None else [args]
+    replies: list[Any] = []
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
-        s.sendall(pack_command(args))
+        s.sendall(b"".join(pack_command(c) for c in sent))
         reader = hiredis.Reader()
-        while True:
+        while len(replies) < len(sent):
             reply = reader.gets()
             if reply is not False:
-                break
+                replies.append(reply)
+                continue
             data = s.recv(65536)
             if not data:
                 raise ConnectionError(f"127.0.0.1:{port} closed the connection")
             reader.feed(data)
-    if isinstance(reply, hiredis.ReplyError):
-        raise RuntimeError(f"{args[0]!r} on 127.0.0.1:{port}: {reply}")
-    return reply
+    for cmd, reply in zip(sent, replies, strict=True):
+        if isinstance(reply, hiredis.ReplyError):
+            raise RuntimeError(f"{cmd[0]!r} on 127.0.0.1:{port}: {reply}")
+    return replies[-1]
 
 
 def _info(text: bytes) -> dict[str, str]:
@@ -543,19 +551,25 @@ class RedisCluster:
 # -- Redis Sentinel ----------------------------------------------------------------
 
 
+def _quoted(value: str) -> str:
+    """``value`` as a double-quoted string of a redis.conf line."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 class _SentinelProcess(RedisServer):
     """One ``redis-server <conf> --sentinel`` process (its config file is generated)."""
 
-    def __init__(self, *, binary: str, monitor: str, port: int | None = None) -> None:
-        super().__init__(binary=binary, port=port)
+    def __init__(self, *, binary: str, monitor: str, password: str | None = None) -> None:
+        super().__init__(binary=binary, password=password)
         self.monitor = monitor  # the "sentinel ..." lines of the config
 
     def _args(self) -> list[str]:
         assert self.dir is not None
         conf = self.dir / "sentinel.conf"
+        auth = f"requirepass {_quoted(self.password)}\n" if self.password is not None else ""
         conf.write_text(
             f"port {self.port}\nbind 127.0.0.1\ndir {self.dir}\ndaemonize no\n"
-            f"logfile {self.dir / 'redis.log'}\n{self.monitor}"
+            f"logfile {self.dir / 'redis.log'}\n{auth}{self.monitor}"
         )
         return [self.binary, str(conf), "--sentinel"]
 
@@ -574,6 +588,9 @@ class RedisSentinel:
         replicas: how many replicas (at least 1).
         sentinels: how many sentinels.
         binary: the ``redis-server``; default :func:`find_redis_server`.
+        password: ``requirepass`` (and ``masterauth``) of master and replicas;
+            the sentinels are told it (``sentinel auth-pass``).
+        sentinel_password: the sentinels' own ``requirepass``.
         extra_args: more ``redis-server`` arguments for master and replicas.
     """
 
@@ -587,6 +604,8 @@ class RedisSentinel:
         down_after: float = 1.0,
         failover_timeout: float = 5.0,
         binary: str | None = None,
+        password: str | None = None,
+        sentinel_password: str | None = None,
         extra_args: Sequence[str] = (),
     ) -> None:
         if replicas < 1 or sentinels < 1 or not 1 <= quorum <= sentinels:
@@ -601,6 +620,8 @@ class RedisSentinel:
         self.down_after = down_after
         self.failover_timeout = failover_timeout
         self.binary = binary or find_redis_server()
+        self.password = password
+        self.sentinel_password = sentinel_password
         self.extra_args = tuple(extra_args)
         self.servers: list[RedisServer] = []
         self.sentinels: list[RedisServer] = []
@@ -612,9 +633,12 @@ class RedisSentinel:
 
     @property
     def url(self) -> str:
-        """``redis+sentinel://127.0.0.1:s1,127.0.0.1:s2,.../<service_name>/0``."""
+        """``redis+sentinel://[:password@]127.0.0.1:s1,.../<service_name>/0[?sentinel_password=]``."""
         nodes = ",".join(f"127.0.0.1:{p}" for p in self.sentinel_ports)
-        return f"redis+sentinel://{nodes}/{self.service_name}/0"
+        auth = f":{quote(self.password, safe='')}@" if self.password is not None else ""
+        query = ("" if self.sentinel_password is None
+                 else f"?sentinel_password={quote(self.sentinel_password, safe='')}")
+        return f"redis+sentinel://{auth}{nodes}/{self.service_name}/0{query}"
 
     @property
     def version(self) -> tuple[int, int, int]:
@@ -626,7 +650,8 @@ class RedisSentinel:
         error: Exception | None = None
         for port in ports:
             try:
-                return command(port, "SENTINEL", *args, timeout=2.0)
+                return command(port, "SENTINEL", *args, timeout=2.0,
+                               password=self.sentinel_password)
             except (OSError, ConnectionError) as e:
                 error = e
         raise RuntimeError(f"no sentinel answered SENTINEL {args!r}: {error}")
@@ -658,16 +683,17 @@ class RedisSentinel:
 
     def command(self, port: int, *args: str | bytes | int | float) -> Any:
         """One command on the server at ``port`` (see :func:`command`)."""
-        return command(port, *args)
+        return command(port, *args, password=self.password)
 
     def role(self, port: int) -> str:
         """``ROLE`` of the server on ``port``: ``master`` or ``slave``."""
-        return str(command(port, "ROLE", timeout=2.0)[0].decode())
+        return str(command(port, "ROLE", timeout=2.0, password=self.password)[0].decode())
 
     # -- lifecycle ---------------------------------------------------------------------
     def _data_args(self) -> list[str]:
+        auth = [] if self.password is None else ["--masterauth", self.password]
         return ["--repl-diskless-sync", "yes", "--repl-diskless-sync-delay", "0",
-                "--repl-ping-replica-period", "1", *self.extra_args]
+                "--repl-ping-replica-period", "1", *auth, *self.extra_args]
 
     def _monitor(self, master_port: int) -> str:
         name = self.service_name
@@ -676,22 +702,25 @@ class RedisSentinel:
             f"sentinel down-after-milliseconds {name} {max(1, round(self.down_after * 1000))}\n"
             f"sentinel failover-timeout {name} {max(1, round(self.failover_timeout * 1000))}\n"
             f"sentinel parallel-syncs {name} 1\n"
+            + ("" if self.password is None else f"sentinel auth-pass {name} {_quoted(self.password)}\n")
         )
 
     def start(self, timeout: float = 30.0) -> RedisSentinel:
         """Start master, replicas and sentinels; wait until all agree (see :meth:`wait_ready`)."""
         try:
-            master = RedisServer(binary=self.binary, extra_args=self._data_args())
+            master = RedisServer(binary=self.binary, password=self.password,
+                                 extra_args=self._data_args())
             self.servers.append(master.start())
             for _ in range(self.replica_count):
                 replica = RedisServer(
-                    binary=self.binary,
+                    binary=self.binary, password=self.password,
                     extra_args=[*self._data_args(), "--replicaof", "127.0.0.1", str(master.port)],
                 )
                 self.servers.append(replica.start())
             self._wait_synced(master.port, timeout)
             for _ in range(self.sentinel_count):
-                sentinel = _SentinelProcess(binary=self.binary, monitor=self._monitor(master.port))
+                sentinel = _SentinelProcess(binary=self.binary, monitor=self._monitor(master.port),
+                                            password=self.sentinel_password)
                 self.sentinels.append(sentinel.start())
             self.wait_ready(timeout)
         except BaseException:
@@ -702,7 +731,7 @@ class RedisSentinel:
     def _wait_synced(self, master_port: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while True:
-            info = _info(command(master_port, "INFO", "replication"))
+            info = _info(self.command(master_port, "INFO", "replication"))
             online = sum(1 for k, v in info.items() if k.startswith("slave") and "online" in v)
             if online >= len(self.servers) - 1:
                 return
