@@ -49,10 +49,9 @@ from trio_redis_finalize import (
     open_consumer,
     retry_after,
 )
-from trio_redis_finalize._transport import Client, open_client, parse_url
+from trio_redis_finalize._transport import Client, open_client, parse_url, sentinel_params
 from trio_redis_finalize._transport._connection import open_connection
 from trio_redis_finalize._transport._sentinel import MasterConnection, SentinelClient, not_master
-from trio_redis_finalize._transport._url import sentinel_params
 from trio_redis_finalize.testing import RedisSentinel, RedisServer
 
 RESUME_BOUND = 30.0  # test deadline; DESIGN: consumption resumes within 20 s
