@@ -52,7 +52,7 @@ from trio_redis_finalize import (
 from trio_redis_finalize._transport import Client, open_client, parse_url, sentinel_params
 from trio_redis_finalize._transport._connection import open_connection
 from trio_redis_finalize._transport._sentinel import MasterConnection, SentinelClient, not_master
-from trio_redis_finalize.testing import RedisSentinel, RedisServer
+from trio_redis_finalize.testing import RedisSentinel, RedisServer, free_port
 
 RESUME_BOUND = 30.0  # test deadline; DESIGN: consumption resumes within 20 s
 
@@ -154,8 +154,6 @@ def test_not_master_matches_prefixes_bare_and_wrapped() -> None:
 
 
 async def test_unreachable_sentinels_raise_naming_each() -> None:
-    from trio_redis_finalize.testing import free_port
-
     ports = [free_port(), free_port()]
     url = f"redis+sentinel://127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}/svc"
     with trio.fail_after(10), pytest.raises(rexc.ConnectionError) as err:
@@ -224,6 +222,14 @@ async def test_consumer_from_a_sentinel_url_consumes_on_the_master(
         async with await client.connect() as again:  # the sentinels asked again: the master
             assert again.params.port == master
         await client.aclose()
+
+        # no sentinel answers (here: none listens): the last known master still serves
+        lonely = SentinelClient(sentinel_params([f"127.0.0.1:{free_port()}"], top.service_name))
+        await lonely._switch_to(("127.0.0.1", master), "known before the sentinels went away")
+        lonely.suspect(("127.0.0.1", master), "a lost connection (test)")
+        async with await lonely.connect() as conn:
+            assert conn.params.port == master and await conn.execute("PING") == b"PONG"
+        await lonely.aclose()
 
         # the sentinel the producer follows +switch-master on dies: the next one takes over
         followed = producer.subscribed_to

@@ -12,6 +12,8 @@ for a ``redis+sentinel://`` URL (or :func:`~._url.sentinel_params`).
   master (a stale answer during a failover) is refused; the client asks the
   sentinels again once, and raises ``ConnectionError`` if that does not give
   a master either (the caller backs off and tries again).
+* **Sentinels down:** the last known master is used while it answers
+  ``ROLE`` master (no sentinel is needed to keep consuming).
 * **Rediscovery:** a connection to the master that is lost, or answers
   ``READONLY`` / ``MASTERDOWN`` (the server is a replica now), makes the next
   new connection ask the sentinels again; a connection that got ``READONLY``
@@ -261,7 +263,14 @@ class SentinelClient(Client):
             epoch = self._epoch
             fresh = self._stale or self._master_params is None
             if fresh:
-                await self.discover(epoch)
+                try:
+                    await self.discover(epoch)
+                except rexc.ConnectionError as e:
+                    if self._master_params is None:
+                        raise
+                    # no sentinel answers: the last known master may still be one
+                    # (the ROLE check below says whether it is)
+                    log.warning("%s; trying the last known master", e)
             params = self._master_params
             assert params is not None and self._master is not None
             addr = self._master
