@@ -74,7 +74,7 @@ def test_cluster_url() -> None:
         parse_url("redis+cluster://h1:1/3")
 
 
-@pytest.mark.parametrize("scheme", ["http", "tcp", "valkey", "redis+sentinel"])
+@pytest.mark.parametrize("scheme", ["http", "tcp", "valkey", "redis+sentinal"])
 def test_bad_scheme(scheme: str) -> None:
     with pytest.raises(ValueError) as err:
         parse_url(f"{scheme}://h:1/0")

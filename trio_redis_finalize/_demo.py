@@ -37,7 +37,7 @@ from ._plan import DEAD_ATTEMPT
 from ._reliable_list import ReliableListSubscription
 from ._stream import StreamSubscription
 from ._subscription import DelayedRetry, Mode, Subscription
-from ._transport import Client, Connection, open_client, open_connection, parse_url
+from ._transport import Client, Connection, ConnectionParams, open_client, open_connection, parse_url
 
 __all__ = ["demo", "parse_monitor_line"]
 
@@ -145,8 +145,8 @@ class Group:
 class Monitor:
     """Reads MONITOR on its own connection; keeps the demo's finalization commands."""
 
-    def __init__(self, url: str, marker: bytes) -> None:
-        self.params = parse_url(url)
+    def __init__(self, url: str | ConnectionParams, marker: bytes) -> None:
+        self.params = parse_url(url) if isinstance(url, str) else url
         self.marker = marker
         self.groups: list[Group] = []
         self.synced = anyio.Event()
@@ -498,8 +498,8 @@ async def _demo(url: str, verbose: bool, per_cell: int) -> tuple[int, int]:
         version = await client.execute("INFO", "server")
         ver = next((line.split(":", 1)[1] for line in version.decode().splitlines()
                     if line.startswith("redis_version:")), "?")
-        _out(f"redis-server {ver} at {client.params.address}; keys prefixed {run}")
-        monitor = Monitor(url, run.encode())
+        _out(f"redis-server {ver} at {client.server_params.address}; keys prefixed {run}")
+        monitor = Monitor(client.server_params, run.encode())  # a sentinel URL: the master
         try:
             async with anyio.create_task_group() as tg:
                 await tg.start(monitor.run)

@@ -11,7 +11,10 @@
   :class:`~trio_redis_finalize.testing.RedisCluster` for the whole session
   (skipped, with the reason, only when the binary cannot run a cluster);
   ``redis_cluster_url``: its ``redis+cluster://`` URL, every master flushed
-  before each test.
+  before each test;
+* ``redis_sentinel``: a fresh
+  :class:`~trio_redis_finalize.testing.RedisSentinel` topology per test (a
+  master, a replica, three sentinels; ``.url`` is ``redis+sentinel://``).
 
 :func:`consume_until` also works outside pytest (any trio or anyio code).
 
@@ -49,7 +52,7 @@ import pytest
 from ._consumer import _sole, open_consumer
 from ._outcome import RETRY, Outcome
 from ._transport._connection import pack_command
-from .testing import ClusterUnavailable, RedisCluster, RedisServer
+from .testing import ClusterUnavailable, RedisCluster, RedisSentinel, RedisServer
 
 if TYPE_CHECKING:
     from ._delivery import Delivery
@@ -247,3 +250,16 @@ def redis_cluster_url(redis_cluster: RedisCluster) -> str:
     """The cluster's ``redis+cluster://`` URL, every master flushed before the test."""
     redis_cluster.flushall()
     return redis_cluster.url
+
+
+@pytest.fixture
+def redis_sentinel() -> Iterator[RedisSentinel]:
+    """A fresh Sentinel topology for one test: a master, a replica, three sentinels.
+
+    Fresh per test, because failovers move the master (about 2 s to start:
+    the sentinels must find each other).  ``redis_sentinel.url`` is the
+    ``redis+sentinel://`` URL; ``failover()``, ``kill_master()`` and
+    ``wait_master()`` move the master.  ``down-after-milliseconds`` is 1000.
+    """
+    with RedisSentinel() as topology:
+        yield topology

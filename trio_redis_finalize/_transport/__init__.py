@@ -4,7 +4,8 @@ anyio byte streams, ``hiredis`` for packing commands and parsing replies,
 redis-py's exception classes.  One request in flight per connection; a
 connection interrupted mid-request is closed, never reused; no automatic
 retries.  See ``_client.Client`` for the interface the consumer uses, and
-``_cluster.ClusterClient`` for the same interface on Redis Cluster.
+``_cluster.ClusterClient`` for the same interface on Redis Cluster,
+``_sentinel.SentinelClient`` for a master found through Redis Sentinel.
 """
 
 from ._client import Client, Script, open_client
@@ -24,7 +25,8 @@ from ._connection import (
     with_context,
 )
 from ._pubsub import Message, PubSub
-from ._url import ConnectionParams, parse_url
+from ._sentinel import SentinelClient
+from ._url import ConnectionParams, parse_url, sentinel_params
 
 __all__ = [
     "DEFERRED_REPLIES",
@@ -40,6 +42,7 @@ __all__ = [
     "PubSub",
     "RoutedConnection",
     "Script",
+    "SentinelClient",
     "WrongTypeError",
     "command_keys",
     "describe",
@@ -47,6 +50,7 @@ __all__ = [
     "open_connection",
     "pack_command",
     "parse_url",
+    "sentinel_params",
     "slot_of",
     "with_context",
 ]

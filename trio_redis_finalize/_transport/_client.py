@@ -54,6 +54,10 @@ def _is_evalsha(cmd: Command) -> bool:
     return cmd[0] == b"EVALSHA" or (isinstance(cmd[0], str) and cmd[0].upper() == "EVALSHA")
 
 
+HEALTH_CHECK_TIMEOUT = 1.0
+"""Deadline of the ``PING`` that checks an idle pooled connection before reuse."""
+
+
 class Client:
     """A pool of at most ``max_connections`` connections to one server.
 
@@ -62,23 +66,36 @@ class Client:
     was interrupted mid-request is closed, and its slot is then filled with a
     fresh connection on demand.
 
+    Connections that notice silence: an idle connection is reused only after
+    a ``PING`` (deadline ``health_check_timeout``) when it has been idle
+    ``params.health_check_interval`` seconds or more, so a connection a
+    firewall or a partition silently cut costs a short check, not a command's
+    whole deadline; a failed check closes it and every connection idle even
+    longer.  (Every connection also has TCP keepalive, ``params.keepalive``.)
+
     Use :func:`open_client` to build one.
     """
 
     def __init__(
-        self, params: ConnectionParams, *, name: str | None = None, max_connections: int = 32
+        self, params: ConnectionParams, *, name: str | None = None, max_connections: int = 32,
+        health_check_timeout: float = HEALTH_CHECK_TIMEOUT,
     ) -> None:
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+        if not health_check_timeout > 0:
+            raise ValueError(f"health_check_timeout must be > 0, got {health_check_timeout!r}")
         self.params = params
         self.name = name
         self.max_connections = max_connections
+        self.health_check_timeout = health_check_timeout
         # fast_acquire: no extra trip through the scheduler when a slot is free;
         # a released slot still goes to the longest waiter first.
         self._slots = anyio.Semaphore(max_connections, fast_acquire=True)
-        self._idle: list[Connection] = []
+        self._idle: list[tuple[Connection, float]] = []  # (connection, idle since), oldest first
         self._closed = False
         self.connections_opened = 0
+        self.health_checks = 0
+        self.health_check_failures = 0
 
     # -- pool --------------------------------------------------------------
     @property
@@ -89,20 +106,48 @@ class Client:
     def free_slots(self) -> int:
         return self._slots.value
 
+    @property
+    def server_params(self) -> ConnectionParams:
+        """The parameters of the server commands go to now (a Sentinel client: the master's)."""
+        return self.params
+
+    async def _dial(self, name: str | None) -> Connection:
+        """A new connection to the server (pooled or dedicated)."""
+        return await open_connection(self.params, name=name)
+
     async def _open(self) -> Connection:
         if self._closed:
             raise rexc.ConnectionError("client is closed")
-        conn = await open_connection(self.params, name=self.name)
+        conn = await self._dial(self.name)
         self.connections_opened += 1
         return conn
 
     async def _lease(self) -> Connection:
         idle = self._idle
         while idle:
-            conn = idle.pop()
-            if not conn.broken:
-                return conn
+            conn, since = idle.pop()  # the most recently used first
+            if conn.broken:
+                continue
+            quiet = anyio.current_time() - since >= self.params.health_check_interval
+            if quiet and not await self._healthy(conn):
+                # the others have been idle even longer: most likely just as dead
+                stale, self._idle = self._idle, []
+                for other, _ in stale:
+                    await other.aclose()
+                break
+            return conn
         return await self._open()
+
+    async def _healthy(self, conn: Connection) -> bool:
+        """``PING`` an idle connection before reuse; a failed one is closed."""
+        self.health_checks += 1
+        try:
+            await conn.execute("PING", timeout=self.health_check_timeout)
+        except (rexc.RedisError, OSError):
+            self.health_check_failures += 1
+            await conn.aclose()
+            return False
+        return True
 
     async def _release(self, conn: Connection) -> None:
         """Give ``conn`` back: kept when healthy, else closed (never reused).
@@ -112,12 +157,12 @@ class Client:
         and each would otherwise cost a caller one more ``ConnectionError``.
         """
         if not conn.broken and not self._closed:
-            self._idle.append(conn)
+            self._idle.append((conn, anyio.current_time()))
             return
         await conn.aclose()  # shielded; a no-op when already closed
         if conn.lost:
             idle, self._idle = self._idle, []
-            for other in idle:
+            for other, _ in idle:
                 await other.aclose()
 
     @asynccontextmanager
@@ -213,14 +258,14 @@ class Client:
         the connection will serve (Redis Cluster connects to its node; one
         server ignores it).
         """
-        return await open_connection(self.params, name=name or self.name)
+        return await self._dial(name or self.name)
 
     @asynccontextmanager
     async def pubsub(
         self, *, name: str | None = None, max_pending: int = 1000, key: Arg | None = None
     ) -> AsyncIterator[PubSub]:
         """A Pub/Sub connection, closed on exit (``key``: as for :meth:`connect`)."""
-        conn = await open_connection(self.params, name=name or self.name)
+        conn = await self._dial(name or self.name)
         ps = PubSub(conn, max_pending=max_pending)
         try:
             yield ps
@@ -235,7 +280,7 @@ class Client:
         """Close every idle connection; leased ones close when given back."""
         self._closed = True
         idle, self._idle = self._idle, []
-        for conn in idle:
+        for conn, _ in idle:
             await conn.aclose()
 
 
@@ -259,7 +304,10 @@ async def open_client(
 
     A ``redis+cluster://`` URL gives a :class:`~._cluster.ClusterClient` (the
     same interface, commands routed by hash slot); it reads the slot map
-    from the first seed node that answers.
+    from the first seed node that answers.  A ``redis+sentinel://`` URL (or
+    :func:`~._url.sentinel_params`) gives a :class:`~._sentinel.SentinelClient`:
+    commands go to the master the sentinels name, and a background task
+    follows ``+switch-master`` while the client is open.
 
     Raises:
         ValueError: the URL is not understood.
@@ -271,6 +319,17 @@ async def open_client(
         from ._cluster import ClusterClient
 
         client = ClusterClient(params, name=name, max_connections=max_connections)
+    elif params.sentinels:
+        from ._sentinel import SentinelClient
+
+        sentinel = SentinelClient(params, name=name, max_connections=max_connections)
+        try:
+            async with sentinel.following():
+                await sentinel.check()
+                yield sentinel
+        finally:
+            await sentinel.aclose()
+        return
     else:
         client = Client(params, name=name, max_connections=max_connections)
     try:

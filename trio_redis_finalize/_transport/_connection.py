@@ -23,6 +23,7 @@ import hiredis
 from redis import exceptions as rexc
 from redis._parsers.base import BaseParser
 
+from ._keepalive import set_keepalive
 from ._url import ConnectionParams
 
 __all__ = [
@@ -338,6 +339,7 @@ async def open_connection(
             stream = await _connect_stream(params)
     except (OSError, TimeoutError, anyio.BrokenResourceError) as e:
         raise rexc.ConnectionError(f"cannot connect to {params.address}: {e!r}") from e
+    set_keepalive(stream, params.keepalive)
     conn = factory(stream, params)
     cmds = [*_handshake(params, name), *extra]
     if cmds:
