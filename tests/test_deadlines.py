@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import anyio
 import pytest
 import trio
 from faults.chaosproxy import ChaosProxy
@@ -90,3 +91,21 @@ async def test_pooled_commands_have_a_default_deadline(proxy: ChaosProxy) -> Non
             with pytest.raises(rexc.TimeoutError):
                 await client.pipeline([("SET", "hb", "1"), ("HSET", "reg", "c", "p")])
         proxy.heal()
+
+
+def test_mount_honours_cancellation_on_asyncio(redis_server: RedisServer, redis_url: str) -> None:
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            p = ChaosProxy(upstream_port=redis_server.port)
+            await tg.start(p.serve)
+            async with open_consumer(p.url, name="c1", shutdown_grace=0.1) as consumer:
+                p.stall()
+                with anyio.fail_after(4):
+                    with anyio.move_on_after(0.3) as scope:
+                        await consumer.mount(StreamSubscription("s", "g"), _ack)
+                assert scope.cancelled_caught
+                assert consumer.mounts == []
+                p.heal()
+            tg.cancel_scope.cancel()
+
+    anyio.run(main, backend="asyncio")
