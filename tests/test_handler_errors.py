@@ -115,3 +115,23 @@ async def test_own_cancellation_still_ends_the_handler(redis_url: str, client: C
             await started.wait()
     assert consumer.stats()[NAME]["handler_errors"] == 0
     assert await _pending(client) == 1
+
+
+async def test_system_exit_from_handler_ends_the_consumer(redis_url: str, client: Client) -> None:
+    """SystemExit (like KeyboardInterrupt, GeneratorExit) is not a handler error:
+    it ends the consumer; the entry stays pending."""
+    await client.execute("XADD", "s", "*", "n", "0")
+
+    async def handler(d: Delivery) -> Outcome:
+        raise SystemExit(3)
+
+    with trio.fail_after(10):
+        with pytest.raises(BaseException) as info:
+            async with open_consumer(redis_url, name="c1", shutdown_grace=0.2) as consumer:
+                await consumer.mount(StreamSubscription("s", "g", block=0.1), handler)
+                await trio.sleep_forever()
+    exc: BaseException = info.value
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    assert isinstance(exc, SystemExit), repr(info.value)
+    assert await _pending(client) == 1
