@@ -81,3 +81,20 @@ def test_any_error_or_missing_step_is_failed(replies: list[Any], at: int) -> Non
     assert settle(p, with_error) == FAILED
     if len(replies) < len(p.commands):
         assert settle(p, replies) == FAILED
+
+
+def test_first_round_holds_back_the_removal_of_a_cross_slot_copy() -> None:
+    """The finalizer's first pipeline carries only the copy of an ungated
+    two-step plan; its XACK waits for the copy's reply (sans-IO part)."""
+    from trio_redis_finalize._mount import first_round
+
+    cross = _plan(RETRY, cluster=True, attempt=3, max_attempts=3, dead_letter="dead-orders")
+    gated = _plan(RETRY)
+    ack = _plan(ACK)
+    fast = [("XACK", "orders", "billing", "5-0", "6-0")]
+    commands, owners, rest = first_round(fast, [cross, gated, ack])
+    names = [c[0] for c in commands]
+    assert names == ["XACK", "XADD", b"EVALSHA"]
+    assert commands[0] == ("XACK", "orders", "billing", "5-0", "6-0", "1-0")  # merged
+    assert owners == [(-1, 2), (0,), (1,)]
+    assert rest == [[cross.commands[1]], [], []]
