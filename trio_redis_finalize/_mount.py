@@ -554,9 +554,12 @@ class Mount:
                 again_owners: list[tuple[int, ...]] = []
                 step: list[Command] = []  # next steps of two-step plans whose copy succeeded
                 step_owners: list[tuple[int, ...]] = []
+                deferred = ""
                 for cmd, r, own in zip(commands, replies, owners, strict=True):
                     if isinstance(r, Exception):
                         if classify(r) is not FINAL:
+                            if not again:
+                                deferred = describe_error(r, cmd)
                             again.append(cmd)
                             again_owners.append(own)
                             continue
@@ -575,7 +578,7 @@ class Mount:
                 if again:
                     self.stats.finalize_errors += 1
                     log.warning("%s: finalization deferred by the server (%s); sending again",
-                                self.name, describe_error(again_error(replies), again[0]),
+                                self.name, deferred,
                                 extra={"subscription": self.name})
                     await anyio.sleep(backoff(attempt))
                     attempt += 1
@@ -636,11 +639,6 @@ class Mount:
 
 _FAST_ONLY = (-1,)
 """Owner of a command that removes the hot path's deliveries (no plan)."""
-
-
-def again_error(replies: Sequence[Any]) -> Exception:
-    """The first error reply among ``replies`` (for a log line)."""
-    return next(r for r in replies if isinstance(r, Exception))
 
 
 def first_round(
