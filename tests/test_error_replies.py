@@ -23,6 +23,7 @@ from trio_redis_finalize import (
     Delivery,
     ListSubscription,
     Outcome,
+    ReliableListSubscription,
     StreamSubscription,
     open_consumer,
     retry_after,
@@ -134,23 +135,32 @@ async def test_final_error_on_delayed_copy_is_counted_not_released(
 # -- item 8: transient replies never end a reader ------------------------------------
 
 
-async def test_busy_server_does_not_end_stream_reader(
-    redis_url: str, redis_server: RedisServer, client: Client
+@pytest.mark.parametrize("form", ["stream", "reliable-list", "list"])
+async def test_busy_server_does_not_end_a_reader(
+    redis_url: str, redis_server: RedisServer, client: Client, form: str
 ) -> None:
     seen: list[bytes] = []
 
     async def handler(d: Delivery) -> Outcome:
-        seen.append(d.fields[b"n"])
+        seen.append(d.fields[b"n"] if d.data is None else d.data)
         return ACK
 
+    sub = {
+        "stream": StreamSubscription("s", "g", block=0.05),
+        "reliable-list": ReliableListSubscription("q", block=0.05),
+        "list": ListSubscription("l", block=0.05),
+    }[form]
     async with open_consumer(redis_url, name="c1") as consumer:
-        await consumer.mount(StreamSubscription("s", "g", block=0.05), handler)
+        await consumer.mount(sub, handler)
         name = consumer.mounts[0].name
         async with busy_server(redis_server):
             # the blocked read times out, then every new request is answered BUSY
             await eventually(lambda: consumer.stats()[name]["read_errors"] >= 3, timeout=10,
                              what="BUSY reads")
-        await client.execute("XADD", "s", "*", "n", "after")
+        if form == "stream":
+            await client.execute("XADD", "s", "*", "n", "after")
+        else:
+            await client.execute("LPUSH", "q" if form == "reliable-list" else "l", "after")
         await eventually(lambda: seen == [b"after"], timeout=10, what="reading again")
 
 
