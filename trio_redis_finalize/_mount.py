@@ -14,9 +14,19 @@ one delivery at a time from it: fast handlers drain a batch in one task
 without a switch per delivery, slow ones share it delivery by delivery (no
 task idles behind another's slow delivery).  Outcomes travel in lists over a
 bounded channel, flushed when the queue runs dry or every ``_FLUSH_EVERY``
-seconds; the finalizer drains the outcome receiver until every sender (the
-reader's and the handlers') has closed.  The reader owns a dedicated
+seconds (a flusher task hands on what waits while its handler task runs a
+slow handler, so no outcome waits behind another delivery); the finalizer
+drains the outcome receiver until every sender (the reader's and the
+handlers') has closed.  The reader owns a dedicated
 connection; the finalizer uses the pool.
+
+The finalizer sends each batch in one pipeline.  An error reply is
+classified (``_transport.classify``): one that did not run (OOM, BUSY,
+READONLY ...) is sent again after a backoff, alone; a final one is logged
+with its command and key and counted (effect ``failed``).  A plan of two
+ungated steps (a copy to another Redis Cluster slot, then the removal of
+the original) sends its removal in a later round, only once the copy
+succeeded.  Effects are counted from the replies (``_plan.settle``).
 
 Shutdown (:meth:`Mount.stop`): cancel the reader; handlers finish what they
 hold within ``shutdown_grace`` and start nothing new; the finalizer sends
