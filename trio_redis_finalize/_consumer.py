@@ -214,14 +214,14 @@ class Scheduler:
                     left.extend((chains[i][0], tuple(chains[i][1])) for i in live)
                     return left
                 replies = [e] * len(commands)
-            deferred: Exception | None = None
+            deferred: str | None = None
             step: list[int] = []
             for i, cmd, r in zip(live, commands, replies, strict=True):
                 mount, cmds = chains[i]
                 if isinstance(r, Exception):
                     mount.stats.finalize_errors += 1
                     if classify(r) is not FINAL:
-                        deferred = r
+                        deferred = deferred or describe_error(r, cmd)
                         left.append((mount, tuple(cmds)))
                         continue
                     mount.stats.effects[FAILED] += 1
