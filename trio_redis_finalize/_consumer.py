@@ -18,11 +18,16 @@ from redis import exceptions as rexc
 from ._delivery import Delivery
 from ._mount import FINALIZE_TIMEOUT, Handler, Mount, Reader, backoff, describe_error, log
 from ._outcome import RETRY, Outcome
-from ._plan import plan
+from ._plan import FAILED, GATE_CLOSED, plan
 from ._subscription import Form, Subscription
-from ._transport import DEFERRED_REPLIES, Client, ClusterClient, Command, open_client
+from ._transport import FINAL, Client, ClusterClient, Command, classify, open_client
 
 __all__ = ["Consumer", "open_consumer"]
+
+
+MOUNT_TIMEOUT = 15.0
+"""Seconds within which a ``mount()`` whose set-up gets no answer fails (the
+bound the per-command deadlines keep; see ``Consumer.mount``)."""
 
 
 def _default_name() -> str:
@@ -44,10 +49,13 @@ class Scheduler:
       max_held_copies=...)``).  Past that, a new delayed retry goes out at
       once (a warning is logged, at most every few seconds, with the count)
       rather than growing memory.
-    * A batch whose send fails (connection lost, timeout) goes back into the
-      heap and is sent again after a backoff: a copy is never dropped while
-      the consumer runs.  A send whose reply was lost may be repeated, so a
-      fault can duplicate a copy, never lose it.
+    * A copy whose send fails (connection lost, timeout, or an error reply
+      saying the server did not run it: OOM, READONLY, BUSY ...) goes back
+      into the heap and is sent again after a backoff: a copy is never
+      dropped while the consumer runs.  A final error reply (WRONGTYPE ...)
+      is logged with its key and command and counted, not "released".  A
+      send whose reply was lost may be repeated, so a fault can duplicate a
+      copy, never lose it.
     * :meth:`flush` (graceful shutdown) sends every held copy at once: early
       rather than lost.  Only a crash of the process loses held copies (a
       reliable list's original is still in its processing list then).
@@ -139,13 +147,14 @@ class Scheduler:
                     batch = self._take_due(anyio.current_time())
                     if not batch:
                         continue
-                    if await self._send(batch):
+                    left = await self._send(batch)
+                    if not left:
                         self._failures = 0
                         continue
                     # back into the heap, due after a backoff (never dropped)
                     due = anyio.current_time() + backoff(self._failures, cap=5.0)
                     self._failures += 1
-                    for mount, commands in batch:
+                    for mount, commands in left:
                         self._push(due, mount, commands)
 
     async def flush(self, deadline: float) -> None:
@@ -159,7 +168,7 @@ class Scheduler:
                 return
             log.info("publishing %d held runtime delayed copies at shutdown", len(batch))
             attempt = 0
-            while not await self._send(batch):
+            while batch := await self._send(batch):
                 if anyio.current_time() + backoff(attempt) > deadline:
                     log.error(
                         "could not publish %d held runtime delayed copies before shutting "
@@ -172,29 +181,65 @@ class Scheduler:
                 await anyio.sleep(backoff(attempt))
                 attempt += 1
 
-    async def _send(self, batch: list[tuple[Mount, tuple[Command, ...]]]) -> bool:
-        """One pipelined attempt; False when its outcome is unknown (send again)."""
-        commands = [c for _, cmds in batch for c in cmds]
-        try:
-            replies = await self.client.pipeline(commands, raise_on_error=False, timeout=FINALIZE_TIMEOUT)
-        except (rexc.ConnectionError, rexc.TimeoutError, OSError) as e:
-            log.warning("sending %d delayed copies failed (%s); sending them again", len(batch), e)
-            return False
-        deferred = [r for r in replies if isinstance(r, DEFERRED_REPLIES)]
-        if deferred:  # the server did not run them (failover, loading...): again later
-            log.warning("sending %d delayed copies deferred by the server (%s); sending them again",
-                        len(batch), deferred[0])
-            return False
-        i = 0
-        for mount, cmds in batch:
-            for cmd in cmds:
-                r = replies[i]
-                i += 1
-                if isinstance(r, rexc.RedisError):
+    async def _send(
+        self, batch: list[tuple[Mount, tuple[Command, ...]]]
+    ) -> list[tuple[Mount, tuple[Command, ...]]]:
+        """Send the copies of ``batch``; returns what must be sent again.
+
+        Each entry's commands run in order, each only once the one before
+        it succeeded (a reliable list's cross-slot ``LPUSH`` copy, then the
+        ``LREM`` of the original).  A command the server did not run (OOM,
+        READONLY ...) or whose outcome is unknown (connection lost) comes
+        back, from that command on, to be sent again after a backoff; one
+        that got a final error reply is logged with its key and counted
+        (``finalize_errors``, effect ``failed``), never counted released.
+        """
+        chains = [(mount, list(cmds)) for mount, cmds in batch]
+        left: list[tuple[Mount, tuple[Command, ...]]] = []
+        live = [i for i, (_, cmds) in enumerate(chains) if cmds]
+        for mount, cmds in chains:
+            if not cmds:
+                mount.stats.effects["released"] += 1
+        gate_closed: set[int] = set()
+        while live:
+            commands = [chains[i][1][0] for i in live]
+            try:
+                replies: list[Any] = await self.client.pipeline(
+                    commands, raise_on_error=False, timeout=FINALIZE_TIMEOUT
+                )
+            except (rexc.RedisError, OSError) as e:
+                if classify(e) is not FINAL:
+                    log.warning("sending %d delayed copies failed (%s); sending them again",
+                                len(live), e)
+                    left.extend((chains[i][0], tuple(chains[i][1])) for i in live)
+                    return left
+                replies = [e] * len(commands)
+            deferred: str | None = None
+            step: list[int] = []
+            for i, cmd, r in zip(live, commands, replies, strict=True):
+                mount, cmds = chains[i]
+                if isinstance(r, Exception):
                     mount.stats.finalize_errors += 1
-                    log.error("%s: delayed copy failed: %s", mount.name, describe_error(r, cmd))
-            mount.stats.effects["released"] += 1
-        return True
+                    if classify(r) is not FINAL:
+                        deferred = deferred or describe_error(r, cmd)
+                        left.append((mount, tuple(cmds)))
+                        continue
+                    mount.stats.effects[FAILED] += 1
+                    log.error("%s: delayed copy failed: %s; it is not written", mount.name,
+                              describe_error(r, cmd), extra={"subscription": mount.name})
+                    continue
+                if r is None and cmd[0] == b"EVALSHA":
+                    gate_closed.add(i)  # the original is gone: nothing copied
+                cmds.pop(0)
+                if cmds:
+                    step.append(i)
+                else:
+                    mount.stats.effects[GATE_CLOSED if i in gate_closed else "released"] += 1
+            if deferred is not None:
+                log.warning("sending delayed copies deferred by the server (%s); sending "
+                            "them again", deferred)
+            live = step
+        return left
 
 
 class Consumer:
@@ -230,11 +275,17 @@ class Consumer:
             on_error: the outcome used when the handler raises or returns
                 something that is not an :class:`Outcome`.
 
+        The set-up (type checks, group creation, first reads) honours the
+        caller's cancellation, and fails within :data:`MOUNT_TIMEOUT` (15 s)
+        when the server does not answer.
+
         Raises:
             ValueError: bad ``concurrency`` / ``on_error`` / ``handler``; the
                 same subscription mounted already on this consumer.
             redis.exceptions.ResponseError: the key holds another type (the
                 message names key and type).
+            redis.exceptions.TimeoutError: a set-up command got no answer
+                (the message names command and key).
         """
         if self._closing:
             raise RuntimeError("consumer is shutting down")
@@ -254,6 +305,12 @@ class Consumer:
                              f"{self.name!r} (a second mount would handle everything twice)")
         reader = _reader_for(subscription)
         mount = Mount(self, subscription, handler, reader, target, concurrency=concurrency, on_error=on_error)
+        # Set-up runs in the caller's cancel scope (a move_on_after around
+        # mount() is honoured).  No overall deadline (re-reading a long PEL
+        # may take long, at the handlers' pace); every set-up command has its
+        # own (the pool's 5 s, a read's block + margin, the connect timeout),
+        # so a silent server fails the mount within MOUNT_TIMEOUT, naming the
+        # command and key.
         try:
             await self._tg.start(mount.run)
         except BaseExceptionGroup as eg:

@@ -14,7 +14,7 @@ from ._envelope import MAGIC, CorruptEnvelope, unwrap
 from ._mount import FINALIZE_TIMEOUT, Item, Mount, backoff, log
 from ._plan import Effect, Plan, Target, attempt_of, content_origin, plan_dead
 from ._subscription import Form, Subscription, check_key, check_limits, check_positive
-from ._transport import Client, Connection, WrongTypeError
+from ._transport import NOT_RUN, Client, Connection, WrongTypeError, classify
 
 __all__ = ["ListReader", "ListSubscription"]
 
@@ -133,13 +133,24 @@ class ListReader:
         return Plan(Effect.NOTHING, (("RPUSH", self.sub.key, *reversed(raws)),), gated=False)
 
     async def _give_back(self, mount: Mount, raws: list[bytes]) -> None:
-        with anyio.CancelScope(shield=True), anyio.move_on_after(FINALIZE_TIMEOUT):
-            try:
-                await mount.client.execute("RPUSH", self.sub.key, *reversed(raws),
-                                           timeout=FINALIZE_TIMEOUT)
-                return
-            except (rexc.ConnectionError, rexc.TimeoutError, rexc.ResponseError) as e:
-                log.error("%s: could not push %d popped elements back: %s", mount.name, len(raws), e)
+        with anyio.CancelScope(shield=True), anyio.move_on_after(FINALIZE_TIMEOUT) as scope:
+            attempt = 0
+            while True:
+                try:
+                    await mount.client.execute("RPUSH", self.sub.key, *reversed(raws),
+                                               timeout=FINALIZE_TIMEOUT)
+                    return
+                except (rexc.ConnectionError, rexc.TimeoutError, rexc.ResponseError) as e:
+                    if classify(e) is NOT_RUN:  # OOM, READONLY ...: did not run, again
+                        await anyio.sleep(backoff(attempt))
+                        attempt += 1
+                        continue
+                    log.error("%s: could not push %d popped elements back: %s",
+                              mount.name, len(raws), e)
+                    return
+        if scope.cancelled_caught:
+            log.error("%s: could not push %d popped elements back within %g s", mount.name,
+                      len(raws), FINALIZE_TIMEOUT)
 
     async def run(self, mount: Mount, *, task_status: TaskStatus[None]) -> None:
         sub = self.sub

@@ -14,9 +14,19 @@ one delivery at a time from it: fast handlers drain a batch in one task
 without a switch per delivery, slow ones share it delivery by delivery (no
 task idles behind another's slow delivery).  Outcomes travel in lists over a
 bounded channel, flushed when the queue runs dry or every ``_FLUSH_EVERY``
-seconds; the finalizer drains the outcome receiver until every sender (the
-reader's and the handlers') has closed.  The reader owns a dedicated
+seconds (a flusher task hands on what waits while its handler task runs a
+slow handler, so no outcome waits behind another delivery); the finalizer
+drains the outcome receiver until every sender (the reader's and the
+handlers') has closed.  The reader owns a dedicated
 connection; the finalizer uses the pool.
+
+The finalizer sends each batch in one pipeline.  An error reply is
+classified (``_transport.classify``): one that did not run (OOM, BUSY,
+READONLY ...) is sent again after a backoff, alone; a final one is logged
+with its command and key and counted (effect ``failed``).  A plan of two
+ungated steps (a copy to another Redis Cluster slot, then the removal of
+the original) sends its removal in a later round, only once the copy
+succeeded.  Effects are counted from the replies (``_plan.settle``).
 
 Shutdown (:meth:`Mount.stop`): cancel the reader; handlers finish what they
 hold within ``shutdown_grace`` and start nothing new; the finalizer sends
@@ -26,6 +36,7 @@ every outcome it was given (shielded, time-bounded), then the mount ends.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import sys
 from collections import deque
@@ -42,10 +53,20 @@ from redis import exceptions as rexc
 from ._delivery import Delivery, record_error
 from ._errors import AckUnsupported
 from ._outcome import Outcome, OutcomeKind
-from ._plan import Effect, Plan, Target, plain_removals, plan, removal_commands
+from ._plan import (
+    FAILED,
+    GATE_CLOSED,
+    Effect,
+    Plan,
+    Target,
+    plain_removals,
+    plan,
+    removal_commands,
+    settle,
+)
 from ._stats import MountStats
 from ._subscription import Subscription
-from ._transport import DEFERRED_REPLIES, Client, Command
+from ._transport import FINAL, Client, Command, classify
 
 if TYPE_CHECKING:
     from ._consumer import Consumer
@@ -215,7 +236,11 @@ class Mount:
         self._reader_scope = anyio.CancelScope()
         self._handlers_scope = anyio.CancelScope()
         self._finalizer_scope = anyio.CancelScope()
-        self._outer_scope = anyio.CancelScope(shield=True)
+        # shielded once the mount is reading (shutdown is stop()'s); not before:
+        # mount() honours its caller's cancellation during set-up
+        self._outer_scope = anyio.CancelScope()
+        self._flusher_idle = True
+        self._flusher_wake = anyio.Event()
         self._queue = _WorkQueue()
         osend, orecv = anyio.create_memory_object_stream[list[Item]](max(4, 2 * concurrency))
         self._outcome_send: Send[list[Item]] = osend
@@ -247,6 +272,7 @@ class Mount:
                     tg.start_soon(self._finalizer, self._outcome_recv)
                     tg.start_soon(self._handlers, handler_senders)
                     await tg.start(self._read)
+                    self._outer_scope.shield = True
                     task_status.started()
         finally:
             self.done.set()
@@ -282,9 +308,15 @@ class Mount:
     async def _handlers(self, senders: list[Send[list[Item]]]) -> None:
         try:
             with self._handlers_scope:
-                async with anyio.create_task_group() as tg:
-                    for send in senders:
-                        tg.start_soon(self._handler_loop, send)
+                async with anyio.create_task_group() as outer:
+                    waiting: list[tuple[list[Item], Send[list[Item]]]] = []
+                    outer.start_soon(self._flusher, waiting)
+                    async with anyio.create_task_group() as tg:
+                        for send in senders:
+                            results: list[Item] = []
+                            waiting.append((results, send))
+                            tg.start_soon(self._handler_loop, send, results)
+                    outer.cancel_scope.cancel()  # every loop ended: so does the flusher
         finally:
             # stopped, or cancelled at the grace deadline: what no handler
             # started goes back (one cancelled mid-handler stays pending)
@@ -297,20 +329,26 @@ class Mount:
                 for s in senders:
                     await s.aclose()
 
-    async def _handler_loop(self, send: Send[list[Item]]) -> None:
+    async def _handler_loop(self, send: Send[list[Item]], results: list[Item]) -> None:
+        """Call the handler on one delivery after another; hand outcomes on in lists.
+
+        ``results``: the outcomes not handed on yet.  The same list object all
+        along (copied and cleared, never replaced): :meth:`_flusher` hands on
+        what waits in it while this task runs a slow handler.
+        """
         queue = self._queue
         handler = self.handler
         stats = self.stats
         items = queue.items
-        results: list[Item] = []
         last_flush = monotonic()
         try:
             while not self.stopping:
                 d = queue.take()
                 if d is None:
                     if results:  # another task took the batch's last delivery
-                        await send.send(results)
-                        results = []
+                        batch = results[:]
+                        results.clear()
+                        await send.send(batch)
                     if not await queue.wait():
                         return
                     last_flush = monotonic()
@@ -322,6 +360,10 @@ class Mount:
                     outcome = await handler(d)
                 except Exception:
                     outcome = self._raised(d)
+                except BaseException as e:
+                    if self._own_exit(e):
+                        raise
+                    outcome = self._raised(d)  # e.g. asyncio.CancelledError of another task
                 else:
                     if outcome.__class__ is not Outcome and not isinstance(outcome, Outcome):
                         outcome = self._not_outcome(d, outcome)
@@ -330,23 +372,69 @@ class Mount:
                 results.append((d, outcome))
                 # Hand the outcomes on at the end of a batch, after a slow
                 # handler call (the send costs little beside it), or when the
-                # oldest has waited _FLUSH_EVERY; else gather more.
+                # oldest has waited _FLUSH_EVERY; else gather more (and should
+                # the next call be slow, the flusher hands them on meanwhile).
                 now = monotonic()
                 stats.durations.observe(now - start)
                 if last or now - start > _SLOW_CALL or now - last_flush > _FLUSH_EVERY:
-                    await send.send(results)
-                    results = []
+                    batch = results[:]
+                    results.clear()
+                    await send.send(batch)
                     last_flush = now
+                elif self._flusher_idle:
+                    self._flusher_idle = False
+                    self._flusher_wake.set()
         finally:
             if results:
+                batch = results[:]
+                results.clear()
                 with anyio.CancelScope(shield=True), anyio.move_on_after(FINALIZE_GRACE):
-                    await send.send(results)
+                    await send.send(batch)
+
+    async def _flusher(self, waiting: list[tuple[list[Item], Send[list[Item]]]]) -> None:
+        """Hand on outcomes that wait in a handler task's list while it runs a slow
+        handler: an outcome reaches the finalizer within about ``_FLUSH_EVERY``
+        of its handler returning, whatever the other handlers do.  Idle (no
+        timer) while no outcome waits."""
+        while True:
+            if self._flusher_idle:
+                await self._flusher_wake.wait()
+            await anyio.sleep(_FLUSH_EVERY)
+            found = False
+            for results, send in waiting:
+                if results:
+                    found = True
+                    batch = results[:]
+                    results.clear()
+                    # taken out of the list: must reach the finalizer
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(FINALIZE_GRACE):
+                        await send.send(batch)
+            if not found:
+                self._flusher_wake = anyio.Event()
+                self._flusher_idle = True
+
+    def _own_exit(self, e: BaseException) -> bool:
+        """Whether ``e``, raised by a handler, must end the handler task.
+
+        KeyboardInterrupt, SystemExit, GeneratorExit, and a cancellation of
+        this task's own (shutdown, an outer cancel scope) do; anything else
+        -- an ``asyncio.CancelledError`` of a task the handler awaited, any
+        other ``BaseException`` -- is a handler error like an exception.
+        """
+        if isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+            return True
+        # a cancelled scope around this task: the effective deadline is -inf
+        return anyio.current_effective_deadline() == -math.inf
 
     async def _call(self, d: Delivery) -> Outcome:
         """One handler call (the handler loop inlines the same steps)."""
         try:
             result = await self.handler(d)
         except Exception:
+            return self._raised(d)
+        except BaseException as e:
+            if self._own_exit(e):
+                raise
             return self._raised(d)
         if not isinstance(result, Outcome):
             return self._not_outcome(d, result)
@@ -437,54 +525,101 @@ class Mount:
                 plans.append((d, p))
                 returned.append(outcome)
         tally: list[tuple[OutcomeKind, int]] = []
+        fast: list[Command] = []
         if removed:
             tally = [(k, n) for k in removals if (n := kinds.count(k))]
             for kind, n in tally:
                 self.stats.outcomes[kind.value] += n
             fast = removal_commands(self.target, removed)
-            commands = merge_commands([fast, *[p.commands for _, p in plans]]) if plans else fast
+        got: list[list[Any]] = []  # per plan: the replies to its commands so far
+        fast_failed = False
+        if plans:
+            commands, owners, rest = first_round(fast, [p for _, p in plans])
+            got = [[] for _ in plans]
         else:
-            commands = merge_commands([p.commands for _, p in plans])
+            commands, owners, rest = fast, None, []
         if self._prepare is not None:
-            commands = self._prepare(commands)
-        replies: list[Any] = []
+            # the reader's say on the commands (reliable lists: counted gates
+            # for identical elements), once, before the first send: a resend
+            # sends the same commands
+            later = [c for r in rest for c in r]
+            prepared = self._prepare([*commands, *later])
+            commands = prepared[: len(commands)]
+            it = iter(prepared[len(commands):])
+            rest = [[next(it) for _ in r] for r in rest]
+        answered: list[Command] = []  # commands with a final reply, and those replies
+        answers: list[Any] = []
         attempt = 0
         try:
             while commands:
                 try:
-                    replies = await self.client.pipeline(
+                    replies: list[Any] = await self.client.pipeline(
                         commands, raise_on_error=False, timeout=FINALIZE_TIMEOUT
                     )
-                except (rexc.ConnectionError, rexc.TimeoutError, OSError) as e:
-                    # Outcome unknown: every command is idempotent or gated (or, for
-                    # cross-slot fallbacks, duplicates rather than loses): send again.
-                    self.stats.finalize_errors += 1
-                    log.warning(
-                        "%s: finalization of %d deliveries failed (%s); sending again",
-                        self.name, len(plans) + len(removed), e,
-                        extra={"subscription": self.name},
-                    )
-                    await anyio.sleep(backoff(attempt))
-                    attempt += 1
-                    continue
-                passing = [(cmd, r) for cmd, r in zip(commands, replies, strict=True)
-                           if isinstance(r, DEFERRED_REPLIES)]
-                if passing:
-                    # The server could not run them now (loading, failover,
-                    # slot migration): they did not run, so send again.
+                except (rexc.RedisError, OSError) as e:
+                    if classify(e) is FINAL:
+                        replies = [e] * len(commands)
+                    else:
+                        # Did not run, or outcome unknown: every command is
+                        # idempotent or gated (a two-step ungated plan's removal
+                        # is only sent once its copy succeeded): send again.
+                        self.stats.finalize_errors += 1
+                        log.warning(
+                            "%s: finalization of %d deliveries failed (%s); sending again",
+                            self.name, len(plans) + len(removed), e,
+                            extra={"subscription": self.name},
+                        )
+                        await anyio.sleep(backoff(attempt))
+                        attempt += 1
+                        continue
+                if owners is None:
+                    # the hot path: only removals; done unless an error reply came
+                    for r in replies:
+                        if isinstance(r, Exception):
+                            break
+                    else:
+                        answered += commands
+                        answers += replies
+                        break
+                    owners = [_FAST_ONLY] * len(commands)
+                again: list[Command] = []  # did not run: send again after a backoff
+                again_owners: list[tuple[int, ...]] = []
+                step: list[Command] = []  # next steps of two-step plans whose copy succeeded
+                step_owners: list[tuple[int, ...]] = []
+                deferred = ""
+                for cmd, r, own in zip(commands, replies, owners, strict=True):
+                    if isinstance(r, Exception):
+                        if classify(r) is not FINAL:
+                            if not again:
+                                deferred = describe_error(r, cmd)
+                            again.append(cmd)
+                            again_owners.append(own)
+                            continue
+                        self.stats.finalize_errors += 1
+                        log.error("%s: finalization command failed: %s", self.name,
+                                  describe_error(r, cmd), extra={"subscription": self.name})
+                    answered.append(cmd)
+                    answers.append(r)
+                    for j in own:
+                        if j < 0:
+                            fast_failed = fast_failed or isinstance(r, Exception)
+                            continue
+                        got[j].append(r)
+                        more = rest[j]
+                        if more and not isinstance(r, Exception):
+                            step.append(more.pop(0))
+                            step_owners.append((j,))
+                if again:
                     self.stats.finalize_errors += 1
                     log.warning("%s: finalization deferred by the server (%s); sending again",
-                                self.name, describe_error(passing[0][1], passing[0][0]),
+                                self.name, deferred,
                                 extra={"subscription": self.name})
                     await anyio.sleep(backoff(attempt))
                     attempt += 1
-                    continue
-                for cmd, r in zip(commands, replies, strict=True):
-                    if isinstance(r, rexc.RedisError):
-                        self.stats.finalize_errors += 1
-                        log.error("%s: finalization command failed: %s", self.name, describe_error(r, cmd),
-                                  extra={"subscription": self.name})
-                break
+                else:
+                    attempt = 0
+                commands = again + step
+                owners = again_owners + step_owners
         except anyio.get_cancelled_exc_class():
             # Cancelled (shutdown deadline) with the outcome unknown: a runtime
             # retry_after's XACK may have been applied, so its copy must still
@@ -494,12 +629,16 @@ class Mount:
                     self.consumer.scheduler.hold(self, p.delay, p.later)
             raise
         if self._settle is not None:
-            self._settle(items, commands, replies)
+            self._settle(items, answered, answers)
         debug = log.isEnabledFor(logging.DEBUG)
         if removed:
-            for kind, n in tally:
-                self.stats.effects[self._removals[kind].value] += n
+            if fast_failed:
+                self.stats.effects[FAILED] += len(removed)
+            else:
+                for kind, n in tally:
+                    self.stats.effects[self._removals[kind].value] += n
             if self.held:
+                # forgotten even when failed: the own-PEL re-read delivers it again
                 self.held.difference_update([d.id for d in removed])
             if debug:
                 for d, outcome in items:
@@ -508,21 +647,88 @@ class Mount:
                         log.debug("%s: %s (attempt %d) finalized: %s", self.name, d.id or d.origin_id,
                                   d.attempt, effect.value,
                                   extra=log_extra(self.name, d, outcome, effect.value))
-        for (d, p), outcome in zip(plans, returned, strict=True):
-            self.stats.effects[p.effect._value_] += 1
+        for j, ((d, p), outcome) in enumerate(zip(plans, returned, strict=True)):
+            settled = settle(p, got[j]) if p.commands else p.effect._value_
+            self.stats.effects[settled] += 1
             if d.id is not None:
                 self.held.discard(d.id)
+            if settled == FAILED:
+                log.error("%s: finalization of %s (attempt %d, origin %s) failed; it stays "
+                          "where it was (pending) and is delivered again", self.name,
+                          d.id or d.origin_id, d.attempt, d.origin_id,
+                          extra=log_extra(self.name, d, outcome, settled))
+                continue
+            if settled == GATE_CLOSED:
+                log.info("%s: %s (attempt %d) was no longer pending: finalized already, "
+                         "nothing written", self.name, d.id or d.origin_id, d.attempt,
+                         extra=log_extra(self.name, d, outcome, settled))
+                continue
             if p.warning:
                 log.warning("%s (attempt %d, origin %s)", p.warning, d.attempt, d.origin_id,
-                            extra=log_extra(self.name, d, outcome, p.effect.value))
+                            extra=log_extra(self.name, d, outcome, settled))
             elif debug:
                 log.debug("%s: %s (attempt %d) finalized: %s", self.name, d.id or d.origin_id,
-                          d.attempt, p.effect.value, extra=log_extra(self.name, d, outcome, p.effect.value))
+                          d.attempt, settled, extra=log_extra(self.name, d, outcome, settled))
             if p.delay is not None and p.later:
                 self.consumer.scheduler.hold(self, p.delay, p.later)
         if self.settled is not None:  # instrumentation: each delivery and its confirmed effect
             self.settled([(d, self._removals[k].value) for d, k in zip(removed, kinds, strict=True)]
                          + [(d, p.effect.value) for d, p in plans])
+
+
+_FAST_ONLY = (-1,)
+"""Owner of a command that removes the hot path's deliveries (no plan)."""
+
+
+def first_round(
+    fast: Sequence[Command], plans: Sequence[Plan]
+) -> tuple[list[Command], list[tuple[int, ...]], list[list[Command]]]:
+    """The first pipeline of a batch: commands, their owners, the steps left.
+
+    ``owners[i]``: the indexes of the plans that command ``i`` serves (``-1``:
+    the hot path's removals ``fast``).  Single-``XACK`` commands merge per
+    stream and group, as :func:`merge_commands` does.  A plan that is not
+    gated and has several steps (a cross-slot copy, then the removal of the
+    original) sends only its first step; ``rest[j]`` holds the others, each
+    sent once the one before it succeeded: a removal never follows a copy
+    that failed or whose outcome is unknown.
+    """
+    out: list[Any] = []
+    owners: list[list[int]] = []
+    rest: list[list[Command]] = [[] for _ in plans]
+    xacks: dict[tuple[Any, Any], int] = {}
+
+    def add(cmds: Sequence[Command], j: int) -> None:
+        if len(cmds) == 1 and cmds[0][0] == "XACK":
+            c = cmds[0]
+            key = (c[1], c[2])
+            at = xacks.get(key)
+            if at is None:
+                xacks[key] = len(out)
+                out.append(["XACK", c[1], c[2], *c[3:]])
+                owners.append([j])
+            else:
+                out[at].extend(c[3:])
+                if j not in owners[at]:
+                    owners[at].append(j)
+            return
+        for c in cmds:
+            out.append(c)
+            owners.append([j])
+
+    if len(fast) == 1:
+        add(fast, -1)
+    else:
+        for c in fast:
+            add((c,), -1)
+    for j, p in enumerate(plans):
+        cmds = p.commands
+        if not p.gated and len(cmds) > 1:
+            rest[j] = list(cmds[1:])
+            cmds = cmds[:1]
+        add(cmds, j)
+    commands: list[Command] = [tuple(c) if isinstance(c, list) else c for c in out]
+    return commands, [tuple(o) for o in owners], rest
 
 
 def log_extra(

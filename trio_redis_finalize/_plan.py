@@ -44,6 +44,8 @@ from ._transport import Command
 
 __all__ = [
     "DEAD_FIELDS",
+    "FAILED",
+    "GATE_CLOSED",
     "Effect",
     "Plan",
     "Target",
@@ -58,6 +60,7 @@ __all__ = [
     "plan_foreign",
     "plan_lost",
     "removal_commands",
+    "settle",
 ]
 
 DEAD_REASON = b"trf-dead-reason"
@@ -505,3 +508,33 @@ def plan(t: Target, d: Delivery, outcome: Outcome) -> Plan:
     assert t.retry_channel is not None
     return Plan(Effect.HELD, (), delay=outcome.delay,
                 later=(("PUBLISH", t.retry_channel, copy),), gated=False)
+
+
+GATE_CLOSED = "gate_closed"
+"""The effect of a gated script whose gate was closed: the original was no
+longer pending (finalized already, by this or a racing finalizer), nothing written."""
+FAILED = "failed"
+"""The effect of a plan whose step got a final error reply, or was not sent
+because the step before it failed: the original stays where it was."""
+
+
+def settle(p: Plan, replies: Sequence[object]) -> str:
+    """The effect to count for ``p`` from what Redis answered (sans-IO).
+
+    ``replies``: the replies to ``p.commands`` in order, as far as they were
+    sent (error replies as exception values).  A step that got an error
+    reply, or was never sent, makes the effect :data:`FAILED`; a gated
+    script (``EVALSHA``) answered nil or false found its gate closed
+    (:data:`GATE_CLOSED`: no copy written, nothing removed); otherwise the
+    plan's own effect (``copied``, ``dead_lettered``, ``delayed`` ...).
+    """
+    commands = p.commands
+    if len(replies) < len(commands):
+        return FAILED
+    gate_closed = False
+    for cmd, r in zip(commands, replies[: len(commands)], strict=True):
+        if isinstance(r, Exception):
+            return FAILED
+        if (r is None or r is False) and p.gated and cmd[0] == b"EVALSHA":
+            gate_closed = True
+    return GATE_CLOSED if gate_closed else p.effect.value

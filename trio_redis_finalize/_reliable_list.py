@@ -29,7 +29,7 @@ from ._subscription import (
     check_limits,
     check_positive,
 )
-from ._transport import Command, Connection, Script
+from ._transport import NOT_RUN, Command, Connection, Script, classify
 
 __all__ = ["ReliableListReader", "ReliableListSubscription"]
 
@@ -659,8 +659,10 @@ class ReliableListReader:
                         delay = backoff(failures)
                         failures += 1
                         if isinstance(e, rexc.ResponseError):  # WRONGTYPE, a script error...
-                            log.error("%s: read failed (%s); reading again in %.2f s",
-                                      mount.name, e, delay)
+                            # ... or one that did not run (BUSY, OOM ...): never the end
+                            (log.warning if classify(e) is NOT_RUN else log.error)(
+                                "%s: read failed (%s); reading again in %.2f s",
+                                mount.name, e, delay)
                         else:
                             log.warning("%s: read failed (%s); reconnecting in %.2f s",
                                         mount.name, e, delay)

@@ -35,7 +35,14 @@ class MountStats:
     ``outcomes`` counts what handlers returned (``ack``, ``retry``, ``drop``,
     ``retry_after``); ``effects`` counts what finalization did in Redis
     (``acked``, ``copied``, ``delayed``, ``held``, ``left_pending``,
-    ``dead_lettered``, ``exhausted``, ``lost_before_handling``, ...).
+    ``dead_lettered``, ``exhausted``, ``lost_before_handling``, ...), as
+    Redis answered: ``gate_closed`` when a gated script found the original
+    no longer pending (nothing written; finalized already, e.g. by a racing
+    finalizer), ``failed`` when a step got a final error reply (the original
+    stays pending; the error is logged with command and key), ``released``
+    when a runtime delayed copy was written.  ``finalize_errors`` counts
+    every error reply or failed round trip of finalization (those that did
+    not run, or whose outcome is unknown, are sent again).
     """
 
     subscription: str

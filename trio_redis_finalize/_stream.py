@@ -27,7 +27,7 @@ from ._subscription import (
     check_limits,
     check_positive,
 )
-from ._transport import DEFERRED_REPLIES, BusyGroupError, Client, Connection, NoGroupError, WrongTypeError
+from ._transport import NOT_RUN_ERRORS, BusyGroupError, Client, Connection, NoGroupError, WrongTypeError
 
 __all__ = ["MIN_IDLE_FLOOR", "StreamReader", "StreamSubscription"]
 
@@ -747,9 +747,10 @@ class StreamReader:
                         if sub.mode is not Mode.CLAIMING and now >= next_recover:
                             next_recover = now + _RECOVER_EVERY
                             recover = not mount.held
-                    except DEFERRED_REPLIES as e:
-                        # the server cannot serve writes now (replica after a
-                        # failover, loading, slot moving): wait, read again
+                    except NOT_RUN_ERRORS as e:
+                        # the server did not run it (another client's long script:
+                        # BUSY; OOM; a replica after a failover, loading, slot
+                        # moving ...): wait, read again
                         if not started:
                             raise
                         mount.stats.read_errors += 1

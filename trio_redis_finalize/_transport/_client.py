@@ -9,7 +9,10 @@ This is the small internal interface the consumer is written against:
 * :meth:`Client.pubsub` - a Pub/Sub connection.
 
 No automatic retries anywhere: a failed call raises, and the caller decides
-what is safe to send again.
+what is safe to send again.  Every pooled call has a deadline: ``timeout``
+when the caller gives one, else :data:`DEFAULT_TIMEOUT` (5 s); a call that
+gets no answer in time raises ``redis.exceptions.TimeoutError`` naming its
+command and key.
 """
 
 from __future__ import annotations
@@ -22,7 +25,14 @@ from typing import Any
 import anyio
 from redis import exceptions as rexc
 
-from ._connection import Arg, Command, Connection, open_connection, raise_first_error
+from ._connection import (
+    DEFAULT_TIMEOUT,
+    Arg,
+    Command,
+    Connection,
+    open_connection,
+    raise_first_error,
+)
 from ._pubsub import PubSub
 from ._url import ConnectionParams, parse_url
 
@@ -176,7 +186,12 @@ class Client:
                 await self._release(conn)
 
     async def execute(self, *args: Arg, timeout: float | None = None) -> Any:
-        """Run one command on a pooled connection; error replies raise."""
+        """Run one command on a pooled connection; error replies raise.
+
+        ``timeout``: seconds (``None``: :data:`DEFAULT_TIMEOUT`).
+        """
+        if timeout is None:
+            timeout = DEFAULT_TIMEOUT
         async with self._slots:
             conn = await self._lease()
             try:
@@ -197,9 +212,12 @@ class Client:
         are loaded and those commands (only) are sent again, in their order.
         With ``raise_on_error`` the first error reply is raised (the other
         commands ran); otherwise error replies are returned as values.
+        ``timeout`` bounds each round trip (``None``: :data:`DEFAULT_TIMEOUT`).
         """
         if not commands:
             return []
+        if timeout is None:
+            timeout = DEFAULT_TIMEOUT
         async with self._slots:
             conn = await self._lease()
             try:

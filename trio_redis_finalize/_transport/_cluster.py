@@ -58,6 +58,7 @@ from redis.crc import key_slot
 from ._client import Client, _is_evalsha, transaction_result
 from ._connection import (
     _CLOSE_TIMEOUT,
+    DEFAULT_TIMEOUT,
     Arg,
     Command,
     Connection,
@@ -329,7 +330,12 @@ class ClusterClient(Client):
             raise rexc.ClusterDownError("the cluster serves no hash slot (CLUSTER ADDSLOTS missing?)")
 
     async def execute(self, *args: Arg, timeout: float | None = None) -> Any:
-        """Run one command on the node of its key; error replies raise."""
+        """Run one command on the node of its key; error replies raise.
+
+        ``timeout`` bounds each round trip (``None``: :data:`DEFAULT_TIMEOUT`).
+        """
+        if timeout is None:
+            timeout = DEFAULT_TIMEOUT
         (reply,) = await self._run(slot_of(args), [args], timeout)
         if isinstance(reply, rexc.RedisError):
             raise with_context(reply, args)
@@ -344,9 +350,12 @@ class ClusterClient(Client):
     ) -> list[Any]:
         """Send ``commands``, one run of consecutive same-slot commands at a time.
 
-        Replies in order.  ``timeout`` bounds each round trip.  See the module
-        docstring for the order kept across slots.
+        Replies in order.  ``timeout`` bounds each round trip (``None``:
+        :data:`DEFAULT_TIMEOUT`).  See the module docstring for the order kept
+        across slots.
         """
+        if timeout is None:
+            timeout = DEFAULT_TIMEOUT
         runs: list[tuple[int | None, list[Command]]] = []
         for cmd in commands:
             s = slot_of(cmd)
@@ -377,6 +386,8 @@ class ClusterClient(Client):
                 f"a transaction in Redis Cluster needs keys of one hash slot, got slots {sorted(slots)}"
             )
         slot = slots.pop() if slots else None
+        if timeout is None:
+            timeout = DEFAULT_TIMEOUT
         block: list[Command] = [("MULTI",), *commands, ("EXEC",)]
         addr = await self._route(slot)
         replies = await self._on_node(addr, block, timeout)

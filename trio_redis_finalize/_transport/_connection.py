@@ -13,6 +13,8 @@ request.
 from __future__ import annotations
 
 import contextlib
+import enum
+import re
 import ssl
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
@@ -27,15 +29,25 @@ from ._keepalive import set_keepalive
 from ._url import ConnectionParams
 
 __all__ = [
+    "DEFAULT_TIMEOUT",
     "DEFERRED_REPLIES",
+    "FINAL",
+    "NOT_RUN",
+    "NOT_RUN_CODES",
+    "NOT_RUN_ERRORS",
+    "UNKNOWN",
     "Arg",
     "BusyGroupError",
     "Command",
     "Connection",
+    "ErrorKind",
     "NoGroupError",
+    "NotRunError",
     "WrongTypeError",
+    "classify",
     "command_keys",
     "describe",
+    "error_code",
     "open_connection",
     "pack_command",
     "raise_first_error",
@@ -47,6 +59,10 @@ Command = Sequence[Arg]
 pack_command = cast(Callable[[Sequence["Arg"]], bytes], hiredis.pack_command)
 """``hiredis.pack_command`` (its stub wrongly types the argument as a 1-tuple)."""
 _parse_base = cast(Callable[[str], Exception], BaseParser.parse_error)
+
+DEFAULT_TIMEOUT = 5.0
+"""Seconds a pooled command (or pipeline) may take when its caller gives no
+``timeout``: every command has a deadline."""
 
 _NOT_ENOUGH = object()
 _READ_SIZE = 65536
@@ -67,13 +83,43 @@ class BusyGroupError(rexc.ResponseError):
 
 _EXTRA = {"WRONGTYPE": WrongTypeError, "NOGROUP": NoGroupError, "BUSYGROUP": BusyGroupError}
 
+NOT_RUN_CODES = frozenset({
+    "OOM", "BUSY", "READONLY", "LOADING", "MASTERDOWN", "MISCONF", "NOREPLICAS", "TRYAGAIN",
+    "CLUSTERDOWN", "NOSCRIPT",
+})
+"""Error codes of replies to commands the server did not run (and may run later)."""
+
+_CLASS_CODES: tuple[tuple[type[Exception], str], ...] = (
+    (rexc.OutOfMemoryError, "OOM"), (rexc.BusyLoadingError, "LOADING"),
+    (rexc.ReadOnlyError, "READONLY"), (rexc.MasterDownError, "MASTERDOWN"),
+    (rexc.TryAgainError, "TRYAGAIN"), (rexc.ClusterDownError, "CLUSTERDOWN"),
+    (rexc.NoScriptError, "NOSCRIPT"),
+)
+# A script error wrapping the error of a command the script called (Redis
+# 6.2: ``Error running script (call to f_...): @user_script:1: ... -READONLY
+# You can't write ...``).  Redis 7 and Valkey pass the inner code on as the
+# reply's own code, handled by the prefix.
+_WRAPPED = re.compile(
+    r"(?<![A-Za-z0-9_])-(" + "|".join(sorted(NOT_RUN_CODES)) + r")(?![A-Za-z0-9_])"
+)
+
+
+class NotRunError(rexc.ResponseError):
+    """An error reply saying the command did not run, of a code redis-py has no
+    class for (``BUSY``, ``MISCONF``, ``NOREPLICAS``), or wrapped in a script
+    error (Redis 6.2: ``Error running script ... -READONLY ...``)."""
+
 
 def _parse_error(text: str) -> rexc.RedisError:
     prefix = text.split(" ", 1)[0]
     extra = _EXTRA.get(prefix)
-    if extra is not None:
-        return extra(text)
-    return cast(rexc.RedisError, _parse_base(text))
+    err = extra(text) if extra is not None else cast(rexc.RedisError, _parse_base(text))
+    if type(err) is rexc.ResponseError and (prefix in NOT_RUN_CODES or _WRAPPED.search(text)):
+        err = NotRunError(str(err))
+    # redis-py strips the prefix of the codes it knows (OOM, READONLY ...):
+    # keep it, for :func:`classify`
+    err.code = prefix  # type: ignore[attr-defined]
+    return err
 
 
 def _text(arg: Arg) -> str:
@@ -162,14 +208,83 @@ def with_context(err: rexc.RedisError, command: Command) -> rexc.RedisError:
         new = type(err)(msg)
     except Exception:  # pragma: no cover - exotic constructor
         return err
+    code = getattr(err, "code", None)
+    if code is not None:
+        new.code = code  # type: ignore[attr-defined]
     return new
+
+
+class ErrorKind(enum.Enum):
+    """What an error reply (or a failed request) says about its command."""
+
+    FINAL = "final"
+    """It can never succeed (WRONGTYPE, syntax, arity, a script's own refusal ...)."""
+    NOT_RUN = "not_run"
+    """The server did not run it and may later (OOM, BUSY, READONLY ...): send again."""
+    UNKNOWN = "unknown"
+    """The connection failed or timed out: it may or may not have run."""
+
+
+FINAL = ErrorKind.FINAL
+NOT_RUN = ErrorKind.NOT_RUN
+UNKNOWN = ErrorKind.UNKNOWN
+
+NOT_RUN_ERRORS: tuple[type[rexc.RedisError], ...] = (
+    NotRunError, rexc.OutOfMemoryError, rexc.BusyLoadingError, rexc.ReadOnlyError,
+    rexc.TryAgainError, rexc.ClusterDownError, rexc.NoScriptError,
+)
+"""The exception classes of error replies :func:`classify` calls :data:`NOT_RUN`
+(for ``except`` clauses; ``MasterDownError`` is a ``ClusterDownError``)."""
+
+
+def error_code(err: BaseException) -> str | None:
+    """The code of an error reply (``"OOM"``, ``"WRONGTYPE"`` ...), when known."""
+    code = getattr(err, "code", None)
+    if isinstance(code, str):
+        return code
+    for cls, name in _CLASS_CODES:
+        if isinstance(err, cls):
+            return name
+    if isinstance(err, rexc.ResponseError):
+        head = str(err).split(" ", 1)[0]
+        if head.isupper():
+            return head
+    return None
+
+
+def classify(err: BaseException) -> ErrorKind:
+    """What ``err`` (an error reply, or what a request raised) says about its command.
+
+    * :data:`NOT_RUN`: an error reply with a code of :data:`NOT_RUN_CODES`,
+      bare or wrapped in a script error: the command did not run (a script
+      that failed at a write wrote nothing before it); send it again, with
+      backoff.
+    * :data:`UNKNOWN`: the connection was lost or timed out; the command may
+      have run.
+    * :data:`FINAL`: every other error reply; sending it again cannot help.
+
+    Prefixes and ``-CODE`` tokens are matched, never whole texts (servers
+    word their messages differently).
+    """
+    if isinstance(err, NotRunError):
+        return NOT_RUN
+    code = error_code(err)
+    if code in NOT_RUN_CODES:
+        return NOT_RUN
+    if isinstance(err, (rexc.ConnectionError, rexc.TimeoutError, OSError)):
+        return UNKNOWN
+    if isinstance(err, rexc.ResponseError) and _WRAPPED.search(str(err)):
+        return NOT_RUN
+    if not isinstance(err, rexc.RedisError):
+        return UNKNOWN
+    return FINAL
 
 
 DEFERRED_REPLIES: tuple[type[rexc.RedisError], ...] = (
     rexc.TryAgainError, rexc.ClusterDownError, rexc.BusyLoadingError, rexc.ReadOnlyError,
 )
-"""Error replies for commands the server did not run and will run later
-(slot moving, cluster down, loading, a replica after failover): send again."""
+"""Deprecated: use :func:`classify` (which also knows OOM, BUSY, MISCONF,
+NOREPLICAS, NOSCRIPT and script-wrapped codes)."""
 
 
 def raise_first_error(commands: Sequence[Command], replies: Sequence[Any]) -> None:
@@ -279,7 +394,10 @@ class Connection:
 
     async def execute(self, *args: Arg, timeout: float | None = None) -> Any:
         """Run one command; an error reply is raised with the command and key named."""
-        (reply,) = await self.roundtrip(pack_command(args), 1, timeout)
+        try:
+            (reply,) = await self.roundtrip(pack_command(args), 1, timeout)
+        except rexc.TimeoutError as e:
+            raise rexc.TimeoutError(f"{e} ({describe(args)})") from None
         if isinstance(reply, rexc.RedisError):
             raise with_context(reply, args)
         return reply
@@ -289,7 +407,18 @@ class Connection:
     ) -> list[Any]:
         """Send all ``commands`` at once; replies in order, error replies as values."""
         payload = b"".join([pack_command(tuple(c)) for c in commands])
-        return await self.roundtrip(payload, len(commands), timeout)
+        try:
+            return await self.roundtrip(payload, len(commands), timeout)
+        except rexc.TimeoutError as e:
+            raise rexc.TimeoutError(f"{e} ({_describe_many(commands)})") from None
+
+
+def _describe_many(commands: Sequence[Command]) -> str:
+    if len(commands) == 1:
+        return describe(commands[0])
+    return f"{len(commands)} commands: " + ", ".join(describe(c) for c in commands[:3]) + (
+        ", ..." if len(commands) > 3 else ""
+    )
 
 
 async def _connect_stream(params: ConnectionParams) -> anyio.abc.ByteStream:
@@ -346,7 +475,7 @@ async def open_connection(
         try:
             replies = await conn.pipeline(cmds, timeout=params.connect_timeout)
         except rexc.TimeoutError as e:
-            raise rexc.ConnectionError(f"handshake with {params.address} timed out") from e
+            raise rexc.ConnectionError(f"handshake with {params.address} timed out ({e})") from e
         for cmd, reply in zip(cmds, replies, strict=True):
             if isinstance(reply, rexc.RedisError):
                 await conn.aclose()

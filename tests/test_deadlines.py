@@ -1,0 +1,111 @@
+"""Every command has a deadline; mount() honours cancellation (issue 12 item 7).
+
+A proxy that blackholes the connection (``ChaosProxy.stall``: the kernel keeps
+the connection up, no byte moves) plays a silent server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import anyio
+import pytest
+import trio
+from faults.chaosproxy import ChaosProxy
+from redis import exceptions as rexc
+
+from trio_redis_finalize import (
+    ACK,
+    Delivery,
+    ListSubscription,
+    Outcome,
+    ReliableListSubscription,
+    StreamSubscription,
+    open_consumer,
+)
+from trio_redis_finalize._transport import open_client
+from trio_redis_finalize.testing import RedisServer
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+async def proxy(redis_server: RedisServer, redis_url: str) -> AsyncIterator[ChaosProxy]:
+    async with trio.open_nursery() as n:
+        p = ChaosProxy(upstream_port=redis_server.port)
+        await n.start(p.serve)
+        try:
+            yield p
+        finally:
+            p.heal()
+            n.cancel_scope.cancel()
+
+
+async def _ack(d: Delivery) -> Outcome:
+    return ACK
+
+
+SUBS = {
+    "stream": (StreamSubscription("s", "g"), "TYPE on key 's'"),
+    "reliable-list": (ReliableListSubscription("q"), "TYPE on key 'q'"),
+    "list": (ListSubscription("l"), "TYPE on key 'l'"),
+}
+
+
+@pytest.mark.parametrize("form", list(SUBS))
+async def test_mount_on_a_silent_server_fails_naming_command_and_key(
+    proxy: ChaosProxy, form: str
+) -> None:
+    sub, named = SUBS[form]
+    async with open_consumer(proxy.url, name="c1", shutdown_grace=0.1) as consumer:
+        proxy.stall()
+        with trio.fail_after(16):  # mount's own bound is 15 s
+            with pytest.raises(rexc.TimeoutError) as info:
+                await consumer.mount(sub, _ack)
+        assert named in str(info.value), str(info.value)
+        proxy.heal()
+
+
+async def test_mount_honours_its_callers_cancellation(proxy: ChaosProxy) -> None:
+    async with open_consumer(proxy.url, name="c1", shutdown_grace=0.1) as consumer:
+        proxy.stall()
+        with trio.fail_after(4):  # well before any command's own deadline
+            with trio.move_on_after(0.3) as scope:
+                await consumer.mount(StreamSubscription("s", "g"), _ack)
+        assert scope.cancelled_caught
+        assert consumer.mounts == []
+        proxy.heal()
+        # the consumer still works: the same subscription mounts now
+        await consumer.mount(StreamSubscription("s", "g", block=0.1), _ack)
+        assert len(consumer.mounts) == 1
+
+
+async def test_pooled_commands_have_a_default_deadline(proxy: ChaosProxy) -> None:
+    async with open_client(proxy.url) as client:
+        proxy.stall()
+        with trio.fail_after(8):
+            with pytest.raises(rexc.TimeoutError) as info:
+                await client.execute("XPENDING", "s", "g")
+        assert "XPENDING on key 's'" in str(info.value)
+        with trio.fail_after(8):
+            with pytest.raises(rexc.TimeoutError):
+                await client.pipeline([("SET", "hb", "1"), ("HSET", "reg", "c", "p")])
+        proxy.heal()
+
+
+def test_mount_honours_cancellation_on_asyncio(redis_server: RedisServer, redis_url: str) -> None:
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            p = ChaosProxy(upstream_port=redis_server.port)
+            await tg.start(p.serve)
+            async with open_consumer(p.url, name="c1", shutdown_grace=0.1) as consumer:
+                p.stall()
+                with anyio.fail_after(4):
+                    with anyio.move_on_after(0.3) as scope:
+                        await consumer.mount(StreamSubscription("s", "g"), _ack)
+                assert scope.cancelled_caught
+                assert consumer.mounts == []
+                p.heal()
+            tg.cancel_scope.cancel()
+
+    anyio.run(main, backend="asyncio")

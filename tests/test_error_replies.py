@@ -1,0 +1,187 @@
+"""Error replies (DESIGN §4 "Error replies", issue 12 items 1, 8, 14).
+
+Real faults only: ``CONFIG SET maxmemory 1`` (OOM), ``REPLICAOF`` a dead port
+(READONLY), ``min-replicas-to-write`` (NOREPLICAS), another client's busy Lua
+loop (BUSY), a closed gate made by acknowledging from outside.  Run on Redis
+6.2 (wraps inner errors in ``Error running script ... -OOM``), 7.0 and Valkey
+9.1 (``TRF_REDIS_SERVER``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import trio
+from _procs import eventually
+from faults.server_faults import OomSwitch, busy_server
+
+from trio_redis_finalize import (
+    ACK,
+    RETRY,
+    Delivery,
+    ListSubscription,
+    Outcome,
+    ReliableListSubscription,
+    StreamSubscription,
+    open_consumer,
+    retry_after,
+)
+from trio_redis_finalize._transport import Client
+from trio_redis_finalize.testing import RedisServer
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def oom(redis_server: RedisServer, redis_url: str) -> Iterator[OomSwitch]:
+    switch = OomSwitch(redis_server)
+    try:
+        yield switch
+    finally:
+        switch.off()
+
+
+async def _pending(client: Client, stream: str, group: str) -> int:
+    return int((await client.execute("XPENDING", stream, group))[0])
+
+
+# -- item 1: the finalizer sends again what did not run ------------------------------
+
+
+async def test_retry_under_oom_is_sent_again_not_dropped(
+    redis_url: str, client: Client, oom: Any
+) -> None:
+    """A gated RETRY answered OOM did not run: it is sent again once memory is back
+    (before: logged as failed, the copy never written, the entry stranded)."""
+    await client.execute("XADD", "s", "*", "n", "1")
+    seen: list[int] = []
+    first_done = trio.Event()
+
+    async def handler(d: Delivery) -> Outcome:
+        seen.append(d.attempt)
+        if d.attempt == 1:
+            oom.on()
+            first_done.set()
+            return RETRY
+        return ACK
+
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(StreamSubscription("s", "g", block=0.1), handler)
+        await first_done.wait()
+        name = consumer.mounts[0].name
+        await eventually(lambda: consumer.stats()[name]["finalize_errors"] >= 2,
+                         what="the OOM retried")
+        assert consumer.stats()[name]["effects"].get("copied", 0) == 0
+        oom.off()
+        await eventually(lambda: seen == [1, 2] and consumer.stats()[name]["effects"].get("acked"),
+                         what="the copy written and handled")
+        effects = consumer.stats()[name]["effects"]
+        assert effects["copied"] == 1 and effects.get("failed", 0) == 0, effects
+    assert await _pending(client, "s", "g") == 0
+    assert await client.execute("XLEN", "s") == 2
+
+
+async def test_runtime_delayed_copy_under_oom_is_requeued(
+    redis_url: str, client: Client, oom: Any
+) -> None:
+    """retry_after (runtime): the XACK goes at once, the XADD copy at the timer.  An OOM
+    on that XADD re-queues the copy (before: counted "released" and lost)."""
+    await client.execute("XADD", "s", "*", "n", "1")
+    seen: list[int] = []
+
+    async def handler(d: Delivery) -> Outcome:
+        seen.append(d.attempt)
+        return retry_after(0.3) if d.attempt == 1 else ACK
+
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(StreamSubscription("s", "g", block=0.1), handler)
+        name = consumer.mounts[0].name
+        await eventually(lambda: consumer.stats()[name]["held"] == 1, what="copy held")
+        oom.on()
+        await eventually(lambda: consumer.stats()[name]["finalize_errors"] >= 1,
+                         what="the copy refused")
+        stats = consumer.stats()[name]
+        assert stats["effects"].get("released", 0) == 0, stats
+        assert stats["held"] == 1  # back in the heap, not lost
+        oom.off()
+        await eventually(lambda: seen == [1, 2], timeout=15, what="the copy handled")
+        assert consumer.stats()[name]["effects"]["released"] == 1
+    assert await _pending(client, "s", "g") == 0
+
+
+async def test_final_error_on_delayed_copy_is_counted_not_released(
+    redis_url: str, client: Client
+) -> None:
+    """A final error reply to a runtime copy is logged with key and command and
+    counted as failed, never as released."""
+    await client.execute("LPUSH", "l", "x")
+
+    async def handler(d: Delivery) -> Outcome:
+        return retry_after(0.3)
+
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(ListSubscription("l", block=0.1), handler)
+        name = consumer.mounts[0].name
+        await eventually(lambda: consumer.stats()[name]["held"] == 1, what="copy held")
+        await client.execute("SET", "l", "not a list")
+        await eventually(lambda: consumer.stats()[name]["effects"].get("failed") == 1,
+                         what="the WRONGTYPE counted")
+        assert consumer.stats()[name]["effects"].get("released", 0) == 0
+        await client.execute("DEL", "l")
+
+
+# -- item 8: transient replies never end a reader ------------------------------------
+
+
+@pytest.mark.parametrize("form", ["stream", "reliable-list", "list"])
+async def test_busy_server_does_not_end_a_reader(
+    redis_url: str, redis_server: RedisServer, client: Client, form: str
+) -> None:
+    seen: list[bytes] = []
+
+    async def handler(d: Delivery) -> Outcome:
+        seen.append(d.fields[b"n"] if d.data is None else d.data)
+        return ACK
+
+    sub = {
+        "stream": StreamSubscription("s", "g", block=0.05),
+        "reliable-list": ReliableListSubscription("q", block=0.05),
+        "list": ListSubscription("l", block=0.05),
+    }[form]
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(sub, handler)
+        name = consumer.mounts[0].name
+        async with busy_server(redis_server):
+            # the blocked read times out, then every new request is answered BUSY
+            await eventually(lambda: consumer.stats()[name]["read_errors"] >= 3, timeout=10,
+                             what="BUSY reads")
+        if form == "stream":
+            await client.execute("XADD", "s", "*", "n", "after")
+        else:
+            await client.execute("LPUSH", "q" if form == "reliable-list" else "l", "after")
+        await eventually(lambda: seen == [b"after"], timeout=10, what="reading again")
+
+
+# -- item 14: a closed gate is its own effect -----------------------------------------
+
+
+async def test_closed_gate_counts_gate_closed_not_copied(redis_url: str, client: Client) -> None:
+    await client.execute("XADD", "s", "*", "n", "1")
+    calls: list[int] = []
+
+    async def handler(d: Delivery) -> Outcome:
+        calls.append(d.attempt)
+        # another finalizer got there first: the gate of the RETRY script is closed
+        await client.execute("XACK", "s", "g", d.id or "")
+        return RETRY
+
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(StreamSubscription("s", "g", block=0.1), handler)
+        name = consumer.mounts[0].name
+        await eventually(lambda: consumer.stats()[name]["effects"], what="finalized")
+        effects = consumer.stats()[name]["effects"]
+        assert effects == {"gate_closed": 1}, effects
+    assert await client.execute("XLEN", "s") == 1  # no copy was written
+    assert calls == [1]
