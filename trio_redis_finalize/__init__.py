@@ -29,6 +29,7 @@ from ._reliable_list import ReliableListSubscription as ReliableListSubscription
 from ._stream import StreamSubscription as StreamSubscription
 from ._subscription import DelayedRetry as DelayedRetry
 from ._subscription import Mode as Mode
+from ._subscription import Retention as Retention
 
 __version__ = "0.1.0"
 
@@ -51,6 +52,7 @@ __all__ = [
     "PatternSubscription",
     "Publisher",
     "ReliableListSubscription",
+    "Retention",
     "StreamSubscription",
     "open_consumer",
     "open_publisher",

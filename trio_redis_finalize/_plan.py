@@ -22,6 +22,15 @@ Two-step cells run as one gated script (see ``_scripts``) unless the keys
 live on different Redis Cluster slots, where they become two commands in
 the listed order (duplicate, never loss).  A RETRY or ``retry_after`` at the
 last allowed attempt goes to the dead letter (or is dropped with a warning).
+
+Stream retention (``Target.retention``): with ``DELETE_ON_FINALIZE`` every
+removal of an original is followed by its ``XDEL`` -- inside the gated
+scripts (``STREAM_COPY_ACK_EX``, ``STREAM_ZADD_ACK_DEL``) for the two-step
+cells, right after the ``XACK`` otherwise (both idempotent).  Another group's
+copy is only acknowledged, never deleted.  ``copy_maxlen`` /
+``dead_letter_maxlen`` put ``MAXLEN ~ n`` on the XADDs of copies written to
+the stream and of dead letters.  ``TRIM_ACKED`` changes no plan: a periodic
+task of the reader trims (``_retention``).
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ from ._envelope import GROUP_FIELD, ORIGIN_FIELD, RETRIES_FIELD, pack_parts, wra
 from ._errors import AckUnsupported
 from ._keys import same_slot
 from ._outcome import Outcome, OutcomeKind
-from ._subscription import DelayedRetry, Form, Mode
+from ._subscription import DelayedRetry, Form, Mode, Retention
 from ._transport import Command
 
 __all__ = [
@@ -105,6 +114,16 @@ class Target:
     retry_channel: str | None = None
     min_idle: float = 60.0
     cluster: bool = False
+    # streams: what else is removed (Retention), and the MAXLEN ~ caps of the
+    # copies written to the stream and of the dead letters
+    retention: Retention | None = None
+    copy_maxlen: int | None = None
+    dead_letter_maxlen: int | None = None
+
+    @property
+    def deletes(self) -> bool:
+        """Originals are deleted (XDEL) when finalized: ``Retention.DELETE_ON_FINALIZE``."""
+        return self.retention is Retention.DELETE_ON_FINALIZE
 
 
 # ``init=False``: the ``__init__`` below sets the frozen slots through their
@@ -231,7 +250,15 @@ def _member(*parts: bytes) -> bytes:
 
 def _stream_remove(t: Target, d: Delivery, effect: Effect) -> Plan:
     assert d.id is not None
+    if t.retention is Retention.DELETE_ON_FINALIZE:
+        # both idempotent: safe to send again after an unknown outcome
+        return Plan(effect, (("XACK", t.source, t.group, d.id), ("XDEL", t.source, d.id)))
     return Plan(effect, (("XACK", t.source, t.group, d.id),))
+
+
+def _cap(maxlen: int | None) -> tuple[str | int, ...]:
+    """``MAXLEN ~ n`` for an XADD, or nothing."""
+    return () if maxlen is None else ("MAXLEN", "~", maxlen)
 
 
 def _list_remove(t: Target, d: Delivery, effect: Effect) -> Plan:
@@ -294,14 +321,23 @@ def list_counted(cmd: Command, n: int) -> Command:
     return (*cmd[: at[1]], n)
 
 
-def _stream_copy(t: Target, d: Delivery, dest: str, fields: list[bytes], effect: Effect) -> Plan:
+def _stream_copy(
+    t: Target, d: Delivery, dest: str, fields: list[bytes], effect: Effect,
+    maxlen: int | None = None,
+) -> Plan:
     assert d.id is not None
+    deletes = t.retention is Retention.DELETE_ON_FINALIZE
     if t.cluster and not same_slot(t.source, dest):
+        # copy, then remove (acknowledge; delete), each once the one before succeeded
         return Plan(
             effect,
-            (("XADD", dest, "*", *fields), ("XACK", t.source, t.group, d.id)),
+            (("XADD", dest, *_cap(maxlen), "*", *fields),
+             *_stream_remove(t, d, effect).commands),
             gated=False,
         )
+    if deletes or maxlen is not None:
+        args = (t.group, d.id, "1" if deletes else "0", maxlen or 0, *fields)
+        return Plan(effect, (_scripts.STREAM_COPY_ACK_EX.command((t.source, dest), args),))
     return Plan(
         effect,
         (_scripts.STREAM_COPY_ACK.command((t.source, dest), (t.group, d.id, *fields)),),
@@ -349,7 +385,8 @@ def plan_dead(t: Target, d: Delivery, reason: str) -> Plan:
         ]
         if error := getattr(d, "error", None):  # set by the runtime when the handler raised
             fields += [DEAD_ERROR, error.encode()]
-        p = _stream_copy(t, d, t.dead_letter, fields, Effect.DEAD_LETTERED)
+        p = _stream_copy(t, d, t.dead_letter, fields, Effect.DEAD_LETTERED,
+                         t.dead_letter_maxlen)
         return dataclasses.replace(p, warning=warning + f"entry {d.id} dead-lettered")
     if t.form is Form.RELIABLE_LIST:
         if t.dead_letter is None:
@@ -370,8 +407,12 @@ def plan_lost(t: Target, d: Delivery) -> Plan:
 
 
 def plan_foreign(t: Target, d: Delivery) -> Plan:
-    """A copy another group wrote to the stream: acknowledge it unhandled, count it."""
-    return _stream_remove(t, d, Effect.FOREIGN_COPY)
+    """A copy another group wrote to the stream: acknowledge it unhandled, count it.
+
+    Never deleted, whatever the retention: it is the other group's.
+    """
+    assert d.id is not None
+    return Plan(Effect.FOREIGN_COPY, (("XACK", t.source, t.group, d.id),))
 
 
 def plain_removals(t: Target) -> dict[OutcomeKind, Effect]:
@@ -394,13 +435,19 @@ def removal_commands(t: Target, deliveries: Sequence[Delivery]) -> list[Command]
     """The commands that remove ``deliveries`` of ``t`` (see :func:`plain_removals`).
 
     A stream's entries go in one ``XACK`` of all their ids (what the plans'
-    single-id ``XACK`` commands merge into); a reliable list's elements need
-    one ``LREM`` each.
+    single-id ``XACK`` commands merge into), followed with
+    ``Retention.DELETE_ON_FINALIZE`` by one ``XDEL`` of the same ids (both
+    idempotent; a crash between the two leaves acknowledged entries in the
+    stream, which the periodic trim removes); a reliable list's elements
+    need one ``LREM`` each.
     """
     if not deliveries:
         return []
     if t.form is Form.STREAM:
-        return [("XACK", t.source, t.group, *[d.id for d in deliveries if d.id is not None])]
+        ids = [d.id for d in deliveries if d.id is not None]
+        if t.retention is Retention.DELETE_ON_FINALIZE:
+            return [("XACK", t.source, t.group, *ids), ("XDEL", t.source, *ids)]
+        return [("XACK", t.source, t.group, *ids)]
     if t.form is Form.RELIABLE_LIST:
         processing = t.processing
         return [("LREM", processing, 1, d.raw) for d in deliveries if d.raw is not None]
@@ -448,7 +495,8 @@ def plan(t: Target, d: Delivery, outcome: Outcome) -> Plan:
         if kind is OutcomeKind.RETRY:
             if t.mode is Mode.CLAIMING:
                 return Plan(Effect.LEFT_PENDING)
-            return _stream_copy(t, d, t.source, _stream_copy_fields(d, t.group), Effect.COPIED)
+            return _stream_copy(t, d, t.source, _stream_copy_fields(d, t.group), Effect.COPIED,
+                                t.copy_maxlen)
         # retry_after
         way = t.delayed_retry
         if way is None:  # claiming: the PEL is the delay
@@ -456,10 +504,12 @@ def plan(t: Target, d: Delivery, outcome: Outcome) -> Plan:
         if way is DelayedRetry.DURABLE_ZSET:
             assert d.id is not None
             member = _member(*_stream_copy_fields(d, t.group))
+            script = (_scripts.STREAM_ZADD_ACK_DEL if t.retention is Retention.DELETE_ON_FINALIZE
+                      else _scripts.STREAM_ZADD_ACK)
             return Plan(
                 Effect.DELAYED,
                 (
-                    _scripts.STREAM_ZADD_ACK.command(
+                    script.command(
                         (t.source, t.delay_key), (t.group, d.id, _ms(outcome.delay), member)
                     ),
                 ),
@@ -470,7 +520,7 @@ def plan(t: Target, d: Delivery, outcome: Outcome) -> Plan:
             Effect.HELD,
             _stream_remove(t, d, Effect.HELD).commands,
             delay=outcome.delay,
-            later=(("XADD", t.source, "*", *_stream_copy_fields(d, t.group)),),
+            later=(("XADD", t.source, *_cap(t.copy_maxlen), "*", *_stream_copy_fields(d, t.group)),),
             gated=False,
         )
 

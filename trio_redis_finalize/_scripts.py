@@ -9,6 +9,8 @@ no second copy, so a finalization whose reply was lost may be sent again.
 
 from __future__ import annotations
 
+import functools
+
 from ._transport import Script
 
 __all__ = [
@@ -17,11 +19,15 @@ __all__ = [
     "LIST_REMOVE",
     "LIST_ZADD_REMOVE",
     "LUA_XADD",
+    "LUA_XADD_CAPPED",
     "MOVE_DUE_TO_LIST",
     "MOVE_DUE_TO_STREAM",
     "STREAM_COPY_ACK",
+    "STREAM_COPY_ACK_EX",
     "STREAM_ZADD_ACK",
+    "STREAM_ZADD_ACK_DEL",
     "UNPACK_MAX",
+    "move_due_to_stream",
 ]
 
 _STREAM_GATE = """
@@ -62,23 +68,34 @@ _CHUNK = 200
 # in the arguments of tail calls, _CHUNK values put in front at each step
 # (the values are copied once per step: about n * n / (2 * _CHUNK) copies,
 # ~10 ms for 5,000 fields, ~0.3 s for 100,000).
-LUA_XADD = (
-    """
-local function xadd(key, t, from)
+def _xadd_function(name: str, params: str, head: str) -> str:
+    """The Lua of an XADD of any width: ``redis.call('XADD', <head>, values...)``."""
+    return (
+        f"""
+local function {name}({params})
   local n = #t
-  if n - from < """ + str(UNPACK_MAX) + """ then
-    return redis.call('XADD', key, '*', unpack(t, from, n))
+  if n - from < """ + str(UNPACK_MAX) + f""" then
+    return redis.call('XADD', {head}, unpack(t, from, n))
   end
   local function go(i, ...)
-    if i < from then return redis.call('XADD', key, '*', ...) end
+    if i < from then return redis.call('XADD', {head}, ...) end
     return go(i - """ + str(_CHUNK) + ", "
-    + ", ".join(f"t[i - {_CHUNK - 1 - k}]" if k < _CHUNK - 1 else "t[i]" for k in range(_CHUNK))
-    + """, ...)
+        + ", ".join(f"t[i - {_CHUNK - 1 - k}]" if k < _CHUNK - 1 else "t[i]" for k in range(_CHUNK))
+        + """, ...)
   end
   local r = (n - from + 1) % """ + str(_CHUNK) + """
   return go(n - r, unpack(t, n - r + 1, n))
 end
 """
+    )
+
+
+LUA_XADD = _xadd_function("xadd", "key, t, from", "key, '*'")
+
+# LUA_XADD_CAPPED defines ``xadd_capped(key, cap, t, from)``: the same, as
+# XADD key MAXLEN ~ cap * ...  (the copy_maxlen / dead_letter_maxlen caps).
+LUA_XADD_CAPPED = _xadd_function(
+    "xadd_capped", "key, cap, t, from", "key, 'MAXLEN', '~', cap, '*'"
 )
 
 # KEYS: stream, destination stream.  ARGV: group, id, field, value, ...
@@ -104,6 +121,52 @@ redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 return now + tonumber(ARGV[3])
 """,
     name="stream_zadd_ack",
+)
+
+# The retention variants (``StreamSubscription(retention=..., copy_maxlen=...,
+# dead_letter_maxlen=...)``): the same gate and order, and
+#
+# * delete (Retention.DELETE_ON_FINALIZE): the original is deleted (XDEL)
+#   right after its XACK, in the same script -- one atomic step, so a crash
+#   cannot leave it acknowledged and still in the stream;
+# * cap: the copy is written with ``XADD ... MAXLEN ~ cap``.
+#
+# Redis 8.2's XACKDEL would do XACK + XDEL in one command; none of the servers
+# supported here (Redis 6.2, 7.0, Valkey 9.1) has it, and inside a script the
+# two calls are atomic anyway.
+
+# KEYS: stream, destination stream.  ARGV: group, id, delete ('1' or '0'),
+# cap ('0': none), field, value, ...
+STREAM_COPY_ACK_EX = Script(
+    LUA_XADD
+    + LUA_XADD_CAPPED
+    + _STREAM_GATE
+    + """
+local new
+if ARGV[4] ~= '0' then
+  new = xadd_capped(KEYS[2], ARGV[4], ARGV, 5)
+else
+  new = xadd(KEYS[2], ARGV, 5)
+end
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+if ARGV[3] == '1' then redis.call('XDEL', KEYS[1], ARGV[2]) end
+return new
+""",
+    name="stream_copy_ack_ex",
+)
+
+# KEYS: stream, delay set.  ARGV: group, id, delay ms, member.  As
+# STREAM_ZADD_ACK, then XDEL of the original.
+STREAM_ZADD_ACK_DEL = Script(
+    _STREAM_GATE
+    + _NOW_MS
+    + """
+redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[4])
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+return now + tonumber(ARGV[3])
+""",
+    name="stream_zadd_ack_del",
 )
 
 # KEYS: processing list.  ARGV: element, n (see _list_gate; > 1).
@@ -218,25 +281,42 @@ CORRUPT_FIELD = b"trf-delayed-corrupt"
 # earliest member left or nil, handed-back member, ...}: members of more than
 # ``width`` field values (none without a width) are handed back, see above.
 # A member that does not decode is added as one field CORRUPT_FIELD.
-MOVE_DUE_TO_STREAM = Script(
-    LUA_XADD
-    + _MOVE_HEAD
-    + """
+def _move_due_to_stream_source(cap: int | None) -> str:
+    xadd = "xadd(KEYS[2], ps, 2)" if cap is None else f"xadd_capped(KEYS[2], '{cap}', ps, 2)"
+    head = "KEYS[2], '*'" if cap is None else f"KEYS[2], 'MAXLEN', '~', '{cap}', '*'"
+    return (
+        LUA_XADD
+        + ("" if cap is None else LUA_XADD_CAPPED)
+        + _MOVE_HEAD
+        + f"""
   if ps and #ps >= 3 and #ps % 2 == 1 then
     if width and #ps - 1 > width then
       ok = false
     else
-      xadd(KEYS[2], ps, 2)
+      {xadd}
     end
   else
-    redis.call('XADD', KEYS[2], '*', '"""
-    + CORRUPT_FIELD.decode()
-    + """', m)
+    redis.call('XADD', {head}, '"""
+        + CORRUPT_FIELD.decode()
+        + """', m)
   end
 """
-    + _MOVE_TAIL,
-    name="move_due_to_stream",
-)
+        + _MOVE_TAIL
+    )
+
+
+MOVE_DUE_TO_STREAM = Script(_move_due_to_stream_source(None), name="move_due_to_stream")
+
+
+@functools.lru_cache(maxsize=64)
+def move_due_to_stream(cap: int | None) -> Script:
+    """:data:`MOVE_DUE_TO_STREAM`, or the same writing ``XADD ... MAXLEN ~ cap``
+    (a stream subscription's ``copy_maxlen``; the cap is part of the script)."""
+    if cap is None:
+        return MOVE_DUE_TO_STREAM
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+        raise ValueError(f"cap must be an int >= 1 or None, got {cap!r}")
+    return Script(_move_due_to_stream_source(cap), name=f"move_due_to_stream_maxlen_{cap}")
 
 # KEYS: delay set, list.  ARGV: limit.  Member parts: unique id, element.
 # Returns as MOVE_DUE_TO_STREAM (never hands a member back).  A member that

@@ -17,17 +17,29 @@ from ._envelope import GROUP_FIELD, ORIGIN_FIELD, RETRIES_FIELD
 from ._keys import derived, same_slot
 from ._mount import FINALIZE_TIMEOUT, Item, Mount, backoff, log
 from ._plan import Effect, Plan, Target, attempt_of, plan_dead, plan_foreign, plan_lost
-from ._scripts import MOVE_DUE_TO_STREAM
+from ._retention import TRIM_ACKED, TRIM_LIMIT, delete_refusal, group_rows, parse_trim
+from ._scripts import move_due_to_stream
 from ._subscription import (
     DelayedRetry,
     Form,
     Mode,
+    Retention,
     Subscription,
     check_key,
     check_limits,
+    check_maxlen,
     check_positive,
 )
-from ._transport import NOT_RUN_ERRORS, BusyGroupError, Client, Connection, NoGroupError, WrongTypeError
+from ._transport import (
+    FINAL,
+    NOT_RUN_ERRORS,
+    BusyGroupError,
+    Client,
+    Connection,
+    NoGroupError,
+    WrongTypeError,
+    classify,
+)
 
 __all__ = ["MIN_IDLE_FLOOR", "StreamReader", "StreamSubscription"]
 
@@ -74,6 +86,23 @@ class StreamSubscription(Subscription):
             (``XGROUP DESTROY``, a flush, a restart without persistence) is
             recreated at the last id this reader delivered, not at
             ``start_id``: nothing is skipped, nothing handled twice.
+        retention: what is removed from the stream besides acknowledging
+            (:class:`Retention`).  ``None`` (default): nothing, the stream
+            keeps every entry.  ``Retention.DELETE_ON_FINALIZE``: each
+            original is deleted (XDEL) when finalized, whatever the outcome
+            (for a work queue one group reads; ``mount()`` raises
+            ``ValueError`` naming the other groups when the stream has any).
+            ``Retention.TRIM_ACKED``: at least every 10 s the stream is
+            trimmed below the oldest entry any of its groups still needs
+            (pending, or not read yet): never an entry a group has not read
+            or has pending.  Both also trim, periodically, what a crash
+            left acknowledged in the stream.
+        copy_maxlen: cap (``XADD ... MAXLEN ~ n``) on the copies this
+            subscription writes to the stream (RETRY, delayed copies).  The
+            cap trims the stream itself, read or not: entries beyond it are
+            lost to every group; off (``None``) by default.
+        dead_letter_maxlen: cap (``MAXLEN ~ n``) on the dead letter's XADDs:
+            the oldest dead letters go first; off (``None``) by default.
 
     Attempts count handler calls that may have happened.  ``attempt`` is
     ``max(header retries + 1, server delivery count)``, and the reader keeps
@@ -101,6 +130,9 @@ class StreamSubscription(Subscription):
     block: float = 1.0
     count: int = 100
     start_id: str = "0"
+    retention: Retention | None = None
+    copy_maxlen: int | None = None
+    dead_letter_maxlen: int | None = None
 
     form = Form.STREAM
 
@@ -137,6 +169,12 @@ class StreamSubscription(Subscription):
                 f"start_id must be a stream id ('0', '$', '<ms>' or '<ms>-<seq>'), "
                 f"got {self.start_id!r}"
             )
+        if self.retention is not None and not isinstance(self.retention, Retention):
+            raise ValueError(f"retention must be a Retention or None, got {self.retention!r}")
+        check_maxlen("copy_maxlen", self.copy_maxlen)
+        check_maxlen("dead_letter_maxlen", self.dead_letter_maxlen)
+        if self.dead_letter_maxlen is not None and self.dead_letter is None:
+            raise ValueError("dead_letter_maxlen needs a dead_letter (it caps the dead letter)")
         if self.dead_letter is not None:
             delay_key = self.delay_key or derived(self.stream, ":delayed")
             if self.dead_letter == delay_key:
@@ -175,6 +213,9 @@ class StreamSubscription(Subscription):
             dead_letter=self.dead_letter,
             min_idle=self.min_idle,
             cluster=cluster,
+            retention=self.retention,
+            copy_maxlen=self.copy_maxlen,
+            dead_letter_maxlen=self.dead_letter_maxlen,
         )
         if (cluster and t.delayed_retry is DelayedRetry.DURABLE_ZSET
                 and not same_slot(t.source, t.delay_key)):
@@ -193,6 +234,10 @@ _RECOVER_EVERY = 60.0
 _CLAIM_EVERY_MAX = 30.0
 _MOVE_RETRY = 5.0
 """Seconds before a move of due copies that Redis refused is tried again."""
+_TRIM_EVERY = 5.0
+"""Seconds between two retention trim steps (the contract: at least every 10 s)."""
+_TRIM_AGAIN = 0.01
+"""Seconds before the next step when a trim step says more may be left."""
 
 
 def _str(b: bytes | str) -> str:
@@ -289,6 +334,61 @@ class StreamReader:
             return True
         except BusyGroupError:
             return False
+
+    async def _check_retention(self, client: Client) -> None:
+        """``Retention.DELETE_ON_FINALIZE`` on a stream other groups read: refused.
+
+        Deleting an entry takes it from every group of the stream, so a
+        work-queue retention on a shared stream would lose the other groups'
+        unread entries.  A group created later is reported by the periodic
+        trim (it cannot be refused any more).
+        """
+        sub = self.sub
+        if sub.retention is not Retention.DELETE_ON_FINALIZE:
+            return
+        rows = await client.execute("XINFO", "GROUPS", sub.stream, timeout=FINALIZE_TIMEOUT)
+        why = delete_refusal(sub.stream, sub.group, [g.name for g in group_rows(rows)])
+        if why is not None:
+            raise ValueError(f"{why} (mounting {sub.name})")
+
+    async def _trim(self, mount: Mount) -> None:
+        """Retention: one bounded trim step (``_retention.TRIM_ACKED``) every
+        ``_TRIM_EVERY`` seconds, at once again while a step says more is left.
+
+        Errors are logged and the step is tried again next period; they
+        never end the reader.
+        """
+        sub = self.sub
+        client = mount.client
+        reported: tuple[str, ...] = ()
+        while True:
+            wait = _TRIM_EVERY
+            try:
+                reply = await client.evalsha(
+                    TRIM_ACKED, (sub.stream,), (TRIM_LIMIT,), timeout=FINALIZE_TIMEOUT
+                )
+            except (rexc.RedisError, OSError) as e:
+                kind = classify(e)
+                (log.error if kind is FINAL else log.warning)(
+                    "%s: retention trim of stream %r failed (%s: %s); trying again in %g s",
+                    mount.name, sub.stream, kind.value, e, wait,
+                    extra={"subscription": mount.name},
+                )
+            else:
+                result = parse_trim(reply)
+                if result.removed:
+                    mount.stats.effects["trimmed"] += result.removed
+                    log.debug("%s: trimmed %d entries below %s", mount.name, result.removed,
+                              result.threshold)
+                if result.more:
+                    wait = _TRIM_AGAIN
+                if sub.retention is Retention.DELETE_ON_FINALIZE and result.groups != reported:
+                    reported = result.groups
+                    why = delete_refusal(sub.stream, sub.group, result.groups)
+                    if why is not None:
+                        log.error("%s: %s -- they are losing entries now", mount.name, why,
+                                  extra={"subscription": mount.name})
+            await anyio.sleep(wait)
 
     async def _group_last(self, client: Client) -> bytes | None:
         """The group's last delivered id (``XINFO GROUPS``), None if unknown."""
@@ -631,7 +731,7 @@ class StreamReader:
     async def _move_due(self, mount: Mount) -> float:
         """Move due copies from the durable delay set; seconds until the next is due."""
         try:
-            return await move_due(mount, MOVE_DUE_TO_STREAM, self.sub.block)
+            return await move_due(mount, move_due_to_stream(self.sub.copy_maxlen), self.sub.block)
         except rexc.ResponseError as e:
             # Redis refused a write (the stream is of another type now, or at
             # its last possible id, ...): what was not written is still in the
@@ -676,6 +776,7 @@ class StreamReader:
         await self._check_type(client)
         await self._check_keys(mount)
         await self._ensure_group(client)
+        await self._check_retention(client)
         last = await self._group_last(client)
         if last is not None and (self._last is None or _id_key(last) > _id_key(self._last)):
             self._last = last
@@ -695,6 +796,8 @@ class StreamReader:
             async with anyio.create_task_group() as tg:
                 if leased:
                     tg.start_soon(self._lease, mount)
+                if sub.retention is not None:
+                    tg.start_soon(self._trim, mount)
                 while True:
                     try:
                         if conn is None or conn.broken:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import enum
 import math
 
-__all__ = ["DelayedRetry", "Form", "Mode", "check_key", "check_limits", "check_positive"]
+__all__ = [
+    "DelayedRetry", "Form", "Mode", "Retention", "check_key", "check_limits", "check_maxlen",
+    "check_positive",
+]
 
 
 class Form(enum.Enum):
@@ -42,6 +45,42 @@ class DelayedRetry(enum.Enum):
 
     RUNTIME = "runtime"
     DURABLE_ZSET = "durable_zset"
+
+
+class Retention(enum.Enum):
+    """What a stream subscription removes from its stream, beyond acknowledging.
+
+    By default (``retention=None``) nothing: entries are acknowledged (XACK)
+    and stay in the stream until something else trims it.
+
+    * ``DELETE_ON_FINALIZE``: each original is deleted (XDEL) when it is
+      finalized -- ACK, DROP, RETRY (after its copy is written), dead letter,
+      durable delay, runtime delay (at once, the copy follows later), an
+      entry lost before handling.  For work-queue streams that one group
+      reads: ``mount()`` refuses a stream that other groups read (deleting
+      would take entries they have not read).  The two-step cells delete in
+      their gated script; ACK and DROP send ``XDEL`` right after the
+      ``XACK``, in the same pipeline, and a periodic trim (below) removes
+      what a crash left between the two.
+    * ``TRIM_ACKED``: at least every 10 s, one bounded step trims the stream
+      below the oldest entry some group still needs (each group's oldest
+      pending entry, and the entry after its last delivered id), over every
+      group of the stream, in one atomic script.  An entry a group has not
+      read, or has pending, is never trimmed.  A stream without groups is
+      left alone.
+    """
+
+    DELETE_ON_FINALIZE = "delete_on_finalize"
+    TRIM_ACKED = "trim_acked"
+
+
+def check_maxlen(name: str, value: object) -> int | None:
+    """``None``, or an int >= 1 (a ``MAXLEN ~`` cap), else ValueError naming ``name``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+    return value
 
 
 def check_key(name: str, value: object) -> str:

@@ -1,0 +1,532 @@
+"""Stream retention (issue 14, item 3): ``StreamSubscription(retention=...,
+copy_maxlen=..., dead_letter_maxlen=...)``.
+
+* ``Retention.DELETE_ON_FINALIZE``: every finalization deletes the original
+  (plans, scripts, a real consumer over 10,000 messages with RETRYs and dead
+  letters: the stream never holds more than the messages in flight); a
+  stream other groups read is refused at mount.
+* ``Retention.TRIM_ACKED``: the all-groups trim script against a model of
+  what each group still needs; three groups at different speeds miss no
+  entry and the stream shrinks once all have passed; with no group lagging
+  the length stays bounded; a trim that the server refuses (READONLY) is
+  logged and tried again, the reader goes on.
+* ``copy_maxlen`` / ``dead_letter_maxlen``: ``MAXLEN ~`` on the XADDs, validated.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import trio
+from _procs import eventually
+from hypothesis import given
+from hypothesis import strategies as st
+
+from trio_redis_finalize import (
+    ACK,
+    DROP,
+    RETRY,
+    DelayedRetry,
+    Delivery,
+    Outcome,
+    Retention,
+    StreamSubscription,
+    _stream,
+    open_consumer,
+    retry_after,
+)
+from trio_redis_finalize._plan import (
+    Effect,
+    plain_removals,
+    plan,
+    plan_dead,
+    plan_foreign,
+    plan_lost,
+    removal_commands,
+)
+from trio_redis_finalize._retention import (
+    MAX_PART,
+    TRIM_ACKED,
+    GroupNeed,
+    delete_refusal,
+    group_rows,
+    id_key,
+    next_id,
+    oldest_needed,
+    parse_trim,
+)
+from trio_redis_finalize._scripts import (
+    STREAM_COPY_ACK,
+    STREAM_COPY_ACK_EX,
+    STREAM_ZADD_ACK,
+    STREAM_ZADD_ACK_DEL,
+    move_due_to_stream,
+)
+from trio_redis_finalize._transport import Client, open_client
+
+S, G = "orders", "billing"
+DEAD = "{orders}:dead"
+DELETE = Retention.DELETE_ON_FINALIZE
+TRIM = Retention.TRIM_ACKED
+
+
+@pytest.fixture
+def quick_trim(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trim step every 20 ms instead of every 5 s."""
+    monkeypatch.setattr(_stream, "_TRIM_EVERY", 0.02)
+
+
+def name_of(stream: str, group: str) -> str:
+    return f"stream {stream!r} group {group!r}"
+
+
+def delivery(eid: str = "1700000000000-7", attempt: int = 1, retries: int = 0) -> Delivery:
+    return Delivery(source=S, id=eid, fields={b"n": b"1"}, data=None, attempt=attempt,
+                    origin_id=eid, retries=retries, mount="m")
+
+
+# -- sans-IO: ids, the model ---------------------------------------------------------
+
+ids = st.tuples(st.integers(0, MAX_PART), st.integers(0, MAX_PART)).map(lambda t: f"{t[0]}-{t[1]}")
+
+
+@given(ids)
+def test_next_id_is_the_smallest_id_above(eid: str) -> None:
+    nxt = next_id(eid)
+    ms, seq = id_key(eid)
+    if (ms, seq) == (MAX_PART, MAX_PART):
+        assert nxt == eid
+        return
+    assert id_key(nxt) > id_key(eid)
+    # nothing in between: the successor in (ms, seq) order
+    assert id_key(nxt) == ((ms, seq + 1) if seq < MAX_PART else (ms + 1, 0))
+
+
+@given(st.lists(st.tuples(ids, st.one_of(st.none(), ids)), min_size=1, max_size=5))
+def test_oldest_needed_is_below_everything_a_group_needs(rows: list[tuple[str, str | None]]) -> None:
+    groups = [GroupNeed(f"g{i}", 0 if first is None else 1, last, first)
+              for i, (last, first) in enumerate(rows)]
+    low = oldest_needed(groups)
+    assert low is not None
+    for g in groups:
+        # unread entries (above last delivered) and pending ones are at or above it
+        assert id_key(low) <= id_key(next_id(g.last_delivered))
+        if g.first_pending is not None:
+            assert id_key(low) <= id_key(g.first_pending)
+    assert low in {g.oldest_needed for g in groups}
+    assert oldest_needed([]) is None
+
+
+def test_delete_refusal_names_the_other_groups() -> None:
+    assert delete_refusal(S, G, [G]) is None
+    assert delete_refusal(S, G, []) is None
+    why = delete_refusal(S, G, [G, "audit", "search"])
+    assert why is not None and "'audit', 'search'" in why and "TRIM_ACKED" in why
+
+
+# -- plans -------------------------------------------------------------------------
+
+def target(**kw: Any) -> Any:
+    return StreamSubscription(S, G, **kw).target("c1")
+
+
+def test_delete_on_finalize_plans_delete_every_original() -> None:
+    t = target(retention=DELETE, max_attempts=3, dead_letter=DEAD)
+    d = delivery()
+    xack, xdel = ("XACK", S, G, d.id), ("XDEL", S, d.id)
+    assert plan(t, d, ACK).commands == (xack, xdel)
+    assert plan(t, d, DROP).commands == (xack, xdel)
+    assert plan_lost(t, d).commands == (xack, xdel)
+    # another group's copy is that group's: acknowledged, never deleted
+    assert plan_foreign(t, d).commands == (xack,)
+    # the hot path says the same, for many ids at once
+    for kind, effect in plain_removals(t).items():
+        assert plan(t, d, Outcome(kind)).commands == tuple(removal_commands(t, [d]))
+        assert plan(t, d, Outcome(kind)).effect is effect
+    two = [d, delivery("1700000000000-8")]
+    assert removal_commands(t, two) == [("XACK", S, G, d.id, "1700000000000-8"),
+                                        ("XDEL", S, d.id, "1700000000000-8")]
+    # RETRY: the gated script copies, acknowledges, deletes
+    (cmd,) = plan(t, d, RETRY).commands
+    assert cmd[:4] == (b"EVALSHA", STREAM_COPY_ACK_EX.sha, 2, S) and cmd[5:9] == (G, d.id, "1", 0)
+    # dead letter: the same script, to the dead letter
+    (cmd,) = plan(t, delivery(attempt=3, retries=2), RETRY).commands
+    assert cmd[:5] == (b"EVALSHA", STREAM_COPY_ACK_EX.sha, 2, S, DEAD) and cmd[7] == "1"
+    # durable delay: ZADD, XACK, XDEL in one script
+    td = target(retention=DELETE, delayed_retry=DelayedRetry.DURABLE_ZSET)
+    (cmd,) = plan(td, d, retry_after(1.0)).commands
+    assert cmd[:2] == (b"EVALSHA", STREAM_ZADD_ACK_DEL.sha)
+    # runtime delay: acknowledged and deleted now, the copy later
+    p = plan(t, d, retry_after(1.0))
+    assert p.commands == (xack, xdel) and p.later[0][:3] == ("XADD", S, "*")
+    # exhausted without a dead letter
+    assert plan_dead(target(retention=DELETE, max_attempts=1), d, "x").commands == (xack, xdel)
+
+
+def test_default_and_trim_acked_plans_are_unchanged() -> None:
+    d = delivery()
+    for t in (target(), target(retention=TRIM)):
+        assert plan(t, d, ACK).commands == (("XACK", S, G, d.id),)
+        assert removal_commands(t, [d]) == [("XACK", S, G, d.id)]
+        assert plan(t, d, RETRY).commands[0][1] == STREAM_COPY_ACK.sha
+        td = target(retention=t.retention, delayed_retry=DelayedRetry.DURABLE_ZSET)
+        assert plan(td, d, retry_after(1.0)).commands[0][1] == STREAM_ZADD_ACK.sha
+
+
+def test_maxlen_caps_go_on_the_library_s_xadds() -> None:
+    t = target(copy_maxlen=1000, max_attempts=3, dead_letter=DEAD, dead_letter_maxlen=50)
+    d = delivery()
+    (cmd,) = plan(t, d, RETRY).commands
+    assert cmd[1] == STREAM_COPY_ACK_EX.sha and cmd[5:9] == (G, d.id, "0", 1000)
+    (cmd,) = plan(t, delivery(attempt=3, retries=2), RETRY).commands
+    assert cmd[4] == DEAD and cmd[5:9] == (G, d.id, "0", 50)
+    assert plan(t, d, retry_after(1.0)).later[0][:6] == ("XADD", S, "MAXLEN", "~", 1000, "*")
+    # Redis Cluster, dead letter on another slot: capped copy, then XACK, XDEL
+    tc = StreamSubscription(S, G, retention=DELETE, max_attempts=1, dead_letter="elsewhere",
+                            dead_letter_maxlen=7).target("c1", cluster=True)
+    p = plan(tc, d, RETRY)
+    assert not p.gated
+    assert [c[:6] for c in p.commands] == [("XADD", "elsewhere", "MAXLEN", "~", 7, "*"),
+                                           ("XACK", S, G, d.id), ("XDEL", S, d.id)]
+    assert move_due_to_stream(None) is move_due_to_stream(None)
+    assert move_due_to_stream(5).sha != move_due_to_stream(None).sha
+
+
+@pytest.mark.parametrize("param", ["copy_maxlen", "dead_letter_maxlen"])
+@pytest.mark.parametrize("bad", [0, -1, True, 2.5, "10"])
+def test_bad_maxlen_is_a_value_error_naming_it(param: str, bad: Any) -> None:
+    with pytest.raises(ValueError, match=param):
+        StreamSubscription(S, G, max_attempts=2, dead_letter=DEAD, **{param: bad})
+
+
+def test_bad_retention_configuration() -> None:
+    with pytest.raises(ValueError, match="retention"):
+        StreamSubscription(S, G, retention="delete")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="dead_letter_maxlen"):
+        StreamSubscription(S, G, dead_letter_maxlen=10)
+    s = StreamSubscription(S, G, retention=TRIM, copy_maxlen=10)
+    assert s.target("c").retention is TRIM and s.target("c").copy_maxlen == 10
+
+
+# -- the scripts on a real server ------------------------------------------------------
+
+async def pending_entry(client: Client, fields: Sequence[str] = ("n", "1")) -> str:
+    await client.execute("XGROUP", "CREATE", S, G, "$", "MKSTREAM")
+    eid = (await client.execute("XADD", S, "*", *fields)).decode()
+    await client.execute("XREADGROUP", "GROUP", G, "c1", "COUNT", 10, "STREAMS", S, ">")
+    return str(eid)
+
+
+async def test_copy_ack_ex_copies_acks_deletes_once(client: Client) -> None:
+    eid = await pending_entry(client)
+    cmd = STREAM_COPY_ACK_EX.command((S, S), (G, eid, "1", 0, "n", "copy"))
+    first, second = await client.pipeline([cmd, cmd])
+    assert first is not None and second is None  # the gate: one copy
+    rows = await client.execute("XRANGE", S, "-", "+")
+    assert [r[0].decode() for r in rows] == [first.decode()]  # the original is gone
+    assert int((await client.execute("XPENDING", S, G))[0]) == 0
+
+
+async def test_zadd_ack_del(client: Client) -> None:
+    eid = await pending_entry(client)
+    cmd = STREAM_ZADD_ACK_DEL.command((S, "{orders}:delayed"), (G, eid, 100, b"member"))
+    first, second = await client.pipeline([cmd, cmd])
+    assert first is not None and second is None
+    assert int(await client.execute("XLEN", S)) == 0
+    assert int(await client.execute("ZCARD", "{orders}:delayed")) == 1
+
+
+async def test_capped_copies_keep_the_destination_near_its_cap(client: Client) -> None:
+    await client.execute("CONFIG", "SET", "stream-node-max-entries", "4")
+    try:
+        await client.execute("XGROUP", "CREATE", S, G, "$", "MKSTREAM")
+        for i in range(60):
+            eid = (await client.execute("XADD", S, "*", "n", str(i))).decode()
+            await client.execute("XREADGROUP", "GROUP", G, "c1", "STREAMS", S, ">")
+            args = (G, eid, "0", 10, "n", str(i))
+            assert await client.evalsha(STREAM_COPY_ACK_EX, (S, DEAD), args) is not None
+        # MAXLEN ~ 10 with 4-entry nodes: at most one node over the cap
+        assert 10 <= int(await client.execute("XLEN", DEAD)) <= 14
+        # the capped move of due copies, likewise
+        script = move_due_to_stream(10)
+        for i in range(40):
+            await client.execute("ZADD", "{orders}:delayed", 0, f"corrupt-{i}")
+        await client.evalsha(script, ("{orders}:delayed", DEAD), (128,))
+        assert 10 <= int(await client.execute("XLEN", DEAD)) <= 14
+    finally:
+        await client.execute("CONFIG", "SET", "stream-node-max-entries", "100")
+
+
+# -- the all-groups trim against a model ----------------------------------------------
+
+async def trim_all(client: Client) -> int:
+    """Trim steps until one says nothing more is left; entries removed."""
+    removed = 0
+    for _ in range(1000):
+        r = parse_trim(await client.evalsha(TRIM_ACKED, (S,), (7,)))
+        removed += r.removed
+        if not r.more:
+            return removed
+    raise AssertionError("the trim never finished")
+
+
+async def needs(client: Client) -> list[GroupNeed]:
+    """What each group needs, asked the non-atomic way (the test is alone on the server)."""
+    out = []
+    for g in group_rows(await client.execute("XINFO", "GROUPS", S)):
+        first = None
+        if g.pending:
+            first = (await client.execute("XPENDING", S, g.name))[1].decode()
+        out.append(GroupNeed(g.name, g.pending, g.last_delivered, first))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_trim_removes_exactly_what_every_group_is_done_with(client: Client, seed: int) -> None:
+    rng = random.Random(seed)
+    await client.execute("CONFIG", "SET", "stream-node-max-entries", str(rng.choice([3, 10, 100])))
+    try:
+        n = rng.randrange(20, 300)
+        written = [(await client.execute("XADD", S, "*", "n", str(i))).decode() for i in range(n)]
+        for gi in range(rng.randrange(1, 4)):
+            name = f"g{gi}"
+            await client.execute("XGROUP", "CREATE", S, name, "0")
+            got = await client.execute("XREADGROUP", "GROUP", name, "c", "COUNT", rng.randrange(0, n + 1)
+                                       or 1, "STREAMS", S, ">")
+            read = [e[0] for e in got[0][1]] if got else []
+            acked = [e for e in read if rng.random() < 0.9]
+            if acked:
+                await client.execute("XACK", S, name, *acked)
+        model = oldest_needed(await needs(client))
+        assert model is not None
+        pending_or_unread = {
+            eid for g in await needs(client) for eid in written if id_key(eid) >= id_key(g.oldest_needed)
+        }
+        await trim_all(client)
+        left = [r[0].decode() for r in await client.execute("XRANGE", S, "-", "+")]
+        # exactly the entries at or above the oldest needed one are left ...
+        assert left == [e for e in written if id_key(e) >= id_key(model)]
+        # ... so nothing a group has pending or not read went
+        assert pending_or_unread <= set(left)
+        assert oldest_needed(await needs(client)) == model  # nothing a group needs changed
+    finally:
+        await client.execute("CONFIG", "SET", "stream-node-max-entries", "100")
+
+
+async def test_trim_leaves_streams_without_groups_and_other_keys_alone(client: Client) -> None:
+    r = parse_trim(await client.evalsha(TRIM_ACKED, (S,), (100,)))
+    assert (r.removed, r.threshold, r.more, r.groups) == (0, None, False, ())  # no key
+    for i in range(5):
+        await client.execute("XADD", S, "*", "n", str(i))
+    r = parse_trim(await client.evalsha(TRIM_ACKED, (S,), (100,)))
+    assert r.threshold is None and int(await client.execute("XLEN", S)) == 5
+    await client.execute("SET", "plain", "x")
+    with pytest.raises(Exception, match="WRONGTYPE"):
+        await client.evalsha(TRIM_ACKED, ("plain",), (100,))
+
+
+# -- delete on finalize: a real consumer ------------------------------------------------
+
+async def test_delete_on_finalize_refuses_a_stream_other_groups_read(redis_url: str, client: Client) -> None:
+    await client.execute("XGROUP", "CREATE", S, "audit", "0", "MKSTREAM")
+    async with open_consumer(redis_url, name="c1") as consumer:
+        with pytest.raises(ValueError, match="'audit'") as info:
+            await consumer.mount(StreamSubscription(S, G, retention=DELETE), _ack)
+        assert "TRIM_ACKED" in str(info.value) and S in str(info.value)
+        # TRIM_ACKED is fine there
+        await consumer.mount(StreamSubscription(S, G, retention=TRIM, block=0.05), _ack)
+
+
+async def _ack(d: Delivery) -> Outcome:
+    return ACK
+
+
+async def test_a_group_added_later_is_reported(redis_url: str, client: Client, quick_trim: None,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.ERROR, logger="trio_redis_finalize")
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(StreamSubscription(S, G, retention=DELETE, block=0.05), _ack)
+        await client.execute("XGROUP", "CREATE", S, "late", "$")
+
+        def reported() -> bool:
+            return any("'late'" in r.getMessage() for r in caplog.records)
+
+        await eventually(reported, what="the late group reported")
+
+
+async def test_delete_on_finalize_10000_messages_length_never_above_in_flight(
+    redis_url: str, client: Client
+) -> None:
+    n_messages = 10_000
+    sub = StreamSubscription(S, G, retention=DELETE, max_attempts=3, dead_letter=DEAD,
+                             block=0.05, count=200)
+    name = name_of(S, G)
+    for start in range(0, n_messages, 1000):
+        await client.pipeline([("XADD", S, "*", "n", str(i)) for i in range(start, start + 1000)])
+
+    async def handle(d: Delivery) -> Outcome:
+        n = int(d.fields[b"n"])
+        if n % 100 == 1:
+            return RETRY  # always: dead-lettered at attempt 3
+        if n % 10 == 0 and d.attempt == 1:
+            return RETRY  # once
+        return ACK
+
+    checks = 0
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(sub, handle, concurrency=8)
+        with trio.fail_after(90):
+            while True:
+                effects = consumer.stats()[name]["effects"]
+                finished = effects.get("acked", 0) + effects.get("dead_lettered", 0)
+                length = int(await client.execute("XLEN", S))
+                # stats count what Redis confirmed, so Redis has finished at least as many
+                assert length <= n_messages - finished, (length, finished)
+                checks += 1
+                if finished == n_messages:
+                    break
+                await trio.sleep(0.01)
+        effects = consumer.stats()[name]["effects"]
+    assert effects["dead_lettered"] == 100
+    assert effects["copied"] == 1000 + 200  # one RETRY each of 1,000, two each of the 100 dead
+    assert effects.get("failed", 0) == 0 and effects.get("lost_before_handling", 0) == 0
+    assert int(await client.execute("XLEN", S)) == 0
+    assert int((await client.execute("XPENDING", S, G))[0]) == 0
+    assert int(await client.execute("XLEN", DEAD)) == 100
+    assert checks > 1
+
+
+# -- trim acked: real consumers -----------------------------------------------------------
+
+async def test_three_groups_at_different_speeds_miss_nothing_and_the_stream_shrinks(
+    redis_url: str, client: Client, quick_trim: None
+) -> None:
+    groups = {"fast": 0.0, "medium": 0.0005, "slow": 0.002}
+    seen: dict[str, set[str]] = {g: set() for g in groups}
+
+    def handler(group: str) -> Any:
+        pause = groups[group]
+
+        async def handle(d: Delivery) -> Outcome:
+            if pause:
+                await trio.sleep(pause)
+            assert d.id is not None
+            seen[group].add(d.id)
+            return ACK
+
+        return handle
+
+    produced: list[str] = []
+    async with open_consumer(redis_url, name="c1") as consumer:
+        for g in groups:
+            await consumer.mount(StreamSubscription(S, g, retention=TRIM, block=0.05, count=20),
+                                 handler(g))
+        for batch in range(8):
+            replies = await client.pipeline([("XADD", S, "*", "b", str(batch), "i", str(i))
+                                             for i in range(60)])
+            produced += [r.decode() for r in replies]
+            await trio.sleep(0.05)
+            # never below what the slowest group has not finished
+            slow_done = len(seen["slow"])
+            assert int(await client.execute("XLEN", S)) >= len(produced) - slow_done - 20
+        await eventually(lambda: all(len(s) == len(produced) for s in seen.values()),
+                         timeout=30, what="every group has seen every entry")
+
+        async def shrunk() -> bool:
+            return int(await client.execute("XLEN", S)) == 0
+
+        await eventually(shrunk, what="the stream trimmed to nothing once every group passed")
+        stats = consumer.stats()
+    for g in groups:
+        assert seen[g] == set(produced), g
+        effects = stats[name_of(S, g)]["effects"]
+        assert effects.get("lost_before_handling", 0) == 0
+    assert sum(stats[name_of(S, g)]["effects"].get("trimmed", 0) for g in groups) == len(produced)
+
+
+async def test_with_no_group_lagging_the_length_stays_bounded(
+    redis_url: str, client: Client, quick_trim: None
+) -> None:
+    batch = 100
+    longest = 0
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(StreamSubscription(S, G, retention=TRIM, block=0.05), _ack,
+                             concurrency=4)
+        for _ in range(20):
+            await client.pipeline([("XADD", S, "*", "n", "x")] * batch)
+            longest = max(longest, int(await client.execute("XLEN", S)))
+
+            async def trimmed() -> bool:
+                return int(await client.execute("XLEN", S)) == 0
+
+            await eventually(trimmed, what="the batch trimmed once handled")
+    assert 0 < longest <= batch  # 2,000 written, never more than one batch kept
+
+
+async def test_a_refused_trim_is_logged_and_tried_again(
+    redis_url: str, client: Client, quick_trim: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """READONLY (the server became a replica): the trim fails, is logged, the
+    reader lives on; once the server is a master again the stream is trimmed."""
+    caplog.set_level(logging.WARNING, logger="trio_redis_finalize")
+    got: list[str] = []
+
+    async def handle(d: Delivery) -> Outcome:
+        assert d.id is not None
+        got.append(d.id)
+        return ACK
+
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(StreamSubscription(S, G, retention=TRIM, block=0.05), handle)
+        await client.pipeline([("XADD", S, "*", "n", str(i)) for i in range(10)])
+        await eventually(lambda: len(got) == 10, what="first entries handled")
+        await client.execute("REPLICAOF", "127.0.0.1", "1")  # a master that never answers
+        try:
+            await eventually(lambda: any("retention trim" in r.getMessage() for r in caplog.records),
+                             what="the refused trim logged")
+        finally:
+            await client.execute("REPLICAOF", "NO", "ONE")
+        await client.pipeline([("XADD", S, "*", "n", str(i)) for i in range(10)])
+        await eventually(lambda: len(got) == 20, what="the reader goes on")
+
+        async def trimmed() -> bool:
+            return int(await client.execute("XLEN", S)) == 0
+
+        await eventually(trimmed, what="trimmed again")
+        assert not consumer.mounts[0].done.is_set()
+
+
+# -- inspect ------------------------------------------------------------------------------
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "trio_redis_finalize", *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+async def test_inspect_shows_what_a_trim_would_remove(redis_url: str) -> None:
+    async with open_client(redis_url) as client:
+        written = [(await client.execute("XADD", S, "*", "n", str(i))).decode() for i in range(10)]
+        await client.execute("XGROUP", "CREATE", S, "a", "0")
+        await client.execute("XGROUP", "CREATE", S, "b", "0")
+        await client.execute("XREADGROUP", "GROUP", "a", "c", "COUNT", 6, "STREAMS", S, ">")
+        await client.execute("XACK", S, "a", *written[:4])  # a: 4, 5 pending; needs 4
+        await client.execute("XREADGROUP", "GROUP", "b", "c", "COUNT", 8, "STREAMS", S, ">")
+        await client.execute("XACK", S, "b", *written[:8])  # b: needs 8
+    r = await trio.to_thread.run_sync(lambda: cli("inspect", S, "--url", redis_url, "--json"))
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["length"] == 10
+    needed = {g["name"]: g["oldest_needed_id"] for g in info["groups"]}
+    assert needed == {"a": written[4], "b": next_id(written[7])}
+    assert info["retention"] == {"oldest_needed_id": written[4], "trimmable": 4}
+    r = await trio.to_thread.run_sync(lambda: cli("inspect", S, "--url", redis_url))
+    assert r.returncode == 0, r.stderr
+    assert "oldest needed" in r.stdout and written[4] in r.stdout
+    assert "trim would remove" in r.stdout
