@@ -525,7 +525,8 @@ async def test_inspect_shows_what_a_trim_would_remove(redis_url: str) -> None:
     assert info["length"] == 10
     needed = {g["name"]: g["oldest_needed_id"] for g in info["groups"]}
     assert needed == {"a": written[4], "b": next_id(written[7])}
-    assert info["retention"] == {"oldest_needed_id": written[4], "trimmable": 4}
+    assert info["retention"] == {"oldest_needed_id": written[4], "trimmable": 4,
+                                 "trimmable_capped": False}
     r = await trio.to_thread.run_sync(lambda: cli("inspect", S, "--url", redis_url))
     assert r.returncode == 0, r.stderr
     assert "oldest needed" in r.stdout and written[4] in r.stdout

@@ -22,6 +22,7 @@ nothing): one line on stderr, no traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib
 import inspect as pyinspect
@@ -40,6 +41,7 @@ from redis import exceptions as rexc
 from ._envelope import ORIGIN_FIELD, RETRIES_FIELD, CorruptEnvelope, unwrap, wrap
 from ._keys import derived, has_hash_tag, same_slot
 from ._plan import DEAD_FIELDS, DEAD_REASON, Effect
+from ._retention import GroupNeed, group_rows, oldest_needed
 from ._transport import Client, Script, open_client, parse_url
 
 __all__ = ["CliError", "main"]
@@ -318,6 +320,35 @@ async def _oldest_idle(client: Client, key: str, group: str) -> dict[str, Any] |
             "deliveries": int(row[3])}
 
 
+async def _group_needs(client: Client, key: str, rows: Sequence[Any]) -> dict[str, GroupNeed]:
+    """Each group's oldest needed entry (``XINFO GROUPS`` rows, an XPENDING summary each)."""
+    out: dict[str, GroupNeed] = {}
+    for g in group_rows(rows):
+        if g.pending:
+            summary = await client.execute("XPENDING", key, g.name)
+            g = dataclasses.replace(g, first_pending=_str(summary[1]) if summary[1] else None)
+        out[g.name] = g
+    return out
+
+
+_COUNT_CAP = 100_000
+"""Entries ``inspect`` counts at most below the oldest needed one."""
+
+
+async def _count_below(client: Client, key: str, below: str) -> tuple[int, bool]:
+    """How many entries are below ``below`` (what a trim would remove), and
+    whether counting stopped at :data:`_COUNT_CAP`."""
+    n = 0
+    lo = "-"
+    while n < _COUNT_CAP:
+        page = await client.execute("XRANGE", key, lo, "(" + below, "COUNT", 1000)
+        n += len(page)
+        if len(page) < 1000:
+            return n, False
+        lo = "(" + _str(page[-1][0])
+    return n, True
+
+
 async def inspect_stream(client: Client, key: str, group: str | None) -> dict[str, Any]:
     info = _pairs(await client.execute("XINFO", "STREAM", key))
     first = info.get("first-entry")
@@ -329,7 +360,12 @@ async def inspect_stream(client: Client, key: str, group: str | None) -> dict[st
         "first_id": _str(first[0]) if first else None,
         "groups": [],
     }
-    groups = [_pairs(g) for g in await client.execute("XINFO", "GROUPS", key)]
+    rows = await client.execute("XINFO", "GROUPS", key)
+    groups = [_pairs(g) for g in rows]
+    needs = await _group_needs(client, key, rows)
+    low = oldest_needed(list(needs.values()))
+    trimmable, capped = await _count_below(client, key, low) if low is not None else (0, False)
+    out["retention"] = {"oldest_needed_id": low, "trimmable": trimmable, "trimmable_capped": capped}
     if group is not None:
         groups = [g for g in groups if _str(g["name"]) == group]
         if not groups:
@@ -342,6 +378,7 @@ async def inspect_stream(client: Client, key: str, group: str | None) -> dict[st
             "consumers": int(g["consumers"]),
             "pending": int(g["pending"]),
             "last_delivered_id": _str(g["last-delivered-id"]),
+            "oldest_needed_id": needs[gname].oldest_needed,
             "lag": _int_or_none(g.get("lag")),
             "oldest_idle_pending": await _oldest_idle(client, key, gname) if int(g["pending"]) else None,
             "consumer_list": [
@@ -520,6 +557,13 @@ def print_inspect(info: dict[str, Any]) -> None:
     if info["type"] == "stream":
         rows.append(["first id", info["first_id"] or "-"])
         rows.append(["last id", info["last_id"]])
+        ret = info["retention"]
+        if ret["oldest_needed_id"] is None:
+            rows.append(["oldest needed", "- (no groups: a trim leaves the stream alone)"])
+        else:
+            rows.append(["oldest needed", f"{ret['oldest_needed_id']} (over all groups)"])
+            more = "+" if ret["trimmable_capped"] else ""
+            rows.append(["trim would remove", f"{ret['trimmable']}{more} entries"])
     ds = info["delay_set"]
     due = ds["oldest_due_in"]
     due_text = "" if due is None else (f", oldest due in {due:.3f} s" if due >= 0
@@ -539,9 +583,10 @@ def print_inspect(info: dict[str, Any]) -> None:
             oldest = "-" if o is None else (
                 f"{o['id']} idle {o['idle']:.3f} s, {o['deliveries']} deliveries, {o['consumer']}")
             grows.append([g["name"], str(g["consumers"]), str(g["pending"]), g["last_delivered_id"],
-                          "-" if g["lag"] is None else str(g["lag"]), oldest])
-        print_table(["group", "consumers", "pending", "last delivered", "lag", "oldest idle pending"],
-                    grows or [["(no groups)", "", "", "", "", ""]])
+                          "-" if g["lag"] is None else str(g["lag"]), oldest, g["oldest_needed_id"]])
+        print_table(["group", "consumers", "pending", "last delivered", "lag",
+                     "oldest idle pending", "oldest needed"],
+                    grows or [["(no groups)", "", "", "", "", "", ""]])
         for g in info["groups"]:
             if g["consumer_list"]:
                 print()
@@ -864,7 +909,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "inspect", help="show a stream's or list's state: groups, pending, delay set, dead letter",
         description="For a stream: length, consumer groups (consumers, pending, last delivered id, "
-                    "lag, oldest idle pending entry), consumers. For a list: length and the "
+                    "oldest needed entry, lag, oldest idle pending entry), consumers, the oldest "
+                    "entry any group still needs and how many entries below it a trim "
+                    "(Retention.TRIM_ACKED) would remove. For a list: length and the "
                     "processing lists ({KEY}:processing:* and those registered in {KEY}:consumers) "
                     "with their owners' heartbeat age. "
                     "For both: the delay set ({KEY}:delayed unless --delay-key) and, with "
