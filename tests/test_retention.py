@@ -43,7 +43,6 @@ from trio_redis_finalize import (
     retry_after,
 )
 from trio_redis_finalize._plan import (
-    Effect,
     plain_removals,
     plan,
     plan_dead,
