@@ -17,6 +17,13 @@ Redis physically holds: nothing lost (the message was finalized, or a copy
 of it exists), nothing stranded, at most one copy for gated paths, attempt
 counters never going back, ``max_attempts`` never exceeded by a handler call.
 
+The retention variants (``Retention.DELETE_ON_FINALIZE``: every removal
+deletes the original, in the gated script or as ``XDEL`` after ``XACK``) run
+the same enumeration; copies are counted from what the handler was given
+(they are deleted once handled), and after recovery and one all-groups trim
+the stream must be empty: a crash between an ``XACK`` and its ``XDEL``
+leaves an acknowledged entry that the trim removes, nothing else may stay.
+
 Handlers are deterministic: a stream handler returns the path's outcome for
 the original entry (whatever its attempt: recovery resends the same
 finalization) and ACK for copies; a reliable-list handler returns the path's
@@ -42,12 +49,14 @@ from faults.shim import Crash, FaultClient, FaultMode, open_fault_client
 from trio_redis_finalize import (
     ACK,
     DROP,
+    ORIGIN_FIELD,
     RETRY,
     DelayedRetry,
     Delivery,
     Mode,
     Outcome,
     ReliableListSubscription,
+    Retention,
     StreamSubscription,
     _consumer,
     _mount,
@@ -58,6 +67,7 @@ from trio_redis_finalize import (
 from trio_redis_finalize._envelope import wrap
 from trio_redis_finalize._keys import same_slot
 from trio_redis_finalize._plan import Effect, Plan
+from trio_redis_finalize._retention import TRIM_ACKED, parse_trim
 from trio_redis_finalize._scripts import LIST_COPY_REMOVE, LIST_ZADD_REMOVE
 from trio_redis_finalize._transport import Client, open_client
 
@@ -103,6 +113,10 @@ class Path:
         if self.form == "stream":
             return StreamSubscription(S, G, **{"block": 0.05, "min_idle": 0.1, **self.sub})
         return ReliableListSubscription(Q, **{"block": 0.05, **self.sub})
+
+    @property
+    def deletes(self) -> bool:
+        return self.sub.get("retention") is Retention.DELETE_ON_FINALIZE
 
     @property
     def max_attempts(self) -> int | None:
@@ -156,6 +170,20 @@ LIST_PATHS = [
     Path("exhausted-no-dead-letter", "list", RETRY, "gone", preset_retries=2,
          sub={"max_attempts": 3}),
 ]
+DELETE = {"retention": Retention.DELETE_ON_FINALIZE}
+RETENTION_PATHS = [
+    Path("ack", "stream", ACK, "gone", sub=DELETE),
+    Path("drop", "stream", DROP, "gone", sub=DELETE),
+    Path("retry-capped", "stream", RETRY, "copy", sub={**DELETE, "copy_maxlen": 1000}),
+    Path("retry-after-durable", "stream", retry_after(0.02), "copy", sub={**DURABLE, **DELETE}),
+    Path("retry-after-runtime", "stream", retry_after(0.02), "runtime", gated=False, sub=DELETE),
+    Path("dead-letter-capped", "stream", RETRY, "dead", preset_retries=2,
+         sub={**DEAD3, **DELETE, "dead_letter_maxlen": 1000}),
+    Path("dead-letter-cluster-split", "stream", RETRY, "dead", gated=False, preset_retries=2,
+         sub={**DEAD3, **DELETE}, planner=_cluster_split),
+    Path("exhausted-no-dead-letter", "stream", RETRY, "gone", preset_retries=2,
+         sub={"max_attempts": 3, **DELETE}),
+]
 BROKEN_STREAM = Path("broken-ack-then-copy", "stream", RETRY, "copy", gated=False,
                      planner=_remove_then_copy)
 BROKEN_LIST = Path("broken-lrem-then-lpush", "list", RETRY, "copy", gated=False,
@@ -182,6 +210,7 @@ class Case:
     calls: list[Call] = dataclasses.field(default_factory=list)
     crashed: bool = False
     list_copies: int = 0
+    leaked: int = 0  # retention: entries left in the stream after recovery and a trim
 
     @property
     def label(self) -> str:
@@ -285,6 +314,11 @@ def judge(case: Case, state: StreamState | ListState) -> Report:
     if path.form == "stream":
         assert isinstance(state, StreamState)
         copies = state.copies()[origin]
+        if path.deletes:  # handled copies are deleted: count what the handler was given too
+            handed = {c.id for c in case.calls if c.id != case.original and c.origin == origin}
+            kept = {e.id for e in state.entries if e.is_copy and e.origin == origin}
+            copies = len(handed | kept) + sum(
+                1 for f in state.delayed if f.get(ORIGIN_FIELD, b"").decode() == origin)
     else:
         assert isinstance(state, ListState)
         copies = case.list_copies
@@ -321,6 +355,8 @@ def judge(case: Case, state: StreamState | ListState) -> Report:
         if c.attempt < seen:
             problems.append(f"attempt went back from {seen} to {c.attempt}")
         seen = max(seen, c.attempt)
+    if case.leaked:
+        problems.append(f"leaked: {case.leaked} entries left in the stream after recovery and a trim")
     if not case.calls:
         problems.append("the handler never ran")
     return Report(case, problems, copies, dead)
@@ -364,21 +400,27 @@ async def run_case(url: str, path: Path, k: int | None, fault: str,
         async with open_fault_client(url) as client:
             await _run(client, case, stop_when_fired=False)
             case.list_copies += list_copies(client.applied)
+        if path.deletes:
+            # the periodic trim's step, run to the end: removes what a crash left
+            # acknowledged between XACK and XDEL; anything else left is a leak
+            while parse_trim(await admin.evalsha(TRIM_ACKED, (S,), (100,))).more:
+                pass
+            case.leaked = int(await admin.execute("XLEN", S))
         return judge(case, await _state(admin, path.form)), sent
 
 
-_STEPS: dict[tuple[str, str], int] = {}
+_STEPS: dict[tuple[str, str, bool], int] = {}
 
 
 async def enumerate_path(url: str, path: Path, fault: str,
                          monkeypatch: pytest.MonkeyPatch) -> list[Report]:
     """The happy path once per path (K, and its own soundness), then k < K."""
-    steps = _STEPS.get((path.form, path.id))
+    steps = _STEPS.get((path.form, path.id, path.deletes))
     if steps is None:
         happy, steps = await run_case(url, path, None, "none", monkeypatch)
         assert not happy.problems, happy.problems
         assert steps >= 1
-        _STEPS[path.form, path.id] = steps
+        _STEPS[path.form, path.id, path.deletes] = steps
     return [(await run_case(url, path, k, fault, monkeypatch))[0] for k in range(steps)]
 
 
@@ -398,6 +440,13 @@ def _assert_sound(path: Path, reports: list[Report]) -> None:
 @pytest.mark.parametrize("path", STREAM_PATHS, ids=lambda p: p.id)
 async def test_stream_crash_points(redis_url: str, path: Path, fault: str,
                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    _assert_sound(path, await enumerate_path(redis_url, path, fault, monkeypatch))
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("path", RETENTION_PATHS, ids=lambda p: p.id)
+async def test_stream_delete_on_finalize_crash_points(redis_url: str, path: Path, fault: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     _assert_sound(path, await enumerate_path(redis_url, path, fault, monkeypatch))
 
 

@@ -21,8 +21,9 @@ and what follows the fault:
   :class:`Crash` without touching Redis: the process "died" at that point; a
   new consumer (same name) on a fresh client plays the restarted process.
 
-Finalization commands are the ones plans are made of: ``XACK``, ``XADD``,
-``LREM``, ``LPUSH``, ``ZADD`` and the gated finalization scripts.  Reads,
+Finalization commands are the ones plans are made of: ``XACK``, ``XDEL``
+(retention), ``XADD``, ``LREM``, ``LPUSH``, ``ZADD`` and the gated
+finalization scripts.  The retention trim script is not one.  Reads,
 ``XPENDING``, lease renewals and the delay-set mover are not counted.
 """
 
@@ -52,10 +53,11 @@ class FaultMode(enum.Enum):
     AFTER = "after"
 
 
-_FINALIZE_NAMES = {b"XACK", b"XADD", b"LREM", b"LPUSH", b"RPUSH", b"ZADD"}
+_FINALIZE_NAMES = {b"XACK", b"XDEL", b"XADD", b"LREM", b"LPUSH", b"RPUSH", b"ZADD"}
 _FINALIZE_SCRIPTS = {
     s.sha for s in (
         _scripts.STREAM_COPY_ACK, _scripts.STREAM_ZADD_ACK,
+        _scripts.STREAM_COPY_ACK_EX, _scripts.STREAM_ZADD_ACK_DEL,
         _scripts.LIST_COPY_REMOVE, _scripts.LIST_ZADD_REMOVE, _scripts.LIST_REMOVE,
     )
 }
