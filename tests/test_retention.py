@@ -402,6 +402,47 @@ async def test_delete_on_finalize_10000_messages_length_never_above_in_flight(
     assert checks > 1
 
 
+async def test_delete_on_finalize_order_in_monitor(redis_url: str, client: Client) -> None:
+    """What the server runs, in order: XACK then XDEL for ACK and DROP; inside
+    the gated script XADD, XACK, XDEL for RETRY and the dead letter."""
+    from test_scripts import monitoring
+
+    async def handle(d: Delivery) -> Outcome:
+        n = d.fields[b"n"]
+        if n == b"retry" and d.attempt == 1:
+            return RETRY
+        return {b"drop": DROP, b"dead": RETRY}.get(n, ACK)
+
+    sub = StreamSubscription(S, G, retention=DELETE, max_attempts=1, dead_letter=DEAD,
+                             block=0.05)
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(sub, handle)
+        async with monitoring(client) as collect:
+            for n in ("ack", "drop", "retry", "dead"):
+                eid = (await client.execute("XADD", S, "*", "n", n)).decode()
+
+                async def gone(eid: str = eid) -> bool:
+                    return not await client.execute("XRANGE", S, eid, eid)
+
+                await eventually(gone, what=f"{n} deleted")
+            await eventually(lambda: consumer.stats()[name_of(S, G)]["effects"].get("acked") == 1
+                             and consumer.stats()[name_of(S, G)]["effects"].get("dead_lettered") == 2,
+                             what="all finalized")
+            seen = await collect()
+    # finalization writes (the producer's own XADDs, not from a script, aside)
+    ops = [(lua, a[0].upper()) for lua, a in seen
+           if a and a[0].upper() in ("XACK", "XDEL", "XADD") and a[1] in (S, DEAD)
+           and (lua or a[0].upper() != "XADD")]
+    assert ops[:2] == [(False, "XACK"), (False, "XDEL")]  # ack
+    assert ops[2:4] == [(False, "XACK"), (False, "XDEL")]  # drop
+    # retry at attempt 1 with max_attempts=1: dead letter, in the script
+    assert (True, "XADD") in ops and ops.count((True, "XDEL")) == 2
+    for i, op in enumerate(ops):
+        if op == (True, "XDEL"):
+            assert ops[i - 2:i] == [(True, "XADD"), (True, "XACK")]
+    assert int(await client.execute("XLEN", S)) == 0
+
+
 # -- trim acked: real consumers -----------------------------------------------------------
 
 async def test_three_groups_at_different_speeds_miss_nothing_and_the_stream_shrinks(
