@@ -545,6 +545,36 @@ async def test_a_refused_trim_is_logged_and_tried_again(
         assert not consumer.mounts[0].done.is_set()
 
 
+# -- Redis Cluster ------------------------------------------------------------------------
+
+async def test_retention_on_redis_cluster(redis_cluster_url: str, quick_trim: None) -> None:
+    """DELETE_ON_FINALIZE with a dead letter on another slot (copy, XACK, XDEL as
+    three commands in that order), and TRIM_ACKED, through ``redis+cluster://``."""
+    dead = "elsewhere-dead"
+    work, log_ = "{work}.jobs", "{log}.events"
+
+    async def handle(d: Delivery) -> Outcome:
+        return RETRY if d.fields[b"n"] == b"bad" else ACK
+
+    async with open_client(redis_cluster_url) as cc, open_consumer(cc, name="c1") as consumer:
+        await consumer.mount(StreamSubscription(work, G, retention=DELETE, max_attempts=1,
+                                                dead_letter=dead, block=0.05), handle)
+        await consumer.mount(StreamSubscription(log_, G, retention=TRIM, block=0.05), _ack)
+        for n in (b"ok", b"bad", b"ok"):
+            await cc.execute("XADD", work, "*", "n", n)
+            await cc.execute("XADD", log_, "*", "n", n)
+
+        async def both_empty() -> bool:
+            lens = [int(await cc.execute("XLEN", k)) for k in (work, log_)]
+            return lens == [0, 0]
+
+        await eventually(both_empty, what="both streams emptied")
+        assert int(await cc.execute("XLEN", dead)) == 1
+        stats = consumer.stats()
+    assert stats[name_of(work, G)]["effects"]["dead_lettered"] == 1
+    assert stats[name_of(log_, G)]["effects"]["trimmed"] == 3
+
+
 # -- inspect ------------------------------------------------------------------------------
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
