@@ -547,6 +547,7 @@ class Mount:
             commands = prepared[: len(commands)]
             it = iter(prepared[len(commands):])
             rest = [[next(it) for _ in r] for r in rest]
+        unsure = False  # a send had an unknown outcome (then resent)
         answered: list[Command] = []  # commands with a final reply, and those replies
         answers: list[Any] = []
         attempt = 0
@@ -563,6 +564,7 @@ class Mount:
                         # Did not run, or outcome unknown: every command is
                         # idempotent or gated (a two-step ungated plan's removal
                         # is only sent once its copy succeeded): send again.
+                        unsure = True
                         self.stats.finalize_errors += 1
                         log.warning(
                             "%s: finalization of %d deliveries failed (%s); sending again",
@@ -648,7 +650,7 @@ class Mount:
                                   d.attempt, effect.value,
                                   extra=log_extra(self.name, d, outcome, effect.value))
         for j, ((d, p), outcome) in enumerate(zip(plans, returned, strict=True)):
-            settled = settle(p, got[j]) if p.commands else p.effect._value_
+            settled = settle(p, got[j], unsure=unsure) if p.commands else p.effect._value_
             self.stats.effects[settled] += 1
             if d.id is not None:
                 self.held.discard(d.id)
