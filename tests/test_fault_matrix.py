@@ -114,6 +114,11 @@ def _quick_timers(monkeypatch: pytest.MonkeyPatch) -> None:
     for name, mod in list(sys.modules.items()):
         if not name.startswith("trio_redis_finalize") or mod is None:
             continue
+        for attr, current in list(vars(mod).items()):
+            # any other deadline (a set-up deadline, ...): at most 1 s
+            if (attr.isupper() and attr.endswith(("TIMEOUT", "DEADLINE"))
+                    and isinstance(current, float) and attr not in values):
+                monkeypatch.setattr(mod, attr, min(current, 1.0))
         for attr, value in values.items():
             if isinstance(getattr(mod, attr, None), (int, float)):
                 monkeypatch.setattr(mod, attr, value)
@@ -205,7 +210,8 @@ class Case:
     plan: dict[str, str] = dataclasses.field(default_factory=dict)  # origin -> plan
     calls: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # origin -> attempts
     finished: set[str] = dataclasses.field(default_factory=set)  # ACK / DROP returned
-    handed: int = 0
+    seeded: set[str] = dataclasses.field(default_factory=set)  # pending from a "previous life"
+    remounted: str = ""
 
     @property
     def label(self) -> str:
@@ -252,6 +258,7 @@ async def _produce(admin: Client, case: Case) -> None:
             owner = NAME if w.seed == "own" else DEAD_NAME
             await admin.execute("XREADGROUP", "GROUP", G, owner, "COUNT", 1, "STREAMS", S, ">")
             await admin.execute("XCLAIM", S, G, owner, 0, ids[0], "IDLE", 600_000, "JUSTID")
+            case.seeded.add(ids[0])
         return
     if w.form == "list":
         for i, plan in enumerate(w.plans):
@@ -262,6 +269,7 @@ async def _produce(admin: Client, case: Case) -> None:
             own, dead = b"ack:own", b"retry:dead"
             case.plan[content_origin(own)] = "ack"
             case.plan[content_origin(dead)] = "retry"
+            case.seeded |= {content_origin(own), content_origin(dead)}
             await admin.execute("LPUSH", Q_PROC, own)
             await admin.execute("LPUSH", Q_PROC_DEAD, dead)
             await admin.execute("HSET", "{jobs}:consumers", DEAD_NAME, Q_PROC_DEAD)
@@ -365,10 +373,21 @@ async def run_case(server: RedisServer, proxy: CommandProxy, case: Case) -> list
         left = ""
         try:
             await _bounded(body, budget, proxy, state)
-        except BaseException as e:  # noqa: BLE001 - reported as the case's failure
-            if not (state["what"] == "mount" and case.kind in SETUP_KINDS
-                    and case.group != "errors"):
-                # (a set-up reply lost: mount may fail, with a clear error, in time)
+        except BaseException as e:
+            if state["hung"]:
+                pass  # the watchdog's reset ended it: reported as a hang below
+            elif state["what"] == "mount" and case.group != "errors":
+                # a set-up reply lost: mount() may fail (in time, with an error);
+                # the caller mounts again, and that one must do all the work
+                proxy.disarm()
+                state["what"] = "mount"
+                case.remounted = f"{type(e).__name__}"
+                try:
+                    await _bounded(body, budget, proxy, state)
+                except BaseException as e2:
+                    problems.append(f"CRASH during {state['what']} (after a first mount() "
+                                    f"failed with {_brief(e)}): {_brief(e2)}")
+            else:
                 problems.append(f"CRASH during {state['what']}: {_brief(e)}")
         if state["hung"]:
             if state["what"] == "consume" and state["consumer"] is not None:
@@ -445,7 +464,7 @@ async def _judge(admin: Client, case: Case, stats: dict[str, Any]) -> list[str]:
     duplicating = 1 if case.group in ("lost", "blackhole") else 0
     for origin, plan in case.plan.items():
         calls = case.calls.get(origin, [])
-        finalized = origin in case.finished or (plan == "dead" and dead[origin] >= 1)
+        finalized = origin in case.finished or dead[origin] >= 1
         if not finalized and not present[origin]:
             documented = w.form == "simple" and case.kind == "BRPOP" and case.group == "lost"
             if not documented:
@@ -457,6 +476,9 @@ async def _judge(admin: Client, case: Case, stats: dict[str, Any]) -> list[str]:
         if plan == "dead" and dead[origin] and len(calls) < MAX_ATTEMPTS:
             problems.append(f"ATTEMPTS: message {origin} dead-lettered after {len(calls)} handler "
                             f"call(s) (attempts {calls}), max_attempts={MAX_ATTEMPTS}")
+        if calls and calls[0] != 1 and origin not in case.seeded:
+            problems.append(f"ATTEMPTS: message {origin} ({plan}) first handled at attempt "
+                            f"{calls[0]} (attempts {calls}): an attempt was spent without a call")
         if any(a > MAX_ATTEMPTS for a in calls) and w.form in ("stream", "list"):
             problems.append(f"ATTEMPTS: message {origin} handled at attempts {calls} > "
                             f"max_attempts={MAX_ATTEMPTS}")
