@@ -1003,8 +1003,8 @@ def _plan_for(n: int) -> str:
     return ("retry", "later", "ack")[n % 3]
 
 
-def _first_outcome(plan: str) -> Outcome:
-    return {"retry": RETRY, "later": retry_after(0.02)}.get(plan, ACK)
+def _first_outcome(todo: str) -> Outcome:
+    return {"retry": RETRY, "later": retry_after(0.02)}.get(todo, ACK)
 
 
 def _user_fields(flat: list[bytes]) -> list[bytes]:
@@ -1036,7 +1036,7 @@ async def _history(server: RedisServer, steps: list[tuple[Any, ...]], form: str)
 
     problems: list[str] = []
     calls: dict[tuple[str, str], list[Outcome]] = {}  # (group, origin) -> outcomes returned
-    produced: dict[str, tuple[str, list[bytes], int]] = {}  # origin -> (plan, fields, pushes)
+    produced: dict[str, tuple[str, list[bytes], int]] = {}  # origin -> (todo, fields, pushes)
     pending_at_destroy = 0
     serial = 0
     drained: list[str] = []  # what was left at the last look
@@ -1050,14 +1050,14 @@ async def _history(server: RedisServer, steps: list[tuple[Any, ...]], form: str)
         def handler(group: str) -> Callable[[Delivery], Awaitable[Outcome]]:
             async def handle(d: Delivery) -> Outcome:
                 seen = calls.setdefault((group, d.origin_id), [])
-                plan = produced.get(d.origin_id, ("ack", [], 1))[0]
+                todo = produced.get(d.origin_id, ("ack", [], 1))[0]
                 if form == "list":
                     # identical elements: each push gets its own first outcome
                     firsts = sum(1 for o in seen if o != ACK)
-                    out = _first_outcome(plan) if firsts < produced[d.origin_id][2] and (
+                    out = _first_outcome(todo) if firsts < produced[d.origin_id][2] and (
                         len(seen) % 2 == 0) else ACK
                 else:
-                    out = _first_outcome(plan) if not seen else ACK
+                    out = _first_outcome(todo) if not seen else ACK
                 seen.append(out)
                 return out
             return handle
@@ -1079,16 +1079,16 @@ async def _history(server: RedisServer, steps: list[tuple[Any, ...]], form: str)
                             _, n, odd = step
                             for _ in range(n):
                                 serial += 1
-                                plan = _plan_for(serial)
+                                todo = _plan_for(serial)
                                 if form == "stream":
                                     fields = ([b"item", b"a", b"item", b"b", b"n", str(serial).encode()]
                                               if odd else [b"n", str(serial).encode()])
                                     eid = await admin.execute("XADD", H_STREAM, "*", *fields)
-                                    produced[eid.decode()] = (plan, fields, 1)
+                                    produced[eid.decode()] = (todo, fields, 1)
                                 else:
-                                    element = f"{plan}:{serial}".encode()
+                                    element = f"{todo}:{serial}".encode()
                                     pushes = 2 if odd else 1
-                                    produced[content_origin(element)] = (plan, [element], pushes)
+                                    produced[content_origin(element)] = (todo, [element], pushes)
                                     await admin.execute("LPUSH", H_QUEUE, *[element] * pushes)
                         elif step[0] == "fault":
                             await _apply_fault(proxy, step)
@@ -1140,15 +1140,15 @@ async def _judge_history(admin: Any, form: str, produced: dict[str, tuple[str, l
     problems: list[str] = []
     groups = (H_GA, H_GB) if form == "stream" else ("list",)
     extra: Counter[str] = Counter()
-    for origin, (plan, fields, pushes) in produced.items():
-        asked = (2 if plan != "ack" else 1) * pushes
+    for origin, (todo, fields, pushes) in produced.items():
+        asked = (2 if todo != "ack" else 1) * pushes
         for g in groups:
             outs = calls.get((g, origin), [])
             acks = sum(1 for o in outs if o == ACK)
             if acks < pushes:
                 where = "still in Redis" if await _present(admin, form, origin, fields) else "LOST"
                 if where == "LOST":
-                    problems.append(f"LOST: {g}: message {origin} ({plan}, pushed {pushes}x) "
+                    problems.append(f"LOST: {g}: message {origin} ({todo}, pushed {pushes}x) "
                                     f"finalized {acks} time(s): outcomes {outs}")
             extra[g] += max(0, len(outs) - asked)
     for g, n in extra.items():
