@@ -970,7 +970,7 @@ def test_reliable_list_state_machine(redis_server: RedisServer) -> None:
 # * identical elements: each push is finalized once.
 
 from faults.cmdproxy import LOST, TRANSIENT_ERRORS, CommandProxy, error  # noqa: E402
-from hypothesis import given  # noqa: E402
+from hypothesis import example, given  # noqa: E402
 
 from trio_redis_finalize._plan import content_origin  # noqa: E402
 
@@ -1040,77 +1040,78 @@ async def _history(server: RedisServer, steps: list[tuple[Any, ...]], form: str)
     pending_at_destroy = 0
     serial = 0
     drained: list[str] = []  # what was left at the last look
-    async with open_client(server.url) as admin, anyio.create_task_group() as tg:
-        await admin.execute("FLUSHALL")
-        await admin.execute("CONFIG", "SET", "maxmemory", "0")
-        info = await admin.execute("INFO", "server")
-        proxy = CommandProxy(server.port, flavour="valkey" if b"valkey" in info.lower() else "redis")
-        await tg.start(proxy.serve)
+    async with open_client(server.url) as admin:
+        async with anyio.create_task_group() as tg:
+            await admin.execute("FLUSHALL")
+            await admin.execute("CONFIG", "SET", "maxmemory", "0")
+            info = await admin.execute("INFO", "server")
+            proxy = CommandProxy(server.port, flavour="valkey" if b"valkey" in info.lower() else "redis")
+            await tg.start(proxy.serve)
 
-        def handler(group: str) -> Callable[[Delivery], Awaitable[Outcome]]:
-            async def handle(d: Delivery) -> Outcome:
-                seen = calls.setdefault((group, d.origin_id), [])
-                todo = produced.get(d.origin_id, ("ack", [], 1))[0]
-                if form == "list":
-                    # identical elements: each push gets its own first outcome
-                    firsts = sum(1 for o in seen if o != ACK)
-                    out = _first_outcome(todo) if firsts < produced[d.origin_id][2] and (
-                        len(seen) % 2 == 0) else ACK
-                else:
-                    out = _first_outcome(todo) if not seen else ACK
-                seen.append(out)
-                return out
-            return handle
-
-        try:
-            with anyio.fail_after(10):
-                async with open_consumer(proxy.url, name="h1", shutdown_grace=0.5) as consumer:
-                    if form == "stream":
-                        await admin.execute("XGROUP", "CREATE", H_STREAM, H_GA, "0", "MKSTREAM")
-                        await admin.execute("XGROUP", "CREATE", H_STREAM, H_GB, "0")
-                        for g in (H_GA, H_GB):
-                            await consumer.mount(StreamSubscription(H_STREAM, g, block=0.05),
-                                                 handler(g), concurrency=2)
+            def handler(group: str) -> Callable[[Delivery], Awaitable[Outcome]]:
+                async def handle(d: Delivery) -> Outcome:
+                    seen = calls.setdefault((group, d.origin_id), [])
+                    todo = produced.get(d.origin_id, ("ack", [], 1))[0]
+                    if form == "list":
+                        # identical elements: each push gets its own first outcome
+                        firsts = sum(1 for o in seen if o != ACK)
+                        out = _first_outcome(todo) if firsts < produced[d.origin_id][2] and (
+                            len(seen) % 2 == 0) else ACK
                     else:
-                        await consumer.mount(ReliableListSubscription(H_QUEUE, block=0.05),
-                                             handler("list"), concurrency=2)
-                    for step in steps:
-                        if step[0] == "produce":
-                            _, n, odd = step
-                            for _ in range(n):
-                                serial += 1
-                                todo = _plan_for(serial)
-                                if form == "stream":
-                                    fields = ([b"item", b"a", b"item", b"b", b"n", str(serial).encode()]
-                                              if odd else [b"n", str(serial).encode()])
-                                    eid = await admin.execute("XADD", H_STREAM, "*", *fields)
-                                    produced[eid.decode()] = (todo, fields, 1)
-                                else:
-                                    element = f"{todo}:{serial}".encode()
-                                    pushes = 2 if odd else 1
-                                    produced[content_origin(element)] = (todo, [element], pushes)
-                                    await admin.execute("LPUSH", H_QUEUE, *[element] * pushes)
-                        elif step[0] == "fault":
-                            await _apply_fault(proxy, step)
-                        elif step[0] == "oom":
-                            await _oom(admin, step[1])
-                        elif step[0] == "wait":
-                            await anyio.sleep(step[1])
-                        elif step[0] == "destroy":
-                            summary = await admin.execute("XPENDING", H_STREAM, H_GB)
-                            pending_at_destroy += int(summary[0]) + 2  # + in the reader's hands
-                            await admin.execute("XGROUP", "DESTROY", H_STREAM, H_GB)
-                    await anyio.sleep(0.1)
-                    proxy.disarm()
-                    await _drain(admin, form, consumer, drained)
-        except TimeoutError:
-            problems.append(f"HANG: the history did not drain within 10 s ({drained[-1:]})")
-        except BaseException as e:
-            problems.append(f"CRASH: {type(e).__name__}: {e}")
-        fired = [f"{f.kind}#{f.k}={f.fault.label}" for f in proxy.fired]
-        lost_replies = sum(1 for f in proxy.fired if f.fault.action == "lost")
-        await proxy.cut_all()
-        tg.cancel_scope.cancel()
+                        out = _first_outcome(todo) if not seen else ACK
+                    seen.append(out)
+                    return out
+                return handle
+
+            try:
+                with anyio.fail_after(10):
+                    async with open_consumer(proxy.url, name="h1", shutdown_grace=0.5) as consumer:
+                        if form == "stream":
+                            await admin.execute("XGROUP", "CREATE", H_STREAM, H_GA, "0", "MKSTREAM")
+                            await admin.execute("XGROUP", "CREATE", H_STREAM, H_GB, "0")
+                            for g in (H_GA, H_GB):
+                                await consumer.mount(StreamSubscription(H_STREAM, g, block=0.05),
+                                                     handler(g), concurrency=2)
+                        else:
+                            await consumer.mount(ReliableListSubscription(H_QUEUE, block=0.05),
+                                                 handler("list"), concurrency=2)
+                        for step in steps:
+                            if step[0] == "produce":
+                                _, n, odd = step
+                                for _ in range(n):
+                                    serial += 1
+                                    todo = _plan_for(serial)
+                                    if form == "stream":
+                                        fields = ([b"item", b"a", b"item", b"b", b"n", str(serial).encode()]
+                                                  if odd else [b"n", str(serial).encode()])
+                                        eid = await admin.execute("XADD", H_STREAM, "*", *fields)
+                                        produced[eid.decode()] = (todo, fields, 1)
+                                    else:
+                                        element = f"{todo}:{serial}".encode()
+                                        pushes = 2 if odd else 1
+                                        produced[content_origin(element)] = (todo, [element], pushes)
+                                        await admin.execute("LPUSH", H_QUEUE, *[element] * pushes)
+                            elif step[0] == "fault":
+                                await _apply_fault(proxy, step)
+                            elif step[0] == "oom":
+                                await _oom(admin, step[1])
+                            elif step[0] == "wait":
+                                await anyio.sleep(step[1])
+                            elif step[0] == "destroy":
+                                summary = await admin.execute("XPENDING", H_STREAM, H_GB)
+                                pending_at_destroy += int(summary[0]) + 2  # + in the reader's hands
+                                await admin.execute("XGROUP", "DESTROY", H_STREAM, H_GB)
+                        await anyio.sleep(0.1)
+                        proxy.disarm()
+                        await _drain(admin, form, consumer, drained)
+            except TimeoutError:
+                problems.append(f"HANG: the history did not drain within 10 s ({drained[-1:]})")
+            except BaseException as e:
+                problems.append(f"CRASH: {type(e).__name__}: {e}")
+            fired = [f"{f.kind}#{f.k}={f.fault.label}" for f in proxy.fired]
+            lost_replies = sum(1 for f in proxy.fired if f.fault.action == "lost")
+            await proxy.cut_all()
+            tg.cancel_scope.cancel()
         problems += await _judge_history(admin, form, produced, calls, lost_replies,
                                          pending_at_destroy)
     return [f"{p} (faults fired: {fired or 'none'})" for p in problems]
@@ -1179,6 +1180,11 @@ async def _present(admin: Any, form: str, origin: str, fields: list[bytes]) -> b
 @pytest.mark.timeout(3600 if LONG else 300)
 @H_PROFILE
 @given(steps=_steps(_STREAM_KINDS, destroy=True))
+# the histories issue 12 reports, always run: a RETRY copy seen by the other
+# group; copies of `item a item b`; a destroyed group; an OOM'd copy script
+@example(steps=[("produce", 3, True), ("wait", 0.1)])
+@example(steps=[("produce", 2, False), ("wait", 0.02), ("destroy",), ("produce", 2, False)])
+@example(steps=[("fault", "EVALSHA:stream_copy_ack", "OOM", 0), ("produce", 3, False)])
 def test_stream_history_two_groups_repeated_fields_destroy_errors(
     redis_server: RedisServer, steps: list[tuple[Any, ...]]
 ) -> None:
@@ -1189,6 +1195,9 @@ def test_stream_history_two_groups_repeated_fields_destroy_errors(
 @pytest.mark.timeout(3600 if LONG else 300)
 @H_PROFILE
 @given(steps=_steps(_LIST_KINDS, destroy=False))
+# issue 12: the same element twice, the first LREM's reply lost; an OOM'd copy
+@example(steps=[("fault", "LREM", "lost", 0), ("produce", 1, True), ("wait", 0.1)])
+@example(steps=[("fault", "EVALSHA:list_copy_remove", "OOM", 0), ("produce", 1, True)])
 def test_reliable_list_history_identical_elements_errors(
     redis_server: RedisServer, steps: list[tuple[Any, ...]]
 ) -> None:
