@@ -1135,7 +1135,9 @@ async def _drain(admin: Any, form: str, consumer: Any, drained: list[str]) -> No
     calm = 0
     while calm < 3:
         await anyio.sleep(0.03)
-        busy = len(consumer.scheduler) or any(m.held or m.stats.in_flight for m in consumer.mounts)
+        sending = getattr(consumer.scheduler, "_sending", None)  # a batch out of the heap
+        busy = (len(consumer.scheduler) or (sending is not None and sending.locked())
+                or any(m.held or m.stats.in_flight for m in consumer.mounts))
         if form == "stream":
             left = 0
             last = await admin.execute("XREVRANGE", H_STREAM, "+", "-", "COUNT", 1)
