@@ -229,6 +229,7 @@ class Mount:
         # reliable lists: identical elements' removals get their count (_plan.list_counted)
         self._prepare = getattr(reader, "prepare", None)
         self._settle = getattr(reader, "settle", None)
+        self._resend = getattr(reader, "resend", None)
         self.held: set[str] = set()  # stream ids read and not yet finalized
         self.stopping = False
         self._cut_warned = False  # claiming: a retry_after longer than min_idle was logged
@@ -551,8 +552,11 @@ class Mount:
         answered: list[Command] = []  # commands with a final reply, and those replies
         answers: list[Any] = []
         attempt = 0
+        recount = False  # a resend: the reader gates removals on what it holds now
         try:
             while commands:
+                if recount and self._resend is not None:
+                    commands = self._resend(commands, answered, answers)
                 try:
                     replies: list[Any] = await self.client.pipeline(
                         commands, raise_on_error=False, timeout=FINALIZE_TIMEOUT
@@ -564,7 +568,7 @@ class Mount:
                         # Did not run, or outcome unknown: every command is
                         # idempotent or gated (a two-step ungated plan's removal
                         # is only sent once its copy succeeded): send again.
-                        unsure = True
+                        unsure = recount = True
                         self.stats.finalize_errors += 1
                         log.warning(
                             "%s: finalization of %d deliveries failed (%s); sending again",
@@ -622,6 +626,7 @@ class Mount:
                     attempt = 0
                 commands = again + step
                 owners = again_owners + step_owners
+                recount = bool(again)
         except anyio.get_cancelled_exc_class():
             # Cancelled (shutdown deadline) with the outcome unknown: a runtime
             # retry_after's XACK may have been applied, so its copy must still
