@@ -154,7 +154,7 @@ def _rlist(**kw: Any) -> Callable[[], ReliableListSubscription]:
 DURABLE = {"delayed_retry": DelayedRetry.DURABLE_ZSET}
 WORKLOADS = [
     Workload("stream-plain", "stream",
-             ("TYPE", "XGROUP CREATE", "XREADGROUP0", "XREADGROUP>", "XACK",
+             ("TYPE", "XGROUP CREATE", "XINFO GROUPS", "XPENDING", "XCLAIM", "XREADGROUP>", "XACK",
               "EVALSHA:stream_copy_ack", "XADD"),
              _stream(), seed="own", dead_letter=S_DEAD),
     Workload("stream-reclaim", "stream", ("XAUTOCLAIM", "XCLAIM"),

@@ -66,7 +66,7 @@ from ._plan import (
 )
 from ._stats import MountStats
 from ._subscription import Subscription
-from ._transport import FINAL, Client, Command, classify
+from ._transport import FINAL, NOT_RUN, Client, Command, classify
 
 if TYPE_CHECKING:
     from ._consumer import Consumer
@@ -82,6 +82,8 @@ FINALIZE_TIMEOUT = 5.0
 """Seconds one finalization round trip may take before it counts as failed."""
 FINALIZE_GRACE = 10.0
 """Seconds the finalizer keeps trying after the handlers stopped, at shutdown."""
+SETUP_PATIENCE = 15.0
+"""Seconds ``mount()`` keeps trying a set-up the server refused for now (OOM, BUSY, LOADING ...)."""
 _FLUSH_EVERY = 0.05
 _SLOW_CALL = 0.0005
 """Seconds of a handler call after which its outcome is sent on at once."""
@@ -283,7 +285,28 @@ class Mount:
         try:
             async with self._reader_outcomes:
                 with self._reader_scope:
-                    await self.reader.run(self, task_status=status)
+                    deadline = anyio.current_time() + SETUP_PATIENCE
+                    failures = 0
+                    while True:
+                        try:
+                            await self.reader.run(self, task_status=status)
+                            return
+                        except BaseException as e:
+                            # The set-up (type checks, group, first reads) got a
+                            # reply saying it did not run (OOM, BUSY, LOADING ...):
+                            # the server is there but cannot serve now.  Try again
+                            # for a while, then let mount() fail with the error.
+                            err = _sole(e)
+                            if (status.done or not isinstance(err, rexc.RedisError)
+                                    or classify(err) is not NOT_RUN
+                                    or anyio.current_time() >= deadline):
+                                raise
+                        self.stats.read_errors += 1
+                        delay = min(backoff(failures, cap=1.0), max(0.0, deadline - anyio.current_time()))
+                        failures += 1
+                        log.warning("%s: set-up refused by the server for now (%s); trying again "
+                                    "in %.2f s", self.name, err, delay, extra={"subscription": self.name})
+                        await anyio.sleep(delay)
         except BaseException:
             if not status.done:
                 # mount() fails: let the handlers and finalizer end too
@@ -736,6 +759,13 @@ def first_round(
         add(cmds, j)
     commands: list[Command] = [tuple(c) if isinstance(c, list) else c for c in out]
     return commands, [tuple(o) for o in owners], rest
+
+
+def _sole(exc: BaseException) -> BaseException:
+    """The one exception inside nested one-member groups, else ``exc`` itself."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
 
 
 def log_extra(
