@@ -37,6 +37,14 @@ def test_gated_copy_gate_closed() -> None:
     assert settle(p, [False]) == GATE_CLOSED
 
 
+def test_gate_closed_on_a_resend_after_an_unknown_outcome_counts_the_earlier_send() -> None:
+    # the first send's reply was lost: the resend finds the gate closed
+    # because that send wrote the copy and removed the original
+    p = _plan(RETRY)
+    assert settle(p, [None], unsure=True) == "copied"
+    assert settle(p, [rexc.ResponseError("WRONGTYPE x")], unsure=True) == FAILED
+
+
 def test_durable_delay_gate_closed_is_not_delayed() -> None:
     p = _plan(retry_after(5), delayed_retry=DelayedRetry.DURABLE_ZSET)
     assert settle(p, [12345]) == "delayed"

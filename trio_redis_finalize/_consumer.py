@@ -276,7 +276,7 @@ class Consumer:
                 something that is not an :class:`Outcome`.
 
         The set-up (type checks, group creation, first reads) honours the
-        caller's cancellation, and fails within :data:`MOUNT_TIMEOUT` (15 s)
+        caller's cancellation, and fails within ``MOUNT_TIMEOUT`` (15 s)
         when the server does not answer.
 
         Raises:

@@ -66,7 +66,7 @@ from ._plan import (
 )
 from ._stats import MountStats
 from ._subscription import Subscription
-from ._transport import FINAL, Client, Command, classify
+from ._transport import FINAL, NOT_RUN, Client, Command, classify
 
 if TYPE_CHECKING:
     from ._consumer import Consumer
@@ -82,6 +82,8 @@ FINALIZE_TIMEOUT = 5.0
 """Seconds one finalization round trip may take before it counts as failed."""
 FINALIZE_GRACE = 10.0
 """Seconds the finalizer keeps trying after the handlers stopped, at shutdown."""
+SETUP_PATIENCE = 15.0
+"""Seconds ``mount()`` keeps trying a set-up the server refused for now (OOM, BUSY, LOADING ...)."""
 _FLUSH_EVERY = 0.05
 _SLOW_CALL = 0.0005
 """Seconds of a handler call after which its outcome is sent on at once."""
@@ -229,6 +231,7 @@ class Mount:
         # reliable lists: identical elements' removals get their count (_plan.list_counted)
         self._prepare = getattr(reader, "prepare", None)
         self._settle = getattr(reader, "settle", None)
+        self._resend = getattr(reader, "resend", None)
         self.held: set[str] = set()  # stream ids read and not yet finalized
         self.stopping = False
         self._cut_warned = False  # claiming: a retry_after longer than min_idle was logged
@@ -282,7 +285,28 @@ class Mount:
         try:
             async with self._reader_outcomes:
                 with self._reader_scope:
-                    await self.reader.run(self, task_status=status)
+                    deadline = anyio.current_time() + SETUP_PATIENCE
+                    failures = 0
+                    while True:
+                        try:
+                            await self.reader.run(self, task_status=status)
+                            return
+                        except BaseException as e:
+                            # The set-up (type checks, group, first reads) got a
+                            # reply saying it did not run (OOM, BUSY, LOADING ...):
+                            # the server is there but cannot serve now.  Try again
+                            # for a while, then let mount() fail with the error.
+                            err = _sole(e)
+                            if (status.done or not isinstance(err, rexc.RedisError)
+                                    or classify(err) is not NOT_RUN
+                                    or anyio.current_time() >= deadline):
+                                raise
+                        self.stats.read_errors += 1
+                        delay = min(backoff(failures, cap=1.0), max(0.0, deadline - anyio.current_time()))
+                        failures += 1
+                        log.warning("%s: set-up refused by the server for now (%s); trying again "
+                                    "in %.2f s", self.name, err, delay, extra={"subscription": self.name})
+                        await anyio.sleep(delay)
         except BaseException:
             if not status.done:
                 # mount() fails: let the handlers and finalizer end too
@@ -547,11 +571,15 @@ class Mount:
             commands = prepared[: len(commands)]
             it = iter(prepared[len(commands):])
             rest = [[next(it) for _ in r] for r in rest]
+        unsure = False  # a send had an unknown outcome (then resent)
         answered: list[Command] = []  # commands with a final reply, and those replies
         answers: list[Any] = []
         attempt = 0
+        recount = False  # a resend: the reader gates removals on what it holds now
         try:
             while commands:
+                if recount and self._resend is not None:
+                    commands = self._resend(commands, answered, answers)
                 try:
                     replies: list[Any] = await self.client.pipeline(
                         commands, raise_on_error=False, timeout=FINALIZE_TIMEOUT
@@ -563,6 +591,7 @@ class Mount:
                         # Did not run, or outcome unknown: every command is
                         # idempotent or gated (a two-step ungated plan's removal
                         # is only sent once its copy succeeded): send again.
+                        unsure = recount = True
                         self.stats.finalize_errors += 1
                         log.warning(
                             "%s: finalization of %d deliveries failed (%s); sending again",
@@ -620,6 +649,7 @@ class Mount:
                     attempt = 0
                 commands = again + step
                 owners = again_owners + step_owners
+                recount = bool(again)
         except anyio.get_cancelled_exc_class():
             # Cancelled (shutdown deadline) with the outcome unknown: a runtime
             # retry_after's XACK may have been applied, so its copy must still
@@ -648,7 +678,7 @@ class Mount:
                                   d.attempt, effect.value,
                                   extra=log_extra(self.name, d, outcome, effect.value))
         for j, ((d, p), outcome) in enumerate(zip(plans, returned, strict=True)):
-            settled = settle(p, got[j]) if p.commands else p.effect._value_
+            settled = settle(p, got[j], unsure=unsure) if p.commands else p.effect._value_
             self.stats.effects[settled] += 1
             if d.id is not None:
                 self.held.discard(d.id)
@@ -729,6 +759,13 @@ def first_round(
         add(cmds, j)
     commands: list[Command] = [tuple(c) if isinstance(c, list) else c for c in out]
     return commands, [tuple(o) for o in owners], rest
+
+
+def _sole(exc: BaseException) -> BaseException:
+    """The one exception inside nested one-member groups, else ``exc`` itself."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
 
 
 def log_extra(

@@ -568,7 +568,7 @@ FAILED = "failed"
 because the step before it failed: the original stays where it was."""
 
 
-def settle(p: Plan, replies: Sequence[object]) -> str:
+def settle(p: Plan, replies: Sequence[object], *, unsure: bool = False) -> str:
     """The effect to count for ``p`` from what Redis answered (sans-IO).
 
     ``replies``: the replies to ``p.commands`` in order, as far as they were
@@ -577,6 +577,10 @@ def settle(p: Plan, replies: Sequence[object]) -> str:
     script (``EVALSHA``) answered nil or false found its gate closed
     (:data:`GATE_CLOSED`: no copy written, nothing removed); otherwise the
     plan's own effect (``copied``, ``dead_lettered``, ``delayed`` ...).
+
+    ``unsure``: an earlier send of these commands had an unknown outcome (a
+    lost reply, a cut connection).  A closed gate then answers that this
+    earlier send did the work: the plan's own effect is counted, once.
     """
     commands = p.commands
     if len(replies) < len(commands):
@@ -587,4 +591,4 @@ def settle(p: Plan, replies: Sequence[object]) -> str:
             return FAILED
         if (r is None or r is False) and p.gated and cmd[0] == b"EVALSHA":
             gate_closed = True
-    return GATE_CLOSED if gate_closed else p.effect.value
+    return GATE_CLOSED if gate_closed and not unsure else p.effect.value

@@ -410,6 +410,45 @@ class ReliableListReader:
                 out[i] = tuple(args)
         return commands if out is None else out
 
+    def resend(self, commands: Sequence[Command], answered: Sequence[Command],
+               answers: Sequence[object]) -> list[Command]:
+        """The finalizer calls this before it sends ``commands`` again (their
+        outcome was unknown, or they did not run): every removal is gated on
+        the copies this reader holds *now*.
+
+        An identical element read since the first send (held by another
+        handler) raised the number of copies in the processing list: the
+        ``n`` taken at the first send would let a resend remove that copy.
+        ``answered``/``answers``: this batch's commands already answered
+        (their removals are discounted).
+        """
+        t = self._target
+        if t is None:
+            return list(commands)
+        held = self._held
+        done: dict[bytes, int] = {}  # removals this batch already made
+        for cmd, r in zip(answered, answers, strict=True):
+            e = list_removal(t, cmd)
+            if e is not None and r and not isinstance(r, Exception):
+                done[e] = done.get(e, 0) + 1
+        out = list(commands)
+        for i, cmd in enumerate(out):
+            e = list_removal(t, cmd)
+            if e is not None:
+                k = done.get(e, 0)
+                done[e] = k + 1
+                out[i] = list_counted(cmd, max(1, held.get(e, 0) - k))
+            elif cmd[0] == b"EVALSHA" and cmd[1] == _GIVE_BACK.sha and cmd[3] == t.processing:
+                args = list(cmd)
+                for j in range(5, len(args), 2):
+                    g = args[j]
+                    if isinstance(g, bytes):
+                        k = done.get(g, 0)
+                        done[g] = k + 1
+                        args[j + 1] = max(1, held.get(g, 0) - k)
+                out[i] = tuple(args)
+        return out
+
     def settle(self, items: Sequence[Item], commands: Sequence[Command], replies: Sequence[object]) -> None:
         """The finalizer calls this with the replies of a batch :meth:`prepare` saw.
 

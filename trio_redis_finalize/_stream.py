@@ -232,6 +232,10 @@ _READ_MARGIN = 1.0
 """Seconds a blocking read may exceed ``block`` before it counts as lost."""
 _RECOVER_EVERY = 60.0
 _CLAIM_EVERY_MAX = 30.0
+_CLAIMED_TIMEOUT = 5.0
+"""Seconds the counts of entries just claimed are asked again while the server
+answers that it cannot serve now (OOM, BUSY ...): the claim cost an attempt
+already, a second claim would cost another."""
 _MOVE_RETRY = 5.0
 """Seconds before a move of due copies that Redis refused is tried again."""
 _TRIM_EVERY = 5.0
@@ -680,7 +684,22 @@ class StreamReader:
         await self._lost(mount, [e[0] for e in claimed if e[1] is None])
         live = [e for e in claimed if e[1] is not None]
         if live:
-            counts = await self._counts(mount.client, mount.consumer.name, [e[0] for e in live])
+            ids = [e[0] for e in live]
+            deadline = anyio.current_time() + _CLAIMED_TIMEOUT
+            failures = 0
+            while True:
+                try:
+                    counts = await self._counts(mount.client, mount.consumer.name, ids)
+                    break
+                except NOT_RUN_ERRORS as refused:
+                    if anyio.current_time() >= deadline:
+                        raise
+                    mount.stats.read_errors += 1
+                    delay = backoff(failures, cap=0.5)
+                    failures += 1
+                    log.warning("%s: counts of %d claimed entries refused for now (%s); asking "
+                                "again in %.2f s", mount.name, len(ids), refused, delay)
+                    await anyio.sleep(delay)
             # our own entries still being handled, whose lease lapsed (a
             # stalled process): never to a second handler, and their claim
             # did not count an attempt

@@ -10,7 +10,7 @@ This is the small internal interface the consumer is written against:
 
 No automatic retries anywhere: a failed call raises, and the caller decides
 what is safe to send again.  Every pooled call has a deadline: ``timeout``
-when the caller gives one, else :data:`DEFAULT_TIMEOUT` (5 s); a call that
+when the caller gives one, else ``DEFAULT_TIMEOUT`` (5 s); a call that
 gets no answer in time raises ``redis.exceptions.TimeoutError`` naming its
 command and key.
 """
@@ -188,7 +188,7 @@ class Client:
     async def execute(self, *args: Arg, timeout: float | None = None) -> Any:
         """Run one command on a pooled connection; error replies raise.
 
-        ``timeout``: seconds (``None``: :data:`DEFAULT_TIMEOUT`).
+        ``timeout``: seconds (``None``: ``DEFAULT_TIMEOUT``).
         """
         if timeout is None:
             timeout = DEFAULT_TIMEOUT
@@ -212,7 +212,7 @@ class Client:
         are loaded and those commands (only) are sent again, in their order.
         With ``raise_on_error`` the first error reply is raised (the other
         commands ran); otherwise error replies are returned as values.
-        ``timeout`` bounds each round trip (``None``: :data:`DEFAULT_TIMEOUT`).
+        ``timeout`` bounds each round trip (``None``: ``DEFAULT_TIMEOUT``).
         """
         if not commands:
             return []
@@ -323,7 +323,7 @@ async def open_client(
     A ``redis+cluster://`` URL gives a :class:`~._cluster.ClusterClient` (the
     same interface, commands routed by hash slot); it reads the slot map
     from the first seed node that answers.  A ``redis+sentinel://`` URL (or
-    :func:`~._url.sentinel_params`) gives a :class:`~._sentinel.SentinelClient`:
+    ``sentinel_params``) gives a ``SentinelClient``:
     commands go to the master the sentinels name, and a background task
     follows ``+switch-master`` while the client is open.
 

@@ -332,7 +332,7 @@ class ClusterClient(Client):
     async def execute(self, *args: Arg, timeout: float | None = None) -> Any:
         """Run one command on the node of its key; error replies raise.
 
-        ``timeout`` bounds each round trip (``None``: :data:`DEFAULT_TIMEOUT`).
+        ``timeout`` bounds each round trip (``None``: ``DEFAULT_TIMEOUT``).
         """
         if timeout is None:
             timeout = DEFAULT_TIMEOUT
@@ -351,7 +351,7 @@ class ClusterClient(Client):
         """Send ``commands``, one run of consecutive same-slot commands at a time.
 
         Replies in order.  ``timeout`` bounds each round trip (``None``:
-        :data:`DEFAULT_TIMEOUT`).  See the module docstring for the order kept
+        ``DEFAULT_TIMEOUT``).  See the module docstring for the order kept
         across slots.
         """
         if timeout is None:

@@ -1,0 +1,601 @@
+"""Fault matrix: every command kind on every path x lost reply / blackhole / error replies.
+
+Like the crash-point enumeration (``test_crash_points.py``), but the faults
+are on the wire: a command-aware proxy (``faults.cmdproxy``) sits between
+the consumer and a real redis-server and, for one *command kind* (``XACK``,
+``XREADGROUP>``, ``EVALSHA:stream_copy_ack``, ``BLMOVE``, ``SET`` (the
+heartbeat), ...), applies one fault to its first request:
+
+* ``lost``: the server runs it, the reply is dropped, the connection reset;
+* ``blackhole``: from that request on the connection forwards nothing either
+  way and stays open (the library must notice by its own deadline);
+* ``errors``: the first ten requests of that kind are each answered with
+  another transient error (OOM, BUSY, READONLY, LOADING, MASTERDOWN, MISCONF,
+  NOREPLICAS, TRYAGAIN, CLUSTERDOWN; NOSCRIPT for scripts) *instead of*
+  running; scripts also get the Redis 6.2 "Error running script ... -READONLY"
+  form and the bare form a script's inner error has on 7.0.
+
+Each case runs a short workload (a handful of messages whose handlers return
+ACK, RETRY, DROP, retry_after, or RETRY until ``max_attempts`` sends them to
+the dead letter; pre-seeded state so that recovery paths run: an own PEL /
+processing list from a previous life, a dead consumer's entries to reclaim /
+reap) until Redis holds nothing left to do, shuts down gracefully, and checks:
+
+* no loss: every message was finalized by a handler (ACK / DROP / the dead
+  letter) or is still physically in Redis;
+* no hang: the case settles within a few seconds (``fail_after``), mount and
+  shutdown included;
+* duplicates explained: handler calls per message never exceed what the
+  handler asked for plus one per fault that can make a duplicate (a lost or
+  blackholed reply; an error reply means "did not run" and makes none);
+* attempts: a message sent to the dead letter had ``max_attempts`` handler
+  calls (a fault never spends an attempt without a call);
+* counters: ``dead_lettered`` equals the dead letter's length, ``copied``
+  (streams) the copies in the stream.
+
+The library's timers are shortened for the run (deadlines, backoff) the way
+``test_crash_points.py`` does, so that a blackhole costs a fraction of a
+second instead of five.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import anyio
+import pytest
+from faults.checks import list_state, stream_state
+from faults.cmdproxy import (
+    BLACKHOLE,
+    LOST,
+    TRANSIENT_ERRORS,
+    CommandProxy,
+    Fault,
+    error,
+    kind_of,
+    script_names,
+    wrapped,
+)
+
+from trio_redis_finalize import (
+    ACK,
+    DROP,
+    RETRY,
+    ChannelSubscription,
+    DelayedRetry,
+    Delivery,
+    ListSubscription,
+    Mode,
+    Outcome,
+    ReliableListSubscription,
+    StreamSubscription,
+    open_consumer,
+    retry_after,
+)
+from trio_redis_finalize._plan import content_origin
+from trio_redis_finalize._transport import Client, open_client
+from trio_redis_finalize.testing import RedisServer
+
+NAME, DEAD_NAME = "w1", "w0"
+S, G = "orders", "billing"
+S_DEAD = "orders-dead"
+Q = "jobs"
+Q_DEAD = "jobs-dead"
+Q_PROC = "{jobs}:processing:" + NAME
+Q_PROC_DEAD = "{jobs}:processing:" + DEAD_NAME
+SL = "plain-jobs"
+CHAN = "events"
+MAX_ATTEMPTS = 3
+# what each plan's handler calls are: ack, drop: 1; retry, later: 2; dead: max_attempts
+CALLS = {"ack": 1, "drop": 1, "retry": 2, "later": 2, "dead": MAX_ATTEMPTS}
+
+
+# -- timers: short, as in test_crash_points ----------------------------------
+
+def _fast_backoff(real: Callable[..., float]) -> Callable[..., float]:
+    def backoff(attempt: int, *, base: float = 0.05, cap: float = 2.0) -> float:
+        return min(real(attempt, base=base / 10, cap=cap / 10), 0.05)
+
+    return backoff
+
+
+@pytest.fixture(autouse=True)
+def _quick_timers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every module's copy of the deadlines and of ``backoff``, shortened."""
+    from trio_redis_finalize import _mount
+
+    real = _mount.backoff
+    fast = _fast_backoff(real)
+    values = {"FINALIZE_TIMEOUT": 0.4, "FINALIZE_GRACE": 0.3, "_READ_MARGIN": 0.3,
+              "_MOVE_RETRY": 0.1}
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("trio_redis_finalize") or mod is None:
+            continue
+        for attr, current in list(vars(mod).items()):
+            # any other deadline (a set-up deadline, ...): at most 1 s
+            if (attr.isupper() and attr.endswith(("TIMEOUT", "DEADLINE"))
+                    and isinstance(current, float) and attr not in values):
+                monkeypatch.setattr(mod, attr, min(current, 1.0))
+        for attr, value in values.items():
+            if isinstance(getattr(mod, attr, None), (int, float)):
+                monkeypatch.setattr(mod, attr, value)
+        if getattr(mod, "backoff", None) is real:
+            monkeypatch.setattr(mod, "backoff", fast)
+
+
+# -- workloads ----------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    id: str
+    form: str  # stream, list, simple, channel
+    kinds: tuple[str, ...]  # the command kinds this workload is the test of
+    make: Callable[[], Any]  # the subscription
+    plans: tuple[str, ...] = ("ack", "retry", "drop", "later", "dead")
+    seed: str = ""  # "own": own PEL / processing list; "dead": a dead consumer's too
+    concurrency: int = 2
+    dead_letter: str | None = None
+
+
+def _stream(**kw: Any) -> Callable[[], StreamSubscription]:
+    return lambda: StreamSubscription(S, G, **{"block": 0.05, "max_attempts": MAX_ATTEMPTS,
+                                              "dead_letter": S_DEAD, **kw})
+
+
+def _rlist(**kw: Any) -> Callable[[], ReliableListSubscription]:
+    return lambda: ReliableListSubscription(Q, **{"block": 0.05, "max_attempts": MAX_ATTEMPTS,
+                                                 "dead_letter": Q_DEAD, "heartbeat": 1.5, **kw})
+
+
+DURABLE = {"delayed_retry": DelayedRetry.DURABLE_ZSET}
+WORKLOADS = [
+    Workload("stream-plain", "stream",
+             ("TYPE", "XGROUP CREATE", "XINFO GROUPS", "XPENDING", "XCLAIM", "XREADGROUP>", "XACK",
+              "EVALSHA:stream_copy_ack", "XADD"),
+             _stream(), seed="own", dead_letter=S_DEAD),
+    Workload("stream-reclaim", "stream", ("XAUTOCLAIM", "XCLAIM"),
+             _stream(mode=Mode.RECLAIM, min_idle=0.6), seed="dead", dead_letter=S_DEAD),
+    Workload("stream-claiming", "stream", ("XPENDING", "XAUTOCLAIM", "XCLAIM"),
+             _stream(mode=Mode.CLAIMING, min_idle=0.6), plans=("ack", "retry", "drop"),
+             seed="dead", dead_letter=S_DEAD),
+    Workload("stream-durable", "stream",
+             ("EVALSHA:stream_zadd_ack", "EVALSHA:move_due_to_stream"),
+             _stream(**DURABLE), dead_letter=S_DEAD),
+    Workload("list", "list",
+             ("TYPE", "SET", "HSET", "HGETALL", "EXISTS", "LRANGE", "EVALSHA:reliable_list_reap",
+              "EVALSHA:reliable_list_bump", "BLMOVE", "LMOVE", "LREM", "EVALSHA:list_copy_remove"),
+             _rlist(), seed="dead", dead_letter=Q_DEAD),
+    Workload("list-durable", "list",
+             ("EVALSHA:list_zadd_remove", "EVALSHA:move_due_to_list"),
+             _rlist(**DURABLE), dead_letter=Q_DEAD),
+    Workload("simple-list", "simple", ("BRPOP", "LPUSH"),
+             lambda: ListSubscription(SL, block=0.05), plans=("ack", "later")),
+    Workload("channel", "channel", ("SUBSCRIBE", "PUBLISH"),
+             lambda: ChannelSubscription(CHAN), plans=("ack", "later"), concurrency=1),
+]
+
+PERIODIC_KINDS = {"SET", "HSET", "HGETALL", "EXISTS", "EVALSHA:reliable_list_reap", "XCLAIM"}
+ERRORS = [c for c in TRANSIENT_ERRORS if c != "NOSCRIPT"]
+FAULT_GROUPS = ["lost", "blackhole", "errors"]
+
+
+def _faults(group: str, kind: str) -> list[Fault]:
+    """The faults of one case, for the 1st, 2nd, ... request of ``kind``."""
+    if group == "lost":
+        return [LOST]
+    if group == "blackhole":
+        return [BLACKHOLE]
+    faults = [error(c) for c in ERRORS]
+    if kind.startswith("EVALSHA:"):
+        faults += [error("NOSCRIPT"), wrapped("READONLY"), wrapped("OOM")]
+    return faults
+
+
+CASES = [(w, k, g) for w in WORKLOADS for k in w.kinds for g in FAULT_GROUPS]
+
+
+# -- the harness ----------------------------------------------------------------
+
+@dataclasses.dataclass
+class Case:
+    workload: Workload
+    kind: str
+    group: str
+    plan: dict[str, str] = dataclasses.field(default_factory=dict)  # origin -> plan
+    calls: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # origin -> attempts
+    finished: set[str] = dataclasses.field(default_factory=set)  # ACK / DROP returned
+    seeded: set[str] = dataclasses.field(default_factory=set)  # pending from a "previous life"
+    remounted: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"[{self.workload.id}] {self.group} at {self.kind}"
+
+    def outcome(self, d: Delivery) -> Outcome:
+        origin = d.origin_id
+        plan = self.plan.get(origin, "ack")
+        calls = self.calls.setdefault(origin, [])
+        calls.append(d.attempt)
+        first = len(calls) == 1
+        if plan == "drop":
+            out: Outcome = DROP
+        elif plan == "retry":
+            out = RETRY if first else ACK
+        elif plan == "later":
+            out = retry_after(0.05) if first else ACK
+        elif plan == "dead":
+            out = RETRY
+        else:
+            out = ACK
+        if out in (ACK, DROP):
+            self.finished.add(origin)
+        return out
+
+
+def _lease_plan(workload: Workload) -> set[str]:
+    """Plans whose handler is slow (lease renewal, a claim while handled)."""
+    return {"ack"} if workload.id in ("stream-reclaim", "stream-claiming") else set()
+
+
+async def _produce(admin: Client, case: Case) -> None:
+    w = case.workload
+    if w.form == "stream":
+        await admin.execute("XGROUP", "CREATE", S, G, "0", "MKSTREAM")
+        ids = []
+        for i, plan in enumerate(w.plans):
+            eid = (await admin.execute("XADD", S, "*", "do", plan, "n", str(i))).decode()
+            ids.append(eid)
+            case.plan[eid] = plan
+        if w.seed:
+            # a previous life: the first entry ("ack") is pending, in the own
+            # PEL or in a dead consumer's (idle long: claimed at once)
+            owner = NAME if w.seed == "own" else DEAD_NAME
+            await admin.execute("XREADGROUP", "GROUP", G, owner, "COUNT", 1, "STREAMS", S, ">")
+            await admin.execute("XCLAIM", S, G, owner, 0, ids[0], "IDLE", 600_000, "JUSTID")
+            case.seeded.add(ids[0])
+        return
+    if w.form == "list":
+        for i, plan in enumerate(w.plans):
+            element = f"{plan}:{i}".encode()
+            case.plan[content_origin(element)] = plan
+            await admin.execute("LPUSH", Q, element)
+        if w.seed:
+            own, dead = b"ack:own", b"retry:dead"
+            case.plan[content_origin(own)] = "ack"
+            case.plan[content_origin(dead)] = "retry"
+            case.seeded |= {content_origin(own), content_origin(dead)}
+            await admin.execute("LPUSH", Q_PROC, own)
+            await admin.execute("LPUSH", Q_PROC_DEAD, dead)
+            await admin.execute("HSET", "{jobs}:consumers", DEAD_NAME, Q_PROC_DEAD)
+        return
+    if w.form == "simple":
+        for i, plan in enumerate(w.plans):
+            element = f"{plan}:{i}".encode()
+            case.plan[content_origin(element)] = plan
+            await admin.execute("LPUSH", SL, element)
+
+
+def _scheduler_busy(consumer: Any) -> bool:
+    """Runtime copies held, or a batch of them being sent (out of the heap meanwhile)."""
+    sending = getattr(consumer.scheduler, "_sending", None)
+    return bool(len(consumer.scheduler)) or (sending is not None and sending.locked())
+
+
+async def _pending_work(admin: Client, case: Case, consumer: Any) -> str:
+    """What is left to do ('' once Redis holds nothing more for the consumer)."""
+    if _scheduler_busy(consumer) or any(m.held or m.stats.in_flight for m in consumer.mounts):
+        return f"in process: scheduler {len(consumer.scheduler)}, " + ", ".join(
+            f"held {len(m.held)} in flight {m.stats.in_flight}" for m in consumer.mounts)
+    w = case.workload
+    if w.form == "stream":
+        summary = await admin.execute("XPENDING", S, G)
+        delayed = int(await admin.execute("ZCARD", "{orders}:delayed"))
+        last = await admin.execute("XREVRANGE", S, "+", "-", "COUNT", 1)
+        info = {g[1]: g[7] for g in await admin.execute("XINFO", "GROUPS", S)}
+        unread = bool(last) and info.get(G.encode()) != last[0][0]
+        if int(summary[0]) or delayed or unread:
+            return f"stream: {summary[0]} pending, {delayed} delayed, unread={unread}"
+        return ""
+    if w.form == "list":
+        lens = await admin.pipeline([("LLEN", Q), ("LLEN", Q_PROC), ("LLEN", Q_PROC_DEAD),
+                                     ("ZCARD", "{jobs}:delayed")])
+        return f"list: queue/processing/dead consumer's/delayed = {lens}" if any(lens) else ""
+    if w.form == "simple":
+        n = int(await admin.execute("LLEN", SL))
+        return f"list: {n} queued" if n else ""
+    return ""
+
+
+def _channel_done(case: Case) -> str:
+    missing = [o for o in case.plan if o not in case.finished]
+    return f"channel: not finished {missing}" if missing else ""
+
+
+async def _run_channel(admin: Client, case: Case, consumer: Any) -> None:
+    """Pub/Sub is at-most-once: publish each message until it is handled once."""
+    for i, plan in enumerate(case.workload.plans):
+        payload = f"{plan}:{i}".encode()
+        origin = content_origin(payload)
+        case.plan[origin] = plan
+        while origin not in case.calls:
+            await admin.execute("PUBLISH", CHAN, payload)
+            await anyio.sleep(0.05)
+
+
+async def _settle(admin: Client, case: Case, consumer: Any) -> None:
+    calm = 0
+    why = ""
+    while calm < 3:
+        await anyio.sleep(0.02)
+        if case.workload.form == "channel":
+            why = _channel_done(case)
+        else:
+            why = await _pending_work(admin, case, consumer)
+        calm = 0 if why else calm + 1
+    del why
+
+
+async def run_case(server: RedisServer, proxy: CommandProxy, case: Case) -> list[str]:
+    """One case: produce, arm, consume until settled, shut down, judge."""
+    w = case.workload
+    problems: list[str] = []
+    stats: dict[str, Any] = {}
+    slow = _lease_plan(w)
+
+    async def handle(d: Delivery) -> Outcome:
+        out = case.outcome(d)
+        if case.plan.get(d.origin_id) in slow and len(case.calls[d.origin_id]) == 1:
+            await anyio.sleep(0.5)  # longer than min_idle / 3: the lease is renewed
+        return out
+
+    async with open_client(server.url) as admin:
+        await admin.execute("FLUSHALL")
+        await admin.execute("SCRIPT", "FLUSH")
+        await _produce(admin, case)
+        proxy.reset()
+        faults = _faults(case.group, case.kind)
+        for i, f in enumerate(faults):
+            proxy.arm(case.kind, f, at=i)
+        # a periodic task (heartbeat, reaper, lease) meets one error per period
+        per_error = 0.9 if case.kind in PERIODIC_KINDS else 0.3
+        budget = 4.0 + (per_error * len(faults) if case.group == "errors" else 0.0)
+        state: dict[str, Any] = {"what": "mount", "hung": False, "consumer": None}
+
+        async def body() -> None:
+            async with open_consumer(proxy.url, name=NAME, shutdown_grace=0.5) as consumer:
+                state["consumer"] = consumer
+                await consumer.mount(w.make(), handle, concurrency=w.concurrency)
+                state["what"] = "consume"
+                if w.form == "channel":
+                    await _run_channel(admin, case, consumer)
+                await _settle(admin, case, consumer)
+                stats.update(consumer.stats()[w.make().name])
+                state["what"] = "shutdown"
+
+        left = ""
+        try:
+            await _bounded(body, budget, proxy, state)
+        except BaseException as e:
+            if state["hung"]:
+                pass  # the watchdog's reset ended it: reported as a hang below
+            elif state["what"] == "mount" and case.group != "errors":
+                # a set-up reply lost: mount() may fail (in time, with an error);
+                # the caller mounts again, and that one must do all the work
+                proxy.disarm()
+                state["what"] = "mount"
+                case.remounted = f"{type(e).__name__}"
+                try:
+                    await _bounded(body, budget, proxy, state)
+                except BaseException as e2:
+                    problems.append(f"CRASH during {state['what']} (after a first mount() "
+                                    f"failed with {_brief(e)}): {_brief(e2)}")
+            else:
+                problems.append(f"CRASH during {state['what']}: {_brief(e)}")
+        if state["hung"]:
+            if state["what"] == "consume" and state["consumer"] is not None:
+                left = (_channel_done(case) if w.form == "channel"
+                        else await _pending_work(admin, case, state["consumer"]))
+            problems.append(f"HANG: {state['what']} did not finish within {budget:.1f} s "
+                            f"({left or 'no work left'})")
+        fired = [f"{f.kind}#{f.k}={f.fault.label}" for f in proxy.fired]
+        if not proxy.fired and case.group != "errors":
+            problems.append(f"the fault never fired: no {case.kind} request (sent: {dict(proxy.seen)})")
+        await proxy.cut_all()
+        problems += await _judge(admin, case, stats)
+        return [f"{case.label} (fired {', '.join(fired) or 'nothing'}): {p}" for p in problems]
+
+
+async def _bounded(body: Callable[[], Any], budget: float, proxy: CommandProxy,
+                   state: dict[str, Any]) -> None:
+    """Run ``body`` for at most ``budget`` seconds.
+
+    A cancel scope is not enough: the library shields some of its calls
+    (mount, finalization), so when time is up the watchdog also disarms the
+    proxy and resets its connections (a shielded call blocked on a blackholed
+    connection then fails) until the body has ended.
+    """
+    done = anyio.Event()
+    async with anyio.create_task_group() as outer:
+        scope = anyio.CancelScope()
+
+        async def watchdog() -> None:
+            with anyio.move_on_after(budget):
+                await done.wait()
+                return
+            state["hung"] = True
+            scope.cancel()
+            proxy.disarm()
+            while not done.is_set():
+                await proxy.cut_all()
+                with anyio.move_on_after(0.05):
+                    await done.wait()
+
+        outer.start_soon(watchdog)
+        try:
+            with scope:
+                await body()
+        finally:
+            done.set()
+
+
+def _brief(e: BaseException) -> str:
+    if isinstance(e, BaseExceptionGroup):
+        return "; ".join(_brief(x) for x in e.exceptions)
+    return f"{type(e).__name__}: {e}"
+
+
+async def _judge(admin: Client, case: Case, stats: dict[str, Any]) -> list[str]:
+    w = case.workload
+    problems: list[str] = []
+    present: Counter[str] = Counter()
+    dead: Counter[str] = Counter()
+    dead_len = 0
+    copies: Counter[str] = Counter()
+    if w.form == "stream":
+        st = await stream_state(admin, S, G, delay_key="{orders}:delayed", dead_letter=S_DEAD)
+        present, dead, copies = st.present(), st.dead_letters(), st.copies()
+        dead_len = len(st.dead)
+    elif w.form == "list":
+        ls = await list_state(admin, Q, [Q_PROC, Q_PROC_DEAD], delay_key="{jobs}:delayed",
+                              dead_letter=Q_DEAD)
+        present, dead = ls.present(), ls.dead_letters()
+        dead_len = len(ls.dead)
+    elif w.form == "simple":
+        for e in await admin.execute("LRANGE", SL, 0, -1):
+            present[content_origin(e)] += 1
+    duplicating = 1 if case.group in ("lost", "blackhole") else 0
+    for origin, plan in case.plan.items():
+        calls = case.calls.get(origin, [])
+        finalized = origin in case.finished or dead[origin] >= 1
+        if not finalized and not present[origin]:
+            documented = w.form == "simple" and case.kind == "BRPOP" and case.group == "lost"
+            if not documented:
+                problems.append(f"LOST message {origin} ({plan}): handler calls at attempts "
+                                f"{calls}, not finalized, nothing of it left in Redis")
+        if len(calls) > CALLS[plan] + duplicating:
+            problems.append(f"DUPLICATE: message {origin} ({plan}) handled {len(calls)} times "
+                            f"(attempts {calls}); the handler asked for {CALLS[plan]}")
+        if plan == "dead" and dead[origin] and len(calls) < MAX_ATTEMPTS:
+            problems.append(f"ATTEMPTS: message {origin} dead-lettered after {len(calls)} handler "
+                            f"call(s) (attempts {calls}), max_attempts={MAX_ATTEMPTS}")
+        if calls and calls[0] != 1 and origin not in case.seeded:
+            problems.append(f"ATTEMPTS: message {origin} ({plan}) first handled at attempt "
+                            f"{calls[0]} (attempts {calls}): an attempt was spent without a call")
+        if any(a > MAX_ATTEMPTS for a in calls) and w.form in ("stream", "list"):
+            problems.append(f"ATTEMPTS: message {origin} handled at attempts {calls} > "
+                            f"max_attempts={MAX_ATTEMPTS}")
+        if dead[origin] > 1:
+            problems.append(f"DUPLICATE: message {origin} dead-lettered {dead[origin]} times")
+        if plan != "dead" and dead[origin]:
+            problems.append(f"message {origin} ({plan}) in the dead letter")
+    if stats and w.dead_letter is not None:
+        counted = stats["effects"].get("dead_lettered", 0)
+        if counted != dead_len:
+            problems.append(f"COUNTERS: effects.dead_lettered={counted} but the dead letter "
+                            f"{w.dead_letter!r} holds {dead_len}")
+    if stats and w.form == "stream":
+        made = sum(n for o, n in copies.items() if case.plan.get(o) in ("retry", "dead"))
+        counted = stats["effects"].get("copied", 0)
+        if counted != made:
+            problems.append(f"COUNTERS: effects.copied={counted} but the stream holds {made} "
+                            f"RETRY copies")
+    return problems
+
+
+# -- fixtures -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def flavour(redis_server: RedisServer) -> str:
+    from trio_redis_finalize.pytest_plugin import sync_command
+
+    info = sync_command(redis_server, "INFO", "server")
+    assert isinstance(info, bytes)
+    return "valkey" if b"valkey" in info.lower() else "redis"
+
+
+@pytest.fixture
+async def proxy(redis_server: RedisServer, flavour: str) -> AsyncIterator[CommandProxy]:
+    p = CommandProxy(redis_server.port, flavour=flavour)
+    async with anyio.create_task_group() as tg:
+        await tg.start(p.serve)
+        yield p
+        await p.cut_all()
+        tg.cancel_scope.cancel()
+
+
+_HAPPY: dict[str, Counter[str]] = {}
+
+
+async def _happy_kinds(server: RedisServer, proxy: CommandProxy, w: Workload) -> Counter[str]:
+    """The kinds the workload sends without a fault (once per workload), and its soundness."""
+    if w.id not in _HAPPY:
+        case = Case(w, "-", "none")
+        problems = await run_case(server, proxy, case)
+        problems = [p for p in problems if "never fired" not in p]
+        assert not problems, "the workload fails without any fault:\n" + "\n".join(problems)
+        _HAPPY[w.id] = Counter(proxy.seen)
+    return _HAPPY[w.id]
+
+
+# -- the proxy itself -----------------------------------------------------------
+
+async def test_proxy_maps_pipelined_replies_and_injects_in_order(
+    redis_server: RedisServer, proxy: CommandProxy
+) -> None:
+    from trio_redis_finalize._transport import open_client as oc
+
+    proxy.arm("INCR", error("OOM"), at=1)
+    async with oc(proxy.url) as c:
+        replies = await c.pipeline([("INCR", "n"), ("INCR", "n"), ("INCR", "n"), ("GET", "n")],
+                                   raise_on_error=False)
+    assert replies[0] == 1 and replies[2] == 2 and replies[3] == b"2"
+    assert "used memory > 'maxmemory'" in str(replies[1])
+    assert [f.kind for f in proxy.fired] == ["INCR"]
+
+
+async def test_proxy_lost_reply_ran_on_the_server(redis_server: RedisServer,
+                                                  proxy: CommandProxy) -> None:
+    proxy.arm("SET", LOST)
+    async with open_client(proxy.url) as c:
+        with pytest.raises(Exception):  # noqa: B017 - any connection error
+            await c.execute("SET", "k", "v", timeout=1.0)
+    async with open_client(redis_server.url) as admin:
+        assert await admin.execute("GET", "k") == b"v"
+
+
+async def test_proxy_blackhole_never_answers(redis_server: RedisServer,
+                                             proxy: CommandProxy) -> None:
+    proxy.arm("SET", BLACKHOLE)
+    async with open_client(redis_server.url) as admin:
+        await admin.execute("DEL", "bh")
+        async with open_client(proxy.url) as c:
+            with pytest.raises(Exception):  # noqa: B017 - the client's own deadline
+                await c.execute("SET", "bh", "v", timeout=0.3)
+        assert await admin.execute("GET", "bh") is None
+
+
+def test_kinds_name_scripts_and_reads() -> None:
+    names = script_names()
+    assert "stream_copy_ack" in names.values()
+    sha = next(s for s, n in names.items() if n == "stream_copy_ack")
+    assert kind_of([b"EVALSHA", sha, b"2"], names) == "EVALSHA:stream_copy_ack"
+    assert kind_of([b"XREADGROUP", b"GROUP", b"g", b"c", b"STREAMS", b"s", b">"]) == "XREADGROUP>"
+    assert kind_of([b"XREADGROUP", b"GROUP", b"g", b"c", b"STREAMS", b"s", b"0"]) == "XREADGROUP0"
+    assert kind_of([b"xgroup", b"create", b"s", b"g", b"0"]) == "XGROUP CREATE"
+
+
+# -- the matrix -------------------------------------------------------------------
+
+@pytest.mark.parametrize(("workload", "kind", "group"), CASES,
+                         ids=[f"{w.id}-{k}-{g}".replace(" ", "_") for w, k, g in CASES])
+async def test_fault_matrix(redis_server: RedisServer, proxy: CommandProxy,
+                            workload: Workload, kind: str, group: str) -> None:
+    happy = await _happy_kinds(redis_server, proxy, workload)
+    assert happy[kind], (f"[{workload.id}] never sends {kind} without a fault (sent: "
+                         f"{dict(happy)}): the matrix is out of date")
+    problems = await run_case(redis_server, proxy, Case(workload, kind, group))
+    assert not problems, "\n".join(problems)
