@@ -290,6 +290,14 @@ class ReliableListReader:
       heartbeat is extended to cover the grace.
     * ``DelayedRetry.DURABLE_ZSET``: due copies are moved from the delay set
       before each read, and the read blocks no longer than the next is due.
+    * ``on_error=Backoff()``: a failed element stays in the processing list,
+      held (counted in ``_held`` / ``_unsent`` as before), while it waits;
+      then :meth:`redeliver` bumps its retry counter in place (``LSET``)
+      before handing it over, so the attempt counts before the handler runs
+      (a crash during the wait or the handler is counted by the next
+      start's bump as usual).  A redelivery cut by shutdown between the
+      bump and the hand-over gives the bumped element back to the queue:
+      one attempt too many, never one too few.
     """
 
     def __init__(self, sub: ReliableListSubscription) -> None:
@@ -348,6 +356,67 @@ class ReliableListReader:
                         log.warning("%s: could not give %d element(s) back to the queue (%s); "
                                     "they stay in the processing list", mount.name, len(back), e)
             raise
+
+    # -- on_error=Backoff ---------------------------------------------------------
+    async def redeliver(self, mount: Mount, deliveries: Sequence[Delivery]) -> None:
+        """Deliver again, as their next attempt, elements whose handler failed.
+
+        Called by the mount once their :class:`~trio_redis_finalize.Backoff`
+        delay is over; they waited in the processing list, held.  Each gets
+        its retry counter one higher in place (``_BUMP``: ``LPOS`` + ``LSET``,
+        gated on the element still being there), then goes to the handlers.
+        While the bump is on the way the reader holds both the old and the
+        new bytes, so a rescan meanwhile delivers neither.  An element gone
+        meanwhile (reaped after a lapsed heartbeat) is forgotten.  Raises
+        (nothing delivered) when the bumps get no answer; the old bytes stay
+        held for the mount's next try, and a rescan is asked for, which
+        delivers the new bytes should a bump have been applied after all.
+        """
+        t = mount.target
+        failed = [d for d in deliveries if d.raw is not None]
+        old = [d.raw for d in failed if d.raw is not None]
+        new = [bumped(e) for e in old]  # None: cannot carry a higher counter (delivered as is)
+        for n in new:
+            if n is not None:
+                self._hold(n)
+        cmds = [_BUMP.command((t.processing,), (e, n))
+                for e, n in zip(old, new, strict=True) if n is not None]
+        try:
+            replies = iter(await mount.client.pipeline(cmds, timeout=FINALIZE_TIMEOUT) if cmds else [])
+        except BaseException:
+            for n in new:
+                if n is not None:
+                    _dec(self._held, n)
+                    _dec(self._unsent, n)
+            self._rescan_wanted = True
+            raise
+        built: list[tuple[Delivery, Plan | None]] = []
+        for d, e, n in zip(failed, old, new, strict=True):
+            if n is None:
+                raw = e
+            else:
+                _dec(self._held, e)
+                _dec(self._unsent, e)
+                if next(replies) is None:  # gone from the processing list meanwhile
+                    _dec(self._held, n)
+                    _dec(self._unsent, n)
+                    log.warning("%s: a failed element (origin %s, attempt %d) is no longer in "
+                                "processing list %r; not delivered again", mount.name,
+                                d.origin_id, d.attempt, t.processing)
+                    continue
+                raw = n
+            built.append(build_delivery(mount, self.sub.queue, raw))
+        await self._hand_over(mount, built)
+
+    def leave_pending(self, mount: Mount, deliveries: Sequence[Delivery]) -> None:
+        """Forget failed elements without a timer (the mount's waiting set is
+        full): they stay in the processing list, not held, for the next rescan
+        (after a read error, at a start), which delivers them again counted as
+        an attempt."""
+        for d in deliveries:
+            if d.raw is not None and _dec(self._held, d.raw):
+                _dec(self._unsent, d.raw)
+                self._leftover[d.raw] = self._leftover.get(d.raw, 0) + 1
 
     # -- bookkeeping ----------------------------------------------------------
     def _hold(self, raw: bytes) -> None:
