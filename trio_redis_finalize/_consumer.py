@@ -293,7 +293,7 @@ class Consumer:
                 drops the message.
 
         The set-up (type checks, group creation, first reads) honours the
-        caller's cancellation, and fails within :data:`MOUNT_TIMEOUT` (15 s)
+        caller's cancellation, and fails within ``MOUNT_TIMEOUT`` (15 s)
         when the server does not answer.
 
         Raises:

@@ -109,6 +109,10 @@ class Backoff:
 
     Immutable; equal values compare equal.
 
+    Args:
+        base: seconds; the longest wait after the first failed attempt.
+        cap: seconds; no wait is longer (at least ``base``).
+
     Raises:
         ValueError: ``base`` or ``cap`` is not a finite number of seconds
             above 0, or ``cap`` is below ``base`` (the message names it).
