@@ -38,7 +38,7 @@ from trio_redis_finalize import (
 )
 from trio_redis_finalize import _mount
 from trio_redis_finalize._envelope import unwrap
-from trio_redis_finalize._transport import Client
+from trio_redis_finalize._transport import Client, open_client
 
 S, G = "jobs", "workers"
 Q = "tasks"
@@ -507,3 +507,29 @@ async def test_no_ack_forms_drop_a_failed_message_with_a_log(
         assert rec.outcome == "drop"
     # an explicit outcome is as before
     assert DROP.kind.value == "drop"
+
+
+# -- Redis Cluster ------------------------------------------------------------------------
+
+
+async def test_backoff_in_redis_cluster(redis_cluster_url: str) -> None:
+    """The redelivery scripts (stream XCLAIM, reliable-list bump) name one key:
+    they run on its node; a dead letter in another slot as for a RETRY."""
+    async with open_client(redis_cluster_url) as cc:
+        for key in (S, Q, "dead-s", "dead-q", processing("c1")):  # the cluster is per session
+            await cc.execute("DEL", key)
+        await cc.execute("XADD", S, "*", "n", "1")
+        await cc.execute("LPUSH", Q, b"job")
+        hs, hl = Failing(), Failing()
+        stream = StreamSubscription(S, G, block=0.05, max_attempts=3, dead_letter="dead-s")
+        rlist = ReliableListSubscription(Q, block=0.05, max_attempts=3, dead_letter="dead-q")
+        async with open_consumer(cc, name="c1") as consumer:
+            await consumer.mount(stream, hs, on_error=FAST)
+            await consumer.mount(rlist, hl, on_error=FAST)
+            await eventually(lambda: effects(consumer, stream).get("dead_lettered") == 1
+                             and effects(consumer, rlist).get("dead_lettered") == 1,
+                             timeout=10, what="both dead-lettered")
+        assert hs.attempts == [1, 2, 3] and hl.attempts == [1, 2, 3]
+        assert await xlen(cc) == 1 and await xlen(cc, "dead-s") == 1
+        assert await llen(cc, Q) == 0 and await llen(cc, processing("c1")) == 0
+        assert await llen(cc, "dead-q") == 1
