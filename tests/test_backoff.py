@@ -34,9 +34,9 @@ from trio_redis_finalize import (
     Outcome,
     ReliableListSubscription,
     StreamSubscription,
+    _mount,
     open_consumer,
 )
-from trio_redis_finalize import _mount
 from trio_redis_finalize._envelope import unwrap
 from trio_redis_finalize._transport import Client, open_client
 
