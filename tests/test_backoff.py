@@ -12,6 +12,7 @@ import math
 import random
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,8 @@ from trio_redis_finalize import (
     open_consumer,
 )
 from trio_redis_finalize._envelope import unwrap
-from trio_redis_finalize._transport import Client, open_client
+from trio_redis_finalize._scripts import LIST_REMOVE
+from trio_redis_finalize._transport import Client, Command, open_client, parse_url
 
 S, G = "jobs", "workers"
 Q = "tasks"
@@ -476,6 +478,58 @@ async def test_reliable_list_identical_elements_back_off_one_by_one(
         got = effects(consumer, sub)
     assert got == {"acked": 3, "backed_off": 3}, got
     assert sorted(h.attempts) == [1, 1, 1, 2, 2, 2]
+    assert await llen(client, Q) == 0 and await llen(client, processing("c1")) == 0
+
+
+class SlowRemovals(Client):
+    """A client whose pipelines that remove from a list (LREM, counted-removal
+    scripts) wait ``delay`` seconds before they go out: removals on the way."""
+
+    delay = 1.0
+    slowed = 0
+
+    async def pipeline(self, commands: Sequence[Command], **kw: Any) -> list[Any]:
+        if any(c[0] == "LREM" or (c[0] == b"EVALSHA" and c[1] == LIST_REMOVE.sha) for c in commands):
+            self.slowed += 1
+            await trio.sleep(self.delay)
+        return await super().pipeline(commands, **kw)
+
+
+async def test_reliable_list_bump_waits_for_a_removal_of_identical_bytes_on_the_way(
+    redis_url: str, client: Client
+) -> None:
+    """``LPUSH q X X``: one X fails and waits; the other is acknowledged, its
+    counted removal (``n=2``) slow on the way.  The waiting X's bump (which
+    takes one X out like a removal, on another connection) must not overtake
+    it -- else the removal meets one X too few, its gate stays closed and the
+    acknowledged X is handled again."""
+    await client.execute("LPUSH", Q, b"X", b"X")
+    failed = trio.Event()
+    seen: list[int] = []
+
+    async def handle(d: Delivery) -> Outcome:
+        seen.append(d.attempt)
+        if len(seen) == 1:
+            failed.set()
+            raise RuntimeError("first X fails")
+        if len(seen) == 2:
+            await failed.wait()
+            await trio.sleep(0.05)  # the failure is parked by now
+            return ACK
+        return ACK
+
+    sub = ReliableListSubscription(Q, block=0.05)
+    slow = SlowRemovals(parse_url(redis_url), max_connections=32)
+    try:
+        async with open_consumer(slow, name="c1") as consumer:
+            await consumer.mount(sub, handle, on_error=Backoff(base=0.3, cap=0.3), concurrency=2)
+            await eventually(lambda: effects(consumer, sub).get("acked") == 2, timeout=10,
+                             what="both acked")
+            await trio.sleep(0.5)  # no third delivery
+            assert slow.slowed >= 1
+    finally:
+        await slow.aclose()
+    assert sorted(seen) == [1, 1, 2], seen
     assert await llen(client, Q) == 0 and await llen(client, processing("c1")) == 0
 
 

@@ -119,6 +119,8 @@ recovery instead (see the readers' ``leave_pending``)."""
 _REDELIVER_BATCH = 100
 """At most this many due deliveries go to the reader's ``redeliver`` at once."""
 _WARN_FULL_EVERY = 5.0
+_POSTPONE = 0.05
+"""Seconds before a redelivery the reader put off is tried again."""
 
 
 def backoff(attempt: int, *, base: float = 0.05, cap: float = 2.0) -> float:
@@ -132,7 +134,8 @@ class Reader(Protocol):
     Forms that leave failed deliveries pending (streams, reliable lists)
     also offer, looked up with ``getattr``: ``redeliver(mount, deliveries)``
     (take due :class:`Backoff` deliveries again as their next attempt and
-    deliver them; raises having delivered none, when it could not), and
+    deliver them; returns those to try again a moment later; raises having
+    delivered none, when it could not), and
     ``leave_pending(mount, deliveries)`` (forget them: they stay pending for
     the ordinary recovery).
     """
@@ -281,7 +284,7 @@ class Mount:
         self._warn_repeats = target.max_attempts is None and (
             isinstance(again, Backoff) or again.is_retry)
         # Backoff: failed deliveries waiting to be delivered again (due, seq, delivery)
-        self._redeliver: Callable[[Mount, list[Delivery]], Awaitable[None]] | None = (
+        self._redeliver: Callable[[Mount, list[Delivery]], Awaitable[list[Delivery]]] | None = (
             getattr(reader, "redeliver", None) if isinstance(self._on_error, Backoff) else None)
         self._leave: Callable[[Mount, list[Delivery]], None] | None = getattr(
             reader, "leave_pending", None)
@@ -385,7 +388,7 @@ class Mount:
         return None
 
     async def _redeliverer(
-        self, redeliver: Callable[[Mount, list[Delivery]], Awaitable[None]]
+        self, redeliver: Callable[[Mount, list[Delivery]], Awaitable[list[Delivery]]]
     ) -> None:
         """Hand due deliveries to the reader's ``redeliver``; runs beside the
         reader, cancelled with it (what still waits stays pending)."""
@@ -405,7 +408,8 @@ class Mount:
             while waiting and waiting[0][0] <= now and len(batch) < _REDELIVER_BATCH:
                 batch.append(heapq.heappop(waiting)[2])
             try:
-                await redeliver(self, batch)
+                for d in await redeliver(self, batch):
+                    self._park(d, _POSTPONE)  # not now (the reader's say), soon
                 failures = 0
             except (rexc.RedisError, OSError) as e:
                 # none was delivered: still pending (and held); wait again

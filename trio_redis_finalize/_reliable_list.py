@@ -358,7 +358,7 @@ class ReliableListReader:
             raise
 
     # -- on_error=Backoff ---------------------------------------------------------
-    async def redeliver(self, mount: Mount, deliveries: Sequence[Delivery]) -> None:
+    async def redeliver(self, mount: Mount, deliveries: Sequence[Delivery]) -> list[Delivery]:
         """Deliver again, as their next attempt, elements whose handler failed.
 
         Called by the mount once their :class:`~trio_redis_finalize.Backoff`
@@ -367,27 +367,41 @@ class ReliableListReader:
         gated on the element still being there), then goes to the handlers.
         While the bump is on the way the reader holds both the old and the
         new bytes, so a rescan meanwhile delivers neither.  An element gone
-        meanwhile (reaped after a lapsed heartbeat) is forgotten.  Raises
-        (nothing delivered) when the bumps get no answer; the old bytes stay
-        held for the mount's next try, and a rescan is asked for, which
+        meanwhile (reaped after a lapsed heartbeat) is forgotten.
+
+        Identical elements: a bump takes one copy of the bytes out of the
+        processing list like a removal, but on its own connection, so it is
+        sent only while no removal of the same bytes is on the way (sent,
+        not answered) -- else that removal's count (``_plan.list_counted``)
+        could meet one copy less than it was counted for.  Those are
+        returned, to be tried again a moment later.
+
+        Raises (nothing delivered) when the bumps get no answer; the old bytes
+        stay held for the mount's next try, and a rescan is asked for, which
         delivers the new bytes should a bump have been applied after all.
         """
         t = mount.target
-        failed = [d for d in deliveries if d.raw is not None]
+        held, unsent = self._held, self._unsent
+        busy = {e for d in deliveries if (e := d.raw) is not None
+                and held.get(e, 0) > unsent.get(e, 0)}  # a removal of those bytes on the way
+        later = [d for d in deliveries if d.raw in busy]
+        failed = [d for d in deliveries if d.raw is not None and d.raw not in busy]
         old = [d.raw for d in failed if d.raw is not None]
         new = [bumped(e) for e in old]  # None: cannot carry a higher counter (delivered as is)
-        for n in new:
+        for e, n in zip(old, new, strict=True):
             if n is not None:
+                _dec(unsent, e)  # taken out now: later removals count without it
                 self._hold(n)
         cmds = [_BUMP.command((t.processing,), (e, n))
                 for e, n in zip(old, new, strict=True) if n is not None]
         try:
             replies = iter(await mount.client.pipeline(cmds, timeout=FINALIZE_TIMEOUT) if cmds else [])
         except BaseException:
-            for n in new:
+            for e, n in zip(old, new, strict=True):
                 if n is not None:
-                    _dec(self._held, n)
-                    _dec(self._unsent, n)
+                    unsent[e] = unsent.get(e, 0) + 1
+                    _dec(held, n)
+                    _dec(unsent, n)
             self._rescan_wanted = True
             raise
         built: list[tuple[Delivery, Plan | None]] = []
@@ -395,11 +409,10 @@ class ReliableListReader:
             if n is None:
                 raw = e
             else:
-                _dec(self._held, e)
-                _dec(self._unsent, e)
+                _dec(held, e)
                 if next(replies) is None:  # gone from the processing list meanwhile
-                    _dec(self._held, n)
-                    _dec(self._unsent, n)
+                    _dec(held, n)
+                    _dec(unsent, n)
                     log.warning("%s: a failed element (origin %s, attempt %d) is no longer in "
                                 "processing list %r; not delivered again", mount.name,
                                 d.origin_id, d.attempt, t.processing)
@@ -407,6 +420,7 @@ class ReliableListReader:
                 raw = n
             built.append(build_delivery(mount, self.sub.queue, raw))
         await self._hand_over(mount, built)
+        return later
 
     def leave_pending(self, mount: Mount, deliveries: Sequence[Delivery]) -> None:
         """Forget failed elements without a timer (the mount's waiting set is

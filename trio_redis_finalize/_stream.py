@@ -292,7 +292,7 @@ class StreamReader:
 
     # -- set-up ---------------------------------------------------------------
     # -- on_error=Backoff: failed entries wait pending, then come back ------------
-    async def redeliver(self, mount: Mount, deliveries: Sequence[Delivery]) -> None:
+    async def redeliver(self, mount: Mount, deliveries: Sequence[Delivery]) -> list[Delivery]:
         """Deliver again, as their next attempt, entries whose handler failed.
 
         Called by the mount once their :class:`~trio_redis_finalize.Backoff`
@@ -306,7 +306,8 @@ class StreamReader:
         consumer took meanwhile (a lease that lapsed) is forgotten; one
         deleted from the stream meanwhile is acknowledged and reported lost.
         Raises (nothing delivered, nothing changed but idempotent counts) when
-        the script gets no answer.
+        the script gets no answer.  Returns what is to be tried again a moment
+        later (nothing, for a stream).
         """
         sub = self.sub
         me = mount.consumer.name
@@ -336,6 +337,7 @@ class StreamReader:
         if entries:
             self._note(mount, entries, counts)
             await self._hand(mount, entries, counts)
+        return []  # nothing to try again later
 
     def leave_pending(self, mount: Mount, deliveries: Sequence[Delivery]) -> None:
         """Forget failed entries without a timer (the mount's waiting set is
