@@ -366,7 +366,9 @@ class ReliableListReader:
         its retry counter one higher in place (``_BUMP``: ``LPOS`` + ``LSET``,
         gated on the element still being there), then goes to the handlers.
         While the bump is on the way the reader holds both the old and the
-        new bytes, so a rescan meanwhile delivers neither.  An element gone
+        new bytes, so a rescan meanwhile delivers neither; removals sent
+        meanwhile count (``_plan.list_counted``) neither: the old copy is no
+        longer theirs, the new one not yet in the list.  An element gone
         meanwhile (reaped after a lapsed heartbeat) is forgotten.
 
         Identical elements: a bump takes one copy of the bytes out of the
@@ -390,8 +392,11 @@ class ReliableListReader:
         new = [bumped(e) for e in old]  # None: cannot carry a higher counter (delivered as is)
         for e, n in zip(old, new, strict=True):
             if n is not None:
-                _dec(unsent, e)  # taken out now: later removals count without it
-                self._hold(n)
+                # the old bytes leave the counts of removals now, the new ones
+                # join them once they are in the list (its reply); held both
+                # meanwhile, for the rescan
+                _dec(unsent, e)
+                held[n] = held.get(n, 0) + 1
         cmds = [_BUMP.command((t.processing,), (e, n))
                 for e, n in zip(old, new, strict=True) if n is not None]
         try:
@@ -401,7 +406,6 @@ class ReliableListReader:
                 if n is not None:
                     unsent[e] = unsent.get(e, 0) + 1
                     _dec(held, n)
-                    _dec(unsent, n)
             self._rescan_wanted = True
             raise
         built: list[tuple[Delivery, Plan | None]] = []
@@ -412,12 +416,12 @@ class ReliableListReader:
                 _dec(held, e)
                 if next(replies) is None:  # gone from the processing list meanwhile
                     _dec(held, n)
-                    _dec(unsent, n)
                     log.warning("%s: a failed element (origin %s, attempt %d) is no longer in "
                                 "processing list %r; not delivered again", mount.name,
                                 d.origin_id, d.attempt, t.processing)
                     continue
                 raw = n
+                unsent[n] = unsent.get(n, 0) + 1
             built.append(build_delivery(mount, self.sub.queue, raw))
         await self._hand_over(mount, built)
         return later
