@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import trio
 from _procs import eventually
@@ -600,3 +601,38 @@ async def test_backoff_in_redis_cluster(redis_cluster_url: str) -> None:
         assert await xlen(cc) == 1 and await xlen(cc, "dead-s") == 1
         assert await llen(cc, Q) == 0 and await llen(cc, processing("c1")) == 0
         assert await llen(cc, "dead-q") == 1
+
+
+# -- anyio's asyncio backend ---------------------------------------------------------------
+
+
+def test_backoff_under_asyncio(redis_url: str) -> None:
+    """The waiting set, its timer and the redelivery under asyncio: a stream
+    entry and a reliable-list element fail twice, come back in place, are acked."""
+
+    async def main() -> tuple[list[tuple[str, int]], int, int, int]:
+        seen: list[tuple[str, int]] = []
+
+        async def handler(d: Delivery) -> Outcome:
+            seen.append((d.source, d.attempt))
+            if d.attempt < 3:
+                raise RuntimeError("not yet")
+            return ACK
+
+        async with open_client(redis_url) as c:
+            await c.execute("XADD", S, "*", "n", "1")
+            await c.execute("LPUSH", Q, b"job")
+            stream, rlist = StreamSubscription(S, G, block=0.05), ReliableListSubscription(Q, block=0.05)
+            async with open_consumer(redis_url, name="aio") as consumer:
+                await consumer.mount(stream, handler, on_error=FAST)
+                await consumer.mount(rlist, handler, on_error=FAST)
+                with anyio.fail_after(10):
+                    while not (effects(consumer, stream).get("acked") == 1
+                               and effects(consumer, rlist).get("acked") == 1):
+                        await anyio.sleep(0.02)
+            return (seen, await xlen(c), int((await c.execute("XPENDING", S, G))[0]),
+                    await llen(c, processing("aio")))
+
+    seen, length, pending, in_processing = anyio.run(main, backend="asyncio")
+    assert sorted(seen) == sorted([(S, 1), (S, 2), (S, 3), (Q, 1), (Q, 2), (Q, 3)])
+    assert (length, pending, in_processing) == (1, 0, 0)
