@@ -335,6 +335,30 @@ async def test_past_the_waiting_bound_failures_are_left_pending_for_recovery(
     assert any("MAX_WAITING" in r.getMessage() for r in caplog.records)
 
 
+async def test_reliable_list_past_the_waiting_bound_stays_in_the_processing_list(
+    redis_url: str, client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the bound a failed element is left in the processing list, no
+    longer held: the next rescan (here the restart's) delivers it, counted."""
+    monkeypatch.setattr(_mount, "MAX_WAITING", 0)
+    await client.execute("LPUSH", Q, b"job")
+    h = Failing()
+    sub = ReliableListSubscription(Q, block=0.05)
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(sub, h)
+        await eventually(lambda: effects(consumer, sub).get("left_pending") == 1)
+        await trio.sleep(0.3)  # not delivered again meanwhile (no timer)
+        assert consumer.mounts[0].waiting == 0
+    assert h.attempts == [1]
+    assert await llen(client, processing("c1")) == 1 and await llen(client, Q) == 0
+    again = Failing(ok_at=1)
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(sub, again)
+        await eventually(lambda: effects(consumer, sub).get("acked") == 1)
+    assert again.attempts == [2]
+    assert await llen(client, processing("c1")) == 0
+
+
 # -- SIGKILL at any moment --------------------------------------------------------------
 
 

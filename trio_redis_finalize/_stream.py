@@ -303,8 +303,11 @@ class StreamReader:
         delivery count that already counts the attempt about to be made, so a
         crash during it is counted (the next start adds one) and a crash
         before it is too (still the failed attempt's count).  An entry another
-        consumer took meanwhile (a lease that lapsed) is forgotten; one
-        deleted from the stream meanwhile is acknowledged and reported lost.
+        consumer took meanwhile (a lease that lapsed) is forgotten, logged;
+        so is one whose group was destroyed meanwhile (recreated at the last
+        id this reader delivered, its PEL gone) -- as a RETRY of an entry
+        being handled then finds its gate closed.  One deleted from the
+        stream meanwhile is acknowledged and reported lost.
         Raises (nothing delivered, nothing changed but idempotent counts) when
         the script gets no answer.  Returns what is to be tried again a moment
         later (nothing, for a stream).
