@@ -24,6 +24,7 @@ from trio_redis_finalize import (
     ACK,
     DROP,
     RETRY,
+    Backoff,
     DelayedRetry,
     Delivery,
     ListSubscription,
@@ -94,16 +95,18 @@ async def test_prometheus_families_match_stats(redis_url: str, client: Client) -
         register(consumer, registry)
         assert not [k for k in scrape(registry) if k[0] == "trf_deliveries_read_total"]  # nothing mounted yet
         await consumer.mount(SUB, handle)
-        await eventually(lambda: consumer.stats()[NAME]["in_flight"] == 1, what="boom copy in flight")
+        # the raise backs off (the default on_error): the same entry, in flight again
+        await eventually(lambda: consumer.stats()[NAME]["in_flight"] == 1, what="boom again in flight")
         got = scrape(registry)
         st = consumer.stats()[NAME]
         assert got[("trf_deliveries_read_total", lbl(**SL))] == st["received"] == 7
-        for outcome, n in {"ack": 2, "retry": 2, "drop": 1, "retry_after": 1}.items():
+        for outcome, n in {"ack": 2, "retry": 1, "drop": 1, "retry_after": 1, "backoff": 1}.items():
             assert got[("trf_handler_outcomes_total", lbl(**SL, outcome=outcome))] == n
             assert st["outcomes"][outcome] == n
         for effect, n in st["effects"].items():
             assert got[("trf_effects_total", lbl(**SL, effect=effect))] == n
-        assert st["effects"]["copied"] == 2 and st["effects"]["held"] == 1, st["effects"]
+        assert st["effects"]["copied"] == 1 and st["effects"]["held"] == 1, st["effects"]
+        assert st["effects"]["backed_off"] == 1, st["effects"]
         assert got[("trf_errors_total", lbl(**SL, kind="handler"))] == 1
         assert got[("trf_errors_total", lbl(**SL, kind="read"))] == 0
         assert got[("trf_in_flight", lbl(**SL))] == 1
@@ -382,8 +385,9 @@ def test_otel_without_the_api_returns_the_handler_itself() -> None:
 # -- structured logs -------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("on_error", [RETRY, Backoff(base=0.01, cap=0.02)], ids=["retry", "backoff"])
 async def test_log_records_carry_subscription_id_attempt_outcome(
-    redis_url: str, client: Client, caplog: pytest.LogCaptureFixture
+    redis_url: str, client: Client, caplog: pytest.LogCaptureFixture, on_error: Outcome | Backoff
 ) -> None:
     boom = await xadd(client, "boom")
     fine = await xadd(client, "fine")
@@ -396,14 +400,19 @@ async def test_log_records_carry_subscription_id_attempt_outcome(
     caplog.set_level(logging.DEBUG, logger="trio_redis_finalize")
     sub = StreamSubscription(S, G, block=0.05, max_attempts=2)
     async with open_consumer(redis_url, name="c1") as consumer:
-        await consumer.mount(sub, handle)
+        await consumer.mount(sub, handle, on_error=on_error)
         await eventually(lambda: consumer.stats()[sub.name]["effects"].get("exhausted") == 1)
     recs = [r for r in caplog.records if getattr(r, "subscription", None) == sub.name]
     raised = [r for r in recs if "handler raised" in r.getMessage()]
-    assert [(r.attempt, r.outcome, r.origin_id) for r in raised] == [(1, "retry", boom), (2, "retry", boom)]
-    assert raised[0].entry_id == boom and raised[1].entry_id not in (boom, fine, None)
+    kind = "retry" if on_error is RETRY else "backoff"
+    assert [(r.attempt, r.outcome, r.origin_id) for r in raised] == [(1, kind, boom), (2, kind, boom)]
+    assert raised[0].entry_id == boom
+    if on_error is RETRY:  # attempt 2 is the copy
+        assert raised[1].entry_id not in (boom, fine, None)
+    else:  # the same entry, delivered again
+        assert raised[1].entry_id == boom
     exhausted = [r for r in recs if getattr(r, "effect", None) == "exhausted"]
     assert len(exhausted) == 1 and exhausted[0].levelno == logging.WARNING
-    assert (exhausted[0].attempt, exhausted[0].outcome) == (2, "retry")
+    assert (exhausted[0].attempt, exhausted[0].outcome) == (2, kind)
     acked = [r for r in recs if r.levelno == logging.DEBUG and getattr(r, "entry_id", None) == fine]
     assert [(r.effect, r.outcome, r.attempt) for r in acked] == [("acked", "ack", 1)]

@@ -378,14 +378,17 @@ async def test_handler_returning_none_is_retried_and_the_consumer_lives(
         return ACK
 
     async with open_consumer(redis_url, name="c1") as consumer:
+        # the default on_error (Backoff): the same entry comes back as attempt 2
         await consumer.mount(StreamSubscription(S, G, block=0.1), handler)
-        await eventually(lambda: effects(consumer).get("acked") == 1, what="retried copy acked")
+        await eventually(lambda: effects(consumer).get("acked") == 1, what="retried entry acked")
         later = await xadd(client, n="2")
         await eventually(lambda: effects(consumer).get("acked") == 2, what="consumer lives")
         assert stats(consumer)["handler_errors"] == 1
-        assert effects(consumer)["copied"] == 1
-    assert [(d.attempt, d.origin_id) for d in calls] == [(1, orig), (2, orig), (1, later)]
+        assert effects(consumer)["backed_off"] == 1 and "copied" not in effects(consumer)
+    assert [(d.attempt, d.id, d.origin_id) for d in calls] == [
+        (1, orig, orig), (2, orig, orig), (1, later, later)]
     assert await pending(client) == 0
+    assert await client.execute("XLEN", S) == 2  # no copy
 
 
 # -- anyio's asyncio backend ---------------------------------------------------------

@@ -3,8 +3,10 @@ every delivery with the commands proper to its form and outcome.
 
 Streams (consumer groups: plain, reclaim, claiming), reliable lists, simple
 lists and Pub/Sub channels and patterns; handlers return ``ACK``, ``RETRY``,
-``DROP`` or ``retry_after(delay)``.  Copies are written before originals are
-removed: a crash leaves a duplicate, never a loss.
+``DROP`` or ``retry_after(delay)``; a handler that raises backs off
+(:class:`Backoff`: the delivery stays pending and comes back later).  Copies
+are written before originals are removed: a crash leaves a duplicate, never
+a loss.
 """
 
 from ._channel import ChannelSubscription as ChannelSubscription
@@ -21,6 +23,7 @@ from ._list import ListSubscription as ListSubscription
 from ._outcome import ACK as ACK
 from ._outcome import DROP as DROP
 from ._outcome import RETRY as RETRY
+from ._outcome import Backoff as Backoff
 from ._outcome import Outcome as Outcome
 from ._outcome import retry_after as retry_after
 from ._publisher import Publisher as Publisher
@@ -42,6 +45,7 @@ __all__ = [
     "RETRY",
     "AckError",
     "AckUnsupported",
+    "Backoff",
     "ChannelSubscription",
     "Consumer",
     "DelayedRetry",

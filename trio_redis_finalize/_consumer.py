@@ -17,7 +17,7 @@ from redis import exceptions as rexc
 
 from ._delivery import Delivery
 from ._mount import FINALIZE_TIMEOUT, Handler, Mount, Reader, backoff, describe_error, log
-from ._outcome import RETRY, Outcome
+from ._outcome import Backoff, Outcome
 from ._plan import FAILED, GATE_CLOSED, plan
 from ._subscription import Form, Subscription
 from ._transport import FINAL, Client, ClusterClient, Command, classify, open_client
@@ -28,6 +28,10 @@ __all__ = ["Consumer", "open_consumer"]
 MOUNT_TIMEOUT = 15.0
 """Seconds within which a ``mount()`` whose set-up gets no answer fails (the
 bound the per-command deadlines keep; see ``Consumer.mount``)."""
+
+
+DEFAULT_BACKOFF = Backoff()
+"""``Consumer.mount``'s default ``on_error``: ``Backoff(base=0.1, cap=30.0)``."""
 
 
 def _default_name() -> str:
@@ -263,7 +267,7 @@ class Consumer:
         handler: Handler,
         *,
         concurrency: int = 1,
-        on_error: Outcome = RETRY,
+        on_error: Outcome | Backoff = DEFAULT_BACKOFF,
     ) -> None:
         """Start reading ``subscription``; returns once it is reading.
 
@@ -272,8 +276,21 @@ class Consumer:
                 ``ListSubscription``, ``ChannelSubscription`` or ``PatternSubscription``.
             handler: ``async def handler(delivery) -> Outcome``.
             concurrency: how many handler calls may run at once.
-            on_error: the outcome used when the handler raises or returns
-                something that is not an :class:`Outcome`.
+            on_error: what is done when the handler raises or returns
+                something that is not an :class:`Outcome`: a
+                :class:`Backoff` (the default, ``Backoff(base=0.1,
+                cap=30.0)``) or an outcome (``RETRY``, ``DROP``, ``ACK``,
+                ``retry_after(d)``).  With a ``Backoff`` the delivery stays
+                pending -- in the group's PEL (streams, every mode) or in the
+                processing list (reliable lists) -- and this consumer
+                delivers it again after ``min(cap, base * 2 ** (attempt -
+                1))`` seconds at most (full jitter): no copy is written, a
+                crash loses nothing, and a message that always fails never
+                loops hot.  ``max_attempts`` and ``dead_letter`` apply as to
+                a ``RETRY`` (at the last attempt: the dead letter, or dropped
+                with a warning).  On simple lists and Pub/Sub, which have
+                nothing to leave pending, a ``Backoff`` logs the error and
+                drops the message.
 
         The set-up (type checks, group creation, first reads) honours the
         caller's cancellation, and fails within ``MOUNT_TIMEOUT`` (15 s)
@@ -291,8 +308,9 @@ class Consumer:
             raise RuntimeError("consumer is shutting down")
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise ValueError(f"concurrency must be an int >= 1, got {concurrency!r}")
-        if not isinstance(on_error, Outcome):
-            raise ValueError(f"on_error must be an Outcome (ACK, RETRY, DROP, retry_after), got {on_error!r}")
+        if not isinstance(on_error, (Outcome, Backoff)):
+            raise ValueError(f"on_error must be a Backoff or an Outcome (ACK, RETRY, DROP, "
+                             f"retry_after), got {on_error!r}")
         if not callable(handler):
             raise ValueError(f"handler must be an async callable, got {handler!r}")
         if not isinstance(subscription, Subscription):

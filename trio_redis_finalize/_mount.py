@@ -28,13 +28,38 @@ ungated steps (a copy to another Redis Cluster slot, then the removal of
 the original) sends its removal in a later round, only once the copy
 succeeded.  Effects are counted from the replies (``_plan.settle``).
 
-Shutdown (:meth:`Mount.stop`): cancel the reader; handlers finish what they
-hold within ``shutdown_grace`` and start nothing new; the finalizer sends
-every outcome it was given (shielded, time-bounded), then the mount ends.
+Handler errors (``on_error``): a :class:`~trio_redis_finalize.Backoff`
+(the default) on a stream or a reliable list sends nothing: the delivery
+stays pending (the group's PEL / the processing list) and still "held" by
+this consumer (``Mount.held``, the reader's counts), so no lease lapses,
+no other consumer claims it and no own-PEL re-read or rescan delivers it
+early.  It waits in the mount's waiting set (a heap by due time, at most
+:data:`MAX_WAITING` deliveries) for ``Backoff.delay(attempt)`` seconds; a
+redeliverer task, beside the reader and cancelled with it, then hands it
+to the reader's ``redeliver(mount, deliveries)``, which takes it again as
+the next attempt (stream: ``XCLAIM ... RETRYCOUNT attempt+1`` of an entry
+still pending for this consumer; reliable list: its retry counter bumped
+in place, ``LSET``) -- so the attempt counts before the handler runs and a
+crash cannot undo it -- and delivers it like any read.  At the last
+attempt (``max_attempts``) the finalizer dead-letters it (or drops it with
+a warning) as it would a ``RETRY``.  Past :data:`MAX_WAITING` a failed
+delivery is left pending without a timer, for the ordinary recovery: the
+reader's ``leave_pending(mount, deliveries)`` forgets it (see the readers).
+On simple lists and Pub/Sub (nothing pending to leave) a ``Backoff`` is a
+logged ``DROP``.  While ``max_attempts`` is None, a delivery that keeps
+failing is logged as a warning at attempts 10, 100, 1000, ...
+
+Shutdown (:meth:`Mount.stop`): cancel the reader (and with it the
+redeliverer: what waits for its backoff stays pending, no timer is waited
+for); handlers finish what they hold within ``shutdown_grace`` and start
+nothing new; the finalizer sends every outcome it was given (shielded,
+time-bounded), then the mount ends.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import math
 import random
@@ -52,7 +77,7 @@ from redis import exceptions as rexc
 
 from ._delivery import Delivery, record_error
 from ._errors import AckUnsupported
-from ._outcome import Outcome, OutcomeKind
+from ._outcome import DROP, Backoff, Outcome, OutcomeKind
 from ._plan import (
     FAILED,
     GATE_CLOSED,
@@ -61,22 +86,23 @@ from ._plan import (
     Target,
     plain_removals,
     plan,
+    plan_dead,
     removal_commands,
     settle,
 )
 from ._stats import MountStats
-from ._subscription import Subscription
+from ._subscription import Form, Subscription
 from ._transport import FINAL, NOT_RUN, Client, Command, classify
 
 if TYPE_CHECKING:
     from ._consumer import Consumer
 
-__all__ = ["Handler", "Item", "Mount", "Reader", "backoff"]
+__all__ = ["MAX_WAITING", "Handler", "Item", "Mount", "Reader", "backoff"]
 
 log = logging.getLogger("trio_redis_finalize")
 
 Handler = Callable[[Delivery], Awaitable[Outcome]]
-Item = tuple[Delivery, "Outcome | Plan"]
+Item = tuple[Delivery, "Outcome | Plan | Backoff"]
 
 FINALIZE_TIMEOUT = 5.0
 """Seconds one finalization round trip may take before it counts as failed."""
@@ -88,6 +114,15 @@ _FLUSH_EVERY = 0.05
 _SLOW_CALL = 0.0005
 """Seconds of a handler call after which its outcome is sent on at once."""
 _MAX_BATCH = 1000
+MAX_WAITING = 10_000
+"""Failed deliveries that wait for their :class:`Backoff` delay, per mount, at
+most (memory); past it a failed delivery is left pending for the ordinary
+recovery instead (see the readers' ``leave_pending``)."""
+_REDELIVER_BATCH = 100
+"""At most this many due deliveries go to the reader's ``redeliver`` at once."""
+_WARN_FULL_EVERY = 5.0
+_POSTPONE = 0.05
+"""Seconds before a redelivery the reader put off is tried again."""
 
 
 def backoff(attempt: int, *, base: float = 0.05, cap: float = 2.0) -> float:
@@ -96,7 +131,16 @@ def backoff(attempt: int, *, base: float = 0.05, cap: float = 2.0) -> float:
 
 
 class Reader(Protocol):
-    """What a subscription form provides: the loop that reads and delivers."""
+    """What a subscription form provides: the loop that reads and delivers.
+
+    Forms that leave failed deliveries pending (streams, reliable lists)
+    also offer, looked up with ``getattr``: ``redeliver(mount, deliveries)``
+    (take due :class:`Backoff` deliveries again as their next attempt and
+    deliver them; returns those to try again a moment later; raises having
+    delivered none, when it could not), and
+    ``leave_pending(mount, deliveries)`` (forget them: they stay pending for
+    the ordinary recovery).
+    """
 
     async def run(self, mount: Mount, *, task_status: TaskStatus[None]) -> None: ...
 
@@ -121,7 +165,8 @@ class _WorkQueue:
     """Deliveries read and not yet taken by a handler task (work sharing).
 
     :meth:`put` waits until the queue is empty, then adds a whole batch at once,
-    so a cancelled ``put`` hands over nothing.  Handler tasks :meth:`take`
+    so a cancelled ``put`` hands over nothing (producers -- the reader, the
+    redeliverer -- share one wake-up, each waits its turn).  Handler tasks :meth:`take`
     one delivery at a time.  A task that takes one while more wait wakes one
     idle task, unless one is already woken and has not run yet: slow
     deliveries spread over the tasks one by one (none idles behind another's
@@ -135,12 +180,14 @@ class _WorkQueue:
         self.items: deque[Delivery] = deque()
         self._idle: deque[anyio.Event] = deque()  # handler tasks waiting for work
         self._waking = 0  # of those, woken and not yet running
-        self._room: anyio.Event | None = None  # the reader waiting for the queue to empty
+        self._room: anyio.Event | None = None  # producers waiting for the queue to empty
         self.closed = False
 
     async def put(self, deliveries: Sequence[Delivery]) -> None:
         while self.items:
-            room = self._room = anyio.Event()
+            room = self._room
+            if room is None:
+                room = self._room = anyio.Event()
             await room.wait()
         self.items.extend(deliveries)
         self._wake_one()
@@ -211,7 +258,7 @@ class Mount:
         target: Target,
         *,
         concurrency: int,
-        on_error: Outcome,
+        on_error: Outcome | Backoff,
     ) -> None:
         self.consumer = consumer
         self.client: Client = consumer.client
@@ -223,6 +270,31 @@ class Mount:
         self.on_error = on_error
         self.name = target.name
         self.stats = MountStats(subscription=self.name)
+        # what a handler error becomes: a Backoff where the form can leave the
+        # delivery pending, else (simple lists, Pub/Sub) a logged DROP
+        no_ack = target.form in (Form.LIST, Form.CHANNEL, Form.PATTERN)
+        self._on_error: Outcome | Backoff = on_error
+        if isinstance(on_error, Backoff):
+            self._on_error_text = f"{on_error!r}: it stays pending and is delivered again later"
+            if no_ack:
+                self._on_error = DROP
+                self._on_error_text = (f"dropped ({on_error!r}: a {target.form.value} has nothing "
+                                       "to leave pending)")
+        else:
+            self._on_error_text = f"outcome {on_error!r}"
+        again = self._on_error
+        self._warn_repeats = target.max_attempts is None and (
+            isinstance(again, Backoff) or again.is_retry)
+        # Backoff: failed deliveries waiting to be delivered again (due, seq, delivery)
+        self._redeliver: Callable[[Mount, list[Delivery]], Awaitable[list[Delivery]]] | None = (
+            getattr(reader, "redeliver", None) if isinstance(self._on_error, Backoff) else None)
+        self._leave: Callable[[Mount, list[Delivery]], None] | None = getattr(
+            reader, "leave_pending", None)
+        self._waiting: list[tuple[float, int, Delivery]] = []
+        self._waiting_seq = itertools.count()
+        self._waiting_wake = anyio.Event()
+        self._full_warned_at = -math.inf
+        self._full_count = 0
         # instrumentation (trio_redis_finalize.otel): learns the mount, watches finalization
         bind = getattr(handler, "trf_bind", None)
         self.settled: Callable[[list[tuple[Delivery, str]]], None] | None = bind(self) if bind else None
@@ -264,6 +336,95 @@ class Mount:
         if items:
             await self._reader_outcomes.send(items)
 
+    @property
+    def waiting(self) -> int:
+        """How many failed deliveries wait for their :class:`Backoff` delay now."""
+        return len(self._waiting)
+
+    def handling(self) -> bool:
+        """Whether a stream entry read is in hand: neither finalized nor waiting
+        for its backoff (waiting entries are held too)."""
+        return len(self.held) > len(self._waiting)
+
+    # -- backoff ------------------------------------------------------------------
+    def _park(self, d: Delivery, delay: float) -> None:
+        waiting = self._waiting
+        heapq.heappush(waiting, (anyio.current_time() + delay, next(self._waiting_seq), d))
+        if waiting[0][2] is d:  # the next due: the redeliverer's timer changes
+            self._waiting_wake.set()
+
+    def _back_off(self, d: Delivery, b: Backoff) -> Plan | None:
+        """A failed delivery under ``on_error=Backoff``: wait, or the dead letter at the end."""
+        stats = self.stats
+        stats.outcomes["backoff"] += 1
+        t = self.target
+        if t.max_attempts is not None and d.attempt >= t.max_attempts:
+            # as a RETRY at the last attempt: dead letter (copy, then remove) or drop
+            return plan_dead(t, d, f"max_attempts={t.max_attempts} reached at attempt {d.attempt}")
+        extra = log_extra(self.name, d, b)
+        if self._redeliver is None or len(self._waiting) >= MAX_WAITING:
+            # no room (memory): pending all the same, for the ordinary recovery
+            if self._leave is not None:
+                self._leave(self, [d])
+            stats.effects[Effect.LEFT_PENDING.value] += 1
+            self._full_count += 1
+            now = anyio.current_time()
+            if now - self._full_warned_at >= _WARN_FULL_EVERY:
+                log.warning("%s: %d failed deliveries already wait for their backoff "
+                            "(MAX_WAITING=%d); %d more left pending for the ordinary recovery "
+                            "(latest: %s, attempt %d)", self.name, len(self._waiting),
+                            MAX_WAITING, self._full_count, d.id or d.origin_id, d.attempt,
+                            extra=extra)
+                self._full_warned_at = now
+                self._full_count = 0
+            effect = Effect.LEFT_PENDING.value
+        else:
+            delay = b.delay(d.attempt)
+            self._park(d, delay)
+            stats.effects["backed_off"] += 1
+            effect = "backed_off"
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("%s: %s (attempt %d) backs off: delivered again in %.3f s", self.name,
+                          d.id or d.origin_id, d.attempt, delay, extra={**extra, "effect": effect})
+        if self.settled is not None:
+            self.settled([(d, effect)])
+        return None
+
+    async def _redeliverer(
+        self, redeliver: Callable[[Mount, list[Delivery]], Awaitable[list[Delivery]]]
+    ) -> None:
+        """Hand due deliveries to the reader's ``redeliver``; runs beside the
+        reader, cancelled with it (what still waits stays pending)."""
+        waiting = self._waiting
+        failures = 0
+        while True:
+            now = anyio.current_time()
+            if not waiting or waiting[0][0] > now:
+                wake = self._waiting_wake = anyio.Event()
+                if waiting:
+                    with anyio.move_on_after(waiting[0][0] - now):
+                        await wake.wait()
+                else:
+                    await wake.wait()
+                continue
+            batch: list[Delivery] = []
+            while waiting and waiting[0][0] <= now and len(batch) < _REDELIVER_BATCH:
+                batch.append(heapq.heappop(waiting)[2])
+            try:
+                for d in await redeliver(self, batch):
+                    self._park(d, _POSTPONE)  # not now (the reader's say), soon
+                failures = 0
+            except (rexc.RedisError, OSError) as e:
+                # none was delivered: still pending (and held); wait again
+                self.stats.read_errors += 1
+                delay = backoff(failures, cap=5.0)
+                failures += 1
+                log.warning("%s: delivering %d failed deliveries again failed (%s); they stay "
+                            "pending, trying again in %.2f s", self.name, len(batch), e, delay,
+                            extra={"subscription": self.name})
+                for d in batch:
+                    self._park(d, delay)
+
     # -- lifecycle ----------------------------------------------------------
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -289,7 +450,14 @@ class Mount:
                     failures = 0
                     while True:
                         try:
-                            await self.reader.run(self, task_status=status)
+                            if self._redeliver is None:
+                                await self.reader.run(self, task_status=status)
+                            else:
+                                # the redeliverer lives as long as the reader (cancelled with it)
+                                async with anyio.create_task_group() as tg:
+                                    tg.start_soon(self._redeliverer, self._redeliver)
+                                    await self.reader.run(self, task_status=status)
+                                    tg.cancel_scope.cancel()
                             return
                         except BaseException as e:
                             # The set-up (type checks, group, first reads) got a
@@ -365,6 +533,7 @@ class Mount:
         stats = self.stats
         items = queue.items
         last_flush = monotonic()
+        outcome: Outcome | Backoff
         try:
             while not self.stopping:
                 d = queue.take()
@@ -450,7 +619,7 @@ class Mount:
         # a cancelled scope around this task: the effective deadline is -inf
         return anyio.current_effective_deadline() == -math.inf
 
-    async def _call(self, d: Delivery) -> Outcome:
+    async def _call(self, d: Delivery) -> Outcome | Backoff:
         """One handler call (the handler loop inlines the same steps)."""
         try:
             result = await self.handler(d)
@@ -464,27 +633,44 @@ class Mount:
             return self._not_outcome(d, result)
         return result
 
-    def _raised(self, d: Delivery) -> Outcome:
+    def _raised(self, d: Delivery) -> Outcome | Backoff:
         """The handler raised (called inside the ``except``): count, log, ``on_error``."""
         self.stats.handler_errors += 1
         record_error(d, sys.exc_info()[1])  # for the dead-letter entry
         log.exception(
-            "%s: handler raised on %s (attempt %d); outcome %r",
-            self.name, d.id or d.origin_id, d.attempt, self.on_error,
-            extra=log_extra(self.name, d, self.on_error),
+            "%s: handler raised on %s (attempt %d); %s",
+            self.name, d.id or d.origin_id, d.attempt, self._on_error_text,
+            extra=log_extra(self.name, d, self._on_error),
         )
-        return self.on_error
+        if self._warn_repeats:
+            self._keeps_failing(d)
+        return self._on_error
 
-    def _not_outcome(self, d: Delivery, result: object) -> Outcome:
+    def _not_outcome(self, d: Delivery, result: object) -> Outcome | Backoff:
         """The handler returned something that is not an outcome: count, log, ``on_error``."""
         self.stats.handler_errors += 1
         log.error(
-            "%s: handler returned %r, not an Outcome, for %s (attempt %d); outcome %r",
-            self.name, result, d.id or d.origin_id, d.attempt, self.on_error,
+            "%s: handler returned %r, not an Outcome, for %s (attempt %d); %s",
+            self.name, result, d.id or d.origin_id, d.attempt, self._on_error_text,
             exc_info=TypeError(f"handler returned {type(result).__name__}, not an Outcome"),
-            extra=log_extra(self.name, d, self.on_error),
+            extra=log_extra(self.name, d, self._on_error),
         )
-        return self.on_error
+        if self._warn_repeats:
+            self._keeps_failing(d)
+        return self._on_error
+
+    def _keeps_failing(self, d: Delivery) -> None:
+        """Without ``max_attempts`` nothing ends a delivery that always fails:
+        say so at attempts 10, 100, 1000, ..."""
+        digits = str(d.attempt)
+        if len(digits) < 2 or digits[0] != "1" or digits.count("0") != len(digits) - 1:
+            return
+        log.warning(
+            "%s: %s (origin %s) failed again at attempt %d and will be delivered again; "
+            "no max_attempts is set, so nothing ends it: set max_attempts= (and dead_letter=)",
+            self.name, d.id or d.origin_id, d.origin_id, d.attempt,
+            extra=log_extra(self.name, d, self._on_error),
+        )
 
     # -- finalizer ------------------------------------------------------------
     async def _finalizer(self, recv: Recv[list[Item]]) -> None:
@@ -499,10 +685,13 @@ class Mount:
                             break
                     await self._finalize(batch)
 
-    def plan_for(self, d: Delivery, outcome: Outcome | Plan) -> Plan | None:
-        """The plan for one item; ``None`` when refused (logged and counted)."""
+    def plan_for(self, d: Delivery, outcome: Outcome | Plan | Backoff) -> Plan | None:
+        """The plan for one item; ``None`` when refused (logged and counted) or
+        when nothing is to be sent (a :class:`Backoff` that waits)."""
         if isinstance(outcome, Plan):
             return outcome
+        if isinstance(outcome, Backoff):
+            return self._back_off(d, outcome)
         self.stats.outcomes[outcome.kind._value_] += 1  # not .value: a Python-level property
         try:
             p = plan(self.target, d, outcome)
@@ -530,7 +719,7 @@ class Mount:
 
     async def _finalize(self, items: list[Item]) -> None:
         plans: list[tuple[Delivery, Plan]] = []
-        returned: list[Outcome | Plan] = []  # what each plan came from (for logs)
+        returned: list[Outcome | Plan | Backoff] = []  # what each plan came from (for logs)
         # The hot path: outcomes that only remove the original (ACK, DROP on
         # a stream or a reliable list) need no plan each: removal_commands()
         # removes them all (one XACK of every id on a stream).
@@ -769,20 +958,22 @@ def _sole(exc: BaseException) -> BaseException:
 
 
 def log_extra(
-    subscription: str, d: Delivery, outcome: Outcome | Plan | None, effect: str | None = None
+    subscription: str, d: Delivery, outcome: Outcome | Plan | Backoff | None,
+    effect: str | None = None,
 ) -> dict[str, Any]:
     """The structured fields of a log record about one delivery (``logging`` ``extra=``).
 
     ``subscription``, ``entry_id`` (stream id or ``None``), ``origin_id``,
-    ``attempt``, ``outcome`` (``ack``, ``retry``, ``drop``, ``retry_after``
-    or ``None``) and, for finalization records, ``effect``.
+    ``attempt``, ``outcome`` (``ack``, ``retry``, ``drop``, ``retry_after``,
+    ``backoff`` or ``None``) and, for finalization records, ``effect``.
     """
     extra: dict[str, Any] = {
         "subscription": subscription,
         "entry_id": d.id,
         "origin_id": d.origin_id,
         "attempt": d.attempt,
-        "outcome": outcome.kind.value if isinstance(outcome, Outcome) else None,
+        "outcome": (outcome.kind.value if isinstance(outcome, Outcome)
+                    else "backoff" if isinstance(outcome, Backoff) else None),
     }
     if effect is not None:
         extra["effect"] = effect

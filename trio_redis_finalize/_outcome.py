@@ -1,12 +1,14 @@
-"""Outcomes a handler returns: ``ACK``, ``RETRY``, ``DROP``, ``retry_after(delay)``."""
+"""Outcomes a handler returns: ``ACK``, ``RETRY``, ``DROP``, ``retry_after(delay)``;
+and :class:`Backoff`, the default ``on_error`` of a mount."""
 
 from __future__ import annotations
 
 import enum
 import math
+import random
 from typing import Final
 
-__all__ = ["ACK", "DROP", "RETRY", "Outcome", "OutcomeKind", "retry_after"]
+__all__ = ["ACK", "DROP", "RETRY", "Backoff", "Outcome", "OutcomeKind", "retry_after"]
 
 
 class OutcomeKind(enum.Enum):
@@ -78,3 +80,83 @@ def retry_after(delay: float) -> Outcome:
     if not math.isfinite(delay) or delay < 0:
         raise ValueError(f"delay must be a finite number of seconds >= 0, got {delay!r}")
     return Outcome(OutcomeKind.RETRY_AFTER, delay)
+
+
+def _seconds(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+    seconds = float(value)
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    return seconds
+
+
+class Backoff:
+    """``on_error`` (the default): a failed delivery stays pending and is
+    delivered again later, by the same consumer.
+
+    ``consumer.mount(..., on_error=Backoff(base=0.1, cap=30.0))``.  When the
+    handler raises (or returns something that is not an outcome) on attempt
+    ``n``, the delivery stays where it is -- in the group's PEL (streams,
+    every mode) or in the processing list (reliable lists) -- and after a
+    random delay between 0 and ``min(cap, base * 2 ** (n - 1))`` seconds
+    (full jitter) it is delivered again as attempt ``n + 1``.  No copy is
+    written, a crash loses nothing (the delivery is still pending), and a
+    message that always fails is handled a handful of times a minute, never
+    in a hot loop.  ``max_attempts`` and ``dead_letter`` apply as to a
+    ``RETRY``.  On simple lists and Pub/Sub (nothing to leave pending) a
+    ``Backoff`` drops the message, with the error logged.
+
+    Immutable; equal values compare equal.
+
+    Args:
+        base: seconds; the longest wait after the first failed attempt.
+        cap: seconds; no wait is longer (at least ``base``).
+
+    Raises:
+        ValueError: ``base`` or ``cap`` is not a finite number of seconds
+            above 0, or ``cap`` is below ``base`` (the message names it).
+    """
+
+    __slots__ = ("base", "cap")
+    base: float
+    cap: float
+
+    def __init__(self, base: float = 0.1, cap: float = 30.0) -> None:
+        b = _seconds("base", base)
+        c = _seconds("cap", cap)
+        if c < b:
+            raise ValueError(f"cap must be >= base ({b!r} s), got {cap!r}")
+        object.__setattr__(self, "base", b)
+        object.__setattr__(self, "cap", c)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("Backoff is immutable")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError("Backoff is immutable")
+
+    def __reduce__(self) -> tuple[type[Backoff], tuple[float, float]]:
+        return (Backoff, (self.base, self.cap))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Backoff):
+            return NotImplemented
+        return self.base == other.base and self.cap == other.cap
+
+    def __hash__(self) -> int:
+        return hash((Backoff, self.base, self.cap))
+
+    def __repr__(self) -> str:
+        return f"Backoff(base={self.base!r}, cap={self.cap!r})"
+
+    def ceiling(self, attempt: int) -> float:
+        """The longest wait after failed attempt ``attempt``: ``min(cap, base * 2 ** (attempt - 1))``."""
+        exponent = max(attempt - 1, 0)
+        if exponent >= 1024:  # 2.0 ** 1024 overflows; base * 2 ** 1024 exceeds any finite cap
+            return self.cap
+        return min(self.cap, self.base * 2.0**exponent)
+
+    def delay(self, attempt: int) -> float:
+        """A wait after failed attempt ``attempt``: uniform in ``[0, ceiling(attempt)]``."""
+        return random.uniform(0.0, self.ceiling(attempt))

@@ -290,6 +290,14 @@ class ReliableListReader:
       heartbeat is extended to cover the grace.
     * ``DelayedRetry.DURABLE_ZSET``: due copies are moved from the delay set
       before each read, and the read blocks no longer than the next is due.
+    * ``on_error=Backoff()``: a failed element stays in the processing list,
+      held (counted in ``_held`` / ``_unsent`` as before), while it waits;
+      then :meth:`redeliver` bumps its retry counter in place (``LSET``)
+      before handing it over, so the attempt counts before the handler runs
+      (a crash during the wait or the handler is counted by the next
+      start's bump as usual).  A redelivery cut by shutdown between the
+      bump and the hand-over gives the bumped element back to the queue:
+      one attempt too many, never one too few.
     """
 
     def __init__(self, sub: ReliableListSubscription) -> None:
@@ -348,6 +356,85 @@ class ReliableListReader:
                         log.warning("%s: could not give %d element(s) back to the queue (%s); "
                                     "they stay in the processing list", mount.name, len(back), e)
             raise
+
+    # -- on_error=Backoff ---------------------------------------------------------
+    async def redeliver(self, mount: Mount, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        """Deliver again, as their next attempt, elements whose handler failed.
+
+        Called by the mount once their :class:`~trio_redis_finalize.Backoff`
+        delay is over; they waited in the processing list, held.  Each gets
+        its retry counter one higher in place (``_BUMP``: ``LPOS`` + ``LSET``,
+        gated on the element still being there), then goes to the handlers.
+        While the bump is on the way the reader holds both the old and the
+        new bytes, so a rescan meanwhile delivers neither; removals sent
+        meanwhile count (``_plan.list_counted``) neither: the old copy is no
+        longer theirs, the new one not yet in the list.  An element gone
+        meanwhile (reaped after a lapsed heartbeat) is forgotten.
+
+        Identical elements: a bump takes one copy of the bytes out of the
+        processing list like a removal, but on its own connection, so it is
+        sent only while no removal of the same bytes is on the way (sent,
+        not answered) -- else that removal's count (``_plan.list_counted``)
+        could meet one copy less than it was counted for.  Those are
+        returned, to be tried again a moment later.
+
+        Raises (nothing delivered) when the bumps get no answer; the old bytes
+        stay held for the mount's next try, and a rescan is asked for, which
+        delivers the new bytes should a bump have been applied after all.
+        """
+        t = mount.target
+        held, unsent = self._held, self._unsent
+        busy = {e for d in deliveries if (e := d.raw) is not None
+                and held.get(e, 0) > unsent.get(e, 0)}  # a removal of those bytes on the way
+        later = [d for d in deliveries if d.raw in busy]
+        failed = [d for d in deliveries if d.raw is not None and d.raw not in busy]
+        old = [d.raw for d in failed if d.raw is not None]
+        new = [bumped(e) for e in old]  # None: cannot carry a higher counter (delivered as is)
+        for e, n in zip(old, new, strict=True):
+            if n is not None:
+                # the old bytes leave the counts of removals now, the new ones
+                # join them once they are in the list (its reply); held both
+                # meanwhile, for the rescan
+                _dec(unsent, e)
+                held[n] = held.get(n, 0) + 1
+        cmds = [_BUMP.command((t.processing,), (e, n))
+                for e, n in zip(old, new, strict=True) if n is not None]
+        try:
+            replies = iter(await mount.client.pipeline(cmds, timeout=FINALIZE_TIMEOUT) if cmds else [])
+        except BaseException:
+            for e, n in zip(old, new, strict=True):
+                if n is not None:
+                    unsent[e] = unsent.get(e, 0) + 1
+                    _dec(held, n)
+            self._rescan_wanted = True
+            raise
+        built: list[tuple[Delivery, Plan | None]] = []
+        for d, e, n in zip(failed, old, new, strict=True):
+            if n is None:
+                raw = e
+            else:
+                _dec(held, e)
+                if next(replies) is None:  # gone from the processing list meanwhile
+                    _dec(held, n)
+                    log.warning("%s: a failed element (origin %s, attempt %d) is no longer in "
+                                "processing list %r; not delivered again", mount.name,
+                                d.origin_id, d.attempt, t.processing)
+                    continue
+                raw = n
+                unsent[n] = unsent.get(n, 0) + 1
+            built.append(build_delivery(mount, self.sub.queue, raw))
+        await self._hand_over(mount, built)
+        return later
+
+    def leave_pending(self, mount: Mount, deliveries: Sequence[Delivery]) -> None:
+        """Forget failed elements without a timer (the mount's waiting set is
+        full): they stay in the processing list, not held, for the next rescan
+        (after a read error, at a start), which delivers them again counted as
+        an attempt."""
+        for d in deliveries:
+            if d.raw is not None and _dec(self._held, d.raw):
+                _dec(self._unsent, d.raw)
+                self._leftover[d.raw] = self._leftover.get(d.raw, 0) + 1
 
     # -- bookkeeping ----------------------------------------------------------
     def _hold(self, raw: bytes) -> None:

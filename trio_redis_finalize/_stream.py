@@ -37,6 +37,7 @@ from ._transport import (
     Client,
     Connection,
     NoGroupError,
+    Script,
     WrongTypeError,
     classify,
 )
@@ -116,6 +117,10 @@ class StreamSubscription(Subscription):
     for what it claimed -- a poison entry may reach the dead letter one
     attempt early, the handler is never called past ``max_attempts``; and
     after a crash, entries read but not yet started count one attempt too.
+    A failed entry under ``on_error=Backoff()`` stays in the PEL and is taken
+    again by this consumer with ``XCLAIM ... RETRYCOUNT <next attempt>``
+    before its handler runs, so the count is the attempt being made: a crash
+    during the wait or the handler counts exactly as above.
     """
 
     stream: str
@@ -244,6 +249,29 @@ _TRIM_AGAIN = 0.01
 """Seconds before the next step when a trim step says more may be left."""
 
 
+# KEYS: stream.  ARGV: group, consumer, id, count, id, count, ...
+# Each entry still pending for the consumer is claimed by it again (idle 0)
+# with its delivery count set to ``count``: its reply is the entry; 0 when
+# it is not pending for the consumer (any more); 1 when the stream no longer
+# has it (deleted while pending).
+_REDELIVER = Script(
+    """
+local out = {}
+for i = 3, #ARGV, 2 do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2])
+  if #p == 0 then
+    out[#out + 1] = 0
+  else
+    local c = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'RETRYCOUNT', ARGV[i + 1])
+    if c[1] then out[#out + 1] = c[1] else out[#out + 1] = 1 end
+  end
+end
+return out
+""",
+    name="stream_redeliver",
+)
+
+
 def _str(b: bytes | str) -> str:
     return b.decode() if isinstance(b, bytes) else b
 
@@ -305,6 +333,64 @@ class StreamReader:
         return Plan(Effect.NOTHING, commands) if commands else None
 
     # -- set-up ---------------------------------------------------------------
+    # -- on_error=Backoff: failed entries wait pending, then come back ------------
+    async def redeliver(self, mount: Mount, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        """Deliver again, as their next attempt, entries whose handler failed.
+
+        Called by the mount once their :class:`~trio_redis_finalize.Backoff`
+        delay is over.  They stayed in the PEL, held by this consumer (the
+        lease kept other consumers off them).  One script takes each back
+        only while it is still pending for this consumer (``XPENDING ... me``,
+        then ``XCLAIM ... 0 id RETRYCOUNT attempt+1``): its body, and a server
+        delivery count that already counts the attempt about to be made, so a
+        crash during it is counted (the next start adds one) and a crash
+        before it is too (still the failed attempt's count).  An entry another
+        consumer took meanwhile (a lease that lapsed) is forgotten, logged;
+        so is one whose group was destroyed meanwhile (recreated at the last
+        id this reader delivered, its PEL gone) -- as a RETRY of an entry
+        being handled then finds its gate closed.  One deleted from the
+        stream meanwhile is acknowledged and reported lost.
+        Raises (nothing delivered, nothing changed but idempotent counts) when
+        the script gets no answer.  Returns what is to be tried again a moment
+        later (nothing, for a stream).
+        """
+        sub = self.sub
+        me = mount.consumer.name
+        args: list[str | int] = [sub.group, me]
+        for d in deliveries:
+            assert d.id is not None
+            args += [d.id, d.attempt + 1]
+        reply = await mount.client.evalsha(_REDELIVER, (sub.stream,), args, timeout=FINALIZE_TIMEOUT)
+        held = mount.held
+        entries: list[tuple[bytes, list[bytes] | None]] = []
+        counts: dict[bytes, int] = {}
+        gone: list[bytes] = []
+        for d, r in zip(deliveries, reply, strict=True):
+            assert d.id is not None
+            if isinstance(r, list) and len(r) == 2 and isinstance(r[1], list):
+                entries.append((r[0], r[1]))
+                counts[r[0]] = d.attempt + 1
+                continue
+            held.discard(d.id)
+            if r == 0:
+                log.warning("%s: entry %s (attempt %d) is no longer pending for this consumer "
+                            "(claimed by another, or acknowledged); not delivered again",
+                            mount.name, d.id, d.attempt)
+            else:
+                gone.append(d.id.encode())
+        await self._lost(mount, gone)
+        if entries:
+            self._note(mount, entries, counts)
+            await self._hand(mount, entries, counts)
+        return []  # nothing to try again later
+
+    def leave_pending(self, mount: Mount, deliveries: Sequence[Delivery]) -> None:
+        """Forget failed entries without a timer (the mount's waiting set is
+        full): they stay in the PEL, for the own-PEL re-read (after a read
+        error, at a start, and every minute while no entry is in hand) and,
+        in RECLAIM and CLAIMING, for a claim once idle ``min_idle``."""
+        mount.held.difference_update([d.id for d in deliveries if d.id is not None])
+
     async def _check_type(self, client: Client) -> None:
         kind = _str(await client.execute("TYPE", self.sub.stream))
         if kind not in ("stream", "none"):
@@ -868,7 +954,8 @@ class StreamReader:
                         now = anyio.current_time()
                         if sub.mode is not Mode.CLAIMING and now >= next_recover:
                             next_recover = now + _RECOVER_EVERY
-                            recover = not mount.held
+                            # entries waiting for a backoff are held, not in hand
+                            recover = not mount.handling()
                     except NOT_RUN_ERRORS as e:
                         # the server did not run it (another client's long script:
                         # BUSY; OOM; a replica after a failover, loading, slot

@@ -49,8 +49,8 @@ import anyio
 import hiredis
 import pytest
 
-from ._consumer import _sole, open_consumer
-from ._outcome import RETRY, Outcome
+from ._consumer import DEFAULT_BACKOFF, _sole, open_consumer
+from ._outcome import Backoff, Outcome
 from ._transport._connection import pack_command
 from .testing import ClusterUnavailable, RedisCluster, RedisSentinel, RedisServer
 
@@ -125,7 +125,7 @@ async def consume_until(
     *,
     timeout: float = 10.0,
     concurrency: int = 1,
-    on_error: Outcome = RETRY,
+    on_error: Outcome | Backoff = DEFAULT_BACKOFF,
     name: str | None = None,
     shutdown_grace: float = 5.0,
     poll: float = 0.02,
@@ -215,7 +215,7 @@ class RunConsumer(Protocol):
         *,
         timeout: float = 10.0,
         concurrency: int = 1,
-        on_error: Outcome = RETRY,
+        on_error: Outcome | Backoff = DEFAULT_BACKOFF,
         name: str | None = None,
         shutdown_grace: float = 5.0,
         poll: float = 0.02,
