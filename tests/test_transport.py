@@ -447,6 +447,20 @@ async def test_pipeline_reruns_only_the_noscript_entry(redis_url: str) -> None:
         assert await client.pipeline([]) == []
 
 
+async def test_pipeline_keeps_its_order_for_a_script_the_server_lost(redis_url: str) -> None:
+    # Scripts flushed (a restart, a failover, SCRIPT FLUSH): an EVALSHA answered
+    # NOSCRIPT and sent again would run after the commands behind it.  The
+    # pipeline loads what its connection has not loaded first: order kept.
+    push = Script("return redis.call('RPUSH', KEYS[1], ARGV[1])", name="t_push")
+    async with open_client(redis_url, max_connections=1) as client:
+        await client.execute("SCRIPT", "FLUSH")
+        await client.pipeline([push.command(["order"], ["a"]), ("RPUSH", "order", "b")])
+        assert await client.execute("LRANGE", "order", 0, -1) == [b"a", b"b"]
+        # flushed again behind the connection's back: sent again, still no loss
+        await client.execute("SCRIPT", "FLUSH")
+        assert await client.pipeline([push.command(["order"], ["c"])]) == [3]
+
+
 async def test_transaction(redis_url: str) -> None:
     async with open_client(redis_url) as client:
         assert await client.transaction([("SET", "a", 1), ("INCR", "a"), ("GET", "a")]) == [b"OK", 2, b"2"]

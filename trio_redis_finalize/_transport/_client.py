@@ -60,6 +60,19 @@ class Script:
         return f"Script({self.name})"
 
 
+def _loads(commands: Sequence[Command], loaded: set[bytes]) -> dict[bytes, Command]:
+    """``SCRIPT LOAD`` (by sha) of every script ``commands`` run that is not in ``loaded``."""
+    out: dict[bytes, Command] = {}
+    for c in commands:
+        if c[0] == b"EVALSHA":
+            sha = c[1]
+            if isinstance(sha, bytes) and sha not in loaded and sha not in out:
+                source = _SCRIPTS.get(sha)
+                if source is not None:
+                    out[sha] = (b"SCRIPT", b"LOAD", source)
+    return out
+
+
 def _is_evalsha(cmd: Command) -> bool:
     return cmd[0] == b"EVALSHA" or (isinstance(cmd[0], str) and cmd[0].upper() == "EVALSHA")
 
@@ -221,7 +234,19 @@ class Client:
         async with self._slots:
             conn = await self._lease()
             try:
-                replies = await conn.pipeline(commands, timeout=timeout)
+                # Scripts this connection has not loaded go first, in the same
+                # round trip: an EVALSHA answered NOSCRIPT would run only
+                # after the commands behind it, out of their order (a copy
+                # after the removal of an identical element, say).
+                loads = _loads(commands, conn.scripts)
+                if loads:
+                    replies = await conn.pipeline([*loads.values(), *commands], timeout=timeout)
+                    for sha, r in zip(loads, replies, strict=False):
+                        if not isinstance(r, rexc.RedisError):
+                            conn.scripts.add(sha)
+                    del replies[: len(loads)]
+                else:
+                    replies = await conn.pipeline(commands, timeout=timeout)
                 missing = [
                     i for i, r in enumerate(replies)
                     if isinstance(r, rexc.NoScriptError) and _is_evalsha(commands[i])

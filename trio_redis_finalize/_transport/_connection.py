@@ -300,7 +300,7 @@ class Connection:
     Not for direct construction: use :func:`open_connection`.
     """
 
-    __slots__ = ("_busy", "_reader", "_stream", "broken", "lost", "params")
+    __slots__ = ("_busy", "_reader", "_stream", "broken", "lost", "params", "scripts")
 
     def __init__(self, stream: anyio.abc.ByteStream, params: ConnectionParams) -> None:
         self._stream = stream
@@ -312,6 +312,7 @@ class Connection:
         self._busy = False
         self.broken = False
         self.lost = False
+        self.scripts: set[bytes] = set()  # shas this connection loaded (SCRIPT LOAD)
         """The connection failed (I/O error, closed by the server), as opposed to
         being closed on purpose after a cancellation or timeout."""
         self.params = params
