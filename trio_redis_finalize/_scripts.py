@@ -202,7 +202,7 @@ def _why_push(k: int, i: int, r: int, dead: int) -> str:
         + f"""
 local why = redis.sha1hex(ARGV[{i}])
 local had = redis.call('HGET', KEYS[{k}], why)
-if redis.call('EXISTS', KEYS[{dead}]) == 0 then
+if redis.call('EXISTS', KEYS[{dead}]) == 0 and redis.call('EXISTS', KEYS[{k}]) == 1 then
   redis.call('DEL', KEYS[{k}])
   had = false
 end
