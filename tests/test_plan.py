@@ -176,7 +176,8 @@ def shape(p: Plan) -> list[tuple[Any, ...]]:
 SCRIPT_NAMES: dict[Any, str] = {
     s.sha: s.name for s in (
         _scripts.STREAM_COPY_ACK, _scripts.STREAM_ZADD_ACK, _scripts.LIST_COPY_REMOVE,
-        _scripts.LIST_DEAD_PUSH, _scripts.LIST_ZADD_REMOVE, _scripts.MOVE_DUE_TO_STREAM, _scripts.MOVE_DUE_TO_LIST,
+        _scripts.LIST_DEAD_PUSH, _scripts.LIST_ZADD_REMOVE, _scripts.MOVE_DUE_TO_STREAM,
+        _scripts.MOVE_DUE_TO_LIST,
     )
 }
 

@@ -42,8 +42,8 @@ from redis import exceptions as rexc
 from ._envelope import ORIGIN_FIELD, RETRIES_FIELD, CorruptEnvelope, unwrap, wrap
 from ._keys import derived, has_hash_tag, same_slot
 from ._plan import DEAD_FIELDS, DEAD_REASON, Effect, why_key
-from ._scripts import why_pop
 from ._retention import GroupNeed, group_rows, oldest_needed
+from ._scripts import why_pop
 from ._transport import Client, Script, open_client, parse_url
 
 __all__ = ["CliError", "main"]
