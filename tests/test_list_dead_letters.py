@@ -294,3 +294,18 @@ async def test_dead_push_script(client: Client) -> None:
     assert await client.execute("LRANGE", "d", 0, -1) == [b"E"]
     (rec,) = why_records(await client.execute("HGET", why_key("d"), hashlib.sha1(b"E").hexdigest()))
     assert rec["n"] == 1 and rec["time_ms"] > 0
+
+
+async def test_split_requeue_removes_the_record_too(client: Client) -> None:
+    """The Redis Cluster path (dead letter and destination on different slots):
+    copy first, then remove the element and its record (one script on the dead
+    letter's slot)."""
+    from trio_redis_finalize._cli import _requeue_list
+
+    keys = (P, QD, why_key(QD))
+    element = wrap(b"x", 1, "o1")
+    await client.execute("RPUSH", P, element)
+    assert await client.evalsha(LIST_COPY_REMOVE, keys, (element, element, b'{"n":1}')) == 1
+    assert await _requeue_list(client, QD, "back", None, True) == 1
+    assert await client.execute("LRANGE", "back", 0, -1) == [wrap(b"x", 0, "o1")]
+    assert int(await client.execute("EXISTS", QD, why_key(QD))) == 0
