@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import math
 import pickle
 from collections.abc import Mapping, Sequence
@@ -57,6 +58,7 @@ from trio_redis_finalize._plan import (
     plan_dead,
     plan_foreign,
     plan_lost,
+    why_key,
 )
 from trio_redis_finalize._subscription import Form
 
@@ -174,7 +176,8 @@ def shape(p: Plan) -> list[tuple[Any, ...]]:
 SCRIPT_NAMES: dict[Any, str] = {
     s.sha: s.name for s in (
         _scripts.STREAM_COPY_ACK, _scripts.STREAM_ZADD_ACK, _scripts.LIST_COPY_REMOVE,
-        _scripts.LIST_ZADD_REMOVE, _scripts.MOVE_DUE_TO_STREAM, _scripts.MOVE_DUE_TO_LIST,
+        _scripts.LIST_DEAD_PUSH, _scripts.LIST_ZADD_REMOVE, _scripts.MOVE_DUE_TO_STREAM,
+        _scripts.MOVE_DUE_TO_LIST,
     )
 }
 
@@ -408,13 +411,24 @@ def check_dead(f: Form_, t: Target, d: Delivery, p: Plan) -> None:
         assert headers[DEAD_GROUP] == GROUP.encode()
         assert headers[DEAD_ATTEMPT] == str(d.attempt).encode()
         return
-    if split:
+    why = why_key(t.dead_letter)
+    if split:  # the copy with its reason record, then the removal
         assert not p.gated
-        assert p.commands == (("LPUSH", t.dead_letter, d.raw), ("LREM", t.processing, 1, d.raw))
+        assert shape(p) == [("EVALSHA", "list_dead_push", t.dead_letter, why),
+                            ("LREM", t.processing)]
+        _, _, args = evalsha(p.commands[0])
+        assert p.commands[1] == ("LREM", t.processing, 1, d.raw)
     else:
         assert p.gated
-        assert shape(p) == [("EVALSHA", "list_copy_remove", t.processing, t.dead_letter)]
-        assert evalsha(p.commands[0])[2] == [d.raw, d.raw]
+        assert shape(p) == [("EVALSHA", "list_copy_remove", t.processing, t.dead_letter, why)]
+        _, _, args = evalsha(p.commands[0])
+        assert args[0] == d.raw
+        args = args[1:]
+    assert args[0] == d.raw  # the element as read
+    record = json.loads(args[1])
+    assert "max_attempts" in record["reason"] and record["attempt"] == d.attempt
+    assert record["source"] == t.source and record["processing"] == t.processing
+    assert record["origin"] == d.origin_id
 
 
 # -- every cell at least once, deterministically --------------------------------------
@@ -552,7 +566,8 @@ def test_plan_dead_and_lost() -> None:
     tl = ReliableListSubscription(QUEUE, max_attempts=1, dead_letter="{jobs}:dead").target(CONSUMER)
     dl = make_delivery(Form_("rlist"), attempt=2, retries=1, fields={}, body=b"b")
     p = plan_dead(tl, dl, "bad")
-    assert evalsha(p.commands[0])[2] == [dl.raw, dl.raw]
+    assert evalsha(p.commands[0])[2][:2] == [dl.raw, dl.raw]
+    assert json.loads(evalsha(p.commands[0])[2][2])["reason"] == "bad"  # with its reason record
     # no-ack forms: nothing to do but warn
     tc = ChannelSubscription("c").target(CONSUMER)
     assert plan_dead(tc, dl, "bad").effect is Effect.EXHAUSTED

@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
+import json
 import uuid
 from collections.abc import Mapping, Sequence
 from itertools import chain
@@ -46,7 +47,7 @@ from . import _scripts
 from ._delivery import Delivery
 from ._envelope import GROUP_FIELD, ORIGIN_FIELD, RETRIES_FIELD, pack_parts, wrap
 from ._errors import AckUnsupported
-from ._keys import same_slot
+from ._keys import derived, same_slot
 from ._outcome import Outcome, OutcomeKind
 from ._subscription import DelayedRetry, Form, Mode, Retention
 from ._transport import Command
@@ -55,11 +56,13 @@ __all__ = [
     "DEAD_FIELDS",
     "FAILED",
     "GATE_CLOSED",
+    "WHY_SUFFIX",
     "Effect",
     "Plan",
     "Target",
     "attempt_of",
     "content_origin",
+    "dead_record",
     "list_copies",
     "list_counted",
     "list_removal",
@@ -70,6 +73,7 @@ __all__ = [
     "plan_lost",
     "removal_commands",
     "settle",
+    "why_key",
 ]
 
 DEAD_REASON = b"trf-dead-reason"
@@ -79,6 +83,9 @@ DEAD_GROUP = b"trf-dead-group"
 DEAD_ATTEMPT = b"trf-dead-attempt"
 DEAD_FIELDS = (DEAD_REASON, DEAD_SOURCE, DEAD_ID, DEAD_GROUP, DEAD_ATTEMPT)
 DEAD_ERROR = b"trf-dead-error"  # the handler's exception, when it raised (not always there)
+WHY_SUFFIX = ":why"
+"""A reliable list's dead letter ``D`` records why each element is there in the
+hash ``derived(D, WHY_SUFFIX)`` (:func:`why_key`)."""
 
 
 class Effect(enum.Enum):
@@ -285,6 +292,16 @@ _REMOVE_SHA = _scripts.LIST_REMOVE.sha
 _COUNTED_SHAS: dict[object, tuple[int, int]] = {
     _COPY_REMOVE_SHA: (5, 7), _ZADD_REMOVE_SHA: (5, 8), _REMOVE_SHA: (4, 5),
 }
+# LIST_COPY_REMOVE with its third key, the reason hash (a dead letter):
+# EVALSHA sha 3 processing dead why element copy record [n]
+_DEAD_AT = (6, 9)
+
+
+def _counted_at(cmd: Command) -> tuple[int, int] | None:
+    sha = cmd[1]
+    if sha == _COPY_REMOVE_SHA and cmd[2] == 3:
+        return _DEAD_AT
+    return _COUNTED_SHAS.get(sha)
 
 
 def list_removal(t: Target, cmd: Command) -> bytes | None:
@@ -295,7 +312,7 @@ def list_removal(t: Target, cmd: Command) -> bytes | None:
         e = cmd[3]
         return e if cmd[1] == t.processing and isinstance(e, bytes) else None
     if head == b"EVALSHA":
-        at = _COUNTED_SHAS.get(cmd[1])
+        at = _counted_at(cmd)
         if at is not None and cmd[3] == t.processing:
             e = cmd[at[0]]
             return e if isinstance(e, bytes) else None
@@ -305,7 +322,7 @@ def list_removal(t: Target, cmd: Command) -> bytes | None:
 def list_copies(cmd: Command) -> int:
     """The ``n`` a removal :func:`list_removal` names is gated on (1: a plain gate)."""
     if cmd[0] == b"EVALSHA":
-        at = _COUNTED_SHAS.get(cmd[1])
+        at = _counted_at(cmd)
         if at is not None and len(cmd) > at[1]:
             return int(cmd[at[1]])
     return 1
@@ -317,7 +334,8 @@ def list_counted(cmd: Command, n: int) -> Command:
         if n == 1:
             return cmd
         return _scripts.LIST_REMOVE.command((cmd[1],), (cmd[3], n))
-    at = _COUNTED_SHAS[cmd[1]]
+    at = _counted_at(cmd)
+    assert at is not None
     return (*cmd[: at[1]], n)
 
 
@@ -358,6 +376,46 @@ def _list_copy_remove(t: Target, d: Delivery, dest: str, element: bytes, effect:
     )
 
 
+def why_key(dead_letter: str) -> str:
+    """The hash of a reliable list's dead letter that records why each element
+    is there (see ``_scripts``): ``{dead_letter}:why``, in its hash slot."""
+    return derived(dead_letter, WHY_SUFFIX)
+
+
+def dead_record(t: Target, d: Delivery, reason: str) -> bytes:
+    """The reason record of a list dead letter, JSON (ASCII), without its time
+    (the script puts the server's in front): reason, the handler's exception
+    (``error``, bounded, when it raised), attempt, queue, processing list,
+    origin id."""
+    record: dict[str, object] = {"reason": reason}
+    if error := getattr(d, "error", None):  # set by the runtime when the handler raised
+        record["error"] = error
+    record.update(attempt=d.attempt, source=t.source, processing=t.processing,
+                  origin=d.origin_id)
+    return json.dumps(record, separators=(",", ":")).encode()
+
+
+def _list_dead(t: Target, d: Delivery, reason: str) -> Plan:
+    """Copy the element as read to the dead letter with its reason record, then
+    remove it from the processing list: one gated script, or (the dead letter
+    in another Redis Cluster slot) the copy and its record, then the LREM."""
+    assert d.raw is not None and t.dead_letter is not None
+    dead = t.dead_letter
+    record = dead_record(t, d, reason)
+    why = why_key(dead)
+    if t.cluster and not same_slot(t.processing, dead):
+        return Plan(
+            Effect.DEAD_LETTERED,
+            (_scripts.LIST_DEAD_PUSH.command((dead, why), (d.raw, record)),
+             ("LREM", t.processing, 1, d.raw)),
+            gated=False,
+        )
+    return Plan(
+        Effect.DEAD_LETTERED,
+        (_scripts.LIST_COPY_REMOVE.command((t.processing, dead, why), (d.raw, d.raw, record)),),
+    )
+
+
 def plan_dead(t: Target, d: Delivery, reason: str) -> Plan:
     """Send ``d`` to the dead letter (copy, then remove the original), or drop it.
 
@@ -394,8 +452,7 @@ def plan_dead(t: Target, d: Delivery, reason: str) -> Plan:
                 _list_remove(t, d, Effect.EXHAUSTED),
                 warning=warning + "element removed without dead letter",
             )
-        assert d.raw is not None
-        p = _list_copy_remove(t, d, t.dead_letter, d.raw, Effect.DEAD_LETTERED)
+        p = _list_dead(t, d, reason)
         return dataclasses.replace(p, warning=warning + "element dead-lettered")
     # no-ack forms: nothing to remove, no dead letter
     return Plan(Effect.EXHAUSTED, (), warning=warning + "message dropped")

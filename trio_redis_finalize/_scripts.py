@@ -16,6 +16,7 @@ from ._transport import Script
 __all__ = [
     "CORRUPT_FIELD",
     "LIST_COPY_REMOVE",
+    "LIST_DEAD_PUSH",
     "LIST_REMOVE",
     "LIST_ZADD_REMOVE",
     "LUA_XADD",
@@ -28,6 +29,7 @@ __all__ = [
     "STREAM_ZADD_ACK_DEL",
     "UNPACK_MAX",
     "move_due_to_stream",
+    "why_pop",
 ]
 
 _STREAM_GATE = """
@@ -179,15 +181,84 @@ return redis.call('LREM', KEYS[1], 1, ARGV[1])
     name="list_remove",
 )
 
-# KEYS: processing list, destination list.  ARGV: element, copy[, n]
+# Why a list element was dead-lettered (``ReliableListSubscription(dead_letter=
+# ...)``): a hash beside the dead letter, ``derived(dead_letter, ":why")``
+# (the same hash slot), maps the SHA-1 (hex) of a dead element's bytes to its
+# reason records, one JSON object a line, oldest first: the k-th copy of
+# those bytes from the dead letter's tail (its oldest) has the k-th record.
+# The library writes a record in the step that pushes the element and
+# removes it in the step that requeues it (``trio-redis-finalize requeue``);
+# when the dead letter is empty (Redis deletes it), the next dead-lettering
+# and the requeue that empties it delete the hash, so records of elements
+# removed by other means live no longer than the dead letter stays non-empty.
+#
+# Appends one record for ARGV[i] (the element) to KEYS[k] (the hash); the
+# record ARGV[r] is a JSON object, the server time goes in front of its
+# fields as ``"time_ms"``.  The reads come first: a hash of another type fails
+# the script before anything is written.
+def _why_push(k: int, i: int, r: int, dead: int) -> str:
+    return (
+        _NOW_MS
+        + f"""
+local why = redis.sha1hex(ARGV[{i}])
+local had = redis.call('HGET', KEYS[{k}], why)
+if redis.call('EXISTS', KEYS[{dead}]) == 0 and redis.call('EXISTS', KEYS[{k}]) == 1 then
+  redis.call('DEL', KEYS[{k}])
+  had = false
+end
+redis.call('LPUSH', KEYS[{dead}], ARGV[{i}])
+redis.call('HSET', KEYS[{k}], why,
+  (had or '') .. '{{"time_ms":' .. string.format('%d', now) .. ',' .. string.sub(ARGV[{r}], 2) .. '\\n')
+"""
+    )
+
+
+def why_pop(k: int, i: int, dead: int) -> str:
+    """Lua: remove the oldest reason record of ARGV[i] from KEYS[k] (see above);
+    the whole hash when the dead letter KEYS[dead] is empty."""
+    return f"""
+if redis.call('EXISTS', KEYS[{dead}]) == 0 then
+  redis.call('DEL', KEYS[{k}])
+else
+  local why = redis.sha1hex(ARGV[{i}])
+  local v = redis.call('HGET', KEYS[{k}], why)
+  if v then
+    local nl = string.find(v, '\\n', 1, true)
+    if not nl or nl >= #v then
+      redis.call('HDEL', KEYS[{k}], why)
+    else
+      redis.call('HSET', KEYS[{k}], why, string.sub(v, nl + 1))
+    end
+  end
+end
+"""
+
+
+# KEYS: processing list, destination list[, reason hash].  ARGV: element,
+# copy[, record (with the reason hash)][, n].  With the reason hash (a dead
+# letter, see above) the copy is pushed with its reason record.
 LIST_COPY_REMOVE = Script(
-    _list_gate(3)
+    """
+if not redis.call('LPOS', KEYS[1], ARGV[1], 'RANK', tonumber(ARGV[#KEYS + 1] or 1)) then return false end
+if KEYS[3] then
+"""
+    + _why_push(3, 2, 3, 2)
     + """
-redis.call('LPUSH', KEYS[2], ARGV[2])
+else
+  redis.call('LPUSH', KEYS[2], ARGV[2])
+end
 redis.call('LREM', KEYS[1], 1, ARGV[1])
 return 1
 """,
     name="list_copy_remove",
+)
+
+# KEYS: dead letter, reason hash.  ARGV: element, record.  The copy step of a
+# dead-lettering whose processing list is in another Redis Cluster hash slot
+# (the removal, LREM, follows it as its own command: duplicate, never loss).
+LIST_DEAD_PUSH = Script(
+    _why_push(2, 1, 2, 1) + "\nreturn 1\n",
+    name="list_dead_push",
 )
 
 # KEYS: processing list, delay set.  ARGV: element, delay ms, member[, n]
