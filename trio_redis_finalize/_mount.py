@@ -761,6 +761,7 @@ class Mount:
             it = iter(prepared[len(commands):])
             rest = [[next(it) for _ in r] for r in rest]
         unsure = False  # a send had an unknown outcome (then resent)
+        track = self._settle is not None or self._resend is not None
         answered: list[Command] = []  # commands with a final reply, and those replies
         answers: list[Any] = []
         attempt = 0
@@ -796,8 +797,9 @@ class Mount:
                         if isinstance(r, Exception):
                             break
                     else:
-                        answered += commands
-                        answers += replies
+                        if track:
+                            answered += commands
+                            answers += replies
                         break
                     owners = [_FAST_ONLY] * len(commands)
                 again: list[Command] = []  # did not run: send again after a backoff
@@ -816,8 +818,9 @@ class Mount:
                         self.stats.finalize_errors += 1
                         log.error("%s: finalization command failed: %s", self.name,
                                   describe_error(r, cmd), extra={"subscription": self.name})
-                    answered.append(cmd)
-                    answers.append(r)
+                    if track:
+                        answered.append(cmd)
+                        answers.append(r)
                     for j in own:
                         if j < 0:
                             fast_failed = fast_failed or isinstance(r, Exception)
@@ -867,7 +870,14 @@ class Mount:
                                   d.attempt, effect.value,
                                   extra=log_extra(self.name, d, outcome, effect.value))
         for j, ((d, p), outcome) in enumerate(zip(plans, returned, strict=True)):
-            settled = settle(p, got[j], unsure=unsure) if p.commands else p.effect._value_
+            rs = got[j]
+            if not p.commands:
+                settled = p.effect._value_
+            elif (len(rs) == 1 and len(p.commands) == 1 and (r := rs[0]) is not None
+                  and r is not False and not isinstance(r, Exception)):
+                settled = p.effect._value_  # settle()'s answer for one command that ran, inline
+            else:
+                settled = settle(p, rs, unsure=unsure)
             self.stats.effects[settled] += 1
             if d.id is not None:
                 self.held.discard(d.id)
@@ -942,6 +952,10 @@ def first_round(
             add((c,), -1)
     for j, p in enumerate(plans):
         cmds = p.commands
+        if len(cmds) == 1 and cmds[0][0] != "XACK":  # one script (the common case), inline
+            out.append(cmds[0])
+            owners.append([j])
+            continue
         if not p.gated and len(cmds) > 1:
             rest[j] = list(cmds[1:])
             cmds = cmds[:1]

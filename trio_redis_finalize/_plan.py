@@ -648,4 +648,4 @@ def settle(p: Plan, replies: Sequence[object], *, unsure: bool = False) -> str:
             return FAILED
         if (r is None or r is False) and p.gated and cmd[0] == b"EVALSHA":
             gate_closed = True
-    return GATE_CLOSED if gate_closed and not unsure else p.effect.value
+    return GATE_CLOSED if gate_closed and not unsure else p.effect._value_
