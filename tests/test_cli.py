@@ -34,6 +34,7 @@ from trio_redis_finalize import (
 )
 from trio_redis_finalize._demo import parse_monitor_line
 from trio_redis_finalize._envelope import unwrap
+from trio_redis_finalize._transport import open_client
 from trio_redis_finalize.pytest_plugin import sync_command
 from trio_redis_finalize.testing import RedisServer, free_port
 
@@ -383,6 +384,19 @@ async def test_requeue_stream_dead_letter(redis_url: str) -> None:
     assert [d.attempt for d in seen] == [1, 1, 1]
     assert [d.origin_id for d in seen] == originals
     assert [dict(d.fields) for d in seen] == [{b"n": str(i).encode()} for i in range(3)]
+
+
+async def test_requeue_moves_a_dead_entry_of_5000_fields(redis_url: str) -> None:
+    # wider than one Lua unpack takes (~8,000 values): requeued whole, in order
+    fields = [x for i in range(5000) for x in (f"f{i}".encode(), str(i).encode())]
+    async with open_client(redis_url) as client:
+        await client.execute("XADD", "wide:dead", "*", *fields, "trf-dead-reason", "max_attempts")
+        r = await acli("requeue", "wide:dead", "--to", "wide", "--url", redis_url)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.decode().strip() == "requeued 1 message from wide:dead to wide"
+        [(_, flat)] = await client.execute("XRANGE", "wide", "-", "+")
+        assert [x for x in flat if not x.startswith(b"trf-")][: len(fields)] == fields
+        assert await client.execute("XLEN", "wide:dead") == 0
 
 
 async def _const(outcome: Any) -> Any:

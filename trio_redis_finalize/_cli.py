@@ -43,7 +43,7 @@ from ._envelope import ORIGIN_FIELD, RETRIES_FIELD, CorruptEnvelope, unwrap, wra
 from ._keys import derived, has_hash_tag, same_slot
 from ._plan import DEAD_FIELDS, DEAD_REASON, Effect, why_key
 from ._retention import GroupNeed, group_rows, oldest_needed
-from ._scripts import why_pop
+from ._scripts import LUA_XADD, why_pop
 from ._transport import Client, Script, open_client, parse_url
 
 __all__ = ["CliError", "main"]
@@ -724,9 +724,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 # KEYS: dead letter, destination.  ARGV: entry id, field, value, ...
 # Gated on the entry still being in the dead letter: racing requeues move it once.
 REQUEUE_STREAM = Script(
-    """
+    LUA_XADD  # an entry of any width (Lua's unpack stops near 8,000 values)
+    + """
 if #redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1]) == 0 then return false end
-local new = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 2))
+local new = xadd(KEYS[2], ARGV, 2)
 redis.call('XDEL', KEYS[1], ARGV[1])
 return new
 """,
