@@ -16,7 +16,7 @@ from anyio.abc import TaskGroup, TaskStatus
 from redis import exceptions as rexc
 
 from ._delivery import Delivery
-from ._mount import FINALIZE_TIMEOUT, Handler, Mount, Reader, backoff, describe_error, log
+from ._mount import FINALIZE_TIMEOUT, Handler, Mount, Reader, _sole, backoff, describe_error, log
 from ._outcome import Backoff, Outcome
 from ._plan import FAILED, GATE_CLOSED, plan
 from ._subscription import Form, Subscription
@@ -375,14 +375,6 @@ class Consumer:
                 for m in self._mounts:
                     tg.start_soon(m.stop, grace)
             await self.scheduler.flush(anyio.current_time() + 10.0)
-
-
-def _sole(eg: BaseExceptionGroup[BaseException]) -> BaseException:
-    """The one exception inside nested one-member groups, else the group itself."""
-    exc: BaseException = eg
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc
 
 
 def _reader_for(subscription: Subscription) -> Reader:

@@ -49,7 +49,8 @@ import anyio
 import hiredis
 import pytest
 
-from ._consumer import DEFAULT_BACKOFF, _sole, open_consumer
+from ._consumer import DEFAULT_BACKOFF, open_consumer
+from ._mount import _sole
 from ._outcome import Backoff, Outcome
 from ._transport._connection import pack_command
 from .testing import ClusterUnavailable, RedisCluster, RedisSentinel, RedisServer
