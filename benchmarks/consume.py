@@ -43,7 +43,7 @@ from trio_redis_finalize import (
     StreamSubscription,
     open_consumer,
 )
-from trio_redis_finalize._scripts import STREAM_COPY_ACK
+from trio_redis_finalize._core._scripts import STREAM_COPY_ACK
 from trio_redis_finalize._transport import Client, open_client
 
 from ._common import Result, Timer, print_table, redis_server

@@ -73,9 +73,9 @@ from trio_redis_finalize import (
     open_consumer,
     retry_after,
 )
+from trio_redis_finalize._core._scripts import MOVE_DUE_TO_STREAM, STREAM_ZADD_ACK
 from trio_redis_finalize._envelope import pack_parts
 from trio_redis_finalize._keys import derived
-from trio_redis_finalize._scripts import MOVE_DUE_TO_STREAM, STREAM_ZADD_ACK
 from trio_redis_finalize._transport import Client, Command, open_client, parse_url
 
 from . import consume, consume_lists

@@ -37,10 +37,10 @@ from trio_redis_finalize import (
     Delivery,
     Outcome,
     StreamSubscription,
-    _mount,
+    _finalizer,
     open_consumer,
 )
-from trio_redis_finalize._stream import _READ_MARGIN
+from trio_redis_finalize._context import READ_MARGIN as _READ_MARGIN
 from trio_redis_finalize._transport import Client, open_client
 from trio_redis_finalize.testing import RedisServer
 
@@ -202,7 +202,7 @@ async def test_rst_cuts_mid_batch_of_finalizations_lose_nothing(
 async def test_stall_longer_than_the_finalize_deadline_is_settled_once(
     redis_server: RedisServer, admin: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_mount, "FINALIZE_TIMEOUT", 0.3)
+    monkeypatch.setattr(_finalizer, "FINALIZE_TIMEOUT", 0.3)
     original = await xadd(admin, 1)
     async with proxied(redis_server) as proxy:
 

@@ -9,7 +9,7 @@ import pytest
 from faults.server_faults import OomSwitch, busy_server
 from redis import exceptions as rexc
 
-from trio_redis_finalize import _scripts
+from trio_redis_finalize._core import _scripts
 from trio_redis_finalize._transport import (
     FINAL,
     NOT_RUN,

@@ -38,9 +38,9 @@ from trio_redis_finalize import (
     open_consumer,
     retry_after,
 )
+from trio_redis_finalize._core._plan import DEAD_FIELDS
+from trio_redis_finalize._core._scripts import MOVE_DUE_TO_STREAM
 from trio_redis_finalize._envelope import GROUP_FIELD, pack_parts, unpack_parts
-from trio_redis_finalize._plan import DEAD_FIELDS
-from trio_redis_finalize._scripts import MOVE_DUE_TO_STREAM
 from trio_redis_finalize._transport import Client, open_client
 from trio_redis_finalize.pytest_plugin import RunConsumer
 
@@ -341,7 +341,7 @@ async def test_foreign_copy_with_a_corrupt_header_is_not_dead_lettered(
 
 @pytest.mark.parametrize("n", [2, 6998, 7000, 7002, 7200, 7398, 8000, 16002])
 async def test_scripts_write_entries_of_any_width(redis: Client, n: int) -> None:
-    from trio_redis_finalize._scripts import STREAM_COPY_ACK
+    from trio_redis_finalize._core._scripts import STREAM_COPY_ACK
 
     fields = [b"%d" % i for i in range(n)]
     await redis.execute("XGROUP", "CREATE", S, G, "0", "MKSTREAM")
@@ -429,7 +429,7 @@ _NAMES = st.one_of(st.sampled_from([b"item", b"", b"trf-", RETRIES_FIELD, GROUP_
        st.sampled_from(["retry", "durable", "runtime", "dead"]))
 def test_round_trip_keeps_any_field_list(redis_url: str, written: list[tuple[bytes, bytes]],
                                          way: str) -> None:
-    from trio_redis_finalize._plan import plan
+    from trio_redis_finalize._core._plan import plan
     from trio_redis_finalize._stream import StreamReader
 
     flat = [x for kv in written for x in kv]

@@ -58,17 +58,18 @@ from trio_redis_finalize import (
     ReliableListSubscription,
     Retention,
     StreamSubscription,
-    _consumer,
+    _finalizer,
     _mount,
-    _plan,
+    _scheduler,
     open_consumer,
     retry_after,
 )
+from trio_redis_finalize._core import _plan
+from trio_redis_finalize._core._plan import Effect, Plan
+from trio_redis_finalize._core._retention import TRIM_ACKED, parse_trim
+from trio_redis_finalize._core._scripts import LIST_COPY_REMOVE, LIST_ZADD_REMOVE
 from trio_redis_finalize._envelope import wrap
 from trio_redis_finalize._keys import same_slot
-from trio_redis_finalize._plan import Effect, Plan
-from trio_redis_finalize._retention import TRIM_ACKED, parse_trim
-from trio_redis_finalize._scripts import LIST_COPY_REMOVE, LIST_ZADD_REMOVE
 from trio_redis_finalize._transport import Client, open_client
 
 NAME = "w1"
@@ -87,8 +88,8 @@ def _quick_timers(monkeypatch: pytest.MonkeyPatch) -> None:
     # a cancelled finalizer gives up after 0.2 s instead of 10 s at shutdown
     monkeypatch.setattr(_mount, "FINALIZE_GRACE", 0.2)
     # a stalled (never cancelled) request times out after 0.3 s instead of 5 s
-    monkeypatch.setattr(_mount, "FINALIZE_TIMEOUT", 0.3)
-    monkeypatch.setattr(_consumer, "FINALIZE_TIMEOUT", 0.3)
+    monkeypatch.setattr(_finalizer, "FINALIZE_TIMEOUT", 0.3)
+    monkeypatch.setattr(_scheduler, "FINALIZE_TIMEOUT", 0.3)
 
 
 # -- paths --------------------------------------------------------------------
@@ -384,7 +385,7 @@ async def run_case(url: str, path: Path, k: int | None, fault: str,
     """Run one case and recovery; returns the report and the number of
     finalization commands the first run sent (``k=None``: the happy path)."""
     if path.planner is not None:
-        monkeypatch.setattr(_mount, "plan", path.planner)
+        monkeypatch.setattr(_finalizer, "plan", path.planner)
     case = Case(path, k, fault)
     async with open_client(url) as admin:
         await admin.execute("FLUSHALL")

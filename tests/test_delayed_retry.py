@@ -50,9 +50,9 @@ from trio_redis_finalize import (
     open_consumer,
     retry_after,
 )
+from trio_redis_finalize._core._plan import content_origin
+from trio_redis_finalize._core._scripts import MOVE_DUE_TO_STREAM
 from trio_redis_finalize._envelope import pack_parts
-from trio_redis_finalize._plan import content_origin
-from trio_redis_finalize._scripts import MOVE_DUE_TO_STREAM
 from trio_redis_finalize._transport import Client, Connection, open_client
 
 PROC = Path(__file__).resolve().parent / "_delay_proc.py"

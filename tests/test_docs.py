@@ -99,7 +99,7 @@ def test_every_cross_reference_resolves(site: Path) -> None:
             unresolved.append(f"{page.stem}: {m.group(1)}")
     assert unresolved == []
     api = (site / "api.html").read_text()
-    for target in ("trio_redis_finalize._stats.MountStats", "trio_redis_finalize._consumer.Scheduler",
+    for target in ("trio_redis_finalize._stats.MountStats", "trio_redis_finalize._scheduler.Scheduler",
                    "trio_redis_finalize._transport.Client", "trio_redis_finalize.open_publisher"):
         assert f'id="{target}"' in api, target
     sig = api[api.index('id="trio_redis_finalize.open_consumer"'):]

@@ -77,7 +77,7 @@ from trio_redis_finalize import (
     open_consumer,
     retry_after,
 )
-from trio_redis_finalize._plan import content_origin
+from trio_redis_finalize._core._plan import content_origin
 from trio_redis_finalize._transport import Client, open_client
 from trio_redis_finalize.testing import RedisServer
 
@@ -107,11 +107,11 @@ def _fast_backoff(real: Callable[..., float]) -> Callable[..., float]:
 @pytest.fixture(autouse=True)
 def _quick_timers(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every module's copy of the deadlines and of ``backoff``, shortened."""
-    from trio_redis_finalize import _mount
+    from trio_redis_finalize import _context
 
-    real = _mount.backoff
+    real = _context.backoff
     fast = _fast_backoff(real)
-    values = {"FINALIZE_TIMEOUT": 0.4, "FINALIZE_GRACE": 0.3, "_READ_MARGIN": 0.3,
+    values = {"FINALIZE_TIMEOUT": 0.4, "FINALIZE_GRACE": 0.3, "READ_MARGIN": 0.3,
               "_MOVE_RETRY": 0.1}
     for name, mod in list(sys.modules.items()):
         if not name.startswith("trio_redis_finalize") or mod is None:

@@ -20,10 +20,7 @@ import trio
 
 from trio_redis_finalize import ACK, RETRY, Backoff, Delivery, ReliableListSubscription, open_consumer
 from trio_redis_finalize._cli import why_records
-from trio_redis_finalize._delivery import Delivery as _Delivery
-from trio_redis_finalize._envelope import unwrap, wrap
-from trio_redis_finalize._keys import same_slot
-from trio_redis_finalize._plan import (
+from trio_redis_finalize._core._plan import (
     Target,
     dead_record,
     list_copies,
@@ -32,7 +29,10 @@ from trio_redis_finalize._plan import (
     plan_dead,
     why_key,
 )
-from trio_redis_finalize._scripts import LIST_COPY_REMOVE, LIST_DEAD_PUSH
+from trio_redis_finalize._core._scripts import LIST_COPY_REMOVE, LIST_DEAD_PUSH
+from trio_redis_finalize._delivery import Delivery as _Delivery
+from trio_redis_finalize._envelope import unwrap, wrap
+from trio_redis_finalize._keys import same_slot
 from trio_redis_finalize._subscription import Form
 from trio_redis_finalize._transport import Client
 

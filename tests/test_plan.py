@@ -37,13 +37,10 @@ from trio_redis_finalize import (
     PatternSubscription,
     ReliableListSubscription,
     StreamSubscription,
-    _scripts,
     retry_after,
 )
-from trio_redis_finalize._envelope import GROUP_FIELD, unpack_parts, unwrap, wrap
-from trio_redis_finalize._keys import same_slot
-from trio_redis_finalize._outcome import OutcomeKind
-from trio_redis_finalize._plan import (
+from trio_redis_finalize._core import _scripts
+from trio_redis_finalize._core._plan import (
     DEAD_ATTEMPT,
     DEAD_GROUP,
     DEAD_ID,
@@ -60,6 +57,9 @@ from trio_redis_finalize._plan import (
     plan_lost,
     why_key,
 )
+from trio_redis_finalize._envelope import GROUP_FIELD, unpack_parts, unwrap, wrap
+from trio_redis_finalize._keys import same_slot
+from trio_redis_finalize._outcome import OutcomeKind
 from trio_redis_finalize._subscription import Form
 
 SETTINGS = settings(max_examples=400, deadline=None)
@@ -698,8 +698,8 @@ def test_crafted_huge_counter_still_plans() -> None:
 def test_removal_fast_path_is_what_the_plans_say(
     f: Form_, n: int, max_attempts: int | None, attempt: int, bodies: list[bytes]
 ) -> None:
-    from trio_redis_finalize._mount import merge_commands
-    from trio_redis_finalize._plan import plain_removals, removal_commands
+    from trio_redis_finalize._core._batch import merge_commands
+    from trio_redis_finalize._core._plan import plain_removals, removal_commands
 
     t = make_target(f, max_attempts, None, False)
     ds = [
@@ -719,7 +719,7 @@ def test_removal_fast_path_is_what_the_plans_say(
 
 
 def test_no_fast_path_where_nothing_is_removed() -> None:
-    from trio_redis_finalize._plan import plain_removals, removal_commands
+    from trio_redis_finalize._core._plan import plain_removals, removal_commands
 
     for f in FORMS:
         if f.kind in ("list", "channel", "pattern"):

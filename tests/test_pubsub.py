@@ -25,8 +25,8 @@ from trio_redis_finalize import (
     open_consumer,
     retry_after,
 )
+from trio_redis_finalize._core._plan import content_origin
 from trio_redis_finalize._envelope import MAGIC, unwrap
-from trio_redis_finalize._plan import content_origin
 from trio_redis_finalize._transport import Client, open_client
 
 

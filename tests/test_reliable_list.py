@@ -24,8 +24,8 @@ from trio_redis_finalize import (
     open_consumer,
     retry_after,
 )
+from trio_redis_finalize._core._plan import content_origin
 from trio_redis_finalize._envelope import MAGIC, unwrap, wrap
-from trio_redis_finalize._plan import content_origin
 from trio_redis_finalize._transport import Client, WrongTypeError, open_client
 
 Q = "jobs"

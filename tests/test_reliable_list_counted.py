@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 
 from trio_redis_finalize import ACK, DROP, RETRY, DelayedRetry, retry_after
+from trio_redis_finalize._core._plan import Target, list_copies, list_counted, list_removal, plan
+from trio_redis_finalize._core._scripts import LIST_COPY_REMOVE, LIST_REMOVE, LIST_ZADD_REMOVE
 from trio_redis_finalize._delivery import Delivery
-from trio_redis_finalize._plan import Target, list_copies, list_counted, list_removal, plan
 from trio_redis_finalize._reliable_list import _GIVE_BACK, ReliableListSubscription
-from trio_redis_finalize._scripts import LIST_COPY_REMOVE, LIST_REMOVE, LIST_ZADD_REMOVE
 from trio_redis_finalize._transport import Client
 
 P, DEST, ZSET = "{q}:processing:c", "{q}", "{q}:delayed"

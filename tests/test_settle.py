@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from redis import exceptions as rexc
 
 from trio_redis_finalize import ACK, RETRY, Delivery, StreamSubscription, retry_after
-from trio_redis_finalize._plan import FAILED, GATE_CLOSED, Plan, plan, settle
+from trio_redis_finalize._core._plan import FAILED, GATE_CLOSED, Plan, plan, settle
 from trio_redis_finalize._subscription import DelayedRetry
 from trio_redis_finalize._transport import NotRunError
 
@@ -94,7 +94,7 @@ def test_any_error_or_missing_step_is_failed(replies: list[Any], at: int) -> Non
 def test_first_round_holds_back_the_removal_of_a_cross_slot_copy() -> None:
     """The finalizer's first pipeline carries only the copy of an ungated
     two-step plan; its XACK waits for the copy's reply (sans-IO part)."""
-    from trio_redis_finalize._mount import first_round
+    from trio_redis_finalize._core._batch import first_round
 
     cross = _plan(RETRY, cluster=True, attempt=3, max_attempts=3, dead_letter="dead-orders")
     gated = _plan(RETRY)

@@ -66,17 +66,17 @@ from trio_redis_finalize import (
     open_consumer,
     retry_after,
 )
-from trio_redis_finalize._envelope import unpack_parts
-from trio_redis_finalize._list import build_delivery
-from trio_redis_finalize._mount import merge_commands
-from trio_redis_finalize._plan import Effect, Plan, Target, plan
-from trio_redis_finalize._reliable_list import ReliableListReader, bumped
-from trio_redis_finalize._scripts import (
+from trio_redis_finalize._core._batch import merge_commands
+from trio_redis_finalize._core._plan import Effect, Plan, Target, plan
+from trio_redis_finalize._core._scripts import (
     LIST_COPY_REMOVE,
     LIST_ZADD_REMOVE,
     STREAM_COPY_ACK,
     STREAM_ZADD_ACK,
 )
+from trio_redis_finalize._envelope import unpack_parts
+from trio_redis_finalize._list import build_delivery
+from trio_redis_finalize._reliable_list import ReliableListReader, bumped
 from trio_redis_finalize._stats import MountStats
 from trio_redis_finalize._stream import StreamReader
 from trio_redis_finalize.testing import RedisServer
@@ -975,7 +975,7 @@ def test_reliable_list_state_machine(redis_server: RedisServer) -> None:
 from faults.cmdproxy import LOST, TRANSIENT_ERRORS, CommandProxy, error  # noqa: E402
 from hypothesis import example, given  # noqa: E402
 
-from trio_redis_finalize._plan import content_origin  # noqa: E402
+from trio_redis_finalize._core._plan import content_origin  # noqa: E402
 
 H_STREAM, H_GA, H_GB = "hist", "ga", "gb"
 H_QUEUE = "hjobs"

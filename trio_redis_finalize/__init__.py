@@ -33,8 +33,7 @@ from ._stream import StreamSubscription as StreamSubscription
 from ._subscription import DelayedRetry as DelayedRetry
 from ._subscription import Mode as Mode
 from ._subscription import Retention as Retention
-
-__version__ = "0.1.0"
+from ._version import __version__ as __version__
 
 __all__ = [
     "ACK",
@@ -62,3 +61,18 @@ __all__ = [
     "open_publisher",
     "retry_after",
 ]
+
+
+def _fixup_module_metadata() -> None:
+    """Public objects show ``trio_redis_finalize`` as their module (tracebacks,
+    reprs, pickling and the docs name ``trio_redis_finalize.X``, not the
+    private module that defines it), as trio does."""
+    namespace = globals()
+    for name in __all__:
+        obj = namespace[name]
+        if (isinstance(obj, type) or callable(obj)) and getattr(obj, "__module__", "").startswith(
+                f"{__name__}."):
+            obj.__module__ = __name__
+
+
+_fixup_module_metadata()

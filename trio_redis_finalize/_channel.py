@@ -8,10 +8,10 @@ import anyio
 from anyio.abc import TaskStatus
 from redis import exceptions as rexc
 
+from ._context import FINALIZE_TIMEOUT, Context, backoff, hand_over, log
+from ._core._plan import Plan, Target
 from ._delivery import Delivery
-from ._list import build_delivery, dispatch
-from ._mount import FINALIZE_TIMEOUT, Mount, backoff, log
-from ._plan import Plan, Target
+from ._list import build_delivery
 from ._subscription import Form, Subscription, check_key, check_limits
 from ._transport import Message, PubSub
 
@@ -128,7 +128,7 @@ class PubSubReader:
         else:
             await ps.subscribe(*sub.channels, timeout=FINALIZE_TIMEOUT)
 
-    async def _read(self, mount: Mount, ps: PubSub) -> None:
+    async def _read(self, mount: Context, ps: PubSub) -> None:
         """Deliver messages until the connection fails (raises)."""
         while True:
             msg = await ps.get_message(timeout=_IDLE_PING)
@@ -141,13 +141,13 @@ class PubSubReader:
                 if more is None:
                     break
                 built.append(self._build(mount, more))
-            await dispatch(mount, built)
+            await hand_over(mount, built)
 
-    def _build(self, mount: Mount, msg: Message) -> tuple[Delivery, Plan | None]:
+    def _build(self, mount: Context, msg: Message) -> tuple[Delivery, Plan | None]:
         channel = msg.channel.decode("utf-8", "replace")
         return build_delivery(mount, channel, msg.data)
 
-    async def run(self, mount: Mount, *, task_status: TaskStatus[None]) -> None:
+    async def run(self, mount: Context, *, task_status: TaskStatus[None]) -> None:
         client = mount.client
         name = f"trf:{mount.consumer.name}:pubsub"
         started = False

@@ -39,11 +39,12 @@ import anyio
 from anyio.abc import TaskStatus
 from redis import exceptions as rexc
 
+from ._core._plan import DEAD_FIELDS, DEAD_REASON, Effect, why_key
+from ._core._retention import GroupNeed, group_rows, oldest_needed
+from ._core._scripts import LUA_XADD, why_pop
 from ._envelope import ORIGIN_FIELD, RETRIES_FIELD, CorruptEnvelope, unwrap, wrap
 from ._keys import derived, has_hash_tag, same_slot
-from ._plan import DEAD_FIELDS, DEAD_REASON, Effect, why_key
-from ._retention import GroupNeed, group_rows, oldest_needed
-from ._scripts import LUA_XADD, why_pop
+from ._table import CliError, print_table
 from ._transport import Client, Script, open_client, parse_url
 
 __all__ = ["CliError", "main"]
@@ -54,48 +55,7 @@ DEFAULT_URL = "redis://127.0.0.1:6379/0"
 log = logging.getLogger("trio_redis_finalize.cli")
 
 
-class CliError(Exception):
-    """Bad input: printed as one line on stderr, exit code 2."""
-
-
 # -- output -------------------------------------------------------------------
-
-
-def _rich_console() -> Any:
-    """A ``rich`` console when rich is installed and stdout is a terminal."""
-    if os.environ.get("NO_COLOR") or not sys.stdout.isatty():
-        return None
-    try:
-        return importlib.import_module("rich.console").Console()
-    except ImportError:
-        return None
-
-
-def print_table(headers: Sequence[str], rows: Sequence[Sequence[str]], title: str | None = None) -> None:
-    """Print an aligned table (with ``rich`` on a terminal when it is installed)."""
-    console = _rich_console()
-    if console is not None:
-        table = importlib.import_module("rich.table").Table(title=title)
-        for h in headers:
-            table.add_column(h)
-        for r in rows:
-            table.add_row(*r)
-        console.print(table)
-        return
-    widths = [len(h) for h in headers]
-    for r in rows:
-        for i, cell in enumerate(r):
-            widths[i] = max(widths[i], len(cell))
-    if title:
-        print(title)
-
-    def line(cells: Sequence[str]) -> str:
-        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
-
-    print(line(headers))
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for r in rows:
-        print(line(r))
 
 
 def _one_line(text: str) -> str:
@@ -958,7 +918,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit codes: 0 ok; 1 failure at run time (the demo lost messages); 2 bad input "
                "(one line on stderr).",
     )
-    from . import __version__
+    from ._version import __version__
 
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ._context import FINALIZE_TIMEOUT, Context
+from ._core._scripts import CORRUPT_FIELD
 from ._envelope import CorruptEnvelope, unpack_parts
-from ._mount import FINALIZE_TIMEOUT, Mount
-from ._scripts import CORRUPT_FIELD
 from ._subscription import Form
 from ._transport import Command, Script
 from ._transport._connection import raise_first_error
@@ -47,7 +47,7 @@ def stream_fields(member: bytes) -> list[bytes]:
     return [CORRUPT_FIELD, member]
 
 
-async def move_due(mount: Mount, script: Script, block: float) -> float:
+async def move_due(mount: Context, script: Script, block: float) -> float:
     """Move due copies of ``mount``'s delay set back to its source.
 
     Returns the seconds until the next copy is due (0 when more are due now,
@@ -77,7 +77,7 @@ async def move_due(mount: Mount, script: Script, block: float) -> float:
     return max(0.0, min(block, -lag))
 
 
-async def _move_back(mount: Mount, members: Sequence[bytes]) -> None:
+async def _move_back(mount: Context, members: Sequence[bytes]) -> None:
     """Write the members the script handed back, then remove those written.
 
     Each member is tried on its own (one that Redis refuses holds up no

@@ -28,12 +28,12 @@ from anyio.abc import TaskStatus
 
 from ._channel import ChannelSubscription, PatternSubscription
 from ._consumer import Consumer, open_consumer
+from ._core._plan import DEAD_ATTEMPT
 from ._delivery import Delivery
 from ._envelope import RETRIES_FIELD, CorruptEnvelope, unpack_parts, unwrap
 from ._errors import AckUnsupported
 from ._list import ListSubscription
 from ._outcome import ACK, DROP, RETRY, Outcome, OutcomeKind, retry_after
-from ._plan import DEAD_ATTEMPT
 from ._reliable_list import ReliableListSubscription
 from ._stream import StreamSubscription
 from ._subscription import DelayedRetry, Mode, Subscription
@@ -566,7 +566,7 @@ async def _wait(consumer: Consumer, forms: list[Form], seen: Observed, total: in
 
 
 def _print_table(forms: list[Form], table: dict[str, dict[str, str]]) -> None:
-    from ._cli import print_table
+    from ._table import print_table
 
     _out()
     _out("Finalization commands observed with MONITOR (form x outcome; EVALSHA(...) lists the "
@@ -641,7 +641,7 @@ def demo(url: str | None, *, verbose: bool = False, per_cell: int = 3) -> int:
         try:
             server = RedisServer().start()
         except (RuntimeError, OSError) as e:
-            from ._cli import CliError
+            from ._table import CliError
 
             raise CliError(f"cannot start a private redis-server: {e}") from None
         _out(f"started a private redis-server (pid {server.pid}, port {server.port})")

@@ -9,10 +9,10 @@ import anyio
 from anyio.abc import TaskStatus
 from redis import exceptions as rexc
 
+from ._context import FINALIZE_TIMEOUT, READ_MARGIN, Context, backoff, hand_over, log
+from ._core._plan import Effect, Plan, Target, attempt_of, content_origin, plan_dead
 from ._delivery import Delivery
 from ._envelope import MAGIC, CorruptEnvelope, unwrap
-from ._mount import FINALIZE_TIMEOUT, Item, Mount, backoff, log
-from ._plan import Effect, Plan, Target, attempt_of, content_origin, plan_dead
 from ._subscription import Form, Subscription, check_key, check_limits, check_positive
 from ._transport import NOT_RUN, Client, Connection, WrongTypeError, classify
 
@@ -55,8 +55,6 @@ class ListSubscription(Subscription):
 
 # -- runtime ------------------------------------------------------------------
 
-_READ_MARGIN = 1.0
-"""Seconds a blocking read may exceed ``block`` before it counts as lost."""
 _MAGIC_HEAD = MAGIC[:1]
 
 
@@ -73,7 +71,7 @@ def open_envelope(raw: bytes) -> tuple[bytes, int, str, str | None]:
     return body, retries, origin if origin is not None else content_origin(raw), None
 
 
-def build_delivery(mount: Mount, source: str, raw: bytes) -> tuple[Delivery, Plan | None]:
+def build_delivery(mount: Context, source: str, raw: bytes) -> tuple[Delivery, Plan | None]:
     """The delivery of ``raw``, and the plan that finalizes it without a handler
     (corrupt envelope, or already past ``max_attempts``), if any."""
     if raw[:1] == _MAGIC_HEAD:
@@ -106,14 +104,6 @@ async def check_type(client: Client, key: str, wanted: str, what: str) -> None:
         raise WrongTypeError(f"WRONGTYPE key {key!r} holds a {kind}, not a {wanted} (mounting {what})")
 
 
-async def dispatch(mount: Mount, built: Sequence[tuple[Delivery, Plan | None]]) -> None:
-    """Plans first (dead letters), then the deliveries for the handlers."""
-    direct: list[Item] = [(d, p) for d, p in built if p is not None]
-    if direct:
-        await mount.finalize_now(direct)
-    await mount.deliver([d for d, p in built if p is None])
-
-
 class ListReader:
     """Pops one :class:`ListSubscription` with BRPOP on a dedicated connection.
 
@@ -132,7 +122,7 @@ class ListReader:
             return None
         return Plan(Effect.NOTHING, (("RPUSH", self.sub.key, *reversed(raws)),), gated=False)
 
-    async def _give_back(self, mount: Mount, raws: list[bytes]) -> None:
+    async def _give_back(self, mount: Context, raws: list[bytes]) -> None:
         with anyio.CancelScope(shield=True), anyio.move_on_after(FINALIZE_TIMEOUT) as scope:
             attempt = 0
             while True:
@@ -152,7 +142,7 @@ class ListReader:
             log.error("%s: could not push %d popped elements back within %g s", mount.name,
                       len(raws), FINALIZE_TIMEOUT)
 
-    async def run(self, mount: Mount, *, task_status: TaskStatus[None]) -> None:
+    async def run(self, mount: Context, *, task_status: TaskStatus[None]) -> None:
         sub = self.sub
         client = mount.client
         await check_type(client, sub.key, "list", sub.name)
@@ -170,7 +160,7 @@ class ListReader:
                         task_status.started()
                         started = True
                     reply = await conn.execute("BRPOP", sub.key, timeout,
-                                               timeout=sub.block + _READ_MARGIN)
+                                               timeout=sub.block + READ_MARGIN)
                     failures = 0
                 except (rexc.RedisError, OSError) as e:
                     if not started:
@@ -188,7 +178,7 @@ class ListReader:
                     continue
                 raw: bytes = reply[1]
                 try:
-                    await dispatch(mount, [build_delivery(mount, sub.key, raw)])
+                    await hand_over(mount, [build_delivery(mount, sub.key, raw)])
                 except BaseException:
                     # popped but not handed over (shutdown): put it back
                     await self._give_back(mount, [raw])

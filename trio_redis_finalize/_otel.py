@@ -62,7 +62,7 @@ from ._outcome import Outcome
 from ._publisher import trace_context
 
 if TYPE_CHECKING:
-    from ._mount import Handler, Mount
+    from ._context import Context, Handler
 
 __all__ = ["instrument_handler"]
 
@@ -80,7 +80,7 @@ class _Mounted:
 
     __slots__ = ("attributes", "template")
 
-    def __init__(self, mount: Mount) -> None:
+    def __init__(self, mount: Context) -> None:
         t = mount.target
         self.attributes: dict[str, str] = {
             "messaging.system": "redis",
@@ -109,7 +109,7 @@ def instrument_handler(handler: Handler, *, tracer: Any = None) -> Handler:
         from opentelemetry import propagate, trace
     except ImportError:
         return handler
-    from . import __version__
+    from ._version import __version__
 
     if tracer is None:
         tracer = trace.get_tracer("trio_redis_finalize", __version__)
@@ -137,7 +137,7 @@ def instrument_handler(handler: Handler, *, tracer: Any = None) -> Handler:
             tracer.start_span(f"settle {destination}", context=parent, kind=client_kind,
                               attributes=attrs).end()
 
-    def bind(mount: Mount) -> Callable[[list[tuple[Delivery, str]]], None]:
+    def bind(mount: Context) -> Callable[[list[tuple[Delivery, str]]], None]:
         """Called by the runtime when the wrapped handler is mounted."""
         mounted[mount.name] = _Mounted(mount)
         return settled

@@ -96,7 +96,7 @@ def _send_span(operation: str, destination: str, client_id: str) -> Iterator[dic
     if not trace.get_current_span().get_span_context().is_valid:
         yield {}
         return
-    from . import __version__
+    from ._version import __version__
 
     tracer = trace.get_tracer("trio_redis_finalize", __version__)
     attributes = {

@@ -12,15 +12,24 @@ import anyio
 from anyio.abc import TaskStatus
 from redis import exceptions as rexc
 
+from ._context import (
+    FINALIZE_GRACE,
+    FINALIZE_TIMEOUT,
+    READ_MARGIN,
+    Context,
+    Item,
+    backoff,
+    describe_error,
+    log,
+)
+from ._core._plan import Effect, Plan, Target, content_origin, list_copies, list_counted, list_removal
+from ._core._scripts import MOVE_DUE_TO_LIST
 from ._delay_set import move_due
 from ._delivery import Delivery
 from ._envelope import CorruptEnvelope, unwrap, wrap
 from ._keys import derived, same_slot
 from ._list import build_delivery, check_type
-from ._mount import FINALIZE_GRACE, FINALIZE_TIMEOUT, Item, Mount, backoff, describe_error, log
 from ._outcome import Outcome, OutcomeKind
-from ._plan import Effect, Plan, Target, content_origin, list_copies, list_counted, list_removal
-from ._scripts import MOVE_DUE_TO_LIST
 from ._subscription import (
     DelayedRetry,
     Form,
@@ -145,8 +154,6 @@ _MIN_HEARTBEAT = 0.01
 # A consumer whose heartbeat key is gone is dead: any live consumer moves its
 # processing list back onto the queue (``_REAP``) and then forgets it.
 
-_READ_MARGIN = 1.0
-"""Seconds a blocking read may exceed ``block`` before it counts as lost."""
 _PREFETCH_MAX = 64
 """At most this many elements move into the processing list per round trip."""
 _CHUNK_WORK = 0.01
@@ -332,15 +339,15 @@ class ReliableListReader:
             args += [e, 1]  # n: set by prepare() when it is sent
         return Plan(Effect.NOTHING, (_GIVE_BACK.command((t.processing, t.source), args),))
 
-    async def _hand_over(self, mount: Mount, built: list[tuple[Delivery, Plan | None]]) -> None:
-        """:func:`dispatch`, giving back what was not handed over when cancelled."""
+    async def _hand_over(self, mount: Context, built: list[tuple[Delivery, Plan | None]]) -> None:
+        """:func:`~._context.hand_over`, giving back what was not handed over when cancelled."""
         direct: list[Item] = [(d, p) for d, p in built if p is not None]
         ready = [d for d, p in built if p is None]
         back = [d.raw for d, _ in built if d.raw is not None]
         try:
             if direct:
                 await mount.finalize_now(direct)
-            # Mount.deliver() hands over all or nothing: cancelled means none
+            # Context.deliver() hands over all or nothing: cancelled means none
             # of them reached a handler, whatever the concurrency
             back = [d.raw for d in ready if d.raw is not None]
             await mount.deliver(ready)
@@ -358,7 +365,7 @@ class ReliableListReader:
             raise
 
     # -- on_error=Backoff ---------------------------------------------------------
-    async def redeliver(self, mount: Mount, deliveries: Sequence[Delivery]) -> list[Delivery]:
+    async def redeliver(self, mount: Context, deliveries: Sequence[Delivery]) -> list[Delivery]:
         """Deliver again, as their next attempt, elements whose handler failed.
 
         Called by the mount once their :class:`~trio_redis_finalize.Backoff`
@@ -426,7 +433,7 @@ class ReliableListReader:
         await self._hand_over(mount, built)
         return later
 
-    def leave_pending(self, mount: Mount, deliveries: Sequence[Delivery]) -> None:
+    def leave_pending(self, mount: Context, deliveries: Sequence[Delivery]) -> None:
         """Forget failed elements without a timer (the mount's waiting set is
         full): they stay in the processing list, not held, for the next rescan
         (after a read error, at a start), which delivers them again counted as
@@ -593,7 +600,7 @@ class ReliableListReader:
                 heapq.heappush(self._delayed, (anyio.current_time() + delay + _HELD_MARGIN, d.raw))
 
     # -- recovery -------------------------------------------------------------
-    async def _rescan(self, conn: Connection, mount: Mount, *, start: bool = True) -> None:
+    async def _rescan(self, conn: Connection, mount: Context, *, start: bool = True) -> None:
         """Deliver what the processing list holds that this reader does not.
 
         At start (``start``) every element there is an attempt: the previous
@@ -624,7 +631,7 @@ class ReliableListReader:
         for i in range(0, len(stranded), 500):
             await self._redeliver(mount, stranded[i : i + 500])
 
-    async def _redeliver(self, mount: Mount, elements: list[tuple[bytes, bool]]) -> None:
+    async def _redeliver(self, mount: Context, elements: list[tuple[bytes, bool]]) -> None:
         t = mount.target
         news = [bumped(e) if bump else e for e, bump in elements]
         cmds = [_BUMP.command((t.processing,), (e, n))
@@ -643,7 +650,7 @@ class ReliableListReader:
         await self._hand_over(mount, built)
 
     # -- heartbeat and reaper -----------------------------------------------------
-    def _beat(self, mount: Mount, ttl: float) -> list[Command]:
+    def _beat(self, mount: Context, ttl: float) -> list[Command]:
         sub = self.sub
         me = mount.consumer.name
         return [
@@ -651,7 +658,7 @@ class ReliableListReader:
             ("HSET", registry_key(sub.queue), me, mount.target.processing),
         ]
 
-    async def _heartbeat(self, mount: Mount) -> None:
+    async def _heartbeat(self, mount: Context) -> None:
         every = self.sub.heartbeat / 3
         while True:
             await anyio.sleep(every)
@@ -663,7 +670,7 @@ class ReliableListReader:
                             "consumer's processing list after %.1f s without one",
                             mount.name, e, self.sub.heartbeat)
 
-    async def _reaper(self, mount: Mount) -> None:
+    async def _reaper(self, mount: Context) -> None:
         every = self.sub.heartbeat / 2
         while True:
             try:
@@ -672,7 +679,7 @@ class ReliableListReader:
                 log.warning("%s: looking for dead consumers failed: %s", mount.name, e)
             await anyio.sleep(every * random.uniform(0.8, 1.2))
 
-    async def reap(self, mount: Mount) -> int:
+    async def reap(self, mount: Context) -> int:
         """Move the processing lists of dead consumers back onto the queue."""
         sub = self.sub
         client = mount.client
@@ -692,7 +699,7 @@ class ReliableListReader:
             moved += await self._reap_one(mount, name.decode(), proc.decode())
         return moved
 
-    async def _reap_one(self, mount: Mount, name: str, processing: str) -> int:
+    async def _reap_one(self, mount: Context, name: str, processing: str) -> int:
         sub = self.sub
         client = mount.client
         keys = (processing, sub.queue, heartbeat_key(sub.queue, name), registry_key(sub.queue))
@@ -717,7 +724,7 @@ class ReliableListReader:
         return total
 
     # -- the loop -------------------------------------------------------------------
-    async def _move_due(self, mount: Mount) -> float:
+    async def _move_due(self, mount: Context) -> float:
         """Move due copies from the durable delay set; seconds until the next is due."""
         return await move_due(mount, MOVE_DUE_TO_LIST, self.sub.block)
 
@@ -733,7 +740,7 @@ class ReliableListReader:
         target = _PREFETCH_MAX if self._per_element <= 0 else int(_CHUNK_WORK / self._per_element)
         self._batch = max(1, min(_PREFETCH_MAX, target, self._batch * 2))
 
-    async def run(self, mount: Mount, *, task_status: TaskStatus[None]) -> None:
+    async def run(self, mount: Context, *, task_status: TaskStatus[None]) -> None:
         sub = self.sub
         t = self._target = mount.target
         client = mount.client
@@ -776,7 +783,7 @@ class ReliableListReader:
                             started = True
                         cmds: list[Command] = [(*blmove, f"{max(block, 0.001):.3f}")]
                         cmds += [lmove] * (self._batch - 1)
-                        replies = await conn.pipeline(cmds, timeout=block + _READ_MARGIN)
+                        replies = await conn.pipeline(cmds, timeout=block + READ_MARGIN)
                         failures = 0
                     except (rexc.RedisError, OSError) as e:
                         if not started:

@@ -11,14 +11,14 @@ import anyio
 from anyio.abc import TaskStatus
 from redis import exceptions as rexc
 
+from ._context import FINALIZE_TIMEOUT, READ_MARGIN, Context, Item, backoff, log
+from ._core._plan import Effect, Plan, Target, attempt_of, plan_dead, plan_foreign, plan_lost
+from ._core._retention import TRIM_ACKED, TRIM_LIMIT, delete_refusal, group_rows, parse_trim
+from ._core._scripts import move_due_to_stream
 from ._delay_set import move_due
 from ._delivery import Delivery
 from ._envelope import GROUP_FIELD, ORIGIN_FIELD, RETRIES_FIELD
 from ._keys import derived, same_slot
-from ._mount import FINALIZE_TIMEOUT, Item, Mount, backoff, log
-from ._plan import Effect, Plan, Target, attempt_of, plan_dead, plan_foreign, plan_lost
-from ._retention import TRIM_ACKED, TRIM_LIMIT, delete_refusal, group_rows, parse_trim
-from ._scripts import move_due_to_stream
 from ._subscription import (
     DelayedRetry,
     Form,
@@ -233,8 +233,6 @@ class StreamSubscription(Subscription):
 
 # -- runtime ------------------------------------------------------------------
 
-_READ_MARGIN = 1.0
-"""Seconds a blocking read may exceed ``block`` before it counts as lost."""
 _RECOVER_EVERY = 60.0
 _CLAIM_EVERY_MAX = 30.0
 _CLAIMED_TIMEOUT = 5.0
@@ -334,7 +332,7 @@ class StreamReader:
 
     # -- set-up ---------------------------------------------------------------
     # -- on_error=Backoff: failed entries wait pending, then come back ------------
-    async def redeliver(self, mount: Mount, deliveries: Sequence[Delivery]) -> list[Delivery]:
+    async def redeliver(self, mount: Context, deliveries: Sequence[Delivery]) -> list[Delivery]:
         """Deliver again, as their next attempt, entries whose handler failed.
 
         Called by the mount once their :class:`~trio_redis_finalize.Backoff`
@@ -384,7 +382,7 @@ class StreamReader:
             await self._hand(mount, entries, counts)
         return []  # nothing to try again later
 
-    def leave_pending(self, mount: Mount, deliveries: Sequence[Delivery]) -> None:
+    def leave_pending(self, mount: Context, deliveries: Sequence[Delivery]) -> None:
         """Forget failed entries without a timer (the mount's waiting set is
         full): they stay in the PEL, for the own-PEL re-read (after a read
         error, at a start, and every minute while no entry is in hand) and,
@@ -399,7 +397,7 @@ class StreamReader:
                 f"(mounting {self.sub.name})"
             )
 
-    async def _check_keys(self, mount: Mount) -> None:
+    async def _check_keys(self, mount: Context) -> None:
         """The dead letter must be a stream, the durable delay set a sorted set."""
         t = mount.target
         wanted: list[tuple[str, str, str]] = []
@@ -441,7 +439,7 @@ class StreamReader:
         if why is not None:
             raise ValueError(f"{why} (mounting {sub.name})")
 
-    async def _trim(self, mount: Mount) -> None:
+    async def _trim(self, mount: Context) -> None:
         """Retention: one bounded trim step (``_retention.TRIM_ACKED``) every
         ``_TRIM_EVERY`` seconds, at once again while a step says more is left.
 
@@ -491,7 +489,7 @@ class StreamReader:
 
     # -- deliveries -----------------------------------------------------------
     def _build(
-        self, mount: Mount, eid: bytes, flat: list[bytes], count: int
+        self, mount: Context, eid: bytes, flat: list[bytes], count: int
     ) -> tuple[Delivery, Plan | None]:
         """A delivery, and the plan that finalizes it without a handler, if any."""
         # the entry's own fields, in order, without the header fields (a
@@ -541,7 +539,7 @@ class StreamReader:
         return d, None
 
     async def _dispatch(
-        self, mount: Mount, entries: list[tuple[bytes, list[bytes] | None]],
+        self, mount: Context, entries: list[tuple[bytes, list[bytes] | None]],
         counts: dict[bytes, int] | None = None,
     ) -> None:
         ready: list[Delivery] = []
@@ -580,12 +578,12 @@ class StreamReader:
         await mount.deliver(ready)
 
     async def _hand(
-        self, mount: Mount, entries: list[tuple[bytes, list[bytes] | None]],
+        self, mount: Context, entries: list[tuple[bytes, list[bytes] | None]],
         counts: dict[bytes, int] | None = None,
     ) -> None:
         """:meth:`_dispatch`, giving back what a cancellation kept from the handlers.
 
-        ``Mount.deliver`` hands a batch over all or nothing, so cancelled
+        ``Context.deliver`` hands a batch over all or nothing, so cancelled
         (shutdown) inside, none of ``entries`` reached a handler: their
         delivery counts are set back (see :meth:`abandon`), shielded and
         bounded; should that fail they stay pending as they are.
@@ -604,7 +602,7 @@ class StreamReader:
                                     "stay pending", mount.name, len(entries), e)
             raise
 
-    def _note(self, mount: Mount, entries: Sequence[tuple[bytes, Any]], counts: dict[bytes, int]) -> None:
+    def _note(self, mount: Context, entries: Sequence[tuple[bytes, Any]], counts: dict[bytes, int]) -> None:
         """Remember what recovery and claims hand over: the last id, counts other than 1."""
         if not entries:
             return
@@ -644,7 +642,7 @@ class StreamReader:
             out.update((r[0][0], int(r[0][3])) for r in replies if r)
         return out
 
-    async def _lost(self, mount: Mount, ids: Sequence[bytes]) -> None:
+    async def _lost(self, mount: Context, ids: Sequence[bytes]) -> None:
         """Acknowledge entries deleted while pending, once each (reported lost)."""
         items: list[Item] = []
         held = mount.held
@@ -659,7 +657,7 @@ class StreamReader:
             items.append((d, plan_lost(mount.target, d)))
         await mount.finalize_now(items)
 
-    async def _recover(self, conn: Connection, mount: Mount, *, start: bool = False) -> None:
+    async def _recover(self, conn: Connection, mount: Context, *, start: bool = False) -> None:
         """Take back this consumer's own pending entries that no handler holds.
 
         Page by page: ``XPENDING`` (ids, idle times, delivery counts), then
@@ -713,7 +711,7 @@ class StreamReader:
                 self._taking.clear()
                 return
 
-    async def _take(self, conn: Connection, mount: Mount, taken: list[tuple[bytes, int]], n: int) -> None:
+    async def _take(self, conn: Connection, mount: Context, taken: list[tuple[bytes, int]], n: int) -> None:
         """XCLAIM own pending entries with their count set to ``n``; hand them over."""
         sub = self.sub
         ids = [eid for eid, _ in taken]
@@ -741,7 +739,7 @@ class StreamReader:
         for eid in ids:
             self._taking.pop(eid, None)
 
-    async def _claim(self, conn: Connection, mount: Mount) -> None:
+    async def _claim(self, conn: Connection, mount: Context) -> None:
         """XAUTOCLAIM entries idle ``min_idle`` (any consumer), one page."""
         sub = self.sub
         self._unsure = True
@@ -808,7 +806,7 @@ class StreamReader:
         self._next_claim = 0.0 if self._cursor != "0-0" else anyio.current_time() + interval
 
     async def _ack_vanished(
-        self, mount: Mount, start: str, end: str, claimed: set[bytes]
+        self, mount: Context, start: str, end: str, claimed: set[bytes]
     ) -> None:
         """Acknowledge our pending entries in [start, end) that the stream no longer has."""
         sub = self.sub
@@ -833,7 +831,7 @@ class StreamReader:
                 return
             lo = "(" + _str(rows[-1][0])
 
-    async def _move_due(self, mount: Mount) -> float:
+    async def _move_due(self, mount: Context) -> float:
         """Move due copies from the durable delay set; seconds until the next is due."""
         try:
             return await move_due(mount, move_due_to_stream(self.sub.copy_maxlen), self.sub.block)
@@ -848,7 +846,7 @@ class StreamReader:
                       mount.name, t.delay_key, t.source, e, _MOVE_RETRY)
             return _MOVE_RETRY
 
-    async def _lease(self, mount: Mount) -> None:
+    async def _lease(self, mount: Context) -> None:
         """Keep held entries' idle time low so no other consumer claims them.
 
         Renewed every ``min_idle / 3`` (``min_idle`` >= 0.01 s in the modes
@@ -874,7 +872,7 @@ class StreamReader:
         return self._last.decode() if self._last is not None else self.sub.start_id
 
     # -- the loop ---------------------------------------------------------------
-    async def run(self, mount: Mount, *, task_status: TaskStatus[None]) -> None:
+    async def run(self, mount: Context, *, task_status: TaskStatus[None]) -> None:
         sub = self.sub
         client = mount.client
         consumer = self._me = mount.consumer.name
@@ -943,7 +941,7 @@ class StreamReader:
                             self._unsure = True
                             reply = await conn.execute(
                                 *read, max(1, round(block * 1000)), "STREAMS", sub.stream, ">",
-                                timeout=block + _READ_MARGIN,
+                                timeout=block + READ_MARGIN,
                             )
                         self._unsure = False
                         failures = 0

@@ -50,14 +50,14 @@ import hiredis
 import pytest
 
 from ._consumer import DEFAULT_BACKOFF, open_consumer
-from ._mount import _sole
+from ._context import sole
 from ._outcome import Backoff, Outcome
 from ._transport._connection import pack_command
 from .testing import ClusterUnavailable, RedisCluster, RedisSentinel, RedisServer
 
 if TYPE_CHECKING:
+    from ._context import Handler
     from ._delivery import Delivery
-    from ._mount import Handler
     from ._subscription import Subscription
     from ._transport import Client
 
@@ -192,9 +192,9 @@ async def consume_until(
     except BaseExceptionGroup as eg:
         # the consumer's task group wraps what the body raised (a failing
         # mount(), a predicate that raised): raise the error itself
-        sole = _sole(eg)
-        if isinstance(sole, Exception):
-            raise sole from None
+        one = sole(eg)
+        if isinstance(one, Exception):
+            raise one from None
         raise
     stats = consumer.stats()[subscription.name]
     if not held:

@@ -38,7 +38,7 @@ from typing import Any
 import anyio
 from redis import exceptions as rexc
 
-from trio_redis_finalize import _scripts
+from trio_redis_finalize._core import _scripts
 from trio_redis_finalize._transport import Client, Command, Connection, parse_url, with_context
 
 __all__ = ["Crash", "FaultClient", "FaultMode", "is_finalization", "open_fault_client"]

@@ -8,11 +8,10 @@ retries.  See ``_client.Client`` for the interface the consumer uses, and
 ``_sentinel.SentinelClient`` for a master found through Redis Sentinel.
 """
 
-from ._client import Client, Script, open_client
+from ._client import Client, Script
 from ._cluster import ClusterClient, RoutedConnection, slot_of
 from ._connection import (
     DEFAULT_TIMEOUT,
-    DEFERRED_REPLIES,
     FINAL,
     NOT_RUN,
     NOT_RUN_CODES,
@@ -34,13 +33,13 @@ from ._connection import (
     pack_command,
     with_context,
 )
+from ._open import open_client
 from ._pubsub import Message, PubSub
 from ._sentinel import SentinelClient
 from ._url import ConnectionParams, parse_url, sentinel_params
 
 __all__ = [
     "DEFAULT_TIMEOUT",
-    "DEFERRED_REPLIES",
     "FINAL",
     "NOT_RUN",
     "NOT_RUN_CODES",

@@ -17,7 +17,6 @@ command and key.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -25,6 +24,7 @@ from typing import Any
 import anyio
 from redis import exceptions as rexc
 
+from .._core._commands import SCRIPT_SOURCES, Script
 from ._connection import (
     DEFAULT_TIMEOUT,
     Arg,
@@ -34,30 +34,9 @@ from ._connection import (
     raise_first_error,
 )
 from ._pubsub import PubSub
-from ._url import ConnectionParams, parse_url
+from ._url import ConnectionParams
 
-__all__ = ["Client", "Script", "open_client", "transaction_result"]
-
-_SCRIPTS: dict[bytes, bytes] = {}
-
-
-class Script:
-    """A Lua script run by ``EVALSHA`` (loaded with ``SCRIPT LOAD`` on ``NOSCRIPT``)."""
-
-    __slots__ = ("name", "sha", "source")
-
-    def __init__(self, source: str, name: str = "script") -> None:
-        self.source = source.encode()
-        self.sha = hashlib.sha1(self.source).hexdigest().encode()
-        self.name = name
-        _SCRIPTS[self.sha] = self.source
-
-    def command(self, keys: Sequence[Arg], args: Sequence[Arg]) -> tuple[Arg, ...]:
-        """The ``EVALSHA`` command for a pipeline."""
-        return (b"EVALSHA", self.sha, len(keys), *keys, *args)
-
-    def __repr__(self) -> str:
-        return f"Script({self.name})"
+__all__ = ["Client", "Script", "transaction_result"]
 
 
 def _loads(commands: Sequence[Command], loaded: set[bytes]) -> dict[bytes, Command]:
@@ -67,7 +46,7 @@ def _loads(commands: Sequence[Command], loaded: set[bytes]) -> dict[bytes, Comma
         if c[0] == b"EVALSHA":
             sha = c[1]
             if isinstance(sha, bytes) and sha not in loaded and sha not in out:
-                source = _SCRIPTS.get(sha)
+                source = SCRIPT_SOURCES.get(sha)
                 if source is not None:
                     out[sha] = (b"SCRIPT", b"LOAD", source)
     return out
@@ -277,7 +256,7 @@ class Client:
         shas = {bytes(c[1]) if isinstance(c[1], bytes) else str(c[1]).encode() for c in commands}
         loads: list[Command] = []
         for sha in shas:
-            source = _SCRIPTS.get(sha)
+            source = SCRIPT_SOURCES.get(sha)
             if source is None:
                 raise rexc.NoScriptError(f"NOSCRIPT and no source known for sha {sha!r}")
             loads.append((b"SCRIPT", b"LOAD", source))
@@ -337,46 +316,3 @@ def transaction_result(commands: Sequence[Command], replies: Sequence[Any]) -> l
         raise rexc.WatchError("transaction aborted")
     out: list[Any] = result
     return out
-
-
-@asynccontextmanager
-async def open_client(
-    url: str | ConnectionParams, *, name: str | None = None, max_connections: int = 32
-) -> AsyncIterator[Client]:
-    """A :class:`Client` for ``url``; checks the server answers, closes on exit.
-
-    A ``redis+cluster://`` URL gives a :class:`~._cluster.ClusterClient` (the
-    same interface, commands routed by hash slot); it reads the slot map
-    from the first seed node that answers.  A ``redis+sentinel://`` URL (or
-    ``sentinel_params``) gives a ``SentinelClient``:
-    commands go to the master the sentinels name, and a background task
-    follows ``+switch-master`` while the client is open.
-
-    Raises:
-        ValueError: the URL is not understood.
-        redis.exceptions.ConnectionError: the server cannot be reached.
-    """
-    params = parse_url(url) if isinstance(url, str) else url
-    client: Client
-    if params.cluster_seeds:
-        from ._cluster import ClusterClient
-
-        client = ClusterClient(params, name=name, max_connections=max_connections)
-    elif params.sentinels:
-        from ._sentinel import SentinelClient
-
-        sentinel = SentinelClient(params, name=name, max_connections=max_connections)
-        try:
-            async with sentinel.following():
-                await sentinel.check()
-                yield sentinel
-        finally:
-            await sentinel.aclose()
-        return
-    else:
-        client = Client(params, name=name, max_connections=max_connections)
-    try:
-        await client.check()
-        yield client
-    finally:
-        await client.aclose()

@@ -3,7 +3,7 @@
 :class:`ClusterClient` has the interface of :class:`~._client.Client`
 (``execute``, ``pipeline``, ``transaction``, ``evalsha``, ``connect``,
 ``pubsub``, ``aclose``), so the consumer does not know which one it holds.
-:func:`~._client.open_client` builds one for a ``redis+cluster://`` URL.
+:func:`~._open.open_client` builds one for a ``redis+cluster://`` URL.
 
 * **Slot map** from ``CLUSTER SLOTS`` (Redis 6.2 and 7) of the first node
   that answers: the nodes already known, then the seeds of the URL.  A

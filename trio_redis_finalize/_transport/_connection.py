@@ -13,8 +13,6 @@ request.
 from __future__ import annotations
 
 import contextlib
-import enum
-import re
 import ssl
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
@@ -25,12 +23,30 @@ import hiredis
 from redis import exceptions as rexc
 from redis._parsers.base import BaseParser
 
+from .._core._commands import Arg, Command, command_keys, describe
+from .._core._replies import (
+    _EXTRA,
+    _WRAPPED,
+    FINAL,
+    NOT_RUN,
+    NOT_RUN_CODES,
+    NOT_RUN_ERRORS,
+    UNKNOWN,
+    BusyGroupError,
+    ErrorKind,
+    NoGroupError,
+    NotRunError,
+    WrongTypeError,
+    classify,
+    error_code,
+    raise_first_error,
+    with_context,
+)
 from ._keepalive import set_keepalive
 from ._url import ConnectionParams
 
 __all__ = [
     "DEFAULT_TIMEOUT",
-    "DEFERRED_REPLIES",
     "FINAL",
     "NOT_RUN",
     "NOT_RUN_CODES",
@@ -51,10 +67,8 @@ __all__ = [
     "open_connection",
     "pack_command",
     "raise_first_error",
+    "with_context",
 ]
-
-Arg = bytes | str | int | float
-Command = Sequence[Arg]
 
 pack_command = cast(Callable[[Sequence["Arg"]], bytes], hiredis.pack_command)
 """``hiredis.pack_command`` (its stub wrongly types the argument as a 1-tuple)."""
@@ -69,47 +83,6 @@ _READ_SIZE = 65536
 _CLOSE_TIMEOUT = 1.0  # a TLS close must not hang a cancelled caller
 
 
-class WrongTypeError(rexc.ResponseError):
-    """``WRONGTYPE``: the key holds a value of another type."""
-
-
-class NoGroupError(rexc.ResponseError):
-    """``NOGROUP``: the stream or its consumer group does not exist."""
-
-
-class BusyGroupError(rexc.ResponseError):
-    """``BUSYGROUP``: the consumer group already exists."""
-
-
-_EXTRA = {"WRONGTYPE": WrongTypeError, "NOGROUP": NoGroupError, "BUSYGROUP": BusyGroupError}
-
-NOT_RUN_CODES = frozenset({
-    "OOM", "BUSY", "READONLY", "LOADING", "MASTERDOWN", "MISCONF", "NOREPLICAS", "TRYAGAIN",
-    "CLUSTERDOWN", "NOSCRIPT",
-})
-"""Error codes of replies to commands the server did not run (and may run later)."""
-
-_CLASS_CODES: tuple[tuple[type[Exception], str], ...] = (
-    (rexc.OutOfMemoryError, "OOM"), (rexc.BusyLoadingError, "LOADING"),
-    (rexc.ReadOnlyError, "READONLY"), (rexc.MasterDownError, "MASTERDOWN"),
-    (rexc.TryAgainError, "TRYAGAIN"), (rexc.ClusterDownError, "CLUSTERDOWN"),
-    (rexc.NoScriptError, "NOSCRIPT"),
-)
-# A script error wrapping the error of a command the script called (Redis
-# 6.2: ``Error running script (call to f_...): @user_script:1: ... -READONLY
-# You can't write ...``).  Redis 7 and Valkey pass the inner code on as the
-# reply's own code, handled by the prefix.
-_WRAPPED = re.compile(
-    r"(?<![A-Za-z0-9_])-(" + "|".join(sorted(NOT_RUN_CODES)) + r")(?![A-Za-z0-9_])"
-)
-
-
-class NotRunError(rexc.ResponseError):
-    """An error reply saying the command did not run, of a code redis-py has no
-    class for (``BUSY``, ``MISCONF``, ``NOREPLICAS``), or wrapped in a script
-    error (Redis 6.2: ``Error running script ... -READONLY ...``)."""
-
-
 def _parse_error(text: str) -> rexc.RedisError:
     prefix = text.split(" ", 1)[0]
     extra = _EXTRA.get(prefix)
@@ -120,178 +93,6 @@ def _parse_error(text: str) -> rexc.RedisError:
     # keep it, for :func:`classify`
     err.code = prefix  # type: ignore[attr-defined]
     return err
-
-
-def _text(arg: Arg) -> str:
-    if isinstance(arg, bytes):
-        return arg.decode("utf-8", "backslashreplace")
-    return str(arg)
-
-
-_NO_KEYS = frozenset({
-    "ACL", "ASKING", "AUTH", "BGREWRITEAOF", "BGSAVE", "CLIENT", "CLUSTER", "COMMAND", "CONFIG",
-    "DBSIZE", "DEBUG", "DISCARD", "ECHO", "EXEC", "FLUSHALL", "FLUSHDB", "FUNCTION", "HELLO",
-    "INFO", "KEYS", "LASTSAVE", "LATENCY", "LOLWUT", "MODULE", "MONITOR", "MULTI",
-    "PING", "PSUBSCRIBE", "PUBLISH", "PUBSUB", "PUNSUBSCRIBE", "QUIT", "RANDOMKEY", "READONLY",
-    "READWRITE", "RESET", "ROLE", "SAVE", "SCAN", "SCRIPT", "SELECT", "SHUTDOWN", "SLOWLOG",
-    "SUBSCRIBE", "SWAPDB", "TIME", "UNSUBSCRIBE", "UNWATCH", "WAIT",
-})
-_ALL_KEYS = frozenset({
-    "DEL", "EXISTS", "MGET", "PFCOUNT", "PFMERGE", "SDIFF", "SDIFFSTORE", "SINTER", "SINTERSTORE",
-    "SUNION", "SUNIONSTORE", "TOUCH", "UNLINK", "WATCH",
-})
-_TWO_KEYS = frozenset({
-    "BLMOVE", "BRPOPLPUSH", "COPY", "LMOVE", "RENAME", "RENAMENX", "RPOPLPUSH", "SMOVE",
-})
-_BLOCKING_POPS = frozenset({"BLPOP", "BRPOP", "BZPOPMAX", "BZPOPMIN"})
-_SUBCOMMAND_KEY = frozenset({"MEMORY", "OBJECT", "XGROUP", "XINFO"})
-
-
-def command_keys(command: Command) -> list[Arg]:
-    """The keys ``command`` touches, as Redis Cluster routes them (``[]``: none).
-
-    ``EVALSHA``/``EVAL``/``FCALL`` read ``numkeys``; ``XREAD``/``XREADGROUP``
-    take the keys after ``STREAMS``; ``XGROUP``/``XINFO``/``OBJECT`` the
-    argument after the subcommand; multi-key and two-key commands (``DEL``,
-    ``MSET``, ``BLMOVE``, ``BLPOP`` ...) all of theirs; server commands
-    (``PING``, ``SCRIPT``, ``CLUSTER``, ``PUBLISH`` ...) none (``XINFO HELP``
-    and the like too: they name no key); any other
-    command its first argument.
-    """
-    if not command:
-        return []
-    name = _text(command[0]).upper()
-    if name in _NO_KEYS:
-        return []
-    if name in {"EVALSHA", "EVAL", "EVALSHA_RO", "EVAL_RO", "FCALL", "FCALL_RO"}:
-        if len(command) < 3:
-            return []
-        try:
-            nkeys = int(command[2])
-        except ValueError:
-            return []
-        return list(command[3 : 3 + max(nkeys, 0)])
-    if name in {"XREADGROUP", "XREAD"}:
-        upper = [_text(a).upper() for a in command]
-        if "STREAMS" not in upper:
-            return []
-        rest = command[upper.index("STREAMS") + 1 :]
-        return list(rest[: len(rest) // 2])
-    if name in _SUBCOMMAND_KEY:
-        return [command[2]] if len(command) > 2 else []
-    if name in _ALL_KEYS:
-        return list(command[1:])
-    if name in {"MSET", "MSETNX"}:
-        return list(command[1::2])
-    if name in _TWO_KEYS:
-        return list(command[1:3])
-    if name in _BLOCKING_POPS:
-        return list(command[1:-1])
-    return [command[1]] if len(command) > 1 else []
-
-
-def describe(command: Command) -> str:
-    """``"XADD on key 'orders'"``: the command and its key(s), for error messages."""
-    name = _text(command[0]).upper() if command else "?"
-    if name in {"PUBLISH", "SPUBLISH"} and len(command) > 1:
-        return f"{name} on channel {_text(command[1])!r}"
-    keys = command_keys(command)
-    if not keys:
-        return name
-    return f"{name} on key {', '.join(repr(_text(k)) for k in keys)}"
-
-
-def with_context(err: rexc.RedisError, command: Command) -> rexc.RedisError:
-    """A copy of ``err`` of the same class whose message names the command and key."""
-    msg = f"{err} ({describe(command)})"
-    try:
-        new = type(err)(msg)
-    except Exception:  # pragma: no cover - exotic constructor
-        return err
-    code = getattr(err, "code", None)
-    if code is not None:
-        new.code = code  # type: ignore[attr-defined]
-    return new
-
-
-class ErrorKind(enum.Enum):
-    """What an error reply (or a failed request) says about its command."""
-
-    FINAL = "final"
-    """It can never succeed (WRONGTYPE, syntax, arity, a script's own refusal ...)."""
-    NOT_RUN = "not_run"
-    """The server did not run it and may later (OOM, BUSY, READONLY ...): send again."""
-    UNKNOWN = "unknown"
-    """The connection failed or timed out: it may or may not have run."""
-
-
-FINAL = ErrorKind.FINAL
-NOT_RUN = ErrorKind.NOT_RUN
-UNKNOWN = ErrorKind.UNKNOWN
-
-NOT_RUN_ERRORS: tuple[type[rexc.RedisError], ...] = (
-    NotRunError, rexc.OutOfMemoryError, rexc.BusyLoadingError, rexc.ReadOnlyError,
-    rexc.TryAgainError, rexc.ClusterDownError, rexc.NoScriptError,
-)
-"""The exception classes of error replies :func:`classify` calls :data:`NOT_RUN`
-(for ``except`` clauses; ``MasterDownError`` is a ``ClusterDownError``)."""
-
-
-def error_code(err: BaseException) -> str | None:
-    """The code of an error reply (``"OOM"``, ``"WRONGTYPE"`` ...), when known."""
-    code = getattr(err, "code", None)
-    if isinstance(code, str):
-        return code
-    for cls, name in _CLASS_CODES:
-        if isinstance(err, cls):
-            return name
-    if isinstance(err, rexc.ResponseError):
-        head = str(err).split(" ", 1)[0]
-        if head.isupper():
-            return head
-    return None
-
-
-def classify(err: BaseException) -> ErrorKind:
-    """What ``err`` (an error reply, or what a request raised) says about its command.
-
-    * :data:`NOT_RUN`: an error reply with a code of :data:`NOT_RUN_CODES`,
-      bare or wrapped in a script error: the command did not run (a script
-      that failed at a write wrote nothing before it); send it again, with
-      backoff.
-    * :data:`UNKNOWN`: the connection was lost or timed out; the command may
-      have run.
-    * :data:`FINAL`: every other error reply; sending it again cannot help.
-
-    Prefixes and ``-CODE`` tokens are matched, never whole texts (servers
-    word their messages differently).
-    """
-    if isinstance(err, NotRunError):
-        return NOT_RUN
-    code = error_code(err)
-    if code in NOT_RUN_CODES:
-        return NOT_RUN
-    if isinstance(err, (rexc.ConnectionError, rexc.TimeoutError, OSError)):
-        return UNKNOWN
-    if isinstance(err, rexc.ResponseError) and _WRAPPED.search(str(err)):
-        return NOT_RUN
-    if not isinstance(err, rexc.RedisError):
-        return UNKNOWN
-    return FINAL
-
-
-DEFERRED_REPLIES: tuple[type[rexc.RedisError], ...] = (
-    rexc.TryAgainError, rexc.ClusterDownError, rexc.BusyLoadingError, rexc.ReadOnlyError,
-)
-"""Deprecated: use :func:`classify` (which also knows OOM, BUSY, MISCONF,
-NOREPLICAS, NOSCRIPT and script-wrapped codes)."""
-
-
-def raise_first_error(commands: Sequence[Command], replies: Sequence[Any]) -> None:
-    """Raise the first error reply, naming its command and key (pipelines)."""
-    for cmd, r in zip(commands, replies, strict=True):
-        if isinstance(r, rexc.RedisError):
-            raise with_context(r, cmd)
 
 
 class Connection:

@@ -2,7 +2,7 @@
 
 :class:`SentinelClient` has the interface of :class:`~._client.Client`; its
 connections (pooled, dedicated, Pub/Sub) all go to the master the sentinels
-name for ``params.service_name``.  :func:`~._client.open_client` builds one
+name for ``params.service_name``.  :func:`~._open.open_client` builds one
 for a ``redis+sentinel://`` URL (or :func:`~._url.sentinel_params`).
 
 * **Discovery:** ``SENTINEL get-master-addr-by-name`` to each sentinel in

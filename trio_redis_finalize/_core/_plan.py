@@ -43,14 +43,14 @@ import uuid
 from collections.abc import Mapping, Sequence
 from itertools import chain
 
+from .._delivery import Delivery
+from .._envelope import GROUP_FIELD, ORIGIN_FIELD, RETRIES_FIELD, pack_parts, wrap
+from .._errors import AckUnsupported
+from .._keys import derived, same_slot
+from .._outcome import Outcome, OutcomeKind
+from .._subscription import DelayedRetry, Form, Mode, Retention
 from . import _scripts
-from ._delivery import Delivery
-from ._envelope import GROUP_FIELD, ORIGIN_FIELD, RETRIES_FIELD, pack_parts, wrap
-from ._errors import AckUnsupported
-from ._keys import derived, same_slot
-from ._outcome import Outcome, OutcomeKind
-from ._subscription import DelayedRetry, Form, Mode, Retention
-from ._transport import Command
+from ._commands import Command
 
 __all__ = [
     "DEAD_FIELDS",

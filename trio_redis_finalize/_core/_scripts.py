@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 
-from ._transport import Script
+from ._commands import Script
 
 __all__ = [
     "CORRUPT_FIELD",

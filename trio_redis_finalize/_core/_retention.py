@@ -34,7 +34,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from ._transport import Command, Script
+from ._commands import Command, Script
 
 __all__ = [
     "MAX_PART",

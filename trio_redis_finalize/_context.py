@@ -1,0 +1,173 @@
+"""What a reader is given and what it gives: the narrow interface between a
+form's reader and the runtime that mounts it.
+
+A reader (one module per form: ``_stream``, ``_reliable_list``, ``_list``,
+``_channel``) sees a mounted subscription only through :class:`Context`;
+:class:`~._mount.Mount` implements it, and the state-machine tests implement
+it with a recording stub.  Readers import this module, never the mount or
+the consumer, so the runtime has no import cycle.
+
+The deadlines every part shares are here too, each defined once.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ._delivery import Delivery
+from ._outcome import Backoff, Outcome
+
+if TYPE_CHECKING:
+    from anyio.abc import TaskStatus
+
+    from ._core._commands import Command
+    from ._core._plan import Plan, Target
+    from ._stats import MountStats
+    from ._transport import Client
+
+__all__ = [
+    "FINALIZE_GRACE",
+    "FINALIZE_TIMEOUT",
+    "READ_MARGIN",
+    "SETUP_PATIENCE",
+    "ConsumerInfo",
+    "Context",
+    "Handler",
+    "Item",
+    "Reader",
+    "backoff",
+    "describe_error",
+    "hand_over",
+    "log",
+    "log_extra",
+    "sole",
+]
+
+log = logging.getLogger("trio_redis_finalize")
+
+Handler = Callable[[Delivery], Awaitable[Outcome]]
+Item = tuple[Delivery, "Outcome | Plan | Backoff"]
+"""A delivery and what finalizes it: the handler's outcome, a precomputed
+plan (dead letter, lost entry, give-back) or a :class:`Backoff`."""
+
+FINALIZE_TIMEOUT = 5.0
+"""Seconds one finalization round trip (or any other non-blocking command of
+the runtime) may take before it counts as failed."""
+FINALIZE_GRACE = 10.0
+"""Seconds the finalizer keeps trying after the handlers stopped, at shutdown."""
+SETUP_PATIENCE = 15.0
+"""Seconds ``mount()`` keeps trying a set-up the server refused for now (OOM, BUSY, LOADING ...)."""
+READ_MARGIN = 1.0
+"""Seconds a blocking read may exceed its ``block`` before it counts as lost."""
+
+
+def backoff(attempt: int, *, base: float = 0.05, cap: float = 2.0) -> float:
+    """Capped exponential backoff with full jitter."""
+    return float(random.uniform(0, min(cap, base * 2 ** min(attempt, 16))))
+
+
+def sole(exc: BaseException) -> BaseException:
+    """The one exception inside nested one-member groups, else ``exc`` itself."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def log_extra(
+    subscription: str, d: Delivery, outcome: Outcome | Plan | Backoff | None,
+    effect: str | None = None,
+) -> dict[str, Any]:
+    """The structured fields of a log record about one delivery (``logging`` ``extra=``).
+
+    ``subscription``, ``entry_id`` (stream id or ``None``), ``origin_id``,
+    ``attempt``, ``outcome`` (``ack``, ``retry``, ``drop``, ``retry_after``,
+    ``backoff`` or ``None``) and, for finalization records, ``effect``.
+    """
+    extra: dict[str, Any] = {
+        "subscription": subscription,
+        "entry_id": d.id,
+        "origin_id": d.origin_id,
+        "attempt": d.attempt,
+        "outcome": (outcome.kind.value if isinstance(outcome, Outcome)
+                    else "backoff" if isinstance(outcome, Backoff) else None),
+    }
+    if effect is not None:
+        extra["effect"] = effect
+    return extra
+
+
+def describe_error(err: Exception, cmd: Command) -> str:
+    """``"<error> (XADD on key 'orders')"``: an error reply with its command and key."""
+    from ._core._commands import describe
+
+    return f"{err} ({describe(cmd)})"
+
+
+class ConsumerInfo(Protocol):
+    """What a reader knows of the consumer it runs in."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def shutdown_grace(self) -> float: ...
+
+
+class Context(Protocol):
+    """What a reader needs of the mounted subscription it reads for.
+
+    ``name`` (for logs), ``target`` (the plan table's view of the
+    subscription), ``client`` (the pool: set-up and side commands; the
+    reader's blocking reads go on a connection of its own), ``consumer``
+    (its name and ``shutdown_grace``), ``held`` (stream ids read and not
+    finalized yet), ``stats``; and the hand-over calls.
+    """
+
+    name: str
+    target: Target
+    client: Client
+    consumer: ConsumerInfo
+    held: set[str]
+    stats: MountStats
+
+    async def deliver(self, deliveries: Sequence[Delivery]) -> None:
+        """Hand deliveries to the handlers (waits while they are busy; all or nothing)."""
+        ...
+
+    async def finalize_now(self, items: list[Item]) -> None:
+        """Send precomputed plans (dead letter, lost entry) to the finalizer."""
+        ...
+
+    def handling(self) -> bool:
+        """Whether a delivery read is in hand (neither finalized nor waiting for a backoff)."""
+        ...
+
+
+async def hand_over(ctx: Context, built: Sequence[tuple[Delivery, Plan | None]]) -> None:
+    """Plans first (dead letters, foreign copies), then the deliveries for the handlers."""
+    direct: list[Item] = [(d, p) for d, p in built if p is not None]
+    if direct:
+        await ctx.finalize_now(direct)
+    await ctx.deliver([d for d, p in built if p is None])
+
+
+class Reader(Protocol):
+    """What a subscription form provides: the loop that reads and delivers.
+
+    Forms that leave failed deliveries pending (streams, reliable lists)
+    also offer, looked up with ``getattr``: ``redeliver(ctx, deliveries)``
+    (take due :class:`Backoff` deliveries again as their next attempt and
+    deliver them; returns those to try again a moment later; raises having
+    delivered none, when it could not), and
+    ``leave_pending(ctx, deliveries)`` (forget them: they stay pending for
+    the ordinary recovery).
+    """
+
+    async def run(self, ctx: Context, *, task_status: TaskStatus[None]) -> None: ...
+
+    def abandon(self, deliveries: Sequence[Delivery]) -> Plan | None:
+        """Commands that give back deliveries read but never started (or None)."""
+        ...

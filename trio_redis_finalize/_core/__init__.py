@@ -1,0 +1,14 @@
+"""The sans-IO core: every command the consumer sends is decided here.
+
+Nothing in this package does I/O or imports anyio, trio or the transport
+(``tests/test_architecture.py`` checks it).  The shell (the mount, the
+readers, the scheduler) reads, runs handlers and sends what the core
+decided; the replies come back here to be settled into effects and counts.
+
+* ``_commands``: commands and Lua scripts as plain values; the keys a command names.
+* ``_replies``: error replies as values and :func:`~._replies.classify`.
+* ``_plan``: what an outcome becomes, per form (the table the README shows).
+* ``_scripts``: the Lua scripts the plans run.
+* ``_batch``: a finalizer batch's rounds (fast path, XACK merging, two-step plans).
+* ``_decode``: replies of reads turned into deliveries.
+"""

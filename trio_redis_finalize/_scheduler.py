@@ -1,0 +1,240 @@
+"""Runtime delayed copies: the consumer's one heap of ``retry_after`` copies."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import TYPE_CHECKING, Any, Protocol
+
+import anyio
+from anyio.abc import TaskStatus
+from redis import exceptions as rexc
+
+from ._context import FINALIZE_TIMEOUT, backoff, describe_error, log
+from ._core._commands import Command
+from ._core._plan import FAILED, GATE_CLOSED
+from ._core._replies import FINAL, classify
+
+if TYPE_CHECKING:
+    from ._stats import MountStats
+    from ._transport import Client
+
+__all__ = ["Owner", "Scheduler"]
+
+
+class Owner(Protocol):
+    """Whose copies the scheduler holds (a mount): named in logs, counted in its stats."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def stats(self) -> MountStats: ...
+
+
+class Scheduler:
+    """Runtime delayed copies: one heap and one task per consumer.
+
+    A runtime ``retry_after(delay)`` (the default way for plain and reclaim
+    streams, simple lists and Pub/Sub, and for reliable lists without
+    ``DURABLE_ZSET``) hands the scheduler the commands that write the copy
+    (``XADD``, ``LPUSH``, ``PUBLISH``; for a reliable list the gated
+    copy-then-``LREM`` script, the original staying in the processing list
+    meanwhile).  They wait in one heap, ordered by due time, served by one
+    task (not a task per copy); due copies go out in pipelined batches.
+
+    * At most ``max_held`` copies wait in memory (``open_consumer(...,
+      max_held_copies=...)``).  Past that, a new delayed retry goes out at
+      once (a warning is logged, at most every few seconds, with the count)
+      rather than growing memory.
+    * A copy whose send fails (connection lost, timeout, or an error reply
+      saying the server did not run it: OOM, READONLY, BUSY ...) goes back
+      into the heap and is sent again after a backoff: a copy is never
+      dropped while the consumer runs.  A final error reply (WRONGTYPE ...)
+      is logged with its key and command and counted, not "released".  A
+      send whose reply was lost may be repeated, so a fault can duplicate a
+      copy, never lose it.
+    * :meth:`flush` (graceful shutdown) sends every held copy at once: early
+      rather than lost.  Only a crash of the process loses held copies (a
+      reliable list's original is still in its processing list then).
+
+    ``held_by(mount)`` is what ``consumer.stats()[name]["held"]`` shows.
+    """
+
+    _WARN_EVERY = 5.0
+    """Seconds between two "full" warnings (the ones between are counted)."""
+    _BATCH = 500
+
+    def __init__(self, client: Client, max_held: int = 10_000) -> None:
+        self.client = client
+        self.max_held = max_held
+        self._heap: list[tuple[float, int, Owner, tuple[Command, ...]]] = []
+        self._seq = itertools.count()
+        self._wake = anyio.Event()
+        self._now: list[tuple[Owner, tuple[Command, ...]]] = []  # over the limit: send at once
+        self._held: dict[Owner, int] = {}
+        self._sending = anyio.Lock()
+        self._failures = 0
+        self._overflow = 0
+        self._warned_at = -float("inf")
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def held_by(self, mount: Owner) -> int:
+        """How many copies of ``mount`` wait in memory now."""
+        return self._held.get(mount, 0)
+
+    def _push(self, due: float, mount: Owner, commands: tuple[Command, ...]) -> None:
+        heapq.heappush(self._heap, (due, next(self._seq), mount, commands))
+        self._held[mount] = self._held.get(mount, 0) + 1
+
+    def _pop(self) -> tuple[Owner, tuple[Command, ...]]:
+        _, _, mount, commands = heapq.heappop(self._heap)
+        left = self._held[mount] - 1
+        if left:
+            self._held[mount] = left
+        else:
+            del self._held[mount]
+        return mount, commands
+
+    def hold(self, mount: Owner, delay: float, commands: tuple[Command, ...]) -> None:
+        """Send ``commands`` after ``delay`` seconds (at once when full)."""
+        if len(self._heap) >= self.max_held:
+            self._overflow += 1
+            now = anyio.current_time()
+            if now - self._warned_at >= self._WARN_EVERY:
+                log.warning(
+                    "%s: %d runtime delayed copies already held (max_held_copies=%d); "
+                    "sending %d delayed retr%s now instead of after the delay",
+                    mount.name, len(self._heap), self.max_held, self._overflow,
+                    "y" if self._overflow == 1 else "ies",
+                )
+                self._warned_at = now
+                self._overflow = 0
+            self._now.append((mount, commands))
+        else:
+            self._push(anyio.current_time() + delay, mount, commands)
+        self._wake.set()
+
+    def _take_due(self, now: float) -> list[tuple[Owner, tuple[Command, ...]]]:
+        batch = self._now[: self._BATCH]
+        del self._now[: self._BATCH]
+        while self._heap and self._heap[0][0] <= now and len(batch) < self._BATCH:
+            batch.append(self._pop())
+        return batch
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            if not self._now:
+                if not self._heap:
+                    self._wake = anyio.Event()
+                    await self._wake.wait()
+                    continue
+                due = self._heap[0][0]
+                now = anyio.current_time()
+                if due > now:
+                    self._wake = anyio.Event()
+                    with anyio.move_on_after(due - now):
+                        await self._wake.wait()
+                    continue
+            # taken out of the heap: must not be lost to a cancellation
+            with anyio.CancelScope(shield=True):
+                async with self._sending:
+                    batch = self._take_due(anyio.current_time())
+                    if not batch:
+                        continue
+                    left = await self._send(batch)
+                    if not left:
+                        self._failures = 0
+                        continue
+                    # back into the heap, due after a backoff (never dropped)
+                    due = anyio.current_time() + backoff(self._failures, cap=5.0)
+                    self._failures += 1
+                    for mount, commands in left:
+                        self._push(due, mount, commands)
+
+    async def flush(self, deadline: float) -> None:
+        """Send every held copy now (graceful shutdown), trying until ``deadline``."""
+        async with self._sending:  # a batch being sent by run() is settled first
+            batch = list(self._now)
+            self._now.clear()
+            while self._heap:
+                batch.append(self._pop())
+            if not batch:
+                return
+            log.info("publishing %d held runtime delayed copies at shutdown", len(batch))
+            attempt = 0
+            while batch := await self._send(batch):
+                if anyio.current_time() + backoff(attempt) > deadline:
+                    log.error(
+                        "could not publish %d held runtime delayed copies before shutting "
+                        "down: they are lost (use DelayedRetry.DURABLE_ZSET to keep them in Redis)",
+                        len(batch),
+                    )
+                    for mount, _ in batch:
+                        mount.stats.effects["held_lost"] += 1
+                    return
+                await anyio.sleep(backoff(attempt))
+                attempt += 1
+
+    async def _send(
+        self, batch: list[tuple[Owner, tuple[Command, ...]]]
+    ) -> list[tuple[Owner, tuple[Command, ...]]]:
+        """Send the copies of ``batch``; returns what must be sent again.
+
+        Each entry's commands run in order, each only once the one before
+        it succeeded (a reliable list's cross-slot ``LPUSH`` copy, then the
+        ``LREM`` of the original).  A command the server did not run (OOM,
+        READONLY ...) or whose outcome is unknown (connection lost) comes
+        back, from that command on, to be sent again after a backoff; one
+        that got a final error reply is logged with its key and counted
+        (``finalize_errors``, effect ``failed``), never counted released.
+        """
+        chains = [(mount, list(cmds)) for mount, cmds in batch]
+        left: list[tuple[Owner, tuple[Command, ...]]] = []
+        live = [i for i, (_, cmds) in enumerate(chains) if cmds]
+        for mount, cmds in chains:
+            if not cmds:
+                mount.stats.effects["released"] += 1
+        gate_closed: set[int] = set()
+        while live:
+            commands = [chains[i][1][0] for i in live]
+            try:
+                replies: list[Any] = await self.client.pipeline(
+                    commands, raise_on_error=False, timeout=FINALIZE_TIMEOUT
+                )
+            except (rexc.RedisError, OSError) as e:
+                if classify(e) is not FINAL:
+                    log.warning("sending %d delayed copies failed (%s); sending them again",
+                                len(live), e)
+                    left.extend((chains[i][0], tuple(chains[i][1])) for i in live)
+                    return left
+                replies = [e] * len(commands)
+            deferred: str | None = None
+            step: list[int] = []
+            for i, cmd, r in zip(live, commands, replies, strict=True):
+                mount, cmds = chains[i]
+                if isinstance(r, Exception):
+                    mount.stats.finalize_errors += 1
+                    if classify(r) is not FINAL:
+                        deferred = deferred or describe_error(r, cmd)
+                        left.append((mount, tuple(cmds)))
+                        continue
+                    mount.stats.effects[FAILED] += 1
+                    log.error("%s: delayed copy failed: %s; it is not written", mount.name,
+                              describe_error(r, cmd), extra={"subscription": mount.name})
+                    continue
+                if r is None and cmd[0] == b"EVALSHA":
+                    gate_closed.add(i)  # the original is gone: nothing copied
+                cmds.pop(0)
+                if cmds:
+                    step.append(i)
+                else:
+                    mount.stats.effects[GATE_CLOSED if i in gate_closed else "released"] += 1
+            if deferred is not None:
+                log.warning("sending delayed copies deferred by the server (%s); sending "
+                            "them again", deferred)
+            live = step
+        return left
