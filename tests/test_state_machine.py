@@ -67,6 +67,7 @@ from trio_redis_finalize import (
     retry_after,
 )
 from trio_redis_finalize._core._batch import merge_commands
+from trio_redis_finalize._core._decode import list_delivery
 from trio_redis_finalize._core._plan import Effect, Plan, Target, plan
 from trio_redis_finalize._core._scripts import (
     LIST_COPY_REMOVE,
@@ -75,7 +76,6 @@ from trio_redis_finalize._core._scripts import (
     STREAM_ZADD_ACK,
 )
 from trio_redis_finalize._envelope import unpack_parts
-from trio_redis_finalize._list import build_delivery
 from trio_redis_finalize._reliable_list import ReliableListReader, bumped
 from trio_redis_finalize._stats import MountStats
 from trio_redis_finalize._stream import StreamReader
@@ -802,7 +802,7 @@ class ListMachine(Base):
                 self.queue[raw] -= 1
                 self.processing[c][raw] += 1
                 reader._hold(raw)
-                built.append(build_delivery(stub, Q, raw))
+                built.append(list_delivery(stub.target, Q, raw))
             direct = self._took(c, built)
             if direct:
                 await self.send(client, c, direct, None)

@@ -9,9 +9,9 @@ from anyio.abc import TaskStatus
 from redis import exceptions as rexc
 
 from ._context import FINALIZE_TIMEOUT, Context, backoff, hand_over, log
+from ._core._decode import list_delivery
 from ._core._plan import Plan, Target
 from ._delivery import Delivery
-from ._list import build_delivery
 from ._subscription import Form, Subscription, check_key, check_limits
 from ._transport import Message, PubSub
 
@@ -145,7 +145,7 @@ class PubSubReader:
 
     def _build(self, mount: Context, msg: Message) -> tuple[Delivery, Plan | None]:
         channel = msg.channel.decode("utf-8", "replace")
-        return build_delivery(mount, channel, msg.data)
+        return list_delivery(mount.target, channel, msg.data)
 
     async def run(self, mount: Context, *, task_status: TaskStatus[None]) -> None:
         client = mount.client

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import Any
 
 import anyio
 from anyio.abc import TaskStatus
 from redis import exceptions as rexc
 
 from ._context import FINALIZE_TIMEOUT, READ_MARGIN, Context, backoff, hand_over, log
-from ._core._plan import Effect, Plan, Target, attempt_of, content_origin, plan_dead
+from ._core._decode import list_delivery
+from ._core._plan import Effect, Plan, Target
+from ._core._replies import NOT_RUN, classify
 from ._delivery import Delivery
-from ._envelope import MAGIC, CorruptEnvelope, unwrap
+from ._read_loop import check_type, drive, reader_connection
 from ._subscription import Form, Subscription, check_key, check_limits, check_positive
-from ._transport import NOT_RUN, Client, Connection, WrongTypeError, classify
+from ._transport import Connection
 
 __all__ = ["ListReader", "ListSubscription"]
 
@@ -55,55 +59,6 @@ class ListSubscription(Subscription):
 
 # -- runtime ------------------------------------------------------------------
 
-_MAGIC_HEAD = MAGIC[:1]
-
-
-def open_envelope(raw: bytes) -> tuple[bytes, int, str, str | None]:
-    """``(body, retries, origin id, corrupt reason)`` of a list element or payload.
-
-    A foreign payload (no envelope) is ``(raw, 0, content_origin(raw), None)``;
-    a corrupt envelope is ``(raw, 0, content_origin(raw), reason)``.
-    """
-    try:
-        body, retries, origin = unwrap(raw)
-    except CorruptEnvelope as e:
-        return raw, 0, content_origin(raw), f"corrupt envelope: {e}"
-    return body, retries, origin if origin is not None else content_origin(raw), None
-
-
-def build_delivery(mount: Context, source: str, raw: bytes) -> tuple[Delivery, Plan | None]:
-    """The delivery of ``raw``, and the plan that finalizes it without a handler
-    (corrupt envelope, or already past ``max_attempts``), if any."""
-    if raw[:1] == _MAGIC_HEAD:
-        body, retries, origin, corrupt = open_envelope(raw)
-    else:  # cannot be an envelope: a foreign element
-        body, retries, origin, corrupt = raw, 0, content_origin(raw), None
-    attempt = attempt_of(retries)
-    d = Delivery(
-        source=source, id=None, fields={}, data=body, attempt=attempt, origin_id=origin,
-        raw=raw, retries=retries, mount=mount.name, corrupt=corrupt,
-    )
-    if corrupt is not None:
-        what = "dead-lettered" if mount.target.dead_letter is not None else "dropped"
-        log.error("%s: %s in a %d-byte element from %r (origin %s); %s",
-                  mount.name, corrupt, len(raw), source, origin, what)
-        return d, plan_dead(mount.target, d, corrupt)
-    limit = mount.target.max_attempts
-    if limit is not None and attempt > limit:
-        return d, plan_dead(
-            mount.target, d, f"arrived at attempt {attempt}, past max_attempts={limit}"
-        )
-    return d, None
-
-
-async def check_type(client: Client, key: str, wanted: str, what: str) -> None:
-    """Raise :class:`WrongTypeError` naming ``key`` and its type unless it is ``wanted``."""
-    kind = await client.execute("TYPE", key)
-    kind = kind.decode() if isinstance(kind, bytes) else str(kind)
-    if kind not in (wanted, "none"):
-        raise WrongTypeError(f"WRONGTYPE key {key!r} holds a {kind}, not a {wanted} (mounting {what})")
-
-
 class ListReader:
     """Pops one :class:`ListSubscription` with BRPOP on a dedicated connection.
 
@@ -114,6 +69,7 @@ class ListReader:
 
     def __init__(self, sub: ListSubscription) -> None:
         self.sub = sub
+        self._timeout = f"{max(sub.block, 0.001):.3f}"  # "0.000" would block forever
 
     def abandon(self, deliveries: Sequence[Delivery]) -> Plan | None:
         """RPUSH the elements back, the oldest last (BRPOP takes it first again)."""
@@ -122,13 +78,48 @@ class ListReader:
             return None
         return Plan(Effect.NOTHING, (("RPUSH", self.sub.key, *reversed(raws)),), gated=False)
 
-    async def _give_back(self, mount: Context, raws: list[bytes]) -> None:
+    # -- the read loop's steps (_read_loop.drive) ----------------------------------
+    async def setup(self, ctx: Context) -> None:
+        await check_type(ctx.client, self.sub.key, "list", self.sub.name)
+
+    def background(self, ctx: Context) -> Sequence[Callable[[], Coroutine[Any, Any, None]]]:
+        return ()
+
+    def connection(self, ctx: Context) -> AbstractAsyncContextManager[Connection]:
+        return reader_connection(ctx, self.sub.key)
+
+    async def connected(self, ctx: Context, conn: Connection) -> None:
+        pass
+
+    async def catch_up(self, ctx: Context, conn: Connection) -> None:
+        pass
+
+    async def turn(self, ctx: Context, conn: Connection) -> None:
+        sub = self.sub
+        reply = await conn.execute("BRPOP", sub.key, self._timeout, timeout=sub.block + READ_MARGIN)
+        if reply is None:
+            return
+        raw: bytes = reply[1]
+        try:
+            await hand_over(ctx, [list_delivery(ctx.target, sub.key, raw)])
+        except BaseException:
+            # popped but not handed over (shutdown): put it back
+            await self._give_back(ctx, [raw])
+            raise
+
+    def failed(self, ctx: Context, err: Exception) -> float | None:
+        return None
+
+    async def closing(self, ctx: Context) -> None:
+        pass
+
+    async def _give_back(self, ctx: Context, raws: list[bytes]) -> None:
         with anyio.CancelScope(shield=True), anyio.move_on_after(FINALIZE_TIMEOUT) as scope:
             attempt = 0
             while True:
                 try:
-                    await mount.client.execute("RPUSH", self.sub.key, *reversed(raws),
-                                               timeout=FINALIZE_TIMEOUT)
+                    await ctx.client.execute("RPUSH", self.sub.key, *reversed(raws),
+                                             timeout=FINALIZE_TIMEOUT)
                     return
                 except (rexc.ConnectionError, rexc.TimeoutError, rexc.ResponseError) as e:
                     if classify(e) is NOT_RUN:  # OOM, READONLY ...: did not run, again
@@ -136,53 +127,11 @@ class ListReader:
                         attempt += 1
                         continue
                     log.error("%s: could not push %d popped elements back: %s",
-                              mount.name, len(raws), e)
+                              ctx.name, len(raws), e)
                     return
         if scope.cancelled_caught:
-            log.error("%s: could not push %d popped elements back within %g s", mount.name,
+            log.error("%s: could not push %d popped elements back within %g s", ctx.name,
                       len(raws), FINALIZE_TIMEOUT)
 
-    async def run(self, mount: Context, *, task_status: TaskStatus[None]) -> None:
-        sub = self.sub
-        client = mount.client
-        await check_type(client, sub.key, "list", sub.name)
-        conn: Connection | None = None
-        started = False
-        failures = 0
-        timeout = f"{max(sub.block, 0.001):.3f}"  # "0.000" would block forever
-        try:
-            while True:
-                try:
-                    if conn is None or conn.broken:
-                        conn = await client.connect(name=f"trf:{mount.consumer.name}:reader",
-                                                    key=sub.key)
-                    if not started:
-                        task_status.started()
-                        started = True
-                    reply = await conn.execute("BRPOP", sub.key, timeout,
-                                               timeout=sub.block + READ_MARGIN)
-                    failures = 0
-                except (rexc.RedisError, OSError) as e:
-                    if not started:
-                        raise
-                    mount.stats.read_errors += 1
-                    delay = backoff(failures)
-                    failures += 1
-                    log.warning("%s: read failed (%s); reading again in %.2f s", mount.name, e, delay)
-                    if conn is not None and not isinstance(e, rexc.ResponseError):
-                        await conn.aclose()
-                        conn = None
-                    await anyio.sleep(delay)
-                    continue
-                if reply is None:
-                    continue
-                raw: bytes = reply[1]
-                try:
-                    await hand_over(mount, [build_delivery(mount, sub.key, raw)])
-                except BaseException:
-                    # popped but not handed over (shutdown): put it back
-                    await self._give_back(mount, [raw])
-                    raise
-        finally:
-            if conn is not None:
-                await conn.aclose()
+    async def run(self, ctx: Context, *, task_status: TaskStatus[None]) -> None:
+        await drive(self, ctx, task_status=task_status)

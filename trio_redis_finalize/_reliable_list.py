@@ -22,14 +22,15 @@ from ._context import (
     describe_error,
     log,
 )
+from ._core._decode import list_delivery
 from ._core._plan import Effect, Plan, Target, content_origin, list_copies, list_counted, list_removal
 from ._core._scripts import MOVE_DUE_TO_LIST
 from ._delay_set import move_due
 from ._delivery import Delivery
 from ._envelope import CorruptEnvelope, unwrap, wrap
 from ._keys import derived, same_slot
-from ._list import build_delivery, check_type
 from ._outcome import Outcome, OutcomeKind
+from ._read_loop import check_type
 from ._subscription import (
     DelayedRetry,
     Form,
@@ -429,7 +430,7 @@ class ReliableListReader:
                     continue
                 raw = n
                 unsent[n] = unsent.get(n, 0) + 1
-            built.append(build_delivery(mount, self.sub.queue, raw))
+            built.append(list_delivery(mount.target, self.sub.queue, raw))
         await self._hand_over(mount, built)
         return later
 
@@ -646,7 +647,7 @@ class ReliableListReader:
             else:
                 raw = n
             self._hold(raw)
-            built.append(build_delivery(mount, self.sub.queue, raw))
+            built.append(list_delivery(mount.target, self.sub.queue, raw))
         await self._hand_over(mount, built)
 
     # -- heartbeat and reaper -----------------------------------------------------
@@ -819,7 +820,7 @@ class ReliableListReader:
                         continue
                     for raw in elements:
                         self._hold(raw)
-                    built = [build_delivery(mount, sub.queue, raw) for raw in elements]
+                    built = [list_delivery(mount.target, sub.queue, raw) for raw in elements]
                     before = anyio.current_time()
                     await self._hand_over(mount, built)
                     self._tune(anyio.current_time() - before, previous)
