@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import Any
 
 import anyio
 from anyio.abc import TaskStatus
 from redis import exceptions as rexc
 
-from ._context import FINALIZE_TIMEOUT, Context, backoff, hand_over, log
+from ._context import FINALIZE_TIMEOUT, Context, hand_over, log
 from ._core._decode import list_delivery
 from ._core._plan import Plan, Target
 from ._delivery import Delivery
+from ._read_loop import drive
 from ._subscription import Form, Subscription, check_key, check_limits
-from ._transport import Message, PubSub
+from ._transport import PubSub
 
 __all__ = ["ChannelSubscription", "PatternSubscription", "PubSubReader"]
 
@@ -114,6 +117,7 @@ class PubSubReader:
 
     def __init__(self, sub: ChannelSubscription | PatternSubscription) -> None:
         self.sub = sub
+        self._lost_at: float | None = None  # when the connection was lost (a gap began)
 
     def abandon(self, deliveries: Sequence[Delivery]) -> Plan | None:
         if deliveries:
@@ -121,62 +125,56 @@ class PubSubReader:
                         "at-most-once; they are gone)", self.sub.name, len(deliveries))
         return None
 
-    async def _subscribe(self, ps: PubSub) -> None:
+    # -- the read loop's steps (_read_loop.drive) ----------------------------------
+    async def setup(self, ctx: Context) -> None:
+        pass
+
+    def background(self, ctx: Context) -> Sequence[Callable[[], Coroutine[Any, Any, None]]]:
+        return ()
+
+    def connection(self, ctx: Context) -> AbstractAsyncContextManager[PubSub]:
+        return ctx.client.pubsub(name=f"trf:{ctx.consumer.name}:pubsub")
+
+    async def connected(self, ctx: Context, ps: PubSub) -> None:
+        """Subscribe (confirmed by the server); after a gap, say how long it was."""
         sub = self.sub
         if isinstance(sub, PatternSubscription):
             await ps.psubscribe(sub.pattern, timeout=FINALIZE_TIMEOUT)
         else:
             await ps.subscribe(*sub.channels, timeout=FINALIZE_TIMEOUT)
+        if self._lost_at is not None:
+            gap = anyio.current_time() - self._lost_at
+            ctx.stats.effects["gaps"] += 1
+            log.warning("%s: subscribed again after %.2f s without a connection; messages "
+                        "published meanwhile are lost (Pub/Sub is at-most-once)", ctx.name, gap,
+                        extra={"subscription": ctx.name})
+            self._lost_at = None
 
-    async def _read(self, mount: Context, ps: PubSub) -> None:
-        """Deliver messages until the connection fails (raises)."""
-        while True:
-            msg = await ps.get_message(timeout=_IDLE_PING)
-            if msg is None:
-                await ps.ping(timeout=_PING_TIMEOUT)
-                continue
-            built = [self._build(mount, msg)]
-            while len(built) < _CHUNK:  # what is already received, without waiting
-                more = await ps.get_message(timeout=0)
-                if more is None:
-                    break
-                built.append(self._build(mount, more))
-            await hand_over(mount, built)
+    async def catch_up(self, ctx: Context, ps: PubSub) -> None:
+        pass
 
-    def _build(self, mount: Context, msg: Message) -> tuple[Delivery, Plan | None]:
-        channel = msg.channel.decode("utf-8", "replace")
-        return list_delivery(mount.target, channel, msg.data)
+    async def turn(self, ctx: Context, ps: PubSub) -> None:
+        """Deliver what arrives; a quiet spell is checked with a PING."""
+        msg = await ps.get_message(timeout=_IDLE_PING)
+        if msg is None:
+            await ps.ping(timeout=_PING_TIMEOUT)
+            return
+        target = ctx.target
+        built = [list_delivery(target, msg.channel.decode("utf-8", "replace"), msg.data)]
+        while len(built) < _CHUNK:  # what is already received, without waiting
+            more = await ps.get_message(timeout=0)
+            if more is None:
+                break
+            built.append(list_delivery(target, more.channel.decode("utf-8", "replace"), more.data))
+        await hand_over(ctx, built)
 
-    async def run(self, mount: Context, *, task_status: TaskStatus[None]) -> None:
-        client = mount.client
-        name = f"trf:{mount.consumer.name}:pubsub"
-        started = False
-        failures = 0
-        lost_at: float | None = None
-        while True:
-            try:
-                async with client.pubsub(name=name) as ps:
-                    await self._subscribe(ps)
-                    if lost_at is not None:
-                        gap = anyio.current_time() - lost_at
-                        mount.stats.effects["gaps"] += 1
-                        log.warning("%s: subscribed again after %.2f s without a connection; "
-                                    "messages published meanwhile are lost (Pub/Sub is "
-                                    "at-most-once)", mount.name, gap)
-                        lost_at = None
-                    failures = 0
-                    if not started:
-                        task_status.started()
-                        started = True
-                    await self._read(mount, ps)
-            except (rexc.RedisError, OSError) as e:
-                if not started:
-                    raise
-                mount.stats.read_errors += 1
-                if lost_at is None:
-                    lost_at = anyio.current_time()
-                delay = backoff(failures)
-                failures += 1
-                log.warning("%s: Pub/Sub connection failed (%s); subscribing again in %.2f s",
-                            mount.name, e, delay)
-                await anyio.sleep(delay)
+    def failed(self, ctx: Context, err: Exception) -> float | None:
+        if not isinstance(err, rexc.ResponseError) and self._lost_at is None:
+            self._lost_at = anyio.current_time()  # the connection is gone: so is what is published
+        return None
+
+    async def closing(self, ctx: Context) -> None:
+        pass
+
+    async def run(self, ctx: Context, *, task_status: TaskStatus[None]) -> None:
+        await drive(self, ctx, task_status=task_status)
