@@ -61,6 +61,7 @@ from trio_redis_finalize import (
     _finalizer,
     _mount,
     _scheduler,
+    _shutdown,
     open_consumer,
     retry_after,
 )
@@ -87,6 +88,7 @@ FAULTS = ["before", "after", "crash-before", "crash-after", "cancel-before", "ca
 def _quick_timers(monkeypatch: pytest.MonkeyPatch) -> None:
     # a cancelled finalizer gives up after 0.2 s instead of 10 s at shutdown
     monkeypatch.setattr(_mount, "FINALIZE_GRACE", 0.2)
+    monkeypatch.setattr(_shutdown, "FINALIZE_GRACE", 0.2)
     # a stalled (never cancelled) request times out after 0.3 s instead of 5 s
     monkeypatch.setattr(_finalizer, "FINALIZE_TIMEOUT", 0.3)
     monkeypatch.setattr(_scheduler, "FINALIZE_TIMEOUT", 0.3)

@@ -21,6 +21,7 @@ from ._mount import Mount
 from ._outcome import Backoff, Outcome
 from ._reliable_list import ReliableListReader
 from ._scheduler import Scheduler
+from ._shutdown import CLOSE_MARGIN, Budget, cleanup_until
 from ._stream import StreamReader
 from ._subscription import Form, Subscription
 from ._transport import Client, ClusterClient, open_client
@@ -165,12 +166,12 @@ class Consumer:
         if self._closing:
             return
         self._closing = True
-        grace = self.shutdown_grace
-        with anyio.CancelScope(shield=True):
-            async with anyio.create_task_group() as tg:
+        budget = Budget.from_now(self.shutdown_grace)
+        with cleanup_until(budget.flush + CLOSE_MARGIN):
+            async with anyio.create_task_group() as tg:  # phases 1-4, every mount at once
                 for m in self._mounts:
-                    tg.start_soon(m.stop, grace)
-            await self.scheduler.flush(anyio.current_time() + 10.0)
+                    tg.start_soon(m.stop, budget)
+            await self.scheduler.flush(budget.flush)  # phase 5
 
 
 _READERS: dict[Form, Callable[[Any], Reader]] = {

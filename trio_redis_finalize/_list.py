@@ -17,6 +17,7 @@ from ._core._plan import Effect, Plan, Target
 from ._core._replies import NOT_RUN, classify
 from ._delivery import Delivery
 from ._read_loop import check_type, drive, reader_connection
+from ._shutdown import cleanup
 from ._subscription import Form, Subscription, check_key, check_limits, check_positive
 from ._transport import Connection
 
@@ -114,7 +115,7 @@ class ListReader:
         pass
 
     async def _give_back(self, ctx: Context, raws: list[bytes]) -> None:
-        with anyio.CancelScope(shield=True), anyio.move_on_after(FINALIZE_TIMEOUT) as scope:
+        with cleanup(FINALIZE_TIMEOUT) as scope:
             attempt = 0
             while True:
                 try:

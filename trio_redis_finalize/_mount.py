@@ -49,11 +49,8 @@ On simple lists and Pub/Sub (nothing pending to leave) a ``Backoff`` is a
 logged ``DROP``.  While ``max_attempts`` is None, a delivery that keeps
 failing is logged as a warning at attempts 10, 100, 1000, ...
 
-Shutdown (:meth:`Mount.stop`): cancel the reader (and with it the
-redeliverer: what waits for its backoff stays pending, no timer is waited
-for); handlers finish what they hold within ``shutdown_grace`` and start
-nothing new; the finalizer sends every outcome it was given (shielded,
-time-bounded), then the mount ends.
+Shutdown (:meth:`Mount.stop`): phases 1 to 4 of ``_shutdown``, which
+describes what happens to in-flight deliveries.
 """
 
 from __future__ import annotations
@@ -74,7 +71,6 @@ from anyio.streams.memory import MemoryObjectSendStream as Send
 from redis import exceptions as rexc
 
 from ._context import (
-    FINALIZE_GRACE,
     SETUP_PATIENCE,
     ConsumerInfo,
     Handler,
@@ -90,6 +86,7 @@ from ._core._replies import NOT_RUN, classify
 from ._delivery import Delivery, record_error
 from ._finalizer import Finalizer
 from ._outcome import DROP, Backoff, Outcome
+from ._shutdown import CLOSE_MARGIN, FINALIZE_GRACE, Budget, cleanup, cleanup_until
 from ._stats import MountStats
 from ._subscription import Form, Subscription
 from ._work_queue import WorkQueue
@@ -363,16 +360,15 @@ class Mount:
         finally:
             self._queue.close()
 
-    async def stop(self, grace: float) -> None:
-        """Graceful stop; returns when the mount's tasks have all ended."""
+    async def stop(self, budget: Budget) -> None:
+        """Phases 1 to 4 of the shutdown (``_shutdown``); returns when the
+        mount's tasks have all ended."""
         self.stopping = True
-        self._reader_scope.cancel()
-        self._handlers_scope.deadline = anyio.current_time() + grace
-        self.finalizer.scope.deadline = anyio.current_time() + grace + FINALIZE_GRACE
-        with anyio.CancelScope(shield=True):
-            with anyio.move_on_after(grace + FINALIZE_GRACE + 1.0):
-                await self.done.wait()
-            self._outer_scope.cancel()
+        self._reader_scope.cancel()  # 1: stop reading (and redelivering)
+        self._handlers_scope.deadline = budget.handlers  # 2, then 3 (the give-back)
+        self.finalizer.scope.deadline = budget.finalizer  # 4: to the end of its stream
+        self._outer_scope.deadline = budget.mounts  # whatever still runs then is cancelled
+        with cleanup_until(budget.mounts + CLOSE_MARGIN):
             await self.done.wait()
 
     # -- handlers -------------------------------------------------------------
@@ -389,14 +385,13 @@ class Mount:
                             tg.start_soon(self._handler_loop, send, results)
                     outer.cancel_scope.cancel()  # every loop ended: so does the flusher
         finally:
-            # stopped, or cancelled at the grace deadline: what no handler
-            # started goes back (one cancelled mid-handler stays pending)
-            with anyio.CancelScope(shield=True):
+            # phase 3: stopped, or cancelled at the grace deadline: what no
+            # handler started goes back (one cancelled mid-handler stays pending)
+            with cleanup(FINALIZE_GRACE):
                 unstarted = self._queue.drain()
                 give_back = self.reader.abandon(unstarted) if unstarted else None
                 if give_back is not None:
-                    with anyio.move_on_after(FINALIZE_GRACE):
-                        await senders[0].send([(unstarted[0], give_back)])
+                    await senders[0].send([(unstarted[0], give_back)])
                 for s in senders:
                     await s.aclose()
 
@@ -460,7 +455,7 @@ class Mount:
             if results:
                 batch = results[:]
                 results.clear()
-                with anyio.CancelScope(shield=True), anyio.move_on_after(FINALIZE_GRACE):
+                with cleanup(FINALIZE_GRACE):
                     await send.send(batch)
 
     async def _flusher(self, waiting: list[tuple[list[Item], Send[list[Item]]]]) -> None:
@@ -479,7 +474,7 @@ class Mount:
                     batch = results[:]
                     results.clear()
                     # taken out of the list: must reach the finalizer
-                    with anyio.CancelScope(shield=True), anyio.move_on_after(FINALIZE_GRACE):
+                    with cleanup(FINALIZE_GRACE):
                         await send.send(batch)
             if not found:
                 self._flusher_wake = anyio.Event()

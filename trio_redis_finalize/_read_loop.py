@@ -35,16 +35,14 @@ from redis import exceptions as rexc
 
 from ._context import FINALIZE_TIMEOUT, SETUP_PATIENCE, Context, backoff, log
 from ._core._replies import NOT_RUN, WrongTypeError, classify
+from ._shutdown import CLOSING_TIMEOUT, cleanup
 
 if TYPE_CHECKING:
     from anyio.abc import TaskStatus
 
     from ._transport import Client, Connection
 
-__all__ = ["CLOSING_TIMEOUT", "Steps", "check_type", "drive", "reader_connection"]
-
-CLOSING_TIMEOUT = 1.0
-"""Seconds the reader's ``closing`` step may take at shutdown."""
+__all__ = ["Steps", "check_type", "drive", "reader_connection"]
 
 C = TypeVar("C")
 
@@ -111,7 +109,7 @@ async def drive(steps: Steps[Any], ctx: Context, *, task_status: TaskStatus[None
                     failures += 1
     finally:
         if started:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSING_TIMEOUT):
+            with cleanup(CLOSING_TIMEOUT):
                 try:
                     await steps.closing(ctx)
                 except (rexc.RedisError, OSError) as e:

@@ -14,6 +14,7 @@ from ._context import FINALIZE_TIMEOUT, backoff, describe_error, log
 from ._core._commands import Command
 from ._core._plan import FAILED, GATE_CLOSED
 from ._core._replies import FINAL, classify
+from ._shutdown import cleanup
 
 if TYPE_CHECKING:
     from ._stats import MountStats
@@ -139,21 +140,24 @@ class Scheduler:
                     with anyio.move_on_after(due - now):
                         await self._wake.wait()
                     continue
-            # taken out of the heap: must not be lost to a cancellation
-            with anyio.CancelScope(shield=True):
+            # taken out of the heap: must not be lost to a cancellation (each
+            # of a copy's at most two steps is bounded by FINALIZE_TIMEOUT)
+            left: list[tuple[Owner, tuple[Command, ...]]] = []
+            with cleanup(3 * FINALIZE_TIMEOUT):
                 async with self._sending:
-                    batch = self._take_due(anyio.current_time())
+                    batch = left = self._take_due(anyio.current_time())
                     if not batch:
                         continue
                     left = await self._send(batch)
                     if not left:
                         self._failures = 0
                         continue
-                    # back into the heap, due after a backoff (never dropped)
-                    due = anyio.current_time() + backoff(self._failures, cap=5.0)
-                    self._failures += 1
-                    for mount, commands in left:
-                        self._push(due, mount, commands)
+            # back into the heap, due after a backoff (never dropped; a batch
+            # whose sending ran out of time: all of it, a duplicate at worst)
+            due = anyio.current_time() + backoff(self._failures, cap=5.0)
+            self._failures += 1
+            for mount, commands in left:
+                self._push(due, mount, commands)
 
     async def flush(self, deadline: float) -> None:
         """Send every held copy now (graceful shutdown), trying until ``deadline``."""

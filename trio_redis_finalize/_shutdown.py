@@ -1,0 +1,109 @@
+"""Shutdown in one place: what happens to in-flight deliveries when a consumer stops.
+
+Leaving ``async with open_consumer(...)`` -- normally, by an exception or by
+a cancellation -- runs :meth:`~._consumer.Consumer.aclose`, which runs the
+phases below.  One :class:`Budget`, derived from ``shutdown_grace`` (``g``
+below) when shutdown begins (``t0``), times every phase.
+
+1. **Stop reading** (at ``t0``).  Every mount's reader is cancelled, and with
+   it the redeliverer: a delivery waiting for its :class:`~trio_redis_finalize.Backoff`
+   delay stays pending (stream PEL, processing list), no timer is waited for.
+   A read cut while handing over gives back what it had not handed over
+   (stream: the delivery counts set back; reliable list: ``LMOVE`` back to
+   the queue; simple list: ``RPUSH`` back), within ``FINALIZE_TIMEOUT``.  The
+   reader's ``closing`` step (a reliable list's last heartbeat, whose TTL,
+   :meth:`Budget.heartbeat_ttl`, covers the phases below so that no other
+   consumer reaps the processing list meanwhile) gets ``CLOSING_TIMEOUT``.
+2. **Handlers drain**, until ``t0 + g`` (:attr:`Budget.handlers`): each
+   handler task finishes the delivery it holds and starts nothing new; its
+   outcome goes to the finalizer.  A handler still running at the deadline
+   is cancelled: its delivery stays pending and is delivered again later
+   (streams, reliable lists), or is gone (simple lists, Pub/Sub:
+   at-most-once).
+3. **One give-back plan**: what was read but no handler started goes back in
+   one plan from the reader's ``abandon`` (stream: ``XCLAIM ... RETRYCOUNT``
+   back to the count it had, so the read does not count as an attempt;
+   reliable list: back to the queue; simple list: ``RPUSH``; Pub/Sub: logged,
+   gone), handed to the finalizer within ``FINALIZE_GRACE``.
+4. **The finalizer drains** every outcome and plan it was given, to the end
+   of its stream (the reader and every handler task closed their senders),
+   until ``t0 + g + FINALIZE_GRACE`` (:attr:`Budget.finalizer`); each round
+   trip is bounded by ``FINALIZE_TIMEOUT``.  A finalization cut by that
+   deadline with its outcome unknown hands its runtime delayed copy to the
+   scheduler (a duplicate, never a loss); what was not finalized stays
+   pending.  Should a mount's tasks still run at ``Budget.finalizer +
+   CLOSE_MARGIN`` (:attr:`Budget.mounts`), they are cancelled.
+5. **Scheduler flush**: every runtime ``retry_after`` copy still held in
+   memory is sent at once (early rather than lost), until
+   :attr:`Budget.flush` (``+ FLUSH_GRACE``).
+6. **Close**: the client's connections (the pool's and each reader's own)
+   are closed (``open_consumer``'s exit).
+
+Only a crash loses something: the runtime delayed copies held in memory (use
+``DelayedRetry.DURABLE_ZSET`` to keep them in Redis) and, on simple lists and
+Pub/Sub, what was popped or received.
+
+Every shielded scope of the runtime is made by :func:`cleanup`: shielded
+from the cancellation that stops the runtime, and bounded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import anyio
+
+__all__ = ["CLOSE_MARGIN", "CLOSING_TIMEOUT", "FINALIZE_GRACE", "FLUSH_GRACE", "Budget", "cleanup"]
+
+FINALIZE_GRACE = 10.0
+"""Seconds the finalizer keeps sending after the handlers' deadline (phase 4)."""
+FLUSH_GRACE = 10.0
+"""Seconds the scheduler keeps trying to send the held delayed copies (phase 5)."""
+CLOSE_MARGIN = 1.0
+"""Seconds past the finalizer's deadline before a mount's tasks are cancelled."""
+CLOSING_TIMEOUT = 1.0
+"""Seconds a reader's ``closing`` step may take (phase 1)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Budget:
+    """The deadlines of one shutdown (absolute times of the async clock)."""
+
+    start: float
+    grace: float
+    handlers: float
+    """Phase 2: handlers still running now are cancelled."""
+    finalizer: float
+    """Phase 4: the finalizer stops sending."""
+    mounts: float
+    """A mount's tasks still running now are cancelled."""
+    flush: float
+    """Phase 5: held delayed copies not sent by now are lost."""
+
+    @classmethod
+    def from_now(cls, grace: float) -> Budget:
+        """The budget of a shutdown that begins now, with ``shutdown_grace=grace``."""
+        start = anyio.current_time()
+        finalizer = start + grace + FINALIZE_GRACE
+        return cls(start=start, grace=grace, handlers=start + grace, finalizer=finalizer,
+                   mounts=finalizer + CLOSE_MARGIN, flush=finalizer + CLOSE_MARGIN + FLUSH_GRACE)
+
+    @staticmethod
+    def heartbeat_ttl(grace: float) -> float:
+        """Seconds a reliable list's last heartbeat must live: until the finalizer's deadline."""
+        return grace + FINALIZE_GRACE + CLOSE_MARGIN
+
+
+def cleanup(seconds: float) -> anyio.CancelScope:
+    """A shielded scope that ends after ``seconds``: for cleanup that must run
+    although its task is being cancelled, and must end.
+
+    Use it as ``with cleanup(FINALIZE_TIMEOUT) as scope:``; ``scope.cancelled_caught``
+    tells that the time ran out.
+    """
+    return anyio.CancelScope(shield=True, deadline=anyio.current_time() + seconds)
+
+
+def cleanup_until(deadline: float) -> anyio.CancelScope:
+    """:func:`cleanup` up to an absolute ``deadline`` (a :class:`Budget` field)."""
+    return anyio.CancelScope(shield=True, deadline=deadline)
