@@ -851,7 +851,8 @@ async def _rounds(contenders: Sequence[Contender], n: int, rounds: int) -> list[
 
 
 def _table(title: str, unit: str, stats: list[Stats], rounds: int) -> dict[str, Stats]:
-    floors = [s for s in stats if s.floor is not None]
+    order = {OVL: 0, UNGATED: 1, SEQ: 2}  # the headline first
+    floors = sorted((s for s in stats if s.floor is not None), key=lambda s: order[s.floor or OVL])
     width = max(len(s.label) for s in stats)
     n = stats[0].n
     print(f"\n{title}: {n:,} {unit}, {rounds} interleaved rounds; {unit}/s and server µs per message")
@@ -888,8 +889,8 @@ LEGEND = f"""
 floors: seq = read, then finalize, one after the other on one connection; overlapped = a
   reader task and a finalizer task on two connections, batches through a channel (the
   library's structure; the headline); ungated = RETRY's copy as a bare XADD + XACK, pipelined.
-rates: best / median / worst of the rounds.  ratios: best to best; '~' = indistinguishable:
-  the two bests differ by less than the spread (best - median) of either row.
+rates: best / median / worst of the rounds.  ratios (the headline, /overlapped, first): best
+  to best; '~' = indistinguishable: the bests differ by less than either row's best - median.
 server, µs per message (median): srv CPU = INFO cpu sys+user delta; cmd = commandstats usec
   of the data commands (also those a script called); EVAL = the script calls' usec (the
   commands they called included); busy = server CPU / wall time (server-bound: a round at
@@ -1001,13 +1002,13 @@ def _summary(cells: list[Cell], n: int, rounds: int) -> None:
           "('~' indistinguishable);\n  server CPU µs per message (median): library, the floor"
           " it is compared with, and their ratio;\n  py CPU µs per message (median): library,"
           " that floor")
-    print(f"  {'':{width}}  {'/seq':>8}  {'/overlapped':>12}  {'/ungated':>9}  {'srv CPU':>8}  "
+    print(f"  {'':{width}}  {'/overlapped':>12}  {'/ungated':>9}  {'/seq':>8}  {'srv CPU':>8}  "
           f"{'floor':>6}  {'ratio':>6}  {'':14}  {'py CPU':>6}  {'floor':>6}")
     for c in cells:
-        cols = [ratio(c.lib, c.floors[f]) if f in c.floors else "-" for f in (SEQ, OVL, UNGATED)]
+        cols = [ratio(c.lib, c.floors[f]) if f in c.floors else "-" for f in (OVL, UNGATED, SEQ)]
         base = c.floors.get(UNGATED) or c.floors[OVL]
         which = UNGATED if UNGATED in c.floors else OVL
-        print(f"  {c.name:{width}}  {cols[0]:>8}  {cols[1]:>12}  {cols[2]:>9}  {c.lib.cpu_us:8.2f}  "
+        print(f"  {c.name:{width}}  {cols[0]:>12}  {cols[1]:>9}  {cols[2]:>8}  {c.lib.cpu_us:8.2f}  "
               f"{base.cpu_us:6.2f}  {c.lib.cpu_us / base.cpu_us:5.2f}x  {'(vs ' + which + ')':14}  "
               f"{c.lib.py_us:6.2f}  {base.py_us:6.2f}")
 
