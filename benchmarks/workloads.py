@@ -199,18 +199,20 @@ async def _overlap(reader: Callable[[trio.MemorySendChannel[list[T]]], Awaitable
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(read)
-        async with recv:
-            async for items in recv:
-                batch = list(items)
-                while len(batch) < MAX_BATCH:
-                    try:
-                        batch.extend(recv.receive_nowait())
-                    except (trio.WouldBlock, trio.EndOfChannel):
-                        break
-                done += await finalize(batch)
-                if done >= n:
+        async for items in recv:
+            batch = list(items)
+            while len(batch) < MAX_BATCH:
+                try:
+                    batch.extend(recv.receive_nowait())
+                except (trio.WouldBlock, trio.EndOfChannel):
                     break
+            done += await finalize(batch)
+            if done >= n:
+                break
+        # cancel the reader before closing the channel (else a send it waits
+        # in would fail with BrokenResourceError rather than be cancelled)
         nursery.cancel_scope.cancel()
+    recv.close()
     if done < n:
         raise RuntimeError(f"overlapped floor: {done} of {n} done")
 
