@@ -3,6 +3,10 @@
     python -m benchmarks                # all of them but the optional ones
     python -m benchmarks transport ...  # only these
     python -m benchmarks --peers        # all of them and ``peers``
+    python -m benchmarks workloads 20000 --rounds 7   # options for the named module(s)
+
+Arguments from the first one that starts with ``-`` or a digit on (other
+than ``--peers``) are passed on to the ``main(argv)`` of every named module.
 
 Modules are found by listing this directory: every ``*.py`` whose name does
 not start with ``_`` (so ``__init__``, ``__main__`` and ``_common`` are skipped).
@@ -30,6 +34,8 @@ def main(argv: list[str]) -> int:
     names = discover()
     peers = "--peers" in argv
     argv = [a for a in argv if a != "--peers"]
+    cut = next((i for i, a in enumerate(argv) if a[:1] == "-" or a[:1].isdigit()), len(argv))
+    argv, options = argv[:cut], argv[cut:]
     wanted = argv or [n for n in names if n not in OPTIONAL]
     if peers and "peers" not in wanted:
         wanted.append("peers")
@@ -47,7 +53,10 @@ def main(argv: list[str]) -> int:
             if run is None:
                 print(f"benchmarks.{name}: no main(), skipped")
                 continue
-            run()
+            if options:
+                run(options)
+            else:
+                run()
         except Exception:
             traceback.print_exc()
             failed.append(name)

@@ -1,17 +1,58 @@
-"""Shared helpers for the benchmark modules: a private server, timing, tables."""
+"""Shared helpers for the benchmark modules: a private server, timing, server cost, tables."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib
+import os
 import platform
+import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
 
+import trio_redis_finalize
 from trio_redis_finalize.testing import RedisServer
 
-__all__ = ["Result", "Timer", "print_table", "redis_server"]
+__all__ = ["EVAL_FAMILY", "Meter", "Result", "Sample", "Timer", "internal", "library_banner",
+           "print_table", "redis_server"]
+
+
+def internal(name: str) -> ModuleType:
+    """The library's internal module ``name`` (``"_scripts"`` ...) wherever the
+    imported checkout keeps it: ``trio_redis_finalize._core.<name>`` (since the
+    runtime redesign) or ``trio_redis_finalize.<name>`` (before) -- so that one
+    harness measures old and new checkouts (``TRF_BENCH_LIB``)."""
+    for package in ("trio_redis_finalize._core", "trio_redis_finalize"):
+        try:
+            return importlib.import_module(f"{package}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name not in (package, f"{package}.{name}"):
+                raise
+    raise ModuleNotFoundError(f"trio_redis_finalize has no internal module {name!r}")
+
+
+def library_banner() -> str:
+    """Which ``trio_redis_finalize`` was imported (``TRF_BENCH_LIB``, see
+    ``benchmarks/__init__``) and the git HEAD of its checkout, if any."""
+    root = Path(trio_redis_finalize.__file__).resolve().parent.parent
+    head = "no git checkout"
+    try:
+        out = subprocess.run(["git", "-C", str(root), "log", "-1", "--format=%h %cI %s"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no",
+                                "--", "trio_redis_finalize"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        head = out[:100] + (" (+ uncommitted changes in trio_redis_finalize/)" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    wanted = os.environ.get("TRF_BENCH_LIB")
+    how = f"TRF_BENCH_LIB={wanted}" if wanted else "TRF_BENCH_LIB not set"
+    return f"trio_redis_finalize from {root} [{how}]; HEAD {head}"
 
 
 @contextlib.contextmanager
@@ -22,7 +63,7 @@ def redis_server(*, appendonly: bool = False, extra_args: Sequence[str] = ()) ->
         version = ".".join(map(str, server.version))
         print(
             f"redis-server {version} on port {server.port} ({server.binary}); "
-            f"Python {platform.python_version()} on {sys.platform}",
+            f"Python {platform.python_version()} on {sys.platform}\n{library_banner()}",
             flush=True,
         )
         yield server
@@ -37,6 +78,7 @@ class Timer:
 
     def __enter__(self) -> Timer:
         self._start = time.perf_counter()
+        self._py = time.process_time()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -66,3 +108,95 @@ def print_table(title: str, results: Sequence[Result], *, baseline: str, unit: s
         ratio = f"{r.rate / base:.2f}x" if base else "-"
         print(f"  {r.label:{width}}  {r.rate:12,.0f}  {r.seconds:8.2f}  {ratio:>14}")
     sys.stdout.flush()
+
+
+EVAL_FAMILY = frozenset({"eval", "evalsha", "eval_ro", "evalsha_ro", "fcall", "fcall_ro"})
+_OWN = frozenset({"info", "config|resetstat"})  # the meter's own commands
+
+
+def _text(reply: Any) -> str:
+    return reply.decode() if isinstance(reply, bytes) else str(reply)
+
+
+def _server_cpu(info: str) -> float:
+    """``used_cpu_sys`` + ``used_cpu_user`` of an ``INFO cpu`` reply, seconds."""
+    values = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+    return float(values["used_cpu_sys"]) + float(values["used_cpu_user"])
+
+
+def _commandstats(info: str) -> dict[str, tuple[int, int]]:
+    """``{command: (calls, usec)}`` of an ``INFO commandstats`` reply (the meter's own left out)."""
+    out: dict[str, tuple[int, int]] = {}
+    for line in info.splitlines():
+        if not line.startswith("cmdstat_"):
+            continue
+        name, _, rest = line[len("cmdstat_"):].partition(":")
+        if name in _OWN:
+            continue
+        values = dict(kv.split("=", 1) for kv in rest.split(","))
+        out[name] = (int(values["calls"]), int(values["usec"]))
+    return out
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One measured run: wall seconds, the server's CPU seconds (``INFO cpu``
+    delta) and its ``INFO commandstats`` over the same window, and this process's CPU seconds."""
+
+    seconds: float
+    cpu: float
+    client: float = 0.0  # this process's CPU seconds (library and floors run in it)
+    commands: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (calls, usec)
+
+    @property
+    def cmd_usec(self) -> int:
+        """µs of the data commands, each counted once (also when a script called it)."""
+        return sum(u for name, (_, u) in self.commands.items() if name not in EVAL_FAMILY)
+
+    @property
+    def eval_usec(self) -> int:
+        """µs of the script calls (EVALSHA ...), which include the commands they called."""
+        return sum(u for name, (_, u) in self.commands.items() if name in EVAL_FAMILY)
+
+    @property
+    def busy(self) -> float:
+        """Server CPU as a share of wall time."""
+        return self.cpu / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def client_busy(self) -> float:
+        """This process's CPU as a share of wall time."""
+        return self.client / self.seconds if self.seconds > 0 else 0.0
+
+
+class Meter:
+    """``async with Meter(client) as m: ...`` then ``m.sample``: the timed window,
+    with ``CONFIG RESETSTAT`` and ``INFO cpu`` before it and ``INFO cpu`` +
+    ``INFO commandstats`` after it (all outside the wall time)."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self._cpu = 0.0
+        self._start = 0.0
+        self._py = 0.0
+        self.sample = Sample(0.0, 0.0)
+
+    @property
+    def seconds(self) -> float:
+        return self.sample.seconds
+
+    async def __aenter__(self) -> Meter:
+        await self._client.execute("CONFIG", "RESETSTAT")
+        self._cpu = _server_cpu(_text(await self._client.execute("INFO", "cpu")))
+        self._start = time.perf_counter()
+        self._py = time.process_time()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        seconds = time.perf_counter() - self._start
+        client = time.process_time() - self._py
+        if exc[0] is not None:
+            return
+        cpu = _server_cpu(_text(await self._client.execute("INFO", "cpu"))) - self._cpu
+        stats = _commandstats(_text(await self._client.execute("INFO", "commandstats")))
+        self.sample = Sample(seconds, cpu, client, stats)

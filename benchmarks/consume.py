@@ -43,10 +43,11 @@ from trio_redis_finalize import (
     StreamSubscription,
     open_consumer,
 )
-from trio_redis_finalize._core._scripts import STREAM_COPY_ACK
 from trio_redis_finalize._transport import Client, open_client
 
-from ._common import Result, Timer, print_table, redis_server
+from ._common import Result, Timer, internal, print_table, redis_server
+
+STREAM_COPY_ACK = internal("_scripts").STREAM_COPY_ACK
 
 N = 20_000
 BIG = 200_000

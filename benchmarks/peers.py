@@ -154,7 +154,7 @@ async def _run(url: str, n: int) -> None:
         best = {peer: float("inf"), ours: float("inf")}
         for _ in range(ROUNDS):
             best[peer] = min(best[peer], await faststream_ack(url, client, n))
-            best[ours] = min(best[ours], await lib_stream(url, client, n))
+            best[ours] = min(best[ours], (await lib_stream(url, client, n)).seconds)
         await client.execute("DEL", STREAM)
     results = [Result(label, n, seconds) for label, seconds in best.items()]
     print_table(f"stream ACK, no-op handler: {n:,} entries, COUNT {COUNT} (best of {ROUNDS})",
