@@ -1,7 +1,7 @@
 """The one read loop every form runs: connection, readiness, errors, backoff.
 
 A form's reader (``_stream``, ``_reliable_list``, ``_list``, ``_channel``)
-supplies the steps of :class:`Steps`; :func:`drive` runs them::
+supplies the steps of ``Steps``; ``drive`` runs them::
 
     setup(ctx)                              once (type checks, the group ...)
     background(ctx)                         tasks beside the loop (lease, trim, heartbeat ...)
@@ -15,8 +15,8 @@ supplies the steps of :class:`Steps`; :func:`drive` runs them::
     closing(ctx)                            at the end, shielded and time-bounded
 
 Errors: before ``started`` a reply saying the server did not run a command
-(OOM, BUSY, LOADING ...; :func:`~._core._replies.classify`) is tried again
-for :data:`~._context.SETUP_PATIENCE` seconds, any other error fails
+(OOM, BUSY, LOADING ...; ``_core._replies.classify``) is tried again
+for ``SETUP_PATIENCE`` seconds, any other error fails
 ``mount()``.  Once started, nothing ends the loop but cancellation: an error
 reply keeps the connection (the reader's ``failed`` hook may react, e.g.
 recreate a destroyed group) and the step is tried again after a backoff; a

@@ -1,7 +1,7 @@
 """Shutdown in one place: what happens to in-flight deliveries when a consumer stops.
 
 Leaving ``async with open_consumer(...)`` -- normally, by an exception or by
-a cancellation -- runs :meth:`~._consumer.Consumer.aclose`, which runs the
+a cancellation -- runs :meth:`Consumer.aclose <trio_redis_finalize.Consumer.aclose>`, which runs the
 phases below.  One :class:`Budget`, derived from ``shutdown_grace`` (``g``
 below) when shutdown begins (``t0``), times every phase.
 
