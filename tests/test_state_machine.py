@@ -529,7 +529,7 @@ class StreamMachine(Base):
                 reply = await conn.execute("XREADGROUP", "GROUP", G, c, "COUNT", count,
                                            "STREAMS", S, ">")
             entries = reply[0][1] if reply else []
-            await self.readers[c]._dispatch(stub, entries)
+            await self.readers[c]._hand(stub, entries)
             self._took(c, stub, claimed=False)
             await self._finalize_direct(client, c, stub)
             return len(entries)

@@ -26,7 +26,7 @@ Every error is counted (``read_errors``) and logged with the subscription.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -42,9 +42,10 @@ if TYPE_CHECKING:
 
     from ._transport import Client, Connection
 
-__all__ = ["Steps", "check_type", "drive", "reader_connection"]
+__all__ = ["Steps", "check_type", "drive", "reader_connection", "retry_not_run"]
 
 C = TypeVar("C")
+T = TypeVar("T")
 
 
 class Steps(Protocol[C]):
@@ -159,3 +160,28 @@ async def reader_connection(ctx: Context, key: str) -> AsyncIterator[Connection]
     """A connection of the reader's own (named ``trf:<consumer>:reader``), closed on exit."""
     async with await ctx.client.connect(name=f"trf:{ctx.consumer.name}:reader", key=key) as conn:
         yield conn
+
+
+async def retry_not_run(ctx: Context, fn: Callable[[], Awaitable[T]], *, deadline: float,
+                        what: str) -> T:
+    """``await fn()``, asked again while the server answers that it did not
+    run it (OOM, BUSY, LOADING ...; ``_core._replies.classify``), until
+    ``deadline`` (``anyio.current_time()``); then that error.
+
+    For a step inside a reader's step that must not be taken again from the
+    start (the counts of entries just claimed: a second claim would count
+    another attempt).  Each refusal is counted (``read_errors``) and logged.
+    """
+    failures = 0
+    while True:
+        try:
+            return await fn()
+        except (rexc.RedisError, OSError) as e:
+            if classify(e) is not NOT_RUN or anyio.current_time() >= deadline:
+                raise
+            ctx.stats.read_errors += 1
+            wait = backoff(failures, cap=0.5)
+            failures += 1
+            log.warning("%s: %s refused by the server for now (%s); asking again in %.2f s",
+                        ctx.name, what, e, wait, extra={"subscription": ctx.name})
+            await anyio.sleep(wait)

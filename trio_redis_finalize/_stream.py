@@ -4,21 +4,26 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from contextlib import AbstractAsyncContextManager
+from functools import partial
 from typing import Any
 
 import anyio
 from anyio.abc import TaskStatus
 from redis import exceptions as rexc
 
-from ._context import FINALIZE_TIMEOUT, READ_MARGIN, Context, Item, backoff, log
-from ._core._plan import Effect, Plan, Target, attempt_of, plan_dead, plan_foreign, plan_lost
+from ._context import FINALIZE_TIMEOUT, READ_MARGIN, Context, Item, log
+from ._core._decode import Entry, as_str, id_key, lost_entry, read_entries, stream_deliveries
+from ._core._plan import Effect, Plan, Target
+from ._core._replies import FINAL, NOT_RUN, BusyGroupError, classify, error_code
 from ._core._retention import TRIM_ACKED, TRIM_LIMIT, delete_refusal, group_rows, parse_trim
 from ._core._scripts import move_due_to_stream
 from ._delay_set import move_due
 from ._delivery import Delivery
-from ._envelope import GROUP_FIELD, ORIGIN_FIELD, RETRIES_FIELD
 from ._keys import derived, same_slot
+from ._read_loop import check_type, drive, reader_connection, retry_not_run
+from ._shutdown import cleanup
 from ._subscription import (
     DelayedRetry,
     Form,
@@ -30,17 +35,7 @@ from ._subscription import (
     check_maxlen,
     check_positive,
 )
-from ._transport import (
-    FINAL,
-    NOT_RUN_ERRORS,
-    BusyGroupError,
-    Client,
-    Connection,
-    NoGroupError,
-    Script,
-    WrongTypeError,
-    classify,
-)
+from ._transport import Client, Connection, Script
 
 __all__ = ["MIN_IDLE_FLOOR", "StreamReader", "StreamSubscription"]
 
@@ -270,28 +265,35 @@ return out
 )
 
 
-def _str(b: bytes | str) -> str:
-    return b.decode() if isinstance(b, bytes) else b
-
-
-def _entries(reply: Any) -> list[tuple[bytes, list[bytes] | None]]:
-    """Entries of an XREADGROUP reply for one stream (RESP2)."""
-    if not reply:
-        return []
-    out: list[tuple[bytes, list[bytes] | None]] = reply[0][1]
-    return out
-
-
 class StreamReader:
-    """Reads one :class:`StreamSubscription` on a dedicated connection."""
+    """Reads one :class:`StreamSubscription` on a dedicated connection.
+
+    The steps of :func:`~._read_loop.drive`: ``setup`` (key types, the group,
+    the retention's precondition), ``background`` (the lease in RECLAIM and
+    CLAIMING, the retention trim), ``connected`` (plans a look at the own
+    PEL), ``catch_up`` (a destroyed group recreated, due durable copies
+    moved back, the own PEL recovered, claims), ``turn`` (one
+    ``XREADGROUP``, handed over) and ``failed`` (NOGROUP, UNBLOCKED: the
+    group recreated; a refused step: a recovery planned).  Entries become
+    deliveries in :func:`~._core._decode.stream_deliveries`.
+    """
 
     def __init__(self, sub: StreamSubscription) -> None:
         self.sub = sub
         self._cursor = "0-0"
         self._next_claim = 0.0
         self._next_move = 0.0
-        self._conn: Connection | None = None
-        self._me = ""  # the consumer name (set by run)
+        self._durable = sub.resolved_delay is DelayedRetry.DURABLE_ZSET
+        self._me = ""  # the consumer name (set by setup)
+        self._read: tuple[str | int, ...] = ()  # XREADGROUP ... COUNT n (set by setup)
+        # The own PEL is to be looked at before the next read (after a
+        # (re)connect, a refused step, a lost reply, and every minute while no
+        # entry is in hand); the first look after a start counts a crash.
+        self._recover_due = False
+        self._first_recovery = sub.mode is not Mode.CLAIMING
+        self._next_recover = 0.0
+        # The group was destroyed: recreate it before the next read.
+        self._regroup = False
         # The greatest id this reader knows it was handed (by a read, a claim or
         # a recovery), or the group's last delivered id at start: an own
         # pending entry above it came from a read whose reply was lost.
@@ -330,7 +332,123 @@ class StreamReader:
         )
         return Plan(Effect.NOTHING, commands) if commands else None
 
-    # -- set-up ---------------------------------------------------------------
+    # -- the read loop's steps (_read_loop.drive) --------------------------------
+    async def setup(self, ctx: Context) -> None:
+        """Key types, the group (created when missing), the retention's
+        precondition, and the group's last delivered id."""
+        sub = self.sub
+        client = ctx.client
+        self._me = ctx.consumer.name
+        self._read = ("XREADGROUP", "GROUP", sub.group, self._me, "COUNT", sub.count)
+        await check_type(client, sub.stream, "stream", sub.name)
+        await self._check_keys(ctx)
+        await self._ensure_group(client)
+        await self._check_retention(client)
+        last = await self._group_last(client)
+        if last is not None and (self._last is None or id_key(last) > id_key(self._last)):
+            self._last = last
+        self._next_recover = anyio.current_time() + _RECOVER_EVERY
+
+    def background(self, ctx: Context) -> Sequence[Callable[[], Coroutine[Any, Any, None]]]:
+        tasks: list[Callable[[], Coroutine[Any, Any, None]]] = []
+        if self.sub.mode in (Mode.RECLAIM, Mode.CLAIMING):
+            tasks.append(partial(self._lease, ctx))
+        if self.sub.retention is not None:
+            tasks.append(partial(self._trim, ctx))
+        return tasks
+
+    def connection(self, ctx: Context) -> AbstractAsyncContextManager[Connection]:
+        return reader_connection(ctx, self.sub.stream)
+
+    async def connected(self, ctx: Context, conn: Connection) -> None:
+        # (re)connected: a read's reply may have been lost with the old
+        # connection (CLAIMING claims its own PEL back anyway)
+        self._plan_recovery()
+
+    async def catch_up(self, ctx: Context, conn: Connection) -> None:
+        """The group again if it was destroyed, due durable copies moved back,
+        the own PEL recovered when planned, one page claimed (RECLAIM when
+        due, CLAIMING always)."""
+        sub = self.sub
+        if self._regroup:  # here, so that a connection error is retried
+            await self._ensure_group(ctx.client, self._resume_at())
+            self._regroup = False
+        if self._unsure:  # a read's reply was lost: it may have left entries
+            self._recover_due, self._unsure = True, False
+        if self._durable and anyio.current_time() >= self._next_move:
+            wait = await self._move_due(ctx)
+            self._next_move = anyio.current_time() + wait
+        if self._recover_due:
+            await self._recover(conn, ctx, start=self._first_recovery)
+            self._recover_due = self._first_recovery = False
+        if sub.mode is Mode.CLAIMING or (
+            sub.mode is Mode.RECLAIM and anyio.current_time() >= self._next_claim
+        ):
+            await self._claim(conn, ctx)
+
+    async def turn(self, ctx: Context, conn: Connection) -> None:
+        """One XREADGROUP of new entries, handed over."""
+        sub = self.sub
+        now = anyio.current_time()
+        self._unsure = True
+        if (self._durable and self._next_move <= now) or (
+            sub.mode is not Mode.PLAIN and self._next_claim == 0.0
+        ):
+            # more due copies to move, or more of the PEL to claim: read what
+            # is new without blocking, then go on at once (a BLOCK, however
+            # short, can last the server's timer resolution, 100 ms at the
+            # default hz)
+            reply = await conn.execute(*self._read, "STREAMS", sub.stream, ">",
+                                       timeout=FINALIZE_TIMEOUT)
+        else:
+            block = sub.block
+            if self._durable:
+                block = max(0.001, min(block, self._next_move - now))
+            reply = await conn.execute(
+                *self._read, "BLOCK", max(1, round(block * 1000)), "STREAMS", sub.stream, ">",
+                timeout=block + READ_MARGIN,
+            )
+        self._unsure = False
+        if reply:
+            entries = read_entries(reply)
+            self._last = entries[-1][0]
+            await self._hand(ctx, entries)
+        now = anyio.current_time()
+        if sub.mode is not Mode.CLAIMING and now >= self._next_recover:
+            self._next_recover = now + _RECOVER_EVERY
+            # entries waiting for a backoff are held, not in hand
+            self._recover_due = not ctx.handling()
+
+    def failed(self, ctx: Context, err: Exception) -> float | None:
+        """The group destroyed (NOGROUP; UNBLOCKED: the key was deleted while
+        the read blocked on it, Redis 7+): recreated at once, at the last id
+        this reader delivered.  The server did not run a step (BUSY, OOM, a
+        replica after a failover ...): the own PEL is recovered after the
+        backoff."""
+        if error_code(err) in ("NOGROUP", "UNBLOCKED"):
+            ctx.stats.group_recreated += 1
+            log.warning("%s: group is gone (%s); recreating it at %s, the last id this reader "
+                        "delivered", ctx.name, err, self._resume_at(),
+                        extra={"subscription": ctx.name})
+            self._regroup = True
+            self._unsure = False  # the PEL went with the group
+            self._plan_recovery()
+            return 0.0
+        if classify(err) is NOT_RUN:
+            self._plan_recovery()
+        return None
+
+    async def closing(self, ctx: Context) -> None:
+        pass
+
+    async def run(self, ctx: Context, *, task_status: TaskStatus[None]) -> None:
+        await drive(self, ctx, task_status=task_status)
+
+    def _plan_recovery(self) -> None:
+        """Look at the own PEL before the next read (CLAIMING: its claims do)."""
+        if self.sub.mode is not Mode.CLAIMING:
+            self._recover_due = True
+
     # -- on_error=Backoff: failed entries wait pending, then come back ------------
     async def redeliver(self, mount: Context, deliveries: Sequence[Delivery]) -> list[Delivery]:
         """Deliver again, as their next attempt, entries whose handler failed.
@@ -360,7 +478,7 @@ class StreamReader:
             args += [d.id, d.attempt + 1]
         reply = await mount.client.evalsha(_REDELIVER, (sub.stream,), args, timeout=FINALIZE_TIMEOUT)
         held = mount.held
-        entries: list[tuple[bytes, list[bytes] | None]] = []
+        entries: list[Entry] = []
         counts: dict[bytes, int] = {}
         gone: list[bytes] = []
         for d, r in zip(deliveries, reply, strict=True):
@@ -373,7 +491,8 @@ class StreamReader:
             if r == 0:
                 log.warning("%s: entry %s (attempt %d) is no longer pending for this consumer "
                             "(claimed by another, or acknowledged); not delivered again",
-                            mount.name, d.id, d.attempt)
+                            mount.name, d.id, d.attempt,
+                            extra={"subscription": mount.name, "entry_id": d.id, "attempt": d.attempt})
             else:
                 gone.append(d.id.encode())
         await self._lost(mount, gone)
@@ -389,29 +508,14 @@ class StreamReader:
         in RECLAIM and CLAIMING, for a claim once idle ``min_idle``."""
         mount.held.difference_update([d.id for d in deliveries if d.id is not None])
 
-    async def _check_type(self, client: Client) -> None:
-        kind = _str(await client.execute("TYPE", self.sub.stream))
-        if kind not in ("stream", "none"):
-            raise WrongTypeError(
-                f"WRONGTYPE key {self.sub.stream!r} holds a {kind}, not a stream "
-                f"(mounting {self.sub.name})"
-            )
-
+    # -- set-up ---------------------------------------------------------------
     async def _check_keys(self, mount: Context) -> None:
         """The dead letter must be a stream, the durable delay set a sorted set."""
         t = mount.target
-        wanted: list[tuple[str, str, str]] = []
         if t.dead_letter is not None:
-            wanted.append(("dead_letter", t.dead_letter, "stream"))
+            await check_type(mount.client, t.dead_letter, "stream", f"{self.sub.name}, its dead_letter")
         if t.delayed_retry is DelayedRetry.DURABLE_ZSET:
-            wanted.append(("delay_key", t.delay_key, "zset"))
-        for param, key, want in wanted:
-            kind = _str(await mount.client.execute("TYPE", key, timeout=FINALIZE_TIMEOUT))
-            if kind not in (want, "none"):
-                raise WrongTypeError(
-                    f"WRONGTYPE key {key!r} ({param}) holds a {kind}, not a {want} "
-                    f"(mounting {self.sub.name})"
-                )
+            await check_type(mount.client, t.delay_key, "zset", f"{self.sub.name}, its delay_key")
 
     async def _ensure_group(self, client: Client, at: str | None = None) -> bool:
         try:
@@ -482,132 +586,47 @@ class StreamReader:
         """The group's last delivered id (``XINFO GROUPS``), None if unknown."""
         for row in await client.execute("XINFO", "GROUPS", self.sub.stream, timeout=FINALIZE_TIMEOUT):
             info = dict(zip(row[::2], row[1::2], strict=False))
-            if _str(info.get(b"name", b"")) == self.sub.group:
+            if as_str(info.get(b"name", b"")) == self.sub.group:
                 last = info.get(b"last-delivered-id")
                 return last if isinstance(last, bytes) else None
         return None
 
     # -- deliveries -----------------------------------------------------------
-    def _build(
-        self, mount: Context, eid: bytes, flat: list[bytes], count: int
-    ) -> tuple[Delivery, Plan | None]:
-        """A delivery, and the plan that finalizes it without a handler, if any."""
-        # the entry's own fields, in order, without the header fields (a
-        # repeated header name: its last value counts, as in a mapping)
-        header_names = (RETRIES_FIELD, ORIGIN_FIELD, GROUP_FIELD)
-        body: list[bytes] = []
-        headers: dict[bytes, bytes] = {}
-        for i in range(0, len(flat) - 1, 2):
-            name = flat[i]
-            if name in header_names:
-                headers[name] = flat[i + 1]
-            else:
-                body.append(name)
-                body.append(flat[i + 1])
-        it = iter(body)
-        fields = dict(zip(it, it, strict=False))
-        entry_id = eid.decode()
-        corrupt = None
-        retries = 0
-        raw_retries = headers.get(RETRIES_FIELD)
-        if raw_retries is not None:
-            try:
-                retries = int(raw_retries)
-                if retries < 0:
-                    raise ValueError
-            except ValueError:
-                corrupt = f"corrupt {RETRIES_FIELD.decode()} header {raw_retries!r}"
-                retries = 0
-        raw_origin = headers.get(ORIGIN_FIELD)
-        origin = raw_origin.decode("utf-8", "replace") if raw_origin is not None else entry_id
-        attempt = attempt_of(retries, count)
-        d = Delivery(
-            source=self.sub.stream, id=entry_id, fields=fields, data=None, attempt=attempt,
-            origin_id=origin, retries=retries, mount=mount.name, corrupt=corrupt, flat=body,
-        )
-        group = headers.get(GROUP_FIELD)
-        if group is not None and group != self.sub.group.encode():
-            # a copy another group wrote (RETRY, delayed): that group handles it
-            return d, plan_foreign(mount.target, d)
-        if corrupt is not None:
-            return d, plan_dead(mount.target, d, corrupt)
-        limit = self.sub.max_attempts
-        if limit is not None and attempt > limit:
-            return d, plan_dead(
-                mount.target, d, f"arrived at attempt {attempt}, past max_attempts={limit}"
-            )
-        return d, None
-
-    async def _dispatch(
-        self, mount: Context, entries: list[tuple[bytes, list[bytes] | None]],
-        counts: dict[bytes, int] | None = None,
-    ) -> None:
-        ready: list[Delivery] = []
-        direct: list[Item] = []
-        build = self._build
-        source = self.sub.stream
-        name = mount.name
-        for eid, flat in entries:
-            if flat is None:  # deleted while pending
-                d = Delivery(source=source, id=eid.decode(), fields={}, data=None,
-                             attempt=1, origin_id=eid.decode(), mount=name)
-                log.warning("%s: entry %s was deleted while pending; acknowledged", name,
-                            d.id)
-                direct.append((d, plan_lost(mount.target, d)))
-                continue
-            count = counts.get(eid, 1) if counts else 1
-            if count == 1:
-                it = iter(flat)
-                fields = dict(zip(it, it, strict=False))
-                if (RETRIES_FIELD not in fields and ORIGIN_FIELD not in fields
-                        and GROUP_FIELD not in fields):
-                    # the common case: what _build does for the first delivery of
-                    # an original (no header field, attempt 1: within any limit);
-                    # the entry's list as read is its field list
-                    entry_id = eid.decode()
-                    ready.append(Delivery(source, entry_id, fields, None, 1, entry_id,
-                                          None, 0, name, None, flat))
-                    continue
-            d, p = build(mount, eid, flat, count)
-            if p is None:
-                ready.append(d)
-            else:
-                direct.append((d, p))
-        if direct:
-            await mount.finalize_now(direct)
-        await mount.deliver(ready)
-
     async def _hand(
-        self, mount: Context, entries: list[tuple[bytes, list[bytes] | None]],
-        counts: dict[bytes, int] | None = None,
+        self, mount: Context, entries: list[Entry], counts: dict[bytes, int] | None = None,
     ) -> None:
-        """:meth:`_dispatch`, giving back what a cancellation kept from the handlers.
+        """Hand entries over (decoded by :func:`~._core._decode.stream_deliveries`):
+        plans first, then the deliveries for the handlers.
 
         ``Context.deliver`` hands a batch over all or nothing, so cancelled
         (shutdown) inside, none of ``entries`` reached a handler: their
         delivery counts are set back (see :meth:`abandon`), shielded and
         bounded; should that fail they stay pending as they are.
         """
+        ready, direct = stream_deliveries(mount.target, entries, counts)
         try:
-            await self._dispatch(mount, entries, counts)
+            if direct:
+                await mount.finalize_now([*direct])
+            await mount.deliver(ready)
         except anyio.get_cancelled_exc_class():
             got = counts or {}
             p = self._give_back([(eid, got.get(eid, 1)) for eid, flat in entries if flat is not None])
             if p is not None:
-                with anyio.CancelScope(shield=True), anyio.move_on_after(FINALIZE_TIMEOUT):
+                with cleanup(FINALIZE_TIMEOUT):
                     try:
                         await mount.client.pipeline(p.commands, timeout=FINALIZE_TIMEOUT)
                     except (rexc.RedisError, OSError) as e:
                         log.warning("%s: could not give %d unstarted entries back (%s); they "
-                                    "stay pending", mount.name, len(entries), e)
+                                    "stay pending", mount.name, len(entries), e,
+                                    extra={"subscription": mount.name})
             raise
 
     def _note(self, mount: Context, entries: Sequence[tuple[bytes, Any]], counts: dict[bytes, int]) -> None:
         """Remember what recovery and claims hand over: the last id, counts other than 1."""
         if not entries:
             return
-        top = max((e[0] for e in entries), key=_id_key)
-        if self._last is None or _id_key(top) > _id_key(self._last):
+        top = max((e[0] for e in entries), key=id_key)
+        if self._last is None or id_key(top) > id_key(self._last):
             self._last = top
         given = self._given
         if len(given) > 2 * len(mount.held) + 1000:  # forget what was finalized
@@ -628,7 +647,7 @@ class StreamReader:
             return {}
         sub = self.sub
         rows = await client.execute(
-            "XPENDING", sub.stream, sub.group, min(ids, key=_id_key), max(ids, key=_id_key),
+            "XPENDING", sub.stream, sub.group, min(ids, key=id_key), max(ids, key=id_key),
             len(ids) + 100, consumer, timeout=FINALIZE_TIMEOUT,
         )
         wanted = set(ids)
@@ -651,10 +670,7 @@ class StreamReader:
             if entry_id in held:  # reported already (its acknowledgement is on the way), or handled
                 continue
             held.add(entry_id)  # until finalized: no second report meanwhile
-            d = Delivery(source=self.sub.stream, id=entry_id, fields={}, data=None,
-                         attempt=1, origin_id=entry_id, mount=mount.name)
-            log.warning("%s: entry %s was deleted while pending; acknowledged", mount.name, entry_id)
-            items.append((d, plan_lost(mount.target, d)))
+            items.append(lost_entry(mount.target, entry_id))
         await mount.finalize_now(items)
 
     async def _recover(self, conn: Connection, mount: Context, *, start: bool = False) -> None:
@@ -687,8 +703,8 @@ class StreamReader:
             if not rows:
                 self._taking.clear()  # the whole PEL seen: what is left there is not ours
                 return
-            lo = "(" + _str(rows[-1][0])
-            last = _id_key(self._last) if self._last is not None else (-1, -1)
+            lo = "(" + as_str(rows[-1][0])
+            last = id_key(self._last) if self._last is not None else (-1, -1)
             wanted: dict[int, list[tuple[bytes, int]]] = {}  # attempt -> (id, idle ms)
             held = mount.held
             taking = self._taking
@@ -700,7 +716,7 @@ class StreamReader:
                     n = taking[eid] or n
                 elif start:
                     n += 1
-                elif _id_key(eid) <= last:
+                elif id_key(eid) <= last:
                     if sub.mode is Mode.CLAIMING:
                         continue
                     n += 1
@@ -720,7 +736,7 @@ class StreamReader:
             "XCLAIM", sub.stream, sub.group, mount.consumer.name, min(idle for _, idle in taken),
             *ids, "RETRYCOUNT", n, timeout=FINALIZE_TIMEOUT,
         )
-        entries: list[tuple[bytes, list[bytes] | None]] = [
+        entries: list[Entry] = [
             (e[0], e[1]) for e in reply if e is not None and e[1] is not None
         ]
         got = {e[0] for e in entries}
@@ -748,8 +764,8 @@ class StreamReader:
             round(sub.min_idle * 1000), self._cursor, "COUNT", sub.count,
             timeout=FINALIZE_TIMEOUT,
         )
-        start, self._cursor = self._cursor, _str(reply[0])
-        claimed: list[tuple[bytes, list[bytes] | None]] = [e for e in reply[1] if e is not None]
+        start, self._cursor = self._cursor, as_str(reply[0])
+        claimed: list[Entry] = [e for e in reply[1] if e is not None]
         # claimed (count + 1), not yet handed over: a recovery after a failure
         # below takes them as they are
         self._taking.update(dict.fromkeys([e[0] for e in claimed], None))
@@ -764,26 +780,17 @@ class StreamReader:
                 continue
             mount.stats.effects["lost_before_handling"] += 1
             log.warning("%s: entry %s was deleted while pending; dropped from the PEL",
-                        mount.name, eid.decode())
+                        mount.name, eid.decode(),
+                        extra={"subscription": mount.name, "entry_id": eid.decode()})
         await self._lost(mount, [e[0] for e in claimed if e[1] is None])
         live = [e for e in claimed if e[1] is not None]
         if live:
             ids = [e[0] for e in live]
-            deadline = anyio.current_time() + _CLAIMED_TIMEOUT
-            failures = 0
-            while True:
-                try:
-                    counts = await self._counts(mount.client, mount.consumer.name, ids)
-                    break
-                except NOT_RUN_ERRORS as refused:
-                    if anyio.current_time() >= deadline:
-                        raise
-                    mount.stats.read_errors += 1
-                    delay = backoff(failures, cap=0.5)
-                    failures += 1
-                    log.warning("%s: counts of %d claimed entries refused for now (%s); asking "
-                                "again in %.2f s", mount.name, len(ids), refused, delay)
-                    await anyio.sleep(delay)
+            counts = await retry_not_run(
+                mount, partial(self._counts, mount.client, mount.consumer.name, ids),
+                deadline=anyio.current_time() + _CLAIMED_TIMEOUT,
+                what=f"counts of {len(ids)} claimed entries",
+            )
             # our own entries still being handled, whose lease lapsed (a
             # stalled process): never to a second handler, and their claim
             # did not count an attempt
@@ -791,7 +798,7 @@ class StreamReader:
             if own:
                 log.warning("%s: %d entries being handled were idle min_idle=%g s (lease "
                             "renewal late); kept with their handlers", mount.name, len(own),
-                            sub.min_idle)
+                            sub.min_idle, extra={"subscription": mount.name})
                 p = self._give_back([(eid, counts.get(eid, 2)) for eid in own])
                 if p is not None:
                     await mount.client.pipeline(p.commands, timeout=FINALIZE_TIMEOUT)
@@ -811,7 +818,7 @@ class StreamReader:
         """Acknowledge our pending entries in [start, end) that the stream no longer has."""
         sub = self.sub
         client = mount.client
-        stop = None if end == "0-0" else _id_key(end.encode())
+        stop = None if end == "0-0" else id_key(end.encode())
         lo = start
         page = sub.count + 100
         while True:
@@ -819,7 +826,7 @@ class StreamReader:
                 "XPENDING", sub.stream, sub.group, lo, "+", page, mount.consumer.name,
                 timeout=FINALIZE_TIMEOUT,
             )
-            inside = [r[0] for r in rows if stop is None or _id_key(r[0]) < stop]
+            inside = [r[0] for r in rows if stop is None or id_key(r[0]) < stop]
             candidates = [eid for eid in inside if eid not in claimed and eid.decode() not in mount.held]
             if candidates:
                 found = await client.pipeline(
@@ -829,7 +836,7 @@ class StreamReader:
                                          if not hit])
             if len(rows) < page or len(inside) < len(rows):
                 return
-            lo = "(" + _str(rows[-1][0])
+            lo = "(" + as_str(rows[-1][0])
 
     async def _move_due(self, mount: Context) -> float:
         """Move due copies from the durable delay set; seconds until the next is due."""
@@ -843,7 +850,8 @@ class StreamReader:
             t = mount.target
             mount.stats.read_errors += 1
             log.error("%s: moving due copies from %r back to %r failed: %s; trying again in %g s",
-                      mount.name, t.delay_key, t.source, e, _MOVE_RETRY)
+                      mount.name, t.delay_key, t.source, e, _MOVE_RETRY,
+                      extra={"subscription": mount.name})
             return _MOVE_RETRY
 
     async def _lease(self, mount: Context) -> None:
@@ -865,141 +873,9 @@ class StreamReader:
                         *ids[i : i + 500], "JUSTID", timeout=FINALIZE_TIMEOUT,
                     )
                 except (rexc.ConnectionError, rexc.TimeoutError, rexc.ResponseError) as e:
-                    log.warning("%s: lease renewal failed: %s", mount.name, e)
+                    log.warning("%s: lease renewal failed: %s", mount.name, e,
+                                extra={"subscription": mount.name})
 
     def _resume_at(self) -> str:
         """Where a group destroyed mid-run is recreated: the last id handed over."""
         return self._last.decode() if self._last is not None else self.sub.start_id
-
-    # -- the loop ---------------------------------------------------------------
-    async def run(self, mount: Context, *, task_status: TaskStatus[None]) -> None:
-        sub = self.sub
-        client = mount.client
-        consumer = self._me = mount.consumer.name
-        await self._check_type(client)
-        await self._check_keys(mount)
-        await self._ensure_group(client)
-        await self._check_retention(client)
-        last = await self._group_last(client)
-        if last is not None and (self._last is None or _id_key(last) > _id_key(self._last)):
-            self._last = last
-        first = sub.mode is not Mode.CLAIMING  # the first recovery counts a crash
-        durable = mount.target.delayed_retry is DelayedRetry.DURABLE_ZSET
-        leased = sub.mode in (Mode.RECLAIM, Mode.CLAIMING)
-        recover = sub.mode is not Mode.CLAIMING
-        next_recover = anyio.current_time() + _RECOVER_EVERY
-        started = False
-        failures = 0
-        regroup = False
-        conn: Connection | None = None
-        read_now = ("XREADGROUP", "GROUP", sub.group, consumer, "COUNT", sub.count)
-        read = (*read_now, "BLOCK")
-        claiming = sub.mode is not Mode.PLAIN
-        try:
-            async with anyio.create_task_group() as tg:
-                if leased:
-                    tg.start_soon(self._lease, mount)
-                if sub.retention is not None:
-                    tg.start_soon(self._trim, mount)
-                while True:
-                    try:
-                        if conn is None or conn.broken:
-                            conn = await client.connect(name=f"trf:{consumer}:reader", key=sub.stream)
-                        if regroup:  # here, so that a connection error is retried
-                            await self._ensure_group(client, self._resume_at())
-                            regroup = False
-                        if self._unsure:  # a read's reply was lost: it may have left entries
-                            recover, self._unsure = True, False
-                        block = sub.block
-                        if durable and anyio.current_time() >= self._next_move:
-                            wait = await self._move_due(mount)
-                            self._next_move = anyio.current_time() + wait
-                        if durable:
-                            block = max(0.001, min(block, self._next_move - anyio.current_time()))
-                        if recover:
-                            await self._recover(conn, mount, start=first)
-                            recover = first = False
-                        if sub.mode is Mode.CLAIMING or (
-                            sub.mode is Mode.RECLAIM and anyio.current_time() >= self._next_claim
-                        ):
-                            await self._claim(conn, mount)
-                        if not started:
-                            task_status.started()
-                            started = True
-                        if (durable and self._next_move <= anyio.current_time()) or (
-                            claiming and self._next_claim == 0.0
-                        ):
-                            # more due copies to move, or more of the PEL to claim:
-                            # read what is new without blocking, then go on at once
-                            # (a BLOCK, however short, can last the server's
-                            # timer resolution, 100 ms at the default hz)
-                            self._unsure = True
-                            reply = await conn.execute(
-                                *read_now, "STREAMS", sub.stream, ">", timeout=FINALIZE_TIMEOUT,
-                            )
-                        else:
-                            self._unsure = True
-                            reply = await conn.execute(
-                                *read, max(1, round(block * 1000)), "STREAMS", sub.stream, ">",
-                                timeout=block + READ_MARGIN,
-                            )
-                        self._unsure = False
-                        failures = 0
-                        if reply:
-                            entries = _entries(reply)
-                            self._last = entries[-1][0]
-                            await self._hand(mount, entries)
-                        now = anyio.current_time()
-                        if sub.mode is not Mode.CLAIMING and now >= next_recover:
-                            next_recover = now + _RECOVER_EVERY
-                            # entries waiting for a backoff are held, not in hand
-                            recover = not mount.handling()
-                    except NOT_RUN_ERRORS as e:
-                        # the server did not run it (another client's long script:
-                        # BUSY; OOM; a replica after a failover, loading, slot
-                        # moving ...): wait, read again
-                        if not started:
-                            raise
-                        mount.stats.read_errors += 1
-                        delay = backoff(failures, cap=5.0)
-                        failures += 1
-                        log.warning("%s: server refused the read for now (%s); again in %.2f s",
-                                    mount.name, e, delay)
-                        recover = sub.mode is not Mode.CLAIMING
-                        await anyio.sleep(delay)
-                    except rexc.ResponseError as e:
-                        # NOGROUP; or UNBLOCKED: the key was deleted (FLUSHALL,
-                        # DEL) while this read blocked on it (Redis 7+)
-                        if not started or not (
-                            isinstance(e, NoGroupError) or str(e).startswith("UNBLOCKED")
-                        ):
-                            raise
-                        mount.stats.group_recreated += 1
-                        log.warning("%s: group is gone (%s); recreating it at %s, the last id "
-                                    "this reader delivered", mount.name, e, self._resume_at())
-                        regroup = True
-                        self._unsure = False  # the PEL went with the group
-                        recover = sub.mode is not Mode.CLAIMING
-                    except (rexc.ConnectionError, rexc.TimeoutError, OSError) as e:
-                        if not started:
-                            raise
-                        mount.stats.read_errors += 1
-                        delay = backoff(failures)
-                        failures += 1
-                        log.warning("%s: read failed (%s); reconnecting in %.2f s",
-                                    mount.name, e, delay)
-                        if conn is not None:
-                            await conn.aclose()
-                        conn = None
-                        recover = sub.mode is not Mode.CLAIMING
-                        await anyio.sleep(delay)
-        finally:
-            if conn is not None:
-                await conn.aclose()
-
-
-def _id_key(eid: bytes | str) -> tuple[int, int]:
-    if isinstance(eid, str):
-        eid = eid.encode()
-    ms, _, seq = eid.partition(b"-")
-    return int(ms), int(seq or 0)

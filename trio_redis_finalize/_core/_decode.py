@@ -3,17 +3,31 @@
 :func:`list_delivery` opens the envelope of a list element or a Pub/Sub
 payload; a corrupt one, or one already past ``max_attempts``, comes with
 the plan that finalizes it without a handler (its dead letter).
+:func:`stream_deliveries` does the same for the entries of a stream read
+(``XREADGROUP``, ``XCLAIM``, ``XAUTOCLAIM``): header fields, attempts, copies
+another group wrote, entries deleted while pending.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from .._delivery import Delivery
-from .._envelope import MAGIC, CorruptEnvelope, unwrap
-from ._plan import Plan, Target, attempt_of, content_origin, plan_dead
+from .._envelope import GROUP_FIELD, MAGIC, ORIGIN_FIELD, RETRIES_FIELD, CorruptEnvelope, unwrap
+from ._plan import Plan, Target, attempt_of, content_origin, plan_dead, plan_foreign, plan_lost
 
-__all__ = ["list_delivery", "open_envelope"]
+__all__ = [
+    "Entry",
+    "as_str",
+    "id_key",
+    "list_delivery",
+    "lost_entry",
+    "open_envelope",
+    "read_entries",
+    "stream_deliveries",
+]
 
 log = logging.getLogger("trio_redis_finalize")
 
@@ -56,3 +70,111 @@ def list_delivery(target: Target, source: str, raw: bytes) -> tuple[Delivery, Pl
             target, d, f"arrived at attempt {attempt}, past max_attempts={limit}"
         )
     return d, None
+
+
+# -- streams ------------------------------------------------------------------
+
+Entry = tuple[bytes, list[bytes] | None]
+"""A stream entry as a read answers it: its id and flat field list (name,
+value, ...); ``None`` for an entry deleted while pending (``XCLAIM``)."""
+
+_HEADERS = frozenset((RETRIES_FIELD, ORIGIN_FIELD, GROUP_FIELD))
+
+
+def as_str(b: bytes | str) -> str:
+    """A reply value as text."""
+    return b.decode() if isinstance(b, bytes) else b
+
+
+def id_key(eid: bytes | str) -> tuple[int, int]:
+    """A stream id as ``(ms, seq)``, for ordering."""
+    if isinstance(eid, str):
+        eid = eid.encode()
+    ms, _, seq = eid.partition(b"-")
+    return int(ms), int(seq or 0)
+
+
+def read_entries(reply: Any) -> list[Entry]:
+    """The entries of an ``XREADGROUP`` reply for one stream (RESP2)."""
+    if not reply:
+        return []
+    out: list[Entry] = reply[0][1]
+    return out
+
+
+def lost_entry(target: Target, entry_id: str) -> tuple[Delivery, Plan]:
+    """An entry deleted from the stream while pending, and the plan that
+    acknowledges it (counted ``lost_before_handling``); logged."""
+    d = Delivery(target.source, entry_id, {}, None, 1, entry_id, None, 0, target.name)
+    log.warning("%s: entry %s was deleted while pending; acknowledged", target.name, entry_id,
+                extra={"subscription": target.name, "entry_id": entry_id, "attempt": 1})
+    return d, plan_lost(target, d)
+
+
+def stream_deliveries(
+    target: Target, entries: Sequence[Entry], counts: Mapping[bytes, int] | None = None,
+) -> tuple[list[Delivery], list[tuple[Delivery, Plan]]]:
+    """The deliveries of stream entries: those for the handlers, and those
+    finalized without one, each with its plan.
+
+    ``counts``: server delivery counts of the entries (recovered, claimed);
+    an entry not in it was delivered once.  The header fields
+    (:data:`RETRIES_FIELD`, :data:`ORIGIN_FIELD`, :data:`GROUP_FIELD`) are
+    taken out of ``fields`` and ``flat`` (a repeated one: its last value
+    counts, as in a mapping); the attempt is ``max(retries + 1, count)``.
+    Without a handler: a copy another group wrote (acknowledged as
+    foreign), a corrupt retry counter or an attempt past ``max_attempts``
+    (dead letter), an entry deleted while pending (acknowledged, lost).
+    """
+    ready: list[Delivery] = []
+    direct: list[tuple[Delivery, Plan]] = []
+    source = target.source
+    name = target.name
+    limit = target.max_attempts
+    own_group = target.group.encode()
+    for eid, flat in entries:
+        entry_id = eid.decode()
+        if flat is None:
+            direct.append(lost_entry(target, entry_id))
+            continue
+        it = iter(flat)
+        fields = dict(zip(it, it, strict=False))
+        count = counts.get(eid, 1) if counts else 1
+        if RETRIES_FIELD not in fields and ORIGIN_FIELD not in fields and GROUP_FIELD not in fields:
+            # an original: its field list as read is its own
+            if count == 1:  # the common case: attempt 1, within any max_attempts
+                ready.append(Delivery(source, entry_id, fields, None, 1, entry_id, None, 0, name,
+                                      None, flat))
+                continue
+            body, retries, origin, corrupt, group = flat, 0, entry_id, None, None
+        else:
+            retries, origin, corrupt = 0, entry_id, None
+            raw_retries = fields.pop(RETRIES_FIELD, None)
+            raw_origin = fields.pop(ORIGIN_FIELD, None)
+            group = fields.pop(GROUP_FIELD, None)
+            body = [x for i in range(0, len(flat) - 1, 2) if flat[i] not in _HEADERS
+                    for x in (flat[i], flat[i + 1])]
+            if raw_retries is not None:
+                try:
+                    retries = int(raw_retries)
+                    if retries < 0:
+                        raise ValueError
+                except ValueError:
+                    corrupt = f"corrupt {RETRIES_FIELD.decode()} header {raw_retries!r}"
+                    retries = 0
+            if raw_origin is not None:
+                origin = raw_origin.decode("utf-8", "replace")
+        attempt = attempt_of(retries, count)
+        d = Delivery(source, entry_id, fields, None, attempt, origin, None, retries, name, corrupt,
+                     body)
+        if group is not None and group != own_group:
+            # a copy another group wrote (RETRY, delayed): that group handles it
+            direct.append((d, plan_foreign(target, d)))
+        elif corrupt is not None:
+            direct.append((d, plan_dead(target, d, corrupt)))
+        elif limit is not None and attempt > limit:
+            direct.append((d, plan_dead(
+                target, d, f"arrived at attempt {attempt}, past max_attempts={limit}")))
+        else:
+            ready.append(d)
+    return ready, direct

@@ -1,0 +1,84 @@
+"""Stream entries turned into deliveries, sans-IO (no Redis): ``_core._decode``."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trio_redis_finalize import GROUP_FIELD, ORIGIN_FIELD, RETRIES_FIELD, StreamSubscription
+from trio_redis_finalize._core._decode import Entry, id_key, read_entries, stream_deliveries
+from trio_redis_finalize._core._plan import Effect
+
+HEADERS = (RETRIES_FIELD, ORIGIN_FIELD, GROUP_FIELD)
+TARGET = StreamSubscription("s", "g", max_attempts=3, dead_letter="dead").target("c")
+
+
+def test_an_original_is_its_field_list_at_attempt_one() -> None:
+    flat = [b"a", b"1", b"b", b"2", b"a", b"3"]
+    [d], direct = stream_deliveries(TARGET, [(b"5-1", flat)])
+    assert direct == []
+    assert (d.source, d.id, d.origin_id, d.attempt, d.retries, d.mount) == (
+        "s", "5-1", "5-1", 1, 0, TARGET.name)
+    assert d.fields == {b"a": b"3", b"b": b"2"}  # a repeated name: its last value
+    assert d.field_list == ((b"a", b"1"), (b"b", b"2"), (b"a", b"3"))
+
+
+def test_a_copy_of_this_group_counts_its_retries() -> None:
+    flat = [b"x", b"1", RETRIES_FIELD, b"1", ORIGIN_FIELD, b"1-0", GROUP_FIELD, b"g"]
+    [d], direct = stream_deliveries(TARGET, [(b"9-0", flat)])
+    assert direct == []
+    assert (d.attempt, d.retries, d.origin_id, d.field_list) == (2, 1, "1-0", ((b"x", b"1"),))
+
+
+def test_what_no_handler_sees() -> None:
+    entries: list[Entry] = [
+        (b"1-0", [b"x", b"1", GROUP_FIELD, b"other"]),  # another group's copy
+        (b"2-0", [b"x", b"1", RETRIES_FIELD, b"-1"]),  # corrupt counter
+        (b"3-0", [b"x", b"1", RETRIES_FIELD, b"3"]),  # attempt 4 > max_attempts 3
+        (b"4-0", [b"x", b"1"]),  # server count 4 > max_attempts 3
+        (b"5-0", None),  # deleted while pending
+    ]
+    ready, direct = stream_deliveries(TARGET, entries, {b"4-0": 4})
+    assert ready == []
+    assert [(d.id, p.effect) for d, p in direct] == [
+        ("1-0", Effect.FOREIGN_COPY), ("2-0", Effect.DEAD_LETTERED), ("3-0", Effect.DEAD_LETTERED),
+        ("4-0", Effect.DEAD_LETTERED), ("5-0", Effect.LOST_BEFORE_HANDLING)]
+    assert direct[1][0].corrupt is not None
+
+
+def test_counts_set_the_attempt() -> None:
+    [a, b], _ = stream_deliveries(TARGET, [(b"1-0", [b"x", b"1"]), (b"2-0", [b"x", b"1"])],
+                                  {b"2-0": 2})
+    assert (a.attempt, b.attempt) == (1, 2)
+
+
+def test_read_entries_and_id_key() -> None:
+    assert read_entries(None) == [] and read_entries([]) == []
+    assert read_entries([[b"s", [(b"1-0", [b"a", b"b"])]]]) == [(b"1-0", [b"a", b"b"])]
+    assert id_key(b"10-2") > id_key("9-30") > id_key("9")
+
+
+_NAMES = st.sampled_from([b"a", b"b", b"", *HEADERS])
+_VALUES = st.sampled_from([b"0", b"1", b"2", b"g", b"h", b"x", b"-1"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(_NAMES, _VALUES), max_size=6), st.integers(1, 5))
+def test_against_a_plain_reference(pairs: list[tuple[bytes, bytes]], count: int) -> None:
+    """Fields, field list, retries, origin and attempt as the header rules say."""
+    flat = [x for kv in pairs for x in kv]
+    ready, direct = stream_deliveries(TARGET, [(b"7-0", flat)], {b"7-0": count})
+    [d] = ready + [d for d, _ in direct]
+    own = [(n, v) for n, v in pairs if n not in HEADERS]
+    headers = {n: v for n, v in pairs if n in HEADERS}  # the last value of each
+    assert d.field_list == tuple(own)
+    assert dict(d.fields) == dict(own)
+    raw = headers.get(RETRIES_FIELD)
+    valid = raw is None or (raw.isdigit())
+    retries = int(raw) if raw is not None and valid else 0
+    assert (d.retries, d.corrupt is None) == (retries, valid)
+    assert d.origin_id == (headers[ORIGIN_FIELD].decode() if ORIGIN_FIELD in headers else "7-0")
+    assert d.attempt == max(retries + 1, count)
+    foreign = headers.get(GROUP_FIELD, b"g") != b"g"
+    handled = not foreign and valid and d.attempt <= 3
+    assert bool(ready) == handled
