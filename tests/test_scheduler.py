@@ -21,13 +21,9 @@ import trio
 import trio.testing
 from redis import exceptions as rexc
 
+from trio_redis_finalize._scheduler import Scheduler
 from trio_redis_finalize._stats import MountStats
 from trio_redis_finalize._transport import Client, open_client
-
-try:
-    from trio_redis_finalize._scheduler import Scheduler
-except ImportError:  # until the scheduler has moved out of _consumer (the lead removes this)
-    from trio_redis_finalize._consumer import Scheduler  # type: ignore[assignment]
 
 TIMEOUT = 1_000.0  # mock seconds (the clock jumps: a hang fails at once)
 REAL_TIMEOUT = 10.0  # seconds, for the tests on a real server

@@ -21,10 +21,7 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-try:
-    from trio_redis_finalize._work_queue import WorkQueue
-except ImportError:  # until the queue has moved out of _mount (the lead removes this)
-    from trio_redis_finalize._mount import _WorkQueue as WorkQueue  # type: ignore[assignment]
+from trio_redis_finalize._work_queue import WorkQueue
 
 TIMEOUT = 100.0  # mock seconds: a test that hangs fails at once (the clock jumps)
 
