@@ -159,7 +159,8 @@ class FinalizerCore:
     and its key, for records.  ``gates``: the reader's counted gates, or None.
     """
 
-    __slots__ = ("_cut_warned", "_kinds", "describe", "gates", "is_final", "name", "removals", "target")
+    __slots__ = ("_cut_warned", "_kinds", "_names", "describe", "gates", "is_final", "name",
+                 "removals", "target")
 
     def __init__(
         self,
@@ -176,6 +177,7 @@ class FinalizerCore:
         self.gates = gates
         self.removals = plain_removals(target)
         self._kinds = tuple(self.removals)  # a tuple: `in` by identity, no Enum.__hash__ call
+        self._names = tuple((k, k._value_, e._value_) for k, e in self.removals.items())
         self._cut_warned = False  # claiming: a retry_after longer than min_idle was logged
 
     def batch(self, items: Sequence[Item], *, debug: bool = False) -> FinalizeBatch:
@@ -276,14 +278,16 @@ class FinalizeBatch:
         self._returned = returned
         self._removed = removed
         self._kinds = kinds
-        self._tally: list[tuple[OutcomeKind, int]] = []
+        # the hot path's count per kind: (outcome, effect, n)
+        tally = self._tally = [(o, e, n) for k, o, e in core._names if (n := kinds.count(k))]
         fast: list[Command] = []
         if removed:
             outcomes = self.outcomes
-            tally = self._tally = [(k, n) for k in removable if (n := kinds.count(k))]
-            for kind, n in tally:
-                key = kind._value_
-                outcomes[key] = outcomes.get(key, 0) + n
+            if outcomes:
+                for o, _, n in tally:
+                    outcomes[o] = outcomes.get(o, 0) + n
+            else:
+                self.outcomes = {o: n for o, _, n in tally}
             fast = removal_commands(core.target, removed)
         rest: list[list[Command]]
         owners: list[tuple[int, ...]] | None
@@ -292,7 +296,7 @@ class FinalizeBatch:
             self._got: list[list[Any]] = [[] for _ in plans]  # per plan: its replies so far
         else:
             commands, owners, rest = fast, None, []
-            self._got = []
+            self._got = rest
         gates = core.gates
         if gates is not None:
             # the reader's say on the commands (counted gates for identical
@@ -437,9 +441,8 @@ class FinalizeBatch:
             if self._fast_failed:
                 effects[FAILED] = len(removed)
             else:
-                for kind, n in self._tally:
-                    key = removals[kind]._value_
-                    effects[key] = effects.get(key, 0) + n
+                for _, e, n in self._tally:
+                    effects[e] = n  # one effect per kind
             if debug:
                 for d, outcome in self._items:
                     effect = (removals.get(outcome.kind) if outcome.__class__ is Outcome
