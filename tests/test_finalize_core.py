@@ -1,7 +1,7 @@
-"""The finalizer's sans-IO core (``_core_finalize``): every round shape, no server.
+"""The finalizer's sans-IO core (``_core._finalize``): every round shape, no server.
 
 Plans come from the real planner, errors are classified by the real
-classifier, replies are what the transport returns (values; error replies as
+classifier (``_core._replies.classify``), replies are what the transport returns (values; error replies as
 exception values).  The core is driven as the shell drives it: send
 ``commands()``, answer with ``receive(replies)`` or ``failed(err)``.
 """
@@ -27,20 +27,16 @@ from trio_redis_finalize import (
     StreamSubscription,
     retry_after,
 )
-from trio_redis_finalize._core_finalize import GO, FinalizeBatch, FinalizerCore, Item
-from trio_redis_finalize._plan import FAILED, GATE_CLOSED, Plan, Target, plan_lost
+from trio_redis_finalize._core._finalize import GO, FinalizeBatch, FinalizerCore, Item
+from trio_redis_finalize._core._plan import FAILED, GATE_CLOSED, Plan, Target, plan_lost
+from trio_redis_finalize._core._replies import NotRunError
 from trio_redis_finalize._subscription import DelayedRetry, Mode
-from trio_redis_finalize._transport import FINAL, NotRunError, classify, describe
 
 Command = Sequence[Any]
 
 OOM = NotRunError("OOM command not allowed when used memory > 'maxmemory'.")
 WRONGTYPE = rexc.ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value")
 LOST = rexc.ConnectionError("Connection lost")
-
-
-def is_final(err: BaseException) -> bool:
-    return classify(err) is FINAL
 
 
 def stream(*, cluster: bool = False, **kw: Any) -> Target:
@@ -53,7 +49,7 @@ def dead_cross_slot() -> Target:
 
 
 def core(t: Target, gates: Any = None) -> FinalizerCore:
-    return FinalizerCore(t, is_final=is_final, describe=describe, gates=gates)
+    return FinalizerCore(t, gates=gates)
 
 
 def entry(n: int, attempt: int = 1) -> Delivery:

@@ -3,7 +3,7 @@
 Nothing here does I/O, sleeps or logs.  The shell (the mount's finalizer
 task) drives one :class:`FinalizeBatch` per batch of outcomes, h11-style::
 
-    batch = core.batch(items, debug=log.isEnabledFor(logging.DEBUG))
+    batch = FinalizeBatch(core, items, debug=log.isEnabledFor(logging.DEBUG))
     count(batch.outcomes, batch.refused); emit(batch.records); wait_out(batch.backoffs)
     try:
         while cmds := batch.commands():          # the next round (empty: done)
@@ -26,20 +26,19 @@ What the core decides:
   :func:`~._plan.plain_removals`) get no plan each: one
   :func:`~._plan.removal_commands` removes them all (one ``XACK`` of every
   id on a stream).  Everything else gets its :func:`~._plan.plan`.
-* **The first round** (:func:`first_round`): single-``XACK`` plans merge
+* **The first round** (:func:`~._batch.first_round`): single-``XACK`` plans merge
   with the hot path's ``XACK`` per stream and group; a plan of two ungated
   steps (a copy to another Redis Cluster slot, then the removal of the
   original) sends only its copy; its removal goes in a later round, once
   the copy's reply was a success.  A removal never follows a copy that
   failed, did not run, or whose outcome is unknown.
-* **Error replies** (classified by the ``is_final`` the shell passes in):
-  one that did not run (OOM, BUSY, READONLY ...) is sent again, alone,
-  after a pause; a final one is logged with its command and key, counted,
-  and makes its deliveries' effect ``failed``.  A round trip that failed
-  (connection lost, timeout; or a whole pipeline that did not run) sends the
-  same round again after a pause, and the batch becomes *unsure*: a closed
-  gate then answers that the earlier send did the work
-  (:func:`~._plan.settle`).
+* **Error replies** (:func:`~._replies.classify`): one that did not run
+  (OOM, BUSY, READONLY ...) is sent again, alone, after a pause; a final
+  one is logged with its command and key, counted, and makes its
+  deliveries' effect ``failed``.  A round trip that failed (connection
+  lost, timeout; or a whole pipeline that did not run) sends the same
+  round again after a pause, and the batch becomes *unsure*: a closed gate
+  then answers that the earlier send did the work (:func:`~._plan.settle`).
 * **Counted gates** (reliable lists, identical elements): a :class:`Gates`
   object -- the reader's -- numbers the removals once before the first send
   (``prepare``), again before every resend (``resend``: the copies held
@@ -48,21 +47,19 @@ What the core decides:
   the runtime ``retry_after`` copies to hand the scheduler (only for plans
   whose removal was confirmed; on cancellation every one, duplicate never
   loss), the log records to emit and the stream ids to forget.
-
-``is_final`` and ``describe`` (the command and key, for error records) are
-passed in by the shell while error classification still lives in the
-transport.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
-from ._delivery import Delivery
-from ._errors import AckUnsupported
-from ._outcome import Backoff, Outcome, OutcomeKind
+from .._delivery import Delivery
+from .._errors import AckUnsupported
+from .._outcome import Backoff, Outcome, OutcomeKind
+from ._batch import FAST_ONLY, first_round
+from ._commands import Command
 from ._plan import (
     FAILED,
     GATE_CLOSED,
@@ -75,6 +72,7 @@ from ._plan import (
     removal_commands,
     settle,
 )
+from ._replies import FINAL, classify, describe_error
 
 __all__ = [
     "GO",
@@ -85,11 +83,9 @@ __all__ = [
     "Record",
     "Settlement",
     "Step",
-    "first_round",
     "log_extra",
 ]
 
-Command = Sequence[Any]
 Item = tuple[Delivery, "Outcome | Plan | Backoff"]
 Record = tuple[int, str, tuple[object, ...], dict[str, Any]]
 """A log record to emit: ``(level, message, args, extra)``, for
@@ -147,33 +143,17 @@ class Step:
 GO = Step(0, 0, ())
 """The step after a round that went through: send the next round (if any) now."""
 
-_FAST_ONLY = (-1,)
-"""Owner of a command that removes the hot path's deliveries (no plan)."""
-
-
 class FinalizerCore:
     """The finalizer's fixed decisions for one mounted subscription.
 
-    ``is_final(err)``: whether an error reply (or what a request raised) is
-    final -- sending it again cannot help.  ``describe(cmd)``: the command
-    and its key, for records.  ``gates``: the reader's counted gates, or None.
+    ``gates``: the reader's counted gates (reliable lists), or None.
     """
 
-    __slots__ = ("_cut_warned", "_kinds", "_names", "describe", "gates", "is_final", "name",
-                 "removals", "target")
+    __slots__ = ("_cut_warned", "_kinds", "_names", "gates", "name", "removals", "target")
 
-    def __init__(
-        self,
-        target: Target,
-        *,
-        is_final: Callable[[BaseException], bool],
-        describe: Callable[[Command], str],
-        gates: Gates | None = None,
-    ) -> None:
+    def __init__(self, target: Target, *, gates: Gates | None = None) -> None:
         self.target = target
         self.name = target.name
-        self.is_final = is_final
-        self.describe = describe
         self.gates = gates
         self.removals = plain_removals(target)
         self._kinds = tuple(self.removals)  # a tuple: `in` by identity, no Enum.__hash__ call
@@ -183,9 +163,6 @@ class FinalizerCore:
     def batch(self, items: Sequence[Item], *, debug: bool = False) -> FinalizeBatch:
         """The batch that finalizes ``items``; ``debug``: add a record per delivery finalized."""
         return FinalizeBatch(self, items, debug)
-
-    def describe_error(self, err: BaseException, cmd: Command) -> str:
-        return f"{err} ({self.describe(cmd)})"
 
     def _plan_for(self, d: Delivery, outcome: Outcome | Backoff, b: FinalizeBatch) -> Plan | None:
         """The plan for one outcome; None when refused or when it waits out a
@@ -334,7 +311,7 @@ class FinalizeBatch:
         commands = self._commands
         if not commands:
             raise RuntimeError("failed(): no round is outstanding")
-        if core.is_final(err):
+        if classify(err) is FINAL:
             return self.receive([err] * len(commands))
         # Did not run, or outcome unknown: every command is idempotent or
         # gated (a two-step ungated plan's removal is only sent once its copy
@@ -364,9 +341,8 @@ class FinalizeBatch:
                     self._answers += replies
                 self._commands = []
                 return GO
-            owners = [_FAST_ONLY] * len(commands)
+            owners = [FAST_ONLY] * len(commands)
         core = self._core
-        is_final = core.is_final
         got = self._got
         rest = self._rest
         again: list[Command] = []  # did not run: send again after a pause
@@ -378,15 +354,15 @@ class FinalizeBatch:
         deferred = ""
         for cmd, r, own in zip(commands, replies, owners, strict=True):
             if isinstance(r, Exception):
-                if not is_final(r):
+                if classify(r) is not FINAL:
                     if not again:
-                        deferred = core.describe_error(r, cmd)
+                        deferred = describe_error(r, cmd)
                     again.append(cmd)
                     again_owners.append(own)
                     continue
                 errors += 1
                 records.append((_ERROR, "%s: finalization command failed: %s",
-                                (core.name, core.describe_error(r, cmd)), {"subscription": core.name}))
+                                (core.name, describe_error(r, cmd)), {"subscription": core.name}))
             if track:
                 self._answered.append(cmd)
                 self._answers.append(r)
@@ -532,61 +508,6 @@ class Settlement:
         removals = b._core.removals
         return ([(d, removals[k]._value_) for d, k in zip(b._removed, b._kinds, strict=True)]
                 + [(d, p.effect._value_) for d, p in b._plans])
-
-
-def first_round(
-    fast: Sequence[Command], plans: Sequence[Plan]
-) -> tuple[list[Command], list[tuple[int, ...]], list[list[Command]]]:
-    """The first pipeline of a batch: commands, their owners, the steps left.
-
-    ``owners[i]``: the indexes of the plans that command ``i`` serves (``-1``:
-    the hot path's removals ``fast``).  Single-``XACK`` commands merge per
-    stream and group.  A plan that is not gated and has several steps (a
-    cross-slot copy, then the removal of the original) sends only its first
-    step; ``rest[j]`` holds the others, each sent once the one before it
-    succeeded: a removal never follows a copy that failed or whose outcome
-    is unknown.
-    """
-    out: list[Any] = []
-    owners: list[list[int]] = []
-    rest: list[list[Command]] = [[] for _ in plans]
-    xacks: dict[tuple[Any, Any], int] = {}
-
-    def add(cmds: Sequence[Command], j: int) -> None:
-        if len(cmds) == 1 and cmds[0][0] == "XACK":
-            c = cmds[0]
-            key = (c[1], c[2])
-            at = xacks.get(key)
-            if at is None:
-                xacks[key] = len(out)
-                out.append(["XACK", c[1], c[2], *c[3:]])
-                owners.append([j])
-            else:
-                out[at].extend(c[3:])
-                if j not in owners[at]:
-                    owners[at].append(j)
-            return
-        for c in cmds:
-            out.append(c)
-            owners.append([j])
-
-    if len(fast) == 1:
-        add(fast, -1)
-    else:
-        for c in fast:
-            add((c,), -1)
-    for j, p in enumerate(plans):
-        cmds = p.commands
-        if len(cmds) == 1 and cmds[0][0] != "XACK":  # one script (the common case), inline
-            out.append(cmds[0])
-            owners.append([j])
-            continue
-        if not p.gated and len(cmds) > 1:
-            rest[j] = list(cmds[1:])
-            cmds = cmds[:1]
-        add(cmds, j)
-    commands: list[Command] = [tuple(c) if isinstance(c, list) else c for c in out]
-    return commands, [tuple(o) for o in owners], rest
 
 
 def log_extra(
