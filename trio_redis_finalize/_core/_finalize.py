@@ -255,10 +255,10 @@ class FinalizeBatch:
         self._returned = returned
         self._removed = removed
         self._kinds = kinds
-        # the hot path's count per kind: (outcome, effect, n)
-        tally = self._tally = [(o, e, n) for k, o, e in core._names if (n := kinds.count(k))]
         fast: list[Command] = []
         if removed:
+            # the hot path's count per kind: (outcome, effect, n)
+            tally = self._tally = [(o, e, n) for k, o, e in core._names if (n := kinds.count(k))]
             outcomes = self.outcomes
             if outcomes:
                 for o, _, n in tally:
@@ -427,10 +427,10 @@ class FinalizeBatch:
                         records.append((_DEBUG, "%s: %s (attempt %d) finalized: %s",
                                         (name, d.id or d.origin_id, d.attempt, effect.value),
                                         log_extra(name, d, outcome, effect.value)))
-        unsure = self._unsure
         plans = self._plans
         settled_effects: list[str] = []
-        for (d, p), outcome, rs in zip(plans, self._returned, self._got, strict=True):
+        unsure = self._unsure
+        for (d, p), outcome, rs in zip(plans, self._returned, self._got, strict=True) if plans else ():
             if not p.commands:
                 settled = p.effect._value_
             elif (len(rs) == 1 and len(p.commands) == 1 and (r := rs[0]) is not None
