@@ -143,6 +143,7 @@ class Step:
 GO = Step(0, 0, ())
 """The step after a round that went through: send the next round (if any) now."""
 
+
 class FinalizerCore:
     """The finalizer's fixed decisions for one mounted subscription.
 
