@@ -65,6 +65,7 @@ from trio_redis_finalize import (
     open_consumer,
     retry_after,
 )
+from trio_redis_finalize._core import _finalize as _core_finalize
 from trio_redis_finalize._core import _plan
 from trio_redis_finalize._core._plan import Effect, Plan
 from trio_redis_finalize._core._retention import TRIM_ACKED, parse_trim
@@ -387,7 +388,7 @@ async def run_case(url: str, path: Path, k: int | None, fault: str,
     """Run one case and recovery; returns the report and the number of
     finalization commands the first run sent (``k=None``: the happy path)."""
     if path.planner is not None:
-        monkeypatch.setattr(_finalizer, "plan", path.planner)
+        monkeypatch.setattr(_core_finalize, "plan", path.planner)  # the finalizer core's planner
     case = Case(path, k, fault)
     async with open_client(url) as admin:
         await admin.execute("FLUSHALL")

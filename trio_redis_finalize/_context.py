@@ -15,15 +15,16 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
+from ._core._finalize import log_extra
+from ._core._replies import describe_error
 from ._delivery import Delivery
 from ._outcome import Backoff, Outcome
 
 if TYPE_CHECKING:
     from anyio.abc import TaskStatus
 
-    from ._core._commands import Command
     from ._core._plan import Plan, Target
     from ._stats import MountStats
     from ._transport import Client
@@ -74,36 +75,6 @@ def sole(exc: BaseException) -> BaseException:
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
     return exc
-
-
-def log_extra(
-    subscription: str, d: Delivery, outcome: Outcome | Plan | Backoff | None,
-    effect: str | None = None,
-) -> dict[str, Any]:
-    """The structured fields of a log record about one delivery (``logging`` ``extra=``).
-
-    ``subscription``, ``entry_id`` (stream id or ``None``), ``origin_id``,
-    ``attempt``, ``outcome`` (``ack``, ``retry``, ``drop``, ``retry_after``,
-    ``backoff`` or ``None``) and, for finalization records, ``effect``.
-    """
-    extra: dict[str, Any] = {
-        "subscription": subscription,
-        "entry_id": d.id,
-        "origin_id": d.origin_id,
-        "attempt": d.attempt,
-        "outcome": (outcome.kind.value if isinstance(outcome, Outcome)
-                    else "backoff" if isinstance(outcome, Backoff) else None),
-    }
-    if effect is not None:
-        extra["effect"] = effect
-    return extra
-
-
-def describe_error(err: Exception, cmd: Command) -> str:
-    """``"<error> (XADD on key 'orders')"``: an error reply with its command and key."""
-    from ._core._commands import describe
-
-    return f"{err} ({describe(cmd)})"
 
 
 class ConsumerInfo(Protocol):

@@ -81,7 +81,7 @@ from ._context import (
     log_extra,
     sole,
 )
-from ._core._plan import Effect, Plan, Target, plan_dead
+from ._core._plan import Effect, Target
 from ._core._replies import NOT_RUN, classify
 from ._delivery import Delivery, record_error
 from ._finalizer import Finalizer
@@ -181,7 +181,8 @@ class Mount:
         self.held: set[str] = set()  # stream ids read and not yet finalized
         self.finalizer = Finalizer(
             name=self.name, target=target, client=client, stats=self.stats, held=self.held,
-            scheduler=scheduler, owner=self, back_off=self._back_off, reader=reader, settled=self.settled,
+            scheduler=scheduler, owner=self, wait_out=self._wait_out,
+            gates=getattr(reader, "gates", None), settled=self.settled,
         )
         self.stopping = False
         self.done = anyio.Event()
@@ -229,14 +230,11 @@ class Mount:
         if waiting[0][2] is d:  # the next due: the redeliverer's timer changes
             self._waiting_wake.set()
 
-    def _back_off(self, d: Delivery, b: Backoff) -> Plan | None:
-        """A failed delivery under ``on_error=Backoff``: wait, or the dead letter at the end."""
+    def _wait_out(self, d: Delivery, b: Backoff) -> None:
+        """A failed delivery under ``on_error=Backoff`` before its last attempt
+        (the finalizer's core dead-letters that one): it waits for its delay,
+        or, with no room, is left pending for the ordinary recovery."""
         stats = self.stats
-        stats.outcomes["backoff"] += 1
-        t = self.target
-        if t.max_attempts is not None and d.attempt >= t.max_attempts:
-            # as a RETRY at the last attempt: dead letter (copy, then remove) or drop
-            return plan_dead(t, d, f"max_attempts={t.max_attempts} reached at attempt {d.attempt}")
         extra = log_extra(self.name, d, b)
         if self._redeliver is None or len(self._waiting) >= MAX_WAITING:
             # no room (memory): pending all the same, for the ordinary recovery
@@ -264,7 +262,6 @@ class Mount:
                           d.id or d.origin_id, d.attempt, delay, extra={**extra, "effect": effect})
         if self.settled is not None:
             self.settled([(d, effect)])
-        return None
 
     async def _redeliverer(
         self, redeliver: Callable[[Mount, list[Delivery]], Awaitable[list[Delivery]]]

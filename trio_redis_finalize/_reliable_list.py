@@ -23,6 +23,7 @@ from ._context import (
     log,
 )
 from ._core._decode import list_delivery
+from ._core._finalize import Gates
 from ._core._plan import Effect, Plan, Target, content_origin, list_copies, list_counted, list_removal
 from ._core._scripts import MOVE_DUE_TO_LIST
 from ._delay_set import move_due
@@ -465,6 +466,12 @@ class ReliableListReader:
             _dec(self._held, e)
             if e in self._leftover:
                 self._rescan_wanted = True
+
+    @property
+    def gates(self) -> Gates:
+        """The counted gates the finalizer's core uses for this reader's
+        removals (:meth:`prepare`, :meth:`resend`, :meth:`settle`)."""
+        return self
 
     def prepare(self, commands: list[Command]) -> list[Command]:
         """The finalizer calls this once per batch before it is first sent (a

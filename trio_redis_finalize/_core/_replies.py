@@ -29,6 +29,7 @@ __all__ = [
     "NotRunError",
     "WrongTypeError",
     "classify",
+    "describe_error",
     "error_code",
     "raise_first_error",
     "with_context",
@@ -76,9 +77,14 @@ class NotRunError(rexc.ResponseError):
     error (Redis 6.2: ``Error running script ... -READONLY ...``)."""
 
 
+def describe_error(err: BaseException, command: Command) -> str:
+    """``"<error> (XADD on key 'orders')"``: an error reply with its command and key."""
+    return f"{err} ({describe(command)})"
+
+
 def with_context(err: rexc.RedisError, command: Command) -> rexc.RedisError:
     """A copy of ``err`` of the same class whose message names the command and key."""
-    msg = f"{err} ({describe(command)})"
+    msg = describe_error(err, command)
     try:
         new = type(err)(msg)
     except Exception:  # pragma: no cover - exotic constructor

@@ -1,0 +1,553 @@
+"""The finalizer's sans-IO core (``_core._finalize``): every round shape, no server.
+
+Plans come from the real planner, errors are classified by the real
+classifier (``_core._replies.classify``), replies are what the transport returns (values; error replies as
+exception values).  The core is driven as the shell drives it: send
+``commands()``, answer with ``receive(replies)`` or ``failed(err)``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from redis import exceptions as rexc
+
+from trio_redis_finalize import (
+    ACK,
+    DROP,
+    RETRY,
+    Backoff,
+    Delivery,
+    ListSubscription,
+    ReliableListSubscription,
+    StreamSubscription,
+    retry_after,
+)
+from trio_redis_finalize._core._finalize import GO, FinalizeBatch, FinalizerCore, Item
+from trio_redis_finalize._core._plan import FAILED, GATE_CLOSED, Plan, Target, plan_lost
+from trio_redis_finalize._core._replies import NotRunError
+from trio_redis_finalize._subscription import DelayedRetry, Mode
+
+Command = Sequence[Any]
+
+OOM = NotRunError("OOM command not allowed when used memory > 'maxmemory'.")
+WRONGTYPE = rexc.ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value")
+LOST = rexc.ConnectionError("Connection lost")
+
+
+def stream(*, cluster: bool = False, **kw: Any) -> Target:
+    return StreamSubscription("orders", "billing", **kw).target("c1", cluster=cluster)
+
+
+def dead_cross_slot() -> Target:
+    """Dead letters in another cluster slot: a RETRY at the last attempt is two ungated steps."""
+    return stream(cluster=True, max_attempts=3, dead_letter="dead-orders")
+
+
+def core(t: Target, gates: Any = None) -> FinalizerCore:
+    return FinalizerCore(t, gates=gates)
+
+
+def entry(n: int, attempt: int = 1) -> Delivery:
+    return Delivery(source="orders", id=f"{n}-0", fields={b"k": b"v"}, data=None,
+                    attempt=attempt, origin_id=f"{n}-0", mount="m")
+
+
+def element(body: bytes, attempt: int = 1) -> Delivery:
+    return Delivery(source="q", id=None, fields={}, data=body, attempt=attempt,
+                    origin_id="o-" + body.decode(), raw=body, mount="m")
+
+
+def ok(cmd: Command) -> Any:
+    """A success reply to ``cmd``."""
+    head = cmd[0]
+    if head == "XADD":
+        return b"9-0"
+    if head == b"EVALSHA":
+        return b"9-0"
+    return 1
+
+
+def all_ok(cmds: Sequence[Command]) -> list[Any]:
+    return [ok(c) for c in cmds]
+
+
+def run_ok(b: FinalizeBatch) -> list[list[Command]]:
+    """Answer every round with success; the rounds sent."""
+    rounds = []
+    while cmds := b.commands():
+        rounds.append(list(cmds))
+        assert b.receive(all_ok(cmds)) is GO
+    return rounds
+
+
+# -- the hot path --------------------------------------------------------------------
+
+
+def test_fast_path_only_is_one_xack_and_one_round() -> None:
+    items: list[Item] = [(entry(1), ACK), (entry(2), DROP), (entry(3), ACK)]
+    b = core(stream()).batch(items)
+    assert b.outcomes == {"ack": 2, "drop": 1}
+    assert b.records == [] and b.backoffs == [] and b.refused == 0
+    assert b.commands() == [("XACK", "orders", "billing", "1-0", "2-0", "3-0")]
+    assert b.receive([3]) is GO
+    assert b.commands() == []
+    s = b.result()
+    assert s.effects == {"acked": 2, "dropped": 1}
+    assert s.records == [] and s.later == []
+    assert s.forget() == ["1-0", "2-0", "3-0"]
+    assert [e for _, e in s.deliveries()] == ["acked", "dropped", "acked"]
+
+
+def test_fast_path_with_delete_on_finalize_is_xack_then_xdel() -> None:
+    from trio_redis_finalize._subscription import Retention
+
+    b = core(stream(retention=Retention.DELETE_ON_FINALIZE)).batch([(entry(1), ACK)])
+    assert b.commands() == [("XACK", "orders", "billing", "1-0"), ("XDEL", "orders", "1-0")]
+    assert b.receive([1, 1]) is GO
+    assert b.result().effects == {"acked": 1}
+
+
+def test_fast_path_final_error_reply_fails_every_removal() -> None:
+    b = core(stream()).batch([(entry(1), ACK), (entry(2), ACK)])
+    step = b.receive([WRONGTYPE])
+    assert step.errors == 1 and step.pause == 0
+    [(level, msg, args, _)] = step.records
+    assert level == logging.ERROR and "finalization command failed" in msg
+    assert "XACK on key 'orders'" in str(args[1])
+    assert b.commands() == []
+    s = b.result()
+    assert s.effects == {FAILED: 2}
+    assert s.forget() == ["1-0", "2-0"]  # forgotten even when failed: the own-PEL re-read
+    assert [e for _, e in s.deliveries()] == [FAILED, FAILED]
+    assert [e for _, e in s.planned()] == ["acked", "acked"]
+
+
+def test_fast_path_not_run_is_sent_again_after_a_pause() -> None:
+    b = core(stream()).batch([(entry(1), ACK), (entry(2), ACK)])
+    first = b.commands()
+    step = b.receive([OOM])
+    assert step.errors == 1 and step.pause == 1
+    assert "deferred by the server" in step.records[0][1]
+    assert b.commands() == first
+    step = b.receive([OOM])
+    assert step.pause == 2  # one more pause in a row
+    assert b.receive([2]) is GO
+    assert b.result().effects == {"acked": 2}
+
+
+def test_fast_path_on_a_reliable_list_is_one_lrem_each() -> None:
+    t = ReliableListSubscription("q").target("c1")
+    b = core(t).batch([(element(b"a"), ACK), (element(b"b"), DROP)])
+    assert b.commands() == [("LREM", t.processing, 1, b"a"), ("LREM", t.processing, 1, b"b")]
+    step = b.receive([1, WRONGTYPE])
+    assert step.errors == 1
+    # one failed removal fails the hot path's count (as the shell always did)
+    assert b.result().effects == {FAILED: 2}
+    assert b.result().forget() == []  # list elements have no stream id
+
+
+# -- plans ---------------------------------------------------------------------------
+
+
+def test_plans_only_gated_scripts_copied_and_gate_closed() -> None:
+    b = core(stream()).batch([(entry(1), RETRY), (entry(2), RETRY)])
+    assert b.outcomes == {"retry": 2}
+    cmds = b.commands()
+    assert [c[0] for c in cmds] == [b"EVALSHA", b"EVALSHA"]
+    assert b.receive([b"9-0", None]) is GO
+    s = b.result()
+    assert s.effects == {"copied": 1, GATE_CLOSED: 1}
+    [(level, msg, _, extra)] = s.records
+    assert level == logging.INFO and "no longer pending" in msg
+    assert extra["effect"] == GATE_CLOSED and extra["entry_id"] == "2-0"
+    assert [e for _, e in s.deliveries()] == ["copied", GATE_CLOSED]
+
+
+def test_plan_final_error_is_failed_and_logged() -> None:
+    b = core(stream()).batch([(entry(1), RETRY)])
+    step = b.receive([WRONGTYPE])
+    assert step.errors == 1 and step.pause == 0
+    s = b.result()
+    assert s.effects == {FAILED: 1}
+    assert [r[0] for r in s.records] == [logging.ERROR]
+    assert "stays where it was" in s.records[0][1]
+
+
+def test_xack_plans_merge_with_the_fast_path() -> None:
+    t = stream()
+    lost = plan_lost(t, entry(7))
+    b = core(t).batch([(entry(1), ACK), (entry(7), lost), (entry(2), ACK)])
+    assert b.commands() == [("XACK", "orders", "billing", "1-0", "2-0", "7-0")]
+    assert b.receive([3]) is GO
+    assert b.result().effects == {"acked": 2, "lost_before_handling": 1}
+
+
+def test_merged_xack_final_error_fails_the_plan_and_the_fast_path() -> None:
+    t = stream()
+    b = core(t).batch([(entry(1), ACK), (entry(7), plan_lost(t, entry(7)))])
+    step = b.receive([WRONGTYPE])
+    assert step.errors == 1
+    assert b.result().effects == {FAILED: 2}
+
+
+def test_not_run_reply_resends_only_that_command() -> None:
+    b = core(stream()).batch([(entry(1), ACK), (entry(2), RETRY), (entry(3), RETRY)])
+    _xack, copy2, _copy3 = b.commands()
+    step = b.receive([1, OOM, b"9-0"])
+    assert step.errors == 1 and step.pause == 1
+    assert b.commands() == [copy2]
+    assert b.receive([b"9-1"]) is GO
+    assert b.commands() == []
+    assert b.result().effects == {"acked": 1, "copied": 2}
+
+
+def test_a_connection_error_sends_everything_again_unsure() -> None:
+    b = core(stream()).batch([(entry(1), ACK), (entry(2), RETRY)])
+    first = b.commands()
+    step = b.failed(LOST)
+    assert step.errors == 1 and step.pause == 1
+    assert "finalization of 2 deliveries failed" in step.records[0][1] % step.records[0][2]
+    assert b.commands() == first
+    # the lost send did the work: the resend finds the gate closed -- counted once as copied
+    assert b.receive([0, None]) is GO
+    s = b.result()
+    assert s.effects == {"acked": 1, "copied": 1}
+    assert s.records == []
+
+
+def test_failed_with_a_final_error_counts_every_command_as_failed() -> None:
+    b = core(stream()).batch([(entry(1), ACK), (entry(2), RETRY)])
+    step = b.failed(WRONGTYPE)
+    assert step.errors == 2 and step.pause == 0
+    assert b.commands() == []
+    assert b.result().effects == {FAILED: 2}
+
+
+def test_pause_resets_after_a_round_that_went_through() -> None:
+    b = core(dead_cross_slot()).batch([(entry(1, attempt=3), RETRY), (entry(2), RETRY)])
+    assert b.failed(LOST).pause == 1
+    copy, _script = b.commands()
+    assert b.receive([OOM, b"9-0"]).pause == 2
+    assert b.commands() == [copy]
+    assert b.receive([b"9-1"]) is GO  # the copy went through; its removal next, no pause
+    assert b.commands()[0][0] == "XACK"
+    assert b.receive([OOM]).pause == 1
+
+
+# -- two ungated steps (a copy to another cluster slot, then the removal) ---------------
+
+
+def test_two_step_copy_ok_then_removal() -> None:
+    b = core(dead_cross_slot()).batch([(entry(1, attempt=3), RETRY)])
+    (copy,) = b.commands()
+    assert copy[0] == "XADD" and copy[1] == "dead-orders"
+    assert b.receive([b"9-0"]) is GO
+    assert b.commands() == [("XACK", "orders", "billing", "1-0")]
+    assert b.receive([1]) is GO
+    s = b.result()
+    assert s.effects == {"dead_lettered": 1}
+    [(level, _msg, args, _)] = s.records  # the plan's warning
+    assert level == logging.WARNING and "dead-lettered" in str(args[0])
+
+
+def test_two_step_copy_failed_never_sends_the_removal() -> None:
+    b = core(dead_cross_slot()).batch([(entry(1, attempt=3), RETRY), (entry(2), ACK)])
+    xack, _copy = b.commands()
+    assert xack == ("XACK", "orders", "billing", "2-0")
+    step = b.receive([1, WRONGTYPE])
+    assert step.errors == 1
+    assert b.commands() == []
+    s = b.result()
+    assert s.effects == {"acked": 1, FAILED: 1}
+
+
+def test_two_step_copy_not_run_then_ok() -> None:
+    b = core(dead_cross_slot()).batch([(entry(1, attempt=3), RETRY)])
+    (copy,) = b.commands()
+    assert b.receive([OOM]).pause == 1
+    assert b.commands() == [copy]  # the copy again, alone; no removal yet
+    assert b.receive([b"9-0"]) is GO
+    assert b.commands() == [("XACK", "orders", "billing", "1-0")]
+    assert b.receive([0]) is GO  # acknowledged already: not a closed gate
+    assert b.result().effects == {"dead_lettered": 1}
+
+
+def test_two_step_removal_error_is_failed() -> None:
+    b = core(dead_cross_slot()).batch([(entry(1, attempt=3), RETRY)])
+    b.receive([b"9-0"])
+    b.receive([rexc.ResponseError("NOGROUP No such key 'orders'")])
+    assert b.result().effects == {FAILED: 1}
+
+
+def test_two_step_copy_lost_sends_only_the_copy_again() -> None:
+    b = core(dead_cross_slot()).batch([(entry(1, attempt=3), RETRY)])
+    (copy,) = b.commands()
+    b.failed(LOST)
+    assert b.commands() == [copy]
+
+
+# -- runtime delays, backoffs, refusals ------------------------------------------------
+
+
+def test_runtime_retry_after_hands_its_copy_to_the_scheduler_once_removed() -> None:
+    b = core(stream()).batch([(entry(1), retry_after(2.5))])
+    (xack,) = b.commands()
+    assert xack == ("XACK", "orders", "billing", "1-0")
+    assert b.receive([1]) is GO
+    s = b.result()
+    assert s.effects == {"held": 1}
+    [(delay, later)] = s.later
+    assert delay == 2.5 and later[0][0] == "XADD"
+
+
+def test_runtime_retry_after_whose_removal_failed_holds_nothing() -> None:
+    b = core(stream()).batch([(entry(1), retry_after(2.5))])
+    b.receive([WRONGTYPE])
+    s = b.result()
+    assert s.effects == {FAILED: 1} and s.later == []
+
+
+def test_cancelled_hands_over_every_runtime_copy() -> None:
+    b = core(stream()).batch([(entry(1), retry_after(2.5)), (entry(2), ACK), (entry(3), RETRY)])
+    b.failed(LOST)
+    [(delay, later)] = b.cancelled()
+    assert delay == 2.5 and later[0][0] == "XADD"
+
+
+def test_list_runtime_retry_after_sends_nothing_now() -> None:
+    t = ListSubscription("l").target("c1")
+    b = core(t).batch([(element(b"a"), retry_after(1.0))])
+    assert b.commands() == []
+    s = b.result()
+    assert s.effects == {"held": 1}
+    assert [c[0] for c in s.later[0][1]] == ["LPUSH"]
+
+
+def test_backoff_waits_in_the_shell_and_dead_letters_at_the_last_attempt() -> None:
+    t = stream(max_attempts=3, dead_letter="{orders}:dead")
+    b = core(t).batch([(entry(1), Backoff()), (entry(2, attempt=3), Backoff())])
+    assert b.outcomes == {"backoff": 2}
+    assert [d.id for d, _ in b.backoffs] == ["1-0"]
+    (script,) = b.commands()
+    assert script[0] == b"EVALSHA"
+    assert b.receive([b"9-0"]) is GO
+    s = b.result()
+    assert s.effects == {"dead_lettered": 1}
+    assert [d.id for d, _ in s.deliveries()] == ["2-0"]
+
+
+def test_refused_and_no_op_outcomes_on_a_simple_list() -> None:
+    t = ListSubscription("l").target("c1")
+    b = core(t).batch([(element(b"a"), RETRY), (element(b"b"), ACK)])
+    assert b.refused == 1 and b.outcomes == {"retry": 1, "ack": 1}
+    [(level, _msg, args, extra)] = b.records
+    assert level == logging.ERROR and "refused" in str(args[0])
+    assert extra["outcome"] == "retry"
+    assert b.commands() == []
+    assert b.result().effects == {"nothing": 1}
+
+
+def test_claiming_cut_to_min_idle_is_warned_once_per_subscription() -> None:
+    c = core(stream(mode=Mode.CLAIMING, min_idle=1.0))
+    b = c.batch([(entry(1), retry_after(5.0)), (entry(2), retry_after(5.0))])
+    assert [r[0] for r in b.records] == [logging.WARNING]
+    assert "cut to min_idle" in b.records[0][1]
+    assert c.batch([(entry(3), retry_after(5.0))]).records == []
+    assert b.commands() == []
+    assert b.result().effects == {"left_pending": 2}
+
+
+def test_debug_records_one_per_delivery() -> None:
+    b = core(stream()).batch([(entry(1), ACK), (entry(2), RETRY)], debug=True)
+    run_ok(b)
+    s = b.result()
+    assert [r[0] for r in s.records] == [logging.DEBUG, logging.DEBUG]
+    assert {r[3]["effect"] for r in s.records} == {"acked", "copied"}
+
+
+def test_state_errors() -> None:
+    b = core(stream()).batch([(entry(1), ACK)])
+    try:
+        b.result()
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("result() before done")
+    try:
+        b.receive([1, 1])
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("too many replies")
+    b.receive([1])
+    try:
+        b.failed(LOST)
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("failed() with nothing outstanding")
+
+
+# -- counted gates (the reliable list reader's) ----------------------------------------
+
+
+class RecordingGates:
+    """Gates that number nothing, and record what the core asked (the protocol's calls)."""
+
+    def __init__(self) -> None:
+        self.calls: list[Any] = []
+
+    def prepare(self, commands: list[Command]) -> list[Command]:
+        self.calls.append(("prepare", list(commands)))
+        return [(*c, "p") for c in commands]
+
+    def resend(self, commands: Sequence[Command], answered: Sequence[Command],
+               answers: Sequence[object]) -> list[Command]:
+        self.calls.append(("resend", (list(commands), list(answered), list(answers))))
+        return [(*c, "r") for c in commands]
+
+    def settle(self, items: Sequence[Item], commands: Sequence[Command],
+               replies: Sequence[object]) -> None:
+        self.calls.append(("settle", (len(items), list(commands), list(replies))))
+
+
+def test_gates_prepare_once_with_the_later_steps_resend_and_settle() -> None:
+    t = ReliableListSubscription("q", max_attempts=2, dead_letter="dead").target("c1", cluster=True)
+    g = RecordingGates()
+    items: list[Item] = [(element(b"a"), ACK), (element(b"b", attempt=2), RETRY)]
+    b = core(t, g).batch(items)
+    [(name, prepared)] = g.calls
+    # the first round (the removal, the dead letter's copy) and the later step (its LREM)
+    assert name == "prepare" and [c[0] for c in prepared] == ["LREM", b"EVALSHA", "LREM"]
+    lrem, copy = b.commands()
+    assert lrem[-1] == "p" and copy[-1] == "p"
+    step = b.receive([1, OOM])
+    assert step.pause == 1
+    assert b.commands() == [(*copy, "r")]  # renumbered before the resend
+    assert g.calls[-1] == ("resend", ([copy], [lrem], [1]))
+    b.receive([1])
+    (removal,) = b.commands()
+    assert removal[0] == "LREM" and removal[-1] == "p"  # the prepared later step
+    b.receive([1])
+    s = b.result()
+    assert s.effects == {"acked": 1, "dead_lettered": 1}
+    what, (count, answered, answers) = g.calls[-1]
+    assert what == "settle" and count == 2
+    assert answered == [lrem, (*copy, "r"), removal] and answers == [1, 1, 1]
+
+
+def test_gates_after_a_lost_round_trip_resend_everything() -> None:
+    t = ReliableListSubscription("q").target("c1")
+    g = RecordingGates()
+    b = core(t, g).batch([(element(b"a"), ACK)])
+    (lrem,) = b.commands()
+    b.failed(LOST)
+    assert b.commands() == [(*lrem, "r")]
+    assert g.calls[-1] == ("resend", ([lrem], [], []))
+    b.receive([0])
+    b.result()
+    assert g.calls[-1] == ("settle", (1, [(*lrem, "r")], [0]))
+
+
+def test_gate_closed_on_a_counted_removal() -> None:
+    t = ReliableListSubscription("q").target("c1")
+    b = core(t).batch([(element(b"a"), RETRY)])
+    b.receive([None])
+    assert b.result().effects == {GATE_CLOSED: 1}
+
+
+# -- the property -----------------------------------------------------------------------
+
+KINDS = ["ack", "drop", "retry", "dead", "later", "lost", "backoff", "dead_backoff"]
+
+
+def _item(t: Target, n: int, kind: str) -> Item:
+    if kind == "ack":
+        return entry(n), ACK
+    if kind == "drop":
+        return entry(n), DROP
+    if kind == "retry":
+        return entry(n), RETRY
+    if kind == "dead":
+        return entry(n, attempt=3), RETRY  # two ungated steps (cross slot)
+    if kind == "later":
+        return entry(n), retry_after(1.0)
+    if kind == "lost":
+        return entry(n), plan_lost(t, entry(n))
+    if kind == "backoff":
+        return entry(n), Backoff()
+    return entry(n, attempt=3), Backoff()  # dead letter too
+
+
+REPLY = st.sampled_from(["ok", "ok", "ok", "closed", "not_run", "final"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    kinds=st.lists(st.sampled_from(KINDS), max_size=12),
+    cluster=st.booleans(),
+    delayed=st.sampled_from([DelayedRetry.RUNTIME, DelayedRetry.DURABLE_ZSET]),
+    rounds=st.lists(st.one_of(st.just("lost"), st.lists(REPLY, min_size=1, max_size=20)),
+                    max_size=8),
+)
+def test_removal_never_before_its_copy_and_one_effect_each(
+    kinds: list[str], cluster: bool, delayed: DelayedRetry, rounds: list[Any],
+) -> None:
+    t = stream(cluster=cluster, max_attempts=3, dead_letter="dead-orders", delayed_retry=delayed)
+    items = [_item(t, n, k) for n, k in enumerate(kinds, 1)]
+    b = core(t).batch(items)
+    # the two-step plans of the batch: removal command -> copy command (by identity)
+    copy_of: dict[int, Command] = {}
+    for _, p in b._plans:
+        if not p.gated and len(p.commands) == 2:
+            copy_of[id(p.commands[1])] = p.commands[0]
+    copied: set[int] = set()  # copies that got a success reply
+    script = iter(rounds)
+    sent = 0
+    while cmds := b.commands():
+        sent += 1
+        assert sent < 100, "the batch never ends"
+        for c in cmds:
+            copy = copy_of.get(id(c))
+            if copy is not None:
+                assert id(copy) in copied, "a removal was sent before its copy's success reply"
+        plan_ = next(script, None)
+        if plan_ == "lost":
+            b.failed(LOST)
+            continue
+        answers = plan_ or []
+        replies: list[Any] = []
+        for i, c in enumerate(cmds):
+            how = answers[i] if i < len(answers) else "ok"
+            r: Any = (ok(c) if how == "ok" else None if how == "closed" and c[0] == b"EVALSHA"
+                      else OOM if how == "not_run" else WRONGTYPE if how == "final" else ok(c))
+            replies.append(r)
+            if not isinstance(r, Exception) and r is not None:
+                copied.add(id(c))
+        b.receive(replies)
+    s = b.result()
+    done = s.deliveries()
+    # every delivery ends with exactly one effect (or waits out its backoff in the shell)
+    finalized = [d for d, _ in done]
+    waiting = [d for d, _ in b.backoffs]
+    assert sorted(id(d) for d in finalized + waiting) == sorted(id(d) for d, _ in items)
+    assert len(set(map(id, finalized))) == len(finalized)
+    assert sum(s.effects.values()) == len(done)
+    for _d, effect in done:
+        assert effect != "nothing"
+    # a runtime copy is handed over only for a delivery whose removal held
+    assert len(s.later) == sum(1 for _, e in done if e == "held")
+
+
+def test_property_sees_the_two_step_shape() -> None:
+    """The property above is not vacuous: a cross-slot dead letter is two steps."""
+    t = stream(cluster=True, max_attempts=3, dead_letter="dead-orders")
+    _, o = _item(t, 1, "dead")
+    b = core(t).batch([(entry(1, attempt=3), o)])
+    (_, p), = b._plans
+    assert isinstance(p, Plan) and not p.gated and len(p.commands) == 2

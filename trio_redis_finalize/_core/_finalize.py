@@ -1,0 +1,534 @@
+"""The finalizer's decisions, sans-IO: a batch of outcomes -> rounds of commands -> effects.
+
+Nothing here does I/O, sleeps or logs.  The shell (the mount's finalizer
+task) drives one :class:`FinalizeBatch` per batch of outcomes, h11-style::
+
+    batch = FinalizeBatch(core, items, debug=log.isEnabledFor(logging.DEBUG))
+    count(batch.outcomes, batch.refused); emit(batch.records); wait_out(batch.backoffs)
+    try:
+        while cmds := batch.commands():          # the next round (empty: done)
+            try:
+                replies = await client.pipeline(cmds, raise_on_error=False, timeout=...)
+            except (RedisError, OSError) as e:
+                step = batch.failed(e)
+            else:
+                step = batch.receive(replies)
+            if step is not GO:                   # errors to count, records to log, a pause
+                ...; await sleep(backoff(step.pause - 1))
+    except Cancelled:
+        hold(batch.cancelled()); raise           # runtime copies whose removal may have run
+    done = batch.result()                        # effects, records, copies to hold, ids to forget
+
+What the core decides:
+
+* **The hot path.**  Outcomes whose plan is the plain removal of the
+  original (ACK and DROP on a stream or a reliable list,
+  :func:`~._plan.plain_removals`) get no plan each: one
+  :func:`~._plan.removal_commands` removes them all (one ``XACK`` of every
+  id on a stream).  Everything else gets its :func:`~._plan.plan`.
+* **The first round** (:func:`~._batch.first_round`): single-``XACK`` plans merge
+  with the hot path's ``XACK`` per stream and group; a plan of two ungated
+  steps (a copy to another Redis Cluster slot, then the removal of the
+  original) sends only its copy; its removal goes in a later round, once
+  the copy's reply was a success.  A removal never follows a copy that
+  failed, did not run, or whose outcome is unknown.
+* **Error replies** (:func:`~._replies.classify`): one that did not run
+  (OOM, BUSY, READONLY ...) is sent again, alone, after a pause; a final
+  one is logged with its command and key, counted, and makes its
+  deliveries' effect ``failed``.  A round trip that failed (connection
+  lost, timeout; or a whole pipeline that did not run) sends the same
+  round again after a pause, and the batch becomes *unsure*: a closed gate
+  then answers that the earlier send did the work (:func:`~._plan.settle`).
+* **Counted gates** (reliable lists, identical elements): a :class:`Gates`
+  object -- the reader's -- numbers the removals once before the first send
+  (``prepare``), again before every resend (``resend``: the copies held
+  *now*), and learns what Redis answered (``settle``).
+* **Effects** are counted from the replies (:func:`~._plan.settle`), with
+  the runtime ``retry_after`` copies to hand the scheduler (only for plans
+  whose removal was confirmed; on cancellation every one, duplicate never
+  loss), the log records to emit and the stream ids to forget.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from .._delivery import Delivery
+from .._errors import AckUnsupported
+from .._outcome import Backoff, Outcome, OutcomeKind
+from ._batch import FAST_ONLY, first_round
+from ._commands import Command
+from ._plan import (
+    FAILED,
+    GATE_CLOSED,
+    Effect,
+    Plan,
+    Target,
+    plain_removals,
+    plan,
+    plan_dead,
+    removal_commands,
+    settle,
+)
+from ._replies import FINAL, classify, describe_error
+
+__all__ = [
+    "GO",
+    "FinalizeBatch",
+    "FinalizerCore",
+    "Gates",
+    "Item",
+    "Record",
+    "Settlement",
+    "Step",
+    "log_extra",
+]
+
+Item = tuple[Delivery, "Outcome | Plan | Backoff"]
+Record = tuple[int, str, tuple[object, ...], dict[str, Any]]
+"""A log record to emit: ``(level, message, args, extra)``, for
+``log.log(level, message, *args, extra=extra)``."""
+
+_DEBUG = logging.DEBUG
+_INFO = logging.INFO
+_WARNING = logging.WARNING
+_ERROR = logging.ERROR
+
+
+class Gates(Protocol):
+    """Counted gates for removals of identical elements (the reliable list reader).
+
+    A reliable list may hold several copies of one element; a removal of
+    element ``e`` is gated on the number of copies the consumer holds (see
+    ``_plan.list_counted``).  The core calls, for every batch:
+    """
+
+    def prepare(self, commands: list[Command]) -> list[Command]:
+        """Once, before the first send, with every command of the batch (the
+        first round's, then the later steps'): the same commands, removals
+        numbered."""
+        ...
+
+    def resend(self, commands: Sequence[Command], answered: Sequence[Command],
+               answers: Sequence[object]) -> list[Command]:
+        """Before ``commands`` are sent again (not run, or outcome unknown):
+        removals renumbered on what is held now; ``answered``/``answers``:
+        the batch's commands answered so far and their replies."""
+        ...
+
+    def settle(self, items: Sequence[Item], commands: Sequence[Command],
+               replies: Sequence[object]) -> None:
+        """Once the batch is done: every command answered, and its reply."""
+        ...
+
+
+class Step:
+    """What the shell does after a round: count ``errors`` (finalize errors),
+    log ``records``, and, when ``pause`` > 0, back off (``pause`` rounds in a
+    row needed one: sleep ``backoff(pause - 1)``) before the next round."""
+
+    __slots__ = ("errors", "pause", "records")
+
+    def __init__(self, errors: int, pause: int, records: Sequence[Record]) -> None:
+        self.errors = errors
+        self.pause = pause
+        self.records = records
+
+    def __repr__(self) -> str:
+        return f"Step(errors={self.errors}, pause={self.pause}, records={len(self.records)})"
+
+
+GO = Step(0, 0, ())
+"""The step after a round that went through: send the next round (if any) now."""
+
+
+class FinalizerCore:
+    """The finalizer's fixed decisions for one mounted subscription.
+
+    ``gates``: the reader's counted gates (reliable lists), or None.
+    """
+
+    __slots__ = ("_cut_warned", "_kinds", "_names", "gates", "name", "removals", "target")
+
+    def __init__(self, target: Target, *, gates: Gates | None = None) -> None:
+        self.target = target
+        self.name = target.name
+        self.gates = gates
+        self.removals = plain_removals(target)
+        self._kinds = tuple(self.removals)  # a tuple: `in` by identity, no Enum.__hash__ call
+        self._names = tuple((k, k._value_, e._value_) for k, e in self.removals.items())
+        self._cut_warned = False  # claiming: a retry_after longer than min_idle was logged
+
+    def batch(self, items: Sequence[Item], *, debug: bool = False) -> FinalizeBatch:
+        """The batch that finalizes ``items``; ``debug``: add a record per delivery finalized."""
+        return FinalizeBatch(self, items, debug)
+
+    def _plan_for(self, d: Delivery, outcome: Outcome | Backoff, b: FinalizeBatch) -> Plan | None:
+        """The plan for one outcome; None when refused or when it waits out a
+        :class:`Backoff` (then in ``b.backoffs``)."""
+        t = self.target
+        outcomes = b.outcomes
+        if isinstance(outcome, Backoff):
+            outcomes["backoff"] = outcomes.get("backoff", 0) + 1
+            if t.max_attempts is not None and d.attempt >= t.max_attempts:
+                # as a RETRY at the last attempt: dead letter (copy, then remove) or drop
+                return plan_dead(t, d, f"max_attempts={t.max_attempts} reached at attempt {d.attempt}")
+            b.backoffs.append((d, outcome))
+            return None
+        kind = outcome.kind
+        key = kind._value_  # not .value: a Python-level property
+        outcomes[key] = outcomes.get(key, 0) + 1
+        try:
+            p = plan(t, d, outcome)
+        except AckUnsupported as e:
+            if kind is OutcomeKind.ACK or kind is OutcomeKind.DROP:
+                return Plan(Effect.NOTHING)
+            b.refused += 1
+            b.records.append((_ERROR, "%s (message %s, attempt %d)", (e, d.origin_id, d.attempt),
+                              log_extra(self.name, d, outcome)))
+            return None
+        if (p.effect is Effect.LEFT_PENDING and kind is OutcomeKind.RETRY_AFTER
+                and outcome.delay > t.min_idle and not self._cut_warned):
+            # claiming: the PEL is the delay, and XAUTOCLAIM takes the entry
+            # back once it has been idle min_idle, whatever the delay asked
+            self._cut_warned = True
+            b.records.append((
+                _WARNING,
+                "%s: %r on a claiming subscription is cut to min_idle=%g s (entry %s, "
+                "attempt %d); use delayed_retry=DelayedRetry.DURABLE_ZSET for longer delays "
+                "(logged once per subscription)",
+                (self.name, outcome, t.min_idle, d.id, d.attempt),
+                log_extra(self.name, d, outcome),
+            ))
+        return p
+
+
+class FinalizeBatch:
+    """One batch of outcomes being finalized (see the module docstring).
+
+    Set at construction (sans-IO, before anything is sent):
+
+    * ``outcomes``: what the handlers returned, per kind (``ack``, ...,
+      ``backoff``), to count now;
+    * ``refused``: outcomes the form cannot carry out (logged in ``records``);
+    * ``backoffs``: ``(delivery, Backoff)`` pairs to wait out (the shell's
+      waiting set: nothing is sent for them);
+    * ``records``: log records to emit now.
+    """
+
+    __slots__ = (
+        "_answered", "_answers", "_attempt", "_commands", "_core", "_debug", "_fast_failed",
+        "_got", "_items", "_kinds", "_owners", "_plans", "_recount", "_removed", "_rest",
+        "_returned", "_tally", "_unsure", "backoffs", "outcomes", "records", "refused",
+    )
+
+    def __init__(self, core: FinalizerCore, items: Sequence[Item], debug: bool) -> None:
+        self._core = core
+        self._items = items
+        self._debug = debug
+        self.outcomes: dict[str, int] = {}
+        self.refused = 0
+        self.records: list[Record] = []
+        self.backoffs: list[tuple[Delivery, Backoff]] = []
+        plans: list[tuple[Delivery, Plan]] = []
+        returned: list[Outcome | Plan | Backoff] = []  # what each plan came from (for records)
+        removed: list[Delivery] = []
+        kinds: list[OutcomeKind] = []
+        removable = core._kinds
+        for d, outcome in items:
+            if outcome.__class__ is Outcome:
+                kind = outcome.kind
+                if kind in removable:
+                    removed.append(d)
+                    kinds.append(kind)
+                    continue
+                p = core._plan_for(d, outcome, self)
+            elif isinstance(outcome, Plan):
+                p = outcome
+            else:
+                p = core._plan_for(d, outcome, self)
+            if p is not None:
+                plans.append((d, p))
+                returned.append(outcome)
+        self._plans = plans
+        self._returned = returned
+        self._removed = removed
+        self._kinds = kinds
+        fast: list[Command] = []
+        if removed:
+            # the hot path's count per kind: (outcome, effect, n)
+            tally = self._tally = [(o, e, n) for k, o, e in core._names if (n := kinds.count(k))]
+            outcomes = self.outcomes
+            if outcomes:
+                for o, _, n in tally:
+                    outcomes[o] = outcomes.get(o, 0) + n
+            else:
+                self.outcomes = {o: n for o, _, n in tally}
+            fast = removal_commands(core.target, removed)
+        rest: list[list[Command]]
+        owners: list[tuple[int, ...]] | None
+        if plans:
+            commands, owners, rest = first_round(fast, [p for _, p in plans])
+            self._got: list[list[Any]] = [[] for _ in plans]  # per plan: its replies so far
+        else:
+            commands, owners, rest = fast, None, []
+            self._got = rest
+        gates = core.gates
+        if gates is not None:
+            # the reader's say on the commands (counted gates for identical
+            # elements), once, before the first send: a resend sends the same
+            later = [c for r in rest for c in r]
+            prepared = gates.prepare([*commands, *later])
+            n = len(commands)
+            commands = prepared[:n]
+            it = iter(prepared[n:])
+            rest = [[next(it) for _ in r] for r in rest]
+        self._commands: list[Command] = commands
+        self._owners = owners  # None: the hot path only, all or nothing
+        self._rest = rest
+        self._answered: list[Command] = []  # commands with a final reply (kept for the gates)
+        self._answers: list[Any] = []
+        self._attempt = 0  # rounds in a row that needed a pause
+        self._recount = False  # a resend: the gates renumber on what is held now
+        self._unsure = False  # a send had an unknown outcome (then resent)
+        self._fast_failed = False
+
+    # -- the rounds --------------------------------------------------------------
+    def commands(self) -> list[Command]:
+        """The round to send now; empty once the batch is done."""
+        if self._recount:
+            self._recount = False
+            gates = self._core.gates
+            if gates is not None:
+                self._commands = gates.resend(self._commands, self._answered, self._answers)
+        return self._commands
+
+    def failed(self, err: BaseException) -> Step:
+        """The round trip of :meth:`commands` raised ``err`` (connection lost,
+        timeout, or a whole pipeline refused)."""
+        core = self._core
+        commands = self._commands
+        if not commands:
+            raise RuntimeError("failed(): no round is outstanding")
+        if classify(err) is FINAL:
+            return self.receive([err] * len(commands))
+        # Did not run, or outcome unknown: every command is idempotent or
+        # gated (a two-step ungated plan's removal is only sent once its copy
+        # succeeded): send the same round again.
+        self._unsure = self._recount = True
+        self._attempt += 1
+        return Step(1, self._attempt, [(
+            _WARNING, "%s: finalization of %d deliveries failed (%s); sending again",
+            (core.name, len(self._plans) + len(self._removed), err), {"subscription": core.name},
+        )])
+
+    def receive(self, replies: Sequence[Any]) -> Step:
+        """The replies to :meth:`commands`, in order (error replies as exception values)."""
+        commands = self._commands
+        if len(replies) != len(commands) or not commands:
+            raise RuntimeError(f"receive(): {len(replies)} replies to {len(commands)} commands")
+        track = self._core.gates is not None
+        owners = self._owners
+        if owners is None:
+            # the hot path: only removals; done unless an error reply came
+            for r in replies:
+                if isinstance(r, Exception):
+                    break
+            else:
+                if track:
+                    self._answered += commands
+                    self._answers += replies
+                self._commands = []
+                return GO
+            owners = [FAST_ONLY] * len(commands)
+        core = self._core
+        got = self._got
+        rest = self._rest
+        again: list[Command] = []  # did not run: send again after a pause
+        again_owners: list[tuple[int, ...]] = []
+        step: list[Command] = []  # next steps of two-step plans whose copy succeeded
+        step_owners: list[tuple[int, ...]] = []
+        errors = 0
+        records: list[Record] = []
+        deferred = ""
+        for cmd, r, own in zip(commands, replies, owners, strict=True):
+            if isinstance(r, Exception):
+                if classify(r) is not FINAL:
+                    if not again:
+                        deferred = describe_error(r, cmd)
+                    again.append(cmd)
+                    again_owners.append(own)
+                    continue
+                errors += 1
+                records.append((_ERROR, "%s: finalization command failed: %s",
+                                (core.name, describe_error(r, cmd)), {"subscription": core.name}))
+            if track:
+                self._answered.append(cmd)
+                self._answers.append(r)
+            for j in own:
+                if j < 0:
+                    self._fast_failed = self._fast_failed or isinstance(r, Exception)
+                    continue
+                got[j].append(r)
+                more = rest[j]
+                if more and not isinstance(r, Exception):
+                    step.append(more.pop(0))
+                    step_owners.append((j,))
+        pause = 0
+        if again:
+            errors += 1
+            records.append((_WARNING, "%s: finalization deferred by the server (%s); sending again",
+                            (core.name, deferred), {"subscription": core.name}))
+            self._attempt += 1
+            pause = self._attempt
+        else:
+            self._attempt = 0
+        self._commands = again + step
+        self._owners = again_owners + step_owners
+        self._recount = bool(again)
+        if not errors:
+            return GO
+        return Step(errors, pause, records)
+
+    # -- the end -----------------------------------------------------------------
+    def cancelled(self) -> list[tuple[float, tuple[Command, ...]]]:
+        """Cancelled (shutdown deadline) with the outcome unknown: a runtime
+        ``retry_after``'s removal may have been applied, so its copy must
+        still go out -- every plan's ``(delay, later)``: duplicate, never loss."""
+        return [(p.delay, p.later) for _, p in self._plans if p.delay is not None and p.later]
+
+    def result(self) -> Settlement:
+        """The batch's settlement, once :meth:`commands` is empty."""
+        if self._commands:
+            raise RuntimeError("result(): the batch is not done")
+        core = self._core
+        gates = core.gates
+        if gates is not None:
+            gates.settle(self._items, self._answered, self._answers)
+        name = core.name
+        debug = self._debug
+        effects: dict[str, int] = {}
+        records: list[Record] = []
+        later: list[tuple[float, tuple[Command, ...]]] = []
+        removed = self._removed
+        removals = core.removals
+        if removed:
+            if self._fast_failed:
+                effects[FAILED] = len(removed)
+            else:
+                for _, e, n in self._tally:
+                    effects[e] = n  # one effect per kind
+            if debug:
+                for d, outcome in self._items:
+                    effect = (removals.get(outcome.kind) if outcome.__class__ is Outcome
+                              else None)
+                    if effect is not None:
+                        records.append((_DEBUG, "%s: %s (attempt %d) finalized: %s",
+                                        (name, d.id or d.origin_id, d.attempt, effect.value),
+                                        log_extra(name, d, outcome, effect.value)))
+        plans = self._plans
+        settled_effects: list[str] = []
+        unsure = self._unsure
+        for (d, p), outcome, rs in zip(plans, self._returned, self._got, strict=True) if plans else ():
+            if not p.commands:
+                settled = p.effect._value_
+            elif (len(rs) == 1 and len(p.commands) == 1 and (r := rs[0]) is not None
+                  and r is not False and not isinstance(r, Exception)):
+                settled = p.effect._value_  # settle()'s answer for one command that ran, inline
+            else:
+                settled = settle(p, rs, unsure=unsure)
+            settled_effects.append(settled)
+            effects[settled] = effects.get(settled, 0) + 1
+            if settled == FAILED:
+                records.append((_ERROR, "%s: finalization of %s (attempt %d, origin %s) failed; it "
+                                "stays where it was (pending) and is delivered again",
+                                (name, d.id or d.origin_id, d.attempt, d.origin_id),
+                                log_extra(name, d, outcome, settled)))
+                continue
+            if settled == GATE_CLOSED:
+                records.append((_INFO, "%s: %s (attempt %d) was no longer pending: finalized "
+                                "already, nothing written", (name, d.id or d.origin_id, d.attempt),
+                                log_extra(name, d, outcome, settled)))
+                continue
+            if p.warning:
+                records.append((_WARNING, "%s (attempt %d, origin %s)",
+                                (p.warning, d.attempt, d.origin_id),
+                                log_extra(name, d, outcome, settled)))
+            elif debug:
+                records.append((_DEBUG, "%s: %s (attempt %d) finalized: %s",
+                                (name, d.id or d.origin_id, d.attempt, settled),
+                                log_extra(name, d, outcome, settled)))
+            if p.delay is not None and p.later:
+                later.append((p.delay, p.later))
+        return Settlement(self, effects, records, later, settled_effects)
+
+
+class Settlement:
+    """What a finished batch did, as Redis answered.
+
+    ``effects``: counts per effect (``acked``, ``copied``, ``failed``,
+    ``gate_closed`` ...); ``records``: log records to emit; ``later``:
+    ``(delay, commands)`` of runtime delayed copies to hand the scheduler
+    (plans whose removal was confirmed).  :meth:`forget`: the stream ids no
+    longer in hand; :meth:`deliveries`: each delivery with its settled
+    effect; :meth:`planned`: each delivery with its plan's own effect.
+    """
+
+    __slots__ = ("_batch", "_settled", "effects", "later", "records")
+
+    def __init__(self, batch: FinalizeBatch, effects: dict[str, int], records: list[Record],
+                 later: list[tuple[float, tuple[Command, ...]]], settled: list[str]) -> None:
+        self._batch = batch
+        self.effects = effects
+        self.records = records
+        self.later = later
+        self._settled = settled
+
+    def forget(self) -> list[str]:
+        """The stream ids finalized (or failed: the own-PEL re-read delivers them again)."""
+        b = self._batch
+        return [d.id for d in b._removed if d.id is not None] + [
+            d.id for d, _ in b._plans if d.id is not None]
+
+    def deliveries(self) -> list[tuple[Delivery, str]]:
+        """Every delivery the batch finalized with its settled effect (the hot
+        path's first, then the plans'; ``backoffs`` and refused ones are not there)."""
+        b = self._batch
+        removals = b._core.removals
+        if b._fast_failed:
+            out = [(d, FAILED) for d in b._removed]
+        else:
+            out = [(d, removals[k]._value_) for d, k in zip(b._removed, b._kinds, strict=True)]
+        return out + [(d, e) for (d, _), e in zip(b._plans, self._settled, strict=True)]
+
+    def planned(self) -> list[tuple[Delivery, str]]:
+        """As :meth:`deliveries`, with the effect each plan was for (instrumentation)."""
+        b = self._batch
+        removals = b._core.removals
+        return ([(d, removals[k]._value_) for d, k in zip(b._removed, b._kinds, strict=True)]
+                + [(d, p.effect._value_) for d, p in b._plans])
+
+
+def log_extra(
+    subscription: str, d: Delivery, outcome: Outcome | Plan | Backoff | None,
+    effect: str | None = None,
+) -> dict[str, Any]:
+    """The structured fields of a log record about one delivery (``logging`` ``extra=``).
+
+    ``subscription``, ``entry_id`` (stream id or ``None``), ``origin_id``,
+    ``attempt``, ``outcome`` (``ack``, ``retry``, ``drop``, ``retry_after``,
+    ``backoff`` or ``None``) and, for finalization records, ``effect``.
+    """
+    extra: dict[str, Any] = {
+        "subscription": subscription,
+        "entry_id": d.id,
+        "origin_id": d.origin_id,
+        "attempt": d.attempt,
+        "outcome": (outcome.kind.value if isinstance(outcome, Outcome)
+                    else "backoff" if isinstance(outcome, Backoff) else None),
+    }
+    if effect is not None:
+        extra["effect"] = effect
+    return extra
