@@ -50,7 +50,9 @@ class WorkQueue:
             return None
         d = items.popleft()
         if items:
-            self._wake_one()
+            if self._idle and not self._waking:  # _wake_one(), inline: once per delivery
+                self._waking += 1
+                self._idle.popleft().set()
         elif self._room is not None:
             self._room.set()
             self._room = None

@@ -473,19 +473,23 @@ def plan_foreign(t: Target, d: Delivery) -> Plan:
 
 
 def plain_removals(t: Target) -> dict[OutcomeKind, Effect]:
-    """The outcome kinds whose plan on ``t`` is the plain removal of the original.
+    """The outcome kinds a handler returns whose finalization is the plain
+    removal of the original.
 
     For each kind ``k`` returned with effect ``e``, and every delivery ``d``
-    of ``t``, ``plan(t, d, Outcome(k))`` is ``Plan(e, removal_commands(t,
-    [d]))``: one ``XACK`` of the entry (stream), one ``LREM`` of the element
-    from the processing list (reliable list).  The finalizer uses it to
-    remove such deliveries with :func:`removal_commands`, many at once,
-    without building a plan for each (the hot path).  Empty for the forms
-    that have nothing to remove.
+    of ``t``, finalizing ``d`` with ``Outcome(k)`` is ``Plan(e,
+    removal_commands(t, [d]))``: on a stream ``plan(t, d, Outcome(k))`` is
+    one ``XACK`` of the entry, on a reliable list one ``LREM`` of the element
+    from the processing list; on the forms with nothing to remove (simple
+    lists, Pub/Sub) ``plan()`` refuses ACK and DROP, which the finalizer
+    counts as done (:attr:`Effect.NOTHING`, no command).  The finalizer uses
+    it to remove such deliveries with :func:`removal_commands`, many at
+    once, without building a plan (or, on the forms with nothing to remove,
+    raising and catching a refusal) for each: the hot path.
     """
     if t.form is Form.STREAM or t.form is Form.RELIABLE_LIST:
         return {OutcomeKind.ACK: Effect.ACKED, OutcomeKind.DROP: Effect.DROPPED}
-    return {}
+    return {OutcomeKind.ACK: Effect.NOTHING, OutcomeKind.DROP: Effect.NOTHING}
 
 
 def removal_commands(t: Target, deliveries: Sequence[Delivery]) -> list[Command]:
@@ -496,19 +500,21 @@ def removal_commands(t: Target, deliveries: Sequence[Delivery]) -> list[Command]
     ``Retention.DELETE_ON_FINALIZE`` by one ``XDEL`` of the same ids (both
     idempotent; a crash between the two leaves acknowledged entries in the
     stream, which the periodic trim removes); a reliable list's elements
-    need one ``LREM`` each.
+    need one ``LREM`` each; simple lists and Pub/Sub have nothing to remove
+    (no command).
     """
     if not deliveries:
         return []
-    if t.form is Form.STREAM:
+    form = t.form
+    if form is Form.STREAM:
         ids = [d.id for d in deliveries if d.id is not None]
         if t.retention is Retention.DELETE_ON_FINALIZE:
             return [("XACK", t.source, t.group, *ids), ("XDEL", t.source, *ids)]
         return [("XACK", t.source, t.group, *ids)]
-    if t.form is Form.RELIABLE_LIST:
+    if form is Form.RELIABLE_LIST:
         processing = t.processing
         return [("LREM", processing, 1, d.raw) for d in deliveries if d.raw is not None]
-    raise ValueError(f"{t.name}: a {t.form.value} has nothing to remove")
+    return []
 
 
 def _exhausted(t: Target, d: Delivery) -> bool:

@@ -39,17 +39,24 @@ from ._url import ConnectionParams
 __all__ = ["Client", "Script", "transaction_result"]
 
 
-def _loads(commands: Sequence[Command], loaded: set[bytes]) -> dict[bytes, Command]:
-    """``SCRIPT LOAD`` (by sha) of every script ``commands`` run that is not in ``loaded``."""
+def _loads(commands: Sequence[Command], loaded: set[bytes]) -> tuple[dict[bytes, Command], bool]:
+    """``SCRIPT LOAD`` (by sha) of every script ``commands`` run that is not in
+    ``loaded``; and whether any command is an ``EVALSHA`` (:func:`_is_evalsha`:
+    only those can be answered ``NOSCRIPT``)."""
     out: dict[bytes, Command] = {}
+    scripts = False
     for c in commands:
-        if c[0] == b"EVALSHA":
+        name = c[0]
+        if name == b"EVALSHA":
+            scripts = True
             sha = c[1]
             if isinstance(sha, bytes) and sha not in loaded and sha not in out:
                 source = SCRIPT_SOURCES.get(sha)
                 if source is not None:
                     out[sha] = (b"SCRIPT", b"LOAD", source)
-    return out
+        elif isinstance(name, str) and len(name) == 7 and name.upper() == "EVALSHA":
+            scripts = True
+    return out, scripts
 
 
 def _is_evalsha(cmd: Command) -> bool:
@@ -217,7 +224,7 @@ class Client:
                 # round trip: an EVALSHA answered NOSCRIPT would run only
                 # after the commands behind it, out of their order (a copy
                 # after the removal of an identical element, say).
-                loads = _loads(commands, conn.scripts)
+                loads, scripts = _loads(commands, conn.scripts)
                 if loads:
                     replies = await conn.pipeline([*loads.values(), *commands], timeout=timeout)
                     for sha, r in zip(loads, replies, strict=False):
@@ -229,7 +236,7 @@ class Client:
                 missing = [
                     i for i, r in enumerate(replies)
                     if isinstance(r, rexc.NoScriptError) and _is_evalsha(commands[i])
-                ]
+                ] if scripts else None
                 if missing:
                     await self._load_scripts(conn, [commands[i] for i in missing], timeout)
                     again = await conn.pipeline([commands[i] for i in missing], timeout=timeout)

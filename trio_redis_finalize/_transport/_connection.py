@@ -81,6 +81,7 @@ DEFAULT_TIMEOUT = 5.0
 _NOT_ENOUGH = object()
 _READ_SIZE = 65536
 _CLOSE_TIMEOUT = 1.0  # a TLS close must not hang a cancelled caller
+_NO_DEADLINE = contextlib.nullcontext()  # stateless: entered by any number of requests
 
 
 def _parse_error(text: str) -> rexc.RedisError:
@@ -137,21 +138,24 @@ class Connection:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
+    async def _receive(self) -> None:
+        """Read what the socket has (waiting for some) into the reply parser."""
+        try:
+            data = await self._stream.receive(_READ_SIZE)
+        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError,
+                OSError) as e:
+            self.lost = True
+            raise rexc.ConnectionError(
+                f"connection to {self.params.address} lost: {e!r}"
+            ) from e
+        self._reader.feed(data)
+
     async def _read_reply(self) -> Any:
-        reader = self._reader
         while True:
-            reply = reader.gets()
+            reply = self._reader.gets()
             if reply is not _NOT_ENOUGH:
                 return reply
-            try:
-                data = await self._stream.receive(_READ_SIZE)
-            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError,
-                    OSError) as e:
-                self.lost = True
-                raise rexc.ConnectionError(
-                    f"connection to {self.params.address} lost: {e!r}"
-                ) from e
-            reader.feed(data)
+            await self._receive()
 
     async def roundtrip(self, payload: bytes, n: int, timeout: float | None = None) -> list[Any]:
         """Send ``payload`` and read ``n`` replies (error replies returned, not raised).
@@ -167,11 +171,14 @@ class Connection:
             raise RuntimeError("one request at a time per connection")
         self._busy = True
         ok = False
-        deadline: contextlib.AbstractContextManager[object] = (
-            contextlib.nullcontext() if timeout is None else anyio.fail_after(timeout)
-        )
+        # A bare cancel scope, not anyio.fail_after (two generator-based
+        # context managers around the same scope): only its deadline can
+        # cancel it, so a caught cancellation is the timeout.
+        scope = None if timeout is None else anyio.CancelScope(
+            deadline=anyio.current_time() + timeout)
+        replies: list[Any] = []
         try:
-            with deadline:
+            with _NO_DEADLINE if scope is None else scope:
                 try:
                     await self._stream.send(payload)
                 except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as e:
@@ -179,16 +186,22 @@ class Connection:
                     raise rexc.ConnectionError(
                         f"connection to {self.params.address} lost: {e!r}"
                     ) from e
-                if n == 1:
-                    replies = [await self._read_reply()]
-                else:
-                    replies = [await self._read_reply() for _ in range(n)]
+                # every reply parsed in this loop (no coroutine per reply); the
+                # socket is read only when the parser has no complete reply
+                gets = self._reader.gets
+                append = replies.append
+                while len(replies) < n:
+                    reply = gets()
+                    if reply is _NOT_ENOUGH:
+                        await self._receive()
+                    else:
+                        append(reply)
+            if scope is not None and scope.cancelled_caught:
+                raise rexc.TimeoutError(
+                    f"no reply from {self.params.address} within {timeout} s (outcome unknown)"
+                )
             ok = True
             return replies
-        except TimeoutError:
-            raise rexc.TimeoutError(
-                f"no reply from {self.params.address} within {timeout} s (outcome unknown)"
-            ) from None
         finally:
             self._busy = False
             if not ok:
@@ -208,7 +221,8 @@ class Connection:
         self, commands: Sequence[Command], *, timeout: float | None = None
     ) -> list[Any]:
         """Send all ``commands`` at once; replies in order, error replies as values."""
-        payload = b"".join([pack_command(tuple(c)) for c in commands])
+        payload = b"".join([pack_command(c if c.__class__ is tuple else tuple(c))
+                            for c in commands])
         try:
             return await self.roundtrip(payload, len(commands), timeout)
         except rexc.TimeoutError as e:

@@ -18,18 +18,31 @@ from typing import Any
 import anyio
 from redis import exceptions as rexc
 
-from ._connection import Arg, Connection, pack_command
+from ._connection import _NOT_ENOUGH, Arg, Connection, pack_command
 
 __all__ = ["Message", "PubSub"]
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+# ``init=False``: the ``__init__`` below sets the slots through their
+# descriptors, about twice as fast as the generated frozen ``__init__`` (one
+# ``object.__setattr__`` per field); a message is built per message received.
+@dataclasses.dataclass(frozen=True, slots=True, init=False)
 class Message:
     """A published message: ``pattern`` is set for pattern subscriptions."""
 
     channel: bytes
     data: bytes
     pattern: bytes | None = None
+
+    def __init__(self, channel: bytes, data: bytes, pattern: bytes | None = None) -> None:
+        _set_channel(self, channel)
+        _set_data(self, data)
+        _set_pattern(self, pattern)
+
+
+_set_channel = Message.__dict__["channel"].__set__
+_set_data = Message.__dict__["data"].__set__
+_set_pattern = Message.__dict__["pattern"].__set__
 
 
 class PubSub:
@@ -126,10 +139,31 @@ class PubSub:
     async def get_message(self, timeout: float | None = None) -> Message | None:
         """The next message, or ``None`` when none came within ``timeout``.
 
-        Waiting is safe to cancel: a partly received reply stays buffered.
+        A message already received (kept while waiting for a confirmation, or
+        read from the socket with others) is returned at once: no wait, no
+        timer.  ``timeout=0`` returns only such a message, never reading the
+        socket.  Waiting is safe to cancel: a partly received reply stays
+        buffered.
         """
         if self._pending:
             return self._pending.popleft()
+        # the replies already parsed from what was read: no cancel scope, no
+        # checkpoint (the reading below is one, whenever this runs dry)
+        gets = self.conn._reader.gets
+        while True:
+            reply = gets()
+            if reply is _NOT_ENOUGH:
+                break
+            if reply.__class__ is list:  # the common cases, without the queue
+                if len(reply) == 3 and reply[0] == b"message":
+                    return Message(reply[1], reply[2])
+                if len(reply) == 4 and reply[0] == b"pmessage":
+                    return Message(reply[2], reply[3], reply[1])
+            self._classify(reply)
+            if self._pending:
+                return self._pending.popleft()
+        if timeout is not None and timeout <= 0:
+            return None
         with anyio.move_on_after(timeout if timeout is not None else float("inf")):
             while not self._pending:
                 self._classify(await self._read())
