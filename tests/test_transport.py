@@ -530,6 +530,28 @@ async def test_pubsub(redis_url: str) -> None:
         assert ps.dropped == 0
 
 
+async def test_pubsub_messages_already_received(redis_url: str) -> None:
+    """What was read with the first message is returned without a wait, in
+    order, by get_message(timeout=0) and received(); neither reads the socket."""
+    async with open_client(redis_url) as client, client.pubsub(name="sub") as ps:
+        await ps.subscribe("c")
+        await ps.psubscribe("p.*")
+        assert ps.received(10) == [] and await ps.get_message(timeout=0) is None
+        await client.pipeline([("PUBLISH", "c", f"m{i}") for i in range(5)]
+                              + [("PUBLISH", "p.1", "pm"), ("PUBLISH", "c", "last")])
+        first = await ps.get_message(timeout=5)
+        assert first == Message(channel=b"c", data=b"m0")
+        got = [first]
+        while len(got) < 7:  # whatever the first read did not bring is read now
+            more = ps.received(2) or [await ps.get_message(timeout=5)]
+            assert len(more) <= 2
+            got += more
+        assert got == [*(Message(b"c", f"m{i}".encode()) for i in range(5)),
+                       Message(b"p.1", b"pm", b"p.*"), Message(b"c", b"last")]
+        assert ps.received(10) == [] and await ps.get_message(timeout=0) is None
+        assert not ps.conn.broken and ps.dropped == 0
+
+
 async def test_payloads_round_trip(redis_url: str) -> None:
     big = os.urandom(1024 * 1024)
     binary = bytes(range(256)) * 4 + b"\r\n$-1\r\n*3\r\n"
