@@ -352,6 +352,18 @@ def test_refused_and_no_op_outcomes_on_a_simple_list() -> None:
     assert b.result().effects == {"nothing": 1}
 
 
+def test_ack_and_drop_on_a_simple_list_count_nothing_once_each() -> None:
+    """ACK takes the removal fast path (no plan), DROP the plan path: both
+    count ``nothing``, added up, and send no command."""
+    t = ListSubscription("l").target("c1")
+    b = core(t).batch([(element(b"a"), ACK), (element(b"b"), DROP), (element(b"c"), ACK)])
+    assert b.outcomes == {"ack": 2, "drop": 1} and b.refused == 0
+    assert b.commands() == []
+    s = b.result()
+    assert s.effects == {"nothing": 3}
+    assert sorted(e for _, e in s.deliveries()) == ["nothing"] * 3
+
+
 def test_claiming_cut_to_min_idle_is_warned_once_per_subscription() -> None:
     c = core(stream(mode=Mode.CLAIMING, min_idle=1.0))
     b = c.batch([(entry(1), retry_after(5.0)), (entry(2), retry_after(5.0))])

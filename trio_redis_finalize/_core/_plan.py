@@ -481,15 +481,17 @@ def plain_removals(t: Target) -> dict[OutcomeKind, Effect]:
     removal_commands(t, [d]))``: on a stream ``plan(t, d, Outcome(k))`` is
     one ``XACK`` of the entry, on a reliable list one ``LREM`` of the element
     from the processing list; on the forms with nothing to remove (simple
-    lists, Pub/Sub) ``plan()`` refuses ACK and DROP, which the finalizer
-    counts as done (:attr:`Effect.NOTHING`, no command).  The finalizer uses
-    it to remove such deliveries with :func:`removal_commands`, many at
-    once, without building a plan (or, on the forms with nothing to remove,
-    raising and catching a refusal) for each: the hot path.
+    lists, Pub/Sub) ``plan()`` refuses an ACK, which the finalizer counts as
+    done (:attr:`Effect.NOTHING`, no command).  The finalizer uses it to
+    remove such deliveries with :func:`removal_commands`, many at once,
+    without building a plan (or, on the forms with nothing to remove,
+    raising and catching a refusal) for each: the hot path.  (Each kind
+    returned has an effect of its own: a DROP there, also ``nothing``,
+    takes the plan path.)
     """
     if t.form is Form.STREAM or t.form is Form.RELIABLE_LIST:
         return {OutcomeKind.ACK: Effect.ACKED, OutcomeKind.DROP: Effect.DROPPED}
-    return {OutcomeKind.ACK: Effect.NOTHING, OutcomeKind.DROP: Effect.NOTHING}
+    return {OutcomeKind.ACK: Effect.NOTHING}
 
 
 def removal_commands(t: Target, deliveries: Sequence[Delivery]) -> list[Command]:
