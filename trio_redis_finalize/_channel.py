@@ -7,14 +7,12 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import anyio
-from anyio.abc import TaskStatus
 from redis import exceptions as rexc
 
 from ._context import FINALIZE_TIMEOUT, Context, hand_over, log
 from ._core._decode import list_delivery
 from ._core._plan import Plan, Target
 from ._delivery import Delivery
-from ._read_loop import drive
 from ._subscription import Form, Subscription, check_key, check_limits
 from ._transport import PubSub
 
@@ -101,6 +99,8 @@ _IDLE_PING = 5.0
 """Seconds without a message after which the subscription is checked with PING."""
 _PING_TIMEOUT = 5.0
 _CHUNK = 100
+_MAX_NAMES = 1000
+"""Decoded channel names kept at most (a pattern subscription may see many)."""
 """At most this many already-received messages are handed over together."""
 
 
@@ -118,6 +118,7 @@ class PubSubReader:
     def __init__(self, sub: ChannelSubscription | PatternSubscription) -> None:
         self.sub = sub
         self._lost_at: float | None = None  # when the connection was lost (a gap began)
+        self._names: dict[bytes, str] = {}  # channel names decoded
 
     def abandon(self, deliveries: Sequence[Delivery]) -> Plan | None:
         if deliveries:
@@ -160,12 +161,16 @@ class PubSubReader:
             await ps.ping(timeout=_PING_TIMEOUT)
             return
         target = ctx.target
-        built = [list_delivery(target, msg.channel.decode("utf-8", "replace"), msg.data)]
-        while len(built) < _CHUNK:  # what is already received, without waiting
-            more = await ps.get_message(timeout=0)
-            if more is None:
-                break
-            built.append(list_delivery(target, more.channel.decode("utf-8", "replace"), more.data))
+        names = self._names
+        if len(names) > _MAX_NAMES:  # a pattern may match any number of channels
+            names.clear()
+        built = []
+        for m in [msg, *ps.received(_CHUNK - 1)]:  # what is already received, without waiting
+            channel = m.channel
+            name = names.get(channel)
+            if name is None:
+                name = names[channel] = channel.decode("utf-8", "replace")
+            built.append(list_delivery(target, name, m.data))
         await hand_over(ctx, built)
 
     def failed(self, ctx: Context, err: Exception) -> float | None:
@@ -176,5 +181,3 @@ class PubSubReader:
     async def closing(self, ctx: Context) -> None:
         pass
 
-    async def run(self, ctx: Context, *, task_status: TaskStatus[None]) -> None:
-        await drive(self, ctx, task_status=task_status)

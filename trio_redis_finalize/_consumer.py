@@ -13,12 +13,13 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
 from ._channel import PubSubReader
-from ._context import Handler, Reader, sole
+from ._context import Handler, sole
 from ._core._plan import plan
 from ._delivery import Delivery
 from ._list import ListReader
 from ._mount import Mount
 from ._outcome import Backoff, Outcome
+from ._read_loop import Reader
 from ._reliable_list import ReliableListReader
 from ._scheduler import Scheduler
 from ._shutdown import CLOSE_MARGIN, Budget, cleanup_until

@@ -23,7 +23,6 @@ from ._delivery import Delivery
 from ._outcome import Backoff, Outcome
 
 if TYPE_CHECKING:
-    from anyio.abc import TaskStatus
 
     from ._core._plan import Plan, Target
     from ._stats import MountStats
@@ -38,7 +37,6 @@ __all__ = [
     "Context",
     "Handler",
     "Item",
-    "Reader",
     "backoff",
     "describe_error",
     "hand_over",
@@ -123,22 +121,3 @@ async def hand_over(ctx: Context, built: Sequence[tuple[Delivery, Plan | None]])
     if direct:
         await ctx.finalize_now(direct)
     await ctx.deliver([d for d, p in built if p is None])
-
-
-class Reader(Protocol):
-    """What a subscription form provides: the loop that reads and delivers.
-
-    Forms that leave failed deliveries pending (streams, reliable lists)
-    also offer, looked up with ``getattr``: ``redeliver(ctx, deliveries)``
-    (take due :class:`Backoff` deliveries again as their next attempt and
-    deliver them; returns those to try again a moment later; raises having
-    delivered none, when it could not), and
-    ``leave_pending(ctx, deliveries)`` (forget them: they stay pending for
-    the ordinary recovery).
-    """
-
-    async def run(self, ctx: Context, *, task_status: TaskStatus[None]) -> None: ...
-
-    def abandon(self, deliveries: Sequence[Delivery]) -> Plan | None:
-        """Commands that give back deliveries read but never started (or None)."""
-        ...

@@ -8,7 +8,6 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import anyio
-from anyio.abc import TaskStatus
 from redis import exceptions as rexc
 
 from ._context import FINALIZE_TIMEOUT, READ_MARGIN, Context, backoff, hand_over, log
@@ -16,7 +15,7 @@ from ._core._decode import list_delivery
 from ._core._plan import Effect, Plan, Target
 from ._core._replies import NOT_RUN, classify
 from ._delivery import Delivery
-from ._read_loop import check_type, drive, reader_connection
+from ._read_loop import check_type, reader_connection
 from ._shutdown import cleanup
 from ._subscription import Form, Subscription, check_key, check_limits, check_positive
 from ._transport import Connection
@@ -134,5 +133,3 @@ class ListReader:
             log.error("%s: could not push %d popped elements back within %g s", ctx.name,
                       len(raws), FINALIZE_TIMEOUT)
 
-    async def run(self, ctx: Context, *, task_status: TaskStatus[None]) -> None:
-        await drive(self, ctx, task_status=task_status)

@@ -71,21 +71,18 @@ from anyio.streams.memory import MemoryObjectSendStream as Send
 from redis import exceptions as rexc
 
 from ._context import (
-    SETUP_PATIENCE,
     ConsumerInfo,
     Handler,
     Item,
-    Reader,
     backoff,
     log,
     log_extra,
-    sole,
 )
 from ._core._plan import Effect, Target
-from ._core._replies import NOT_RUN, classify
 from ._delivery import Delivery, record_error
 from ._finalizer import Finalizer
 from ._outcome import DROP, Backoff, Outcome
+from ._read_loop import Reader, drive
 from ._shutdown import CLOSE_MARGIN, FINALIZE_GRACE, Budget, cleanup, cleanup_until
 from ._stats import MountStats
 from ._subscription import Form, Subscription
@@ -319,35 +316,13 @@ class Mount:
         try:
             async with self._reader_outcomes:
                 with self._reader_scope:
-                    deadline = anyio.current_time() + SETUP_PATIENCE
-                    failures = 0
-                    while True:
-                        try:
-                            if self._redeliver is None:
-                                await self.reader.run(self, task_status=status)
-                            else:
-                                # the redeliverer lives as long as the reader (cancelled with it)
-                                async with anyio.create_task_group() as tg:
-                                    tg.start_soon(self._redeliverer, self._redeliver)
-                                    await self.reader.run(self, task_status=status)
-                                    tg.cancel_scope.cancel()
-                            return
-                        except BaseException as e:
-                            # The set-up (type checks, group, first reads) got a
-                            # reply saying it did not run (OOM, BUSY, LOADING ...):
-                            # the server is there but cannot serve now.  Try again
-                            # for a while, then let mount() fail with the error.
-                            err = sole(e)
-                            if (status.done or not isinstance(err, rexc.RedisError)
-                                    or classify(err) is not NOT_RUN
-                                    or anyio.current_time() >= deadline):
-                                raise
-                        self.stats.read_errors += 1
-                        delay = min(backoff(failures, cap=1.0), max(0.0, deadline - anyio.current_time()))
-                        failures += 1
-                        log.warning("%s: set-up refused by the server for now (%s); trying again "
-                                    "in %.2f s", self.name, err, delay, extra={"subscription": self.name})
-                        await anyio.sleep(delay)
+                    if self._redeliver is None:
+                        await drive(self.reader, self, task_status=status)
+                    else:
+                        # the redeliverer lives as long as the reader (cancelled with it)
+                        async with anyio.create_task_group() as tg:
+                            tg.start_soon(self._redeliverer, self._redeliver)
+                            await drive(self.reader, self, task_status=status)
         except BaseException:
             if not status.done:
                 # mount() fails: let the handlers and finalizer end too

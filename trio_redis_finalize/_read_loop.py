@@ -40,9 +40,11 @@ from ._shutdown import CLOSING_TIMEOUT, cleanup
 if TYPE_CHECKING:
     from anyio.abc import TaskStatus
 
+    from ._core._plan import Plan
+    from ._delivery import Delivery
     from ._transport import Client, Connection
 
-__all__ = ["Steps", "check_type", "drive", "reader_connection", "retry_not_run"]
+__all__ = ["Reader", "Steps", "check_type", "drive", "reader_connection", "retry_not_run"]
 
 C = TypeVar("C")
 T = TypeVar("T")
@@ -72,6 +74,24 @@ class Steps(Protocol[C]):
         ...
 
     async def closing(self, ctx: Context) -> None: ...
+
+
+class Reader(Steps[Any], Protocol):
+    """What a subscription form provides: its read loop's steps, and give-backs.
+
+    Forms that leave failed deliveries pending (streams, reliable lists)
+    also offer, looked up with ``getattr``: ``redeliver(ctx, deliveries)``
+    (take due ``Backoff`` deliveries again as their next attempt and
+    deliver them; returns those to try again a moment later; raises having
+    delivered none, when it could not), and ``leave_pending(ctx,
+    deliveries)`` (forget them: they stay pending for the ordinary
+    recovery); a reliable list its ``gates`` (counted removals of identical
+    elements, ``_core._finalize.Gates``).
+    """
+
+    def abandon(self, deliveries: Sequence[Delivery]) -> Plan | None:
+        """Commands that give back deliveries read but never started (or None)."""
+        ...
 
 
 async def drive(steps: Steps[Any], ctx: Context, *, task_status: TaskStatus[None]) -> None:

@@ -10,7 +10,6 @@ from functools import partial
 from typing import Any
 
 import anyio
-from anyio.abc import TaskStatus
 from redis import exceptions as rexc
 
 from ._context import FINALIZE_TIMEOUT, READ_MARGIN, Context, Item, log
@@ -22,7 +21,7 @@ from ._core._scripts import move_due_to_stream
 from ._delay_set import move_due
 from ._delivery import Delivery
 from ._keys import derived, same_slot
-from ._read_loop import check_type, drive, reader_connection, retry_not_run
+from ._read_loop import check_type, reader_connection, retry_not_run
 from ._shutdown import cleanup
 from ._subscription import (
     DelayedRetry,
@@ -441,8 +440,6 @@ class StreamReader:
     async def closing(self, ctx: Context) -> None:
         pass
 
-    async def run(self, ctx: Context, *, task_status: TaskStatus[None]) -> None:
-        await drive(self, ctx, task_status=task_status)
 
     def _plan_recovery(self) -> None:
         """Look at the own PEL before the next read (CLAIMING: its claims do)."""
