@@ -47,7 +47,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 from urllib.parse import quote
 
 import hiredis
@@ -153,7 +153,30 @@ def _ping(port: int, password: str | None, timeout: float = 0.5) -> bool:
         return False
 
 
-class RedisServer:
+class _Started:
+    """``with`` for the servers and topologies: ``__enter__`` is ``start()``
+    (its default timeout), ``__exit__`` is ``stop()``."""
+
+    def start(self) -> object:  # pragma: no cover - every subclass defines it
+        raise NotImplementedError
+
+    def stop(self) -> None:  # pragma: no cover - every subclass defines it
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class RedisServer(_Started):
     """A ``redis-server`` process owned by the caller.
 
     Args:
@@ -272,17 +295,6 @@ class RedisServer:
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir = None
 
-    def __enter__(self) -> RedisServer:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
 
 # -- Redis Cluster ----------------------------------------------------------------
 
@@ -348,7 +360,7 @@ def _info(text: bytes) -> dict[str, str]:
     return out
 
 
-class RedisCluster:
+class RedisCluster(_Started):
     """A local Redis Cluster of ``masters`` master nodes (no replicas).
 
     Each node is a :class:`RedisServer` run with ``--cluster-enabled yes`` on a
@@ -547,17 +559,6 @@ class RedisCluster:
         for server in self.servers:
             server.kill(sig)
 
-    def __enter__(self) -> RedisCluster:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
 
 # -- Redis Sentinel ----------------------------------------------------------------
 
@@ -585,7 +586,7 @@ class _SentinelProcess(RedisServer):
         return [self.binary, str(conf), "--sentinel"]
 
 
-class RedisSentinel:
+class RedisSentinel(_Started):
     """A Sentinel topology on loopback: a master, replicas and sentinels.
 
     ``servers[0]`` starts as the master, the others as its replicas; each
@@ -844,17 +845,6 @@ class RedisSentinel:
             process.stop()
         self.sentinels = []
         self.servers = []
-
-    def __enter__(self) -> RedisSentinel:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
 
 def _pairs(reply: Any) -> dict[str, str]:
