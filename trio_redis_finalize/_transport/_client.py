@@ -24,15 +24,9 @@ from typing import Any
 import anyio
 from redis import exceptions as rexc
 
-from .._core._commands import SCRIPT_SOURCES, Script
-from ._connection import (
-    DEFAULT_TIMEOUT,
-    Arg,
-    Command,
-    Connection,
-    open_connection,
-    raise_first_error,
-)
+from .._core._commands import SCRIPT_SOURCES, Arg, Command, Script
+from .._core._replies import raise_first_error
+from ._connection import DEFAULT_TIMEOUT, Connection, open_connection
 from ._pubsub import PubSub
 from ._url import ConnectionParams
 

@@ -8,7 +8,7 @@
 * **Slot map** from ``CLUSTER SLOTS`` (Redis 6.2 and 7) of the first node
   that answers: the nodes already known, then the seeds of the URL.  A
   command goes to the master of the slot of its first key
-  (:func:`~._connection.command_keys`, ``redis.crc.key_slot``: hash tags
+  (``_core._commands.command_keys``, ``redis.crc.key_slot``: hash tags
   honoured); a command without keys (``PING``, ``SCRIPT LOAD``, ``PUBLISH``:
   classic Pub/Sub is broadcast to the whole cluster) to any node, except
   ``SCAN ... MATCH {tag}...``, which goes to the node of the tag's slot.
@@ -55,19 +55,10 @@ import anyio.abc
 from redis import exceptions as rexc
 from redis.crc import key_slot
 
+from .._core._commands import Arg, Command, command_keys
+from .._core._replies import raise_first_error, with_context
 from ._client import Client, _is_evalsha, transaction_result
-from ._connection import (
-    _CLOSE_TIMEOUT,
-    DEFAULT_TIMEOUT,
-    Arg,
-    Command,
-    Connection,
-    command_keys,
-    open_connection,
-    pack_command,
-    raise_first_error,
-    with_context,
-)
+from ._connection import _CLOSE_TIMEOUT, DEFAULT_TIMEOUT, Connection, open_connection, pack_command
 from ._pubsub import PubSub
 from ._url import ConnectionParams
 

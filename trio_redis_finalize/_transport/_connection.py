@@ -23,52 +23,18 @@ import hiredis
 from redis import exceptions as rexc
 from redis._parsers.base import BaseParser
 
-from .._core._commands import Arg, Command, command_keys, describe
+from .._core._commands import Arg, Command, describe
 from .._core._replies import (
     _EXTRA,
     _WRAPPED,
-    FINAL,
-    NOT_RUN,
     NOT_RUN_CODES,
-    NOT_RUN_ERRORS,
-    UNKNOWN,
-    BusyGroupError,
-    ErrorKind,
-    NoGroupError,
     NotRunError,
-    WrongTypeError,
-    classify,
-    error_code,
-    raise_first_error,
     with_context,
 )
 from ._keepalive import set_keepalive
 from ._url import ConnectionParams
 
-__all__ = [
-    "DEFAULT_TIMEOUT",
-    "FINAL",
-    "NOT_RUN",
-    "NOT_RUN_CODES",
-    "NOT_RUN_ERRORS",
-    "UNKNOWN",
-    "Arg",
-    "BusyGroupError",
-    "Command",
-    "Connection",
-    "ErrorKind",
-    "NoGroupError",
-    "NotRunError",
-    "WrongTypeError",
-    "classify",
-    "command_keys",
-    "describe",
-    "error_code",
-    "open_connection",
-    "pack_command",
-    "raise_first_error",
-    "with_context",
-]
+__all__ = ["DEFAULT_TIMEOUT", "Connection", "open_connection", "pack_command"]
 
 pack_command = cast(Callable[[Sequence["Arg"]], bytes], hiredis.pack_command)
 """``hiredis.pack_command`` (its stub wrongly types the argument as a 1-tuple)."""
