@@ -200,10 +200,16 @@ class Client:
         commands ran); otherwise error replies are returned as values.
         ``timeout`` bounds each round trip (``None``: ``DEFAULT_TIMEOUT``).
         """
+        replies = await self._send(commands, DEFAULT_TIMEOUT if timeout is None else timeout)
+        if raise_on_error:
+            raise_first_error(commands, replies)
+        return replies
+
+    async def _send(self, commands: Sequence[Command], timeout: float) -> list[Any]:
+        """What :meth:`pipeline` sends: ``commands`` in one round trip on a
+        pooled connection; replies in order, error replies as values."""
         if not commands:
             return []
-        if timeout is None:
-            timeout = DEFAULT_TIMEOUT
         async with self._slots:
             conn = await self._lease()
             try:
@@ -231,8 +237,6 @@ class Client:
                         replies[i] = r
             finally:
                 await self._release(conn)
-        if raise_on_error:
-            raise_first_error(commands, replies)
         return replies
 
     async def transaction(
@@ -281,12 +285,16 @@ class Client:
         self, *, name: str | None = None, max_pending: int = 1000, key: Arg | None = None
     ) -> AsyncIterator[PubSub]:
         """A Pub/Sub connection, closed on exit (``key``: as for :meth:`connect`)."""
-        conn = await self._dial(name or self.name)
+        conn = await self._subscriber(name or self.name, key)
         ps = PubSub(conn, max_pending=max_pending)
         try:
             yield ps
         finally:
             await conn.aclose()
+
+    async def _subscriber(self, name: str | None, key: Arg | None) -> Connection:
+        """The new connection :meth:`pubsub` subscribes on."""
+        return await self._dial(name)
 
     async def check(self) -> None:
         """``PING`` the server (raises when it cannot be reached)."""

@@ -167,7 +167,14 @@ class Connection:
         except rexc.TimeoutError as e:
             raise rexc.TimeoutError(f"{e} ({describe(args)})") from None
         if isinstance(reply, rexc.RedisError):
-            raise with_context(reply, args)
+            reply = await self._answer(args, reply, timeout)
+            if isinstance(reply, rexc.RedisError):
+                raise with_context(reply, args)
+        return reply
+
+    async def _answer(self, command: Command, reply: rexc.RedisError, timeout: float | None) -> Any:
+        """The reply :meth:`execute` gives for ``command``, answered the error
+        ``reply``: that error (a cluster's ``RoutedConnection`` follows redirections here)."""
         return reply
 
     async def pipeline(
