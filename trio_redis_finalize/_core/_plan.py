@@ -472,6 +472,10 @@ def plan_foreign(t: Target, d: Delivery) -> Plan:
     return Plan(Effect.FOREIGN_COPY, (("XACK", t.source, t.group, d.id),))
 
 
+_REMOVED = {OutcomeKind.ACK: Effect.ACKED, OutcomeKind.DROP: Effect.DROPPED}
+"""The outcome kinds that remove the original from a stream or reliable list, and their effects."""
+
+
 def plain_removals(t: Target) -> dict[OutcomeKind, Effect]:
     """The outcome kinds whose plan on ``t`` is the plain removal of the original.
 
@@ -484,7 +488,7 @@ def plain_removals(t: Target) -> dict[OutcomeKind, Effect]:
     that have nothing to remove.
     """
     if t.form is Form.STREAM or t.form is Form.RELIABLE_LIST:
-        return {OutcomeKind.ACK: Effect.ACKED, OutcomeKind.DROP: Effect.DROPPED}
+        return dict(_REMOVED)
     return {}
 
 
@@ -543,12 +547,11 @@ def plan(t: Target, d: Delivery, outcome: Outcome) -> Plan:
         )
     if (kind is OutcomeKind.RETRY or kind is OutcomeKind.RETRY_AFTER) and _exhausted(t, d):
         return plan_dead(t, d, f"max_attempts={t.max_attempts} reached at attempt {d.attempt}")
+    removed = _REMOVED.get(kind)
+    if removed is not None:  # ACK, DROP: only a stream or a reliable list gets here
+        return (_stream_remove if form is Form.STREAM else _list_remove)(t, d, removed)
 
     if form is Form.STREAM:
-        if kind is OutcomeKind.ACK:
-            return _stream_remove(t, d, Effect.ACKED)
-        if kind is OutcomeKind.DROP:
-            return _stream_remove(t, d, Effect.DROPPED)
         if kind is OutcomeKind.RETRY:
             if t.mode is Mode.CLAIMING:
                 return Plan(Effect.LEFT_PENDING)
@@ -582,10 +585,6 @@ def plan(t: Target, d: Delivery, outcome: Outcome) -> Plan:
         )
 
     if form is Form.RELIABLE_LIST:
-        if kind is OutcomeKind.ACK:
-            return _list_remove(t, d, Effect.ACKED)
-        if kind is OutcomeKind.DROP:
-            return _list_remove(t, d, Effect.DROPPED)
         if kind is OutcomeKind.RETRY:
             return _list_copy_remove(t, d, t.source, _list_copy(d), Effect.COPIED)
         if t.delayed_retry is DelayedRetry.DURABLE_ZSET:
