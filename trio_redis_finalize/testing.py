@@ -154,8 +154,15 @@ def _ping(port: int, password: str | None, timeout: float = 0.5) -> bool:
 
 
 class _Started:
-    """``with`` for the servers and topologies: ``__enter__`` is ``start()``
-    (its default timeout), ``__exit__`` is ``stop()``."""
+    """What the servers and topologies share: the binary's :attr:`version`,
+    and ``with``: ``__enter__`` is ``start()`` (its default timeout),
+    ``__exit__`` is ``stop()``."""
+
+    binary: str
+
+    @property
+    def version(self) -> tuple[int, int, int]:
+        return redis_server_version(self.binary)
 
     def start(self) -> object:  # pragma: no cover - every subclass defines it
         raise NotImplementedError
@@ -206,10 +213,6 @@ class RedisServer(_Started):
         self.extra_args = tuple(extra_args)
         self.dir: Path | None = None
         self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def version(self) -> tuple[int, int, int]:
-        return redis_server_version(self.binary)
 
     @property
     def url(self) -> str:
@@ -407,10 +410,6 @@ class RedisCluster(_Started):
     def url(self) -> str:
         """``redis+cluster://127.0.0.1:p1,127.0.0.1:p2,...`` (every node a seed)."""
         return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
-
-    @property
-    def version(self) -> tuple[int, int, int]:
-        return redis_server_version(self.binary)
 
     def command(self, port: int, *args: str | bytes | int | float) -> Any:
         """Run one command on the node at ``port`` (see :func:`command`)."""
@@ -651,10 +650,6 @@ class RedisSentinel(_Started):
         query = ("" if self.sentinel_password is None
                  else f"?sentinel_password={quote(self.sentinel_password, safe='')}")
         return f"redis+sentinel://{auth}{nodes}/{self.service_name}/0{query}"
-
-    @property
-    def version(self) -> tuple[int, int, int]:
-        return redis_server_version(self.binary)
 
     def sentinel(self, *args: str | bytes | int | float, index: int | None = None) -> Any:
         """``SENTINEL <args>`` on a live sentinel (``index``: that one)."""
