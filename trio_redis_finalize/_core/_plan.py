@@ -49,6 +49,7 @@ from .._errors import AckUnsupported
 from .._keys import derived, same_slot
 from .._outcome import Outcome, OutcomeKind
 from .._subscription import DelayedRetry, Form, Mode, Retention
+from .._value import immutable, setters
 from . import _scripts
 from ._commands import Command
 
@@ -104,6 +105,7 @@ class Effect(enum.Enum):
     FOREIGN_COPY = "foreign_copy"  # another group's copy: acknowledged, not handled
 
 
+@immutable
 @dataclasses.dataclass(frozen=True, slots=True)
 class Target:
     """A mounted subscription, resolved: every key named, every default chosen."""
@@ -133,8 +135,9 @@ class Target:
         return self.retention is Retention.DELETE_ON_FINALIZE
 
 
-# ``init=False``: the ``__init__`` below sets the frozen slots through their
-# descriptors, faster than the generated one (a plan is built per message).
+# ``init=False``: built per message, so the ``__init__`` below sets the slots
+# with their setters (see ``_value``), faster than the generated one.
+@immutable
 @dataclasses.dataclass(frozen=True, slots=True, init=False)
 class Plan:
     """Commands to send now, in order; ``later`` after ``delay`` seconds.
@@ -168,12 +171,8 @@ class Plan:
         _set_warning(self, warning)
 
 
-_set_effect = Plan.__dict__["effect"].__set__
-_set_commands = Plan.__dict__["commands"].__set__
-_set_delay = Plan.__dict__["delay"].__set__
-_set_later = Plan.__dict__["later"].__set__
-_set_gated = Plan.__dict__["gated"].__set__
-_set_warning = Plan.__dict__["warning"].__set__
+_set_effect, _set_commands, _set_delay, _set_later, _set_gated, _set_warning = setters(
+    Plan, "effect", "commands", "delay", "later", "gated", "warning")
 
 
 def attempt_of(retries: int, delivery_count: int = 1) -> int:
