@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Coroutine, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
@@ -15,10 +16,15 @@ from ._core._plan import Plan, Target
 from ._delivery import Delivery
 from ._subscription import Form, Subscription, check_key, check_limits
 from ._transport import PubSub
+from ._value import immutable, setters
 
 __all__ = ["ChannelSubscription", "PatternSubscription", "PubSubReader"]
 
 
+# ``init=False``: ``*channels``, kept once each in their order.  ``eq=False``:
+# a Pub/Sub subscription compares by identity.
+@immutable
+@dataclasses.dataclass(frozen=True, slots=True, eq=False, init=False)
 class ChannelSubscription(Subscription):
     """SUBSCRIBE to one or more channels.  Pub/Sub is at-most-once: what is
     published while no connection is subscribed is gone.  ``retry_after``
@@ -30,7 +36,9 @@ class ChannelSubscription(Subscription):
             (with a warning) instead of published.
     """
 
-    __slots__ = ("channels", "max_attempts")
+    channels: tuple[str, ...]
+    max_attempts: int | None
+
     form = Form.CHANNEL
 
     def __init__(self, *channels: str, max_attempts: int | None = None) -> None:
@@ -39,8 +47,8 @@ class ChannelSubscription(Subscription):
         for c in channels:
             check_key("channels", c)
         check_limits(max_attempts, None)
-        self.channels: tuple[str, ...] = tuple(dict.fromkeys(channels))
-        self.max_attempts = max_attempts
+        _set_channels(self, tuple(dict.fromkeys(channels)))
+        _set_max_attempts(self, max_attempts)
 
     @property
     def name(self) -> str:
@@ -54,6 +62,8 @@ class ChannelSubscription(Subscription):
                       max_attempts=self.max_attempts, cluster=cluster)
 
 
+@immutable
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)  # eq=False: compared by identity
 class PatternSubscription(Subscription):
     """PSUBSCRIBE to a glob pattern; :attr:`Delivery.source` is the concrete
     channel.  ``retry_after`` needs ``retry_channel`` (where copies go).
@@ -66,19 +76,18 @@ class PatternSubscription(Subscription):
             (with a warning) instead of published.
     """
 
-    __slots__ = ("max_attempts", "pattern", "retry_channel")
+    pattern: str
+    _: dataclasses.KW_ONLY  # the rest keyword-only, as documented
+    retry_channel: str | None = None
+    max_attempts: int | None = None
+
     form = Form.PATTERN
 
-    def __init__(
-        self, pattern: str, *, retry_channel: str | None = None, max_attempts: int | None = None
-    ) -> None:
-        check_key("pattern", pattern)
-        if retry_channel is not None:
-            check_key("retry_channel", retry_channel)
-        check_limits(max_attempts, None)
-        self.pattern = pattern
-        self.retry_channel = retry_channel
-        self.max_attempts = max_attempts
+    def __post_init__(self) -> None:
+        check_key("pattern", self.pattern)
+        if self.retry_channel is not None:
+            check_key("retry_channel", self.retry_channel)
+        check_limits(self.max_attempts, None)
 
     @property
     def name(self) -> str:
@@ -92,6 +101,8 @@ class PatternSubscription(Subscription):
                       retry_channel=self.retry_channel, max_attempts=self.max_attempts,
                       cluster=cluster)
 
+
+_set_channels, _set_max_attempts = setters(ChannelSubscription, "channels", "max_attempts")
 
 # -- runtime ------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import anyio
 from anyio.abc import TaskStatus
@@ -872,34 +872,30 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
-    return value
+_N = TypeVar("_N", int, float)
 
 
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0-65535)")
-    return value
+def _checked(
+    convert: Callable[[str], _N], noun: str, ok: Callable[[_N], bool], refusal: str
+) -> Callable[[str], _N]:
+    """An argparse ``type``: ``convert(text)`` (else "is not ``noun``"), kept
+    when ``ok`` (else "``refusal``")."""
+
+    def parse(text: str) -> _N:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{text!r} {refusal}")
+        return value
+
+    return parse
 
 
-def _non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
-    return value
+_positive_int = _checked(int, "an integer", lambda v: v >= 1, "must be >= 1")
+_port = _checked(int, "a port number", lambda v: 0 <= v <= 65535, "is not a port number (0-65535)")
+_non_negative = _checked(float, "a number", lambda v: v >= 0, "must be >= 0")  # NaN: refused
 
 
 def _url_arg(p: argparse.ArgumentParser) -> None:
@@ -908,6 +904,16 @@ def _url_arg(p: argparse.ArgumentParser) -> None:
         help=f"Redis URL: redis://[user:password@]host:port/db, rediss://, unix://path "
              f"(default: {DEFAULT_URL})",
     )
+
+
+def _command(
+    sub: argparse._SubParsersAction[_Parser],
+    func: Callable[[argparse.Namespace], int], name: str, *, help: str, description: str,
+) -> argparse.ArgumentParser:
+    """The sub-command ``name``, run as ``func(args)``."""
+    p = sub.add_parser(name, help=help, description=description)
+    p.set_defaults(func=func)
+    return p
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -923,8 +929,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
 
-    p = sub.add_parser(
-        "demo", help="every form x every outcome against a real server; prints the observed table",
+    p = _command(
+        sub, cmd_demo, "demo",
+        help="every form x every outcome against a real server; prints the observed table",
         description="Mount one subscription of every form (stream, claiming stream, stream with "
                     "a durable delay set, reliable list, simple list, channel, pattern), produce "
                     "messages whose handlers return every outcome, record with MONITOR the "
@@ -937,10 +944,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--messages", type=_positive_int, default=3, metavar="N",
                    help="messages per form and outcome (default 3)")
     p.add_argument("-v", "--verbose", action="store_true", help="print the library's log records")
-    p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser(
-        "run", help="run a consumer whose subscriptions your code mounts",
+    p = _command(
+        sub, cmd_run, "run",
+        help="run a consumer whose subscriptions your code mounts",
         description="Import MODULE, open a consumer and await FACTORY(consumer), e.g. "
                     "'async def setup(consumer): await consumer.mount(StreamSubscription(...), "
                     "handle)'; then run until SIGINT or SIGTERM: the first stops gracefully "
@@ -964,10 +971,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefix of the metric names (default trf)")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default INFO")
-    p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser(
-        "inspect", help="show a stream's or list's state: groups, pending, delay set, dead letter",
+    p = _command(
+        sub, cmd_inspect, "inspect",
+        help="show a stream's or list's state: groups, pending, delay set, dead letter",
         description="For a stream: length, consumer groups (consumers, pending, last delivered id, "
                     "oldest needed entry, lag, oldest idle pending entry), consumers, the oldest "
                     "entry any group still needs and how many entries below it a trim "
@@ -990,10 +997,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "letter, with why each was dead-lettered (reason, error, source, entry id "
                         "or processing list, group, attempt, time)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser(
-        "requeue", help="move dead-lettered messages back onto a queue",
+    p = _command(
+        sub, cmd_requeue, "requeue",
+        help="move dead-lettered messages back onto a queue",
         description="Move messages from DEAD_LETTER (oldest first) back to --to, with their "
                     "retry counter reset and their origin id kept. Stream entries lose the "
                     "trf-dead-* fields; each move is one script gated on the entry still being in "
@@ -1014,7 +1021,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "pending, or from a list that consumers are reading (processing lists "
                         "exist)")
     _url_arg(p)
-    p.set_defaults(func=cmd_requeue)
     return parser
 
 

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
+
+from ._value import immutable, setters
 
 __all__ = ["MAX_ERROR", "Delivery", "record_error"]
 
 
-# ``init=False``: the ``__init__`` below sets the slots through their
-# descriptors, about twice as fast as the generated frozen ``__init__`` (one
-# ``object.__setattr__`` per field); a delivery is built per message read.
+# ``init=False``: built for every message read, so the ``__init__`` below sets
+# the slots with their setters (see ``_value``), about twice as fast as the
+# generated frozen ``__init__``.
+@immutable
 @dataclasses.dataclass(frozen=True, slots=True, eq=False, init=False)
 class Delivery:
     """One delivery of one message to a handler.
@@ -96,22 +98,10 @@ class Delivery:
         _set_flat(self, flat)
 
 
-def _setter(name: str) -> Any:
-    return Delivery.__dict__[name].__set__
-
-
-_set_source = _setter("source")
-_set_id = _setter("id")
-_set_fields = _setter("fields")
-_set_data = _setter("data")
-_set_attempt = _setter("attempt")
-_set_origin_id = _setter("origin_id")
-_set_raw = _setter("raw")
-_set_retries = _setter("retries")
-_set_mount = _setter("mount")
-_set_corrupt = _setter("corrupt")
-_set_error = _setter("error")
-_set_flat = _setter("flat")
+(_set_source, _set_id, _set_fields, _set_data, _set_attempt, _set_origin_id, _set_raw, _set_retries,
+ _set_mount, _set_corrupt, _set_error, _set_flat) = setters(
+    Delivery, "source", "id", "fields", "data", "attempt", "origin_id", "raw", "retries", "mount",
+    "corrupt", "error", "flat")
 
 MAX_ERROR = 500
 """Characters of a handler exception's ``Type: message`` kept (in dead-letter entries)."""

@@ -140,6 +140,41 @@ def read_samples(consumer: Consumer, backlogs: Mapping[str, Backlog] | None = No
     return []  # pragma: no cover
 
 
+_Kind = Literal["counter", "gauge", "histogram"]
+_FAMILIES: dict[str, tuple[str, _Kind, tuple[str, ...], str]] = {
+    # key: (name after the prefix, type, labels after the base ones, help)
+    "read": ("deliveries_read", "counter", (),
+             "Deliveries read from Redis, counted when read (redeliveries included), before any "
+             "handler call; not handler calls."),
+    "outcomes": ("handler_outcomes", "counter", ("outcome",),
+                 "Handler calls by the outcome they returned (ack, retry, drop, retry_after); a "
+                 "raise counts as the on_error outcome."),
+    "duration": ("handler_duration_seconds", "histogram", (), "Seconds each handler call took."),
+    "effects": ("effects", "counter", ("effect",),
+                "What finalization did in Redis, counted once Redis confirmed it (acked, copied, "
+                "delayed, dead_lettered, refused, lost_before_handling, ...)."),
+    "errors": ("errors", "counter", ("kind",),
+               "Errors by kind: handler raised or returned no outcome, finalization and read "
+               "errors; and consumer groups recreated."),
+    "in_flight": ("in_flight", "gauge", (), "Handler calls running now."),
+    "held": ("held_copies", "gauge", (),
+             "Runtime retry_after copies waiting in process memory (lost if the process is "
+             "killed)."),
+    "delay_lag": ("delay_lag_seconds", "gauge", (),
+                  "How overdue the oldest copy in the durable delay set was at the last read (0: "
+                  "none due)."),
+    "lag": ("group_lag", "gauge", (),
+            "Messages waiting to be read: entries not yet delivered to the consumer group "
+            "(stream), elements in the queue (reliable list)."),
+    "pending": ("pending", "gauge", (),
+                "Messages read and not yet finalized: the group's pending entries (stream), this "
+                "consumer's processing list (reliable list)."),
+    "idle": ("oldest_pending_idle_seconds", "gauge", (),
+             "Idle seconds of the group's longest-idle pending entry (0: none pending)."),
+}
+"""The metric families :func:`families` builds, in their order."""
+
+
 def families(
     sources: Iterable[tuple[Sequence[MountSample], tuple[str, ...]]],
     label_names: tuple[str, ...] = (),
@@ -157,40 +192,8 @@ def families(
         prefix: the start of every name (``trf`` gives ``trf_effects_total``).
     """
     base_names = (*LABELS, *label_names)
-    p = prefix + "_"
-    fams = {
-        "read": Family(p + "deliveries_read", "counter",
-                       "Deliveries read from Redis, counted when read (redeliveries included), before "
-                       "any handler call; not handler calls.", base_names),
-        "outcomes": Family(p + "handler_outcomes", "counter",
-                           "Handler calls by the outcome they returned (ack, retry, drop, retry_after); "
-                           "a raise counts as the on_error outcome.", (*base_names, "outcome")),
-        "duration": Family(p + "handler_duration_seconds", "histogram",
-                           "Seconds each handler call took.", base_names),
-        "effects": Family(p + "effects", "counter",
-                          "What finalization did in Redis, counted once Redis confirmed it (acked, "
-                          "copied, delayed, dead_lettered, refused, lost_before_handling, ...).",
-                          (*base_names, "effect")),
-        "errors": Family(p + "errors", "counter",
-                         "Errors by kind: handler raised or returned no outcome, finalization and read "
-                         "errors; and consumer groups recreated.", (*base_names, "kind")),
-        "in_flight": Family(p + "in_flight", "gauge", "Handler calls running now.", base_names),
-        "held": Family(p + "held_copies", "gauge",
-                       "Runtime retry_after copies waiting in process memory (lost if the process "
-                       "is killed).", base_names),
-        "delay_lag": Family(p + "delay_lag_seconds", "gauge",
-                            "How overdue the oldest copy in the durable delay set was at the last "
-                            "read (0: none due).", base_names),
-        "lag": Family(p + "group_lag", "gauge",
-                      "Messages waiting to be read: entries not yet delivered to the consumer group "
-                      "(stream), elements in the queue (reliable list).", base_names),
-        "pending": Family(p + "pending", "gauge",
-                          "Messages read and not yet finalized: the group's pending entries (stream), "
-                          "this consumer's processing list (reliable list).", base_names),
-        "idle": Family(p + "oldest_pending_idle_seconds", "gauge",
-                       "Idle seconds of the group's longest-idle pending entry (0: none pending).",
-                       base_names),
-    }
+    fams = {key: Family(f"{prefix}_{name}", kind, text, (*base_names, *extra))
+            for key, (name, kind, extra, text) in _FAMILIES.items()}
     acc: dict[str, dict[tuple[str, ...], Any]] = {k: {} for k in fams}
 
     def add(family: str, labels: tuple[str, ...], value: float) -> None:

@@ -3,10 +3,13 @@ and :class:`Backoff`, the default ``on_error`` of a mount."""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import random
 from typing import Final
+
+from ._value import immutable, setters
 
 __all__ = ["ACK", "DROP", "RETRY", "Backoff", "Outcome", "OutcomeKind", "retry_after"]
 
@@ -18,6 +21,8 @@ class OutcomeKind(enum.Enum):
     RETRY_AFTER = "retry_after"
 
 
+@immutable
+@dataclasses.dataclass(frozen=True, slots=True)
 class Outcome:
     """What to do with a delivery once its handler is done (immutable).
 
@@ -25,31 +30,8 @@ class Outcome:
     :func:`retry_after`; equal outcomes compare equal.
     """
 
-    __slots__ = ("delay", "kind")
     kind: OutcomeKind
-    delay: float
-
-    def __init__(self, kind: OutcomeKind, delay: float = 0.0) -> None:
-        object.__setattr__(self, "kind", kind)
-        object.__setattr__(self, "delay", delay)
-
-    def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError("Outcome is immutable")
-
-    def __delattr__(self, name: str) -> None:
-        raise AttributeError("Outcome is immutable")
-
-    def __reduce__(self) -> tuple[type[Outcome], tuple[OutcomeKind, float]]:
-        # copy and pickle would otherwise restore the slots with setattr
-        return (Outcome, (self.kind, self.delay))
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Outcome):
-            return NotImplemented
-        return self.kind is other.kind and self.delay == other.delay
-
-    def __hash__(self) -> int:
-        return hash((self.kind, self.delay))
+    delay: float = 0.0
 
     def __repr__(self) -> str:
         if self.kind is OutcomeKind.RETRY_AFTER:
@@ -91,6 +73,9 @@ def _seconds(name: str, value: object) -> float:
     return seconds
 
 
+# ``init=False``: the ``__init__`` below validates and normalises (see ``_value``).
+@immutable
+@dataclasses.dataclass(frozen=True, slots=True, init=False)
 class Backoff:
     """``on_error`` (the default): a failed delivery stays pending and is
     delivered again later, by the same consumer.
@@ -118,7 +103,6 @@ class Backoff:
             above 0, or ``cap`` is below ``base`` (the message names it).
     """
 
-    __slots__ = ("base", "cap")
     base: float
     cap: float
 
@@ -127,28 +111,8 @@ class Backoff:
         c = _seconds("cap", cap)
         if c < b:
             raise ValueError(f"cap must be >= base ({b!r} s), got {cap!r}")
-        object.__setattr__(self, "base", b)
-        object.__setattr__(self, "cap", c)
-
-    def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError("Backoff is immutable")
-
-    def __delattr__(self, name: str) -> None:
-        raise AttributeError("Backoff is immutable")
-
-    def __reduce__(self) -> tuple[type[Backoff], tuple[float, float]]:
-        return (Backoff, (self.base, self.cap))
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Backoff):
-            return NotImplemented
-        return self.base == other.base and self.cap == other.cap
-
-    def __hash__(self) -> int:
-        return hash((Backoff, self.base, self.cap))
-
-    def __repr__(self) -> str:
-        return f"Backoff(base={self.base!r}, cap={self.cap!r})"
+        _set_base(self, b)
+        _set_cap(self, c)
 
     def ceiling(self, attempt: int) -> float:
         """The longest wait after failed attempt ``attempt``: ``min(cap, base * 2 ** (attempt - 1))``."""
@@ -160,3 +124,6 @@ class Backoff:
     def delay(self, attempt: int) -> float:
         """A wait after failed attempt ``attempt``: uniform in ``[0, ceiling(attempt)]``."""
         return random.uniform(0.0, self.ceiling(attempt))
+
+
+_set_base, _set_cap = setters(Backoff, "base", "cap")

@@ -47,7 +47,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 from urllib.parse import quote
 
 import hiredis
@@ -153,7 +153,37 @@ def _ping(port: int, password: str | None, timeout: float = 0.5) -> bool:
         return False
 
 
-class RedisServer:
+class _Started:
+    """What the servers and topologies share: the binary's :attr:`version`,
+    and ``with``: ``__enter__`` is ``start()`` (its default timeout),
+    ``__exit__`` is ``stop()``."""
+
+    binary: str
+
+    @property
+    def version(self) -> tuple[int, int, int]:
+        return redis_server_version(self.binary)
+
+    def start(self) -> object:  # pragma: no cover - every subclass defines it
+        raise NotImplementedError
+
+    def stop(self) -> None:  # pragma: no cover - every subclass defines it
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class RedisServer(_Started):
     """A ``redis-server`` process owned by the caller.
 
     Args:
@@ -183,10 +213,6 @@ class RedisServer:
         self.extra_args = tuple(extra_args)
         self.dir: Path | None = None
         self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def version(self) -> tuple[int, int, int]:
-        return redis_server_version(self.binary)
 
     @property
     def url(self) -> str:
@@ -272,17 +298,6 @@ class RedisServer:
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir = None
 
-    def __enter__(self) -> RedisServer:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
 
 # -- Redis Cluster ----------------------------------------------------------------
 
@@ -348,7 +363,7 @@ def _info(text: bytes) -> dict[str, str]:
     return out
 
 
-class RedisCluster:
+class RedisCluster(_Started):
     """A local Redis Cluster of ``masters`` master nodes (no replicas).
 
     Each node is a :class:`RedisServer` run with ``--cluster-enabled yes`` on a
@@ -395,10 +410,6 @@ class RedisCluster:
     def url(self) -> str:
         """``redis+cluster://127.0.0.1:p1,127.0.0.1:p2,...`` (every node a seed)."""
         return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
-
-    @property
-    def version(self) -> tuple[int, int, int]:
-        return redis_server_version(self.binary)
 
     def command(self, port: int, *args: str | bytes | int | float) -> Any:
         """Run one command on the node at ``port`` (see :func:`command`)."""
@@ -547,17 +558,6 @@ class RedisCluster:
         for server in self.servers:
             server.kill(sig)
 
-    def __enter__(self) -> RedisCluster:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
 
 # -- Redis Sentinel ----------------------------------------------------------------
 
@@ -585,7 +585,7 @@ class _SentinelProcess(RedisServer):
         return [self.binary, str(conf), "--sentinel"]
 
 
-class RedisSentinel:
+class RedisSentinel(_Started):
     """A Sentinel topology on loopback: a master, replicas and sentinels.
 
     ``servers[0]`` starts as the master, the others as its replicas; each
@@ -650,10 +650,6 @@ class RedisSentinel:
         query = ("" if self.sentinel_password is None
                  else f"?sentinel_password={quote(self.sentinel_password, safe='')}")
         return f"redis+sentinel://{auth}{nodes}/{self.service_name}/0{query}"
-
-    @property
-    def version(self) -> tuple[int, int, int]:
-        return redis_server_version(self.binary)
 
     def sentinel(self, *args: str | bytes | int | float, index: int | None = None) -> Any:
         """``SENTINEL <args>`` on a live sentinel (``index``: that one)."""
@@ -844,17 +840,6 @@ class RedisSentinel:
             process.stop()
         self.sentinels = []
         self.servers = []
-
-    def __enter__(self) -> RedisSentinel:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
 
 def _pairs(reply: Any) -> dict[str, str]:

@@ -49,6 +49,7 @@ from .._errors import AckUnsupported
 from .._keys import derived, same_slot
 from .._outcome import Outcome, OutcomeKind
 from .._subscription import DelayedRetry, Form, Mode, Retention
+from .._value import immutable, setters
 from . import _scripts
 from ._commands import Command
 
@@ -104,6 +105,7 @@ class Effect(enum.Enum):
     FOREIGN_COPY = "foreign_copy"  # another group's copy: acknowledged, not handled
 
 
+@immutable
 @dataclasses.dataclass(frozen=True, slots=True)
 class Target:
     """A mounted subscription, resolved: every key named, every default chosen."""
@@ -133,8 +135,9 @@ class Target:
         return self.retention is Retention.DELETE_ON_FINALIZE
 
 
-# ``init=False``: the ``__init__`` below sets the frozen slots through their
-# descriptors, faster than the generated one (a plan is built per message).
+# ``init=False``: built per message, so the ``__init__`` below sets the slots
+# with their setters (see ``_value``), faster than the generated one.
+@immutable
 @dataclasses.dataclass(frozen=True, slots=True, init=False)
 class Plan:
     """Commands to send now, in order; ``later`` after ``delay`` seconds.
@@ -168,12 +171,8 @@ class Plan:
         _set_warning(self, warning)
 
 
-_set_effect = Plan.__dict__["effect"].__set__
-_set_commands = Plan.__dict__["commands"].__set__
-_set_delay = Plan.__dict__["delay"].__set__
-_set_later = Plan.__dict__["later"].__set__
-_set_gated = Plan.__dict__["gated"].__set__
-_set_warning = Plan.__dict__["warning"].__set__
+_set_effect, _set_commands, _set_delay, _set_later, _set_gated, _set_warning = setters(
+    Plan, "effect", "commands", "delay", "later", "gated", "warning")
 
 
 def attempt_of(retries: int, delivery_count: int = 1) -> int:
@@ -472,6 +471,10 @@ def plan_foreign(t: Target, d: Delivery) -> Plan:
     return Plan(Effect.FOREIGN_COPY, (("XACK", t.source, t.group, d.id),))
 
 
+_REMOVED = {OutcomeKind.ACK: Effect.ACKED, OutcomeKind.DROP: Effect.DROPPED}
+"""The outcome kinds that remove the original from a stream or reliable list, and their effects."""
+
+
 def plain_removals(t: Target) -> dict[OutcomeKind, Effect]:
     """The outcome kinds a handler returns whose finalization is the plain
     removal of the original.
@@ -490,7 +493,7 @@ def plain_removals(t: Target) -> dict[OutcomeKind, Effect]:
     takes the plan path.)
     """
     if t.form is Form.STREAM or t.form is Form.RELIABLE_LIST:
-        return {OutcomeKind.ACK: Effect.ACKED, OutcomeKind.DROP: Effect.DROPPED}
+        return dict(_REMOVED)
     return {OutcomeKind.ACK: Effect.NOTHING}
 
 
@@ -551,12 +554,11 @@ def plan(t: Target, d: Delivery, outcome: Outcome) -> Plan:
         )
     if (kind is OutcomeKind.RETRY or kind is OutcomeKind.RETRY_AFTER) and _exhausted(t, d):
         return plan_dead(t, d, f"max_attempts={t.max_attempts} reached at attempt {d.attempt}")
+    removed = _REMOVED.get(kind)
+    if removed is not None:  # ACK, DROP: only a stream or a reliable list gets here
+        return (_stream_remove if form is Form.STREAM else _list_remove)(t, d, removed)
 
     if form is Form.STREAM:
-        if kind is OutcomeKind.ACK:
-            return _stream_remove(t, d, Effect.ACKED)
-        if kind is OutcomeKind.DROP:
-            return _stream_remove(t, d, Effect.DROPPED)
         if kind is OutcomeKind.RETRY:
             if t.mode is Mode.CLAIMING:
                 return Plan(Effect.LEFT_PENDING)
@@ -590,10 +592,6 @@ def plan(t: Target, d: Delivery, outcome: Outcome) -> Plan:
         )
 
     if form is Form.RELIABLE_LIST:
-        if kind is OutcomeKind.ACK:
-            return _list_remove(t, d, Effect.ACKED)
-        if kind is OutcomeKind.DROP:
-            return _list_remove(t, d, Effect.DROPPED)
         if kind is OutcomeKind.RETRY:
             return _list_copy_remove(t, d, t.source, _list_copy(d), Effect.COPIED)
         if t.delayed_retry is DelayedRetry.DURABLE_ZSET:

@@ -113,17 +113,25 @@ return new
     name="stream_copy_ack",
 )
 
-# KEYS: stream, delay set.  ARGV: group, id, delay ms, member
-STREAM_ZADD_ACK = Script(
-    _STREAM_GATE
-    + _NOW_MS
-    + """
+
+def _stream_zadd_ack(name: str, *, delete: bool) -> Script:
+    """Gated: ZADD the copy to the delay set, due in ``ARGV[3]`` ms (server
+    time), XACK the original (and XDEL it, with ``delete``); returns the due time."""
+    return Script(
+        _STREAM_GATE
+        + _NOW_MS
+        + """
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[4])
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
-return now + tonumber(ARGV[3])
-""",
-    name="stream_zadd_ack",
-)
+"""
+        + ("redis.call('XDEL', KEYS[1], ARGV[2])\n" if delete else "")
+        + "return now + tonumber(ARGV[3])\n",
+        name=name,
+    )
+
+
+# KEYS: stream, delay set.  ARGV: group, id, delay ms, member
+STREAM_ZADD_ACK = _stream_zadd_ack("stream_zadd_ack", delete=False)
 
 # The retention variants (``StreamSubscription(retention=..., copy_maxlen=...,
 # dead_letter_maxlen=...)``): the same gate and order, and
@@ -159,17 +167,7 @@ return new
 
 # KEYS: stream, delay set.  ARGV: group, id, delay ms, member.  As
 # STREAM_ZADD_ACK, then XDEL of the original.
-STREAM_ZADD_ACK_DEL = Script(
-    _STREAM_GATE
-    + _NOW_MS
-    + """
-redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[4])
-redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
-redis.call('XDEL', KEYS[1], ARGV[2])
-return now + tonumber(ARGV[3])
-""",
-    name="stream_zadd_ack_del",
-)
+STREAM_ZADD_ACK_DEL = _stream_zadd_ack("stream_zadd_ack_del", delete=True)
 
 # KEYS: processing list.  ARGV: element, n (see _list_gate; > 1).
 # LREM of one copy, gated: returns 1 when removed, 0 when the gate was closed.

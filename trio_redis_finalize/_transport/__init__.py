@@ -8,31 +8,25 @@ retries.  See ``_client.Client`` for the interface the consumer uses, and
 ``_sentinel.SentinelClient`` for a master found through Redis Sentinel.
 """
 
-from ._client import Client, Script
-from ._cluster import ClusterClient, RoutedConnection, slot_of
-from ._connection import (
-    DEFAULT_TIMEOUT,
+from .._core._commands import Arg, Command, command_keys, describe
+from .._core._replies import (
     FINAL,
     NOT_RUN,
     NOT_RUN_CODES,
     NOT_RUN_ERRORS,
     UNKNOWN,
-    Arg,
     BusyGroupError,
-    Command,
-    Connection,
     ErrorKind,
     NoGroupError,
     NotRunError,
     WrongTypeError,
     classify,
-    command_keys,
-    describe,
     error_code,
-    open_connection,
-    pack_command,
     with_context,
 )
+from ._client import Client, Script
+from ._cluster import ClusterClient, RoutedConnection, slot_of
+from ._connection import DEFAULT_TIMEOUT, Connection, open_connection, pack_command
 from ._open import open_client
 from ._pubsub import Message, PubSub
 from ._sentinel import SentinelClient

@@ -24,15 +24,9 @@ from typing import Any
 import anyio
 from redis import exceptions as rexc
 
-from .._core._commands import SCRIPT_SOURCES, Script
-from ._connection import (
-    DEFAULT_TIMEOUT,
-    Arg,
-    Command,
-    Connection,
-    open_connection,
-    raise_first_error,
-)
+from .._core._commands import SCRIPT_SOURCES, Arg, Command, Script
+from .._core._replies import raise_first_error
+from ._connection import DEFAULT_TIMEOUT, Connection, open_connection
 from ._pubsub import PubSub
 from ._url import ConnectionParams
 
@@ -213,10 +207,16 @@ class Client:
         commands ran); otherwise error replies are returned as values.
         ``timeout`` bounds each round trip (``None``: ``DEFAULT_TIMEOUT``).
         """
+        replies = await self._send(commands, DEFAULT_TIMEOUT if timeout is None else timeout)
+        if raise_on_error:
+            raise_first_error(commands, replies)
+        return replies
+
+    async def _send(self, commands: Sequence[Command], timeout: float) -> list[Any]:
+        """What :meth:`pipeline` sends: ``commands`` in one round trip on a
+        pooled connection; replies in order, error replies as values."""
         if not commands:
             return []
-        if timeout is None:
-            timeout = DEFAULT_TIMEOUT
         async with self._slots:
             conn = await self._lease()
             try:
@@ -244,8 +244,6 @@ class Client:
                         replies[i] = r
             finally:
                 await self._release(conn)
-        if raise_on_error:
-            raise_first_error(commands, replies)
         return replies
 
     async def transaction(
@@ -294,12 +292,16 @@ class Client:
         self, *, name: str | None = None, max_pending: int = 1000, key: Arg | None = None
     ) -> AsyncIterator[PubSub]:
         """A Pub/Sub connection, closed on exit (``key``: as for :meth:`connect`)."""
-        conn = await self._dial(name or self.name)
+        conn = await self._subscriber(name or self.name, key)
         ps = PubSub(conn, max_pending=max_pending)
         try:
             yield ps
         finally:
             await conn.aclose()
+
+    async def _subscriber(self, name: str | None, key: Arg | None) -> Connection:
+        """The new connection :meth:`pubsub` subscribes on."""
+        return await self._dial(name)
 
     async def check(self) -> None:
         """``PING`` the server (raises when it cannot be reached)."""

@@ -8,7 +8,7 @@
 * **Slot map** from ``CLUSTER SLOTS`` (Redis 6.2 and 7) of the first node
   that answers: the nodes already known, then the seeds of the URL.  A
   command goes to the master of the slot of its first key
-  (:func:`~._connection.command_keys`, ``redis.crc.key_slot``: hash tags
+  (``_core._commands.command_keys``, ``redis.crc.key_slot``: hash tags
   honoured); a command without keys (``PING``, ``SCRIPT LOAD``, ``PUBLISH``:
   classic Pub/Sub is broadcast to the whole cluster) to any node, except
   ``SCAN ... MATCH {tag}...``, which goes to the node of the tag's slot.
@@ -46,7 +46,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -55,20 +55,10 @@ import anyio.abc
 from redis import exceptions as rexc
 from redis.crc import key_slot
 
+from .._core._commands import Arg, Command, command_keys
+from .._core._replies import with_context
 from ._client import Client, _is_evalsha, transaction_result
-from ._connection import (
-    _CLOSE_TIMEOUT,
-    DEFAULT_TIMEOUT,
-    Arg,
-    Command,
-    Connection,
-    command_keys,
-    open_connection,
-    pack_command,
-    raise_first_error,
-    with_context,
-)
-from ._pubsub import PubSub
+from ._connection import _CLOSE_TIMEOUT, DEFAULT_TIMEOUT, Connection, open_connection, pack_command
 from ._url import ConnectionParams
 
 __all__ = ["MAX_REDIRECTS", "MAX_TRYAGAIN", "SLOTS", "ClusterClient", "RoutedConnection", "slot_of"]
@@ -341,21 +331,13 @@ class ClusterClient(Client):
             raise with_context(reply, args)
         return reply
 
-    async def pipeline(
-        self,
-        commands: Sequence[Command],
-        *,
-        raise_on_error: bool = True,
-        timeout: float | None = None,
-    ) -> list[Any]:
-        """Send ``commands``, one run of consecutive same-slot commands at a time.
+    async def _send(self, commands: Sequence[Command], timeout: float) -> list[Any]:
+        """What :meth:`pipeline` sends: ``commands``, one run of consecutive
+        same-slot commands at a time, each run's redirections followed.
 
-        Replies in order.  ``timeout`` bounds each round trip (``None``:
-        ``DEFAULT_TIMEOUT``).  See the module docstring for the order kept
-        across slots.
+        Replies in order, error replies as values.  See the module docstring
+        for the order kept across slots.
         """
-        if timeout is None:
-            timeout = DEFAULT_TIMEOUT
         runs: list[tuple[int | None, list[Command]]] = []
         for cmd in commands:
             s = slot_of(cmd)
@@ -368,8 +350,6 @@ class ClusterClient(Client):
         replies: list[Any] = []
         for s, run in runs:
             replies.extend(await self._run(s, run, timeout))
-        if raise_on_error:
-            raise_first_error(commands, replies)
         return replies
 
     async def transaction(
@@ -427,36 +407,27 @@ class ClusterClient(Client):
         It follows redirections itself (:class:`RoutedConnection`), so a
         blocking read keeps working while its slot moves to another node.
         """
-        slot = None if key is None else int(key_slot(_bytes(key)))
-        addr = await self._route(slot)
         conn_name = name or self.name
         factory = functools.partial(RoutedConnection, cluster=self, name=conn_name)
-        try:
-            return await open_connection(
-                self.params.for_node(*addr), name=conn_name, factory=factory
-            )
-        except rexc.ConnectionError:
-            self._stale = True
-            raise
+        return await self._dial_node(key, conn_name, factory)
 
-    @asynccontextmanager
-    async def pubsub(
-        self, *, name: str | None = None, max_pending: int = 1000, key: Arg | None = None
-    ) -> AsyncIterator[PubSub]:
-        """A Pub/Sub connection to the node of ``key`` (any node: classic Pub/Sub
-        messages reach every node of the cluster)."""
+    async def _subscriber(self, name: str | None, key: Arg | None) -> Connection:
+        """To the node of ``key`` (any node: classic Pub/Sub messages reach
+        every node of the cluster)."""
+        return await self._dial_node(key, name)
+
+    async def _dial_node(
+        self, key: Arg | None, name: str | None,
+        factory: Callable[[anyio.abc.ByteStream, ConnectionParams], Connection] = Connection,
+    ) -> Connection:
+        """A new connection to the node of ``key``'s slot (any node without one)."""
         slot = None if key is None else int(key_slot(_bytes(key)))
         addr = await self._route(slot)
         try:
-            conn = await open_connection(self.params.for_node(*addr), name=name or self.name)
+            return await open_connection(self.params.for_node(*addr), name=name, factory=factory)
         except rexc.ConnectionError:
             self._stale = True
             raise
-        ps = PubSub(conn, max_pending=max_pending)
-        try:
-            yield ps
-        finally:
-            await conn.aclose()
 
     async def aclose(self) -> None:
         """Close every node's idle connections; leased ones close when given back."""
@@ -502,24 +473,17 @@ class RoutedConnection(Connection):
             self._aside.close_now()
         super().close_now()
 
-    async def execute(self, *args: Arg, timeout: float | None = None) -> Any:
-        (reply,) = await self.roundtrip(pack_command(args), 1, timeout)
-        if isinstance(reply, _REDIRECTS):
-            reply = await self._follow(args, reply, timeout)
-        if isinstance(reply, rexc.RedisError):
-            raise with_context(reply, args)
-        return reply
-
     async def pipeline(
         self, commands: Sequence[Command], *, timeout: float | None = None
     ) -> list[Any]:
         replies = await super().pipeline(commands, timeout=timeout)
         for i, r in enumerate(replies):
             if isinstance(r, _REDIRECTS):
-                replies[i] = await self._follow(commands[i], r, timeout)
+                replies[i] = await self._answer(commands[i], r, timeout)
         return replies
 
-    async def _follow(self, command: Command, reply: Any, timeout: float | None) -> Any:
+    async def _answer(self, command: Command, reply: Any, timeout: float | None) -> Any:
+        """Follow the redirections of ``command``, answered ``reply``; the final reply."""
         cluster = self._cluster
         redirects = waits = 0
         while redirects < MAX_REDIRECTS and waits < MAX_TRYAGAIN:

@@ -23,52 +23,18 @@ import hiredis
 from redis import exceptions as rexc
 from redis._parsers.base import BaseParser
 
-from .._core._commands import Arg, Command, command_keys, describe
+from .._core._commands import Arg, Command, describe
 from .._core._replies import (
     _EXTRA,
     _WRAPPED,
-    FINAL,
-    NOT_RUN,
     NOT_RUN_CODES,
-    NOT_RUN_ERRORS,
-    UNKNOWN,
-    BusyGroupError,
-    ErrorKind,
-    NoGroupError,
     NotRunError,
-    WrongTypeError,
-    classify,
-    error_code,
-    raise_first_error,
     with_context,
 )
 from ._keepalive import set_keepalive
 from ._url import ConnectionParams
 
-__all__ = [
-    "DEFAULT_TIMEOUT",
-    "FINAL",
-    "NOT_RUN",
-    "NOT_RUN_CODES",
-    "NOT_RUN_ERRORS",
-    "UNKNOWN",
-    "Arg",
-    "BusyGroupError",
-    "Command",
-    "Connection",
-    "ErrorKind",
-    "NoGroupError",
-    "NotRunError",
-    "WrongTypeError",
-    "classify",
-    "command_keys",
-    "describe",
-    "error_code",
-    "open_connection",
-    "pack_command",
-    "raise_first_error",
-    "with_context",
-]
+__all__ = ["DEFAULT_TIMEOUT", "Connection", "open_connection", "pack_command"]
 
 pack_command = cast(Callable[[Sequence["Arg"]], bytes], hiredis.pack_command)
 """``hiredis.pack_command`` (its stub wrongly types the argument as a 1-tuple)."""
@@ -214,7 +180,14 @@ class Connection:
         except rexc.TimeoutError as e:
             raise rexc.TimeoutError(f"{e} ({describe(args)})") from None
         if isinstance(reply, rexc.RedisError):
-            raise with_context(reply, args)
+            reply = await self._answer(args, reply, timeout)
+            if isinstance(reply, rexc.RedisError):
+                raise with_context(reply, args)
+        return reply
+
+    async def _answer(self, command: Command, reply: rexc.RedisError, timeout: float | None) -> Any:
+        """The reply :meth:`execute` gives for ``command``, answered the error
+        ``reply``: that error (a cluster's ``RoutedConnection`` follows redirections here)."""
         return reply
 
     async def pipeline(

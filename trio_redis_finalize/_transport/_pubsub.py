@@ -18,7 +18,8 @@ from typing import Any
 import anyio
 from redis import exceptions as rexc
 
-from ._connection import _NOT_ENOUGH, Arg, Connection, pack_command
+from .._core._commands import Arg
+from ._connection import _NOT_ENOUGH, Connection, pack_command
 
 __all__ = ["Message", "PubSub"]
 

@@ -1,0 +1,82 @@
+"""The package's one convention for immutable values.
+
+Every value object -- a subscription, a resolved ``Target``, a ``Plan``, a
+``Delivery``, an ``Outcome``, a ``Backoff``, a shutdown ``Budget`` -- is a
+``@dataclasses.dataclass(frozen=True, slots=True)``: fields declared once,
+``copy`` and ``pickle`` through the dataclass machinery, ``dataclasses.fields()``
+and ``replace()`` available, assignment and deletion refused with
+:class:`dataclasses.FrozenInstanceError` (an ``AttributeError``).  Over the
+dataclass decorator, :func:`immutable` makes that refusal hold for every name
+(on CPython 3.11 the generated ``__setattr__`` of a ``slots=True`` class raises
+``TypeError`` for a name that is not a field).
+
+The generated ``__init__`` (with ``__post_init__`` for validation) is used
+where it fits.  Where it does not -- validation that normalises the values
+(``Backoff``), a ``*channels`` signature (``ChannelSubscription``), or an
+object built for every message read (``Delivery``, ``Plan``), whose frozen
+``__init__`` would cost one ``object.__setattr__`` per field -- the class
+says ``init=False`` and its own ``__init__`` sets the fields with the slot
+setters :func:`setters` returns.
+
+Measured on CPython 3.11 (a ``Delivery`` of 11 arguments, ``timeit``): plain
+``__slots__`` with ``self.x = v`` about 0.45-0.60 µs, the frozen dataclass's
+generated ``__init__`` about 2.3 µs, ``init=False`` with the setters about
+0.8-1.1 µs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Callable
+from typing import Any, NoReturn, TypeVar
+
+__all__ = ["immutable", "setters"]
+
+_C = TypeVar("_C", bound=type)
+
+
+def immutable(cls: _C) -> _C:
+    """Over ``@dataclasses.dataclass(frozen=True, slots=True)``: assigning or
+    deleting any attribute raises :class:`dataclasses.FrozenInstanceError`
+    naming the class and the attribute.
+
+    Raises:
+        TypeError: ``cls`` is not a frozen slotted dataclass.
+    """
+    params = getattr(cls, "__dataclass_params__", None)
+    if params is None or not params.frozen or "__slots__" not in cls.__dict__:
+        raise TypeError(f"{cls.__qualname__}: @immutable goes over @dataclass(frozen=True, slots=True)")
+
+    def __setattr__(self: object, name: str, value: object) -> NoReturn:
+        raise dataclasses.FrozenInstanceError(
+            f"{type(self).__qualname__} is immutable: cannot assign to {name!r}")
+
+    def __delattr__(self: object, name: str) -> NoReturn:
+        raise dataclasses.FrozenInstanceError(
+            f"{type(self).__qualname__} is immutable: cannot delete {name!r}")
+
+    for f in (__setattr__, __delattr__):
+        f.__qualname__ = f"{cls.__qualname__}.{f.__name__}"
+        setattr(cls, f.__name__, f)
+    return cls
+
+
+def setters(cls: type, *names: str) -> tuple[Callable[[Any, Any], None], ...]:
+    """The ``__set__`` of the slots ``names`` of ``cls``, in that order.
+
+    ``setter(obj, value)`` stores ``value`` in the slot of ``obj`` without
+    going through ``__setattr__`` (which a frozen class refuses): for the
+    ``__init__`` of a frozen slotted dataclass made with ``init=False``.  Take
+    them after the class is decorated (``slots=True`` makes a new class).
+
+    Raises:
+        TypeError: ``cls`` has no slot of that name.
+    """
+    out = []
+    for name in names:
+        slot = next((k.__dict__[name] for k in cls.__mro__ if name in k.__dict__), None)
+        if not isinstance(slot, types.MemberDescriptorType):
+            raise TypeError(f"{cls.__qualname__} has no slot {name!r}")
+        out.append(slot.__set__)
+    return tuple(out)
