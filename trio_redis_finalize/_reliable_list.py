@@ -15,7 +15,6 @@ from anyio.abc import TaskStatus
 from redis import exceptions as rexc
 
 from ._context import (
-    FINALIZE_GRACE,
     FINALIZE_TIMEOUT,
     READ_MARGIN,
     Context,
@@ -34,7 +33,8 @@ from ._delay_set import move_due
 from ._delivery import Delivery
 from ._keys import derived, same_slot
 from ._outcome import Outcome, OutcomeKind
-from ._read_loop import CLOSING_TIMEOUT, check_type, drive, reader_connection
+from ._read_loop import check_type, drive, reader_connection
+from ._shutdown import CLOSING_TIMEOUT, Budget, cleanup
 from ._subscription import (
     DelayedRetry,
     Form,
@@ -269,7 +269,7 @@ class ReliableListReader:
             plan = self._give_back_plan(back)
             if plan is not None:
                 commands = self.prepare(list(plan.commands))
-                with anyio.CancelScope(shield=True), anyio.move_on_after(FINALIZE_TIMEOUT):
+                with cleanup(FINALIZE_TIMEOUT):
                     try:
                         replies = await mount.client.pipeline(commands, timeout=FINALIZE_TIMEOUT)
                         self.settle([], commands, replies)
@@ -722,9 +722,9 @@ class ReliableListReader:
         return None
 
     async def closing(self, ctx: Context) -> None:
-        """The last heartbeat: the handlers may still finish what they hold, so it
-        lasts until they must have ended."""
-        ttl = max(self.sub.heartbeat, ctx.consumer.shutdown_grace + FINALIZE_GRACE)
+        """The last heartbeat: the handlers and the finalizer may still finish what
+        they hold, so it lasts until they must have ended (``_shutdown.Budget``)."""
+        ttl = max(self.sub.heartbeat, Budget.heartbeat_ttl(ctx.consumer.shutdown_grace))
         await ctx.client.pipeline(self._beat(ctx, ttl), timeout=CLOSING_TIMEOUT)
 
     async def run(self, ctx: Context, *, task_status: TaskStatus[None]) -> None:
