@@ -19,9 +19,10 @@ import pytest
 
 from trio_redis_finalize import ACK, DROP, RETRY, DelayedRetry, retry_after
 from trio_redis_finalize._core._plan import Target, list_copies, list_counted, list_removal, plan
+from trio_redis_finalize._core._reliable import GIVE_BACK
 from trio_redis_finalize._core._scripts import LIST_COPY_REMOVE, LIST_REMOVE, LIST_ZADD_REMOVE
 from trio_redis_finalize._delivery import Delivery
-from trio_redis_finalize._reliable_list import _GIVE_BACK, ReliableListSubscription
+from trio_redis_finalize._reliable_list import ReliableListSubscription
 from trio_redis_finalize._transport import Client
 
 P, DEST, ZSET = "{q}:processing:c", "{q}", "{q}:delayed"
@@ -61,8 +62,8 @@ async def test_list_zadd_remove_with_n(client: Client) -> None:
 
 async def test_give_back_with_n(client: Client) -> None:
     await client.execute("RPUSH", P, b"X", b"X")
-    assert await client.evalsha(_GIVE_BACK, (P, DEST), (b"X", 2)) == 1
-    assert await client.evalsha(_GIVE_BACK, (P, DEST), (b"X", 2)) == 0
+    assert await client.evalsha(GIVE_BACK, (P, DEST), (b"X", 2)) == 1
+    assert await client.evalsha(GIVE_BACK, (P, DEST), (b"X", 2)) == 0
     assert await lrange(client, P) == [b"X"] and await lrange(client, DEST) == [b"X"]
 
 

@@ -115,6 +115,12 @@ class _LosingConnection:
     async def aclose(self) -> None:
         await self._inner.aclose()
 
+    async def __aenter__(self) -> _LosingConnection:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
 
 class LosingClient(Client):
     """A transport client that loses the reply of chosen commands after they ran."""

@@ -69,6 +69,7 @@ from trio_redis_finalize import (
 from trio_redis_finalize._core._batch import merge_commands
 from trio_redis_finalize._core._decode import list_delivery
 from trio_redis_finalize._core._plan import Effect, Plan, Target, plan
+from trio_redis_finalize._core._reliable import bumped
 from trio_redis_finalize._core._scripts import (
     LIST_COPY_REMOVE,
     LIST_ZADD_REMOVE,
@@ -76,7 +77,7 @@ from trio_redis_finalize._core._scripts import (
     STREAM_ZADD_ACK,
 )
 from trio_redis_finalize._envelope import unpack_parts
-from trio_redis_finalize._reliable_list import ReliableListReader, bumped
+from trio_redis_finalize._reliable_list import ReliableListReader
 from trio_redis_finalize._stats import MountStats
 from trio_redis_finalize._stream import StreamReader
 from trio_redis_finalize.testing import RedisServer

@@ -40,6 +40,7 @@ from anyio.abc import TaskStatus
 from redis import exceptions as rexc
 
 from ._core._plan import DEAD_FIELDS, DEAD_REASON, Effect, why_key
+from ._core._reliable import heartbeat_key, registry_key
 from ._core._retention import GroupNeed, group_rows, oldest_needed
 from ._core._scripts import LUA_XADD, why_pop
 from ._envelope import ORIGIN_FIELD, RETRIES_FIELD, CorruptEnvelope, unwrap, wrap
@@ -365,7 +366,7 @@ async def _heartbeat(client: Client, queue: str, owner: str, period: float) -> d
     """The owner's heartbeat key ``{queue}:heartbeat:<owner>`` (a key with a TTL of
     ``heartbeat`` seconds, renewed every ``heartbeat / 3``): time left, and the
     age of the last beat estimated as ``period`` minus the time left."""
-    key = derived(queue, f":heartbeat:{owner}")
+    key = heartbeat_key(queue, owner)
     ttl_ms = int(await client.execute("PTTL", key))
     if ttl_ms == -2:
         return {"heartbeat_key": key, "alive": False, "heartbeat_ttl": None, "heartbeat_age": None}
@@ -388,7 +389,7 @@ async def inspect_list(client: Client, key: str, heartbeat: float) -> dict[str, 
         if cursor in (b"0", "0", 0):
             break
     # consumers register name -> processing list in {queue}:consumers
-    registry = derived(key, ":consumers")
+    registry = registry_key(key)
     if await key_type(client, registry) == "hash":
         for name, plist in _pairs(await client.execute("HGETALL", registry)).items():
             owners[_str(plist)] = name
@@ -408,7 +409,7 @@ async def inspect_list(client: Client, key: str, heartbeat: float) -> dict[str, 
 
 async def _has_list_traces(client: Client, queue: str) -> bool:
     """True when a reliable list's registry or a processing list exists for ``queue``."""
-    if await key_type(client, derived(queue, ":consumers")) != "none":
+    if await key_type(client, registry_key(queue)) != "none":
         return True
     cursor: Any = b"0"
     while True:

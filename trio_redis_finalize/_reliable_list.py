@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import random
-from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import Any
 
 import anyio
 from anyio.abc import TaskStatus
 from redis import exceptions as rexc
 
 from ._context import (
-    FINALIZE_GRACE,
     FINALIZE_TIMEOUT,
     READ_MARGIN,
     Context,
@@ -22,16 +23,18 @@ from ._context import (
     describe_error,
     log,
 )
+from ._core._commands import Command
 from ._core._decode import list_delivery
 from ._core._finalize import Gates
-from ._core._plan import Effect, Plan, Target, content_origin, list_copies, list_counted, list_removal
+from ._core._plan import Effect, Plan, Target, list_copies, list_counted, list_removal
+from ._core._reliable import BUMP, GIVE_BACK, REAP, bumped, dec, heartbeat_key, registry_key, stranded
 from ._core._scripts import MOVE_DUE_TO_LIST
 from ._delay_set import move_due
 from ._delivery import Delivery
-from ._envelope import CorruptEnvelope, unwrap, wrap
 from ._keys import derived, same_slot
 from ._outcome import Outcome, OutcomeKind
-from ._read_loop import check_type
+from ._read_loop import check_type, drive, reader_connection
+from ._shutdown import CLOSING_TIMEOUT, Budget, cleanup
 from ._subscription import (
     DelayedRetry,
     Form,
@@ -40,7 +43,7 @@ from ._subscription import (
     check_limits,
     check_positive,
 )
-from ._transport import NOT_RUN, Command, Connection, Script, classify
+from ._transport import Connection
 
 __all__ = ["ReliableListReader", "ReliableListSubscription"]
 
@@ -146,15 +149,8 @@ _MIN_HEARTBEAT = 0.01
 
 # -- runtime ------------------------------------------------------------------
 #
-# Keys beside the queue (all in the queue's hash slot):
-#
-# * ``{queue}:consumers``: a hash, consumer name -> its processing list; every
-#   live consumer (re)registers itself there with each heartbeat;
-# * ``{queue}:heartbeat:<consumer>``: a key with a TTL of ``heartbeat``
-#   seconds, renewed every ``heartbeat / 3`` seconds while the consumer runs.
-#
-# A consumer whose heartbeat key is gone is dead: any live consumer moves its
-# processing list back onto the queue (``_REAP``) and then forgets it.
+# The keys beside the queue (registry, heartbeats), the reader's scripts and
+# its multiset counting are in ``_core._reliable``.
 
 _PREFETCH_MAX = 64
 """At most this many elements move into the processing list per round trip."""
@@ -164,95 +160,6 @@ _REAP_PAGE = 100
 _REAP_ROUNDS = 1000
 _HELD_MARGIN = 0.5
 """Seconds after its due time a runtime ``retry_after`` original counts as sent."""
-
-# KEYS: processing list.  ARGV: element, its rewritten copy.
-# Replaces one occurrence of the element in place (a crash redelivery counts
-# as an attempt, so a poison element that kills its consumer reaches
-# max_attempts); false when the element is gone.
-_BUMP = Script(
-    """
-local i = redis.call('LPOS', KEYS[1], ARGV[1])
-if not i then return false end
-redis.call('LSET', KEYS[1], i, ARGV[2])
-return 1
-""",
-    name="reliable_list_bump",
-)
-
-# KEYS: dead consumer's processing list, queue, its heartbeat key, registry.
-# ARGV: consumer name, element, rewritten element, element, rewritten, ...
-# Gated on the heartbeat key being absent (the consumer may have come back);
-# each element is removed from the processing list and pushed onto the
-# consumer end (RIGHT) of the queue only when it was still there, so racing
-# reapers move every element once.  Elements come newest first, so the
-# oldest ends up rightmost: recovered elements are consumed first, in their
-# original order.  Returns the number moved, or -1 when the consumer is alive.
-_REAP = Script(
-    """
-if redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
-local n = 0
-for i = 2, #ARGV, 2 do
-  if redis.call('LREM', KEYS[1], 1, ARGV[i]) == 1 then
-    redis.call('RPUSH', KEYS[2], ARGV[i + 1])
-    n = n + 1
-  end
-end
-if redis.call('LLEN', KEYS[1]) == 0 then redis.call('HDEL', KEYS[4], ARGV[1]) end
-return n
-""",
-    name="reliable_list_reap",
-)
-
-
-# KEYS: processing list, queue.  ARGV: element, n, element, n, ..., newest first.
-# Gives back elements read but never handed to a handler (shutdown): each is
-# removed from the processing list and pushed onto the consumer end of the
-# queue only while the list still holds n copies of it (n: as for the
-# finalization scripts, see ``_plan.list_counted``).  Not counted as an attempt.
-_GIVE_BACK = Script(
-    """
-local n = 0
-for i = 1, #ARGV, 2 do
-  if redis.call('LPOS', KEYS[1], ARGV[i], 'RANK', tonumber(ARGV[i + 1])) then
-    redis.call('LREM', KEYS[1], 1, ARGV[i])
-    redis.call('RPUSH', KEYS[2], ARGV[i])
-    n = n + 1
-  end
-end
-return n
-""",
-    name="reliable_list_give_back",
-)
-
-
-def bumped(raw: bytes) -> bytes | None:
-    """``raw`` with its retry counter one higher (a foreign element gets an
-    envelope, retries 1, origin the digest of its bytes); None when corrupt."""
-    try:
-        body, retries, origin = unwrap(raw)
-    except CorruptEnvelope:
-        return None
-    if retries >= 0xFFFFFFFF:
-        return None
-    return wrap(body, retries + 1, origin if origin is not None else content_origin(raw))
-
-
-def _dec(counts: dict[bytes, int], e: bytes) -> int:
-    """Count ``e`` down by one (never below 0); its count before."""
-    n = counts.get(e, 0)
-    if n > 1:
-        counts[e] = n - 1
-    elif n:
-        del counts[e]
-    return n
-
-
-def registry_key(queue: str) -> str:
-    return derived(queue, ":consumers")
-
-
-def heartbeat_key(queue: str, consumer: str) -> str:
-    return derived(queue, f":heartbeat:{consumer}")
 
 
 class ReliableListReader:
@@ -322,6 +229,11 @@ class ReliableListReader:
         self._batch = 1
         self._next_move = 0.0
         self._target: Target | None = None
+        self._rescan_planned = False
+        self._started = False  # a catch_up went through (the first rescan bumps counters)
+        self._previous = 0  # elements the previous turn handed over
+        self._blmove: Command = ()
+        self._lmove: Command = ()
 
     def abandon(self, deliveries: Sequence[Delivery]) -> Plan | None:
         """Give elements read but never started (shutdown) back to the queue.
@@ -339,7 +251,7 @@ class ReliableListReader:
         args: list[bytes | int] = []
         for e in reversed(raws):
             args += [e, 1]  # n: set by prepare() when it is sent
-        return Plan(Effect.NOTHING, (_GIVE_BACK.command((t.processing, t.source), args),))
+        return Plan(Effect.NOTHING, (GIVE_BACK.command((t.processing, t.source), args),))
 
     async def _hand_over(self, mount: Context, built: list[tuple[Delivery, Plan | None]]) -> None:
         """:func:`~._context.hand_over`, giving back what was not handed over when cancelled."""
@@ -357,7 +269,7 @@ class ReliableListReader:
             plan = self._give_back_plan(back)
             if plan is not None:
                 commands = self.prepare(list(plan.commands))
-                with anyio.CancelScope(shield=True), anyio.move_on_after(FINALIZE_TIMEOUT):
+                with cleanup(FINALIZE_TIMEOUT):
                     try:
                         replies = await mount.client.pipeline(commands, timeout=FINALIZE_TIMEOUT)
                         self.settle([], commands, replies)
@@ -372,7 +284,7 @@ class ReliableListReader:
 
         Called by the mount once their :class:`~trio_redis_finalize.Backoff`
         delay is over; they waited in the processing list, held.  Each gets
-        its retry counter one higher in place (``_BUMP``: ``LPOS`` + ``LSET``,
+        its retry counter one higher in place (``BUMP``: ``LPOS`` + ``LSET``,
         gated on the element still being there), then goes to the handlers.
         While the bump is on the way the reader holds both the old and the
         new bytes, so a rescan meanwhile delivers neither; removals sent
@@ -404,9 +316,9 @@ class ReliableListReader:
                 # the old bytes leave the counts of removals now, the new ones
                 # join them once they are in the list (its reply); held both
                 # meanwhile, for the rescan
-                _dec(unsent, e)
+                dec(unsent, e)
                 held[n] = held.get(n, 0) + 1
-        cmds = [_BUMP.command((t.processing,), (e, n))
+        cmds = [BUMP.command((t.processing,), (e, n))
                 for e, n in zip(old, new, strict=True) if n is not None]
         try:
             replies = iter(await mount.client.pipeline(cmds, timeout=FINALIZE_TIMEOUT) if cmds else [])
@@ -414,7 +326,7 @@ class ReliableListReader:
             for e, n in zip(old, new, strict=True):
                 if n is not None:
                     unsent[e] = unsent.get(e, 0) + 1
-                    _dec(held, n)
+                    dec(held, n)
             self._rescan_wanted = True
             raise
         built: list[tuple[Delivery, Plan | None]] = []
@@ -422,9 +334,9 @@ class ReliableListReader:
             if n is None:
                 raw = e
             else:
-                _dec(held, e)
+                dec(held, e)
                 if next(replies) is None:  # gone from the processing list meanwhile
-                    _dec(held, n)
+                    dec(held, n)
                     log.warning("%s: a failed element (origin %s, attempt %d) is no longer in "
                                 "processing list %r; not delivered again", mount.name,
                                 d.origin_id, d.attempt, t.processing)
@@ -441,8 +353,8 @@ class ReliableListReader:
         (after a read error, at a start), which delivers them again counted as
         an attempt."""
         for d in deliveries:
-            if d.raw is not None and _dec(self._held, d.raw):
-                _dec(self._unsent, d.raw)
+            if d.raw is not None and dec(self._held, d.raw):
+                dec(self._unsent, d.raw)
                 self._leftover[d.raw] = self._leftover.get(d.raw, 0) + 1
 
     # -- bookkeeping ----------------------------------------------------------
@@ -452,7 +364,7 @@ class ReliableListReader:
 
     def _take(self, e: bytes) -> int:
         """``n`` for the removal of one copy of ``e`` sent now (see ``_plan.list_counted``)."""
-        return max(1, _dec(self._unsent, e))
+        return max(1, dec(self._unsent, e))
 
     def _expire(self) -> None:
         """Runtime ``retry_after`` originals whose copy must have been sent: no longer held."""
@@ -462,8 +374,8 @@ class ReliableListReader:
         now = anyio.current_time()
         while delayed and delayed[0][0] <= now:
             _, e = heapq.heappop(delayed)
-            _dec(self._unsent, e)
-            _dec(self._held, e)
+            dec(self._unsent, e)
+            dec(self._held, e)
             if e in self._leftover:
                 self._rescan_wanted = True
 
@@ -501,7 +413,7 @@ class ReliableListReader:
                     out[i] = list_counted(cmd, n)
                 elif n:
                     del unsent[e]
-            elif cmd[0] == b"EVALSHA" and cmd[1] == _GIVE_BACK.sha and cmd[3] == processing:
+            elif cmd[0] == b"EVALSHA" and cmd[1] == GIVE_BACK.sha and cmd[3] == processing:
                 args = list(cmd)
                 for j in range(5, len(args), 2):
                     g = args[j]
@@ -540,7 +452,7 @@ class ReliableListReader:
                 k = done.get(e, 0)
                 done[e] = k + 1
                 out[i] = list_counted(cmd, max(1, held.get(e, 0) - k))
-            elif cmd[0] == b"EVALSHA" and cmd[1] == _GIVE_BACK.sha and cmd[3] == t.processing:
+            elif cmd[0] == b"EVALSHA" and cmd[1] == GIVE_BACK.sha and cmd[3] == t.processing:
                 args = list(cmd)
                 for j in range(5, len(args), 2):
                     g = args[j]
@@ -579,12 +491,12 @@ class ReliableListReader:
                 continue
             element = list_removal(t, cmd)
             if element is None:
-                if cmd[0] == b"EVALSHA" and cmd[1] == _GIVE_BACK.sha and cmd[3] == processing:
+                if cmd[0] == b"EVALSHA" and cmd[1] == GIVE_BACK.sha and cmd[3] == processing:
                     for g in cmd[5::2]:
                         if isinstance(g, bytes):
-                            _dec(held, g)
+                            dec(held, g)
                 continue
-            _dec(held, element)
+            dec(held, element)
             failed = isinstance(r, rexc.RedisError)
             if failed or (not r and list_copies(cmd) > 1):
                 self._leftover[element] = self._leftover.get(element, 0) + 1
@@ -622,27 +534,19 @@ class ReliableListReader:
         items: list[bytes] = await conn.execute("LRANGE", t.processing, 0, -1,
                                                 timeout=FINALIZE_TIMEOUT)
         self._expire()
-        seen: Counter[bytes] = Counter()
-        stranded: list[tuple[bytes, bool]] = []
-        leftover = self._leftover
-        for e in reversed(items):  # oldest first
-            seen[e] += 1
-            if seen[e] > self._held.get(e, 0):
-                stranded.append((e, start or _dec(leftover, e) > 0))
-        delayed = {e for _, e in self._delayed}
-        for e in [e for e in leftover if e not in delayed]:
-            del leftover[e]  # its removal did remove it after all (a resend)
-        if not stranded:
+        lost = stranded(items, self._held, self._leftover, {e for _, e in self._delayed},
+                        start=start)
+        if not lost:
             return
         log.warning("%s: %d element(s) in processing list %r were not finalized; "
-                    "delivering them again", mount.name, len(stranded), t.processing)
-        for i in range(0, len(stranded), 500):
-            await self._redeliver(mount, stranded[i : i + 500])
+                    "delivering them again", mount.name, len(lost), t.processing)
+        for i in range(0, len(lost), 500):
+            await self._redeliver(mount, lost[i : i + 500])
 
     async def _redeliver(self, mount: Context, elements: list[tuple[bytes, bool]]) -> None:
         t = mount.target
         news = [bumped(e) if bump else e for e, bump in elements]
-        cmds = [_BUMP.command((t.processing,), (e, n))
+        cmds = [BUMP.command((t.processing,), (e, n))
                 for (e, bump), n in zip(elements, news, strict=True) if bump and n is not None]
         replies = iter(await mount.client.pipeline(cmds, timeout=FINALIZE_TIMEOUT) if cmds else [])
         built: list[tuple[Delivery, Plan | None]] = []
@@ -716,9 +620,9 @@ class ReliableListReader:
             page: list[bytes] = await client.execute("LRANGE", processing, 0, _REAP_PAGE - 1,
                                                      timeout=FINALIZE_TIMEOUT)
             args: list[bytes | str] = [name]
-            for e in page:  # newest first (see _REAP)
+            for e in page:  # newest first (see REAP)
                 args += [e, bumped(e) or e]
-            n = int(await client.evalsha(_REAP, keys, args, timeout=FINALIZE_TIMEOUT))
+            n = int(await client.evalsha(REAP, keys, args, timeout=FINALIZE_TIMEOUT))
             if n < 0:
                 break  # it came back
             total += n
@@ -731,10 +635,10 @@ class ReliableListReader:
                         processing)
         return total
 
-    # -- the loop -------------------------------------------------------------------
-    async def _move_due(self, mount: Context) -> float:
+    # -- the read loop's steps (_read_loop.drive) ---------------------------------------
+    async def _move_due(self, ctx: Context) -> float:
         """Move due copies from the durable delay set; seconds until the next is due."""
-        return await move_due(mount, MOVE_DUE_TO_LIST, self.sub.block)
+        return await move_due(ctx, MOVE_DUE_TO_LIST, self.sub.block)
 
     def _tune(self, waited: float, previous: int) -> None:
         """Pick the next prefetch from how long the handlers took per element.
@@ -748,99 +652,80 @@ class ReliableListReader:
         target = _PREFETCH_MAX if self._per_element <= 0 else int(_CHUNK_WORK / self._per_element)
         self._batch = max(1, min(_PREFETCH_MAX, target, self._batch * 2))
 
-    async def run(self, mount: Context, *, task_status: TaskStatus[None]) -> None:
+    async def setup(self, ctx: Context) -> None:
+        """The keys' types, then the first heartbeat (registered before the first read)."""
         sub = self.sub
-        t = self._target = mount.target
-        client = mount.client
+        t = self._target = ctx.target
+        client = ctx.client
         await check_type(client, sub.queue, "list", sub.name)
         if t.processing != sub.queue:
             await check_type(client, t.processing, "list", sub.name)
         if t.dead_letter is not None:
             await check_type(client, t.dead_letter, "list", sub.name)
-        durable = t.delayed_retry is DelayedRetry.DURABLE_ZSET
-        if durable:
+        if t.delayed_retry is DelayedRetry.DURABLE_ZSET:
             await check_type(client, t.delay_key, "zset", sub.name)
-        await client.pipeline(self._beat(mount, sub.heartbeat))
-        started = False
-        failures = 0
-        rescan = True
-        conn: Connection | None = None
-        blmove = ("BLMOVE", sub.queue, t.processing, "RIGHT", "LEFT")
-        lmove = ("LMOVE", sub.queue, t.processing, "RIGHT", "LEFT")
-        previous = 0
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._heartbeat, mount)
-                tg.start_soon(self._reaper, mount)
-                while True:
-                    try:
-                        if conn is None or conn.broken:
-                            conn = await client.connect(name=f"trf:{mount.consumer.name}:reader",
-                                                    key=sub.queue)
-                        block = sub.block
-                        if durable:
-                            if anyio.current_time() >= self._next_move:
-                                wait = await self._move_due(mount)
-                                self._next_move = anyio.current_time() + wait
-                            block = max(0.001, min(block, self._next_move - anyio.current_time()))
-                        if rescan or self._rescan_wanted:
-                            await self._rescan(conn, mount, start=not started)
-                            rescan = False
-                        if not started:
-                            task_status.started()
-                            started = True
-                        cmds: list[Command] = [(*blmove, f"{max(block, 0.001):.3f}")]
-                        cmds += [lmove] * (self._batch - 1)
-                        replies = await conn.pipeline(cmds, timeout=block + READ_MARGIN)
-                        failures = 0
-                    except (rexc.RedisError, OSError) as e:
-                        if not started:
-                            raise
-                        mount.stats.read_errors += 1
-                        delay = backoff(failures)
-                        failures += 1
-                        if isinstance(e, rexc.ResponseError):  # WRONGTYPE, a script error...
-                            # ... or one that did not run (BUSY, OOM ...): never the end
-                            (log.warning if classify(e) is NOT_RUN else log.error)(
-                                "%s: read failed (%s); reading again in %.2f s",
-                                mount.name, e, delay)
-                        else:
-                            log.warning("%s: read failed (%s); reconnecting in %.2f s",
-                                        mount.name, e, delay)
-                            if conn is not None:
-                                await conn.aclose()
-                            conn = None
-                        rescan = True
-                        await anyio.sleep(delay)
-                        continue
-                    elements: list[bytes] = []
-                    for cmd, r in zip(cmds, replies, strict=True):
-                        if isinstance(r, rexc.RedisError):
-                            mount.stats.read_errors += 1
-                            log.error("%s: read failed: %s", mount.name, describe_error(r, cmd))
-                        elif r is not None:
-                            elements.append(r)
-                    if any(isinstance(r, rexc.RedisError) for r in replies):
-                        await anyio.sleep(backoff(failures, cap=1.0))
-                        failures += 1
-                    if not elements:
-                        continue
-                    for raw in elements:
-                        self._hold(raw)
-                    built = [list_delivery(mount.target, sub.queue, raw) for raw in elements]
-                    before = anyio.current_time()
-                    await self._hand_over(mount, built)
-                    self._tune(anyio.current_time() - before, previous)
-                    previous = len(elements)
-        finally:
-            if conn is not None:
-                await conn.aclose()
-            if started:
-                # the handlers may still finish what they hold: keep the
-                # heartbeat alive until they must have ended
-                ttl = max(sub.heartbeat, mount.consumer.shutdown_grace + FINALIZE_GRACE)
-                with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
-                    try:
-                        await client.pipeline(self._beat(mount, ttl), timeout=1.0)
-                    except (rexc.ConnectionError, rexc.TimeoutError, rexc.ResponseError, OSError):
-                        pass
+        await client.pipeline(self._beat(ctx, sub.heartbeat))
+        self._blmove = ("BLMOVE", sub.queue, t.processing, "RIGHT", "LEFT")
+        self._lmove = ("LMOVE", sub.queue, t.processing, "RIGHT", "LEFT")
+
+    def background(self, ctx: Context) -> Sequence[Callable[[], Coroutine[Any, Any, None]]]:
+        return (functools.partial(self._heartbeat, ctx), functools.partial(self._reaper, ctx))
+
+    def connection(self, ctx: Context) -> AbstractAsyncContextManager[Connection]:
+        return reader_connection(ctx, self.sub.queue)
+
+    async def connected(self, ctx: Context, conn: Connection) -> None:
+        self._rescan_planned = True  # at start: the previous process's; later: a lost read's
+
+    async def catch_up(self, ctx: Context, conn: Connection) -> None:
+        """Due durable copies onto the queue, then the rescan when one is planned or wanted."""
+        if (ctx.target.delayed_retry is DelayedRetry.DURABLE_ZSET
+                and anyio.current_time() >= self._next_move):
+            wait = await self._move_due(ctx)
+            self._next_move = anyio.current_time() + wait
+        if self._rescan_planned or self._rescan_wanted:
+            await self._rescan(conn, ctx, start=not self._started)
+            self._rescan_planned = False
+        self._started = True  # drive() is started after the first catch_up that went through
+
+    async def turn(self, ctx: Context, conn: Connection) -> None:
+        """One BLMOVE and ``_batch - 1`` LMOVE in one round trip, handed over."""
+        block = self.sub.block
+        if ctx.target.delayed_retry is DelayedRetry.DURABLE_ZSET:
+            block = max(0.001, min(block, self._next_move - anyio.current_time()))
+        cmds: list[Command] = [(*self._blmove, f"{max(block, 0.001):.3f}")]
+        cmds += [self._lmove] * (self._batch - 1)
+        replies = await conn.pipeline(cmds, timeout=block + READ_MARGIN)
+        elements: list[bytes] = []
+        refused = False
+        for cmd, r in zip(cmds, replies, strict=True):
+            if isinstance(r, rexc.RedisError):
+                refused = True
+                ctx.stats.read_errors += 1
+                log.error("%s: read failed: %s", ctx.name, describe_error(r, cmd))
+            elif r is not None:
+                elements.append(r)
+        if refused:
+            await anyio.sleep(backoff(0))  # a little (the elements read are handed over)
+        if not elements:
+            return
+        for raw in elements:
+            self._hold(raw)
+        built = [list_delivery(ctx.target, self.sub.queue, raw) for raw in elements]
+        before = anyio.current_time()
+        await self._hand_over(ctx, built)
+        self._tune(anyio.current_time() - before, self._previous)
+        self._previous = len(elements)
+
+    def failed(self, ctx: Context, err: Exception) -> float | None:
+        self._rescan_planned = True  # a lost BLMOVE reply strands an element
+        return None
+
+    async def closing(self, ctx: Context) -> None:
+        """The last heartbeat: the handlers and the finalizer may still finish what
+        they hold, so it lasts until they must have ended (``_shutdown.Budget``)."""
+        ttl = max(self.sub.heartbeat, Budget.heartbeat_ttl(ctx.consumer.shutdown_grace))
+        await ctx.client.pipeline(self._beat(ctx, ttl), timeout=CLOSING_TIMEOUT)
+
+    async def run(self, ctx: Context, *, task_status: TaskStatus[None]) -> None:
+        await drive(self, ctx, task_status=task_status)

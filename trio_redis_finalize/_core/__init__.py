@@ -13,4 +13,5 @@ decided; the replies come back here to be settled into effects and counts.
 * ``_finalize``: a finalizer batch from outcomes to settled effects: every round,
   resend, count and log record (the finalizer task only does the I/O).
 * ``_decode``: replies of reads turned into deliveries.
+* ``_reliable``: the reliable list's keys, reader scripts, counter bumps and multiset counting.
 """

@@ -1,0 +1,147 @@
+"""Reliable lists, sans-IO: the keys beside the queue, the reader's scripts,
+retry-counter bumps and the multiset counting of identical elements.
+
+Keys beside the queue (all in the queue's hash slot):
+
+* ``{queue}:consumers`` (:func:`registry_key`): a hash, consumer name -> its
+  processing list; every live consumer (re)registers itself there with each
+  heartbeat;
+* ``{queue}:heartbeat:<consumer>`` (:func:`heartbeat_key`): a key with a TTL
+  of ``heartbeat`` seconds, renewed every ``heartbeat / 3`` seconds while the
+  consumer runs.
+
+A consumer whose heartbeat key is gone is dead: any live consumer moves its
+processing list back onto the queue (:data:`REAP`) and then forgets it.
+
+The reader tells identical elements apart by count only: its bookkeeping is
+a multiset of bytes, ``dict[bytes, int]``, counted down with :func:`dec`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Collection, Sequence
+
+from .._envelope import CorruptEnvelope, unwrap, wrap
+from .._keys import derived
+from ._commands import Script
+from ._plan import content_origin
+
+__all__ = ["BUMP", "GIVE_BACK", "REAP", "bumped", "dec", "heartbeat_key", "registry_key", "stranded"]
+
+
+def registry_key(queue: str) -> str:
+    """The hash of the queue's consumers (name -> processing list)."""
+    return derived(queue, ":consumers")
+
+
+def heartbeat_key(queue: str, consumer: str) -> str:
+    """The key whose TTL says ``consumer`` of ``queue`` is alive."""
+    return derived(queue, f":heartbeat:{consumer}")
+
+
+# KEYS: processing list.  ARGV: element, its rewritten copy.
+# Replaces one occurrence of the element in place (a crash redelivery counts
+# as an attempt, so a poison element that kills its consumer reaches
+# max_attempts); false when the element is gone.
+BUMP = Script(
+    """
+local i = redis.call('LPOS', KEYS[1], ARGV[1])
+if not i then return false end
+redis.call('LSET', KEYS[1], i, ARGV[2])
+return 1
+""",
+    name="reliable_list_bump",
+)
+
+# KEYS: dead consumer's processing list, queue, its heartbeat key, registry.
+# ARGV: consumer name, element, rewritten element, element, rewritten, ...
+# Gated on the heartbeat key being absent (the consumer may have come back);
+# each element is removed from the processing list and pushed onto the
+# consumer end (RIGHT) of the queue only when it was still there, so racing
+# reapers move every element once.  Elements come newest first, so the
+# oldest ends up rightmost: recovered elements are consumed first, in their
+# original order.  Returns the number moved, or -1 when the consumer is alive.
+REAP = Script(
+    """
+if redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
+local n = 0
+for i = 2, #ARGV, 2 do
+  if redis.call('LREM', KEYS[1], 1, ARGV[i]) == 1 then
+    redis.call('RPUSH', KEYS[2], ARGV[i + 1])
+    n = n + 1
+  end
+end
+if redis.call('LLEN', KEYS[1]) == 0 then redis.call('HDEL', KEYS[4], ARGV[1]) end
+return n
+""",
+    name="reliable_list_reap",
+)
+
+# KEYS: processing list, queue.  ARGV: element, n, element, n, ..., newest first.
+# Gives back elements read but never handed to a handler (shutdown): each is
+# removed from the processing list and pushed onto the consumer end of the
+# queue only while the list still holds n copies of it (n: as for the
+# finalization scripts, see ``_plan.list_counted``).  Not counted as an attempt.
+GIVE_BACK = Script(
+    """
+local n = 0
+for i = 1, #ARGV, 2 do
+  if redis.call('LPOS', KEYS[1], ARGV[i], 'RANK', tonumber(ARGV[i + 1])) then
+    redis.call('LREM', KEYS[1], 1, ARGV[i])
+    redis.call('RPUSH', KEYS[2], ARGV[i])
+    n = n + 1
+  end
+end
+return n
+""",
+    name="reliable_list_give_back",
+)
+
+
+def bumped(raw: bytes) -> bytes | None:
+    """``raw`` with its retry counter one higher (a foreign element gets an
+    envelope, retries 1, origin the digest of its bytes); None when corrupt."""
+    try:
+        body, retries, origin = unwrap(raw)
+    except CorruptEnvelope:
+        return None
+    if retries >= 0xFFFFFFFF:
+        return None
+    return wrap(body, retries + 1, origin if origin is not None else content_origin(raw))
+
+
+def dec(counts: dict[bytes, int], e: bytes) -> int:
+    """Count ``e`` down by one (never below 0); its count before."""
+    n = counts.get(e, 0)
+    if n > 1:
+        counts[e] = n - 1
+    elif n:
+        del counts[e]
+    return n
+
+
+def stranded(
+    items: Sequence[bytes], held: dict[bytes, int], leftover: dict[bytes, int],
+    delayed: Collection[bytes], *, start: bool,
+) -> list[tuple[bytes, bool]]:
+    """What a processing list (``items``, LRANGE order: newest first) holds
+    that the reader does not (``held``, as a multiset), oldest first, each
+    with whether its counter is to be bumped.
+
+    At ``start`` every such element is an attempt (the previous process may
+    have been handling it).  Later, only copies of elements the reader
+    handled whose removal may have left them (``leftover``, counted down
+    here) are; the others were stranded by a lost read reply, no handler saw
+    them.  ``leftover`` entries not waiting for a runtime ``retry_after``
+    copy (``delayed``) are forgotten: their removal did remove them after all.
+    """
+    seen: Counter[bytes] = Counter()
+    out: list[tuple[bytes, bool]] = []
+    for e in reversed(items):  # oldest first
+        seen[e] += 1
+        if seen[e] > held.get(e, 0):
+            out.append((e, start or dec(leftover, e) > 0))
+    for e in [e for e in leftover if e not in delayed]:
+        del leftover[e]  # its removal did remove it after all (a resend)
+    return out
