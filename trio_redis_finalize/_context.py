@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from ._transport import Client
 
 __all__ = [
-    "FINALIZE_GRACE",
     "FINALIZE_TIMEOUT",
     "READ_MARGIN",
     "SETUP_PATIENCE",
@@ -55,8 +54,6 @@ plan (dead letter, lost entry, give-back) or a :class:`Backoff`."""
 FINALIZE_TIMEOUT = 5.0
 """Seconds one finalization round trip (or any other non-blocking command of
 the runtime) may take before it counts as failed."""
-FINALIZE_GRACE = 10.0
-"""Seconds the finalizer keeps trying after the handlers stopped, at shutdown."""
 SETUP_PATIENCE = 15.0
 """Seconds ``mount()`` keeps trying a set-up the server refused for now (OOM, BUSY, LOADING ...)."""
 READ_MARGIN = 1.0

@@ -11,7 +11,6 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import anyio
-from anyio.abc import TaskStatus
 from redis import exceptions as rexc
 
 from ._context import (
@@ -33,7 +32,7 @@ from ._delay_set import move_due
 from ._delivery import Delivery
 from ._keys import derived, same_slot
 from ._outcome import Outcome, OutcomeKind
-from ._read_loop import check_type, drive, reader_connection
+from ._read_loop import check_type, reader_connection
 from ._shutdown import CLOSING_TIMEOUT, Budget, cleanup
 from ._subscription import (
     DelayedRetry,
@@ -727,5 +726,3 @@ class ReliableListReader:
         ttl = max(self.sub.heartbeat, Budget.heartbeat_ttl(ctx.consumer.shutdown_grace))
         await ctx.client.pipeline(self._beat(ctx, ttl), timeout=CLOSING_TIMEOUT)
 
-    async def run(self, ctx: Context, *, task_status: TaskStatus[None]) -> None:
-        await drive(self, ctx, task_status=task_status)

@@ -9,8 +9,8 @@ below) when shutdown begins (``t0``), times every phase.
    it the redeliverer: a delivery waiting for its :class:`~trio_redis_finalize.Backoff`
    delay stays pending (stream PEL, processing list), no timer is waited for.
    A read cut while handing over gives back what it had not handed over
-   (stream: the delivery counts set back; reliable list: ``LMOVE`` back to
-   the queue; simple list: ``RPUSH`` back), within ``FINALIZE_TIMEOUT``.  The
+   (stream: the delivery counts set back; reliable list: the give-back
+   script moves them back to the queue; simple list: ``RPUSH`` back), within ``FINALIZE_TIMEOUT``.  The
    reader's ``closing`` step (a reliable list's last heartbeat, whose TTL,
    :meth:`Budget.heartbeat_ttl`, covers the phases below so that no other
    consumer reaps the processing list meanwhile) gets ``CLOSING_TIMEOUT``.
