@@ -38,6 +38,7 @@ from ._subscription import (
     DelayedRetry,
     Form,
     Subscription,
+    check_delay,
     check_key,
     check_limits,
     check_positive,
@@ -82,12 +83,7 @@ class ReliableListSubscription(Subscription):
             check_key("processing", self.processing)
             if self.processing == self.queue:
                 raise ValueError("processing must differ from queue")
-        if self.delayed_retry is not None and not isinstance(self.delayed_retry, DelayedRetry):
-            raise ValueError(f"delayed_retry must be a DelayedRetry or None, got {self.delayed_retry!r}")
-        if self.delay_key is not None:
-            check_key("delay_key", self.delay_key)
-            if self.delayed_retry is not DelayedRetry.DURABLE_ZSET:
-                raise ValueError("delay_key is only used with delayed_retry=DelayedRetry.DURABLE_ZSET")
+        check_delay(self.delayed_retry, self.delay_key)
         check_limits(self.max_attempts, self.dead_letter)
         if self.dead_letter is not None and self.dead_letter in (self.queue, self.processing):
             raise ValueError("dead_letter must differ from queue and processing")

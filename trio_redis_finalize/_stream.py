@@ -29,6 +29,7 @@ from ._subscription import (
     Mode,
     Retention,
     Subscription,
+    check_delay,
     check_key,
     check_limits,
     check_maxlen,
@@ -147,12 +148,7 @@ class StreamSubscription(Subscription):
                 f"an entry being handled is renewed every min_idle / 3), got {self.min_idle!r}"
             )
         check_positive("block", self.block)
-        if self.delayed_retry is not None and not isinstance(self.delayed_retry, DelayedRetry):
-            raise ValueError(f"delayed_retry must be a DelayedRetry or None, got {self.delayed_retry!r}")
-        if self.delay_key is not None:
-            check_key("delay_key", self.delay_key)
-            if self.delayed_retry is not DelayedRetry.DURABLE_ZSET:
-                raise ValueError("delay_key is only used with delayed_retry=DelayedRetry.DURABLE_ZSET")
+        check_delay(self.delayed_retry, self.delay_key)
         check_limits(self.max_attempts, self.dead_letter)
         if self.dead_letter == self.stream:
             raise ValueError("dead_letter must differ from stream (dead entries would loop)")

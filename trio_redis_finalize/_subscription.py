@@ -119,3 +119,14 @@ class Subscription:
     @property
     def name(self) -> str:  # pragma: no cover - overridden
         raise NotImplementedError
+
+
+def check_delay(delayed_retry: object, delay_key: str | None) -> None:
+    """``delayed_retry`` is a :class:`DelayedRetry` or None; a ``delay_key`` is a
+    key, and only given with ``DelayedRetry.DURABLE_ZSET``."""
+    if delayed_retry is not None and not isinstance(delayed_retry, DelayedRetry):
+        raise ValueError(f"delayed_retry must be a DelayedRetry or None, got {delayed_retry!r}")
+    if delay_key is not None:
+        check_key("delay_key", delay_key)
+        if delayed_retry is not DelayedRetry.DURABLE_ZSET:
+            raise ValueError("delay_key is only used with delayed_retry=DelayedRetry.DURABLE_ZSET")

@@ -42,8 +42,8 @@ from __future__ import annotations
 import functools
 import inspect
 import socket
-from collections.abc import Awaitable, Callable, Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import anyio
 import hiredis
@@ -205,22 +205,8 @@ async def consume_until(
     return stats
 
 
-class RunConsumer(Protocol):
-    """The type of the ``run_consumer`` fixture: :func:`consume_until` without the URL."""
-
-    async def __call__(
-        self,
-        subscription: Subscription,
-        handler: Handler,
-        predicate: Predicate,
-        *,
-        timeout: float = 10.0,
-        concurrency: int = 1,
-        on_error: Outcome | Backoff = DEFAULT_BACKOFF,
-        name: str | None = None,
-        shutdown_grace: float = 5.0,
-        poll: float = 0.02,
-    ) -> dict[str, Any]: ...
+RunConsumer: TypeAlias = "functools.partial[Coroutine[Any, Any, dict[str, Any]]]"
+"""The type of the ``run_consumer`` fixture: :func:`consume_until` with the URL given."""
 
 
 @pytest.fixture
