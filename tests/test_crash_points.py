@@ -239,7 +239,7 @@ class Case:
 
 async def _settled(client: Client, consumer: Any, form: str) -> bool:
     """Nothing left to do: no pending, nothing unread, nothing delayed or held."""
-    if len(consumer.scheduler) or any(m.held or m.stats.in_flight for m in consumer.mounts):
+    if len(consumer.scheduler) or any(m.in_hand or m.stats.in_flight for m in consumer.mounts):
         return False
     if form == "list":
         lens = await client.pipeline([("LLEN", Q), ("LLEN", PROCESSING), ("ZCARD", Q_DELAYS)])

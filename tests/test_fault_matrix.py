@@ -292,9 +292,9 @@ def _scheduler_busy(consumer: Any) -> bool:
 
 async def _pending_work(admin: Client, case: Case, consumer: Any) -> str:
     """What is left to do ('' once Redis holds nothing more for the consumer)."""
-    if _scheduler_busy(consumer) or any(m.held or m.stats.in_flight for m in consumer.mounts):
+    if _scheduler_busy(consumer) or any(m.in_hand or m.stats.in_flight for m in consumer.mounts):
         return f"in process: scheduler {len(consumer.scheduler)}, " + ", ".join(
-            f"held {len(m.held)} in flight {m.stats.in_flight}" for m in consumer.mounts)
+            f"held {len(m.in_hand)} in flight {m.stats.in_flight}" for m in consumer.mounts)
     w = case.workload
     if w.form == "stream":
         summary = await admin.execute("XPENDING", S, G)

@@ -63,7 +63,7 @@ def test_asyncio_cancelled_error_of_another_task_is_a_handler_error(redis_url: s
                                          concurrency=1, on_error=DROP)
                     await _poll(lambda: len(seen) == 3, "every entry handled")
                     mount = consumer.mounts[0]
-                    await _poll(lambda: not mount.held, "no held id left")
+                    await _poll(lambda: not mount.in_hand, "no held id left")
                     stats = consumer.stats()[NAME]
                     assert stats["handler_errors"] == 1, stats
                     assert stats["effects"] == {"dropped": 1, "acked": 2}, stats
@@ -95,7 +95,7 @@ async def test_base_exception_from_handler_is_a_handler_error(redis_url: str, cl
         await consumer.mount(StreamSubscription("s", "g", block=0.1), handler, on_error=DROP)
         await eventually(lambda: len(seen) == 3, what="every entry handled")
         mount = consumer.mounts[0]
-        await eventually(lambda: not mount.held, what="no held id left")
+        await eventually(lambda: not mount.in_hand, what="no held id left")
         assert consumer.stats()[NAME]["handler_errors"] == 1
     assert await _pending(client) == 0
 

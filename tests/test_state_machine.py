@@ -117,7 +117,7 @@ def _pairs(flat: Any) -> dict[bytes, bytes]:
 
 
 class Stub:
-    """What the readers need of a mount: name, target, client, consumer, held,
+    """What the readers need of a mount (``_context.Context``): name, target, client, consumer, in_hand,
     stats, and the two hand-over calls (collected here)."""
 
     def __init__(self, consumer: str, target: Target, client: FaultClient) -> None:
@@ -125,7 +125,7 @@ class Stub:
         self.target = target
         self.client = client
         self.consumer = SimpleNamespace(name=consumer, shutdown_grace=0.0)
-        self.held: set[str] = set()
+        self.in_hand: set[str] = set()
         self.stats = MountStats(subscription=target.name)
         self.concurrency = 1
         self.got: list[Delivery] = []
@@ -134,7 +134,7 @@ class Stub:
     async def deliver(self, deliveries: list[Delivery]) -> None:
         self.got.extend(deliveries)
 
-    async def finalize_now(self, items: list[tuple[Delivery, Plan]]) -> None:
+    async def send_plans(self, items: list[tuple[Delivery, Plan]]) -> None:
         self.direct.extend(items)
 
 
@@ -425,7 +425,7 @@ class StreamMachine(Base):
 
     def stub(self, c: str, client: FaultClient) -> Stub:
         s = Stub(c, self.target(c), client)
-        s.held = {d.id for d in self.hand[c] if d.id is not None}
+        s.in_hand = {d.id for d in self.hand[c] if d.id is not None}
         return s
 
     # -- the model's reading of the commands ----------------------------------
@@ -530,7 +530,7 @@ class StreamMachine(Base):
                 reply = await conn.execute("XREADGROUP", "GROUP", G, c, "COUNT", count,
                                            "STREAMS", S, ">")
             entries = reply[0][1] if reply else []
-            await self.readers[c]._hand(stub, entries)
+            await self.readers[c]._hand_over(stub, entries)
             self._took(c, stub, claimed=False)
             await self._finalize_direct(client, c, stub)
             return len(entries)
@@ -640,7 +640,7 @@ class StreamMachine(Base):
                     while True:
                         await anyio.sleep(0.05)
                         state = await stream_state(client, S, G, delay_key=S_DELAYS, dead_letter=DEAD)
-                        if not state.present() and not any(m.held for m in consumer.mounts):
+                        if not state.present() and not any(m.in_hand for m in consumer.mounts):
                             break
             state = await stream_state(client, S, G, delay_key=S_DELAYS, dead_letter=DEAD)
             assert not state.pending, f"stranded after the drain: {state.pending}"
@@ -1144,7 +1144,7 @@ async def _drain(admin: Any, form: str, consumer: Any, drained: list[str]) -> No
         await anyio.sleep(0.03)
         sending = getattr(consumer.scheduler, "_sending", None)  # a batch out of the heap
         busy = (len(consumer.scheduler) or (sending is not None and sending.locked())
-                or any(m.held or m.stats.in_flight for m in consumer.mounts))
+                or any(m.in_hand or m.stats.in_flight for m in consumer.mounts))
         if form == "stream":
             left = 0
             last = await admin.execute("XREVRANGE", H_STREAM, "+", "-", "COUNT", 1)

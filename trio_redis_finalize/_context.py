@@ -88,7 +88,7 @@ class Context(Protocol):
     ``name`` (for logs), ``target`` (the plan table's view of the
     subscription), ``client`` (the pool: set-up and side commands; the
     reader's blocking reads go on a connection of its own), ``consumer``
-    (its name and ``shutdown_grace``), ``held`` (stream ids read and not
+    (its name and ``shutdown_grace``), ``in_hand`` (stream ids read and not
     finalized yet), ``stats``; and the hand-over calls.
     """
 
@@ -96,14 +96,14 @@ class Context(Protocol):
     target: Target
     client: Client
     consumer: ConsumerInfo
-    held: set[str]
+    in_hand: set[str]
     stats: MountStats
 
     async def deliver(self, deliveries: Sequence[Delivery]) -> None:
         """Hand deliveries to the handlers (waits while they are busy; all or nothing)."""
         ...
 
-    async def finalize_now(self, items: list[Item]) -> None:
+    async def send_plans(self, items: list[Item]) -> None:
         """Send precomputed plans (dead letter, lost entry) to the finalizer."""
         ...
 
@@ -116,5 +116,5 @@ async def hand_over(ctx: Context, built: Sequence[tuple[Delivery, Plan | None]])
     """Plans first (dead letters, foreign copies), then the deliveries for the handlers."""
     direct: list[Item] = [(d, p) for d, p in built if p is not None]
     if direct:
-        await ctx.finalize_now(direct)
+        await ctx.send_plans(direct)
     await ctx.deliver([d for d, p in built if p is None])

@@ -3,7 +3,7 @@
 Shared by the stream and reliable-list readers; the move itself is one
 atomic Lua script (``MOVE_DUE_TO_STREAM`` / ``MOVE_DUE_TO_LIST``).  A stream
 member wider than :data:`MOVE_WIDTH` values is handed back by the script
-(leased for :data:`MOVE_LEASE_MS`, so no racing mover takes it too) and
+(reserved for :data:`MOVE_RESERVE_MS`, so no racing mover takes it too) and
 written here: XADD first, ZREM second (duplicate, never loss).
 """
 
@@ -18,7 +18,7 @@ from ._envelope import CorruptEnvelope, unpack_parts
 from ._subscription import Form
 from ._transport import Command, Script
 
-__all__ = ["MOVE_LEASE_MS", "MOVE_LIMIT", "MOVE_WIDTH", "move_due", "stream_fields"]
+__all__ = ["MOVE_RESERVE_MS", "MOVE_LIMIT", "MOVE_WIDTH", "move_due", "stream_fields"]
 
 MOVE_LIMIT = 128
 """At most this many due copies move per read."""
@@ -28,7 +28,7 @@ MOVE_WIDTH = 20_000
 writes itself; wider ones (rare: the script's XADD costs grow with the square
 of the width) are handed back and written by the client."""
 
-MOVE_LEASE_MS = 30_000
+MOVE_RESERVE_MS = 30_000
 """How long a handed-back member is hidden from other movers."""
 
 
@@ -59,7 +59,7 @@ async def move_due(mount: Context, script: Script, block: float) -> float:
     """
     t = mount.target
     moved, now_ms, first, *back = await mount.client.evalsha(
-        script, (t.delay_key, t.source), (MOVE_LIMIT, MOVE_WIDTH, MOVE_LEASE_MS),
+        script, (t.delay_key, t.source), (MOVE_LIMIT, MOVE_WIDTH, MOVE_RESERVE_MS),
         timeout=FINALIZE_TIMEOUT,
     )
     moved = int(moved)

@@ -49,7 +49,7 @@ class Finalizer:
     """
 
     def __init__(
-        self, *, name: str, target: Target, client: Client, stats: MountStats, held: set[str],
+        self, *, name: str, target: Target, client: Client, stats: MountStats, in_hand: set[str],
         scheduler: Scheduler, owner: Owner, wait_out: Callable[[Delivery, Backoff], None],
         gates: Gates | None,
         settled: Callable[[list[tuple[Delivery, str]]], None] | None,
@@ -58,7 +58,7 @@ class Finalizer:
         self.target = target
         self.client = client
         self.stats = stats
-        self.held = held
+        self.in_hand = in_hand
         self.scheduler = scheduler
         self.owner = owner
         self.wait_out = wait_out
@@ -119,9 +119,9 @@ class Finalizer:
         effects = stats.effects
         for effect, n in done.effects.items():
             effects[effect] += n
-        if self.held:
+        if self.in_hand:
             # forgotten even when failed: the own-PEL re-read delivers it again
-            self.held.difference_update(done.forget())
+            self.in_hand.difference_update(done.forget())
         if done.records:
             _emit(done.records)
         for delay, later in done.later:

@@ -31,7 +31,7 @@ succeeded.  Effects are counted from the replies (``_plan.settle``).
 Handler errors (``on_error``): a :class:`~trio_redis_finalize.Backoff`
 (the default) on a stream or a reliable list sends nothing: the delivery
 stays pending (the group's PEL / the processing list) and still "held" by
-this consumer (``Mount.held``, the reader's counts), so no lease lapses,
+this consumer (``Mount.in_hand``, the reader's counts), so no lease lapses,
 no other consumer claims it and no own-PEL re-read or rescan delivers it
 early.  It waits in the mount's waiting set (a heap by due time, at most
 :data:`MAX_WAITING` deliveries) for ``Backoff.delay(attempt)`` seconds; a
@@ -175,9 +175,9 @@ class Mount:
         # instrumentation (trio_redis_finalize.otel): learns the mount, watches finalization
         bind = getattr(handler, "trf_bind", None)
         self.settled: Callable[[list[tuple[Delivery, str]]], None] | None = bind(self) if bind else None
-        self.held: set[str] = set()  # stream ids read and not yet finalized
+        self.in_hand: set[str] = set()  # stream ids read and not yet finalized
         self.finalizer = Finalizer(
-            name=self.name, target=target, client=client, stats=self.stats, held=self.held,
+            name=self.name, target=target, client=client, stats=self.stats, in_hand=self.in_hand,
             scheduler=scheduler, owner=self, wait_out=self._wait_out,
             gates=getattr(reader, "gates", None), settled=self.settled,
         )
@@ -201,11 +201,11 @@ class Mount:
         if not deliveries:
             return
         self.stats.received += len(deliveries)
-        self.held.update([d.id for d in deliveries if d.id is not None])
+        self.in_hand.update([d.id for d in deliveries if d.id is not None])
         # all or nothing: cancelled while waiting, nothing was handed over
         await self._queue.put(deliveries)
 
-    async def finalize_now(self, items: list[Item]) -> None:
+    async def send_plans(self, items: list[Item]) -> None:
         """Send precomputed plans (dead letter, lost entry) to the finalizer."""
         if items:
             await self._reader_outcomes.send(items)
@@ -218,7 +218,7 @@ class Mount:
     def handling(self) -> bool:
         """Whether a stream entry read is in hand: neither finalized nor waiting
         for its backoff (waiting entries are held too)."""
-        return len(self.held) > len(self._waiting)
+        return len(self.in_hand) > len(self._waiting)
 
     # -- backoff ------------------------------------------------------------------
     def _park(self, d: Delivery, delay: float) -> None:

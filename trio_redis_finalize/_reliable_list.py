@@ -202,7 +202,7 @@ class ReliableListReader:
     * ``DelayedRetry.DURABLE_ZSET``: due copies are moved from the delay set
       before each read, and the read blocks no longer than the next is due.
     * ``on_error=Backoff()``: a failed element stays in the processing list,
-      held (counted in ``_held`` / ``_unsent`` as before), while it waits;
+      held (counted in ``_in_hand`` / ``_unsent`` as before), while it waits;
       then :meth:`redeliver` bumps its retry counter in place (``LSET``)
       before handing it over, so the attempt counts before the handler runs
       (a crash during the wait or the handler is counted by the next
@@ -216,7 +216,7 @@ class ReliableListReader:
         # The multiset of elements this reader delivered, by bytes (identical
         # elements are told apart by count only):
         self._unsent: dict[bytes, int] = {}  # delivered, removal not sent yet
-        self._held: dict[bytes, int] = {}  # delivered, removal not answered yet
+        self._in_hand: dict[bytes, int] = {}  # delivered, removal not answered yet
         self._leftover: dict[bytes, int] = {}  # handled; the removal may have left a copy
         self._delayed: list[tuple[float, bytes]] = []  # runtime retry_after: (counts until, element)
         self._rescan_wanted = False
@@ -255,7 +255,7 @@ class ReliableListReader:
         back = [d.raw for d, _ in built if d.raw is not None]
         try:
             if direct:
-                await mount.finalize_now(direct)
+                await mount.send_plans(direct)
             # Context.deliver() hands over all or nothing: cancelled means none
             # of them reached a handler, whatever the concurrency
             back = [d.raw for d in ready if d.raw is not None]
@@ -299,7 +299,7 @@ class ReliableListReader:
         delivers the new bytes should a bump have been applied after all.
         """
         t = mount.target
-        held, unsent = self._held, self._unsent
+        held, unsent = self._in_hand, self._unsent
         busy = {e for d in deliveries if (e := d.raw) is not None
                 and held.get(e, 0) > unsent.get(e, 0)}  # a removal of those bytes on the way
         later = [d for d in deliveries if d.raw in busy]
@@ -348,14 +348,14 @@ class ReliableListReader:
         (after a read error, at a start), which delivers them again counted as
         an attempt."""
         for d in deliveries:
-            if d.raw is not None and dec(self._held, d.raw):
+            if d.raw is not None and dec(self._in_hand, d.raw):
                 dec(self._unsent, d.raw)
                 self._leftover[d.raw] = self._leftover.get(d.raw, 0) + 1
 
     # -- bookkeeping ----------------------------------------------------------
     def _hold(self, raw: bytes) -> None:
         self._unsent[raw] = self._unsent.get(raw, 0) + 1
-        self._held[raw] = self._held.get(raw, 0) + 1
+        self._in_hand[raw] = self._in_hand.get(raw, 0) + 1
 
     def _take(self, e: bytes) -> int:
         """``n`` for the removal of one copy of ``e`` sent now (see ``_plan.list_counted``)."""
@@ -370,7 +370,7 @@ class ReliableListReader:
         while delayed and delayed[0][0] <= now:
             _, e = heapq.heappop(delayed)
             dec(self._unsent, e)
-            dec(self._held, e)
+            dec(self._in_hand, e)
             if e in self._leftover:
                 self._rescan_wanted = True
 
@@ -434,7 +434,7 @@ class ReliableListReader:
         t = self._target
         if t is None:
             return list(commands)
-        held = self._held
+        held = self._in_hand
         done: dict[bytes, int] = {}  # removals this batch already made
         for cmd, r in zip(answered, answers, strict=True):
             e = list_removal(t, cmd)
@@ -469,7 +469,7 @@ class ReliableListReader:
         t = self._target
         if t is None:
             return
-        held = self._held
+        held = self._in_hand
         processing = t.processing
         for cmd, r in zip(commands, replies, strict=True):
             if cmd[0] == "LREM" and cmd[1] == processing:  # the ACK / DROP fast path
@@ -529,7 +529,7 @@ class ReliableListReader:
         items: list[bytes] = await conn.execute("LRANGE", t.processing, 0, -1,
                                                 timeout=FINALIZE_TIMEOUT)
         self._expire()
-        lost = stranded(items, self._held, self._leftover, {e for _, e in self._delayed},
+        lost = stranded(items, self._in_hand, self._leftover, {e for _, e in self._delayed},
                         start=start)
         if not lost:
             return

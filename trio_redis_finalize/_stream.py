@@ -407,7 +407,7 @@ class StreamReader:
         if reply:
             entries = read_entries(reply)
             self._last = entries[-1][0]
-            await self._hand(ctx, entries)
+            await self._hand_over(ctx, entries)
         now = anyio.current_time()
         if sub.mode is not Mode.CLAIMING and now >= self._next_recover:
             self._next_recover = now + _RECOVER_EVERY
@@ -470,7 +470,7 @@ class StreamReader:
             assert d.id is not None
             args += [d.id, d.attempt + 1]
         reply = await mount.client.evalsha(_REDELIVER, (sub.stream,), args, timeout=FINALIZE_TIMEOUT)
-        held = mount.held
+        held = mount.in_hand
         entries: list[Entry] = []
         counts: dict[bytes, int] = {}
         gone: list[bytes] = []
@@ -491,7 +491,7 @@ class StreamReader:
         await self._lost(mount, gone)
         if entries:
             self._note(mount, entries, counts)
-            await self._hand(mount, entries, counts)
+            await self._hand_over(mount, entries, counts)
         return []  # nothing to try again later
 
     def leave_pending(self, mount: Context, deliveries: Sequence[Delivery]) -> None:
@@ -499,7 +499,7 @@ class StreamReader:
         full): they stay in the PEL, for the own-PEL re-read (after a read
         error, at a start, and every minute while no entry is in hand) and,
         in RECLAIM and CLAIMING, for a claim once idle ``min_idle``."""
-        mount.held.difference_update([d.id for d in deliveries if d.id is not None])
+        mount.in_hand.difference_update([d.id for d in deliveries if d.id is not None])
 
     # -- set-up ---------------------------------------------------------------
     async def _check_keys(self, mount: Context) -> None:
@@ -585,7 +585,7 @@ class StreamReader:
         return None
 
     # -- deliveries -----------------------------------------------------------
-    async def _hand(
+    async def _hand_over(
         self, mount: Context, entries: list[Entry], counts: dict[bytes, int] | None = None,
     ) -> None:
         """Hand entries over (decoded by :func:`~._core._decode.stream_deliveries`):
@@ -599,7 +599,7 @@ class StreamReader:
         ready, direct = stream_deliveries(mount.target, entries, counts)
         try:
             if direct:
-                await mount.finalize_now([*direct])
+                await mount.send_plans([*direct])
             await mount.deliver(ready)
         except anyio.get_cancelled_exc_class():
             got = counts or {}
@@ -622,8 +622,8 @@ class StreamReader:
         if self._last is None or id_key(top) > id_key(self._last):
             self._last = top
         given = self._given
-        if len(given) > 2 * len(mount.held) + 1000:  # forget what was finalized
-            self._given = given = {k: v for k, v in given.items() if k in mount.held}
+        if len(given) > 2 * len(mount.in_hand) + 1000:  # forget what was finalized
+            self._given = given = {k: v for k, v in given.items() if k in mount.in_hand}
         for eid, _ in entries:
             n = counts.get(eid, 1)
             if n != 1:
@@ -657,14 +657,14 @@ class StreamReader:
     async def _lost(self, mount: Context, ids: Sequence[bytes]) -> None:
         """Acknowledge entries deleted while pending, once each (reported lost)."""
         items: list[Item] = []
-        held = mount.held
+        held = mount.in_hand
         for eid in ids:
             entry_id = eid.decode()
             if entry_id in held:  # reported already (its acknowledgement is on the way), or handled
                 continue
             held.add(entry_id)  # until finalized: no second report meanwhile
             items.append(lost_entry(mount.target, entry_id))
-        await mount.finalize_now(items)
+        await mount.send_plans(items)
 
     async def _recover(self, conn: Connection, mount: Context, *, start: bool = False) -> None:
         """Take back this consumer's own pending entries that no handler holds.
@@ -699,7 +699,7 @@ class StreamReader:
             lo = "(" + as_str(rows[-1][0])
             last = id_key(self._last) if self._last is not None else (-1, -1)
             wanted: dict[int, list[tuple[bytes, int]]] = {}  # attempt -> (id, idle ms)
-            held = mount.held
+            held = mount.in_hand
             taking = self._taking
             for eid, _owner, idle, count in rows:
                 if eid.decode() in held:
@@ -744,7 +744,7 @@ class StreamReader:
         if entries:
             counts = dict.fromkeys(got, n)
             self._note(mount, entries, counts)
-            await self._hand(mount, entries, counts)
+            await self._hand_over(mount, entries, counts)
         for eid in ids:
             self._taking.pop(eid, None)
 
@@ -767,7 +767,7 @@ class StreamReader:
             # and claims it into our PEL: find the vanished ids by hand.
             await self._ack_vanished(mount, start, self._cursor, {e[0] for e in claimed})
         deleted: list[bytes] = list(reply[2]) if len(reply) > 2 else []
-        held = mount.held
+        held = mount.in_hand
         for eid in deleted:  # Redis 7+: dropped from the PEL by XAUTOCLAIM itself
             if eid.decode() in held:  # reported already, or being handled
                 continue
@@ -797,7 +797,7 @@ class StreamReader:
                     await mount.client.pipeline(p.commands, timeout=FINALIZE_TIMEOUT)
                 live = [e for e in live if e[0].decode() not in held]
             self._note(mount, live, counts)
-            await self._hand(mount, live, counts)
+            await self._hand_over(mount, live, counts)
         for e in claimed:
             self._taking.pop(e[0], None)
         self._unsure = False
@@ -820,7 +820,7 @@ class StreamReader:
                 timeout=FINALIZE_TIMEOUT,
             )
             inside = [r[0] for r in rows if stop is None or id_key(r[0]) < stop]
-            candidates = [eid for eid in inside if eid not in claimed and eid.decode() not in mount.held]
+            candidates = [eid for eid in inside if eid not in claimed and eid.decode() not in mount.in_hand]
             if candidates:
                 found = await client.pipeline(
                     [("XRANGE", sub.stream, eid, eid) for eid in candidates], timeout=FINALIZE_TIMEOUT
@@ -858,7 +858,7 @@ class StreamReader:
         interval = max(self.sub.min_idle / 3, 0.001)
         while True:
             await anyio.sleep(interval)
-            ids = sorted(mount.held)
+            ids = sorted(mount.in_hand)
             for i in range(0, len(ids), 500):
                 try:
                     await mount.client.execute(

@@ -305,7 +305,7 @@ end
 # script, so racing movers move every member exactly once.
 #
 # A member the script does not write itself (``ok`` false: a stream member
-# wider than ARGV[2] values) is handed back: leased (its score set to now +
+# wider than ARGV[2] values) is handed back: reserved (its score set to now +
 # ARGV[3] ms, default 30 s, so that no racing mover takes it too) and
 # returned after the counts, for the client to write and then remove
 # (duplicate, never loss).  It never holds up the members behind it.
@@ -315,7 +315,7 @@ _MOVE_HEAD = (
     + """
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
 local width = tonumber(ARGV[2])
-local lease = tonumber(ARGV[3]) or 30000
+local reserve = tonumber(ARGV[3]) or 30000
 local moved = 0
 local back = {}
 for _, m in ipairs(due) do
@@ -333,7 +333,7 @@ _MOVE_TAIL = """
   end
 end
 for _, m in ipairs(back) do
-  redis.call('ZADD', KEYS[1], 'XX', now + lease, m)
+  redis.call('ZADD', KEYS[1], 'XX', now + reserve, m)
 end
 local out = {moved, now, false}
 local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
@@ -345,7 +345,7 @@ return out
 CORRUPT_FIELD = b"trf-delayed-corrupt"
 """Field of the stream entry that carries a delay-set member that does not decode."""
 
-# KEYS: delay set, stream.  ARGV: limit[, width, lease ms].  Member parts:
+# KEYS: delay set, stream.  ARGV: limit[, width, reserve ms].  Member parts:
 # unique id, field, value, ...  Returns {moved, server time ms, score of the
 # earliest member left or nil, handed-back member, ...}: members of more than
 # ``width`` field values (none without a width) are handed back, see above.
