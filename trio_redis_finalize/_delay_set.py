@@ -18,7 +18,7 @@ from ._envelope import CorruptEnvelope, unpack_parts
 from ._subscription import Form
 from ._transport import Command, Script
 
-__all__ = ["MOVE_RESERVE_MS", "MOVE_LIMIT", "MOVE_WIDTH", "move_due", "stream_fields"]
+__all__ = ["MOVE_LIMIT", "MOVE_RESERVE_MS", "MOVE_WIDTH", "move_due", "stream_fields"]
 
 MOVE_LIMIT = 128
 """At most this many due copies move per read."""
