@@ -419,7 +419,7 @@ class FinalizeBatch:
                 effects[FAILED] = len(removed)
             else:
                 for _, e, n in self._tally:
-                    effects[e] = n  # one effect per kind
+                    effects[e] = effects.get(e, 0) + n  # kinds may share an effect
             if debug:
                 for d, outcome in self._items:
                     effect = (removals.get(outcome.kind) if outcome.__class__ is Outcome

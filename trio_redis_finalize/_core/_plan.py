@@ -488,13 +488,11 @@ def plain_removals(t: Target) -> dict[OutcomeKind, Effect]:
     done (:attr:`Effect.NOTHING`, no command).  The finalizer uses it to
     remove such deliveries with :func:`removal_commands`, many at once,
     without building a plan (or, on the forms with nothing to remove,
-    raising and catching a refusal) for each: the hot path.  (Each kind
-    returned has an effect of its own: a DROP there, also ``nothing``,
-    takes the plan path.)
+    raising and catching a refusal) for each: the hot path.
     """
     if t.form is Form.STREAM or t.form is Form.RELIABLE_LIST:
         return dict(_REMOVED)
-    return {OutcomeKind.ACK: Effect.NOTHING}
+    return {OutcomeKind.ACK: Effect.NOTHING, OutcomeKind.DROP: Effect.NOTHING}
 
 
 def removal_commands(t: Target, deliveries: Sequence[Delivery]) -> list[Command]:
