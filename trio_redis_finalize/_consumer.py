@@ -257,8 +257,7 @@ async def open_consumer(
                 yield consumer
             finally:
                 try:
-                    with anyio.CancelScope(shield=True):
-                        await consumer.aclose()
+                    await consumer.aclose()  # shielded and bounded inside (_shutdown)
                 finally:  # even if shutdown failed: the shielded task must end
                     sched_scope.cancel()
 

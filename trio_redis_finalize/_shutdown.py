@@ -43,8 +43,12 @@ Only a crash loses something: the runtime delayed copies held in memory (use
 ``DelayedRetry.DURABLE_ZSET`` to keep them in Redis) and, on simple lists and
 Pub/Sub, what was popped or received.
 
-Every shielded scope of the runtime is made by :func:`cleanup`: shielded
-from the cancellation that stops the runtime, and bounded.
+Every cleanup scope of the runtime is made by :func:`cleanup` or
+:func:`cleanup_until`: shielded from the cancellation that stops the
+runtime, and bounded.  Two more shields keep the runtime's tasks out of a
+cancellation of the consumer's task group until ``aclose`` has run these
+phases: each mount's task scope (shielded once the mount is reading, ended at
+:attr:`Budget.mounts`) and the scheduler task's (cancelled after phase 5).
 """
 
 from __future__ import annotations
