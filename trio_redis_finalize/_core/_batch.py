@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._commands import Command
-from ._plan import Plan
+from ._plan import Effect, Plan
 
 __all__ = ["FAST_ONLY", "first_round", "merge_commands"]
 
@@ -78,21 +78,10 @@ def first_round(
 def merge_commands(groups: Sequence[Sequence[Command]]) -> list[Command]:
     """Concatenate plans' commands, merging single-XACK plans per stream and group.
 
-    A plan of one ``XACK`` needs no order with other plans, so all of them
-    become one ``XACK key group id id ...`` at the place of the first.
-    Multi-command plans keep their own order.
+    What :func:`first_round` sends for gated plans of these commands (a plan
+    of one ``XACK`` needs no order with other plans, so all of them become
+    one ``XACK key group id id ...`` at the place of the first; multi-command
+    plans keep their own order).
     """
-    out: list[Command] = []
-    xacks: dict[tuple[Any, Any], list[Any]] = {}
-    for cmds in groups:
-        if len(cmds) == 1 and cmds[0][0] == "XACK":
-            c = cmds[0]
-            key = (c[1], c[2])
-            ids = xacks.get(key)
-            if ids is None:
-                ids = xacks[key] = ["XACK", c[1], c[2]]
-                out.append(ids)  # placeholder list, filled below
-            ids.extend(c[3:])
-        else:
-            out.extend(cmds)
-    return [tuple(c) if isinstance(c, list) else c for c in out]
+    commands, _, _ = first_round((), [Plan(Effect.NOTHING, tuple(g)) for g in groups])
+    return commands
