@@ -123,7 +123,7 @@ from trio_redis_finalize import (
 )
 from trio_redis_finalize._transport import Client, Command, open_client, parse_url
 
-from . import consume
+from . import consume, consume_lists
 from ._common import Meter, Sample, Timer, internal, redis_server
 from .consume import COUNT, STREAM, preload
 
@@ -149,7 +149,8 @@ BUFFER = 4  # batches between reader and finalizer (the library: max(4, 2 x conc
 MAX_BATCH = 1000  # what a finalizer takes at once (the library's _MAX_BATCH)
 QUEUE = "bench:rl"
 PROCESSING = "bench:rl:processing"
-CHANNEL = "bench:ps"
+CHANNEL = consume_lists.CHANNEL
+_publish = consume_lists._publish  # n messages to CHANNEL, 100 per pipeline
 PREFETCH = 64
 CHUNK = 100
 RATE = 5_000
@@ -582,13 +583,6 @@ async def lib_reliable(url: str, client: Client, n: int) -> Sample:
 
 
 # -- Pub/Sub receive ------------------------------------------------------------------------------
-
-async def _publish(publisher: Client, n: int) -> None:
-    for start in range(0, n, 100):
-        await publisher.pipeline(
-            [("PUBLISH", CHANNEL, f"msg-{i:06d}") for i in range(start, min(start + 100, n))]
-        )
-
 
 async def _next(ps: Any, got: int, n: int) -> Any:
     msg = await ps.get_message(timeout=5.0)
