@@ -21,6 +21,7 @@ import trio
 import trio.testing
 from redis import exceptions as rexc
 
+from trio_redis_finalize._context import FINALIZE_TIMEOUT
 from trio_redis_finalize._scheduler import Scheduler
 from trio_redis_finalize._stats import MountStats
 from trio_redis_finalize._transport import Client, open_client
@@ -44,12 +45,16 @@ class RecordingClient:
     """A client object whose ``pipeline`` records (mock time, commands).
 
     ``fail``: how many calls raise ``ConnectionError`` first (nothing sent).
+    ``hang``: how many calls (after those) never return, whatever their
+    ``timeout`` (a round trip stuck past every deadline of its own).
     """
 
-    def __init__(self, fail: int = 0) -> None:
+    def __init__(self, fail: int = 0, hang: int = 0) -> None:
         self.calls: list[tuple[float, list[tuple[Any, ...]]]] = []
         self.failed: list[float] = []
+        self.hung: list[float] = []
         self.fail = fail
+        self.hang = hang
         self.sent = trio.Event()
 
     async def pipeline(
@@ -60,6 +65,10 @@ class RecordingClient:
             self.fail -= 1
             self.failed.append(trio.current_time())
             raise rexc.ConnectionError("connection lost (test)")
+        if self.hang:
+            self.hang -= 1
+            self.hung.append(trio.current_time())
+            await trio.sleep_forever()
         self.calls.append((trio.current_time(), [tuple(c) for c in commands]))
         self.sent.set()
         return [b"OK"] * len(commands)
@@ -223,6 +232,35 @@ async def test_a_failed_send_is_sent_again_not_dropped(autojump_clock: trio.abc.
     assert client.calls[0][0] >= client.failed[-1]
     assert m.stats.effects["released"] == 1
     assert len(scheduler) == 0
+
+
+async def test_a_batch_stuck_in_flight_goes_back_into_the_heap_at_its_bound(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """The batch being sent is shielded (taken out of the heap: it must not be
+    lost to a cancellation) and bounded (3 x FINALIZE_TIMEOUT): a round trip
+    stuck past its own timeout ends there, and the whole batch goes back into
+    the heap, sent again after a backoff -- a duplicate at worst, never lost."""
+    client = RecordingClient(hang=1)
+    scheduler = Scheduler(client)  # type: ignore[arg-type]
+    m = FakeMount("orders")
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(scheduler.run)
+            t0 = trio.current_time()
+            scheduler.hold(m, 1, cmd("x"))
+            scheduler.hold(m, 1, cmd("y"))
+            await trio.sleep(2)  # due at 1: in flight, stuck
+            assert client.hung and len(scheduler) == 0 and not client.calls
+            await client.sent.wait()
+            await trio.sleep(100)
+            nursery.cancel_scope.cancel()
+    assert round(client.hung[0] - t0, 6) == 1
+    bound = 3 * FINALIZE_TIMEOUT
+    assert client.calls[0][0] - client.hung[0] >= bound  # given up at the bound, not before
+    assert client.sent_commands() == [*cmd("x"), *cmd("y")]  # then sent again, whole, once
+    assert m.stats.effects["released"] == 2
+    assert len(scheduler) == 0 and scheduler.held_by(m) == 0
 
 
 async def test_flush_retries_a_failed_send_until_its_deadline(autojump_clock: trio.abc.Clock) -> None:
