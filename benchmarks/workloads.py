@@ -12,6 +12,10 @@ the same Redis work with no library in between:
   bounded channel (4 batches) to a finalizer task, which takes what is
   waiting (up to 1,000 deliveries) and finalizes it in one pipeline on the
   pool, while the reader already reads the next batch;
+* for stream ACK also the overlapped floor **+ a call per message**: it
+  awaits a no-op handler coroutine on each entry before the batch's ``XACK``
+  (a diagnostic row, not a floor the ratios use: what the one call per
+  message that no consumer can avoid costs);
 * for RETRY also an **ungated** overlapped floor: the copy's ``XADD`` and the
   original's ``XACK`` pipelined (no script, no gate) -- the minimum Redis
   work of a retry.
@@ -252,12 +256,22 @@ async def seq_ack(client: Client, n: int) -> Sample:
     return m.sample
 
 
-async def ovl_ack(client: Client, n: int) -> Sample:
+async def _noop(entry: Any) -> Outcome:
+    return ACK
+
+
+async def ovl_ack(client: Client, n: int, *, calls: bool = False) -> Sample:
+    """The overlapped floor; ``calls``: it also awaits a no-op handler on each
+    entry before the batch's XACK (a diagnostic row: what one coroutine call
+    per message costs, which no consumer can avoid)."""
     await preload(client, STREAM, n)
     group = _group()
     await client.execute("XGROUP", "CREATE", STREAM, group, "0")
 
     async def finalize(entries: list[Any]) -> int:
+        if calls:
+            for e in entries:
+                await _noop(e)
         return int(await client.execute("XACK", STREAM, group, *[e[0] for e in entries]))
 
     async with await client.connect(name="bench-raw-reader") as conn, Meter(client) as m:
@@ -903,6 +917,8 @@ async def _run(url: str, n: int, rounds: int, big: int) -> None:
         t = _table(f"stream ACK / DROP, COUNT {COUNT}", "entries", await _rounds([
             Contender("floor: sequential", lambda k: seq_ack(client, k), SEQ),
             Contender("floor: overlapped", lambda k: ovl_ack(client, k), OVL),
+            Contender("floor: overlapped + a call per message",
+                      lambda k: ovl_ack(client, k, calls=True)),
             Contender(c1, lambda k: lib_stream(url, client, k)),
             Contender(c16, lambda k: lib_stream(url, client, k, concurrency=16)),
             Contender(drop, lambda k: lib_stream(url, client, k, outcome=DROP)),
