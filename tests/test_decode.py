@@ -20,7 +20,7 @@ from trio_redis_finalize._core._decode import (
     read_entries,
     stream_deliveries,
 )
-from trio_redis_finalize._core._plan import Effect, content_origin
+from trio_redis_finalize._core._plan import Effect, Target, content_origin
 from trio_redis_finalize._delivery import Delivery
 from trio_redis_finalize._envelope import MAGIC, wrap
 
@@ -102,6 +102,8 @@ def test_against_a_plain_reference(pairs: list[tuple[bytes, bytes]], count: int)
 # -- list elements ---------------------------------------------------------------
 
 LIST = ReliableListSubscription("q", max_attempts=3, dead_letter="dead").target("c")
+LISTS = st.sampled_from([LIST, ReliableListSubscription("q").target("c"),
+                         ReliableListSubscription("q", max_attempts=1).target("c")])
 
 _ELEMENTS = st.one_of(
     st.binary(max_size=12),  # foreign (or, starting with 0xff, corrupt)
@@ -118,12 +120,13 @@ def _same(a: Delivery, b: Delivery) -> bool:
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(_ELEMENTS, max_size=8))
-def test_list_deliveries_is_list_delivery_of_each(raws: list[bytes]) -> None:
-    """The batch (the reader's hot path, foreign elements inlined) builds what
-    ``list_delivery`` builds element by element, split into handled / direct."""
-    ready, direct = list_deliveries(LIST, "q", raws)
-    one = [list_delivery(LIST, "q", raw) for raw in raws]
+@given(LISTS, st.lists(_ELEMENTS, max_size=8))
+def test_list_deliveries_is_list_delivery_of_each(target: Target, raws: list[bytes]) -> None:
+    """The batch (the reader's hot path, foreign elements and envelopes within
+    max_attempts inlined) builds what ``list_delivery`` builds element by
+    element, split into handled / direct."""
+    ready, direct = list_deliveries(target, "q", raws)
+    one = [list_delivery(target, "q", raw) for raw in raws]
     assert len(ready) == sum(p is None for _, p in one)
     assert all(_same(a, b) for a, (b, p) in zip(ready, [x for x in one if x[1] is None], strict=True))
     assert [(p.effect, p.commands) for _, p in direct] == [

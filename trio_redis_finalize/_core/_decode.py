@@ -84,12 +84,15 @@ def list_deliveries(
     The hot path of a reader: an element that cannot be an envelope (a
     foreign producer's, the common case) is attempt 1 -- never past any
     ``max_attempts`` (>= 1) -- with the digest of its bytes as origin id
-    (:func:`~._plan.content_origin`, inlined); envelopes go through
-    :func:`list_delivery`.
+    (:func:`~._plan.content_origin`, inlined); an envelope within
+    ``max_attempts`` (the library's copies) is unwrapped here; the rest
+    (corrupt, past ``max_attempts``, foreign bytes starting with 0xff) goes
+    through :func:`list_delivery`.
     """
     ready: list[Delivery] = []
     direct: list[tuple[Delivery, Plan]] = []
     name = target.name
+    limit = target.max_attempts
     sha1 = _SHA1
     prefix = _ORIGIN
     digits = _DIGITS
@@ -98,6 +101,13 @@ def list_deliveries(
         if raw[:1] != head:
             ready.append(Delivery(source, None, {}, raw, 1, prefix + sha1(raw).hexdigest()[:digits],
                                   raw, 0, name))
+            continue
+        try:
+            body, retries, origin = unwrap(raw)
+        except CorruptEnvelope:
+            origin = None
+        if origin is not None and (limit is None or retries < limit):  # attempt <= limit
+            ready.append(Delivery(source, None, {}, body, retries + 1, origin, raw, retries, name))
             continue
         d, p = list_delivery(target, source, raw)
         if p is None:
