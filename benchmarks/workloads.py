@@ -69,7 +69,8 @@ Workloads:
   script (128 per call) before every read, one ``XACK`` of the copies of a
   batch.  Rate = originals whose copy came back and was acknowledged.
 * **reliable list ACK**: ``BLMOVE`` + 63 ``LMOVE`` pipelined on the
-  dedicated connection, the ``LREM`` of each element pipelined on the pool.
+  dedicated connection, the ``LREM processing -1 element`` of each element
+  (from the tail, the oldest end, as the library removes) pipelined on the pool.
 * **Pub/Sub receive**: N messages PUBLISHed (pipelined, 100 at a time) by
   another connection; the floors: a bare ``get_message`` loop (sequential),
   and a reader task handing what is received (up to 100) to a handler task
@@ -555,7 +556,7 @@ async def seq_reliable(client: Client, n: int) -> Sample:
     async with await client.connect(name="bench-raw-reader") as conn, Meter(client) as m:
         while done < n:
             got = await _move_some(conn)
-            await client.pipeline([("LREM", PROCESSING, 1, e) for e in got])
+            await client.pipeline([("LREM", PROCESSING, -1, e) for e in got])
             done += len(got)
     assert await client.execute("LLEN", PROCESSING) == 0
     return m.sample
@@ -572,7 +573,7 @@ async def ovl_reliable(client: Client, n: int) -> Sample:
             await send.send(moved)
 
     async def finalize(elements: list[Any]) -> int:
-        return sum(await client.pipeline([("LREM", PROCESSING, 1, e) for e in elements]))
+        return sum(await client.pipeline([("LREM", PROCESSING, -1, e) for e in elements]))
 
     async with await client.connect(name="bench-raw-reader") as conn, Meter(client) as m:
         await _overlap(reader, finalize, n)

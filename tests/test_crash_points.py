@@ -142,7 +142,7 @@ def _remove_then_copy(t: _plan.Target, d: Delivery, o: Outcome) -> Plan:
                                     ("XADD", t.source, "*", *_plan._stream_copy_fields(d))),
                     gated=False)
     assert d.raw is not None
-    return Plan(Effect.COPIED, (("LREM", t.processing, 1, d.raw),
+    return Plan(Effect.COPIED, (("LREM", t.processing, -1, d.raw),
                                 ("LPUSH", t.source, _plan._list_copy(d))), gated=False)
 
 

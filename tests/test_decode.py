@@ -1,13 +1,28 @@
-"""Stream entries turned into deliveries, sans-IO (no Redis): ``_core._decode``."""
+"""Stream entries and list elements turned into deliveries, sans-IO (no Redis): ``_core._decode``."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trio_redis_finalize import GROUP_FIELD, ORIGIN_FIELD, RETRIES_FIELD, StreamSubscription
-from trio_redis_finalize._core._decode import Entry, id_key, read_entries, stream_deliveries
-from trio_redis_finalize._core._plan import Effect
+from trio_redis_finalize import (
+    GROUP_FIELD,
+    ORIGIN_FIELD,
+    RETRIES_FIELD,
+    ReliableListSubscription,
+    StreamSubscription,
+)
+from trio_redis_finalize._core._decode import (
+    Entry,
+    id_key,
+    list_deliveries,
+    list_delivery,
+    read_entries,
+    stream_deliveries,
+)
+from trio_redis_finalize._core._plan import Effect, Target, content_origin
+from trio_redis_finalize._delivery import Delivery
+from trio_redis_finalize._envelope import MAGIC, wrap
 
 HEADERS = (RETRIES_FIELD, ORIGIN_FIELD, GROUP_FIELD)
 TARGET = StreamSubscription("s", "g", max_attempts=3, dead_letter="dead").target("c")
@@ -82,3 +97,43 @@ def test_against_a_plain_reference(pairs: list[tuple[bytes, bytes]], count: int)
     foreign = headers.get(GROUP_FIELD, b"g") != b"g"
     handled = not foreign and valid and d.attempt <= 3
     assert bool(ready) == handled
+
+
+# -- list elements ---------------------------------------------------------------
+
+LIST = ReliableListSubscription("q", max_attempts=3, dead_letter="dead").target("c")
+LISTS = st.sampled_from([LIST, ReliableListSubscription("q").target("c"),
+                         ReliableListSubscription("q", max_attempts=1).target("c")])
+
+_ELEMENTS = st.one_of(
+    st.binary(max_size=12),  # foreign (or, starting with 0xff, corrupt)
+    st.builds(wrap, st.binary(max_size=8), st.integers(0, 5), st.text(max_size=6)),
+    st.builds(lambda e, cut: e[:cut], st.builds(wrap, st.binary(max_size=4), st.integers(0, 5),
+                                                 st.text(max_size=4)), st.integers(0, 14)),
+)
+
+
+def _same(a: Delivery, b: Delivery) -> bool:
+    names = ("source", "id", "fields", "data", "attempt", "origin_id", "raw", "retries", "mount",
+             "corrupt", "flat")
+    return all(getattr(a, n) == getattr(b, n) for n in names)
+
+
+@settings(max_examples=300, deadline=None)
+@given(LISTS, st.lists(_ELEMENTS, max_size=8))
+def test_list_deliveries_is_list_delivery_of_each(target: Target, raws: list[bytes]) -> None:
+    """The batch (the reader's hot path, foreign elements and envelopes within
+    max_attempts inlined) builds what ``list_delivery`` builds element by
+    element, split into handled / direct."""
+    ready, direct = list_deliveries(target, "q", raws)
+    one = [list_delivery(target, "q", raw) for raw in raws]
+    assert len(ready) == sum(p is None for _, p in one)
+    assert all(_same(a, b) for a, (b, p) in zip(ready, [x for x in one if x[1] is None], strict=True))
+    assert [(p.effect, p.commands) for _, p in direct] == [
+        (p.effect, p.commands) for _, p in one if p is not None]
+    assert all(_same(a, b) for (a, _), (b, _) in zip(direct, [x for x in one if x[1] is not None],
+                                                      strict=True))
+    for d in ready:
+        assert d.raw is not None
+        if d.raw[:1] != MAGIC[:1]:
+            assert (d.data, d.attempt, d.origin_id) == (d.raw, 1, content_origin(d.raw))

@@ -143,7 +143,7 @@ def test_fast_path_not_run_is_sent_again_after_a_pause() -> None:
 def test_fast_path_on_a_reliable_list_is_one_lrem_each() -> None:
     t = ReliableListSubscription("q").target("c1")
     b = core(t).batch([(element(b"a"), ACK), (element(b"b"), DROP)])
-    assert b.commands() == [("LREM", t.processing, 1, b"a"), ("LREM", t.processing, 1, b"b")]
+    assert b.commands() == [("LREM", t.processing, -1, b"a"), ("LREM", t.processing, -1, b"b")]
     step = b.receive([1, WRONGTYPE])
     assert step.errors == 1
     # one failed removal fails the hot path's count (as the shell always did)

@@ -248,7 +248,7 @@ def test_the_cross_slot_dead_plan_pushes_with_the_record_then_removes() -> None:
     push, lrem = p.commands
     assert not p.gated
     assert push[:6] == (b"EVALSHA", LIST_DEAD_PUSH.sha, 2, "elsewhere", why_key("elsewhere"), raw)
-    assert lrem == ("LREM", P, 1, raw)
+    assert lrem == ("LREM", P, -1, raw)
     assert list_removal(t, push) is None and list_removal(t, lrem) == raw
 
 

@@ -331,7 +331,7 @@ def check_cell(f: Form_, t: Target, d: Delivery, outcome: Outcome) -> None:
         assert t.processing == processing
         if kind is OutcomeKind.ACK or kind is OutcomeKind.DROP:
             assert p.effect is (Effect.ACKED if kind is OutcomeKind.ACK else Effect.DROPPED)
-            assert p.commands == (("LREM", processing, 1, d.raw),)
+            assert p.commands == (("LREM", processing, -1, d.raw),)
             assert p.gated
             return
         if kind is OutcomeKind.RETRY:
@@ -380,7 +380,7 @@ def check_dead(f: Form_, t: Target, d: Delivery, p: Plan) -> None:
         if f.kind == "stream":
             assert p.commands == (("XACK", STREAM, GROUP, d.id),)
         else:
-            assert p.commands == (("LREM", t.processing, 1, d.raw),)
+            assert p.commands == (("LREM", t.processing, -1, d.raw),)
         return
     assert p.effect is Effect.DEAD_LETTERED
     src = t.source if f.kind == "stream" else t.processing
@@ -417,7 +417,7 @@ def check_dead(f: Form_, t: Target, d: Delivery, p: Plan) -> None:
         assert shape(p) == [("EVALSHA", "list_dead_push", t.dead_letter, why),
                             ("LREM", t.processing)]
         _, _, args = evalsha(p.commands[0])
-        assert p.commands[1] == ("LREM", t.processing, 1, d.raw)
+        assert p.commands[1] == ("LREM", t.processing, -1, d.raw)
     else:
         assert p.gated
         assert shape(p) == [("EVALSHA", "list_copy_remove", t.processing, t.dead_letter, why)]

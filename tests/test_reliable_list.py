@@ -127,11 +127,11 @@ async def test_monitor_retry_lpushes_before_lrem_from_a_pool_connection(
                    if c == "EVALSHA" and f'"{p}" "{Q}" "mon"' in rest)
     assert mon.lines[evalsha][0] not in (reader, "lua")  # a pool connection
     lpush = mon.index("lua", "LPUSH", f'"{Q}"')
-    lrem = mon.index("lua", "LREM", f'"{p}" "1" "mon"')
+    lrem = mon.index("lua", "LREM", f'"{p}" "-1" "mon"')  # from the tail, the oldest end
     assert blmove < evalsha < lpush < lrem
     # ACK of the copy: a plain LREM from a pool connection, never from the reader
     lrems = [(a, rest) for a, c, rest in mon.lines if c == "LREM" and a != "lua"]
-    assert lrems and all(a != reader for a, _ in lrems)
+    assert lrems and all(a != reader and rest.lstrip().startswith(f'"{p}" "-1" ') for a, rest in lrems)
     assert not any(a == reader for a, c, _ in mon.lines if c in ("LREM", "EVALSHA", "LPUSH"))
 
 

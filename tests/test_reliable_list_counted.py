@@ -67,6 +67,30 @@ async def test_give_back_with_n(client: Client) -> None:
     assert await lrange(client, P) == [b"X"] and await lrange(client, DEST) == [b"X"]
 
 
+async def test_removals_take_the_copy_nearest_the_tail(client: Client) -> None:
+    """The reader pushes onto the head, so the oldest elements (finalized first)
+    are at the tail: every removal scans from there (``LREM … -1``, the gates'
+    ``LPOS … RANK -n``) and takes the copy nearest it; the counted gates count
+    the same copies from either end."""
+    await client.execute("RPUSH", P, b"X", b"a", b"X", b"Y")  # head ... tail
+    assert await client.evalsha(LIST_REMOVE, (P,), (b"X", 3)) == 0
+    assert await client.evalsha(LIST_REMOVE, (P,), (b"X", 2)) == 1
+    assert await lrange(client, P) == [b"X", b"a", b"Y"]
+    await client.execute("RPUSH", P, b"X")
+    assert await client.evalsha(LIST_COPY_REMOVE, (P, DEST), (b"X", b"c", 3)) is None
+    assert await client.evalsha(LIST_COPY_REMOVE, (P, DEST), (b"X", b"c", 2)) == 1
+    assert await lrange(client, P) == [b"X", b"a", b"Y"]
+    await client.execute("RPUSH", P, b"X")
+    assert await client.evalsha(LIST_ZADD_REMOVE, (P, ZSET), (b"X", 1000, b"m", 2)) is not None
+    assert await lrange(client, P) == [b"X", b"a", b"Y"]
+    await client.execute("RPUSH", P, b"X")
+    t = _target()
+    (ack,) = plan(t, _delivery(), ACK).commands
+    assert ack == ("LREM", P, -1, b"X") and t.processing == P
+    assert await client.execute(*ack) == 1
+    assert await lrange(client, P) == [b"X", b"a", b"Y"]
+
+
 def _target(**kw: Any) -> Target:
     return ReliableListSubscription("q", **kw).target("c")
 
@@ -100,7 +124,7 @@ def test_runtime_retry_after_and_other_keys_are_not_removals() -> None:
     t = _target()
     p = plan(t, _delivery(), retry_after(5))
     assert p.commands == ()
-    assert list_removal(t, ("LREM", "other", 1, b"X")) is None
+    assert list_removal(t, ("LREM", "other", -1, b"X")) is None
     assert list_removal(t, ("LPUSH", P, b"X")) is None
 
 

@@ -52,6 +52,9 @@ GROUP_FIELD: Final[bytes] = b"trf-group"
 MAGIC: Final = b"\xfftrf\x01"
 MAGIC_DELAY: Final = b"\xfftrd\x01"
 _HEAD = struct.Struct(">IH")
+_HEAD_AT = len(MAGIC)
+_ORIGIN_AT = _HEAD_AT + _HEAD.size
+_unpack_head = _HEAD.unpack_from
 _U32 = struct.Struct(">I")
 
 
@@ -82,18 +85,18 @@ def unwrap(payload: bytes) -> tuple[bytes, int, str | None]:
     """
     if not payload.startswith(MAGIC):
         return payload, 0, None
-    start = len(MAGIC)
-    if len(payload) < start + _HEAD.size:
-        raise CorruptEnvelope(f"envelope header truncated ({len(payload)} bytes)")
-    retries, olen = _HEAD.unpack_from(payload, start)
-    ostart = start + _HEAD.size
-    if len(payload) < ostart + olen:
-        raise CorruptEnvelope(f"envelope origin truncated ({len(payload)} bytes, needs {olen})")
+    size = len(payload)
+    if size < _ORIGIN_AT:
+        raise CorruptEnvelope(f"envelope header truncated ({size} bytes)")
+    retries, olen = _unpack_head(payload, _HEAD_AT)
+    end = _ORIGIN_AT + olen
+    if size < end:
+        raise CorruptEnvelope(f"envelope origin truncated ({size} bytes, needs {olen})")
     try:
-        origin = payload[ostart : ostart + olen].decode()
+        origin = payload[_ORIGIN_AT:end].decode()
     except UnicodeDecodeError:
         raise CorruptEnvelope("envelope origin is not utf-8") from None
-    return payload[ostart + olen :], retries, origin
+    return payload[end:], retries, origin
 
 
 def pack_parts(parts: Sequence[bytes]) -> bytes:

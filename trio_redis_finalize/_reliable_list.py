@@ -6,9 +6,10 @@ import dataclasses
 import functools
 import heapq
 import random
+from collections import Counter
 from collections.abc import Callable, Coroutine, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Any
+from typing import Any, cast
 
 import anyio
 from redis import exceptions as rexc
@@ -23,7 +24,7 @@ from ._context import (
     log,
 )
 from ._core._commands import Command
-from ._core._decode import list_delivery
+from ._core._decode import list_deliveries, list_delivery
 from ._core._finalize import Gates
 from ._core._plan import Effect, Plan, Target, list_copies, list_counted, list_removal
 from ._core._reliable import BUMP, GIVE_BACK, REAP, bumped, dec, heartbeat_key, registry_key, stranded
@@ -155,6 +156,7 @@ _REAP_PAGE = 100
 _REAP_ROUNDS = 1000
 _HELD_MARGIN = 0.5
 """Seconds after its due time a runtime ``retry_after`` original counts as sent."""
+_BYTES = {bytes}  # the types of a read's replies when none is an error
 
 
 class ReliableListReader:
@@ -214,9 +216,10 @@ class ReliableListReader:
     def __init__(self, sub: ReliableListSubscription) -> None:
         self.sub = sub
         # The multiset of elements this reader delivered, by bytes (identical
-        # elements are told apart by count only):
-        self._unsent: dict[bytes, int] = {}  # delivered, removal not sent yet
-        self._in_hand: dict[bytes, int] = {}  # delivered, removal not answered yet
+        # elements are told apart by count only; Counter: a batch read is
+        # counted in by one ``update``, in C):
+        self._unsent: Counter[bytes] = Counter()  # delivered, removal not sent yet
+        self._in_hand: Counter[bytes] = Counter()  # delivered, removal not answered yet
         self._leftover: dict[bytes, int] = {}  # handled; the removal may have left a copy
         self._delayed: list[tuple[float, bytes]] = []  # runtime retry_after: (counts until, element)
         self._rescan_wanted = False
@@ -248,19 +251,29 @@ class ReliableListReader:
             args += [e, 1]  # n: set by prepare() when it is sent
         return Plan(Effect.NOTHING, (GIVE_BACK.command((t.processing, t.source), args),))
 
-    async def _hand_over(self, mount: Context, built: list[tuple[Delivery, Plan | None]]) -> None:
-        """:func:`~._context.hand_over`, giving back what was not handed over when cancelled."""
-        direct: list[Item] = [(d, p) for d, p in built if p is not None]
-        ready = [d for d, p in built if p is None]
-        back = [d.raw for d, _ in built if d.raw is not None]
+    async def _built(self, mount: Context, built: list[tuple[Delivery, Plan | None]]) -> None:
+        """:meth:`_hand_over` of deliveries built one by one (``list_delivery``)."""
+        await self._hand_over(
+            mount, [d.raw for d, _ in built if d.raw is not None],
+            [d for d, p in built if p is None], [(d, p) for d, p in built if p is not None],
+        )
+
+    async def _hand_over(self, mount: Context, raws: Sequence[bytes], ready: list[Delivery],
+                         direct: Sequence[Item]) -> None:
+        """:func:`~._context.hand_over`, giving back what was not handed over when cancelled.
+
+        ``raws``: the elements of ``ready`` and ``direct``, in the order they were read.
+        """
+        sent = False
         try:
             if direct:
-                await mount.send_plans(direct)
+                await mount.send_plans(list(direct))
+            sent = True
             # Context.deliver() hands over all or nothing: cancelled means none
             # of them reached a handler, whatever the concurrency
-            back = [d.raw for d in ready if d.raw is not None]
             await mount.deliver(ready)
         except BaseException:
+            back = [d.raw for d in ready if d.raw is not None] if sent else list(raws)
             plan = self._give_back_plan(back)
             if plan is not None:
                 commands = self.prepare(list(plan.commands))
@@ -339,7 +352,7 @@ class ReliableListReader:
                 raw = n
                 unsent[n] = unsent.get(n, 0) + 1
             built.append(list_delivery(mount.target, self.sub.queue, raw))
-        await self._hand_over(mount, built)
+        await self._built(mount, built)
         return later
 
     def leave_pending(self, mount: Context, deliveries: Sequence[Delivery]) -> None:
@@ -390,15 +403,21 @@ class ReliableListReader:
             return commands
         self._expire()
         unsent = self._unsent
+        take = cast(Callable[[object, int], int], unsent.pop)  # 0: not held (not bytes: not a key)
         processing = t.processing
         out: list[Command] | None = None
         for i, cmd in enumerate(commands):
-            e: bytes | None
             if cmd[0] == "LREM" and cmd[1] == processing:  # the ACK / DROP fast path
                 x = cmd[3]
-                e = x if isinstance(x, bytes) else None
-            else:
-                e = list_removal(t, cmd)
+                k = take(x, 0)
+                if k > 1:
+                    assert isinstance(x, bytes)
+                    unsent[x] = k - 1
+                    if out is None:
+                        out = list(commands)
+                    out[i] = list_counted(cmd, k)
+                continue
+            e = list_removal(t, cmd)
             if e is not None:
                 n = unsent.get(e, 0)
                 if n > 1:
@@ -470,18 +489,16 @@ class ReliableListReader:
         if t is None:
             return
         held = self._in_hand
+        take = cast(Callable[[object, int], int], held.pop)  # 0: not held (not bytes: not a key)
         processing = t.processing
         for cmd, r in zip(commands, replies, strict=True):
             if cmd[0] == "LREM" and cmd[1] == processing:  # the ACK / DROP fast path
                 e = cmd[3]
-                if not isinstance(e, bytes):
-                    continue
-                n = held.get(e, 0)
+                n = take(e, 0)
                 if n > 1:
+                    assert isinstance(e, bytes)
                     held[e] = n - 1
-                elif n:
-                    del held[e]
-                if isinstance(r, rexc.RedisError):
+                if r.__class__ is not int and isinstance(r, rexc.RedisError) and isinstance(e, bytes):
                     self._leftover[e] = self._leftover.get(e, 0) + 1
                 continue
             element = list_removal(t, cmd)
@@ -554,7 +571,7 @@ class ReliableListReader:
                 raw = n
             self._hold(raw)
             built.append(list_delivery(mount.target, self.sub.queue, raw))
-        await self._hand_over(mount, built)
+        await self._built(mount, built)
 
     # -- heartbeat and reaper -----------------------------------------------------
     def _beat(self, mount: Context, ttl: float) -> list[Command]:
@@ -691,24 +708,24 @@ class ReliableListReader:
         cmds: list[Command] = [(*self._blmove, f"{max(block, 0.001):.3f}")]
         cmds += [self._lmove] * (self._batch - 1)
         replies = await conn.pipeline(cmds, timeout=block + READ_MARGIN)
-        elements: list[bytes] = []
-        refused = False
-        for cmd, r in zip(cmds, replies, strict=True):
-            if isinstance(r, rexc.RedisError):
-                refused = True
-                ctx.stats.read_errors += 1
-                log.error("%s: read failed: %s", ctx.name, describe_error(r, cmd))
-            elif r is not None:
-                elements.append(r)
-        if refused:
+        # each an element (bytes), None (the queue was empty) or an error reply
+        elements: list[bytes] = [r for r in replies if r is not None]
+        if elements and {*map(type, elements)} != _BYTES:
+            elements = []
+            for cmd, r in zip(cmds, replies, strict=True):
+                if isinstance(r, rexc.RedisError):
+                    ctx.stats.read_errors += 1
+                    log.error("%s: read failed: %s", ctx.name, describe_error(r, cmd))
+                elif r is not None:
+                    elements.append(r)
             await anyio.sleep(backoff(0))  # a little (the elements read are handed over)
         if not elements:
             return
-        for raw in elements:
-            self._hold(raw)
-        built = [list_delivery(ctx.target, self.sub.queue, raw) for raw in elements]
+        self._unsent.update(elements)  # held (_hold), all at once
+        self._in_hand.update(elements)
+        ready, direct = list_deliveries(ctx.target, self.sub.queue, elements)
         before = anyio.current_time()
-        await self._hand_over(ctx, built)
+        await self._hand_over(ctx, elements, ready, direct)
         self._tune(anyio.current_time() - before, self._previous)
         self._previous = len(elements)
 

@@ -10,6 +10,7 @@ another group wrote, entries deleted while pending.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -22,6 +23,7 @@ __all__ = [
     "Entry",
     "as_str",
     "id_key",
+    "list_deliveries",
     "list_delivery",
     "lost_entry",
     "open_envelope",
@@ -54,11 +56,8 @@ def list_delivery(target: Target, source: str, raw: bytes) -> tuple[Delivery, Pl
         body, retries, origin, corrupt = open_envelope(raw)
     else:  # cannot be an envelope: a foreign element
         body, retries, origin, corrupt = raw, 0, content_origin(raw), None
-    attempt = attempt_of(retries)
-    d = Delivery(
-        source=source, id=None, fields={}, data=body, attempt=attempt, origin_id=origin,
-        raw=raw, retries=retries, mount=target.name, corrupt=corrupt,
-    )
+    attempt = retries + 1  # attempt_of(retries): retries >= 0
+    d = Delivery(source, None, {}, body, attempt, origin, raw, retries, target.name, corrupt)
     if corrupt is not None:
         what = "dead-lettered" if target.dead_letter is not None else "dropped"
         log.error("%s: %s in a %d-byte element from %r (origin %s); %s",
@@ -70,6 +69,52 @@ def list_delivery(target: Target, source: str, raw: bytes) -> tuple[Delivery, Pl
             target, d, f"arrived at attempt {attempt}, past max_attempts={limit}"
         )
     return d, None
+
+
+_SHA1 = hashlib.sha1
+_ORIGIN, _DIGITS = "sha1:", 24  # content_origin(raw), inlined (tests/test_decode.py)
+
+
+def list_deliveries(
+    target: Target, source: str, raws: Sequence[bytes],
+) -> tuple[list[Delivery], list[tuple[Delivery, Plan]]]:
+    """:func:`list_delivery` of each of ``raws``, split: the deliveries for the
+    handlers, and those finalized without one, each with its plan.
+
+    The hot path of a reader: an element that cannot be an envelope (a
+    foreign producer's, the common case) is attempt 1 -- never past any
+    ``max_attempts`` (>= 1) -- with the digest of its bytes as origin id
+    (:func:`~._plan.content_origin`, inlined); an envelope within
+    ``max_attempts`` (the library's copies) is unwrapped here; the rest
+    (corrupt, past ``max_attempts``, foreign bytes starting with 0xff) goes
+    through :func:`list_delivery`.
+    """
+    ready: list[Delivery] = []
+    direct: list[tuple[Delivery, Plan]] = []
+    name = target.name
+    limit = target.max_attempts
+    sha1 = _SHA1
+    prefix = _ORIGIN
+    digits = _DIGITS
+    head = _MAGIC_HEAD
+    for raw in raws:
+        if raw[:1] != head:
+            ready.append(Delivery(source, None, {}, raw, 1, prefix + sha1(raw).hexdigest()[:digits],
+                                  raw, 0, name))
+            continue
+        try:
+            body, retries, origin = unwrap(raw)
+        except CorruptEnvelope:
+            origin = None
+        if origin is not None and (limit is None or retries < limit):  # attempt <= limit
+            ready.append(Delivery(source, None, {}, body, retries + 1, origin, raw, retries, name))
+            continue
+        d, p = list_delivery(target, source, raw)
+        if p is None:
+            ready.append(d)
+        else:
+            direct.append((d, p))
+    return ready, direct
 
 
 # -- streams ------------------------------------------------------------------

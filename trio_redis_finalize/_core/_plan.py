@@ -269,19 +269,28 @@ def _cap(maxlen: int | None) -> tuple[str | int, ...]:
 
 def _list_remove(t: Target, d: Delivery, effect: Effect) -> Plan:
     assert d.raw is not None
-    return Plan(effect, (("LREM", t.processing, 1, d.raw),))
+    return Plan(effect, (("LREM", t.processing, -1, d.raw),))
 
 
 # Identical elements (``LPUSH q X X``): a reliable list's removal of element
 # ``e`` carries ``n``, the number of copies of ``e`` the consumer holds whose
 # removal was not sent before this one (this one included), and removes only
-# while the processing list holds at least ``n`` copies (``LPOS … RANK n``).
+# while the processing list holds at least ``n`` copies (``LPOS … RANK -n``).
 # Removals are sent in the order their ``n`` was taken, so a removal sent
 # again after an unknown outcome (applied: ``n - 1`` left) finds the gate
 # closed instead of removing a copy another handler still holds.  ``n == 1``
 # (unique elements, the common case) is the plain ``LREM`` / the scripts'
 # plain ``LPOS`` gate.  The reader assigns ``n`` (``list_counted``) just
 # before a finalization is first sent.
+#
+# Direction: the reader pushes what it reads onto the head of the processing
+# list (``BLMOVE … RIGHT LEFT``), so the oldest elements -- those finalized
+# first -- are at its tail, and every removal scans from there: ``LREM p -1
+# e`` and the gates' ``LPOS … RANK -n`` (cost: the elements newer than the
+# one removed read since are not walked over).  Identical elements are the
+# same bytes: which of their copies goes changes no count (``LPOS RANK -n``
+# exists exactly when ``LPOS RANK n`` does: the list holds >= n copies), so
+# the gates and the reader's multiset counting do not depend on the direction.
 
 _COPY_REMOVE_SHA = _scripts.LIST_COPY_REMOVE.sha
 _ZADD_REMOVE_SHA = _scripts.LIST_ZADD_REMOVE.sha
@@ -366,7 +375,7 @@ def _list_copy_remove(t: Target, d: Delivery, dest: str, element: bytes, effect:
     if t.cluster and not same_slot(t.processing, dest):
         return Plan(
             effect,
-            (("LPUSH", dest, element), ("LREM", t.processing, 1, d.raw)),
+            (("LPUSH", dest, element), ("LREM", t.processing, -1, d.raw)),
             gated=False,
         )
     return Plan(
@@ -406,7 +415,7 @@ def _list_dead(t: Target, d: Delivery, reason: str) -> Plan:
         return Plan(
             Effect.DEAD_LETTERED,
             (_scripts.LIST_DEAD_PUSH.command((dead, why), (d.raw, record)),
-             ("LREM", t.processing, 1, d.raw)),
+             ("LREM", t.processing, -1, d.raw)),
             gated=False,
         )
     return Plan(
@@ -516,7 +525,7 @@ def removal_commands(t: Target, deliveries: Sequence[Delivery]) -> list[Command]
         return [("XACK", t.source, t.group, *ids)]
     if form is Form.RELIABLE_LIST:
         processing = t.processing
-        return [("LREM", processing, 1, d.raw) for d in deliveries if d.raw is not None]
+        return [("LREM", processing, -1, d.raw) for d in deliveries if d.raw is not None]
     return []
 
 

@@ -45,10 +45,12 @@ def _list_gate(copies: int) -> str:
     consumer holds whose removal was not sent before this one, this one
     included: a finalization sent again after an unknown outcome (the first
     send applied, n - 1 copies left) then finds the gate closed instead of
-    removing a copy another handler still holds.
+    removing a copy another handler still holds.  ``RANK -n``: from the
+    tail, where the oldest elements are (see ``_plan``); the list holds n
+    copies either way.
     """
     return f"""
-if not redis.call('LPOS', KEYS[1], ARGV[1], 'RANK', tonumber(ARGV[{copies}] or 1)) then return false end
+if not redis.call('LPOS', KEYS[1], ARGV[1], 'RANK', -tonumber(ARGV[{copies}] or 1)) then return false end
 """
 
 
@@ -171,10 +173,12 @@ STREAM_ZADD_ACK_DEL = _stream_zadd_ack("stream_zadd_ack_del", delete=True)
 
 # KEYS: processing list.  ARGV: element, n (see _list_gate; > 1).
 # LREM of one copy, gated: returns 1 when removed, 0 when the gate was closed.
+# The list scripts remove from the tail (``LREM … -1``), the oldest end (see
+# ``_plan``).
 LIST_REMOVE = Script(
     """
-if not redis.call('LPOS', KEYS[1], ARGV[1], 'RANK', tonumber(ARGV[2])) then return 0 end
-return redis.call('LREM', KEYS[1], 1, ARGV[1])
+if not redis.call('LPOS', KEYS[1], ARGV[1], 'RANK', -tonumber(ARGV[2])) then return 0 end
+return redis.call('LREM', KEYS[1], -1, ARGV[1])
 """,
     name="list_remove",
 )
@@ -237,7 +241,7 @@ end
 # letter, see above) the copy is pushed with its reason record.
 LIST_COPY_REMOVE = Script(
     """
-if not redis.call('LPOS', KEYS[1], ARGV[1], 'RANK', tonumber(ARGV[#KEYS + 1] or 1)) then return false end
+if not redis.call('LPOS', KEYS[1], ARGV[1], 'RANK', -tonumber(ARGV[#KEYS + 1] or 1)) then return false end
 if KEYS[3] then
 """
     + _why_push(3, 2, 3, 2)
@@ -245,7 +249,7 @@ if KEYS[3] then
 else
   redis.call('LPUSH', KEYS[2], ARGV[2])
 end
-redis.call('LREM', KEYS[1], 1, ARGV[1])
+redis.call('LREM', KEYS[1], -1, ARGV[1])
 return 1
 """,
     name="list_copy_remove",
@@ -265,7 +269,7 @@ LIST_ZADD_REMOVE = Script(
     + _NOW_MS
     + """
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[3])
-redis.call('LREM', KEYS[1], 1, ARGV[1])
+redis.call('LREM', KEYS[1], -1, ARGV[1])
 return now + tonumber(ARGV[2])
 """,
     name="list_zadd_remove",
