@@ -10,15 +10,29 @@ from typing import Any
 import anyio
 from redis import exceptions as rexc
 
-from ._context import FINALIZE_TIMEOUT, Context, hand_over, log
+from ._context import FINALIZE_TIMEOUT, Context, Item, log
 from ._core._decode import list_delivery
-from ._core._plan import Plan, Target
-from ._delivery import Delivery
+from ._core._plan import Plan, Target, content_origin
+from ._delivery import (
+    Delivery,
+    _set_attempt,
+    _set_corrupt,
+    _set_data,
+    _set_fields,
+    _set_flat,
+    _set_id,
+    _set_mount,
+    _set_origin_id,
+    _set_raw,
+    _set_retries,
+    _set_source,
+)
+from ._envelope import MAGIC
 from ._subscription import Form, Subscription, check_key, check_limits
 from ._transport import PubSub
 from ._value import immutable, setters
 
-__all__ = ["ChannelSubscription", "PatternSubscription", "PubSubReader"]
+__all__ = ["ChannelSubscription", "PatternSubscription", "PubSubReader", "payload_deliveries"]
 
 
 # ``init=False``: ``*channels``, kept once each in their order.  ``eq=False``:
@@ -110,9 +124,84 @@ _IDLE_PING = 5.0
 """Seconds without a message after which the subscription is checked with PING."""
 _PING_TIMEOUT = 5.0
 _CHUNK = 100
+"""At most this many already-received messages are handed over together."""
 _MAX_NAMES = 1000
 """Decoded channel names kept at most (a pattern subscription may see many)."""
-"""At most this many already-received messages are handed over together."""
+_MAGIC_HEAD = MAGIC[:1]
+
+
+class _Payload(Delivery):
+    """The delivery of a message without envelope (a foreign payload: what
+    any other publisher sends): attempt 1, and ``origin_id`` -- a SHA-1 of
+    the payload (:func:`~._core._plan.content_origin`), about 0.7 µs -- is
+    computed when first read instead of for every message received (an
+    ACK or DROP never reads it; a ``retry_after`` copy, a log line, a
+    handler that reads it do).  Nothing else differs: the value is a
+    function of ``raw`` (immutable bytes), so it is the same whenever it is
+    computed; once read it is an ordinary slot; a ``Delivery`` in every
+    respect (``isinstance``, fields, copies, its repr and name).
+    """
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str) -> str:
+        # called only for an unset slot: origin_id until first read (and
+        # error, which stays unset unless the handler raised)
+        if name == "origin_id":
+            raw = self.raw
+            assert raw is not None  # set by the reader, never unset
+            origin = content_origin(raw)
+            _set_origin_id(self, origin)
+            return origin
+        raise AttributeError(f"{type(self).__qualname__!r} object has no attribute {name!r}",
+                             name=name, obj=self)
+
+
+_Payload.__name__ = _Payload.__qualname__ = "Delivery"  # what a handler is told it got
+
+
+def payload_deliveries(
+    target: Target, names: dict[bytes, str], messages: Sequence[tuple[bytes, bytes]],
+) -> tuple[list[Delivery], list[Item]]:
+    """The deliveries of ``(channel, payload)`` messages: those for the
+    handlers, and those finalized without one (corrupt envelope, past
+    ``max_attempts``) with their plan, as :func:`~._core._decode.list_delivery`
+    decides.  ``names``: channel names decoded so far (added to).
+
+    A payload without envelope (the common case) is built here with the
+    slot setters -- what ``list_delivery`` makes of it, without its calls
+    and its digest (see :class:`_Payload`).
+    """
+    ready: list[Delivery] = []
+    direct: list[Item] = []
+    mount = target.name
+    limit = target.max_attempts
+    plain = limit is None or limit >= 1  # attempt 1 is within it: no plan for a payload
+    new = object.__new__
+    for channel, data in messages:
+        name = names.get(channel)
+        if name is None:
+            name = names[channel] = channel.decode("utf-8", "replace")
+        if data[:1] != _MAGIC_HEAD and plain:  # cannot be an envelope
+            d = new(_Payload)
+            _set_source(d, name)
+            _set_id(d, None)
+            _set_fields(d, {})
+            _set_data(d, data)
+            _set_attempt(d, 1)
+            _set_raw(d, data)
+            _set_retries(d, 0)
+            _set_mount(d, mount)
+            _set_corrupt(d, None)
+            _set_flat(d, None)
+            ready.append(d)
+            continue
+        envelope, plan = list_delivery(target, name, data)
+        if plan is None:
+            ready.append(envelope)
+        else:
+            direct.append((envelope, plan))
+    return ready, direct
 
 
 class PubSubReader:
@@ -171,18 +260,15 @@ class PubSubReader:
         if msg is None:
             await ps.ping(timeout=_PING_TIMEOUT)
             return
-        target = ctx.target
         names = self._names
         if len(names) > _MAX_NAMES:  # a pattern may match any number of channels
             names.clear()
-        built = []
-        for m in [msg, *ps.received(_CHUNK - 1)]:  # what is already received, without waiting
-            channel = m.channel
-            name = names.get(channel)
-            if name is None:
-                name = names[channel] = channel.decode("utf-8", "replace")
-            built.append(list_delivery(target, name, m.data))
-        await hand_over(ctx, built)
+        # the first message and what is already received with it, without waiting
+        messages = [(msg.channel, msg.data), *ps.payloads(_CHUNK - 1)]
+        ready, direct = payload_deliveries(ctx.target, names, messages)
+        if direct:  # plans first (dead letters), as hand_over does
+            await ctx.send_plans(direct)
+        await ctx.deliver(ready)
 
     def failed(self, ctx: Context, err: Exception) -> float | None:
         if not isinstance(err, rexc.ResponseError) and self._lost_at is None:
