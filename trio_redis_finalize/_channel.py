@@ -13,20 +13,7 @@ from redis import exceptions as rexc
 from ._context import FINALIZE_TIMEOUT, Context, Item, log
 from ._core._decode import list_delivery
 from ._core._plan import Plan, Target, content_origin
-from ._delivery import (
-    Delivery,
-    _set_attempt,
-    _set_corrupt,
-    _set_data,
-    _set_fields,
-    _set_flat,
-    _set_id,
-    _set_mount,
-    _set_origin_id,
-    _set_raw,
-    _set_retries,
-    _set_source,
-)
+from ._delivery import Delivery, _set_origin_id
 from ._envelope import MAGIC
 from ._subscription import Form, Subscription, check_key, check_limits
 from ._transport import PubSub
@@ -160,6 +147,34 @@ class _Payload(Delivery):
 _Payload.__name__ = _Payload.__qualname__ = "Delivery"  # what a handler is told it got
 
 
+class _Unfrozen:
+    """The slots of a :class:`Delivery`, the same names in the same order,
+    without its refusal to assign: a payload's delivery is filled in here
+    with plain attribute stores, then becomes a :class:`_Payload` by
+    ``__class__`` assignment (which Python allows between classes of the
+    same layout, and checks).  Measured (CPython 3.11, ``timeit``, 100
+    deliveries): about 0.37 µs a delivery, against 0.89 µs with the slot
+    setters and 1.3 µs with ``Delivery.__init__``.  Never seen outside
+    :func:`payload_deliveries`."""
+
+    __slots__ = Delivery.__slots__
+    source: str
+    id: str | None
+    fields: dict[bytes, bytes]
+    data: bytes
+    attempt: int
+    raw: bytes
+    retries: int
+    mount: str
+    corrupt: str | None
+    flat: None
+
+
+_probe = _Unfrozen()
+_probe.__class__ = _Payload  # type: ignore[assignment]  # the layouts match (else: TypeError at import)
+del _probe
+
+
 def payload_deliveries(
     target: Target, names: dict[bytes, str], messages: Sequence[tuple[bytes, bytes]],
 ) -> tuple[list[Delivery], list[Item]]:
@@ -168,33 +183,33 @@ def payload_deliveries(
     ``max_attempts``) with their plan, as :func:`~._core._decode.list_delivery`
     decides.  ``names``: channel names decoded so far (added to).
 
-    A payload without envelope (the common case) is built here with the
-    slot setters -- what ``list_delivery`` makes of it, without its calls
-    and its digest (see :class:`_Payload`).
+    A payload without envelope (the common case) is built here -- what
+    ``list_delivery`` makes of it, without its calls, its slot setters
+    (see :class:`_Unfrozen`) and its digest (see :class:`_Payload`).
     """
     ready: list[Delivery] = []
     direct: list[Item] = []
     mount = target.name
     limit = target.max_attempts
     plain = limit is None or limit >= 1  # attempt 1 is within it: no plan for a payload
-    new = object.__new__
     for channel, data in messages:
         name = names.get(channel)
         if name is None:
             name = names[channel] = channel.decode("utf-8", "replace")
         if data[:1] != _MAGIC_HEAD and plain:  # cannot be an envelope
-            d = new(_Payload)
-            _set_source(d, name)
-            _set_id(d, None)
-            _set_fields(d, {})
-            _set_data(d, data)
-            _set_attempt(d, 1)
-            _set_raw(d, data)
-            _set_retries(d, 0)
-            _set_mount(d, mount)
-            _set_corrupt(d, None)
-            _set_flat(d, None)
-            ready.append(d)
+            d = _Unfrozen()
+            d.source = name
+            d.id = None
+            d.fields = {}
+            d.data = data
+            d.attempt = 1
+            d.raw = data
+            d.retries = 0
+            d.mount = mount
+            d.corrupt = None
+            d.flat = None
+            d.__class__ = _Payload  # type: ignore[assignment]  # frozen from here on
+            ready.append(d)  # type: ignore[arg-type]  # a _Payload now
             continue
         envelope, plan = list_delivery(target, name, data)
         if plan is None:
