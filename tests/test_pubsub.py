@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import pickle
 from typing import Any
 
 import anyio
@@ -257,10 +258,14 @@ def test_a_payloads_origin_id_is_computed_when_read_and_kept() -> None:
             delattr(d, name)
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         d.nope  # type: ignore[attr-defined]  # noqa: B018
-    for c in (copy.copy, copy.deepcopy):
+    for c in (copy.copy, copy.deepcopy, lambda d: pickle.loads(pickle.dumps(d))):
         (e,), _ = payload_deliveries(_TARGETS[0], {}, [(b"ch", b"p")])
-        record_error(e, ValueError("x"))  # a copy needs every field set, as of any Delivery
-        assert type(c(e)) is type(e) and _fields(c(e)) == _fields(e)
+        with pytest.raises(AttributeError, match="error"):  # as any Delivery's: error unset
+            c(e)
+        record_error(e, ValueError("x"))
+        other = c(e)
+        assert type(other) is Delivery and _fields(other) == _fields(e)
+        assert repr(other) == repr(e)
 
 
 async def test_payloads_returns_what_is_received_as_channel_data_pairs(

@@ -143,8 +143,19 @@ class _Payload(Delivery):
         raise AttributeError(f"{type(self).__qualname__!r} object has no attribute {name!r}",
                              name=name, obj=self)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # pickled and copied as the Delivery it is (pickle finds no _Payload by its name)
+        return _as_delivery, (Delivery.__getstate__(self),)
+
 
 _Payload.__name__ = _Payload.__qualname__ = "Delivery"  # what a handler is told it got
+
+
+def _as_delivery(state: list[Any]) -> Delivery:
+    """A :class:`Delivery` of the fields ``state`` (a :class:`_Payload` unpickled, copied)."""
+    d = Delivery.__new__(Delivery)
+    d.__setstate__(state)  # type: ignore[attr-defined]
+    return d
 
 
 class _Unfrozen:
