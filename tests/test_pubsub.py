@@ -5,13 +5,18 @@ the gap logged and counted, bad input."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
+import pickle
 from typing import Any
 
 import anyio
 import pytest
 import trio
 from _procs import Recorder, eventually
+from hypothesis import given
+from hypothesis import strategies as st
 
 from trio_redis_finalize import (
     ACK,
@@ -25,9 +30,12 @@ from trio_redis_finalize import (
     open_consumer,
     retry_after,
 )
-from trio_redis_finalize._core._plan import content_origin
-from trio_redis_finalize._envelope import MAGIC, unwrap
-from trio_redis_finalize._transport import Client, open_client
+from trio_redis_finalize._channel import payload_deliveries
+from trio_redis_finalize._core._decode import list_delivery
+from trio_redis_finalize._core._plan import Target, content_origin
+from trio_redis_finalize._delivery import record_error
+from trio_redis_finalize._envelope import MAGIC, unwrap, wrap
+from trio_redis_finalize._transport import Client, Message, open_client
 
 
 def stats(consumer: Consumer, name: str) -> dict[str, Any]:
@@ -199,6 +207,96 @@ async def test_corrupt_envelope_is_dropped_with_an_error_log(
     assert h.data == [b"ok"]
     assert any(r.levelno == logging.ERROR and "corrupt envelope" in r.getMessage()
                and "dropped" in r.getMessage() for r in caplog.records)
+
+
+# -- the reader's deliveries (sans-IO) ----------------------------------------------
+
+def _fields(d: Delivery) -> list[object]:
+    return [getattr(d, f.name, "<unset>") for f in dataclasses.fields(d)]
+
+
+_TARGETS = [ChannelSubscription("ch").target("c"),
+            ChannelSubscription("ch", max_attempts=2).target("c"),
+            PatternSubscription("c*", retry_channel="r", max_attempts=1).target("c")]
+
+
+@given(st.lists(st.tuples(st.sampled_from([b"ch", b"c\xff1"]), st.one_of(
+    st.binary(max_size=40),
+    st.builds(lambda b, r: wrap(b, r, "o-1"), st.binary(max_size=20), st.integers(0, 3)),
+    st.builds(lambda b: MAGIC + b, st.binary(max_size=6)),  # corrupt (mostly)
+)), max_size=12), st.sampled_from(_TARGETS))
+def test_payload_deliveries_are_what_list_delivery_makes(
+    messages: list[tuple[bytes, bytes]], target: Target
+) -> None:
+    """The reader's fast path for payloads without envelope builds what
+    list_delivery builds (every field, the same repr and type name, origin_id
+    computed when read); enveloped, corrupt and exhausted ones go through
+    list_delivery: the same deliveries, the same plans, in order."""
+    names: dict[bytes, str] = {}
+    ready, direct = payload_deliveries(target, names, messages)
+    expected = [list_delivery(target, c.decode("utf-8", "replace"), m) for c, m in messages]
+    assert [_fields(d) for d in ready] == [_fields(d) for d, p in expected if p is None]
+    assert [(_fields(d), p) for d, p in direct] == [(_fields(d), p) for d, p in expected
+                                                     if p is not None]
+    assert names == {c: c.decode("utf-8", "replace") for c, _ in messages}
+    for d, (e, _) in zip(ready, [x for x in expected if x[1] is None], strict=True):
+        assert isinstance(d, Delivery) and type(d).__name__ == "Delivery"
+        assert repr(d) == repr(e) and d.origin_id == e.origin_id
+        assert getattr(d, "error", None) is None
+
+
+def test_a_payloads_origin_id_is_computed_when_read_and_kept() -> None:
+    (d,), _ = payload_deliveries(_TARGETS[0], {}, [(b"ch", b"payload")])
+    with pytest.raises(AttributeError):
+        object.__getattribute__(d, "origin_id")  # not computed yet: the slot is unset
+    assert d.origin_id == content_origin(b"payload") == d.origin_id
+    assert object.__getattribute__(d, "origin_id") == d.origin_id  # now an ordinary slot
+    for name in ("origin_id", "data", "not_a_field"):
+        with pytest.raises(dataclasses.FrozenInstanceError, match="Delivery is immutable"):
+            setattr(d, name, "x")
+        with pytest.raises(dataclasses.FrozenInstanceError, match="Delivery is immutable"):
+            delattr(d, name)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        d.nope  # type: ignore[attr-defined]  # noqa: B018
+    for c in (copy.copy, copy.deepcopy, lambda d: pickle.loads(pickle.dumps(d))):
+        (e,), _ = payload_deliveries(_TARGETS[0], {}, [(b"ch", b"p")])
+        with pytest.raises(AttributeError, match="error"):  # as any Delivery's: error unset
+            c(e)
+        record_error(e, ValueError("x"))
+        other = c(e)
+        assert type(other) is Delivery and _fields(other) == _fields(e)
+        assert repr(other) == repr(e)
+
+
+async def test_payloads_returns_what_is_received_as_channel_data_pairs(
+    redis_url: str, client: Client
+) -> None:
+    """PubSub.payloads: received() as (channel, data), the concrete channel
+    for a pattern, without reading the socket; kept messages first."""
+    async with client.pubsub(name="sub") as ps:
+        await ps.subscribe("c")
+        await ps.psubscribe("p.*")
+        assert ps.payloads(10) == []
+        await client.pipeline([("PUBLISH", "c", f"m{i}") for i in range(3)]
+                              + [("PUBLISH", "p.1", "pm"), ("PUBLISH", "c", "last")])
+        first = await ps.get_message(timeout=5)
+        assert first == Message(b"c", b"m0")
+        got = [(first.channel, first.data)]
+        while len(got) < 5:
+            more = ps.payloads(2)
+            if not more:
+                m = await ps.get_message(timeout=5)
+                assert m is not None
+                more = [(m.channel, m.data)]
+            assert len(more) <= 2
+            got += more
+        assert got == [(b"c", b"m0"), (b"c", b"m1"), (b"c", b"m2"), (b"p.1", b"pm"),
+                       (b"c", b"last")]
+        # published while a confirmation is awaited: kept, handed out without I/O
+        await client.execute("PUBLISH", "c", "during")
+        await ps.subscribe("d")
+        assert ps.payloads(10) == [(b"c", b"during")]
+        assert ps.payloads(10) == [] and not ps.conn.broken and ps.dropped == 0
 
 
 # -- connection loss ------------------------------------------------------------------

@@ -162,6 +162,34 @@ class PubSub:
                 out.append(pending.popleft())
         return out
 
+    def payloads(self, limit: int) -> list[tuple[bytes, bytes]]:
+        """:meth:`received` as ``(channel, data)`` pairs (the concrete channel
+        also for a pattern subscription), without building a :class:`Message`
+        per message: what a reader that only needs those two keeps."""
+        out: list[tuple[bytes, bytes]] = []
+        pending = self._pending
+        while pending and len(out) < limit:
+            m = pending.popleft()
+            out.append((m.channel, m.data))
+        gets = self.conn._reader.gets
+        append = out.append
+        while len(out) < limit:
+            reply = gets()
+            if reply is _NOT_ENOUGH:
+                break
+            if reply.__class__ is list:
+                if len(reply) == 3 and reply[0] == b"message":
+                    append((reply[1], reply[2]))
+                    continue
+                if len(reply) == 4 and reply[0] == b"pmessage":
+                    append((reply[2], reply[3]))
+                    continue
+            self._classify(reply)
+            while pending and len(out) < limit:
+                m = pending.popleft()
+                out.append((m.channel, m.data))
+        return out
+
     async def get_message(self, timeout: float | None = None) -> Message | None:
         """The next message, or ``None`` when none came within ``timeout``.
 
