@@ -540,7 +540,7 @@ def test_removal_never_before_its_copy_and_one_effect_each(
         replies: list[Any] = []
         at = 0
 
-        def answer(c: Command) -> Any:
+        def answer(c: Command, answers: list[str] = answers) -> Any:
             nonlocal at
             how = answers[at] if at < len(answers) else "ok"
             at += 1

@@ -23,7 +23,8 @@ and what follows the fault:
 
 Finalization commands are the ones plans are made of: ``XACK``, ``XDEL``
 (retention), ``XADD``, ``LREM``, ``LPUSH``, ``ZADD`` and the gated
-finalization scripts (a batched call, many deliveries in one, is one command).  The retention trim script is not one.  Reads,
+finalization scripts (a batched call, many deliveries in one, is one command).
+The retention trim script is not one.  Reads,
 ``XPENDING``, lease renewals and the delay-set mover are not counted.
 """
 

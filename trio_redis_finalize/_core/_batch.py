@@ -12,7 +12,10 @@ from . import _scripts
 from ._commands import Arg, Command
 from ._plan import Effect, Plan
 
-__all__ = ["BATCHED", "FAST_ONLY", "batch_part", "batch_singles", "first_round", "is_batched", "merge_commands"]
+__all__ = [
+    "BATCHED", "FAST_ONLY", "batch_part", "batch_singles", "first_round", "is_batched",
+    "merge_commands",
+]
 
 
 FAST_ONLY = (-1,)
@@ -181,7 +184,7 @@ def first_round(
                 head = (c[5], c[7], c[8])
             else:
                 head = (c[5], "1" if sha == _ZADD_DEL else "0")
-            batch = _ZADD_BATCH if sha == _ZADD or sha == _ZADD_DEL else _COPY_BATCH
+            batch = _ZADD_BATCH if sha in (_ZADD, _ZADD_DEL) else _COPY_BATCH
             out[at] = (b"EVALSHA", batch, 2, c[3], c[4], *head, *args)
     commands: list[Command] = [tuple(c) if isinstance(c, list) else c for c in out]
     return commands, [tuple(o) for o in owners], rest
