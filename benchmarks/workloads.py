@@ -295,12 +295,14 @@ async def lib_stream(url: str, client: Client, n: int, *, outcome: Outcome = ACK
 
 def _batched(script: Any, keys: tuple[str, str], head: Sequence[Any],
              parts: list[list[Any]]) -> list[Command]:
-    """Batched gated script calls of ``parts`` (each delivery's arguments), at most
-    BATCH_MAX deliveries each."""
+    """Batched gated script calls of ``parts`` (each delivery's arguments, ids in
+    read order: ascending), at most BATCH_MAX deliveries each."""
     out: list[Command] = []
     for i in range(0, len(parts), BATCH_MAX):
-        args = [a for p in parts[i:i + BATCH_MAX] for a in p]
-        out.append(script.command(keys, (*head, *args)))
+        chunk = parts[i:i + BATCH_MAX]
+        args = [a for p in chunk for a in p]
+        gates = (chunk[0][0], chunk[-1][0], 2 * len(chunk))  # the gates' range
+        out.append(script.command(keys, (*head, *gates, *args)))
     return out
 
 

@@ -775,3 +775,15 @@ def test_property_batched_calls_carry_each_plan_once_and_settle_per_element(
     settled = [e for _, e in b.result().deliveries()][len(b._removed):]
     for j, e in expect.items():
         assert settled[j] == (b._plans[j][1].effect.value if e == "again" else e)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.tuples(st.integers(0, 2**48), st.integers(0, 2**20)), min_size=1,
+                    max_size=50))
+def test_gate_range_bounds_every_id(ids: list[tuple[int, int]]) -> None:
+    from trio_redis_finalize._core._batch import gate_range
+
+    text = [f"{ms}-{seq}" for ms, seq in ids]
+    lo, hi, count = gate_range(text)
+    assert (lo, hi) == (f"{min(ids)[0]}-{min(ids)[1]}", f"{max(ids)[0]}-{max(ids)[1]}")
+    assert count == 2 * len(ids)

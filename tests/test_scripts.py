@@ -225,9 +225,15 @@ async def pending_entries(client: Client, n: int, width: int = 1) -> list[str]:
     return [e[0].decode() for e in reply[0][1]]
 
 
+def gate_range(ids: Sequence[str]) -> tuple[bytes | str | int, ...]:
+    from trio_redis_finalize._core._batch import gate_range as bounds
+
+    return tuple(bounds(list(ids)))
+
+
 def copy_batch_args(ids: Sequence[str], fields: Sequence[Sequence[bytes | str]],
                     delete: str = "0", cap: int = 0) -> list[bytes | str | int]:
-    args: list[bytes | str | int] = [G, delete, cap]
+    args: list[bytes | str | int] = [G, delete, cap, *gate_range(ids)]
     for eid, f in zip(ids, fields, strict=True):
         args += [eid, len(f), *f]
     return args
@@ -244,17 +250,38 @@ async def test_copy_batch_gates_copies_then_acks_each_delivery(client: Client) -
                                      copy_batch_args(ids, fields))
         seen = await collect()
     assert [type(r) for r in reply] == [bytes, type(None), bytes]
-    # per delivery, in order: its gate, its copy, then the removal of its original
-    lua = [(a[0].upper(), a[-1] if a[0].upper() != "XADD" else a[1]) for inside, a in seen
-           if inside]
-    assert lua == [("XPENDING", "1"), ("XADD", "dest"), ("XACK", ids[0]),
-                   ("XPENDING", "1"), ("XPENDING", "1"), ("XADD", "dest"), ("XACK", ids[2])]
+    # the gates (the call's range at once, then its own for an id it did not
+    # find), every copy in order, then the removal of the originals copied
+    lua = [a for inside, a in seen if inside]
+    assert [a[0].upper() for a in lua] == ["XPENDING", "XADD", "XPENDING", "XADD", "XACK"]
+    assert lua[0][3:] == [ids[0], ids[2], "6"] and lua[2][3:] == [ids[1], ids[1], "1"]
+    assert [a[1] for a in lua[1::2]] == ["dest", "dest"] and lua[4][3:] == [ids[0], ids[2]]
     assert await entries(client, "dest") == [[b"n", b"0"], [b"n", b"2"]]
     assert await pending_count(client) == 0
     # sent again (a lost reply): every gate closed, nothing written
     again = await client.evalsha(STREAM_COPY_ACK_BATCH, (S, "dest"), copy_batch_args(ids, fields))
     assert again == [None, None, None]
     assert await client.execute("XLEN", "dest") == 2
+
+
+@pytest.mark.parametrize("bounds", ["exact", "truncated", "wrong", "invalid"])
+async def test_copy_batch_gates_hold_whatever_the_range_bounds(client: Client, bounds: str) -> None:
+    """The range read of the gates only saves calls: bounds that miss ids, a
+    count that cuts them off, even bounds that are no ids, give the same
+    answers; an id twice in one call is copied once."""
+    from trio_redis_finalize._core._scripts import STREAM_COPY_ACK_BATCH
+
+    ids = await pending_entries(client, 4)
+    await client.execute("XACK", S, G, ids[2])
+    calls = [ids[0], ids[1], ids[2], ids[1], ids[3]]
+    args = copy_batch_args(calls, [[b"n", eid.encode()] for eid in calls])
+    args[3:6] = {"exact": args[3:6], "truncated": [ids[0], ids[3], 1],
+                 "wrong": ["0-1", "0-2", 10], "invalid": ["x", "y", "z"]}[bounds]
+    reply = await client.evalsha(STREAM_COPY_ACK_BATCH, (S, "dest"), args)
+    assert [r is not None for r in reply] == [True, True, False, False, True]
+    assert [fieldmap(f)[b"n"].decode() for f in await entries(client, "dest")] == [
+        ids[0], ids[1], ids[3]]
+    assert await pending_count(client) == 0
 
 
 async def test_copy_batch_one_deliverys_error_is_its_element_only(client: Client) -> None:
@@ -299,7 +326,7 @@ async def test_copy_batch_deletes_and_caps(client: Client) -> None:
         seen = await collect()
     assert all(isinstance(r, bytes) for r in reply)
     steps = [(a[0].upper(), a[1]) for inside, a in seen if inside and a[0].upper() != "XPENDING"]
-    assert steps == [("XADD", "dest"), ("XACK", S), ("XDEL", S)] * 3
+    assert steps == [("XADD", "dest")] * 3 + [("XACK", S), ("XDEL", S)]
     assert all(a[2:5] == ["MAXLEN", "~", "1"] for _, a in seen if a[0].upper() == "XADD")
     assert await client.execute("XLEN", S) == 0
 
@@ -324,7 +351,7 @@ async def test_zadd_batch_gates_each_delivery(client: Client) -> None:
     ids = await pending_entries(client, 3)
     await client.execute("XACK", S, G, ids[0])
     members = [pack_parts([uuid.uuid4().bytes, b"n", str(i).encode()]) for i in range(3)]
-    args: list[bytes | str | int] = [G, "1"]
+    args: list[bytes | str | int] = [G, "1", *gate_range(ids)]
     for eid, m, delay in zip(ids, members, (10, 5000, 20), strict=True):
         args += [eid, delay, m]
     t0 = await time_ms(client)
@@ -335,7 +362,7 @@ async def test_zadd_batch_gates_each_delivery(client: Client) -> None:
     assert reply[0] is None and t0 + 5000 <= reply[1] <= t1 + 5000 and t0 + 20 <= reply[2] <= t1 + 20
     steps = [(a[0].upper(), a[1]) for inside, a in seen
              if inside and a[0].upper() not in ("XPENDING", "TIME")]
-    assert steps == [("ZADD", "{orders}:delayed"), ("XACK", S), ("XDEL", S)] * 2
+    assert steps == [("ZADD", "{orders}:delayed")] * 2 + [("XACK", S), ("XDEL", S)]
     assert await client.execute("ZRANGE", "{orders}:delayed", 0, -1) == [members[2], members[1]]
     assert await client.execute("XLEN", S) == 1  # the one finalized before stays (not deleted)
     assert await client.evalsha(STREAM_ZADD_ACK_BATCH, (S, "{orders}:delayed"), args) == [None] * 3

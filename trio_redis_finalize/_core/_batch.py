@@ -13,7 +13,7 @@ from ._commands import Arg, Command
 from ._plan import Effect, Plan
 
 __all__ = [
-    "BATCHED", "FAST_ONLY", "batch_part", "batch_singles", "first_round", "is_batched",
+    "BATCHED", "FAST_ONLY", "batch_part", "batch_singles", "first_round", "gate_range", "is_batched",
     "merge_commands",
 ]
 
@@ -43,16 +43,16 @@ def batch_singles(cmd: Command) -> list[Command]:
     of its reply's elements (what each delivery's plan would send alone)."""
     sha, stream, dest, group = cmd[1], cmd[3], cmd[4], cmd[5]
     out: list[Command] = []
-    if sha == _ZADD_BATCH:
+    if sha == _ZADD_BATCH:  # ... group delete lo hi count (id delay member)...
         script = _scripts.STREAM_ZADD_ACK_DEL if cmd[6] == "1" else _scripts.STREAM_ZADD_ACK
-        for i in range(7, len(cmd), 3):
+        for i in range(10, len(cmd), 3):
             out.append(script.command((stream, dest), (group, *cmd[i:i + 3])))
         return out
     if sha != _COPY_BATCH:
         raise ValueError(f"not a batched script call: {cmd[:2]!r}")
-    delete, cap = cmd[6], cmd[7]
+    delete, cap = cmd[6], cmd[7]  # ... group delete cap lo hi count (id n values...)...
     plain = str(delete) == "0" and str(cap) == "0"
-    i = 8
+    i = 11
     while i < len(cmd):
         n = int(cmd[i + 1])
         eid, fields = cmd[i], cmd[i + 2:i + 2 + n]
@@ -63,6 +63,25 @@ def batch_singles(cmd: Command) -> list[Command]:
                 (stream, dest), (group, eid, delete, cap, *fields)))
         i += 2 + n
     return out
+
+
+def _id_key(eid: Arg) -> tuple[int, int]:
+    """A stream id's order (``ms-seq``); an id that is not one sorts first."""
+    text = eid.decode() if isinstance(eid, bytes) else str(eid)
+    ms, _, seq = text.partition("-")
+    try:
+        return int(ms), int(seq or 0)
+    except ValueError:
+        return -1, -1
+
+
+def gate_range(ids: Sequence[Arg]) -> tuple[Arg, Arg, int]:
+    """``lo, hi, count`` of a batched call's gates (see ``_scripts``): the
+    smallest and largest of ``ids``, and at most twice as many rows."""
+    keys = [_id_key(i) for i in ids]
+    lo = min(range(len(ids)), key=keys.__getitem__)
+    hi = max(range(len(ids)), key=keys.__getitem__)
+    return ids[lo], ids[hi], 2 * len(ids)
 
 
 def batch_part(cmd: Command) -> tuple[tuple[Arg, ...], tuple[Arg, ...]] | None:
@@ -177,13 +196,14 @@ def first_round(
         else:
             c = singles[0]
             sha = c[1]
+            gates = gate_range([s[6] for s in singles])
             head: tuple[Arg, ...]
             if sha == _COPY:
-                head = (c[5], "0", "0")
+                head = (c[5], "0", "0", *gates)
             elif sha == _COPY_EX:
-                head = (c[5], c[7], c[8])
+                head = (c[5], c[7], c[8], *gates)
             else:
-                head = (c[5], "1" if sha == _ZADD_DEL else "0")
+                head = (c[5], "1" if sha == _ZADD_DEL else "0", *gates)
             batch = _ZADD_BATCH if sha in (_ZADD, _ZADD_DEL) else _COPY_BATCH
             out[at] = (b"EVALSHA", batch, 2, c[3], c[4], *head, *args)
     commands: list[Command] = [tuple(c) if isinstance(c, list) else c for c in out]

@@ -207,10 +207,29 @@ STREAM_BATCH_VALUES = 20_000
 """At most about this many values go into one batched call (a delivery wider
 than that alone goes as its single script)."""
 
+# The gate of each delivery is the single script's (its id in the group's
+# PEL), read for the whole call at once: one XPENDING of the range of the
+# call's ids (``lo`` .. ``hi``, at most ``count`` rows, the client's bounds)
+# finds the ids pending; an id that one did not return (not pending, or
+# past ``count``, or outside wrong bounds) gets its own XPENDING, as the
+# single script does.  The bounds only save calls: any of them is correct.
+# The removals of the deliveries whose copy was written go in one XACK (and
+# one XDEL) at the end, after every copy; an id finalized earlier in the same
+# call finds its gate closed.  Should that XACK fail, every delivery it
+# removes answers its error (copied, still pending: delivered again --
+# duplicate, never loss).
 _BATCH_HEAD = """
 local group = ARGV[1]
 local delete = ARGV[2] == '1'
 local out = {}
+local done, at = {}, {}
+local pend, gone = {}, {}
+local function gates(lo, hi, count)
+  local ok, p = pcall(redis.call, 'XPENDING', KEYS[1], group, lo, hi, tonumber(count))
+  if ok then
+    for _, e in ipairs(p) do pend[e[1]] = true end
+  end
+end
 local function settle(k, ok, r)
   if ok then
     out[k] = r
@@ -221,69 +240,86 @@ local function settle(k, ok, r)
   end
 end
 local function open(id)
+  if gone[id] then return false end
+  if pend[id] then return true end
   local ok, p = pcall(redis.call, 'XPENDING', KEYS[1], group, id, id, 1)
   return ok and #p > 0
 end
-local function remove(id)
-  redis.call('XACK', KEYS[1], group, id)
-  if delete then redis.call('XDEL', KEYS[1], id) end
+local function remove(k, id)
+  gone[id] = true
+  done[#done + 1] = id
+  at[#at + 1] = k
+end
+local function removals()
+  if #done == 0 then return end
+  local ok, e = pcall(redis.call, 'XACK', KEYS[1], group, unpack(done))
+  if ok and delete then
+    ok, e = pcall(redis.call, 'XDEL', KEYS[1], unpack(done))
+  end
+  if not ok then
+    if type(e) ~= 'table' then e = {err = tostring(e)} end
+    for _, k in ipairs(at) do out[k] = e end
+  end
 end
 """
 
 # KEYS: stream, destination stream.  ARGV: group, delete ('1' or '0'), cap
-# ('0': none), then per delivery: id, n, n field values.  Each as
-# STREAM_COPY_ACK (STREAM_COPY_ACK_EX with a delete or a cap).
+# ('0': none), lo, hi, count (the gates' range, see above), then per
+# delivery: id, n, n field values.  Each as STREAM_COPY_ACK
+# (STREAM_COPY_ACK_EX with a delete or a cap).
 STREAM_COPY_ACK_BATCH = Script(
     LUA_XADD_TO
     + LUA_XADD_CAPPED_TO
     + _BATCH_HEAD
     + """
 local cap = ARGV[3]
+gates(ARGV[4], ARGV[5], ARGV[6])
 local function one(i, n)
-  local id = ARGV[i]
-  if not open(id) then return false end
-  local new
+  if not open(ARGV[i]) then return false end
   if cap ~= '0' then
-    new = xadd_capped_to(KEYS[2], cap, ARGV, i + 2, i + 1 + n)
-  else
-    new = xadd_to(KEYS[2], ARGV, i + 2, i + 1 + n)
+    return xadd_capped_to(KEYS[2], cap, ARGV, i + 2, i + 1 + n)
   end
-  remove(id)
-  return new
+  return xadd_to(KEYS[2], ARGV, i + 2, i + 1 + n)
 end
-local i = 4
+local i = 7
 local k = 0
 local last = #ARGV
 while i <= last do
   local n = tonumber(ARGV[i + 1])
   k = k + 1
-  settle(k, pcall(one, i, n))
+  local ok, r = pcall(one, i, n)
+  settle(k, ok, r)
+  if ok and r then remove(k, ARGV[i]) end
   i = i + 2 + n
 end
+removals()
 return out
 """,
     name="stream_copy_ack_batch",
 )
 
-# KEYS: stream, delay set.  ARGV: group, delete ('1' or '0'), then per
-# delivery: id, delay ms, member.  Each as STREAM_ZADD_ACK (_DEL with delete).
+# KEYS: stream, delay set.  ARGV: group, delete ('1' or '0'), lo, hi, count
+# (the gates' range), then per delivery: id, delay ms, member.  Each as
+# STREAM_ZADD_ACK (_DEL with delete).
 STREAM_ZADD_ACK_BATCH = Script(
     _BATCH_HEAD
     + _NOW_MS
     + """
+gates(ARGV[3], ARGV[4], ARGV[5])
 local function one(i)
-  local id = ARGV[i]
-  if not open(id) then return false end
+  if not open(ARGV[i]) then return false end
   local due = now + tonumber(ARGV[i + 1])
   redis.call('ZADD', KEYS[2], due, ARGV[i + 2])
-  remove(id)
   return due
 end
 local k = 0
-for i = 3, #ARGV, 3 do
+for i = 6, #ARGV, 3 do
   k = k + 1
-  settle(k, pcall(one, i))
+  local ok, r = pcall(one, i)
+  settle(k, ok, r)
+  if ok and r then remove(k, ARGV[i]) end
 end
+removals()
 return out
 """,
     name="stream_zadd_ack_batch",
