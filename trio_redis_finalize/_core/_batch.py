@@ -65,23 +65,28 @@ def batch_singles(cmd: Command) -> list[Command]:
     return out
 
 
-def _id_key(eid: Arg) -> tuple[int, int]:
-    """A stream id's order (``ms-seq``); an id that is not one sorts first."""
-    text = eid.decode() if isinstance(eid, bytes) else str(eid)
+def _id_order(eid: Arg) -> tuple[int, str, int, str]:
+    """A stream id's order (``ms-seq``, decimal digits without leading zeros:
+    the longer number is the larger, equal lengths compare as text)."""
+    text = eid if isinstance(eid, str) else eid.decode() if isinstance(eid, bytes) else str(eid)
     ms, _, seq = text.partition("-")
-    try:
-        return int(ms), int(seq or 0)
-    except ValueError:
-        return -1, -1
+    return len(ms), ms, len(seq), seq
 
 
 def gate_range(ids: Sequence[Arg]) -> tuple[Arg, Arg, int]:
     """``lo, hi, count`` of a batched call's gates (see ``_scripts``): the
     smallest and largest of ``ids``, and at most twice as many rows."""
-    keys = [_id_key(i) for i in ids]
-    lo = min(range(len(ids)), key=keys.__getitem__)
-    hi = max(range(len(ids)), key=keys.__getitem__)
-    return ids[lo], ids[hi], 2 * len(ids)
+    first = ids[0]
+    if isinstance(first, str) and (k := first.find("-")) > 0 and all(
+            isinstance(i, str) and len(i) == len(first) and i[k] == "-" for i in ids):
+        # ids of one shape (the common case): ms parts of one length, so
+        # seq parts too; such ids compare as text
+        texts: Sequence[str] = ids  # type: ignore[assignment]
+        return min(texts), max(texts), 2 * len(ids)
+    keys = list(map(_id_order, ids))
+    lo = min(keys)
+    hi = max(keys)
+    return ids[keys.index(lo)], ids[keys.index(hi)], 2 * len(ids)
 
 
 def batch_part(cmd: Command) -> tuple[tuple[Arg, ...], tuple[Arg, ...]] | None:
@@ -168,19 +173,35 @@ def first_round(
         cmds = p.commands
         if len(cmds) == 1 and cmds[0][0] != "XACK":  # one script (the common case), inline
             c = cmds[0]
-            part = batch_part(c) if p.gated else None
-            if part is not None:
-                key, args = part
+            sha = c[1]
+            if c[0] == b"EVALSHA" and sha in _SINGLE and p.gated and c[2] == 2:
+                # a gated stream script: into the batched call of its key
+                if sha == _COPY:
+                    key: tuple[Arg, ...] = (_COPY_BATCH, c[3], c[4], c[5], "0", "0")
+                    at = 7
+                elif sha == _COPY_EX:
+                    key = (_COPY_BATCH, c[3], c[4], c[5], str(c[7]), str(c[8]))
+                    at = 9
+                else:
+                    key = (_ZADD_BATCH, c[3], c[4], c[5], "1" if sha == _ZADD_DEL else "0")
+                    at = 0
+                size = len(c) - at + 2 if at else 3
                 b = batches.get(key)
-                if b is None or len(b[1]) >= cap or b[4] + len(args) > room:
+                if b is None or len(b[1]) >= cap or b[4] + size > room:
                     b = batches[key] = [len(out), [], [], [], 0]
                     placed.append(b)
                     out.append(None)
                     owners.append([])
                 b[1].append(j)
                 b[2].append(c)
-                b[3].extend(args)
-                b[4] += len(args)
+                args = b[3]
+                if at:  # id, n, the copy's n values
+                    args.append(c[6])
+                    args.append(size - 2)
+                    args += c[at:]
+                else:  # id, delay, member
+                    args += c[6:9]
+                b[4] += size
                 continue
             out.append(c)
             owners.append([j])
