@@ -54,7 +54,9 @@ Workloads:
 * **stream RETRY round trip**: the handler RETRYs every original and ACKs
   its copy; timed until every copy is read back and acknowledged.  Floors:
   the gated ``stream_copy_ack`` script per original plus one ``XACK`` of the
-  copies of a batch (sequential and overlapped), and the ungated floor
+  copies of a batch (sequential and overlapped), the same overlapped with
+  the batched ``stream_copy_ack_batch`` (one call per batch, 100 deliveries
+  at most, as the library sends it), and the ungated floor
   (``XADD`` of each copy, one ``XACK`` of the batch's originals and copies).
 * **claiming RETRY** (``Mode.CLAIMING``, ``min_idle`` 50 ms, ``block`` 1 ms):
   the handler RETRYs every entry once (it stays in the PEL) and ACKs it when
@@ -65,7 +67,8 @@ Workloads:
   one.
 * **durable retry_after round trip** (``DelayedRetry.DURABLE_ZSET``,
   ``retry_after(0)``, then ACK of the copy; ``block`` = 20 ms): floor: the
-  gated ``stream_zadd_ack`` script per original, the ``move_due_to_stream``
+  gated ``stream_zadd_ack`` script per original (or, batched, one
+  ``stream_zadd_ack_batch`` call per batch), the ``move_due_to_stream``
   script (128 per call) before every read, one ``XACK`` of the copies of a
   batch.  Rate = originals whose copy came back and was acknowledged.
 * **reliable list ACK**: ``BLMOVE`` + 63 ``LMOVE`` pipelined on the
@@ -142,6 +145,10 @@ derived = internal("_keys").derived
 MOVE_DUE_TO_STREAM = _scripts.MOVE_DUE_TO_STREAM
 STREAM_COPY_ACK = _scripts.STREAM_COPY_ACK
 STREAM_ZADD_ACK = _scripts.STREAM_ZADD_ACK
+# the batched gated scripts (None in a checkout without them: no batched floor)
+STREAM_COPY_ACK_BATCH = getattr(_scripts, "STREAM_COPY_ACK_BATCH", None)
+STREAM_ZADD_ACK_BATCH = getattr(_scripts, "STREAM_ZADD_ACK_BATCH", None)
+BATCH_MAX = getattr(_scripts, "STREAM_BATCH_MAX", 100)
 
 N = 20_000
 LIB = "trio_redis_finalize"
@@ -166,7 +173,7 @@ LATENCY_SECONDS = 4.0
 LATENCY_WARMUP = 1.0
 POLL = 0.001
 BOUND = 0.9  # server CPU / wall time at which a round counts as server-bound
-SEQ, OVL, UNGATED = "seq", "overlapped", "ungated"
+SEQ, OVL, UNGATED, BATCHED = "seq", "overlapped", "ungated", "batched"
 _runs = 0
 
 T = TypeVar("T")
@@ -304,12 +311,27 @@ async def lib_stream(url: str, client: Client, n: int, *, outcome: Outcome = ACK
 
 # -- stream RETRY round trip -------------------------------------------------------------------
 
-def _retry_commands(group: str, entries: list[Any], *, gated: bool) -> tuple[list[Command], int]:
+def _batched(script: Any, keys: tuple[str, str], head: Sequence[Any],
+             parts: list[list[Any]]) -> list[Command]:
+    """Batched gated script calls of ``parts`` (each delivery's arguments, ids in
+    read order: ascending), at most BATCH_MAX deliveries each."""
+    out: list[Command] = []
+    for i in range(0, len(parts), BATCH_MAX):
+        chunk = parts[i:i + BATCH_MAX]
+        args = [a for p in chunk for a in p]
+        gates = (chunk[0][0], chunk[-1][0], 2 * len(chunk))  # the gates' range
+        out.append(script.command(keys, (*head, *gates, *args)))
+    return out
+
+
+def _retry_commands(group: str, entries: list[Any], *, gated: bool,
+                    batched: bool = False) -> tuple[list[Command], int]:
     """What finalizes a batch of the RETRY round trip: each original copied (the
-    gated script, or a bare XADD) and acknowledged, each copy acknowledged;
-    and how many copies that acknowledges."""
+    gated script, its batched form for the whole batch, or a bare XADD) and
+    acknowledged, each copy acknowledged; and how many copies that acknowledges."""
     cmds: list[Command] = []
     acks: list[Any] = []
+    parts: list[list[Any]] = []
     copies = 0
     for eid, flat in entries:
         if RETRIES_FIELD in flat[::2]:
@@ -317,11 +339,15 @@ def _retry_commands(group: str, entries: list[Any], *, gated: bool) -> tuple[lis
             copies += 1
             continue
         fields = [*flat, RETRIES_FIELD, b"1", ORIGIN_FIELD, eid]
-        if gated:
+        if batched:
+            parts.append([eid, len(fields), *fields])
+        elif gated:
             cmds.append(STREAM_COPY_ACK.command((STREAM, STREAM), (group, eid, *fields)))
         else:
             cmds.append(("XADD", STREAM, "*", *fields))
             acks.append(eid)
+    if parts:
+        cmds += _batched(STREAM_COPY_ACK_BATCH, (STREAM, STREAM), (group, "0", "0"), parts)
     if acks:
         cmds.append(("XACK", STREAM, group, *acks))
     return cmds, copies
@@ -355,11 +381,11 @@ async def seq_retry(client: Client, n: int) -> Sample:
     return m.sample
 
 
-async def ovl_retry(client: Client, n: int, *, gated: bool = True) -> Sample:
+async def ovl_retry(client: Client, n: int, *, gated: bool = True, batched: bool = False) -> Sample:
     group = await _retry_setup(client, n)
 
     async def finalize(entries: list[Any]) -> int:
-        cmds, copies = _retry_commands(group, entries, gated=gated)
+        cmds, copies = _retry_commands(group, entries, gated=gated, batched=batched)
         await client.pipeline(cmds)
         return copies
 
@@ -459,15 +485,22 @@ async def lib_claiming(url: str, client: Client, n: int) -> Sample:
 DELAY_KEY = derived(STREAM, ":delayed")
 
 
-def _durable_commands(group: str, entries: list[Any]) -> tuple[list[Command], int]:
+def _durable_commands(group: str, entries: list[Any],
+                      batched: bool = False) -> tuple[list[Command], int]:
     copies: list[Any] = []
     cmds: list[Command] = []
+    parts: list[list[Any]] = []
     for eid, flat in entries:
         if RETRIES_FIELD in flat[::2]:
             copies.append(eid)
             continue
         member = pack_parts([uuid.uuid4().bytes, *flat, RETRIES_FIELD, b"1", ORIGIN_FIELD, eid])
-        cmds.append(STREAM_ZADD_ACK.command((STREAM, DELAY_KEY), (group, eid, 0, member)))
+        if batched:
+            parts.append([eid, 0, member])
+        else:
+            cmds.append(STREAM_ZADD_ACK.command((STREAM, DELAY_KEY), (group, eid, 0, member)))
+    if parts:
+        cmds += _batched(STREAM_ZADD_ACK_BATCH, (STREAM, DELAY_KEY), (group, "0"), parts)
     if copies:
         cmds.append(("XACK", STREAM, group, *copies))
     return cmds, len(copies)
@@ -502,11 +535,11 @@ async def seq_durable(client: Client, n: int) -> Sample:
     return m.sample
 
 
-async def ovl_durable(client: Client, n: int) -> Sample:
+async def ovl_durable(client: Client, n: int, batched: bool = False) -> Sample:
     group = await _durable_setup(client, n)
 
     async def finalize(entries: list[Any]) -> int:
-        cmds, copies = _durable_commands(group, entries)
+        cmds, copies = _durable_commands(group, entries, batched)
         await client.pipeline(cmds)
         return copies
 
@@ -776,7 +809,7 @@ def _pct(values: list[int], q: float) -> float:
 class Contender:
     label: str
     run: Run
-    floor: str | None = None  # SEQ / OVL / UNGATED: this is that floor
+    floor: str | None = None  # SEQ / OVL / UNGATED / BATCHED: this is that floor
 
 
 @dataclass(frozen=True)
@@ -875,7 +908,7 @@ async def _rounds(contenders: Sequence[Contender], n: int, rounds: int) -> list[
 
 
 def _table(title: str, unit: str, stats: list[Stats], rounds: int) -> dict[str, Stats]:
-    order = {OVL: 0, UNGATED: 1, SEQ: 2}  # the headline first
+    order = {OVL: 0, UNGATED: 1, BATCHED: 2, SEQ: 3}  # the headline first
     floors = sorted((s for s in stats if s.floor is not None), key=lambda s: order[s.floor or OVL])
     width = max(len(s.label) for s in stats)
     n = stats[0].n
@@ -912,7 +945,8 @@ class Cell:
 LEGEND = f"""
 floors: seq = read, then finalize, one after the other on one connection; overlapped = a
   reader task and a finalizer task on two connections, batches through a channel (the
-  library's structure; the headline); ungated = RETRY's copy as a bare XADD + XACK, pipelined.
+  library's structure; the headline); ungated = RETRY's copy as a bare XADD + XACK, pipelined;
+  batched = overlapped, the gated scripts in their batched form (one call per batch).
 rates: best / median / worst of the rounds.  ratios (the headline, /overlapped, first): best
   to best; '~' = indistinguishable: the bests differ by less than either row's best - median.
 server, µs per message (median): srv CPU = INFO cpu sys+user delta; cmd = commandstats usec
@@ -942,10 +976,14 @@ async def _run(url: str, n: int, rounds: int, big: int) -> None:
                   Cell("stream ACK, concurrency 16", t[c16], floors),
                   Cell("stream DROP", t[drop], floors)]
 
+        batched = ([Contender("floor: overlapped, gated, batched",
+                              lambda k: ovl_retry(client, k, batched=True), BATCHED)]
+                   if STREAM_COPY_ACK_BATCH is not None else [])
         t = _table("stream RETRY round trip (copy + XACK, the copy read back and ACKed)", "entries",
                    await _rounds([
                        Contender("floor: sequential, gated", lambda k: seq_retry(client, k), SEQ),
                        Contender("floor: overlapped, gated", lambda k: ovl_retry(client, k), OVL),
+                       *batched,
                        Contender("floor: overlapped, ungated",
                                  lambda k: ovl_retry(client, k, gated=False), UNGATED),
                        Contender("library", lambda k: lib_retry(url, client, k)),
@@ -960,9 +998,13 @@ async def _run(url: str, n: int, rounds: int, big: int) -> None:
                    ], n, rounds), rounds)
         cells.append(Cell("claiming RETRY", t["library"], {f: t[f] for f in (SEQ, OVL)}))
 
+        batched = ([Contender("floor: overlapped, batched",
+                              lambda k: ovl_durable(client, k, batched=True), BATCHED)]
+                   if STREAM_ZADD_ACK_BATCH is not None else [])
         t = _table("durable retry_after(0) round trip (gated scripts)", "entries", await _rounds([
             Contender("floor: sequential", lambda k: seq_durable(client, k), SEQ),
             Contender("floor: overlapped", lambda k: ovl_durable(client, k), OVL),
+            *batched,
             Contender("library", lambda k: lib_durable(url, client, k)),
         ], n, rounds), rounds)
         cells.append(Cell("durable retry_after", t["library"], {f: t[f] for f in (SEQ, OVL)}))

@@ -67,6 +67,7 @@ from trio_redis_finalize import (
 )
 from trio_redis_finalize._core import _finalize as _core_finalize
 from trio_redis_finalize._core import _plan
+from trio_redis_finalize._core._batch import is_batched
 from trio_redis_finalize._core._plan import Effect, Plan
 from trio_redis_finalize._core._retention import TRIM_ACKED, parse_trim
 from trio_redis_finalize._core._scripts import LIST_COPY_REMOVE, LIST_ZADD_REMOVE
@@ -112,6 +113,9 @@ class Path:
     sub: dict[str, Any] = dataclasses.field(default_factory=dict)
     preset_retries: int = 0  # the original arrives carrying this retry counter
     planner: Planner | None = None  # replaces the planner (cluster split, broken order)
+    n: int = 1  # streams: messages produced (n > 1: finalized in one batched script call)
+    raced: bool = False  # n > 1: the second is finalized by another party just before
+    # its batch (a racing finalizer): the batched call is half gated-closed
 
     def subscription(self) -> StreamSubscription | ReliableListSubscription:
         if self.form == "stream":
@@ -161,6 +165,12 @@ STREAM_PATHS = [
          sub={"max_attempts": 3}),
     Path("claiming-retry", "stream", RETRY, "gone", sub={"mode": Mode.CLAIMING}),
     Path("reclaim-retry", "stream", RETRY, "copy", sub={"mode": Mode.RECLAIM}),
+    # batches of two-step deliveries: one batched script call each
+    Path("retry-batch", "stream", RETRY, "copy", n=3),
+    Path("retry-batch-half-closed", "stream", RETRY, "copy", n=3, raced=True),
+    Path("retry-after-durable-batch-half-closed", "stream", retry_after(0.02), "copy",
+         sub=DURABLE, n=3, raced=True),
+    Path("dead-letter-batch", "stream", RETRY, "dead", preset_retries=2, sub=DEAD3, n=3),
 ]
 LIST_PATHS = [
     Path("ack", "list", ACK, "gone"),
@@ -187,6 +197,12 @@ RETENTION_PATHS = [
          sub={**DEAD3, **DELETE}, planner=_cluster_split),
     Path("exhausted-no-dead-letter", "stream", RETRY, "gone", preset_retries=2,
          sub={"max_attempts": 3, **DELETE}),
+    Path("retry-capped-batch-half-closed", "stream", RETRY, "copy", n=3, raced=True,
+         sub={**DELETE, "copy_maxlen": 1000}),
+    Path("retry-after-durable-batch", "stream", retry_after(0.02), "copy", n=3,
+         sub={**DURABLE, **DELETE}),
+    Path("dead-letter-capped-batch", "stream", RETRY, "dead", preset_retries=2, n=3,
+         sub={**DEAD3, **DELETE, "dead_letter_maxlen": 1000}),
 ]
 BROKEN_STREAM = Path("broken-ack-then-copy", "stream", RETRY, "copy", gated=False,
                      planner=_remove_then_copy)
@@ -209,8 +225,12 @@ class Case:
     path: Path
     k: int | None
     fault: str
-    original: str = ""  # the stream entry id of the original
+    original: str = ""  # the stream entry id of the original (the first one, n > 1)
     origin: str = ""
+    originals: list[str] = dataclasses.field(default_factory=list)  # streams: every original
+    raced: str = ""  # the original a racing finalizer acknowledged (Path.raced)
+    racer: Client | None = None
+    batched: list[Any] = dataclasses.field(default_factory=list)  # replies to batched calls
     calls: list[Call] = dataclasses.field(default_factory=list)
     crashed: bool = False
     list_copies: int = 0
@@ -225,12 +245,19 @@ class Case:
         if path.form == "stream":
             if path.sub.get("mode") is Mode.CLAIMING:
                 return path.outcome if d.attempt == 1 else ACK
-            return path.outcome if d.id == self.original else ACK
+            return path.outcome if d.id in self.originals else ACK
         return path.outcome if not self.calls else ACK
 
     def handler(self) -> Callable[[Delivery], Awaitable[Outcome]]:
         async def handle(d: Delivery) -> Outcome:
             outcome = self.outcome_for(d)
+            if (self.path.raced and self.racer is not None and not self.raced
+                    and d.id == self.originals[1]):
+                # another finalizer got there first: this one's gate is closed
+                self.raced = d.id
+                await self.racer.execute("XACK", S, G, d.id)
+                if self.path.deletes:
+                    await self.racer.execute("XDEL", S, d.id)
             self.calls.append(Call(d.id, d.origin_id, d.attempt, outcome))
             return outcome
 
@@ -285,10 +312,12 @@ async def _produce(client: Client, case: Case) -> None:
     path = case.path
     if path.form == "stream":
         await client.execute("XGROUP", "CREATE", S, G, "0", "MKSTREAM")
-        fields: list[str] = ["n", "1"]
-        if path.preset_retries:
-            fields += ["trf-retries", str(path.preset_retries)]
-        case.original = case.origin = (await client.execute("XADD", S, "*", *fields)).decode()
+        for i in range(path.n):
+            fields: list[str] = ["n", str(i + 1)]
+            if path.preset_retries:
+                fields += ["trf-retries", str(path.preset_retries)]
+            case.originals.append((await client.execute("XADD", S, "*", *fields)).decode())
+        case.original = case.origin = case.originals[0]
         return
     case.origin = "job-1"
     element = wrap(b"job", path.preset_retries, case.origin) if path.preset_retries else b"job"
@@ -312,14 +341,41 @@ class Report:
 
 
 def judge(case: Case, state: StreamState | ListState) -> Report:
-    """The checker: what Redis holds after recovery, against what the path promises."""
-    path, origin = case.path, case.origin
+    """The checker: what Redis holds after recovery, against what the path
+    promises, for each message (a stream path of n > 1: each of the batch)."""
+    if case.path.form != "stream" or case.path.n == 1:
+        return _judge_one(case, state, case.origin)
     problems: list[str] = []
+    copies: list[int] = []
+    dead: list[int] = []
+    for origin in case.originals:
+        r = _judge_one(case, state, origin)
+        problems += [f"message {origin}: {p}" for p in r.problems]
+        if origin != case.raced:
+            copies.append(r.copies)
+            dead.append(r.dead)
+    if case.path.raced and not case.raced:
+        problems.append("the racing finalizer never ran")
+    return Report(case, problems, min(copies), min(dead))
+
+
+def _judge_one(case: Case, state: StreamState | ListState, origin: str) -> Report:
+    path = case.path
+    problems: list[str] = []
+    if origin == case.raced:
+        # acknowledged by the racer, no copy: its gate was closed in the batch
+        assert isinstance(state, StreamState)
+        copies, dead = state.copies()[origin], state.dead_letters()[origin]
+        if copies or dead or state.present()[origin]:
+            problems.append(f"raced: {copies} copies, {dead} dead letters, "
+                            f"{state.present()[origin]} tokens left (the gate was closed)")
+        return Report(case, problems, copies, dead)
+    calls = [c for c in case.calls if c.origin == origin] if path.form == "stream" else case.calls
     if path.form == "stream":
         assert isinstance(state, StreamState)
         copies = state.copies()[origin]
         if path.deletes:  # handled copies are deleted: count what the handler was given too
-            handed = {c.id for c in case.calls if c.id != case.original and c.origin == origin}
+            handed = {c.id for c in calls if c.id not in case.originals}
             kept = {e.id for e in state.entries if e.is_copy and e.origin == origin}
             copies = len(handed | kept) + sum(
                 1 for f in state.delayed if f.get(ORIGIN_FIELD, b"").decode() == origin)
@@ -332,7 +388,7 @@ def judge(case: Case, state: StreamState | ListState) -> Report:
         problems.append(f"stranded: {present} token(s) of the message still pending/unread/delayed")
     limit = path.max_attempts
     handled_to_the_end = any(  # ACK, DROP, or the last allowed attempt (exhausted)
-        c.outcome in (ACK, DROP) or (limit is not None and c.attempt >= limit) for c in case.calls
+        c.outcome in (ACK, DROP) or (limit is not None and c.attempt >= limit) for c in calls
     )
     finalized = {
         "gone": handled_to_the_end or bool(dead),
@@ -353,7 +409,7 @@ def judge(case: Case, state: StreamState | ListState) -> Report:
         problems.append(f"{dead} unexpected dead letters")
     # attempt counters: never back, never past max_attempts
     seen = 0
-    for c in case.calls:
+    for c in calls:
         if limit is not None and c.attempt > limit:
             problems.append(f"handler called at attempt {c.attempt} > max_attempts={limit}")
         if c.attempt < seen:
@@ -361,7 +417,7 @@ def judge(case: Case, state: StreamState | ListState) -> Report:
         seen = max(seen, c.attempt)
     if case.leaked:
         problems.append(f"leaked: {case.leaked} entries left in the stream after recovery and a trim")
-    if not case.calls:
+    if not calls:
         problems.append("the handler never ran")
     return Report(case, problems, copies, dead)
 
@@ -391,6 +447,7 @@ async def run_case(url: str, path: Path, k: int | None, fault: str,
         monkeypatch.setattr(_core_finalize, "plan", path.planner)  # the finalizer core's planner
     case = Case(path, k, fault)
     async with open_client(url) as admin:
+        case.racer = admin
         await admin.execute("FLUSHALL")
         await _produce(admin, case)
         async with open_fault_client(url) as client:
@@ -400,6 +457,7 @@ async def run_case(url: str, path: Path, k: int | None, fault: str,
             await _run(client, case, stop_when_fired=fault.startswith("cancel"))
             sent = len(client.sent)
             case.list_copies += list_copies(client.applied)
+            case.batched += [r for c, r in client.applied if is_batched(c)]
         # recovery: the restarted process, same consumer name
         async with open_fault_client(url) as client:
             await _run(client, case, stop_when_fired=False)
@@ -424,6 +482,12 @@ async def enumerate_path(url: str, path: Path, fault: str,
         happy, steps = await run_case(url, path, None, "none", monkeypatch)
         assert not happy.problems, happy.problems
         assert steps >= 1
+        if path.n > 1:  # the batch went in one batched script call
+            assert any(isinstance(r, list) and len(r) == path.n for r in happy.case.batched), (
+                happy.case.batched)
+        if path.raced:  # ... half gated-closed
+            assert any(isinstance(r, list) and None in r and any(x is not None for x in r)
+                       for r in happy.case.batched), happy.case.batched
         _STEPS[path.form, path.id, path.deletes] = steps
     return [(await run_case(url, path, k, fault, monkeypatch))[0] for k in range(steps)]
 

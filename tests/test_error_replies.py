@@ -187,3 +187,106 @@ async def test_closed_gate_counts_gate_closed_not_copied(redis_url: str, client:
         assert effects == {"gate_closed": 1}, effects
     assert await client.execute("XLEN", "s") == 1  # no copy was written
     assert calls == [1]
+
+
+# -- issue 16 item 3: batched gated scripts, settled per delivery ----------------------
+
+
+async def _batched_script_ran(client: Client) -> bool:
+    from trio_redis_finalize._core._scripts import STREAM_COPY_ACK_BATCH
+
+    return (await client.execute("SCRIPT", "EXISTS", STREAM_COPY_ACK_BATCH.sha)) == [1]
+
+
+async def test_batched_retry_under_oom_sends_each_delivery_again(
+    redis_url: str, client: Client, oom: Any
+) -> None:
+    """Three RETRYs in one batch, one batched call: each delivery answered OOM
+    (nothing of it written) is sent again, alone, until memory is back."""
+    await client.execute("XGROUP", "CREATE", "s", "g", "0", "MKSTREAM")
+    for i in range(3):
+        await client.execute("XADD", "s", "*", "n", str(i))
+    seen: list[tuple[str, int]] = []
+    first_done = trio.Event()
+
+    async def handler(d: Delivery) -> Outcome:
+        seen.append((d.fields[b"n"].decode(), d.attempt))
+        if d.attempt == 1:
+            if len(seen) == 3:
+                oom.on()
+                first_done.set()
+            return RETRY
+        return ACK
+
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(StreamSubscription("s", "g", block=0.1, count=10), handler)
+        await first_done.wait()
+        name = consumer.mounts[0].name
+        await eventually(lambda: consumer.stats()[name]["finalize_errors"] >= 2,
+                         what="the OOM retried")
+        assert consumer.stats()[name]["effects"].get("copied", 0) == 0
+        oom.off()
+        await eventually(lambda: consumer.stats()[name]["effects"].get("acked", 0) == 3,
+                         what="the copies written and handled")
+        effects = consumer.stats()[name]["effects"]
+        assert effects["copied"] == 3 and effects.get("failed", 0) == 0, effects
+    assert sorted(seen) == [(str(i), a) for i in range(3) for a in (1, 2)]
+    assert await _pending(client, "s", "g") == 0
+    assert await client.execute("XLEN", "s") == 6
+    assert await _batched_script_ran(client)
+
+
+async def test_batched_half_closed_gates_count_each_delivery(
+    redis_url: str, client: Client
+) -> None:
+    """One of three was finalized by someone else: gate_closed for it, copied for the others."""
+    await client.execute("XGROUP", "CREATE", "s", "g", "0", "MKSTREAM")
+    for i in range(3):
+        await client.execute("XADD", "s", "*", "n", str(i))
+
+    async def handler(d: Delivery) -> Outcome:
+        if d.fields[b"n"] == b"1":
+            await client.execute("XACK", "s", "g", d.id or "")
+        return RETRY if d.attempt == 1 else ACK
+
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(StreamSubscription("s", "g", block=0.1, count=10), handler)
+        name = consumer.mounts[0].name
+        await eventually(lambda: consumer.stats()[name]["effects"].get("acked", 0) == 2,
+                         what="the copies handled")
+        effects = consumer.stats()[name]["effects"]
+        assert effects == {"copied": 2, "gate_closed": 1, "acked": 2}, effects
+    assert await client.execute("XLEN", "s") == 5
+    assert await _batched_script_ran(client)
+
+
+async def test_batched_dead_letters_to_a_wrong_type_fail_each_and_name_it(
+    redis_url: str, client: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The dead letter is a string: each delivery's element is WRONGTYPE (final):
+    each fails, logged with its entry and the command and keys, and stays pending."""
+    await client.execute("XGROUP", "CREATE", "s", "g", "0", "MKSTREAM")
+    ids = [(await client.execute("XADD", "s", "*", "n", str(i))).decode() for i in range(2)]
+    calls: list[str] = []
+
+    async def handler(d: Delivery) -> Outcome:
+        calls.append(d.id or "")
+        if len(calls) == 1:  # after the mount's own type check
+            await client.execute("SET", "dl", "x")
+        return RETRY
+
+    caplog.set_level("INFO", logger="trio_redis_finalize")
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(StreamSubscription("s", "g", block=0.1, count=10, max_attempts=1,
+                                                dead_letter="dl"), handler)
+        name = consumer.mounts[0].name
+        await eventually(lambda: consumer.stats()[name]["effects"].get("failed", 0) >= 2,
+                         what="both failed")
+        stats = consumer.stats()[name]
+        assert stats["finalize_errors"] >= 2 and "dead_lettered" not in stats["effects"]
+    assert await _pending(client, "s", "g") == 2
+    text = caplog.text
+    assert "WRONGTYPE" in text and "EVALSHA on key 's', 'dl'" in text
+    for eid in ids:
+        assert f"finalization of {eid} (attempt 1" in text
+    assert await _batched_script_ran(client)

@@ -27,6 +27,7 @@ from trio_redis_finalize import (
     StreamSubscription,
     retry_after,
 )
+from trio_redis_finalize._core._batch import batch_singles, is_batched
 from trio_redis_finalize._core._finalize import GO, FinalizeBatch, FinalizerCore, Item
 from trio_redis_finalize._core._plan import FAILED, GATE_CLOSED, Plan, Target, plan_lost
 from trio_redis_finalize._core._replies import NotRunError
@@ -63,8 +64,10 @@ def element(body: bytes, attempt: int = 1) -> Delivery:
 
 
 def ok(cmd: Command) -> Any:
-    """A success reply to ``cmd``."""
+    """A success reply to ``cmd`` (a batched script call: one per delivery)."""
     head = cmd[0]
+    if is_batched(cmd):
+        return [b"9-0"] * len(batch_singles(cmd))
     if head == "XADD":
         return b"9-0"
     if head == b"EVALSHA":
@@ -157,9 +160,9 @@ def test_fast_path_on_a_reliable_list_is_one_lrem_each() -> None:
 def test_plans_only_gated_scripts_copied_and_gate_closed() -> None:
     b = core(stream()).batch([(entry(1), RETRY), (entry(2), RETRY)])
     assert b.outcomes == {"retry": 2}
-    cmds = b.commands()
-    assert [c[0] for c in cmds] == [b"EVALSHA", b"EVALSHA"]
-    assert b.receive([b"9-0", None]) is GO
+    [cmd] = b.commands()  # one batched script call: the gate of each delivery inside
+    assert is_batched(cmd) and batch_singles(cmd) == [p.commands[0] for _, p in b._plans]
+    assert b.receive([[b"9-0", None]]) is GO
     s = b.result()
     assert s.effects == {"copied": 1, GATE_CLOSED: 1}
     [(level, msg, _, extra)] = s.records
@@ -197,8 +200,9 @@ def test_merged_xack_final_error_fails_the_plan_and_the_fast_path() -> None:
 
 def test_not_run_reply_resends_only_that_command() -> None:
     b = core(stream()).batch([(entry(1), ACK), (entry(2), RETRY), (entry(3), RETRY)])
-    _xack, copy2, _copy3 = b.commands()
-    step = b.receive([1, OOM, b"9-0"])
+    _xack, batched = b.commands()
+    copy2, _copy3 = batch_singles(batched)
+    step = b.receive([1, [OOM, b"9-0"]])
     assert step.errors == 1 and step.pause == 1
     assert b.commands() == [copy2]
     assert b.receive([b"9-1"]) is GO
@@ -534,10 +538,22 @@ def test_removal_never_before_its_copy_and_one_effect_each(
             continue
         answers = plan_ or []
         replies: list[Any] = []
-        for i, c in enumerate(cmds):
-            how = answers[i] if i < len(answers) else "ok"
-            r: Any = (ok(c) if how == "ok" else None if how == "closed" and c[0] == b"EVALSHA"
-                      else OOM if how == "not_run" else WRONGTYPE if how == "final" else ok(c))
+        at = 0
+
+        def answer(c: Command, answers: list[str] = answers) -> Any:
+            nonlocal at
+            how = answers[at] if at < len(answers) else "ok"
+            at += 1
+            return (ok(c) if how == "ok" else None if how == "closed" and c[0] == b"EVALSHA"
+                    else OOM if how == "not_run" else WRONGTYPE if how == "final" else ok(c))
+
+        for c in cmds:
+            r: Any
+            if is_batched(c) and (answers[at] if at < len(answers) else "ok") == "ok":
+                at += 1  # the call ran: each delivery its own answer
+                r = [answer(single) for single in batch_singles(c)]
+            else:
+                r = answer(c)
             replies.append(r)
             if not isinstance(r, Exception) and r is not None:
                 copied.add(id(c))
@@ -563,3 +579,227 @@ def test_property_sees_the_two_step_shape() -> None:
     b = core(t).batch([(entry(1, attempt=3), o)])
     (_, p), = b._plans
     assert isinstance(p, Plan) and not p.gated and len(p.commands) == 2
+
+
+# -- batched gated scripts (one call for the two-step deliveries that share keys) -------
+
+
+def wide_entry(n: int, values: int) -> Delivery:
+    fields = {f"f{i}".encode(): b"v" for i in range(values // 2)}
+    return Delivery(source="orders", id=f"{n}-0", fields=fields, data=None, attempt=1,
+                    origin_id=f"{n}-0", mount="m")
+
+
+def singles_of(b: FinalizeBatch) -> list[Command]:
+    return [p.commands[0] for _, p in b._plans]
+
+
+def test_batched_call_settles_each_delivery_from_its_element() -> None:
+    items: list[Item] = [(entry(n), RETRY) for n in range(1, 6)]
+    b = core(stream()).batch(items)
+    [cmd] = b.commands()
+    assert batch_singles(cmd) == singles_of(b)
+    # copied, gate closed, did not run (OOM), final (WRONGTYPE), copied
+    step = b.receive([[b"9-1", None, OOM, WRONGTYPE, b"9-5"]])
+    assert step.errors == 2 and step.pause == 1
+    failed = [r for r in step.records if r[0] == logging.ERROR]
+    [(_, msg, args, _)] = failed
+    assert "WRONGTYPE" in msg % args and "EVALSHA on key 'orders', 'orders'" in msg % args
+    deferred = [r for r in step.records if r[0] == logging.WARNING]
+    assert len(deferred) == 1 and "OOM" in deferred[0][1] % deferred[0][2]
+    # only the delivery that did not run goes again, alone, as its own script
+    assert b.commands() == [singles_of(b)[2]]
+    assert b.receive([b"9-3"]) is GO
+    s = b.result()
+    assert s.effects == {"copied": 3, GATE_CLOSED: 1, FAILED: 1}
+    assert [e for _, e in s.deliveries()] == ["copied", GATE_CLOSED, "copied", FAILED, "copied"]
+    by_level = sorted((r[0], r[3]["entry_id"]) for r in s.records)
+    assert by_level == [(logging.INFO, "2-0"), (logging.ERROR, "4-0")]
+
+
+def test_batched_call_not_run_as_a_whole_is_sent_again_whole() -> None:
+    b = core(stream()).batch([(entry(1), RETRY), (entry(2), RETRY)])
+    first = b.commands()
+    step = b.receive([NotRunError("BUSY Redis is busy running a script.")])
+    assert step.errors == 1 and step.pause == 1
+    assert b.commands() == first
+    assert b.receive([[b"9-1", b"9-2"]]) is GO
+    assert b.result().effects == {"copied": 2}
+
+
+def test_batched_call_final_error_as_a_whole_fails_every_delivery() -> None:
+    b = core(stream()).batch([(entry(1), RETRY), (entry(2), RETRY)])
+    step = b.receive([WRONGTYPE])
+    assert step.errors == 1 and step.pause == 0
+    assert b.result().effects == {FAILED: 2}
+
+
+def test_batched_call_with_a_reply_of_the_wrong_shape_fails_every_delivery() -> None:
+    for reply in (b"9-0", [b"9-0"], [b"9-0"] * 3):
+        b = core(stream()).batch([(entry(1), RETRY), (entry(2), RETRY)])
+        step = b.receive([reply])
+        assert step.errors == 1
+        assert b.result().effects == {FAILED: 2}
+
+
+def test_batched_call_lost_is_sent_again_whole_and_a_half_closed_reply_counts_once() -> None:
+    b = core(stream()).batch([(entry(1), RETRY), (entry(2), RETRY), (entry(3), RETRY)])
+    first = b.commands()
+    b.failed(LOST)
+    assert b.commands() == first  # every delivery gated: the same call again
+    # the lost send copied 1 and 2 (or a racer did); 3 is done now
+    assert b.receive([[None, None, b"9-3"]]) is GO
+    s = b.result()
+    assert s.effects == {"copied": 3}
+    assert s.records == []
+
+
+def test_batched_call_half_gate_closed_counts_each() -> None:
+    b = core(stream()).batch([(entry(1), RETRY), (entry(2), RETRY), (entry(3), RETRY)])
+    assert b.receive([[None, b"9-2", False]]) is GO
+    s = b.result()
+    assert s.effects == {"copied": 1, GATE_CLOSED: 2}
+    assert [e for _, e in s.deliveries()] == [GATE_CLOSED, "copied", GATE_CLOSED]
+
+
+def test_batched_calls_group_by_script_and_keys() -> None:
+    from trio_redis_finalize._core._scripts import STREAM_COPY_ACK_BATCH, STREAM_ZADD_ACK_BATCH
+
+    t = stream(max_attempts=3, dead_letter="dead-orders", delayed_retry=DelayedRetry.DURABLE_ZSET)
+    items: list[Item] = [
+        (entry(1), RETRY), (entry(2), retry_after(1.0)), (entry(3, attempt=3), RETRY),
+        (entry(4), ACK), (entry(5), RETRY), (entry(6), retry_after(2.0)),
+        (entry(7, attempt=3), RETRY), (entry(8), retry_after(3.0)),
+    ]
+    b = core(t).batch(items)
+    cmds = b.commands()
+    shapes = [(c[0], c[1], *c[3:5]) if c[0] == b"EVALSHA" else tuple(c[:3]) for c in cmds]
+    assert shapes == [
+        ("XACK", "orders", "billing"),
+        (b"EVALSHA", STREAM_COPY_ACK_BATCH.sha, "orders", "orders"),
+        (b"EVALSHA", STREAM_ZADD_ACK_BATCH.sha, "orders", "{orders}:delayed"),
+        (b"EVALSHA", STREAM_COPY_ACK_BATCH.sha, "orders", "dead-orders"),
+    ]
+    assert [len(batch_singles(c)) for c in cmds[1:]] == [2, 3, 2]
+    assert b.receive([1, [b"9-1", b"9-5"], [10, 20, 30], [b"9-3", b"9-7"]]) is GO
+    s = b.result()
+    assert s.effects == {"acked": 1, "copied": 2, "delayed": 3, "dead_lettered": 2}
+    # the dead letters' warnings name their entries, as without batching
+    warned = sorted(r[3]["entry_id"] for r in s.records if r[0] == logging.WARNING)
+    assert warned == ["3-0", "7-0"]
+
+
+def test_batched_calls_are_bounded_and_wide_entries_go_alone() -> None:
+    from trio_redis_finalize._core._scripts import STREAM_BATCH_MAX, STREAM_BATCH_VALUES
+
+    n = 2 * STREAM_BATCH_MAX + 7
+    b = core(stream()).batch([(entry(i), RETRY) for i in range(n)])
+    cmds = b.commands()
+    assert [len(batch_singles(c)) for c in cmds] == [STREAM_BATCH_MAX, STREAM_BATCH_MAX, 7]
+    assert [s for c in cmds for s in batch_singles(c)] == singles_of(b)
+    assert b.receive([ok(c) for c in cmds]) is GO
+    assert b.result().effects == {"copied": n}
+    # wide entries: a call carries about STREAM_BATCH_VALUES values at most
+    wide = STREAM_BATCH_VALUES // 3
+    items: list[Item] = [(wide_entry(i, wide), RETRY) for i in range(4)]
+    items += [(wide_entry(9, STREAM_BATCH_VALUES + 2), RETRY), (entry(10), RETRY)]
+    b = core(stream()).batch(items)
+    cmds = b.commands()
+    assert all(len(c) < STREAM_BATCH_VALUES + 100 or not is_batched(c) for c in cmds)
+    flat = [s for c in cmds for s in (batch_singles(c) if is_batched(c) else [c])]
+    assert sorted(map(tuple, flat)) == sorted(map(tuple, singles_of(b)))
+    alone = [c for c in cmds if not is_batched(c)]
+    assert singles_of(b)[4] in alone  # wider than a call: its own script
+    assert b.receive([ok(c) for c in cmds]) is GO
+    assert b.result().effects == {"copied": 6}
+
+
+def test_one_two_step_delivery_is_its_own_script_and_cross_slot_is_not_batched() -> None:
+    b = core(stream()).batch([(entry(1), RETRY), (entry(2), ACK)])
+    assert b.commands()[1] == singles_of(b)[0]
+    t = dead_cross_slot()
+    b = core(t).batch([(entry(1, attempt=3), RETRY), (entry(2, attempt=3), RETRY)])
+    assert [c[0] for c in b.commands()] == ["XADD", "XADD"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    kinds=st.lists(st.sampled_from(["ack", "retry", "later", "dead", "wide"]), max_size=40),
+    delete=st.booleans(), cap=st.sampled_from([None, 7]),
+    elements=st.lists(st.sampled_from(["ok", "closed", "not_run", "final"]), max_size=40),
+)
+def test_property_batched_calls_carry_each_plan_once_and_settle_per_element(
+    kinds: list[str], delete: bool, cap: int | None, elements: list[str],
+) -> None:
+    from trio_redis_finalize._core._scripts import STREAM_BATCH_VALUES
+    from trio_redis_finalize._subscription import Retention
+
+    t = stream(max_attempts=3, dead_letter="dead-orders", delayed_retry=DelayedRetry.DURABLE_ZSET,
+               retention=Retention.DELETE_ON_FINALIZE if delete else None, copy_maxlen=cap)
+    items: list[Item] = []
+    for n, k in enumerate(kinds):
+        if k == "wide":
+            items.append((wide_entry(n, STREAM_BATCH_VALUES // 2), RETRY))
+        else:
+            items.append(_item(t, n, k))
+    b = core(t).batch(items)
+    cmds = b.commands()
+    if not b._plans:
+        return
+    singles = singles_of(b)
+    carried = [s for c in cmds if c[0] == b"EVALSHA"
+               for s in (batch_singles(c) if is_batched(c) else [c])]
+    assert sorted(map(tuple, carried)) == sorted(map(tuple, singles))
+    # answer each delivery of each call; not-run ones come back alone
+    it = iter(elements)
+    expect: dict[int, str] = {}
+    replies: list[Any] = []
+    for c, own in zip(cmds, b._owners or [], strict=True):
+        if c[0] != b"EVALSHA":
+            replies.append(ok(c))
+            continue
+        rs: list[Any] = []
+        for j in own:
+            how = next(it, "ok")
+            rs.append({"ok": b"9-0", "closed": None, "not_run": OOM, "final": WRONGTYPE}[how])
+            expect[j] = {"ok": b._plans[j][1].effect.value, "closed": GATE_CLOSED,
+                         "not_run": "again", "final": FAILED}[how]
+        replies.append(rs if is_batched(c) else rs[0])
+    b.receive(replies)
+    again = b.commands()
+    assert sorted(map(tuple, again)) == sorted(
+        tuple(singles[j]) for j, e in expect.items() if e == "again")
+    if again:
+        b.receive([ok(c) for c in again])
+    assert b.commands() == []
+    settled = [e for _, e in b.result().deliveries()][len(b._removed):]
+    for j, e in expect.items():
+        assert settled[j] == (b._plans[j][1].effect.value if e == "again" else e)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.tuples(st.integers(0, 2**48), st.integers(0, 2**20)), min_size=1,
+                    max_size=50))
+def test_gate_range_bounds_every_id(ids: list[tuple[int, int]]) -> None:
+    from trio_redis_finalize._core._batch import gate_range
+
+    text = [f"{ms}-{seq}" for ms, seq in ids]
+    lo, hi, count = gate_range(text)
+    assert (lo, hi) == (f"{min(ids)[0]}-{min(ids)[1]}", f"{max(ids)[0]}-{max(ids)[1]}")
+    assert count == 2 * len(ids)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ids=st.lists(st.tuples(st.integers(0, 10**14), st.integers(0, 10**4)), min_size=1,
+                    max_size=30),
+       width=st.sampled_from([None, 13]))
+def test_gate_range_of_ids_of_one_length_and_of_mixed_lengths(
+    ids: list[tuple[int, int]], width: int | None,
+) -> None:
+    from trio_redis_finalize._core._batch import gate_range
+
+    if width is not None:  # ids of one length: the text comparison path
+        ids = [(10**12 + ms % 10**12, 1000 + seq % 9000) for ms, seq in ids]
+    text = [f"{ms}-{seq}" for ms, seq in ids]
+    lo, hi, _ = gate_range(text)
+    assert (lo, hi) == (f"{min(ids)[0]}-{min(ids)[1]}", f"{max(ids)[0]}-{max(ids)[1]}")

@@ -210,6 +210,189 @@ async def test_stream_zadd_ack_scores_by_server_time(client: Client) -> None:
     assert await client.execute("ZCARD", "{orders}:delayed") == 1
 
 
+# -- STREAM_COPY_ACK_BATCH / STREAM_ZADD_ACK_BATCH (many deliveries, one call) ------------------
+
+async def pending_entries(client: Client, n: int, width: int = 1) -> list[str]:
+    """``n`` entries of ``width`` fields each, read by ``C``: their ids, pending."""
+    try:
+        await client.execute("XGROUP", "CREATE", S, G, "0", "MKSTREAM")
+    except rexc.ResponseError:
+        pass
+    for i in range(n):
+        flat = [x for j in range(width) for x in (f"f{j}", f"{i}:{j}")]
+        await client.execute("XADD", S, "*", *flat)
+    reply = await client.execute("XREADGROUP", "GROUP", G, C, "COUNT", n, "STREAMS", S, ">")
+    return [e[0].decode() for e in reply[0][1]]
+
+
+def gate_range(ids: Sequence[str]) -> tuple[bytes | str | int, ...]:
+    from trio_redis_finalize._core._batch import gate_range as bounds
+
+    return tuple(bounds(list(ids)))
+
+
+def copy_batch_args(ids: Sequence[str], fields: Sequence[Sequence[bytes | str]],
+                    delete: str = "0", cap: int = 0) -> list[bytes | str | int]:
+    args: list[bytes | str | int] = [G, delete, cap, *gate_range(ids)]
+    for eid, f in zip(ids, fields, strict=True):
+        args += [eid, len(f), *f]
+    return args
+
+
+async def test_copy_batch_gates_copies_then_acks_each_delivery(client: Client) -> None:
+    from trio_redis_finalize._core._scripts import STREAM_COPY_ACK_BATCH
+
+    ids = await pending_entries(client, 3)
+    await client.execute("XACK", S, G, ids[1])  # finalized already: its gate is closed
+    fields = [[b"n", str(i).encode()] for i in range(3)]
+    async with monitoring(client) as collect:
+        reply = await client.evalsha(STREAM_COPY_ACK_BATCH, (S, "dest"),
+                                     copy_batch_args(ids, fields))
+        seen = await collect()
+    assert [type(r) for r in reply] == [bytes, type(None), bytes]
+    # the gates (the call's range at once, then its own for an id it did not
+    # find), every copy in order, then the removal of the originals copied
+    lua = [a for inside, a in seen if inside]
+    assert [a[0].upper() for a in lua] == ["XPENDING", "XADD", "XPENDING", "XADD", "XACK"]
+    assert lua[0][3:] == [ids[0], ids[2], "6"] and lua[2][3:] == [ids[1], ids[1], "1"]
+    assert [a[1] for a in lua[1::2]] == ["dest", "dest"] and lua[4][3:] == [ids[0], ids[2]]
+    assert await entries(client, "dest") == [[b"n", b"0"], [b"n", b"2"]]
+    assert await pending_count(client) == 0
+    # sent again (a lost reply): every gate closed, nothing written
+    again = await client.evalsha(STREAM_COPY_ACK_BATCH, (S, "dest"), copy_batch_args(ids, fields))
+    assert again == [None, None, None]
+    assert await client.execute("XLEN", "dest") == 2
+
+
+@pytest.mark.parametrize("bounds", ["exact", "truncated", "wrong", "invalid"])
+async def test_copy_batch_gates_hold_whatever_the_range_bounds(client: Client, bounds: str) -> None:
+    """The range read of the gates only saves calls: bounds that miss ids, a
+    count that cuts them off, even bounds that are no ids, give the same
+    answers; an id twice in one call is copied once."""
+    from trio_redis_finalize._core._scripts import STREAM_COPY_ACK_BATCH
+
+    ids = await pending_entries(client, 4)
+    await client.execute("XACK", S, G, ids[2])
+    calls = [ids[0], ids[1], ids[2], ids[1], ids[3]]
+    args = copy_batch_args(calls, [[b"n", eid.encode()] for eid in calls])
+    args[3:6] = {"exact": args[3:6], "truncated": [ids[0], ids[3], 1],
+                 "wrong": ["0-1", "0-2", 10], "invalid": ["x", "y", "z"]}[bounds]
+    reply = await client.evalsha(STREAM_COPY_ACK_BATCH, (S, "dest"), args)
+    assert [r is not None for r in reply] == [True, True, False, False, True]
+    assert [fieldmap(f)[b"n"].decode() for f in await entries(client, "dest")] == [
+        ids[0], ids[1], ids[3]]
+    assert await pending_count(client) == 0
+
+
+async def test_copy_batch_one_deliverys_error_is_its_element_only(client: Client) -> None:
+    from trio_redis_finalize._core._replies import FINAL, NOT_RUN, classify
+    from trio_redis_finalize._core._scripts import STREAM_COPY_ACK_BATCH
+
+    ids = await pending_entries(client, 3)
+    # the middle copy has an odd number of values: its XADD fails, the others run
+    fields: list[list[bytes]] = [[b"a", b"1"], [b"a"], [b"c", b"3"]]
+    reply = await client.evalsha(STREAM_COPY_ACK_BATCH, (S, "dest"), copy_batch_args(ids, fields))
+    assert isinstance(reply[0], bytes) and isinstance(reply[2], bytes)
+    assert isinstance(reply[1], rexc.ResponseError) and classify(reply[1]) is FINAL
+    assert await entries(client, "dest") == [[b"a", b"1"], [b"c", b"3"]]
+    summary = await client.execute("XPENDING", S, G, "-", "+", 10)
+    assert [e[0].decode() for e in summary] == [ids[1]]  # its original still pending
+    # a destination of another type: every delivery's element says so, nothing removed
+    await client.execute("SET", "wrong", "x")
+    reply = await client.evalsha(STREAM_COPY_ACK_BATCH, (S, "wrong"), copy_batch_args(
+        ids[1:2] * 2, [[b"a", b"1"]] * 2))
+    assert [classify(e) for e in reply] == [FINAL, FINAL]
+    assert all("WRONGTYPE" in str(e) for e in reply)
+    # OOM at the writes: each delivery "did not run", nothing written for it
+    ids2 = await pending_entries(client, 2)
+    await client.execute("CONFIG", "SET", "maxmemory", "1")
+    try:
+        reply = await client.evalsha(STREAM_COPY_ACK_BATCH, (S, "dest"), copy_batch_args(
+            ids2, [[b"a", b"1"]] * 2))
+    finally:
+        await client.execute("CONFIG", "SET", "maxmemory", "0")
+    assert [classify(e) for e in reply] == [NOT_RUN, NOT_RUN]
+    assert await client.execute("XLEN", "dest") == 2
+    assert await pending_count(client) == 3
+
+
+async def test_copy_batch_deletes_and_caps(client: Client) -> None:
+    from trio_redis_finalize._core._scripts import STREAM_COPY_ACK_BATCH
+
+    ids = await pending_entries(client, 3)
+    async with monitoring(client) as collect:
+        reply = await client.evalsha(STREAM_COPY_ACK_BATCH, (S, "dest"), copy_batch_args(
+            ids, [[b"a", b"1"]] * 3, delete="1", cap=1))
+        seen = await collect()
+    assert all(isinstance(r, bytes) for r in reply)
+    steps = [(a[0].upper(), a[1]) for inside, a in seen if inside and a[0].upper() != "XPENDING"]
+    assert steps == [("XADD", "dest")] * 3 + [("XACK", S), ("XDEL", S)]
+    assert all(a[2:5] == ["MAXLEN", "~", "1"] for _, a in seen if a[0].upper() == "XADD")
+    assert await client.execute("XLEN", S) == 0
+
+
+@pytest.mark.parametrize("width", [5000, 3600])
+async def test_copy_batch_of_wide_entries(client: Client, width: int) -> None:
+    """Entries past what one unpack takes (UNPACK_MAX values), several in one call."""
+    from trio_redis_finalize._core._scripts import STREAM_COPY_ACK_BATCH, UNPACK_MAX
+
+    ids = await pending_entries(client, 3, width=width)
+    originals = await entries(client, S)
+    assert len(originals[0]) == 2 * width > UNPACK_MAX or width < UNPACK_MAX
+    reply = await client.evalsha(STREAM_COPY_ACK_BATCH, (S, "dest"),
+                                 copy_batch_args(ids, originals, cap=100))
+    assert all(isinstance(r, bytes) for r in reply)
+    assert await entries(client, "dest") == originals
+
+
+async def test_zadd_batch_gates_each_delivery(client: Client) -> None:
+    from trio_redis_finalize._core._scripts import STREAM_ZADD_ACK_BATCH
+
+    ids = await pending_entries(client, 3)
+    await client.execute("XACK", S, G, ids[0])
+    members = [pack_parts([uuid.uuid4().bytes, b"n", str(i).encode()]) for i in range(3)]
+    args: list[bytes | str | int] = [G, "1", *gate_range(ids)]
+    for eid, m, delay in zip(ids, members, (10, 5000, 20), strict=True):
+        args += [eid, delay, m]
+    t0 = await time_ms(client)
+    async with monitoring(client) as collect:
+        reply = await client.evalsha(STREAM_ZADD_ACK_BATCH, (S, "{orders}:delayed"), args)
+        seen = await collect()
+    t1 = await time_ms(client)
+    assert reply[0] is None and t0 + 5000 <= reply[1] <= t1 + 5000 and t0 + 20 <= reply[2] <= t1 + 20
+    steps = [(a[0].upper(), a[1]) for inside, a in seen
+             if inside and a[0].upper() not in ("XPENDING", "TIME")]
+    assert steps == [("ZADD", "{orders}:delayed")] * 2 + [("XACK", S), ("XDEL", S)]
+    assert await client.execute("ZRANGE", "{orders}:delayed", 0, -1) == [members[2], members[1]]
+    assert await client.execute("XLEN", S) == 1  # the one finalized before stays (not deleted)
+    assert await client.evalsha(STREAM_ZADD_ACK_BATCH, (S, "{orders}:delayed"), args) == [None] * 3
+    assert await client.execute("ZCARD", "{orders}:delayed") == 2
+
+
+async def test_planner_batches_run_as_their_single_scripts(client: Client) -> None:
+    """What the core sends for a batch, run: the same writes as the plans' own scripts."""
+    from trio_redis_finalize._core._batch import batch_singles, first_round
+
+    ids = await pending_entries(client, 4)
+    t = StreamSubscription(S, G, delayed_retry=DZ).target(C)
+    plans = []
+    for i, eid in enumerate(ids):
+        d = Delivery(source=S, id=eid, fields={b"n": str(i).encode()}, data=None, attempt=1,
+                     origin_id=eid, mount="m")
+        plans.append(plan(t, d, RETRY if i % 2 else retry_after(60)))
+    commands, owners, _ = first_round((), plans)
+    assert len(commands) == 2 and sorted(owners) == [(0, 2), (1, 3)]
+    assert [batch_singles(c) for c in commands] == [[plans[j].commands[0] for j in o]
+                                                    for o in owners]
+    replies = await client.pipeline(commands)
+    assert [len(r) for r in replies] == [2, 2]
+    assert await pending_count(client) == 0
+    assert await client.execute("ZCARD", "{orders}:delayed") == 2
+    copies = [fieldmap(f) for f in (await entries(client, S))[4:]]
+    assert [c[b"n"] for c in copies] == [b"1", b"3"]
+    assert all(c[RETRIES_FIELD] == b"1" for c in copies)
+
+
 # -- LIST_COPY_REMOVE / LIST_ZADD_REMOVE --------------------------------------------------------------
 
 async def taken(client: Client, element: bytes, queue: str = "q", processing: str = "p") -> bytes:

@@ -66,7 +66,7 @@ from trio_redis_finalize import (
     open_consumer,
     retry_after,
 )
-from trio_redis_finalize._core._batch import merge_commands
+from trio_redis_finalize._core._batch import batch_singles, is_batched, merge_commands
 from trio_redis_finalize._core._decode import list_delivery
 from trio_redis_finalize._core._plan import Effect, Plan, Target, plan
 from trio_redis_finalize._core._reliable import bumped
@@ -452,6 +452,9 @@ class StreamMachine(Base):
                 self.pending.pop(_s(eid), None)
         elif name == "XADD":
             self._add(_s(cmd[1]), _pairs(cmd[3:]))
+        elif name == "EVALSHA" and is_batched(cmd):
+            for single in batch_singles(cmd):  # each delivery as its own script, in order
+                self.apply(single)
         elif name == "EVALSHA":
             n = int(cmd[2])
             keys, argv = [_s(k) for k in cmd[3:3 + n]], list(cmd[3 + n:])
@@ -987,7 +990,8 @@ H_PROFILE = settings(
     print_blob=True,
 )
 _WIRE_ERRORS = [c for c in TRANSIENT_ERRORS if c != "NOSCRIPT"]
-_STREAM_KINDS = ["XREADGROUP>", "XACK", "EVALSHA:stream_copy_ack", "XADD", "XGROUP CREATE"]
+_STREAM_KINDS = ["XREADGROUP>", "XACK", "EVALSHA:stream_copy_ack", "EVALSHA:stream_copy_ack_batch",
+                 "XADD", "XGROUP CREATE"]
 _LIST_KINDS = ["BLMOVE", "LMOVE", "LREM", "EVALSHA:list_copy_remove", "LPUSH", "LRANGE"]
 
 
@@ -1209,6 +1213,8 @@ async def _present(admin: Any, form: str, origin: str, fields: list[bytes]) -> b
 @example(steps=[("produce", 2, False), ("wait", 0.02), ("destroy",), ("produce", 2, False)])
 @example(steps=[("destroy",), ("destroy",)])
 @example(steps=[("fault", "EVALSHA:stream_copy_ack", "OOM", 0), ("produce", 3, False)])
+@example(steps=[("fault", "EVALSHA:stream_copy_ack_batch", "lost", 0), ("produce", 3, True),
+                ("wait", 0.1)])
 def test_stream_history_two_groups_repeated_fields_destroy_errors(
     redis_server: RedisServer, steps: list[tuple[Any, ...]]
 ) -> None:

@@ -23,7 +23,8 @@ and what follows the fault:
 
 Finalization commands are the ones plans are made of: ``XACK``, ``XDEL``
 (retention), ``XADD``, ``LREM``, ``LPUSH``, ``ZADD`` and the gated
-finalization scripts.  The retention trim script is not one.  Reads,
+finalization scripts (a batched call, many deliveries in one, is one command).
+The retention trim script is not one.  Reads,
 ``XPENDING``, lease renewals and the delay-set mover are not counted.
 """
 
@@ -58,6 +59,7 @@ _FINALIZE_SCRIPTS = {
     s.sha for s in (
         _scripts.STREAM_COPY_ACK, _scripts.STREAM_ZADD_ACK,
         _scripts.STREAM_COPY_ACK_EX, _scripts.STREAM_ZADD_ACK_DEL,
+        _scripts.STREAM_COPY_ACK_BATCH, _scripts.STREAM_ZADD_ACK_BATCH,
         _scripts.LIST_COPY_REMOVE, _scripts.LIST_ZADD_REMOVE, _scripts.LIST_REMOVE,
         _scripts.LIST_DEAD_PUSH,
     )

@@ -8,14 +8,111 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ._commands import Command
+from . import _scripts
+from ._commands import Arg, Command
 from ._plan import Effect, Plan
 
-__all__ = ["FAST_ONLY", "first_round", "merge_commands"]
+__all__ = [
+    "BATCHED", "FAST_ONLY", "batch_part", "batch_singles", "first_round", "gate_range", "is_batched",
+    "merge_commands",
+]
 
 
 FAST_ONLY = (-1,)
 """Owner of a command that removes the hot path's deliveries (no plan)."""
+
+_COPY = _scripts.STREAM_COPY_ACK.sha
+_COPY_EX = _scripts.STREAM_COPY_ACK_EX.sha
+_ZADD = _scripts.STREAM_ZADD_ACK.sha
+_ZADD_DEL = _scripts.STREAM_ZADD_ACK_DEL.sha
+_COPY_BATCH = _scripts.STREAM_COPY_ACK_BATCH.sha
+_ZADD_BATCH = _scripts.STREAM_ZADD_ACK_BATCH.sha
+_SINGLE = frozenset({_COPY, _COPY_EX, _ZADD, _ZADD_DEL})
+
+BATCHED = frozenset({_COPY_BATCH, _ZADD_BATCH})
+"""The shas of the batched scripts: their reply has one element per owner."""
+
+
+def is_batched(cmd: Command) -> bool:
+    """True for a batched script call (its reply: one element per delivery)."""
+    return cmd[0] == b"EVALSHA" and cmd[1] in BATCHED
+
+
+def batch_singles(cmd: Command) -> list[Command]:
+    """The single-script commands a batched call ``cmd`` carries, in the order
+    of its reply's elements (what each delivery's plan would send alone)."""
+    sha, stream, dest, group = cmd[1], cmd[3], cmd[4], cmd[5]
+    out: list[Command] = []
+    if sha == _ZADD_BATCH:  # ... group delete lo hi count (id delay member)...
+        script = _scripts.STREAM_ZADD_ACK_DEL if cmd[6] == "1" else _scripts.STREAM_ZADD_ACK
+        for i in range(10, len(cmd), 3):
+            out.append(script.command((stream, dest), (group, *cmd[i:i + 3])))
+        return out
+    if sha != _COPY_BATCH:
+        raise ValueError(f"not a batched script call: {cmd[:2]!r}")
+    delete, cap = cmd[6], cmd[7]  # ... group delete cap lo hi count (id n values...)...
+    plain = str(delete) == "0" and str(cap) == "0"
+    i = 11
+    while i < len(cmd):
+        n = int(cmd[i + 1])
+        eid, fields = cmd[i], cmd[i + 2:i + 2 + n]
+        if plain:
+            out.append(_scripts.STREAM_COPY_ACK.command((stream, dest), (group, eid, *fields)))
+        else:
+            out.append(_scripts.STREAM_COPY_ACK_EX.command(
+                (stream, dest), (group, eid, delete, cap, *fields)))
+        i += 2 + n
+    return out
+
+
+def _id_order(eid: Arg) -> tuple[int, str, int, str]:
+    """A stream id's order (``ms-seq``, decimal digits without leading zeros:
+    the longer number is the larger, equal lengths compare as text)."""
+    text = eid if isinstance(eid, str) else eid.decode() if isinstance(eid, bytes) else str(eid)
+    ms, _, seq = text.partition("-")
+    return len(ms), ms, len(seq), seq
+
+
+def gate_range(ids: Sequence[Arg]) -> tuple[Arg, Arg, int]:
+    """``lo, hi, count`` of a batched call's gates (see ``_scripts``): the
+    smallest and largest of ``ids``, and at most twice as many rows."""
+    first = ids[0]
+    if isinstance(first, str) and (k := first.find("-")) > 0 and all(
+            isinstance(i, str) and len(i) == len(first) and i[k] == "-" for i in ids):
+        # ids of one shape (the common case): ms parts of one length, so
+        # seq parts too; such ids compare as text
+        texts: Sequence[str] = ids  # type: ignore[assignment]
+        return min(texts), max(texts), 2 * len(ids)
+    keys = list(map(_id_order, ids))
+    lo = min(keys)
+    hi = max(keys)
+    return ids[keys.index(lo)], ids[keys.index(hi)], 2 * len(ids)
+
+
+def batch_part(cmd: Command) -> tuple[tuple[Arg, ...], tuple[Arg, ...]] | None:
+    """``(key, part)`` of a gated stream script that a batched call can carry,
+    else None.
+
+    ``key``: what the deliveries of one batched call share -- the batched
+    script, its keys (stream; destination stream or delay set) and its fixed
+    arguments (group, delete, cap); ``part``: this delivery's arguments in
+    the batched call (see ``_scripts.STREAM_COPY_ACK_BATCH`` /
+    ``STREAM_ZADD_ACK_BATCH``).
+    """
+    if cmd[0] != b"EVALSHA":
+        return None
+    sha = cmd[1]
+    if sha not in _SINGLE or cmd[2] != 2:
+        return None
+    if sha == _COPY:  # EVALSHA sha 2 stream dest group id fields...
+        fields = cmd[7:]
+        return (_COPY_BATCH, cmd[3], cmd[4], cmd[5], "0", "0"), (cmd[6], len(fields), *fields)
+    if sha == _COPY_EX:  # EVALSHA sha 2 stream dest group id delete cap fields...
+        fields = cmd[9:]
+        return ((_COPY_BATCH, cmd[3], cmd[4], cmd[5], str(cmd[7]), str(cmd[8])),
+                (cmd[6], len(fields), *fields))
+    # EVALSHA sha 2 stream delays group id delay member
+    return (_ZADD_BATCH, cmd[3], cmd[4], cmd[5], "1" if sha == _ZADD_DEL else "0"), tuple(cmd[6:9])
 
 
 def first_round(
@@ -25,7 +122,14 @@ def first_round(
 
     ``owners[i]``: the indexes of the plans that command ``i`` serves (``-1``:
     the hot path's removals ``fast``).  Single-``XACK`` commands merge per
-    stream and group, as :func:`merge_commands` does.  A plan that is not
+    stream and group, as :func:`merge_commands` does.  Plans of one gated
+    stream script that share its keys and fixed arguments (RETRY copies,
+    dead letters, durable delays of one subscription) go in batched script
+    calls (:func:`batch_part`), at most ``STREAM_BATCH_MAX`` deliveries and
+    about ``STREAM_BATCH_VALUES`` values each, at the place of their first
+    plan; the owners of a batched call are its deliveries' plans, in the
+    order of its reply's elements; a call that would carry one delivery is
+    that plan's own command.  A plan that is not
     gated and has several steps (a cross-slot copy, then the removal of the
     original) sends only its first step; ``rest[j]`` holds the others, each
     sent once the one before it succeeded: a removal never follows a copy
@@ -59,16 +163,70 @@ def first_round(
     else:
         for c in fast:
             add((c,), -1)
+    # batched calls being filled: key -> [place in out, plans, their single
+    # commands, arguments, values]
+    batches: dict[tuple[Arg, ...], list[Any]] = {}
+    placed: list[list[Any]] = []
+    cap = _scripts.STREAM_BATCH_MAX
+    room = _scripts.STREAM_BATCH_VALUES
     for j, p in enumerate(plans):
         cmds = p.commands
         if len(cmds) == 1 and cmds[0][0] != "XACK":  # one script (the common case), inline
-            out.append(cmds[0])
+            c = cmds[0]
+            sha = c[1]
+            if c[0] == b"EVALSHA" and sha in _SINGLE and p.gated and c[2] == 2:
+                # a gated stream script: into the batched call of its key
+                if sha == _COPY:
+                    key: tuple[Arg, ...] = (_COPY_BATCH, c[3], c[4], c[5], "0", "0")
+                    at = 7
+                elif sha == _COPY_EX:
+                    key = (_COPY_BATCH, c[3], c[4], c[5], str(c[7]), str(c[8]))
+                    at = 9
+                else:
+                    key = (_ZADD_BATCH, c[3], c[4], c[5], "1" if sha == _ZADD_DEL else "0")
+                    at = 0
+                size = len(c) - at + 2 if at else 3
+                b = batches.get(key)
+                if b is None or len(b[1]) >= cap or b[4] + size > room:
+                    b = batches[key] = [len(out), [], [], [], 0]
+                    placed.append(b)
+                    out.append(None)
+                    owners.append([])
+                b[1].append(j)
+                b[2].append(c)
+                args = b[3]
+                if at:  # id, n, the copy's n values
+                    args.append(c[6])
+                    args.append(size - 2)
+                    args += c[at:]
+                else:  # id, delay, member
+                    args += c[6:9]
+                b[4] += size
+                continue
+            out.append(c)
             owners.append([j])
             continue
         if not p.gated and len(cmds) > 1:
             rest[j] = list(cmds[1:])
             cmds = cmds[:1]
         add(cmds, j)
+    for at, members, singles, args, _ in placed:
+        owners[at] = members
+        if len(members) == 1:
+            out[at] = singles[0]
+        else:
+            c = singles[0]
+            sha = c[1]
+            gates = gate_range([s[6] for s in singles])
+            head: tuple[Arg, ...]
+            if sha == _COPY:
+                head = (c[5], "0", "0", *gates)
+            elif sha == _COPY_EX:
+                head = (c[5], c[7], c[8], *gates)
+            else:
+                head = (c[5], "1" if sha == _ZADD_DEL else "0", *gates)
+            batch = _ZADD_BATCH if sha in (_ZADD, _ZADD_DEL) else _COPY_BATCH
+            out[at] = (b"EVALSHA", batch, 2, c[3], c[4], *head, *args)
     commands: list[Command] = [tuple(c) if isinstance(c, list) else c for c in out]
     return commands, [tuple(o) for o in owners], rest
 

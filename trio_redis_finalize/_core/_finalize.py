@@ -32,6 +32,14 @@ What the core decides:
   original) sends only its copy; its removal goes in a later round, once
   the copy's reply was a success.  A removal never follows a copy that
   failed, did not run, or whose outcome is unknown.
+* **Batched scripts**: the two-step deliveries of a batch that share their
+  keys (RETRY copies, dead letters, durable delays on one stream) go in one
+  batched script call (:func:`~._batch.first_round`); its reply has one
+  element per delivery, settled as that delivery's own script's reply
+  would be: an element that did not run sends that delivery's own script
+  again (alone, after a pause), a final one fails that delivery only.  An
+  error reply to the whole call, or a round trip that failed, is handled
+  as for any command (the call sent again whole: every delivery is gated).
 * **Error replies** (:func:`~._replies.classify`): one that did not run
   (OOM, BUSY, READONLY ...) is sent again, alone, after a pause; a final
   one is logged with its command and key, counted, and makes its
@@ -55,10 +63,12 @@ import logging
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from redis import exceptions as rexc
+
 from .._delivery import Delivery
 from .._errors import AckUnsupported
 from .._outcome import Backoff, Outcome, OutcomeKind
-from ._batch import FAST_ONLY, first_round
+from ._batch import BATCHED, FAST_ONLY, first_round
 from ._commands import Command
 from ._plan import (
     FAILED,
@@ -354,6 +364,33 @@ class FinalizeBatch:
         records: list[Record] = []
         deferred = ""
         for cmd, r, own in zip(commands, replies, owners, strict=True):
+            if len(own) > 1 and cmd[0] == b"EVALSHA" and cmd[1] in BATCHED:
+                # a batched script call: one element per delivery (plan), each
+                # settled as the reply to that plan's own script would be
+                if r.__class__ is not list or len(r) != len(own):
+                    if not isinstance(r, Exception):
+                        r = rexc.ResponseError(
+                            f"a batched script answered {r!r:.200} to {len(own)} deliveries")
+                else:
+                    if track:
+                        self._answered.append(cmd)
+                        self._answers.append(r)
+                    plans = self._plans
+                    for j, e in zip(own, r, strict=True):
+                        if isinstance(e, Exception):
+                            single = plans[j][1].commands[0]
+                            if classify(e) is not FINAL:  # did not run: that delivery alone, again
+                                if not again:
+                                    deferred = describe_error(e, single)
+                                again.append(single)
+                                again_owners.append((j,))
+                                continue
+                            errors += 1
+                            records.append((_ERROR, "%s: finalization command failed: %s",
+                                            (core.name, describe_error(e, single)),
+                                            {"subscription": core.name}))
+                        got[j].append(e)
+                    continue
             if isinstance(r, Exception):
                 if classify(r) is not FINAL:
                     if not again:

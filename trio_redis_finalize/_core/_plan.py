@@ -20,7 +20,9 @@ channel / pattern  refused     refused                refused     runtime PUBLIS
 
 Two-step cells run as one gated script (see ``_scripts``) unless the keys
 live on different Redis Cluster slots, where they become two commands in
-the listed order (duplicate, never loss).  A RETRY or ``retry_after`` at the
+the listed order (duplicate, never loss).  On a stream the finalizer sends
+the gated scripts of one batch that share their keys as one batched call
+(``_batch.first_round``), settled per delivery as these plans' own.  A RETRY or ``retry_after`` at the
 last allowed attempt goes to the dead letter (or is dropped with a warning).
 
 Stream retention (``Target.retention``): with ``DELETE_ON_FINALIZE`` every

@@ -23,9 +23,13 @@ __all__ = [
     "LUA_XADD_CAPPED",
     "MOVE_DUE_TO_LIST",
     "MOVE_DUE_TO_STREAM",
+    "STREAM_BATCH_MAX",
+    "STREAM_BATCH_VALUES",
     "STREAM_COPY_ACK",
+    "STREAM_COPY_ACK_BATCH",
     "STREAM_COPY_ACK_EX",
     "STREAM_ZADD_ACK",
+    "STREAM_ZADD_ACK_BATCH",
     "STREAM_ZADD_ACK_DEL",
     "UNPACK_MAX",
     "move_due_to_stream",
@@ -72,12 +76,13 @@ _CHUNK = 200
 # in the arguments of tail calls, _CHUNK values put in front at each step
 # (the values are copied once per step: about n * n / (2 * _CHUNK) copies,
 # ~10 ms for 5,000 fields, ~0.3 s for 100,000).
-def _xadd_function(name: str, params: str, head: str) -> str:
-    """The Lua of an XADD of any width: ``redis.call('XADD', <head>, values...)``."""
+def _xadd_function(name: str, params: str, head: str, last: str = "#t") -> str:
+    """The Lua of an XADD of any width: ``redis.call('XADD', <head>, values...)``
+    of ``t[from]`` ... ``t[<last>]``."""
     return (
         f"""
 local function {name}({params})
-  local n = #t
+  local n = {last}
   if n - from < """ + str(UNPACK_MAX) + f""" then
     return redis.call('XADD', {head}, unpack(t, from, n))
   end
@@ -100,6 +105,13 @@ LUA_XADD = _xadd_function("xadd", "key, t, from", "key, '*'")
 # XADD key MAXLEN ~ cap * ...  (the copy_maxlen / dead_letter_maxlen caps).
 LUA_XADD_CAPPED = _xadd_function(
     "xadd_capped", "key, cap, t, from", "key, 'MAXLEN', '~', cap, '*'"
+)
+
+# LUA_XADD_TO / LUA_XADD_CAPPED_TO: the same, of t[from] ... t[to] (the
+# batched scripts: many entries' values in one ARGV).
+LUA_XADD_TO = _xadd_function("xadd_to", "key, t, from, to", "key, '*'", "to")
+LUA_XADD_CAPPED_TO = _xadd_function(
+    "xadd_capped_to", "key, cap, t, from, to", "key, 'MAXLEN', '~', cap, '*'", "to"
 )
 
 # KEYS: stream, destination stream.  ARGV: group, id, field, value, ...
@@ -170,6 +182,150 @@ return new
 # KEYS: stream, delay set.  ARGV: group, id, delay ms, member.  As
 # STREAM_ZADD_ACK, then XDEL of the original.
 STREAM_ZADD_ACK_DEL = _stream_zadd_ack("stream_zadd_ack_del", delete=True)
+
+# -- batched: one call finalizes many deliveries of one stream ---------------------------
+#
+# The two-step finalizations of a batch that share their keys (and group,
+# retention, cap) go in one script call: the per-call cost of EVALSHA
+# (~12 us of server time) is paid once per batch instead of once per
+# delivery.  Each delivery is finalized as its single script would: its own
+# gate (XPENDING of its id), its copy written first, its original removed
+# second.  Its steps run in a ``pcall``: an error (WRONGTYPE of the
+# destination, OOM at its write ...) ends that delivery's steps only and
+# comes back as that delivery's element of the reply, a nested error reply,
+# with the code the single script's reply would carry (Redis 7 / Valkey:
+# the inner error's own code; Redis 6.2: ``@user_script: n: -CODE ...``,
+# which ``classify`` reads as the wrapped form).  The reply is an array, one
+# element per delivery, in order: what the single script returns (the new
+# id / the due time; nil for a closed gate) or that delivery's error.
+#
+# OOM (a write refused under maxmemory) is only checked while the script has
+# written nothing, so it meets the first deliveries of a call (each its own
+# element, nothing of it written) and never a delivery's second step.
+
+STREAM_BATCH_MAX = 100
+"""At most this many deliveries go into one batched script call."""
+STREAM_BATCH_VALUES = 20_000
+"""At most about this many values go into one batched call (a delivery wider
+than that alone goes as its single script)."""
+
+# The gate of each delivery is the single script's (its id in the group's
+# PEL), read for the whole call at once: one XPENDING of the range of the
+# call's ids (``lo`` .. ``hi``, at most ``count`` rows, the client's bounds)
+# finds the ids pending; an id that one did not return (not pending, or
+# past ``count``, or outside wrong bounds) gets its own XPENDING, as the
+# single script does.  The bounds only save calls: any of them is correct.
+# The removals of the deliveries whose copy was written go in one XACK (and
+# one XDEL) at the end, after every copy; an id finalized earlier in the same
+# call finds its gate closed.  Should that XACK fail, every delivery it
+# removes answers its error (copied, still pending: delivered again --
+# duplicate, never loss).
+_BATCH_HEAD = """
+local group = ARGV[1]
+local delete = ARGV[2] == '1'
+local out = {}
+local done, at = {}, {}
+local pend, gone = {}, {}
+local function gates(lo, hi, count)
+  local ok, p = pcall(redis.call, 'XPENDING', KEYS[1], group, lo, hi, tonumber(count))
+  if ok then
+    for _, e in ipairs(p) do pend[e[1]] = true end
+  end
+end
+local function settle(k, ok, r)
+  if ok then
+    out[k] = r
+  elseif type(r) == 'table' then
+    out[k] = r
+  else
+    out[k] = {err = tostring(r)}
+  end
+end
+local function open(id)
+  if gone[id] then return false end
+  if pend[id] then return true end
+  local ok, p = pcall(redis.call, 'XPENDING', KEYS[1], group, id, id, 1)
+  return ok and #p > 0
+end
+local function remove(k, id)
+  gone[id] = true
+  done[#done + 1] = id
+  at[#at + 1] = k
+end
+local function removals()
+  if #done == 0 then return end
+  local ok, e = pcall(redis.call, 'XACK', KEYS[1], group, unpack(done))
+  if ok and delete then
+    ok, e = pcall(redis.call, 'XDEL', KEYS[1], unpack(done))
+  end
+  if not ok then
+    if type(e) ~= 'table' then e = {err = tostring(e)} end
+    for _, k in ipairs(at) do out[k] = e end
+  end
+end
+"""
+
+# KEYS: stream, destination stream.  ARGV: group, delete ('1' or '0'), cap
+# ('0': none), lo, hi, count (the gates' range, see above), then per
+# delivery: id, n, n field values.  Each as STREAM_COPY_ACK
+# (STREAM_COPY_ACK_EX with a delete or a cap).
+STREAM_COPY_ACK_BATCH = Script(
+    LUA_XADD_TO
+    + LUA_XADD_CAPPED_TO
+    + _BATCH_HEAD
+    + """
+local cap = ARGV[3]
+gates(ARGV[4], ARGV[5], ARGV[6])
+local function one(i, n)
+  if not open(ARGV[i]) then return false end
+  if cap ~= '0' then
+    return xadd_capped_to(KEYS[2], cap, ARGV, i + 2, i + 1 + n)
+  end
+  return xadd_to(KEYS[2], ARGV, i + 2, i + 1 + n)
+end
+local i = 7
+local k = 0
+local last = #ARGV
+while i <= last do
+  local n = tonumber(ARGV[i + 1])
+  k = k + 1
+  local ok, r = pcall(one, i, n)
+  settle(k, ok, r)
+  if ok and r then remove(k, ARGV[i]) end
+  i = i + 2 + n
+end
+removals()
+return out
+""",
+    name="stream_copy_ack_batch",
+)
+
+# KEYS: stream, delay set.  ARGV: group, delete ('1' or '0'), lo, hi, count
+# (the gates' range), then per delivery: id, delay ms, member.  Each as
+# STREAM_ZADD_ACK (_DEL with delete).
+STREAM_ZADD_ACK_BATCH = Script(
+    _BATCH_HEAD
+    + _NOW_MS
+    + """
+gates(ARGV[3], ARGV[4], ARGV[5])
+local function one(i)
+  if not open(ARGV[i]) then return false end
+  local due = now + tonumber(ARGV[i + 1])
+  redis.call('ZADD', KEYS[2], due, ARGV[i + 2])
+  return due
+end
+local k = 0
+for i = 6, #ARGV, 3 do
+  k = k + 1
+  local ok, r = pcall(one, i)
+  settle(k, ok, r)
+  if ok and r then remove(k, ARGV[i]) end
+end
+removals()
+return out
+""",
+    name="stream_zadd_ack_batch",
+)
 
 # KEYS: processing list.  ARGV: element, n (see _list_gate; > 1).
 # LREM of one copy, gated: returns 1 when removed, 0 when the gate was closed.
