@@ -14,7 +14,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .._delivery import Delivery
+from .._delivery import Delivery, make_delivery
 from .._envelope import GROUP_FIELD, MAGIC, ORIGIN_FIELD, RETRIES_FIELD, CorruptEnvelope, unwrap
 from ._plan import Plan, Target, attempt_of, content_origin, plan_dead, plan_foreign, plan_lost
 
@@ -132,19 +132,29 @@ def stream_deliveries(
     name = target.name
     limit = target.max_attempts
     own_group = target.group.encode()
+    new = make_delivery
     for eid, flat in entries:
         entry_id = eid.decode()
         if flat is None:
             direct.append(lost_entry(target, entry_id))
             continue
-        it = iter(flat)
-        fields = dict(zip(it, it, strict=False))
+        # the field map; a repeated name keeps its last value, as in dict(zip(...))
+        n = len(flat)
+        if n == 4:  # displays for the short field lists: about twice as fast
+            fields = {flat[0]: flat[1], flat[2]: flat[3]}
+        elif n == 2:
+            fields = {flat[0]: flat[1]}
+        elif n == 6:
+            fields = {flat[0]: flat[1], flat[2]: flat[3], flat[4]: flat[5]}
+        else:
+            it = iter(flat)
+            fields = dict(zip(it, it, strict=False))
         count = counts.get(eid, 1) if counts else 1
         if RETRIES_FIELD not in fields and ORIGIN_FIELD not in fields and GROUP_FIELD not in fields:
             # an original: its field list as read is its own
             if count == 1:  # the common case: attempt 1, within any max_attempts
-                ready.append(Delivery(source, entry_id, fields, None, 1, entry_id, None, 0, name,
-                                      None, flat))
+                ready.append(new(source, entry_id, fields, None, 1, entry_id, None, 0, name, None,
+                                 flat))
                 continue
             body, retries, origin, corrupt, group = flat, 0, entry_id, None, None
         else:
@@ -165,8 +175,7 @@ def stream_deliveries(
             if raw_origin is not None:
                 origin = raw_origin.decode("utf-8", "replace")
         attempt = attempt_of(retries, count)
-        d = Delivery(source, entry_id, fields, None, attempt, origin, None, retries, name, corrupt,
-                     body)
+        d = new(source, entry_id, fields, None, attempt, origin, None, retries, name, corrupt, body)
         if group is not None and group != own_group:
             # a copy another group wrote (RETRY, delayed): that group handles it
             direct.append((d, plan_foreign(target, d)))
