@@ -8,7 +8,7 @@ from typing import Any
 
 from ._value import builder, immutable, setters
 
-__all__ = ["MAX_ERROR", "Delivery", "make_delivery", "record_error"]
+__all__ = ["MAX_ERROR", "Delivery", "DeliveryBuilder", "make_delivery", "record_error"]
 
 
 # ``init=False``: the ``__init__`` below sets the slots with their setters
@@ -105,7 +105,8 @@ class Delivery:
     Delivery, "source", "id", "fields", "data", "attempt", "origin_id", "raw", "retries", "mount",
     "corrupt", "error", "flat")
 
-_Builder = builder(Delivery)
+DeliveryBuilder = builder(Delivery)
+"""The builder twin of :class:`Delivery` (``_value.builder``): see :func:`make_delivery`."""
 _new = object.__new__
 
 
@@ -124,7 +125,7 @@ def make_delivery(
 ) -> Delivery:
     """``Delivery(...)`` (the same arguments, the same object), built faster:
     for the readers, which make one for every message read (see ``_value.builder``)."""
-    d: Any = _new(_Builder)
+    d: Any = _new(DeliveryBuilder)
     d.source = source
     d.id = id
     d.fields = fields

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .._delivery import Delivery, make_delivery
+from .._delivery import Delivery, DeliveryBuilder, make_delivery
 from .._envelope import GROUP_FIELD, MAGIC, ORIGIN_FIELD, RETRIES_FIELD, CorruptEnvelope, unwrap
 from ._plan import Plan, Target, attempt_of, content_origin, plan_dead, plan_foreign, plan_lost
 
@@ -133,6 +133,8 @@ def stream_deliveries(
     limit = target.max_attempts
     own_group = target.group.encode()
     new = make_delivery
+    build = object.__new__
+    append = ready.append
     for eid, flat in entries:
         entry_id = eid.decode()
         if flat is None:
@@ -153,8 +155,22 @@ def stream_deliveries(
         if RETRIES_FIELD not in fields and ORIGIN_FIELD not in fields and GROUP_FIELD not in fields:
             # an original: its field list as read is its own
             if count == 1:  # the common case: attempt 1, within any max_attempts
-                ready.append(new(source, entry_id, fields, None, 1, entry_id, None, 0, name, None,
-                                 flat))
+                # make_delivery(source, entry_id, fields, None, 1, entry_id, None, 0,
+                # name, None, flat), inline: one per entry read
+                d: Any = build(DeliveryBuilder)
+                d.source = source
+                d.id = entry_id
+                d.fields = fields
+                d.data = None
+                d.attempt = 1
+                d.origin_id = entry_id
+                d.raw = None
+                d.retries = 0
+                d.mount = name
+                d.corrupt = None
+                d.flat = flat
+                d.__class__ = Delivery  # every field set: frozen from here on
+                append(d)
                 continue
             body, retries, origin, corrupt, group = flat, 0, entry_id, None, None
         else:
