@@ -60,7 +60,9 @@ import itertools
 import logging
 import math
 import sys
+from bisect import bisect_left
 from collections.abc import Awaitable, Callable, Sequence
+from operator import attrgetter
 from time import monotonic
 from typing import TYPE_CHECKING
 
@@ -84,7 +86,7 @@ from ._finalizer import Finalizer
 from ._outcome import DROP, Backoff, Outcome
 from ._read_loop import Reader, drive
 from ._shutdown import CLOSE_MARGIN, FINALIZE_GRACE, Budget, cleanup, cleanup_until
-from ._stats import MountStats
+from ._stats import DURATION_BOUNDS, MountStats
 from ._subscription import Form, Subscription
 from ._work_queue import WorkQueue
 
@@ -97,6 +99,7 @@ __all__ = ["MAX_WAITING", "Mount"]
 _FLUSH_EVERY = 0.05
 _SLOW_CALL = 0.0005
 """Seconds of a handler call after which its outcome is sent on at once."""
+_ID = attrgetter("id")
 MAX_WAITING = 10_000
 """Failed deliveries that wait for their :class:`Backoff` delay, per mount, at
 most (memory); past it a failed delivery is left pending for the ordinary
@@ -201,7 +204,9 @@ class Mount:
         if not deliveries:
             return
         self.stats.received += len(deliveries)
-        self.in_hand.update([d.id for d in deliveries if d.id is not None])
+        in_hand = self.in_hand
+        in_hand.update(map(_ID, deliveries))
+        in_hand.discard(None)  # not a stream's (no id): not held
         # all or nothing: cancelled while waiting, nothing was handed over
         await self._queue.put(deliveries)
 
@@ -378,23 +383,38 @@ class Mount:
         handler = self.handler
         stats = self.stats
         items = queue.items
-        last_flush = monotonic()
+        popleft = items.popleft
+        idle = queue.idle
+        # the handler-duration histogram, inline (Durations.observe: a call per delivery)
+        durations = stats.durations
+        counts = durations.counts
+        first, slow, every = DURATION_BOUNDS[0], _SLOW_CALL, _FLUSH_EVERY
+        # One clock read per delivery: a call starts when the previous one
+        # ended (``now``), unless this task waited in between (then read again).
+        now = monotonic()
+        flush_by = now + every  # when what gathers in ``results`` is handed on at the latest
         outcome: Outcome | Backoff
         try:
             while not self.stopping:
-                d = queue.take()
-                if d is None:
+                if not items:
                     if results:  # another task took the batch's last delivery
                         batch = results[:]
                         results.clear()
                         await send.send(batch)
                     if not await queue.wait():
                         return
-                    last_flush = monotonic()
+                    now = monotonic()
+                    flush_by = now + every
                     continue
+                d = popleft()  # queue.take(), inline
+                if items:
+                    if idle and not queue.waking:
+                        queue.wake_one()
+                elif queue.room is not None:
+                    queue.emptied()
                 last = not items  # the last delivery of a batch
                 stats.in_flight += 1
-                start = monotonic()
+                start = now
                 try:  # the handler call, inline: one coroutine less per delivery
                     outcome = await handler(d)
                 except Exception:
@@ -409,20 +429,24 @@ class Mount:
                 finally:
                     stats.in_flight -= 1
                 results.append((d, outcome))
+                now = monotonic()
+                took = now - start
                 # Hand the outcomes on at the end of a batch, after a slow
                 # handler call (the send costs little beside it), or when the
                 # oldest has waited _FLUSH_EVERY; else gather more (and should
                 # the next call be slow, the flusher hands them on meanwhile).
+                counts[0 if took <= first else bisect_left(DURATION_BOUNDS, took)] += 1
+                durations.sum += took
+                if not last and took <= slow and now <= flush_by:
+                    if self._flusher_idle:
+                        self._flusher_idle = False
+                        self._flusher_wake.set()
+                    continue
+                batch = results[:]
+                results.clear()
+                await send.send(batch)
                 now = monotonic()
-                stats.durations.observe(now - start)
-                if last or now - start > _SLOW_CALL or now - last_flush > _FLUSH_EVERY:
-                    batch = results[:]
-                    results.clear()
-                    await send.send(batch)
-                    last_flush = now
-                elif self._flusher_idle:
-                    self._flusher_idle = False
-                    self._flusher_wake.set()
+                flush_by = now + every
         finally:
             if results:
                 batch = results[:]
