@@ -406,42 +406,51 @@ class Mount:
                     now = monotonic()
                     flush_by = now + every
                     continue
-                d = popleft()  # queue.take(), inline
-                if items:
-                    if idle and not queue.waking:
-                        queue.wake_one()
-                elif queue.room is not None:
-                    queue.emptied()
-                last = not items  # the last delivery of a batch
+                # A run of handler calls, one after the other without a wait in
+                # between: in flight all along (only a scrape thread could see
+                # the instants between two calls), not while it sends or waits.
                 stats.in_flight += 1
-                start = now
-                try:  # the handler call, inline: one coroutine less per delivery
-                    outcome = await handler(d)
-                except Exception:
-                    outcome = self._raised(d)
-                except BaseException as e:
-                    if self._own_exit(e):
-                        raise
-                    outcome = self._raised(d)  # e.g. asyncio.CancelledError of another task
-                else:
-                    if outcome.__class__ is not Outcome and not isinstance(outcome, Outcome):
-                        outcome = self._not_outcome(d, outcome)
+                try:
+                    while True:
+                        d = popleft()  # queue.take(), inline
+                        if items:
+                            if idle and not queue.waking:
+                                queue.wake_one()
+                        elif queue.room is not None:
+                            queue.emptied()
+                        last = not items  # the last delivery of a batch
+                        start = now
+                        try:  # the handler call, inline: one coroutine less per delivery
+                            outcome = await handler(d)
+                        except Exception:
+                            outcome = self._raised(d)
+                        except BaseException as e:
+                            if self._own_exit(e):
+                                raise
+                            outcome = self._raised(d)  # e.g. asyncio.CancelledError of another task
+                        else:
+                            if outcome.__class__ is not Outcome and not isinstance(outcome, Outcome):
+                                outcome = self._not_outcome(d, outcome)
+                        results.append((d, outcome))
+                        now = monotonic()
+                        took = now - start
+                        counts[0 if took <= first else bisect_left(DURATION_BOUNDS, took)] += 1
+                        durations.sum += took
+                        # Hand the outcomes on at the end of a batch, after a slow
+                        # handler call (the send costs little beside it), or when the
+                        # oldest has waited _FLUSH_EVERY; else gather more (and should
+                        # the next call be slow, the flusher hands them on meanwhile).
+                        if last or took > slow or now > flush_by:
+                            break
+                        if self._flusher_idle:
+                            self._flusher_idle = False
+                            self._flusher_wake.set()
+                        if not items or self.stopping:
+                            break  # another task took the rest (or stop): hand on what is here
                 finally:
                     stats.in_flight -= 1
-                results.append((d, outcome))
-                now = monotonic()
-                took = now - start
-                # Hand the outcomes on at the end of a batch, after a slow
-                # handler call (the send costs little beside it), or when the
-                # oldest has waited _FLUSH_EVERY; else gather more (and should
-                # the next call be slow, the flusher hands them on meanwhile).
-                counts[0 if took <= first else bisect_left(DURATION_BOUNDS, took)] += 1
-                durations.sum += took
-                if not last and took <= slow and now <= flush_by:
-                    if self._flusher_idle:
-                        self._flusher_idle = False
-                        self._flusher_wake.set()
-                    continue
+                if self.stopping:
+                    break  # the outcomes are handed on below
                 batch = results[:]
                 results.clear()
                 await send.send(batch)

@@ -111,6 +111,12 @@ def lost_entry(target: Target, entry_id: str) -> tuple[Delivery, Plan]:
     return d, plan_lost(target, d)
 
 
+def _without_headers(flat: Sequence[bytes]) -> list[bytes]:
+    """A flat field list without the header fields (name, value, ...)."""
+    return [x for i in range(0, len(flat) - 1, 2) if flat[i] not in _HEADERS
+            for x in (flat[i], flat[i + 1])]
+
+
 def stream_deliveries(
     target: Target, entries: Sequence[Entry], counts: Mapping[bytes, int] | None = None,
 ) -> tuple[list[Delivery], list[tuple[Delivery, Plan]]]:
@@ -151,10 +157,10 @@ def stream_deliveries(
         else:
             it = iter(flat)
             fields = dict(zip(it, it, strict=False))
-        count = counts.get(eid, 1) if counts else 1
         if RETRIES_FIELD not in fields and ORIGIN_FIELD not in fields and GROUP_FIELD not in fields:
             # an original: its field list as read is its own
-            if count == 1:  # the common case: attempt 1, within any max_attempts
+            if not counts or counts.get(eid, 1) == 1:
+                # the common case: attempt 1, within any max_attempts;
                 # make_delivery(source, entry_id, fields, None, 1, entry_id, None, 0,
                 # name, None, flat), inline: one per entry read
                 d: Any = build(DeliveryBuilder)
@@ -178,8 +184,7 @@ def stream_deliveries(
             raw_retries = fields.pop(RETRIES_FIELD, None)
             raw_origin = fields.pop(ORIGIN_FIELD, None)
             group = fields.pop(GROUP_FIELD, None)
-            body = [x for i in range(0, len(flat) - 1, 2) if flat[i] not in _HEADERS
-                    for x in (flat[i], flat[i + 1])]
+            body = _without_headers(flat)
             if raw_retries is not None:
                 try:
                     retries = int(raw_retries)
@@ -190,6 +195,7 @@ def stream_deliveries(
                     retries = 0
             if raw_origin is not None:
                 origin = raw_origin.decode("utf-8", "replace")
+        count = counts.get(eid, 1) if counts else 1
         attempt = attempt_of(retries, count)
         d = new(source, entry_id, fields, None, attempt, origin, None, retries, name, corrupt, body)
         if group is not None and group != own_group:
