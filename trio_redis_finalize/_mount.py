@@ -62,7 +62,6 @@ import math
 import sys
 from bisect import bisect_left
 from collections.abc import Awaitable, Callable, Sequence
-from operator import attrgetter
 from time import monotonic
 from typing import TYPE_CHECKING
 
@@ -99,7 +98,6 @@ __all__ = ["MAX_WAITING", "Mount"]
 _FLUSH_EVERY = 0.05
 _SLOW_CALL = 0.0005
 """Seconds of a handler call after which its outcome is sent on at once."""
-_ID = attrgetter("id")
 MAX_WAITING = 10_000
 """Failed deliveries that wait for their :class:`Backoff` delay, per mount, at
 most (memory); past it a failed delivery is left pending for the ordinary
@@ -204,9 +202,7 @@ class Mount:
         if not deliveries:
             return
         self.stats.received += len(deliveries)
-        in_hand = self.in_hand
-        in_hand.update(map(_ID, deliveries))
-        in_hand.discard(None)  # not a stream's (no id): not held
+        self.in_hand.update([d.id for d in deliveries if d.id is not None])
         # all or nothing: cancelled while waiting, nothing was handed over
         await self._queue.put(deliveries)
 
