@@ -78,12 +78,17 @@ _VALUES = st.sampled_from([b"0", b"1", b"2", b"g", b"h", b"x", b"-1"])
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(_NAMES, _VALUES), max_size=6), st.integers(1, 5))
-def test_against_a_plain_reference(pairs: list[tuple[bytes, bytes]], count: int) -> None:
-    """Fields, field list, retries, origin and attempt as the header rules say."""
+@given(st.lists(st.tuples(_NAMES, _VALUES), max_size=6), st.integers(1, 5), st.booleans())
+def test_against_a_plain_reference(pairs: list[tuple[bytes, bytes]], count: int,
+                                   plain_read: bool) -> None:
+    """Fields, field list, retries, origin and attempt as the header rules say
+    (``plain_read``: no counts, as after ``XREADGROUP``, when the count is 1)."""
     flat = [x for kv in pairs for x in kv]
-    ready, direct = stream_deliveries(TARGET, [(b"7-0", flat)], {b"7-0": count})
+    counts = None if plain_read and count == 1 else {b"7-0": count}
+    ready, direct = stream_deliveries(TARGET, [(b"7-0", flat)], counts)
     [d] = ready + [d for d, _ in direct]
+    assert type(d) is Delivery and d.id == "7-0" and d.source == TARGET.source
+    assert (d.data, d.raw, d.mount) == (None, None, TARGET.name)
     own = [(n, v) for n, v in pairs if n not in HEADERS]
     headers = {n: v for n, v in pairs if n in HEADERS}  # the last value of each
     assert d.field_list == tuple(own)

@@ -18,8 +18,9 @@ from trio_redis_finalize import (
     retry_after,
 )
 from trio_redis_finalize._core._plan import Effect, Plan, Target
+from trio_redis_finalize._delivery import make_delivery
 from trio_redis_finalize._subscription import Form
-from trio_redis_finalize._value import immutable, setters
+from trio_redis_finalize._value import builder, immutable, setters
 
 
 def _values() -> list[object]:
@@ -66,3 +67,31 @@ def test_immutable_and_setters_refuse_what_they_cannot_serve() -> None:
     p = Plain()
     set_x(p, 3)
     assert p.x == 3
+
+
+def test_make_delivery_builds_what_the_constructor_builds() -> None:
+    """The readers' fast path (a builder twin, then ``__class__``) gives an
+    ordinary, immutable ``Delivery``: same type, fields, repr, refusals."""
+    args = ("s", "1-0", {b"k": b"v"}, None, 2, "0-1", None, 1, "m", "why", [b"k", b"v", b"k", b"v"])
+    made, built = make_delivery(*args), Delivery(*args)
+    assert type(made) is Delivery
+    assert [getattr(made, f.name, "unset") for f in dataclasses.fields(made)] == [
+        getattr(built, f.name, "unset") for f in dataclasses.fields(built)]
+    assert repr(made) == repr(built) and made.field_list == built.field_list
+    assert getattr(made, "error", None) is None  # unset, as the constructor leaves it
+    for name in ("id", "not_a_field"):
+        with pytest.raises(dataclasses.FrozenInstanceError, match="Delivery"):
+            setattr(made, name, 1)
+        with pytest.raises(dataclasses.FrozenInstanceError, match="Delivery"):
+            delattr(made, name)
+    short = make_delivery("s", None, {}, b"x", 1, "o")
+    assert (short.raw, short.retries, short.mount, short.corrupt, short.flat) == (None, 0, "", None, None)
+
+
+def test_builder_refuses_what_is_not_a_frozen_slotted_dataclass() -> None:
+    @dataclasses.dataclass
+    class Loose:
+        x: int
+
+    with pytest.raises(TypeError, match="frozen=True, slots=True"):
+        builder(Loose)

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import Any
 
-from ._value import immutable, setters
+from ._value import builder, immutable, setters
 
-__all__ = ["MAX_ERROR", "Delivery", "record_error"]
+__all__ = ["MAX_ERROR", "Delivery", "DeliveryBuilder", "make_delivery", "record_error"]
 
 
-# ``init=False``: built for every message read, so the ``__init__`` below sets
-# the slots with their setters (see ``_value``), about twice as fast as the
-# generated frozen ``__init__``.
+# ``init=False``: the ``__init__`` below sets the slots with their setters
+# (see ``_value``), about twice as fast as the generated frozen ``__init__``;
+# the readers build theirs with ``make_delivery`` (plain slot stores on a
+# builder twin), about three times faster still.
 @immutable
 @dataclasses.dataclass(frozen=True, slots=True, eq=False, init=False)
 class Delivery:
@@ -102,6 +104,43 @@ class Delivery:
  _set_mount, _set_corrupt, _set_error, _set_flat) = setters(
     Delivery, "source", "id", "fields", "data", "attempt", "origin_id", "raw", "retries", "mount",
     "corrupt", "error", "flat")
+
+DeliveryBuilder = builder(Delivery)
+"""The builder twin of :class:`Delivery` (``_value.builder``): see :func:`make_delivery`."""
+_new = object.__new__
+
+
+def make_delivery(
+    source: str,
+    id: str | None,
+    fields: Mapping[bytes, bytes],
+    data: bytes | None,
+    attempt: int,
+    origin_id: str,
+    raw: bytes | None = None,
+    retries: int = 0,
+    mount: str = "",
+    corrupt: str | None = None,
+    flat: Sequence[bytes] | None = None,
+) -> Delivery:
+    """``Delivery(...)`` (the same arguments, the same object), built faster:
+    for the readers, which make one for every message read (see ``_value.builder``)."""
+    d: Any = _new(DeliveryBuilder)
+    d.source = source
+    d.id = id
+    d.fields = fields
+    d.data = data
+    d.attempt = attempt
+    d.origin_id = origin_id
+    d.raw = raw
+    d.retries = retries
+    d.mount = mount
+    d.corrupt = corrupt
+    d.flat = flat
+    d.__class__ = Delivery  # every field set: frozen from here on
+    out: Delivery = d
+    return out
+
 
 MAX_ERROR = 500
 """Characters of a handler exception's ``Type: message`` kept (in dead-letter entries)."""

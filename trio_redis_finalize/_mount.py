@@ -60,6 +60,7 @@ import itertools
 import logging
 import math
 import sys
+from bisect import bisect_left
 from collections.abc import Awaitable, Callable, Sequence
 from time import monotonic
 from typing import TYPE_CHECKING
@@ -84,7 +85,7 @@ from ._finalizer import Finalizer
 from ._outcome import DROP, Backoff, Outcome
 from ._read_loop import Reader, drive
 from ._shutdown import CLOSE_MARGIN, FINALIZE_GRACE, Budget, cleanup, cleanup_until
-from ._stats import MountStats
+from ._stats import DURATION_BOUNDS, MountStats
 from ._subscription import Form, Subscription
 from ._work_queue import WorkQueue
 
@@ -378,51 +379,79 @@ class Mount:
         handler = self.handler
         stats = self.stats
         items = queue.items
-        last_flush = monotonic()
+        popleft = items.popleft
+        idle = queue.idle
+        # the handler-duration histogram, inline (Durations.observe: a call per delivery)
+        durations = stats.durations
+        counts = durations.counts
+        first, slow, every = DURATION_BOUNDS[0], _SLOW_CALL, _FLUSH_EVERY
+        # One clock read per delivery: a call starts when the previous one
+        # ended (``now``), unless this task waited in between (then read again).
+        now = monotonic()
+        flush_by = now + every  # when what gathers in ``results`` is handed on at the latest
         outcome: Outcome | Backoff
         try:
             while not self.stopping:
-                d = queue.take()
-                if d is None:
+                if not items:
                     if results:  # another task took the batch's last delivery
                         batch = results[:]
                         results.clear()
                         await send.send(batch)
                     if not await queue.wait():
                         return
-                    last_flush = monotonic()
+                    now = monotonic()
+                    flush_by = now + every
                     continue
-                last = not items  # the last delivery of a batch
+                # A run of handler calls, one after the other without a wait in
+                # between: in flight all along (only a scrape thread could see
+                # the instants between two calls), not while it sends or waits.
                 stats.in_flight += 1
-                start = monotonic()
-                try:  # the handler call, inline: one coroutine less per delivery
-                    outcome = await handler(d)
-                except Exception:
-                    outcome = self._raised(d)
-                except BaseException as e:
-                    if self._own_exit(e):
-                        raise
-                    outcome = self._raised(d)  # e.g. asyncio.CancelledError of another task
-                else:
-                    if outcome.__class__ is not Outcome and not isinstance(outcome, Outcome):
-                        outcome = self._not_outcome(d, outcome)
+                try:
+                    while True:
+                        d = popleft()  # queue.take(), inline
+                        if items:
+                            if idle and not queue.waking:
+                                queue.wake_one()
+                        elif queue.room is not None:
+                            queue.emptied()
+                        last = not items  # the last delivery of a batch
+                        start = now
+                        try:  # the handler call, inline: one coroutine less per delivery
+                            outcome = await handler(d)
+                        except Exception:
+                            outcome = self._raised(d)
+                        except BaseException as e:
+                            if self._own_exit(e):
+                                raise
+                            outcome = self._raised(d)  # e.g. asyncio.CancelledError of another task
+                        else:
+                            if outcome.__class__ is not Outcome and not isinstance(outcome, Outcome):
+                                outcome = self._not_outcome(d, outcome)
+                        results.append((d, outcome))
+                        now = monotonic()
+                        took = now - start
+                        counts[0 if took <= first else bisect_left(DURATION_BOUNDS, took)] += 1
+                        durations.sum += took
+                        # Hand the outcomes on at the end of a batch, after a slow
+                        # handler call (the send costs little beside it), or when the
+                        # oldest has waited _FLUSH_EVERY; else gather more (and should
+                        # the next call be slow, the flusher hands them on meanwhile).
+                        if last or took > slow or now > flush_by:
+                            break
+                        if self._flusher_idle:
+                            self._flusher_idle = False
+                            self._flusher_wake.set()
+                        if not items or self.stopping:
+                            break  # another task took the rest (or stop): hand on what is here
                 finally:
                     stats.in_flight -= 1
-                results.append((d, outcome))
-                # Hand the outcomes on at the end of a batch, after a slow
-                # handler call (the send costs little beside it), or when the
-                # oldest has waited _FLUSH_EVERY; else gather more (and should
-                # the next call be slow, the flusher hands them on meanwhile).
+                if self.stopping:
+                    break  # the outcomes are handed on below
+                batch = results[:]
+                results.clear()
+                await send.send(batch)
                 now = monotonic()
-                stats.durations.observe(now - start)
-                if last or now - start > _SLOW_CALL or now - last_flush > _FLUSH_EVERY:
-                    batch = results[:]
-                    results.clear()
-                    await send.send(batch)
-                    last_flush = now
-                elif self._flusher_idle:
-                    self._flusher_idle = False
-                    self._flusher_wake.set()
+                flush_by = now + every
         finally:
             if results:
                 batch = results[:]

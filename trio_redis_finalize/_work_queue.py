@@ -23,25 +23,30 @@ class WorkQueue:
     deliveries spread over the tasks one by one (none idles behind another's
     slow delivery), and a handler that never blocks drains a whole batch in
     one task, with a single other task woken in vain.
+
+    ``Mount._handler_loop`` takes deliveries with :meth:`take` inlined (a
+    call per delivery less): ``items.popleft()``, then, while more wait,
+    :meth:`wake_one` when ``idle`` and no task is ``waking``, or, once the
+    queue is empty, :meth:`emptied` when a producer waits for ``room``.
     """
 
-    __slots__ = ("_idle", "_room", "_waking", "closed", "items")
+    __slots__ = ("closed", "idle", "items", "room", "waking")
 
     def __init__(self) -> None:
         self.items: deque[Delivery] = deque()
-        self._idle: deque[anyio.Event] = deque()  # handler tasks waiting for work
-        self._waking = 0  # of those, woken and not yet running
-        self._room: anyio.Event | None = None  # producers waiting for the queue to empty
+        self.idle: deque[anyio.Event] = deque()  # handler tasks waiting for work
+        self.waking = 0  # of those, woken and not yet running
+        self.room: anyio.Event | None = None  # producers waiting for the queue to empty
         self.closed = False
 
     async def put(self, deliveries: Sequence[Delivery]) -> None:
         while self.items:
-            room = self._room
+            room = self.room
             if room is None:
-                room = self._room = anyio.Event()
+                room = self.room = anyio.Event()
             await room.wait()
         self.items.extend(deliveries)
-        self._wake_one()
+        self.wake_one()
 
     def take(self) -> Delivery | None:
         """The next delivery, or None when there is none now."""
@@ -50,12 +55,10 @@ class WorkQueue:
             return None
         d = items.popleft()
         if items:
-            if self._idle and not self._waking:  # _wake_one(), inline: once per delivery
-                self._waking += 1
-                self._idle.popleft().set()
-        elif self._room is not None:
-            self._room.set()
-            self._room = None
+            if self.idle and not self.waking:
+                self.wake_one()
+        elif self.room is not None:
+            self.emptied()
         return d
 
     async def wait(self) -> bool:
@@ -64,36 +67,41 @@ class WorkQueue:
             if self.closed:
                 return False
             ev = anyio.Event()
-            self._idle.append(ev)
+            self.idle.append(ev)
             try:
                 await ev.wait()
             except BaseException:
                 if ev.is_set():
-                    self._waking -= 1
-                    self._wake_one()  # pass on the wake-up this task will not use
+                    self.waking -= 1
+                    self.wake_one()  # pass on the wake-up this task will not use
                 else:
-                    self._idle.remove(ev)
+                    self.idle.remove(ev)
                 raise
-            self._waking -= 1
+            self.waking -= 1
         return True
 
-    def _wake_one(self) -> None:
-        if self._idle and not self._waking:
-            self._waking += 1
-            self._idle.popleft().set()
+    def wake_one(self) -> None:
+        """Wake an idle task, unless one is woken already (and has not run yet)."""
+        if self.idle and not self.waking:
+            self.waking += 1
+            self.idle.popleft().set()
+
+    def emptied(self) -> None:
+        """The queue is empty: the producers waiting for room go on."""
+        if self.room is not None:
+            self.room.set()
+            self.room = None
 
     def close(self) -> None:
         """No more puts: wake every idle task (each ends once the queue is empty)."""
         self.closed = True
-        while self._idle:
-            self._waking += 1
-            self._idle.popleft().set()
+        while self.idle:
+            self.waking += 1
+            self.idle.popleft().set()
 
     def drain(self) -> list[Delivery]:
         """Take out every delivery no handler started."""
         items = list(self.items)
         self.items.clear()
-        if self._room is not None:
-            self._room.set()
-            self._room = None
+        self.emptied()
         return items

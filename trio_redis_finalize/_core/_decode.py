@@ -15,7 +15,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .._delivery import Delivery
+from .._delivery import Delivery, DeliveryBuilder, make_delivery
 from .._envelope import GROUP_FIELD, MAGIC, ORIGIN_FIELD, RETRIES_FIELD, CorruptEnvelope, unwrap
 from ._plan import Plan, Target, attempt_of, content_origin, plan_dead, plan_foreign, plan_lost
 
@@ -156,6 +156,12 @@ def lost_entry(target: Target, entry_id: str) -> tuple[Delivery, Plan]:
     return d, plan_lost(target, d)
 
 
+def _without_headers(flat: Sequence[bytes]) -> list[bytes]:
+    """A flat field list without the header fields (name, value, ...)."""
+    return [x for i in range(0, len(flat) - 1, 2) if flat[i] not in _HEADERS
+            for x in (flat[i], flat[i + 1])]
+
+
 def stream_deliveries(
     target: Target, entries: Sequence[Entry], counts: Mapping[bytes, int] | None = None,
 ) -> tuple[list[Delivery], list[tuple[Delivery, Plan]]]:
@@ -177,19 +183,45 @@ def stream_deliveries(
     name = target.name
     limit = target.max_attempts
     own_group = target.group.encode()
+    new = make_delivery
+    build = object.__new__
+    append = ready.append
     for eid, flat in entries:
         entry_id = eid.decode()
         if flat is None:
             direct.append(lost_entry(target, entry_id))
             continue
-        it = iter(flat)
-        fields = dict(zip(it, it, strict=False))
-        count = counts.get(eid, 1) if counts else 1
+        # the field map; a repeated name keeps its last value, as in dict(zip(...))
+        n = len(flat)
+        if n == 4:  # displays for the short field lists: about twice as fast
+            fields = {flat[0]: flat[1], flat[2]: flat[3]}
+        elif n == 2:
+            fields = {flat[0]: flat[1]}
+        elif n == 6:
+            fields = {flat[0]: flat[1], flat[2]: flat[3], flat[4]: flat[5]}
+        else:
+            it = iter(flat)
+            fields = dict(zip(it, it, strict=False))
         if RETRIES_FIELD not in fields and ORIGIN_FIELD not in fields and GROUP_FIELD not in fields:
             # an original: its field list as read is its own
-            if count == 1:  # the common case: attempt 1, within any max_attempts
-                ready.append(Delivery(source, entry_id, fields, None, 1, entry_id, None, 0, name,
-                                      None, flat))
+            if not counts or counts.get(eid, 1) == 1:
+                # the common case: attempt 1, within any max_attempts;
+                # make_delivery(source, entry_id, fields, None, 1, entry_id, None, 0,
+                # name, None, flat), inline: one per entry read
+                d: Any = build(DeliveryBuilder)
+                d.source = source
+                d.id = entry_id
+                d.fields = fields
+                d.data = None
+                d.attempt = 1
+                d.origin_id = entry_id
+                d.raw = None
+                d.retries = 0
+                d.mount = name
+                d.corrupt = None
+                d.flat = flat
+                d.__class__ = Delivery  # every field set: frozen from here on
+                append(d)
                 continue
             body, retries, origin, corrupt, group = flat, 0, entry_id, None, None
         else:
@@ -197,8 +229,7 @@ def stream_deliveries(
             raw_retries = fields.pop(RETRIES_FIELD, None)
             raw_origin = fields.pop(ORIGIN_FIELD, None)
             group = fields.pop(GROUP_FIELD, None)
-            body = [x for i in range(0, len(flat) - 1, 2) if flat[i] not in _HEADERS
-                    for x in (flat[i], flat[i + 1])]
+            body = _without_headers(flat)
             if raw_retries is not None:
                 try:
                     retries = int(raw_retries)
@@ -209,9 +240,9 @@ def stream_deliveries(
                     retries = 0
             if raw_origin is not None:
                 origin = raw_origin.decode("utf-8", "replace")
+        count = counts.get(eid, 1) if counts else 1
         attempt = attempt_of(retries, count)
-        d = Delivery(source, entry_id, fields, None, attempt, origin, None, retries, name, corrupt,
-                     body)
+        d = new(source, entry_id, fields, None, attempt, origin, None, retries, name, corrupt, body)
         if group is not None and group != own_group:
             # a copy another group wrote (RETRY, delayed): that group handles it
             direct.append((d, plan_foreign(target, d)))
