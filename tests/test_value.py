@@ -11,14 +11,21 @@ import pytest
 
 from trio_redis_finalize import (
     ACK,
+    ORIGIN_FIELD,
+    RETRIES_FIELD,
     Backoff,
     ChannelSubscription,
     Delivery,
     PatternSubscription,
+    ReliableListSubscription,
+    StreamSubscription,
     retry_after,
 )
+from trio_redis_finalize._channel import payload_deliveries
+from trio_redis_finalize._core._decode import list_deliveries, stream_deliveries
 from trio_redis_finalize._core._plan import Effect, Plan, Target
-from trio_redis_finalize._delivery import make_delivery
+from trio_redis_finalize._delivery import make_delivery, record_error
+from trio_redis_finalize._envelope import wrap
 from trio_redis_finalize._subscription import Form
 from trio_redis_finalize._value import builder, immutable, setters
 
@@ -44,14 +51,46 @@ def test_every_assignment_and_deletion_is_refused(value: object) -> None:
     assert getattr(value, field) is before
 
 
-@pytest.mark.parametrize("value", [v for v in _values() if not isinstance(v, Delivery)],
-                         ids=lambda v: type(v).__name__)
-def test_copy_and_pickle_keep_the_fields(value: object) -> None:
-    def fields(v: object) -> list[object]:
-        return [getattr(v, f.name) for f in dataclasses.fields(v)]  # type: ignore[arg-type]
+def _fields(v: object) -> list[object]:
+    return [getattr(v, f.name) for f in dataclasses.fields(v)]  # type: ignore[arg-type]
 
+
+@pytest.mark.parametrize("value", _values(), ids=lambda v: type(v).__name__)
+def test_copy_and_pickle_keep_the_fields(value: object) -> None:
     for other in (copy.copy(value), copy.deepcopy(value), pickle.loads(pickle.dumps(value))):
-        assert type(other) is type(value) and fields(other) == fields(value)
+        assert type(other) is type(value) and _fields(other) == _fields(value)
+
+
+def _read_deliveries() -> list[Delivery]:
+    """Deliveries as the readers build them (builder twins, a lazy origin id),
+    one raised on (its ``error`` set)."""
+    stream = StreamSubscription("s", "g").target("c")
+    [original], _ = stream_deliveries(stream, [(b"1-0", [b"k", b"v"])])
+    [copied], _ = stream_deliveries(stream, [(b"2-0", [b"k", b"v", RETRIES_FIELD, b"1",
+                                                       ORIGIN_FIELD, b"1-0"])])
+    lists = ReliableListSubscription("q").target("c")
+    [foreign, enveloped], _ = list_deliveries(lists, "q", [b"payload", wrap(b"body", 2, "o-1")])
+    [payload], _ = payload_deliveries(ChannelSubscription("ch").target("c"), {},
+                                      [(b"ch", b"message")])
+    raised = make_delivery("s", "3-0", {}, None, 1, "3-0")
+    record_error(raised, ValueError("boom"))
+    return [original, copied, foreign, enveloped, payload, raised]
+
+
+def test_read_deliveries_copy_pickle_and_replace_as_deliveries() -> None:
+    for d in _read_deliveries():
+        assert isinstance(d, Delivery) and type(d).__name__ == "Delivery"
+        for other in (copy.copy(d), copy.deepcopy(d), pickle.loads(pickle.dumps(d))):
+            assert type(other) is Delivery and _fields(other) == _fields(d)
+        again = dataclasses.replace(d, attempt=d.attempt + 1)
+        assert isinstance(again, Delivery) and again.attempt == d.attempt + 1
+        assert again.error is None  # not an argument: a replaced copy starts without one
+        assert [getattr(again, f) for f in ("source", "id", "fields", "data", "origin_id",
+                                            "raw", "flat")] == \
+            [getattr(d, f) for f in ("source", "id", "fields", "data", "origin_id", "raw", "flat")]
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            d.attempt = 9  # type: ignore[misc]
+    assert [d.error for d in _read_deliveries()] == [None] * 5 + ["ValueError: boom"]
 
 
 def test_immutable_and_setters_refuse_what_they_cannot_serve() -> None:

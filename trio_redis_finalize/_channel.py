@@ -11,9 +11,9 @@ import anyio
 from redis import exceptions as rexc
 
 from ._context import FINALIZE_TIMEOUT, Context, Item, log
-from ._core._decode import list_delivery
-from ._core._plan import Plan, Target, content_origin
-from ._delivery import Delivery, _set_origin_id
+from ._core._decode import Foreign, ForeignBuilder, list_delivery
+from ._core._plan import Plan, Target
+from ._delivery import Delivery
 from ._envelope import MAGIC
 from ._subscription import Form, Subscription, check_key, check_limits
 from ._transport import PubSub
@@ -117,73 +117,7 @@ _MAX_NAMES = 1000
 _MAGIC_HEAD = MAGIC[:1]
 
 
-class _Payload(Delivery):
-    """The delivery of a message without envelope (a foreign payload: what
-    any other publisher sends): attempt 1, and ``origin_id`` -- a SHA-1 of
-    the payload (:func:`~._core._plan.content_origin`), about 0.7 µs -- is
-    computed when first read instead of for every message received (an
-    ACK or DROP never reads it; a ``retry_after`` copy, a log line, a
-    handler that reads it do).  Nothing else differs: the value is a
-    function of ``raw`` (immutable bytes), so it is the same whenever it is
-    computed; once read it is an ordinary slot; a ``Delivery`` in every
-    respect (``isinstance``, fields, copies, its repr and name).
-    """
-
-    __slots__ = ()
-
-    def __getattr__(self, name: str) -> str:
-        # called only for an unset slot: origin_id until first read (and
-        # error, which stays unset unless the handler raised)
-        if name == "origin_id":
-            raw = self.raw
-            assert raw is not None  # set by the reader, never unset
-            origin = content_origin(raw)
-            _set_origin_id(self, origin)
-            return origin
-        raise AttributeError(f"{type(self).__qualname__!r} object has no attribute {name!r}",
-                             name=name, obj=self)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # pickled and copied as the Delivery it is (pickle finds no _Payload by its name)
-        return _as_delivery, (Delivery.__getstate__(self),)
-
-
-_Payload.__name__ = _Payload.__qualname__ = "Delivery"  # what a handler is told it got
-
-
-def _as_delivery(state: list[Any]) -> Delivery:
-    """A :class:`Delivery` of the fields ``state`` (a :class:`_Payload` unpickled, copied)."""
-    d = Delivery.__new__(Delivery)
-    d.__setstate__(state)  # type: ignore[attr-defined]
-    return d
-
-
-class _Unfrozen:
-    """The slots of a :class:`Delivery`, the same names in the same order,
-    without its refusal to assign: a payload's delivery is filled in here
-    with plain attribute stores, then becomes a :class:`_Payload` by
-    ``__class__`` assignment (which Python allows between classes of the
-    same layout, and checks).  Measured (CPython 3.11, ``timeit``, 100
-    deliveries): about 0.37 µs a delivery, against 0.89 µs with the slot
-    setters and 1.3 µs with ``Delivery.__init__``.  Never seen outside
-    :func:`payload_deliveries`."""
-
-    __slots__ = Delivery.__slots__
-    source: str
-    id: str | None
-    fields: dict[bytes, bytes]
-    data: bytes
-    attempt: int
-    raw: bytes
-    retries: int
-    mount: str
-    corrupt: str | None
-    flat: None
-
-
-_probe = _Unfrozen()
-_probe.__class__ = _Payload  # type: ignore[assignment]  # the layouts match (else: TypeError at import)
-del _probe
+_new = object.__new__
 
 
 def payload_deliveries(
@@ -196,7 +130,8 @@ def payload_deliveries(
 
     A payload without envelope (the common case) is built here -- what
     ``list_delivery`` makes of it, without its calls, its slot setters
-    (see :class:`_Unfrozen`) and its digest (see :class:`_Payload`).
+    (see :data:`~._core._decode.ForeignBuilder`) and its digest (see
+    :class:`~._core._decode.Foreign`).
     """
     ready: list[Delivery] = []
     direct: list[Item] = []
@@ -208,7 +143,7 @@ def payload_deliveries(
         if name is None:
             name = names[channel] = channel.decode("utf-8", "replace")
         if data[:1] != _MAGIC_HEAD and plain:  # cannot be an envelope
-            d = _Unfrozen()
+            d: Any = _new(ForeignBuilder)
             d.source = name
             d.id = None
             d.fields = {}
@@ -218,9 +153,10 @@ def payload_deliveries(
             d.retries = 0
             d.mount = mount
             d.corrupt = None
+            d.error = None
             d.flat = None
-            d.__class__ = _Payload  # type: ignore[assignment]  # frozen from here on
-            ready.append(d)  # type: ignore[arg-type]  # a _Payload now
+            d.__class__ = Foreign  # every field but origin_id set: frozen from here on
+            ready.append(d)
             continue
         envelope, plan = list_delivery(target, name, data)
         if plan is None:

@@ -52,9 +52,10 @@ class Delivery:
     """Name of the subscription that delivered it (logs, stats)."""
     corrupt: str | None = dataclasses.field(default=None, repr=False)
     """Why the envelope could not be decoded, when it could not."""
-    error: str | None = dataclasses.field(default=None, repr=False)
+    error: str | None = dataclasses.field(default=None, repr=False, init=False)
     """``Type: message`` of the handler's exception (bounded), set when it raised;
-    unset (read it with ``getattr(d, "error", None)``) otherwise."""
+    ``None`` otherwise.  Not an argument: a copy (``dataclasses.replace``) starts
+    without one."""
     flat: Sequence[bytes] | None = dataclasses.field(default=None, repr=False)
     """The entry's fields as read, flat (name, value, ...), without the header
     fields; ``None``: the same as ``fields`` (built without a field list)."""
@@ -97,6 +98,7 @@ class Delivery:
         _set_retries(self, retries)
         _set_mount(self, mount)
         _set_corrupt(self, corrupt)
+        _set_error(self, None)
         _set_flat(self, flat)
 
 
@@ -136,6 +138,7 @@ def make_delivery(
     d.retries = retries
     d.mount = mount
     d.corrupt = corrupt
+    d.error = None
     d.flat = flat
     d.__class__ = Delivery  # every field set: frozen from here on
     out: Delivery = d

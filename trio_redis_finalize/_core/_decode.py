@@ -10,17 +10,19 @@ another group wrote, entries deleted while pending.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .._delivery import Delivery, DeliveryBuilder, make_delivery
+from .._delivery import Delivery, DeliveryBuilder, _set_origin_id, make_delivery
 from .._envelope import GROUP_FIELD, MAGIC, ORIGIN_FIELD, RETRIES_FIELD, CorruptEnvelope, unwrap
+from .._value import builder
 from ._plan import Plan, Target, attempt_of, content_origin, plan_dead, plan_foreign, plan_lost
 
 __all__ = [
     "Entry",
+    "Foreign",
+    "ForeignBuilder",
     "as_str",
     "id_key",
     "list_deliveries",
@@ -49,6 +51,53 @@ def open_envelope(raw: bytes) -> tuple[bytes, int, str, str | None]:
     return body, retries, origin if origin is not None else content_origin(raw), None
 
 
+class Foreign(Delivery):
+    """The delivery of a list element or Pub/Sub payload without envelope (a
+    foreign one: what any other producer sends): attempt 1, and ``origin_id``
+    -- a SHA-1 of the bytes (:func:`~._plan.content_origin`), about 0.7 µs -- is
+    computed when first read instead of for every message received (an
+    ACK or DROP never reads it; a ``retry_after`` copy, a log line, a
+    handler that reads it do).  Nothing else differs: the value is a
+    function of ``raw`` (immutable bytes), so it is the same whenever it is
+    computed; once read it is an ordinary slot; a ``Delivery`` in every
+    respect (``isinstance``, fields, copies, its repr and name).
+    """
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str) -> str:
+        # called only for an unset slot: origin_id until first read
+        if name == "origin_id":
+            raw = self.raw
+            assert raw is not None  # set by the reader, never unset
+            origin = content_origin(raw)
+            _set_origin_id(self, origin)
+            return origin
+        raise AttributeError(f"{type(self).__qualname__!r} object has no attribute {name!r}",
+                             name=name, obj=self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # pickled and copied as the Delivery it is (pickle finds no Foreign by its name)
+        return _as_delivery, (Delivery.__getstate__(self),)
+
+
+Foreign.__name__ = Foreign.__qualname__ = "Delivery"  # what a handler is told it got
+
+
+def _as_delivery(state: list[Any]) -> Delivery:
+    """A :class:`Delivery` of the fields ``state`` (a :class:`Foreign` unpickled, copied)."""
+    d = Delivery.__new__(Delivery)
+    d.__setstate__(state)  # type: ignore[attr-defined]
+    return d
+
+
+ForeignBuilder = builder(Foreign)
+"""A foreign delivery is filled in on this twin with plain slot stores (every
+field but ``origin_id``), then becomes a :class:`Foreign` by ``__class__`` assignment (``_value.builder``;
+about 0.37 µs a delivery, against 0.89 µs with the slot setters and 1.3 µs
+with ``Delivery.__init__``)."""
+
+
 def list_delivery(target: Target, source: str, raw: bytes) -> tuple[Delivery, Plan | None]:
     """The delivery of ``raw``, and the plan that finalizes it without a handler
     (corrupt envelope, or already past ``max_attempts``), if any."""
@@ -57,7 +106,7 @@ def list_delivery(target: Target, source: str, raw: bytes) -> tuple[Delivery, Pl
     else:  # cannot be an envelope: a foreign element
         body, retries, origin, corrupt = raw, 0, content_origin(raw), None
     attempt = retries + 1  # attempt_of(retries): retries >= 0
-    d = Delivery(source, None, {}, body, attempt, origin, raw, retries, target.name, corrupt)
+    d = make_delivery(source, None, {}, body, attempt, origin, raw, retries, target.name, corrupt)
     if corrupt is not None:
         what = "dead-lettered" if target.dead_letter is not None else "dropped"
         log.error("%s: %s in a %d-byte element from %r (origin %s); %s",
@@ -71,8 +120,6 @@ def list_delivery(target: Target, source: str, raw: bytes) -> tuple[Delivery, Pl
     return d, None
 
 
-_SHA1 = hashlib.sha1
-_ORIGIN, _DIGITS = "sha1:", 24  # content_origin(raw), inlined (tests/test_decode.py)
 
 
 def list_deliveries(
@@ -83,8 +130,8 @@ def list_deliveries(
 
     The hot path of a reader: an element that cannot be an envelope (a
     foreign producer's, the common case) is attempt 1 -- never past any
-    ``max_attempts`` (>= 1) -- with the digest of its bytes as origin id
-    (:func:`~._plan.content_origin`, inlined); an envelope within
+    ``max_attempts`` (>= 1) -- a :class:`Foreign`, the digest of its bytes
+    (its origin id) computed when first read; an envelope within
     ``max_attempts`` (the library's copies) is unwrapped here; the rest
     (corrupt, past ``max_attempts``, foreign bytes starting with 0xff) goes
     through :func:`list_delivery`.
@@ -93,21 +140,33 @@ def list_deliveries(
     direct: list[tuple[Delivery, Plan]] = []
     name = target.name
     limit = target.max_attempts
-    sha1 = _SHA1
-    prefix = _ORIGIN
-    digits = _DIGITS
+    new = object.__new__
     head = _MAGIC_HEAD
     for raw in raws:
         if raw[:1] != head:
-            ready.append(Delivery(source, None, {}, raw, 1, prefix + sha1(raw).hexdigest()[:digits],
-                                  raw, 0, name))
+            # a Foreign (its origin_id computed when read), built inline
+            d: Any = new(ForeignBuilder)
+            d.source = source
+            d.id = None
+            d.fields = {}
+            d.data = raw
+            d.attempt = 1
+            d.raw = raw
+            d.retries = 0
+            d.mount = name
+            d.corrupt = None
+            d.error = None
+            d.flat = None
+            d.__class__ = Foreign  # every field but origin_id set: frozen from here on
+            ready.append(d)
             continue
         try:
             body, retries, origin = unwrap(raw)
         except CorruptEnvelope:
             origin = None
         if origin is not None and (limit is None or retries < limit):  # attempt <= limit
-            ready.append(Delivery(source, None, {}, body, retries + 1, origin, raw, retries, name))
+            ready.append(make_delivery(source, None, {}, body, retries + 1, origin, raw, retries,
+                                       name))
             continue
         d, p = list_delivery(target, source, raw)
         if p is None:
@@ -219,6 +278,7 @@ def stream_deliveries(
                 d.retries = 0
                 d.mount = name
                 d.corrupt = None
+                d.error = None
                 d.flat = flat
                 d.__class__ = Delivery  # every field set: frozen from here on
                 append(d)
