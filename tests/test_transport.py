@@ -447,6 +447,17 @@ async def test_pipeline_reruns_only_the_noscript_entry(redis_url: str) -> None:
         assert await client.pipeline([]) == []
 
 
+async def test_pipeline_sends_a_repeated_command_object_every_time(redis_url: str) -> None:
+    """The same command object n times in a row (packed once) is n commands,
+    also between others and after a different object of equal value."""
+    incr = ("INCR", "n")
+    async with open_client(redis_url) as client:
+        replies = await client.pipeline([incr] * 3 + [("INCR", "m"), incr, ("INCR", "n"), incr])
+        assert replies == [1, 2, 3, 1, 4, 5, 6]
+        async with await client.connect() as conn:
+            assert await conn.pipeline([incr] * 64) == list(range(7, 71))
+
+
 async def test_pipeline_keeps_its_order_for_a_script_the_server_lost(redis_url: str) -> None:
     # Scripts flushed (a restart, a failover, SCRIPT FLUSH): an EVALSHA answered
     # NOSCRIPT and sent again would run after the commands behind it.  The

@@ -193,9 +193,21 @@ class Connection:
     async def pipeline(
         self, commands: Sequence[Command], *, timeout: float | None = None
     ) -> list[Any]:
-        """Send all ``commands`` at once; replies in order, error replies as values."""
-        payload = b"".join([pack_command(c if c.__class__ is tuple else tuple(c))
-                            for c in commands])
+        """Send all ``commands`` at once; replies in order, error replies as values.
+
+        A command that is the same object as the one before it (a reader's
+        ``[lmove] * 63``) is packed once.
+        """
+        parts: list[bytes] = []
+        append = parts.append
+        last: object = None
+        packed = b""
+        for c in commands:
+            if c is not last:
+                last = c
+                packed = pack_command(c if c.__class__ is tuple else tuple(c))
+            append(packed)
+        payload = b"".join(parts)
         try:
             return await self.roundtrip(payload, len(commands), timeout)
         except rexc.TimeoutError as e:
