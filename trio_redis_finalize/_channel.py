@@ -182,6 +182,9 @@ class PubSubReader:
         self._lost_at: float | None = None  # when the connection was lost (a gap began)
         self._names: dict[bytes, str] = {}  # channel names decoded
 
+    pending = None  # nothing stays pending (at-most-once)
+    gates = None
+
     def abandon(self, deliveries: Sequence[Delivery]) -> Plan | None:
         if deliveries:
             log.warning("%s: %d received message(s) not handled at shutdown (Pub/Sub is "

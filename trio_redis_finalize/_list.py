@@ -71,6 +71,9 @@ class ListReader:
         self.sub = sub
         self._timeout = f"{max(sub.block, 0.001):.3f}"  # "0.000" would block forever
 
+    pending = None  # nothing stays pending (at-most-once)
+    gates = None
+
     def abandon(self, deliveries: Sequence[Delivery]) -> Plan | None:
         """RPUSH the elements back, the oldest last (BRPOP takes it first again)."""
         raws = [d.raw for d in deliveries if d.raw is not None]

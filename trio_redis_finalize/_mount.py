@@ -164,10 +164,11 @@ class Mount:
         self._warn_repeats = target.max_attempts is None and (
             isinstance(again, Backoff) or again.is_retry)
         # Backoff: failed deliveries waiting to be delivered again (due, seq, delivery)
+        hooks = reader.pending
         self._redeliver: Callable[[Mount, list[Delivery]], Awaitable[list[Delivery]]] | None = (
-            getattr(reader, "redeliver", None) if isinstance(self._on_error, Backoff) else None)
-        self._leave: Callable[[Mount, list[Delivery]], None] | None = getattr(
-            reader, "leave_pending", None)
+            hooks.redeliver if hooks is not None and isinstance(self._on_error, Backoff) else None)
+        self._leave: Callable[[Mount, list[Delivery]], None] | None = (
+            hooks.leave_pending if hooks is not None else None)
         self._waiting: list[tuple[float, int, Delivery]] = []
         self._waiting_seq = itertools.count()
         self._waiting_wake = anyio.Event()
@@ -180,7 +181,7 @@ class Mount:
         self.finalizer = Finalizer(
             name=self.name, target=target, client=client, stats=self.stats, in_hand=self.in_hand,
             scheduler=scheduler, owner=self, wait_out=self._wait_out,
-            gates=getattr(reader, "gates", None), settled=self.settled,
+            gates=reader.gates, settled=self.settled,
         )
         self.stopping = False
         self.done = anyio.Event()

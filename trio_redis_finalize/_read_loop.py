@@ -40,11 +40,12 @@ from ._shutdown import CLOSING_TIMEOUT, cleanup
 if TYPE_CHECKING:
     from anyio.abc import TaskStatus
 
+    from ._core._finalize import Gates
     from ._core._plan import Plan
     from ._delivery import Delivery
     from ._transport import Client, Connection
 
-__all__ = ["Reader", "Steps", "check_type", "drive", "reader_connection", "retry_not_run"]
+__all__ = ["Pending", "Reader", "Steps", "check_type", "drive", "reader_connection", "retry_not_run"]
 
 C = TypeVar("C")
 T = TypeVar("T")
@@ -76,18 +77,36 @@ class Steps(Protocol[C]):
     async def closing(self, ctx: Context) -> None: ...
 
 
-class Reader(Steps[Any], Protocol):
-    """What a subscription form provides: its read loop's steps, and give-backs.
+class Pending(Protocol):
+    """What a form that leaves failed deliveries pending (streams, reliable
+    lists) offers the mount for its ``Backoff`` (see ``_mount``)."""
 
-    Forms that leave failed deliveries pending (streams, reliable lists)
-    also offer, looked up with ``getattr``: ``redeliver(ctx, deliveries)``
-    (take due ``Backoff`` deliveries again as their next attempt and
-    deliver them; returns those to try again a moment later; raises having
-    delivered none, when it could not), and ``leave_pending(ctx,
-    deliveries)`` (forget them: they stay pending for the ordinary
-    recovery); a reliable list its ``gates`` (counted removals of identical
-    elements, ``_core._finalize.Gates``).
-    """
+    async def redeliver(self, ctx: Context, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        """Take due ``Backoff`` deliveries again as their next attempt and deliver
+        them; returns those to try again a moment later; raises having delivered
+        none, when it could not."""
+        ...
+
+    def leave_pending(self, ctx: Context, deliveries: Sequence[Delivery]) -> None:
+        """Forget ``deliveries``: they stay pending for the ordinary recovery."""
+        ...
+
+
+class Reader(Steps[Any], Protocol):
+    """What a subscription form provides: its read loop's steps, give-backs,
+    and the hooks of its form (None where the form has none)."""
+
+    @property
+    def pending(self) -> Pending | None:
+        """The reader's :class:`Pending` hooks (streams, reliable lists), or None
+        (simple lists, Pub/Sub: nothing stays pending)."""
+        ...
+
+    @property
+    def gates(self) -> Gates | None:
+        """Counted removals of identical elements (reliable lists,
+        ``_core._finalize.Gates``), or None."""
+        ...
 
     def abandon(self, deliveries: Sequence[Delivery]) -> Plan | None:
         """Commands that give back deliveries read but never started (or None)."""

@@ -33,7 +33,7 @@ from ._delay_set import move_due
 from ._delivery import Delivery
 from ._keys import derived, same_slot
 from ._outcome import Outcome, OutcomeKind
-from ._read_loop import check_type, reader_connection
+from ._read_loop import Pending, check_type, reader_connection
 from ._shutdown import CLOSING_TIMEOUT, Budget, cleanup
 from ._subscription import (
     DelayedRetry,
@@ -232,6 +232,11 @@ class ReliableListReader:
         self._previous = 0  # elements the previous turn handed over
         self._blmove: Command = ()
         self._lmove: Command = ()
+
+    @property
+    def pending(self) -> Pending:
+        """This reader: failed deliveries stay pending (``redeliver``, ``leave_pending``)."""
+        return self
 
     def abandon(self, deliveries: Sequence[Delivery]) -> Plan | None:
         """Give elements read but never started (shutdown) back to the queue.

@@ -21,7 +21,7 @@ from ._core._scripts import move_due_to_stream
 from ._delay_set import move_due
 from ._delivery import Delivery
 from ._keys import derived, same_slot
-from ._read_loop import check_type, reader_connection, retry_not_run
+from ._read_loop import Pending, check_type, reader_connection, retry_not_run
 from ._shutdown import cleanup
 from ._subscription import (
     DelayedRetry,
@@ -303,6 +303,13 @@ class StreamReader:
         # count (None: the server count as it is), until handed over: a
         # recovery after a failure in between counts them alike (no bump twice).
         self._taking: dict[bytes, int | None] = {}
+
+    @property
+    def pending(self) -> Pending:
+        """This reader: failed deliveries stay pending (``redeliver``, ``leave_pending``)."""
+        return self
+
+    gates = None  # nothing counted: ids are unique
 
     def abandon(self, deliveries: Sequence[Delivery]) -> Plan | None:
         """Give deliveries read but never started back to the PEL, uncounted.
