@@ -47,8 +47,8 @@ def stream_fields(member: bytes) -> list[bytes]:
     return [CORRUPT_FIELD, member]
 
 
-async def move_due(mount: Context, script: Script, block: float) -> float:
-    """Move due copies of ``mount``'s delay set back to its source.
+async def move_due(ctx: Context, script: Script, block: float) -> float:
+    """Move due copies of the delay set of ``ctx`` (a mount) back to its source.
 
     Returns the seconds until the next copy is due (0 when more are due now,
     at most ``block``), and updates the mount's ``delay_lag``.
@@ -57,40 +57,40 @@ async def move_due(mount: Context, script: Script, block: float) -> float:
         redis.exceptions.ResponseError: Redis refused the move (what was not
             written is still in the set).
     """
-    t = mount.target
-    moved, now_ms, first, *back = await mount.client.evalsha(
+    t = ctx.target
+    moved, now_ms, first, *back = await ctx.client.evalsha(
         script, (t.delay_key, t.source), (MOVE_LIMIT, MOVE_WIDTH, MOVE_RESERVE_MS),
         timeout=FINALIZE_TIMEOUT,
     )
     moved = int(moved)
     if moved:
-        mount.stats.effects["moved_from_delay_set"] += moved
+        ctx.stats.effects["moved_from_delay_set"] += moved
     if back:
-        await _move_back(mount, back)
+        await _move_back(ctx, back)
     if moved + len(back) >= MOVE_LIMIT:
         return 0.0
     if first is None:
-        mount.stats.delay_lag = None
+        ctx.stats.delay_lag = None
         return block
     lag = (int(now_ms) - float(first)) / 1000
-    mount.stats.delay_lag = max(lag, 0.0)
+    ctx.stats.delay_lag = max(lag, 0.0)
     return max(0.0, min(block, -lag))
 
 
-async def _move_back(mount: Context, members: Sequence[bytes]) -> None:
+async def _move_back(ctx: Context, members: Sequence[bytes]) -> None:
     """Write the members the script handed back, then remove those written.
 
     Each member is tried on its own (one that Redis refuses holds up no
     other); the first refusal is raised once the others are moved.
     """
-    t = mount.target
+    t = ctx.target
     if t.form is not Form.STREAM:  # pragma: no cover - the list script hands nothing back
         raise ValueError(f"{t.name}: no member is handed back for a {t.form.value}")
-    client = mount.client
+    client = ctx.client
     adds: list[Command] = [("XADD", t.source, "*", *stream_fields(m)) for m in members]
     replies = await client.pipeline(adds, raise_on_error=False, timeout=FINALIZE_TIMEOUT)
     written = [m for m, r in zip(members, replies, strict=True) if not isinstance(r, Exception)]
     if written:
         await client.execute("ZREM", t.delay_key, *written, timeout=FINALIZE_TIMEOUT)
-        mount.stats.effects["moved_from_delay_set"] += len(written)
+        ctx.stats.effects["moved_from_delay_set"] += len(written)
     raise_first_error(adds, replies)

@@ -256,14 +256,14 @@ class ReliableListReader:
             args += [e, 1]  # n: set by prepare() when it is sent
         return Plan(Effect.NOTHING, (GIVE_BACK.command((t.processing, t.source), args),))
 
-    async def _built(self, mount: Context, built: list[tuple[Delivery, Plan | None]]) -> None:
+    async def _built(self, ctx: Context, built: list[tuple[Delivery, Plan | None]]) -> None:
         """:meth:`_hand_over` of deliveries built one by one (``list_delivery``)."""
         await self._hand_over(
-            mount, [d.raw for d, _ in built if d.raw is not None],
+            ctx, [d.raw for d, _ in built if d.raw is not None],
             [d for d, p in built if p is None], [(d, p) for d, p in built if p is not None],
         )
 
-    async def _hand_over(self, mount: Context, raws: Sequence[bytes], ready: list[Delivery],
+    async def _hand_over(self, ctx: Context, raws: Sequence[bytes], ready: list[Delivery],
                          direct: Sequence[Item]) -> None:
         """:func:`~._context.hand_over`, giving back what was not handed over when cancelled.
 
@@ -272,11 +272,11 @@ class ReliableListReader:
         sent = False
         try:
             if direct:
-                await mount.send_plans(list(direct))
+                await ctx.send_plans(list(direct))
             sent = True
             # Context.deliver() hands over all or nothing: cancelled means none
             # of them reached a handler, whatever the concurrency
-            await mount.deliver(ready)
+            await ctx.deliver(ready)
         except BaseException:
             back = [d.raw for d in ready if d.raw is not None] if sent else list(raws)
             plan = self._give_back_plan(back)
@@ -284,15 +284,15 @@ class ReliableListReader:
                 commands = self.prepare(list(plan.commands))
                 with cleanup(FINALIZE_TIMEOUT):
                     try:
-                        replies = await mount.client.pipeline(commands, timeout=FINALIZE_TIMEOUT)
+                        replies = await ctx.client.pipeline(commands, timeout=FINALIZE_TIMEOUT)
                         self.settle([], commands, replies)
                     except (rexc.RedisError, OSError) as e:
                         log.warning("%s: could not give %d element(s) back to the queue (%s); "
-                                    "they stay in the processing list", mount.name, len(back), e)
+                                    "they stay in the processing list", ctx.name, len(back), e)
             raise
 
     # -- on_error=Backoff ---------------------------------------------------------
-    async def redeliver(self, mount: Context, deliveries: Sequence[Delivery]) -> list[Delivery]:
+    async def redeliver(self, ctx: Context, deliveries: Sequence[Delivery]) -> list[Delivery]:
         """Deliver again, as their next attempt, elements whose handler failed.
 
         Called by the mount once their :class:`~trio_redis_finalize.Backoff`
@@ -316,7 +316,7 @@ class ReliableListReader:
         stay held for the mount's next try, and a rescan is asked for, which
         delivers the new bytes should a bump have been applied after all.
         """
-        t = mount.target
+        t = ctx.target
         held, unsent = self._in_hand, self._unsent
         busy = {e for d in deliveries if (e := d.raw) is not None
                 and held.get(e, 0) > unsent.get(e, 0)}  # a removal of those bytes on the way
@@ -334,7 +334,7 @@ class ReliableListReader:
         cmds = [BUMP.command((t.processing,), (e, n))
                 for e, n in zip(old, new, strict=True) if n is not None]
         try:
-            replies = iter(await mount.client.pipeline(cmds, timeout=FINALIZE_TIMEOUT) if cmds else [])
+            replies = iter(await ctx.client.pipeline(cmds, timeout=FINALIZE_TIMEOUT) if cmds else [])
         except BaseException:
             for e, n in zip(old, new, strict=True):
                 if n is not None:
@@ -351,16 +351,16 @@ class ReliableListReader:
                 if next(replies) is None:  # gone from the processing list meanwhile
                     dec(held, n)
                     log.warning("%s: a failed element (origin %s, attempt %d) is no longer in "
-                                "processing list %r; not delivered again", mount.name,
+                                "processing list %r; not delivered again", ctx.name,
                                 d.origin_id, d.attempt, t.processing)
                     continue
                 raw = n
                 unsent[n] = unsent.get(n, 0) + 1
-            built.append(list_delivery(mount.target, self.sub.queue, raw))
-        await self._built(mount, built)
+            built.append(list_delivery(ctx.target, self.sub.queue, raw))
+        await self._built(ctx, built)
         return later
 
-    def leave_pending(self, mount: Context, deliveries: Sequence[Delivery]) -> None:
+    def leave_pending(self, ctx: Context, deliveries: Sequence[Delivery]) -> None:
         """Forget failed elements without a timer (the mount's waiting set is
         full): they stay in the processing list, not held, for the next rescan
         (after a read error, at a start), which delivers them again counted as
@@ -537,7 +537,7 @@ class ReliableListReader:
                 heapq.heappush(self._delayed, (anyio.current_time() + delay + _HELD_MARGIN, d.raw))
 
     # -- recovery -------------------------------------------------------------
-    async def _rescan(self, conn: Connection, mount: Context, *, start: bool = True) -> None:
+    async def _rescan(self, conn: Connection, ctx: Context, *, start: bool = True) -> None:
         """Deliver what the processing list holds that this reader does not.
 
         At start (``start``) every element there is an attempt: the previous
@@ -546,7 +546,7 @@ class ReliableListReader:
         read reply of this process: delivered as it is (no handler saw it),
         but for copies this reader handled whose removal may have left them.
         """
-        t = mount.target
+        t = ctx.target
         self._rescan_wanted = False
         items: list[bytes] = await conn.execute("LRANGE", t.processing, 0, -1,
                                                 timeout=FINALIZE_TIMEOUT)
@@ -556,16 +556,16 @@ class ReliableListReader:
         if not lost:
             return
         log.warning("%s: %d element(s) in processing list %r were not finalized; "
-                    "delivering them again", mount.name, len(lost), t.processing)
+                    "delivering them again", ctx.name, len(lost), t.processing)
         for i in range(0, len(lost), 500):
-            await self._redeliver(mount, lost[i : i + 500])
+            await self._redeliver(ctx, lost[i : i + 500])
 
-    async def _redeliver(self, mount: Context, elements: list[tuple[bytes, bool]]) -> None:
-        t = mount.target
+    async def _redeliver(self, ctx: Context, elements: list[tuple[bytes, bool]]) -> None:
+        t = ctx.target
         news = [bumped(e) if bump else e for e, bump in elements]
         cmds = [BUMP.command((t.processing,), (e, n))
                 for (e, bump), n in zip(elements, news, strict=True) if bump and n is not None]
-        replies = iter(await mount.client.pipeline(cmds, timeout=FINALIZE_TIMEOUT) if cmds else [])
+        replies = iter(await ctx.client.pipeline(cmds, timeout=FINALIZE_TIMEOUT) if cmds else [])
         built: list[tuple[Delivery, Plan | None]] = []
         for (e, bump), n in zip(elements, news, strict=True):
             if n is None:  # corrupt: cannot carry a counter, dead-lettered as it is
@@ -575,44 +575,44 @@ class ReliableListReader:
             else:
                 raw = n
             self._hold(raw)
-            built.append(list_delivery(mount.target, self.sub.queue, raw))
-        await self._built(mount, built)
+            built.append(list_delivery(ctx.target, self.sub.queue, raw))
+        await self._built(ctx, built)
 
     # -- heartbeat and reaper -----------------------------------------------------
-    def _beat(self, mount: Context, ttl: float) -> list[Command]:
+    def _beat(self, ctx: Context, ttl: float) -> list[Command]:
         sub = self.sub
-        me = mount.consumer.name
+        me = ctx.consumer.name
         return [
             ("SET", heartbeat_key(sub.queue, me), me, "PX", max(1, round(ttl * 1000))),
-            ("HSET", registry_key(sub.queue), me, mount.target.processing),
+            ("HSET", registry_key(sub.queue), me, ctx.target.processing),
         ]
 
-    async def _heartbeat(self, mount: Context) -> None:
+    async def _heartbeat(self, ctx: Context) -> None:
         every = self.sub.heartbeat / 3
         while True:
             await anyio.sleep(every)
             try:
-                await mount.client.pipeline(self._beat(mount, self.sub.heartbeat),
+                await ctx.client.pipeline(self._beat(ctx, self.sub.heartbeat),
                                             timeout=FINALIZE_TIMEOUT)
             except (rexc.ConnectionError, rexc.TimeoutError, rexc.ResponseError, OSError) as e:
                 log.warning("%s: heartbeat failed (%s); other consumers may take over this "
                             "consumer's processing list after %.1f s without one",
-                            mount.name, e, self.sub.heartbeat)
+                            ctx.name, e, self.sub.heartbeat)
 
-    async def _reaper(self, mount: Context) -> None:
+    async def _reaper(self, ctx: Context) -> None:
         every = self.sub.heartbeat / 2
         while True:
             try:
-                await self.reap(mount)
+                await self.reap(ctx)
             except (rexc.ConnectionError, rexc.TimeoutError, rexc.ResponseError, OSError) as e:
-                log.warning("%s: looking for dead consumers failed: %s", mount.name, e)
+                log.warning("%s: looking for dead consumers failed: %s", ctx.name, e)
             await anyio.sleep(every * random.uniform(0.8, 1.2))
 
-    async def reap(self, mount: Context) -> int:
+    async def reap(self, ctx: Context) -> int:
         """Move the processing lists of dead consumers back onto the queue."""
         sub = self.sub
-        client = mount.client
-        me = mount.consumer.name.encode()
+        client = ctx.client
+        me = ctx.consumer.name.encode()
         flat = await client.execute("HGETALL", registry_key(sub.queue), timeout=FINALIZE_TIMEOUT)
         others = [(n, p) for n, p in zip(flat[::2], flat[1::2], strict=True) if n != me]
         if not others:
@@ -625,12 +625,12 @@ class ReliableListReader:
         for (name, proc), live in zip(others, alive, strict=True):
             if live:
                 continue
-            moved += await self._reap_one(mount, name.decode(), proc.decode())
+            moved += await self._reap_one(ctx, name.decode(), proc.decode())
         return moved
 
-    async def _reap_one(self, mount: Context, name: str, processing: str) -> int:
+    async def _reap_one(self, ctx: Context, name: str, processing: str) -> int:
         sub = self.sub
-        client = mount.client
+        client = ctx.client
         keys = (processing, sub.queue, heartbeat_key(sub.queue, name), registry_key(sub.queue))
         total = 0
         for _ in range(_REAP_ROUNDS):
@@ -646,9 +646,9 @@ class ReliableListReader:
             if not page:
                 break
         if total:
-            mount.stats.effects["recovered"] += total
+            ctx.stats.effects["recovered"] += total
             log.warning("%s: consumer %r stopped its heartbeat; moved %d element(s) of its "
-                        "processing list %r back onto the queue", mount.name, name, total,
+                        "processing list %r back onto the queue", ctx.name, name, total,
                         processing)
         return total
 

@@ -450,7 +450,7 @@ class StreamReader:
             self._recover_due = True
 
     # -- on_error=Backoff: failed entries wait pending, then come back ------------
-    async def redeliver(self, mount: Context, deliveries: Sequence[Delivery]) -> list[Delivery]:
+    async def redeliver(self, ctx: Context, deliveries: Sequence[Delivery]) -> list[Delivery]:
         """Deliver again, as their next attempt, entries whose handler failed.
 
         Called by the mount once their :class:`~trio_redis_finalize.Backoff`
@@ -471,13 +471,13 @@ class StreamReader:
         later (nothing, for a stream).
         """
         sub = self.sub
-        me = mount.consumer.name
+        me = ctx.consumer.name
         args: list[str | int] = [sub.group, me]
         for d in deliveries:
             assert d.id is not None
             args += [d.id, d.attempt + 1]
-        reply = await mount.client.evalsha(_REDELIVER, (sub.stream,), args, timeout=FINALIZE_TIMEOUT)
-        held = mount.in_hand
+        reply = await ctx.client.evalsha(_REDELIVER, (sub.stream,), args, timeout=FINALIZE_TIMEOUT)
+        held = ctx.in_hand
         entries: list[Entry] = []
         counts: dict[bytes, int] = {}
         gone: list[bytes] = []
@@ -491,31 +491,31 @@ class StreamReader:
             if r == 0:
                 log.warning("%s: entry %s (attempt %d) is no longer pending for this consumer "
                             "(claimed by another, or acknowledged); not delivered again",
-                            mount.name, d.id, d.attempt,
-                            extra={"subscription": mount.name, "entry_id": d.id, "attempt": d.attempt})
+                            ctx.name, d.id, d.attempt,
+                            extra={"subscription": ctx.name, "entry_id": d.id, "attempt": d.attempt})
             else:
                 gone.append(d.id.encode())
-        await self._lost(mount, gone)
+        await self._lost(ctx, gone)
         if entries:
-            self._note(mount, entries, counts)
-            await self._hand_over(mount, entries, counts)
+            self._note(ctx, entries, counts)
+            await self._hand_over(ctx, entries, counts)
         return []  # nothing to try again later
 
-    def leave_pending(self, mount: Context, deliveries: Sequence[Delivery]) -> None:
+    def leave_pending(self, ctx: Context, deliveries: Sequence[Delivery]) -> None:
         """Forget failed entries without a timer (the mount's waiting set is
         full): they stay in the PEL, for the own-PEL re-read (after a read
         error, at a start, and every minute while no entry is in hand) and,
         in RECLAIM and CLAIMING, for a claim once idle ``min_idle``."""
-        mount.in_hand.difference_update([d.id for d in deliveries if d.id is not None])
+        ctx.in_hand.difference_update([d.id for d in deliveries if d.id is not None])
 
     # -- set-up ---------------------------------------------------------------
-    async def _check_keys(self, mount: Context) -> None:
+    async def _check_keys(self, ctx: Context) -> None:
         """The dead letter must be a stream, the durable delay set a sorted set."""
-        t = mount.target
+        t = ctx.target
         if t.dead_letter is not None:
-            await check_type(mount.client, t.dead_letter, "stream", f"{self.sub.name}, its dead_letter")
+            await check_type(ctx.client, t.dead_letter, "stream", f"{self.sub.name}, its dead_letter")
         if t.delayed_retry is DelayedRetry.DURABLE_ZSET:
-            await check_type(mount.client, t.delay_key, "zset", f"{self.sub.name}, its delay_key")
+            await check_type(ctx.client, t.delay_key, "zset", f"{self.sub.name}, its delay_key")
 
     async def _ensure_group(self, client: Client, at: str | None = None) -> bool:
         try:
@@ -543,7 +543,7 @@ class StreamReader:
         if why is not None:
             raise ValueError(f"{why} (mounting {sub.name})")
 
-    async def _trim(self, mount: Context) -> None:
+    async def _trim(self, ctx: Context) -> None:
         """Retention: one bounded trim step (``_retention.TRIM_ACKED``) every
         ``_TRIM_EVERY`` seconds, at once again while a step says more is left.
 
@@ -551,7 +551,7 @@ class StreamReader:
         never end the reader.
         """
         sub = self.sub
-        client = mount.client
+        client = ctx.client
         reported: tuple[str, ...] = ()
         while True:
             wait = _TRIM_EVERY
@@ -563,14 +563,14 @@ class StreamReader:
                 kind = classify(e)
                 (log.error if kind is FINAL else log.warning)(
                     "%s: retention trim of stream %r failed (%s: %s); trying again in %g s",
-                    mount.name, sub.stream, kind.value, e, wait,
-                    extra={"subscription": mount.name},
+                    ctx.name, sub.stream, kind.value, e, wait,
+                    extra={"subscription": ctx.name},
                 )
             else:
                 result = parse_trim(reply)
                 if result.removed:
-                    mount.stats.effects["trimmed"] += result.removed
-                    log.debug("%s: trimmed %d entries below %s", mount.name, result.removed,
+                    ctx.stats.effects["trimmed"] += result.removed
+                    log.debug("%s: trimmed %d entries below %s", ctx.name, result.removed,
                               result.threshold)
                 if result.more:
                     wait = _TRIM_AGAIN
@@ -578,8 +578,8 @@ class StreamReader:
                     reported = result.groups
                     why = delete_refusal(sub.stream, sub.group, result.groups)
                     if why is not None:
-                        log.error("%s: %s -- they are losing entries now", mount.name, why,
-                                  extra={"subscription": mount.name})
+                        log.error("%s: %s -- they are losing entries now", ctx.name, why,
+                                  extra={"subscription": ctx.name})
             await anyio.sleep(wait)
 
     async def _group_last(self, client: Client) -> bytes | None:
@@ -593,7 +593,7 @@ class StreamReader:
 
     # -- deliveries -----------------------------------------------------------
     async def _hand_over(
-        self, mount: Context, entries: list[Entry], counts: dict[bytes, int] | None = None,
+        self, ctx: Context, entries: list[Entry], counts: dict[bytes, int] | None = None,
     ) -> None:
         """Hand entries over (decoded by :func:`~._core._decode.stream_deliveries`):
         plans first, then the deliveries for the handlers.
@@ -603,25 +603,25 @@ class StreamReader:
         delivery counts are set back (see :meth:`abandon`), shielded and
         bounded; should that fail they stay pending as they are.
         """
-        ready, direct = stream_deliveries(mount.target, entries, counts)
+        ready, direct = stream_deliveries(ctx.target, entries, counts)
         try:
             if direct:
-                await mount.send_plans([*direct])
-            await mount.deliver(ready)
+                await ctx.send_plans([*direct])
+            await ctx.deliver(ready)
         except anyio.get_cancelled_exc_class():
             got = counts or {}
             p = self._give_back([(eid, got.get(eid, 1)) for eid, flat in entries if flat is not None])
             if p is not None:
                 with cleanup(FINALIZE_TIMEOUT):
                     try:
-                        await mount.client.pipeline(p.commands, timeout=FINALIZE_TIMEOUT)
+                        await ctx.client.pipeline(p.commands, timeout=FINALIZE_TIMEOUT)
                     except (rexc.RedisError, OSError) as e:
                         log.warning("%s: could not give %d unstarted entries back (%s); they "
-                                    "stay pending", mount.name, len(entries), e,
-                                    extra={"subscription": mount.name})
+                                    "stay pending", ctx.name, len(entries), e,
+                                    extra={"subscription": ctx.name})
             raise
 
-    def _note(self, mount: Context, entries: Sequence[tuple[bytes, Any]], counts: dict[bytes, int]) -> None:
+    def _note(self, ctx: Context, entries: Sequence[tuple[bytes, Any]], counts: dict[bytes, int]) -> None:
         """Remember what recovery and claims hand over: the last id, counts other than 1."""
         if not entries:
             return
@@ -629,8 +629,8 @@ class StreamReader:
         if self._last is None or id_key(top) > id_key(self._last):
             self._last = top
         given = self._given
-        if len(given) > 2 * len(mount.in_hand) + 1000:  # forget what was finalized
-            self._given = given = {k: v for k, v in given.items() if k in mount.in_hand}
+        if len(given) > 2 * len(ctx.in_hand) + 1000:  # forget what was finalized
+            self._given = given = {k: v for k, v in given.items() if k in ctx.in_hand}
         for eid, _ in entries:
             n = counts.get(eid, 1)
             if n != 1:
@@ -661,19 +661,19 @@ class StreamReader:
             out.update((r[0][0], int(r[0][3])) for r in replies if r)
         return out
 
-    async def _lost(self, mount: Context, ids: Sequence[bytes]) -> None:
+    async def _lost(self, ctx: Context, ids: Sequence[bytes]) -> None:
         """Acknowledge entries deleted while pending, once each (reported lost)."""
         items: list[Item] = []
-        held = mount.in_hand
+        held = ctx.in_hand
         for eid in ids:
             entry_id = eid.decode()
             if entry_id in held:  # reported already (its acknowledgement is on the way), or handled
                 continue
             held.add(entry_id)  # until finalized: no second report meanwhile
-            items.append(lost_entry(mount.target, entry_id))
-        await mount.send_plans(items)
+            items.append(lost_entry(ctx.target, entry_id))
+        await ctx.send_plans(items)
 
-    async def _recover(self, conn: Connection, mount: Context, *, start: bool = False) -> None:
+    async def _recover(self, conn: Connection, ctx: Context, *, start: bool = False) -> None:
         """Take back this consumer's own pending entries that no handler holds.
 
         Page by page: ``XPENDING`` (ids, idle times, delivery counts), then
@@ -693,7 +693,7 @@ class StreamReader:
         Entries the stream no longer has are acknowledged and reported lost.
         """
         sub = self.sub
-        me = mount.consumer.name
+        me = ctx.consumer.name
         start = start or self._last is None  # a reader that knows nothing: a restart
         lo = "-"
         while True:
@@ -706,7 +706,7 @@ class StreamReader:
             lo = "(" + as_str(rows[-1][0])
             last = id_key(self._last) if self._last is not None else (-1, -1)
             wanted: dict[int, list[tuple[bytes, int]]] = {}  # attempt -> (id, idle ms)
-            held = mount.in_hand
+            held = ctx.in_hand
             taking = self._taking
             for eid, _owner, idle, count in rows:
                 if eid.decode() in held:
@@ -722,18 +722,18 @@ class StreamReader:
                     n += 1
                 wanted.setdefault(max(n, 1), []).append((eid, int(idle)))
             for n, taken in wanted.items():
-                await self._take(conn, mount, taken, n)
+                await self._take(conn, ctx, taken, n)
             if len(rows) < sub.count:
                 self._taking.clear()
                 return
 
-    async def _take(self, conn: Connection, mount: Context, taken: list[tuple[bytes, int]], n: int) -> None:
+    async def _take(self, conn: Connection, ctx: Context, taken: list[tuple[bytes, int]], n: int) -> None:
         """XCLAIM own pending entries with their count set to ``n``; hand them over."""
         sub = self.sub
         ids = [eid for eid, _ in taken]
         self._taking.update(dict.fromkeys(ids, n))
         reply = await conn.execute(
-            "XCLAIM", sub.stream, sub.group, mount.consumer.name, min(idle for _, idle in taken),
+            "XCLAIM", sub.stream, sub.group, ctx.consumer.name, min(idle for _, idle in taken),
             *ids, "RETRYCOUNT", n, timeout=FINALIZE_TIMEOUT,
         )
         entries: list[Entry] = [
@@ -744,23 +744,23 @@ class StreamReader:
         if missing:
             # deleted while pending (Redis 7 drops them from the PEL here, 6.2
             # answers nil and keeps them), or claimed by another consumer
-            found = await mount.client.pipeline(
+            found = await ctx.client.pipeline(
                 [("XRANGE", sub.stream, eid, eid) for eid in missing], timeout=FINALIZE_TIMEOUT
             )
-            await self._lost(mount, [eid for eid, hit in zip(missing, found, strict=True) if not hit])
+            await self._lost(ctx, [eid for eid, hit in zip(missing, found, strict=True) if not hit])
         if entries:
             counts = dict.fromkeys(got, n)
-            self._note(mount, entries, counts)
-            await self._hand_over(mount, entries, counts)
+            self._note(ctx, entries, counts)
+            await self._hand_over(ctx, entries, counts)
         for eid in ids:
             self._taking.pop(eid, None)
 
-    async def _claim(self, conn: Connection, mount: Context) -> None:
+    async def _claim(self, conn: Connection, ctx: Context) -> None:
         """XAUTOCLAIM entries idle ``min_idle`` (any consumer), one page."""
         sub = self.sub
         self._unsure = True
         reply = await conn.execute(
-            "XAUTOCLAIM", sub.stream, sub.group, mount.consumer.name,
+            "XAUTOCLAIM", sub.stream, sub.group, ctx.consumer.name,
             round(sub.min_idle * 1000), self._cursor, "COUNT", sub.count,
             timeout=FINALIZE_TIMEOUT,
         )
@@ -772,22 +772,22 @@ class StreamReader:
         if len(claimed) < len(reply[1]):
             # Redis < 7 answers nil (no id) for an entry deleted while pending,
             # and claims it into our PEL: find the vanished ids by hand.
-            await self._ack_vanished(mount, start, self._cursor, {e[0] for e in claimed})
+            await self._ack_vanished(ctx, start, self._cursor, {e[0] for e in claimed})
         deleted: list[bytes] = list(reply[2]) if len(reply) > 2 else []
-        held = mount.in_hand
+        held = ctx.in_hand
         for eid in deleted:  # Redis 7+: dropped from the PEL by XAUTOCLAIM itself
             if eid.decode() in held:  # reported already, or being handled
                 continue
-            mount.stats.effects["lost_before_handling"] += 1
+            ctx.stats.effects["lost_before_handling"] += 1
             log.warning("%s: entry %s was deleted while pending; dropped from the PEL",
-                        mount.name, eid.decode(),
-                        extra={"subscription": mount.name, "entry_id": eid.decode()})
-        await self._lost(mount, [e[0] for e in claimed if e[1] is None])
+                        ctx.name, eid.decode(),
+                        extra={"subscription": ctx.name, "entry_id": eid.decode()})
+        await self._lost(ctx, [e[0] for e in claimed if e[1] is None])
         live = [e for e in claimed if e[1] is not None]
         if live:
             ids = [e[0] for e in live]
             counts = await retry_not_run(
-                mount, partial(self._counts, mount.client, mount.consumer.name, ids),
+                ctx, partial(self._counts, ctx.client, ctx.consumer.name, ids),
                 deadline=anyio.current_time() + _CLAIMED_TIMEOUT,
                 what=f"counts of {len(ids)} claimed entries",
             )
@@ -797,14 +797,14 @@ class StreamReader:
             own = [e[0] for e in live if e[0].decode() in held]
             if own:
                 log.warning("%s: %d entries being handled were idle min_idle=%g s (lease "
-                            "renewal late); kept with their handlers", mount.name, len(own),
-                            sub.min_idle, extra={"subscription": mount.name})
+                            "renewal late); kept with their handlers", ctx.name, len(own),
+                            sub.min_idle, extra={"subscription": ctx.name})
                 p = self._give_back([(eid, counts.get(eid, 2)) for eid in own])
                 if p is not None:
-                    await mount.client.pipeline(p.commands, timeout=FINALIZE_TIMEOUT)
+                    await ctx.client.pipeline(p.commands, timeout=FINALIZE_TIMEOUT)
                 live = [e for e in live if e[0].decode() not in held]
-            self._note(mount, live, counts)
-            await self._hand_over(mount, live, counts)
+            self._note(ctx, live, counts)
+            await self._hand_over(ctx, live, counts)
         for e in claimed:
             self._taking.pop(e[0], None)
         self._unsure = False
@@ -813,48 +813,48 @@ class StreamReader:
         self._next_claim = 0.0 if self._cursor != "0-0" else anyio.current_time() + interval
 
     async def _ack_vanished(
-        self, mount: Context, start: str, end: str, claimed: set[bytes]
+        self, ctx: Context, start: str, end: str, claimed: set[bytes]
     ) -> None:
         """Acknowledge our pending entries in [start, end) that the stream no longer has."""
         sub = self.sub
-        client = mount.client
+        client = ctx.client
         stop = None if end == "0-0" else id_key(end.encode())
         lo = start
         page = sub.count + 100
         while True:
             rows = await client.execute(
-                "XPENDING", sub.stream, sub.group, lo, "+", page, mount.consumer.name,
+                "XPENDING", sub.stream, sub.group, lo, "+", page, ctx.consumer.name,
                 timeout=FINALIZE_TIMEOUT,
             )
             inside = [r[0] for r in rows if stop is None or id_key(r[0]) < stop]
-            candidates = [eid for eid in inside if eid not in claimed and eid.decode() not in mount.in_hand]
+            candidates = [eid for eid in inside if eid not in claimed and eid.decode() not in ctx.in_hand]
             if candidates:
                 found = await client.pipeline(
                     [("XRANGE", sub.stream, eid, eid) for eid in candidates], timeout=FINALIZE_TIMEOUT
                 )
-                await self._lost(mount, [eid for eid, hit in zip(candidates, found, strict=True)
+                await self._lost(ctx, [eid for eid, hit in zip(candidates, found, strict=True)
                                          if not hit])
             if len(rows) < page or len(inside) < len(rows):
                 return
             lo = "(" + as_str(rows[-1][0])
 
-    async def _move_due(self, mount: Context) -> float:
+    async def _move_due(self, ctx: Context) -> float:
         """Move due copies from the durable delay set; seconds until the next is due."""
         try:
-            return await move_due(mount, move_due_to_stream(self.sub.copy_maxlen), self.sub.block)
+            return await move_due(ctx, move_due_to_stream(self.sub.copy_maxlen), self.sub.block)
         except rexc.ResponseError as e:
             # Redis refused a write (the stream is of another type now, or at
             # its last possible id, ...): what was not written is still in the
             # set.  Keep reading the stream and try again later, loudly,
             # rather than let one bad key end the consumer.
-            t = mount.target
-            mount.stats.read_errors += 1
+            t = ctx.target
+            ctx.stats.read_errors += 1
             log.error("%s: moving due copies from %r back to %r failed: %s; trying again in %g s",
-                      mount.name, t.delay_key, t.source, e, _MOVE_RETRY,
-                      extra={"subscription": mount.name})
+                      ctx.name, t.delay_key, t.source, e, _MOVE_RETRY,
+                      extra={"subscription": ctx.name})
             return _MOVE_RETRY
 
-    async def _lease(self, mount: Context) -> None:
+    async def _lease(self, ctx: Context) -> None:
         """Keep held entries' idle time low so no other consumer claims them.
 
         Renewed every ``min_idle / 3`` (``min_idle`` >= 0.01 s in the modes
@@ -865,16 +865,16 @@ class StreamReader:
         interval = max(self.sub.min_idle / 3, 0.001)
         while True:
             await anyio.sleep(interval)
-            ids = sorted(mount.in_hand)
+            ids = sorted(ctx.in_hand)
             for i in range(0, len(ids), 500):
                 try:
-                    await mount.client.execute(
-                        "XCLAIM", self.sub.stream, self.sub.group, mount.consumer.name, 0,
+                    await ctx.client.execute(
+                        "XCLAIM", self.sub.stream, self.sub.group, ctx.consumer.name, 0,
                         *ids[i : i + 500], "JUSTID", timeout=FINALIZE_TIMEOUT,
                     )
                 except (rexc.ConnectionError, rexc.TimeoutError, rexc.ResponseError) as e:
-                    log.warning("%s: lease renewal failed: %s", mount.name, e,
-                                extra={"subscription": mount.name})
+                    log.warning("%s: lease renewal failed: %s", ctx.name, e,
+                                extra={"subscription": ctx.name})
 
     def _resume_at(self) -> str:
         """Where a group destroyed mid-run is recreated: the last id handed over."""
