@@ -6,6 +6,7 @@ Sans-IO: the finalizer (``_finalizer``) sends what this decides.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import itemgetter
 from typing import Any
 
 from . import _scripts
@@ -73,16 +74,21 @@ def _id_order(eid: Arg) -> tuple[int, str, int, str]:
     return len(ms), ms, len(seq), seq
 
 
+_STR = {str}
+_DASH = {"-"}
+
+
 def gate_range(ids: Sequence[Arg]) -> tuple[Arg, Arg, int]:
     """``lo, hi, count`` of a batched call's gates (see ``_scripts``): the
     smallest and largest of ``ids``, and at most twice as many rows."""
     first = ids[0]
-    if isinstance(first, str) and (k := first.find("-")) > 0 and all(
-            isinstance(i, str) and len(i) == len(first) and i[k] == "-" for i in ids):
-        # ids of one shape (the common case): ms parts of one length, so
-        # seq parts too; such ids compare as text
+    # (checked with map(): no Python-level call per id)
+    if first.__class__ is str and (k := first.find("-")) > 0 and set(map(type, ids)) == _STR:
         texts: Sequence[str] = ids  # type: ignore[assignment]
-        return min(texts), max(texts), 2 * len(ids)
+        if set(map(len, texts)) == {len(first)} and set(map(itemgetter(k), texts)) == _DASH:
+            # ids of one shape (the common case): ms parts of one length, so
+            # seq parts too; such ids compare as text
+            return min(texts), max(texts), 2 * len(ids)
     keys = list(map(_id_order, ids))
     lo = min(keys)
     hi = max(keys)
