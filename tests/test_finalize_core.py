@@ -792,14 +792,16 @@ def test_gate_range_bounds_every_id(ids: list[tuple[int, int]]) -> None:
 @settings(max_examples=300, deadline=None)
 @given(ids=st.lists(st.tuples(st.integers(0, 10**14), st.integers(0, 10**4)), min_size=1,
                     max_size=30),
-       width=st.sampled_from([None, 13]))
+       width=st.sampled_from([None, 13, "ms"]))
 def test_gate_range_of_ids_of_one_length_and_of_mixed_lengths(
-    ids: list[tuple[int, int]], width: int | None,
+    ids: list[tuple[int, int]], width: int | str | None,
 ) -> None:
     from trio_redis_finalize._core._batch import gate_range
 
-    if width is not None:  # ids of one length: the text comparison path
+    if width == 13:  # ids of one length: the text comparison path
         ids = [(10**12 + ms % 10**12, 1000 + seq % 9000) for ms, seq in ids]
+    elif width == "ms":  # ms parts of one length, seq parts not (…-9, …-10)
+        ids = [(10**12 + ms % 10**3, seq) for ms, seq in ids]
     text = [f"{ms}-{seq}" for ms, seq in ids]
     lo, hi, _ = gate_range(text)
     assert (lo, hi) == (f"{min(ids)[0]}-{min(ids)[1]}", f"{max(ids)[0]}-{max(ids)[1]}")
