@@ -12,7 +12,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from redis import exceptions as rexc
 
@@ -29,7 +29,7 @@ from trio_redis_finalize import (
 )
 from trio_redis_finalize._core._batch import batch_singles, is_batched
 from trio_redis_finalize._core._finalize import GO, FinalizeBatch, FinalizerCore, Item
-from trio_redis_finalize._core._plan import FAILED, GATE_CLOSED, Plan, Target, plan_lost
+from trio_redis_finalize._core._plan import FAILED, GATE_CLOSED, Effect, Plan, Target, plan_lost
 from trio_redis_finalize._core._replies import NotRunError
 from trio_redis_finalize._subscription import DelayedRetry, Mode
 
@@ -792,14 +792,110 @@ def test_gate_range_bounds_every_id(ids: list[tuple[int, int]]) -> None:
 @settings(max_examples=300, deadline=None)
 @given(ids=st.lists(st.tuples(st.integers(0, 10**14), st.integers(0, 10**4)), min_size=1,
                     max_size=30),
-       width=st.sampled_from([None, 13]))
+       width=st.sampled_from([None, 13, "ms"]))
 def test_gate_range_of_ids_of_one_length_and_of_mixed_lengths(
-    ids: list[tuple[int, int]], width: int | None,
+    ids: list[tuple[int, int]], width: int | str | None,
 ) -> None:
     from trio_redis_finalize._core._batch import gate_range
 
-    if width is not None:  # ids of one length: the text comparison path
+    if width == 13:  # ids of one length: the text comparison path
         ids = [(10**12 + ms % 10**12, 1000 + seq % 9000) for ms, seq in ids]
+    elif width == "ms":  # ms parts of one length, seq parts not (…-9, …-10)
+        ids = [(10**12 + ms % 10**3, seq) for ms, seq in ids]
     text = [f"{ms}-{seq}" for ms, seq in ids]
     lo, hi, _ = gate_range(text)
     assert (lo, hi) == (f"{min(ids)[0]}-{min(ids)[1]}", f"{max(ids)[0]}-{max(ids)[1]}")
+
+
+# -- first_round's batched calls, against a plain statement of the rule ------------
+
+def _reference_first_round(plans: Sequence[Plan], cap: int, room: int) -> list[tuple[Any, ...]]:
+    """Which plans share a call, in which order: each gated stream script goes
+    into the open call of its key (``batch_part``), a new one at its place when
+    that call holds ``cap`` deliveries or would pass ``room`` values."""
+    from trio_redis_finalize._core._batch import batch_part
+
+    out: list[Any] = []
+    open_: dict[Any, list[Any]] = {}
+    for j, p in enumerate(plans):
+        (c,) = p.commands
+        bp = batch_part(c) if p.gated else None
+        if bp is None:
+            out.append(("own", j))
+            continue
+        key, part = bp
+        size = len(part)
+        b = open_.get(key)
+        if b is None or len(b[0]) >= cap or b[1] + size > room:
+            b = open_[key] = [[], 0]
+            out.append(("call", b[0]))
+        b[0].append(j)
+        b[1] += size
+    return [(kind, tuple(x) if isinstance(x, list) else (x,)) for kind, x in out]
+
+
+@settings(max_examples=200, deadline=None)
+# a copy with delete/cap arguments opens the next call of the plain copies' key
+@example(picks=[(0, 0), (0, 0), (2, 0), (0, 0)], cap=2, room=40)
+@given(
+    picks=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 4)), max_size=40),
+    cap=st.integers(1, 5),
+    room=st.integers(1, 40),
+)
+def test_first_round_groups_as_the_rule_says(
+    picks: list[tuple[int, int]], cap: int, room: int
+) -> None:
+    """Plain copies (keys as the same objects or as equal copies), copies with
+    delete/cap arguments (``"0"``/``0``: the plain copies' key), other streams,
+    durable delays and single XACKs, mixed: the batched calls and their owners
+    are what the rule says, each call carrying its plans' own commands."""
+    import pytest
+
+    from trio_redis_finalize._core import _scripts
+    from trio_redis_finalize._core._batch import batch_part, first_round
+
+    def copy(kind: int, n: int, j: int) -> Plan:
+        eid = f"17000000000{j:02d}-{j}"
+        fields = [b"f", b"v" * n] * (n + 1)
+        src = "orders" if kind != 3 else "other"
+        if kind == 1:  # equal keys, other objects
+            src, grp = "".join(["ord", "ers"]), "".join(["g", "1"])
+        else:
+            grp = "g1"
+        if kind == 2:
+            return Plan(Effect.COPIED, (_scripts.STREAM_COPY_ACK_EX.command(
+                (src, src), (grp, eid, "0", 0, *fields)),))
+        if kind == 4:
+            return Plan(Effect.DELAYED, (_scripts.STREAM_ZADD_ACK.command(
+                (src, "{orders}:delayed"), (grp, eid, 5, b"m%d" % j)),))
+        if kind == 5:
+            return Plan(Effect.ACKED, (("XACK", src, grp, eid),))
+        if kind == 6:  # not gated: its own command
+            return Plan(Effect.COPIED, (_scripts.STREAM_COPY_ACK.command(
+                (src, src), (grp, eid, *fields)),), gated=False)
+        return Plan(Effect.COPIED, (_scripts.STREAM_COPY_ACK.command(
+            (src, src), (grp, eid, *fields)),))
+
+    plans = [copy(kind, n, j) for j, (kind, n) in enumerate(picks)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_scripts, "STREAM_BATCH_MAX", cap)
+        mp.setattr(_scripts, "STREAM_BATCH_VALUES", room)
+        commands, owners, _ = first_round((), plans)
+    # the XACKs merge into one command: compare what is left
+    got = []
+    for c, own in zip(commands, owners, strict=True):
+        if c[0] == "XACK":
+            continue
+        if is_batched(c):
+            # (an EX copy with delete "0" and cap 0 rides as a plain copy: the same work)
+            assert [batch_part(s) for s in batch_singles(c)] == [
+                batch_part(plans[j].commands[0]) for j in own]
+            got.append(("call", own))
+        elif own and plans[own[0]].gated and plans[own[0]].commands[0][0] == b"EVALSHA":
+            assert c == plans[own[0]].commands[0]
+            got.append(("call", own))  # a call of one delivery: its own command
+        else:
+            got.append(("own", own))
+    expected = [x for x in _reference_first_round(plans, cap, room)
+                if not (x[0] == "own" and plans[x[1][0]].commands[0][0] == "XACK")]
+    assert got == expected

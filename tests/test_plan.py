@@ -60,7 +60,7 @@ from trio_redis_finalize._core._plan import (
 from trio_redis_finalize._envelope import GROUP_FIELD, unpack_parts, unwrap, wrap
 from trio_redis_finalize._keys import same_slot
 from trio_redis_finalize._outcome import OutcomeKind
-from trio_redis_finalize._subscription import Form
+from trio_redis_finalize._subscription import Form, Retention
 
 SETTINGS = settings(max_examples=400, deadline=None)
 
@@ -733,3 +733,53 @@ def test_fast_path_removes_nothing_where_nothing_is_removed() -> None:
             for outcome in (ACK, DROP):
                 with pytest.raises(AckUnsupported, match="nothing to acknowledge"):
                     plan(t, d, outcome)
+
+
+# -- a stream RETRY's inline plan is the general copy's ---------------------------
+
+@settings(max_examples=150, deadline=None)
+@given(
+    mode=st.sampled_from(list(Mode)),
+    retention=st.sampled_from([None, *Retention]),
+    copy_maxlen=st.none() | st.integers(0, 10**6),
+    max_attempts=st.none() | st.integers(1, 5),
+    cluster=st.booleans(),
+    group=st.sampled_from(["", GROUP, "{orders}g"]),
+    attempt=st.integers(1, 7),
+    retries=st.integers(0, 6),
+    flat=st.booleans(),
+    field_list=st.lists(st.tuples(st.binary(max_size=4), st.binary(max_size=8)), min_size=1,
+                        max_size=4),
+)
+def test_stream_retry_is_the_general_copy(
+    mode: Mode, retention: Retention | None, copy_maxlen: int | None, max_attempts: int | None,
+    cluster: bool, group: str, attempt: int, retries: int, flat: bool,
+    field_list: list[tuple[bytes, bytes]],
+) -> None:
+    """``plan()``'s inline RETRY on a stream (``_stream_retry``) sends what the
+    general ``_stream_copy`` of ``_stream_copy_fields`` does, byte for byte."""
+    from trio_redis_finalize._core._plan import (
+        _stream_copy,
+        _stream_copy_fields,
+        _stream_retry,
+        plan_dead,
+    )
+
+    t = dataclasses.replace(
+        StreamSubscription(STREAM, GROUP, mode=mode, max_attempts=max_attempts).target(
+            CONSUMER, cluster=cluster),
+        retention=retention, copy_maxlen=copy_maxlen, group=group)
+    d = Delivery(source=STREAM, id="1700000000000-7", fields=dict(field_list), data=None,
+                 attempt=attempt, origin_id="1600000000000-0", retries=retries, mount="m",
+                 flat=[x for kv in field_list for x in kv] if flat else None)
+    expected = _stream_copy(t, d, t.source, _stream_copy_fields(d, t.group), Effect.COPIED,
+                            t.copy_maxlen)
+    assert _stream_retry(t, d) == expected
+    got = plan(t, d, RETRY)
+    if max_attempts is not None and attempt >= max_attempts:
+        reason = f"max_attempts={max_attempts} reached at attempt {attempt}"
+        assert got == plan_dead(t, d, reason)
+    elif mode is Mode.CLAIMING:
+        assert got == Plan(Effect.LEFT_PENDING)
+    else:
+        assert got == expected

@@ -6,6 +6,7 @@ Sans-IO: the finalizer (``_finalizer``) sends what this decides.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import itemgetter
 from typing import Any
 
 from . import _scripts
@@ -73,16 +74,22 @@ def _id_order(eid: Arg) -> tuple[int, str, int, str]:
     return len(ms), ms, len(seq), seq
 
 
+_UNSET = object()
+_STR = {str}
+_DASH = {"-"}
+
+
 def gate_range(ids: Sequence[Arg]) -> tuple[Arg, Arg, int]:
     """``lo, hi, count`` of a batched call's gates (see ``_scripts``): the
     smallest and largest of ``ids``, and at most twice as many rows."""
     first = ids[0]
-    if isinstance(first, str) and (k := first.find("-")) > 0 and all(
-            isinstance(i, str) and len(i) == len(first) and i[k] == "-" for i in ids):
-        # ids of one shape (the common case): ms parts of one length, so
-        # seq parts too; such ids compare as text
+    # (checked with map(): no Python-level call per id)
+    if first.__class__ is str and (k := first.find("-")) > 0 and set(map(type, ids)) == _STR:
         texts: Sequence[str] = ids  # type: ignore[assignment]
-        return min(texts), max(texts), 2 * len(ids)
+        if set(map(len, texts)) == {len(first)} and set(map(itemgetter(k), texts)) == _DASH:
+            # ids of one shape (the common case): ms parts of one length, so
+            # seq parts too; such ids compare as text
+            return min(texts), max(texts), 2 * len(ids)
     keys = list(map(_id_order, ids))
     lo = min(keys)
     hi = max(keys)
@@ -169,11 +176,37 @@ def first_round(
     placed: list[list[Any]] = []
     cap = _scripts.STREAM_BATCH_MAX
     room = _scripts.STREAM_BATCH_VALUES
+    # the keys of the last plain copy's batched call, and that call
+    l3: object = _UNSET
+    l4: object = _UNSET
+    l5: object = _UNSET
+    lb: list[Any] | None = None
     for j, p in enumerate(plans):
         cmds = p.commands
         if len(cmds) == 1 and cmds[0][0] != "XACK":  # one script (the common case), inline
             c = cmds[0]
             sha = c[1]
+            if sha == _COPY and c[0] == b"EVALSHA" and c[2] == 2 and p.gated:
+                # a RETRY copy (the common case): as below, the key looked up
+                # only when it is not the one of the plan before
+                if c[3] is not l3 or c[4] is not l4 or c[5] is not l5:
+                    l3, l4, l5 = c[3], c[4], c[5]
+                    lb = batches.get((_COPY_BATCH, l3, l4, l5, "0", "0"))
+                size = len(c) - 5
+                b = lb
+                if b is None or len(b[1]) >= cap or b[4] + size > room:
+                    b = lb = batches[(_COPY_BATCH, l3, l4, l5, "0", "0")] = [
+                        len(out), [], [], [], 0]
+                    placed.append(b)
+                    out.append(None)
+                    owners.append([])
+                b[1].append(j)
+                b[2].append(c)
+                args = b[3]
+                args += (c[6], size - 2)
+                args += c[7:]
+                b[4] += size
+                continue
             if c[0] == b"EVALSHA" and sha in _SINGLE and p.gated and c[2] == 2:
                 # a gated stream script: into the batched call of its key
                 if sha == _COPY:
@@ -189,6 +222,7 @@ def first_round(
                 b = batches.get(key)
                 if b is None or len(b[1]) >= cap or b[4] + size > room:
                     b = batches[key] = [len(out), [], [], [], 0]
+                    l3 = _UNSET  # the fast path above looks its key up again
                     placed.append(b)
                     out.append(None)
                     owners.append([])

@@ -68,6 +68,7 @@ from redis import exceptions as rexc
 from .._delivery import Delivery
 from .._errors import AckUnsupported
 from .._outcome import Backoff, Outcome, OutcomeKind
+from .._subscription import Form
 from ._batch import BATCHED, FAST_ONLY, first_round
 from ._commands import Command
 from ._plan import (
@@ -100,6 +101,11 @@ Item = tuple[Delivery, "Outcome | Plan | Backoff"]
 Record = tuple[int, str, tuple[object, ...], dict[str, Any]]
 """A log record to emit: ``(level, message, args, extra)``, for
 ``log.log(level, message, *args, extra=extra)``."""
+
+_RETRY = OutcomeKind.RETRY
+_RETRY_KEY = _RETRY._value_  # what _plan_for counts
+_RETRY_AFTER = OutcomeKind.RETRY_AFTER
+_LEFT_PENDING = Effect.LEFT_PENDING
 
 _DEBUG = logging.DEBUG
 _INFO = logging.INFO
@@ -160,7 +166,8 @@ class FinalizerCore:
     ``gates``: the reader's counted gates (reliable lists), or None.
     """
 
-    __slots__ = ("_cut_warned", "_kinds", "_names", "gates", "name", "removals", "target")
+    __slots__ = ("_cut_warned", "_kinds", "_names", "_stream", "gates", "name", "removals",
+                 "target")
 
     def __init__(self, target: Target, *, gates: Gates | None = None) -> None:
         self.target = target
@@ -170,6 +177,7 @@ class FinalizerCore:
         self._kinds = tuple(self.removals)  # a tuple: `in` by identity, no Enum.__hash__ call
         self._names = tuple((k, k._value_, e._value_) for k, e in self.removals.items())
         self._cut_warned = False  # claiming: a retry_after longer than min_idle was logged
+        self._stream = target.form is Form.STREAM
 
     def batch(self, items: Sequence[Item], *, debug: bool = False) -> FinalizeBatch:
         """The batch that finalizes ``items``; ``debug``: add a record per delivery finalized."""
@@ -199,7 +207,7 @@ class FinalizerCore:
             b.records.append((_ERROR, "%s (message %s, attempt %d)", (e, d.origin_id, d.attempt),
                               log_extra(self.name, d, outcome)))
             return None
-        if (p.effect is Effect.LEFT_PENDING and kind is OutcomeKind.RETRY_AFTER
+        if (p.effect is _LEFT_PENDING and kind is _RETRY_AFTER
                 and outcome.delay > t.min_idle and not self._cut_warned):
             # claiming: the PEL is the delay, and XAUTOCLAIM takes the entry
             # back once it has been idle min_idle, whatever the delay asked
@@ -247,9 +255,18 @@ class FinalizeBatch:
         removed: list[Delivery] = []
         kinds: list[OutcomeKind] = []
         removable = core._kinds
+        retries = core._stream  # a stream: a RETRY's plan, without _plan_for's checks
+        target = core.target
+        outcomes = self.outcomes
         for d, outcome in items:
             if outcome.__class__ is Outcome:
                 kind = outcome.kind
+                if kind is _RETRY and retries:
+                    # _plan_for(), inline: plan() refuses nothing on a stream
+                    outcomes[_RETRY_KEY] = outcomes.get(_RETRY_KEY, 0) + 1
+                    plans.append((d, plan(target, d, outcome)))
+                    returned.append(outcome)
+                    continue
                 if kind in removable:
                     removed.append(d)
                     kinds.append(kind)

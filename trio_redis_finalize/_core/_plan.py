@@ -349,6 +349,47 @@ def list_counted(cmd: Command, n: int) -> Command:
     return (*cmd[: at[1]], n)
 
 
+_STREAM = Form.STREAM
+_LIST = Form.LIST
+_CHANNEL = Form.CHANNEL
+_PATTERN = Form.PATTERN
+_RETRY = OutcomeKind.RETRY
+_CLAIMING = Mode.CLAIMING
+_DELETE = Retention.DELETE_ON_FINALIZE
+_COPIED = Effect.COPIED
+_LEFT_PENDING = Effect.LEFT_PENDING
+_COPY_ACK_SHA = _scripts.STREAM_COPY_ACK.sha
+
+
+def _stream_retry(t: Target, d: Delivery) -> Plan:
+    """A RETRY on a stream, not claiming, within ``max_attempts``: what
+    ``_stream_copy(t, d, t.source, _stream_copy_fields(d, t.group),
+    Effect.COPIED, t.copy_maxlen)`` returns, built in one tuple (the hot
+    path of a RETRY)."""
+    if t.copy_maxlen is not None or t.retention is _DELETE or t.cluster:
+        return _stream_copy(t, d, t.source, _stream_copy_fields(d, t.group), _COPIED,
+                            t.copy_maxlen)
+    eid = d.id
+    assert eid is not None
+    flat = d.flat
+    if flat is None:
+        flat = _flat(d.fields)
+    retries = d.retries + 1  # _copy_retries(d), inlined
+    if d.attempt > retries:
+        retries = d.attempt
+    source = t.source
+    group = t.group
+    if group:
+        # Script.command((source, source), (group, id, *fields)), inline
+        cmd: Command = (b"EVALSHA", _COPY_ACK_SHA, 2, source, source, group, eid, *flat,
+                        RETRIES_FIELD, str(retries).encode(), ORIGIN_FIELD,
+                        d.origin_id.encode(), GROUP_FIELD, group.encode())
+    else:
+        cmd = (b"EVALSHA", _COPY_ACK_SHA, 2, source, source, group, eid, *flat,
+               RETRIES_FIELD, str(retries).encode(), ORIGIN_FIELD, d.origin_id.encode())
+    return Plan(_COPIED, (cmd,))
+
+
 def _stream_copy(
     t: Target, d: Delivery, dest: str, fields: list[bytes], effect: Effect,
     maxlen: int | None = None,
@@ -545,7 +586,13 @@ def plan(t: Target, d: Delivery, outcome: Outcome) -> Plan:
     """
     kind = outcome.kind
     form = t.form
-    no_ack = form in (Form.LIST, Form.CHANNEL, Form.PATTERN)
+    if form is _STREAM and kind is _RETRY:  # the common case first (Enum class lookups are slow)
+        if t.max_attempts is not None and d.attempt >= t.max_attempts:
+            return plan_dead(t, d, f"max_attempts={t.max_attempts} reached at attempt {d.attempt}")
+        if t.mode is _CLAIMING:
+            return Plan(_LEFT_PENDING)
+        return _stream_retry(t, d)
+    no_ack = form is _LIST or form is _CHANNEL or form is _PATTERN
     if no_ack and kind is not OutcomeKind.RETRY_AFTER:
         raise AckUnsupported(
             f"{t.name}: a {form.value} has nothing to acknowledge, so {outcome!r} is refused; "
