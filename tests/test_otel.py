@@ -99,6 +99,28 @@ async def test_process_and_settle_spans_by_the_conventions(
         assert s.context.trace_id == parent.context.trace_id
 
 
+async def test_a_failed_finalization_settles_as_failed_with_an_error_status(
+    redis_url: str, client: Client, exporter: InMemorySpanExporter
+) -> None:
+    """The settle span carries the effect Redis answered, not the plan's: a
+    dead letter refused (its key holds a string: WRONGTYPE) is ``failed``."""
+    async def handle(d: Delivery) -> Outcome:
+        return RETRY if d.fields[b"n"] == b"poison" else ACK
+
+    sub = StreamSubscription("orders", "billing", block=0.05, max_attempts=1,
+                             dead_letter="orders:dead")
+    async with open_consumer(redis_url, name="worker-1") as consumer:
+        await consumer.mount(sub, instrument_handler(handle))
+        await client.execute("SET", "orders:dead", "not a stream")  # after mount()'s type check
+        for n in ("ok", "poison"):
+            await client.execute("XADD", "orders", "*", "n", n)
+        await until(lambda: len(named(exporter, "settle ")) == 2)
+    by_effect = {(s.attributes or {})["trf.effect"]: s for s in named(exporter, "settle ")}
+    assert set(by_effect) == {"acked", "failed"}
+    assert by_effect["failed"].status.status_code is trace.StatusCode.ERROR
+    assert by_effect["acked"].status.status_code is not trace.StatusCode.ERROR
+
+
 async def test_trace_context_from_producer_to_consumer_every_form(
     redis_url: str, exporter: InMemorySpanExporter
 ) -> None:

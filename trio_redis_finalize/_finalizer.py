@@ -45,7 +45,8 @@ class Finalizer:
     before the last attempt (the delivery waits in memory, or is left
     pending; the core dead-letters it at the last).  ``gates``: the reader's
     counted gates for removals of identical reliable-list elements, or None.
-    ``settled``: instrumentation, told each delivery's effect.
+    ``settled``: instrumentation, told each delivery's effect as Redis answered
+    (``failed`` and ``gate_closed`` included).
     """
 
     def __init__(
@@ -126,8 +127,8 @@ class Finalizer:
             _emit(done.records)
         for delay, later in done.later:
             self.scheduler.hold(self.owner, delay, later)
-        if self.settled is not None:  # instrumentation: each delivery and its effect
-            self.settled(done.planned())
+        if self.settled is not None:  # instrumentation: each delivery and the effect Redis confirmed
+            self.settled(done.deliveries())
 
 
 def _emit(records: Sequence[Record]) -> None:

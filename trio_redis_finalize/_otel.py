@@ -38,7 +38,9 @@ child of the span current where the consumer runs).
 span ``settle <destination>`` (kind ``CLIENT``, child of the process span)
 records it: ``messaging.operation.type`` ``settle``,
 ``messaging.operation.name`` the effect (``acked``, ``copied``, ``delayed``,
-``dead_lettered``, ...), also as ``trf.effect``.  Finalization runs batched
+``dead_lettered``, ...; ``gate_closed`` when it was finalized already,
+``failed`` -- with an error status -- when Redis refused it and it stays
+pending), also as ``trf.effect``.  Finalization runs batched
 for many deliveries in one pipeline, so the settle span marks the moment
 the effect was confirmed rather than the time the command took.
 
@@ -57,6 +59,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ._core._plan import FAILED
 from ._delivery import Delivery
 from ._outcome import Outcome
 from ._publisher import trace_context
@@ -134,8 +137,11 @@ def instrument_handler(handler: Handler, *, tracer: Any = None) -> Handler:
                 "messaging.message.id": d.id or d.origin_id,
                 "trf.effect": effect,
             }
-            tracer.start_span(f"settle {destination}", context=parent, kind=client_kind,
-                              attributes=attrs).end()
+            span = tracer.start_span(f"settle {destination}", context=parent, kind=client_kind,
+                                     attributes=attrs)
+            if effect == FAILED:  # the finalization failed: the delivery stays pending
+                span.set_status(error)
+            span.end()
 
     def bind(mount: Context) -> Callable[[list[tuple[Delivery, str]]], None]:
         """Called by the runtime when the wrapped handler is mounted."""

@@ -527,7 +527,7 @@ class Settlement:
     ``(delay, commands)`` of runtime delayed copies to hand the scheduler
     (plans whose removal was confirmed).  :meth:`forget`: the stream ids no
     longer in hand; :meth:`deliveries`: each delivery with its settled
-    effect; :meth:`planned`: each delivery with its plan's own effect.
+    effect (what instrumentation is told).
     """
 
     __slots__ = ("_batch", "_settled", "effects", "later", "records")
@@ -556,13 +556,6 @@ class Settlement:
         else:
             out = [(d, removals[k]._value_) for d, k in zip(b._removed, b._kinds, strict=True)]
         return out + [(d, e) for (d, _), e in zip(b._plans, self._settled, strict=True)]
-
-    def planned(self) -> list[tuple[Delivery, str]]:
-        """As :meth:`deliveries`, with the effect each plan was for (instrumentation)."""
-        b = self._batch
-        removals = b._core.removals
-        return ([(d, removals[k]._value_) for d, k in zip(b._removed, b._kinds, strict=True)]
-                + [(d, p.effect._value_) for d, p in b._plans])
 
 
 def log_extra(
