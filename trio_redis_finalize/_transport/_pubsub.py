@@ -137,35 +137,11 @@ class PubSub:
             await self.conn.aclose()
             raise rexc.TimeoutError(f"Pub/Sub PING not answered in {timeout} s") from None
 
-    def received(self, limit: int) -> list[Message]:
-        """Up to ``limit`` messages already received (no I/O, no wait): what
-        ``get_message(timeout=0)`` would return, call after call, in one call."""
-        out: list[Message] = []
-        pending = self._pending
-        while pending and len(out) < limit:
-            out.append(pending.popleft())
-        gets = self.conn._reader.gets
-        append = out.append
-        while len(out) < limit:
-            reply = gets()
-            if reply is _NOT_ENOUGH:
-                break
-            if reply.__class__ is list:
-                if len(reply) == 3 and reply[0] == b"message":
-                    append(Message(reply[1], reply[2]))
-                    continue
-                if len(reply) == 4 and reply[0] == b"pmessage":
-                    append(Message(reply[2], reply[3], reply[1]))
-                    continue
-            self._classify(reply)
-            while pending and len(out) < limit:
-                out.append(pending.popleft())
-        return out
-
     def payloads(self, limit: int) -> list[tuple[bytes, bytes]]:
-        """:meth:`received` as ``(channel, data)`` pairs (the concrete channel
-        also for a pattern subscription), without building a :class:`Message`
-        per message: what a reader that only needs those two keeps."""
+        """Up to ``limit`` messages already received (no I/O, no wait) as
+        ``(channel, data)`` pairs (the concrete channel also for a pattern
+        subscription): what ``get_message(timeout=0)`` would return, call after
+        call, in one call, without a :class:`Message` per message."""
         out: list[tuple[bytes, bytes]] = []
         pending = self._pending
         while pending and len(out) < limit:
