@@ -11,7 +11,7 @@ import anyio
 from redis import exceptions as rexc
 
 from ._context import FINALIZE_TIMEOUT, Context, Item, log
-from ._core._decode import Foreign, ForeignBuilder, list_delivery
+from ._core._decode import foreign, list_delivery
 from ._core._plan import Plan, Target
 from ._delivery import Delivery
 from ._envelope import MAGIC
@@ -117,7 +117,6 @@ _MAX_NAMES = 1000
 _MAGIC_HEAD = MAGIC[:1]
 
 
-_new = object.__new__
 
 
 def payload_deliveries(
@@ -128,35 +127,18 @@ def payload_deliveries(
     ``max_attempts``) with their plan, as :func:`~._core._decode.list_delivery`
     decides.  ``names``: channel names decoded so far (added to).
 
-    A payload without envelope (the common case) is built here -- what
-    ``list_delivery`` makes of it, without its calls, its slot setters
-    (see :data:`~._core._decode.ForeignBuilder`) and its digest (see
-    :class:`~._core._decode.Foreign`).
+    A payload without envelope (the common case) is a
+    :func:`~._core._decode.foreign` delivery (its digest computed when read).
     """
     ready: list[Delivery] = []
     direct: list[Item] = []
     mount = target.name
-    limit = target.max_attempts
-    plain = limit is None or limit >= 1  # attempt 1 is within it: no plan for a payload
     for channel, data in messages:
         name = names.get(channel)
         if name is None:
             name = names[channel] = channel.decode("utf-8", "replace")
-        if data[:1] != _MAGIC_HEAD and plain:  # cannot be an envelope
-            d: Any = _new(ForeignBuilder)
-            d.source = name
-            d.id = None
-            d.fields = {}
-            d.data = data
-            d.attempt = 1
-            d.raw = data
-            d.retries = 0
-            d.mount = mount
-            d.corrupt = None
-            d.error = None
-            d.flat = None
-            d.__class__ = Foreign  # every field but origin_id set: frozen from here on
-            ready.append(d)
+        if data[:1] != _MAGIC_HEAD:  # cannot be an envelope: attempt 1, no plan
+            ready.append(foreign(name, data, mount))
             continue
         envelope, plan = list_delivery(target, name, data)
         if plan is None:

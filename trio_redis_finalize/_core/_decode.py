@@ -24,6 +24,7 @@ __all__ = [
     "Foreign",
     "ForeignBuilder",
     "as_str",
+    "foreign",
     "id_key",
     "list_deliveries",
     "list_delivery",
@@ -98,13 +99,35 @@ about 0.37 µs a delivery, against 0.89 µs with the slot setters and 1.3 µs
 with ``Delivery.__init__``)."""
 
 
+_new = object.__new__
+
+
+def foreign(source: str, raw: bytes, mount: str) -> Delivery:
+    """The delivery of foreign bytes ``raw`` (no envelope: attempt 1, within any
+    ``max_attempts``): a :class:`Foreign`, built on its twin."""
+    d: Any = _new(ForeignBuilder)
+    d.source = source
+    d.id = None
+    d.fields = {}
+    d.data = raw
+    d.attempt = 1
+    d.raw = raw
+    d.retries = 0
+    d.mount = mount
+    d.corrupt = None
+    d.error = None
+    d.flat = None
+    d.__class__ = Foreign  # every field but origin_id set: frozen from here on
+    out: Delivery = d
+    return out
+
+
 def list_delivery(target: Target, source: str, raw: bytes) -> tuple[Delivery, Plan | None]:
     """The delivery of ``raw``, and the plan that finalizes it without a handler
     (corrupt envelope, or already past ``max_attempts``), if any."""
-    if raw[:1] == _MAGIC_HEAD:
-        body, retries, origin, corrupt = open_envelope(raw)
-    else:  # cannot be an envelope: a foreign element
-        body, retries, origin, corrupt = raw, 0, content_origin(raw), None
+    if raw[:1] != _MAGIC_HEAD:  # cannot be an envelope: a foreign element
+        return foreign(source, raw, target.name), None
+    body, retries, origin, corrupt = open_envelope(raw)
     attempt = retries + 1  # attempt_of(retries): retries >= 0
     d = make_delivery(source, None, {}, body, attempt, origin, raw, retries, target.name, corrupt)
     if corrupt is not None:
@@ -140,25 +163,10 @@ def list_deliveries(
     direct: list[tuple[Delivery, Plan]] = []
     name = target.name
     limit = target.max_attempts
-    new = object.__new__
     head = _MAGIC_HEAD
     for raw in raws:
         if raw[:1] != head:
-            # a Foreign (its origin_id computed when read), built inline
-            d: Any = new(ForeignBuilder)
-            d.source = source
-            d.id = None
-            d.fields = {}
-            d.data = raw
-            d.attempt = 1
-            d.raw = raw
-            d.retries = 0
-            d.mount = name
-            d.corrupt = None
-            d.error = None
-            d.flat = None
-            d.__class__ = Foreign  # every field but origin_id set: frozen from here on
-            ready.append(d)
+            ready.append(foreign(source, raw, name))
             continue
         try:
             body, retries, origin = unwrap(raw)
