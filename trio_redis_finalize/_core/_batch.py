@@ -176,62 +176,49 @@ def first_round(
     placed: list[list[Any]] = []
     cap = _scripts.STREAM_BATCH_MAX
     room = _scripts.STREAM_BATCH_VALUES
-    # the keys of the last plain copy's batched call, and that call
+    # the script and keys of the last batched plan, its key, where its values
+    # start, and its call
+    lsha: object = _UNSET
     l3: object = _UNSET
     l4: object = _UNSET
     l5: object = _UNSET
+    lkey: tuple[Arg, ...] = ()
+    lat = 0
     lb: list[Any] | None = None
     for j, p in enumerate(plans):
         cmds = p.commands
         if len(cmds) == 1 and cmds[0][0] != "XACK":  # one script (the common case), inline
             c = cmds[0]
             sha = c[1]
-            if sha == _COPY and c[0] == b"EVALSHA" and c[2] == 2 and p.gated:
-                # a RETRY copy (the common case): as below, the key looked up
-                # only when it is not the one of the plan before
-                if c[3] is not l3 or c[4] is not l4 or c[5] is not l5:
-                    l3, l4, l5 = c[3], c[4], c[5]
-                    lb = batches.get((_COPY_BATCH, l3, l4, l5, "0", "0"))
-                size = len(c) - 5
-                b = lb
-                if b is None or len(b[1]) >= cap or b[4] + size > room:
-                    b = lb = batches[(_COPY_BATCH, l3, l4, l5, "0", "0")] = [
-                        len(out), [], [], [], 0]
-                    placed.append(b)
-                    out.append(None)
-                    owners.append([])
-                b[1].append(j)
-                b[2].append(c)
-                args = b[3]
-                args += (c[6], size - 2)
-                args += c[7:]
-                b[4] += size
-                continue
             if c[0] == b"EVALSHA" and sha in _SINGLE and p.gated and c[2] == 2:
-                # a gated stream script: into the batched call of its key
-                if sha == _COPY:
-                    key: tuple[Arg, ...] = (_COPY_BATCH, c[3], c[4], c[5], "0", "0")
-                    at = 7
-                elif sha == _COPY_EX:
-                    key = (_COPY_BATCH, c[3], c[4], c[5], str(c[7]), str(c[8]))
-                    at = 9
+                # a gated stream script: into the batched call of its keys (the
+                # key looked up only when it is not the one of the plan before)
+                if sha == lsha and c[3] is l3 and c[4] is l4 and c[5] is l5:
+                    key, at, b = lkey, lat, lb
                 else:
-                    key = (_ZADD_BATCH, c[3], c[4], c[5], "1" if sha == _ZADD_DEL else "0")
-                    at = 0
+                    if sha == _COPY:
+                        key, at = (_COPY_BATCH, c[3], c[4], c[5], "0", "0"), 7
+                    elif sha == _COPY_EX:
+                        key, at = (_COPY_BATCH, c[3], c[4], c[5], str(c[7]), str(c[8])), 9
+                    else:
+                        key, at = (_ZADD_BATCH, c[3], c[4], c[5],
+                                   "1" if sha == _ZADD_DEL else "0"), 0
+                    b = batches.get(key)
+                    # an EX copy's key has its own arguments too: never reused
+                    lsha = sha if sha != _COPY_EX else _UNSET
+                    l3, l4, l5, lkey, lat = c[3], c[4], c[5], key, at
                 size = len(c) - at + 2 if at else 3
-                b = batches.get(key)
                 if b is None or len(b[1]) >= cap or b[4] + size > room:
                     b = batches[key] = [len(out), [], [], [], 0]
-                    l3 = _UNSET  # the fast path above looks its key up again
                     placed.append(b)
                     out.append(None)
                     owners.append([])
+                lb = b
                 b[1].append(j)
                 b[2].append(c)
                 args = b[3]
                 if at:  # id, n, the copy's n values
-                    args.append(c[6])
-                    args.append(size - 2)
+                    args += (c[6], size - 2)
                     args += c[at:]
                 else:  # id, delay, member
                     args += c[6:9]
