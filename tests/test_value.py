@@ -24,7 +24,7 @@ from trio_redis_finalize import (
 from trio_redis_finalize._channel import payload_deliveries
 from trio_redis_finalize._core._decode import list_deliveries, stream_deliveries
 from trio_redis_finalize._core._plan import Effect, Plan, Target
-from trio_redis_finalize._delivery import make_delivery, record_error
+from trio_redis_finalize._delivery import record_error
 from trio_redis_finalize._envelope import wrap
 from trio_redis_finalize._subscription import Form
 from trio_redis_finalize._value import builder, immutable, setters
@@ -72,7 +72,7 @@ def _read_deliveries() -> list[Delivery]:
     [foreign, enveloped], _ = list_deliveries(lists, "q", [b"payload", wrap(b"body", 2, "o-1")])
     [payload], _ = payload_deliveries(ChannelSubscription("ch").target("c"), {},
                                       [(b"ch", b"message")])
-    raised = make_delivery("s", "3-0", {}, None, 1, "3-0")
+    raised = Delivery("s", "3-0", {}, None, 1, "3-0")
     record_error(raised, ValueError("boom"))
     return [original, copied, foreign, enveloped, payload, raised]
 
@@ -108,23 +108,29 @@ def test_immutable_and_setters_refuse_what_they_cannot_serve() -> None:
     assert p.x == 3
 
 
-def test_make_delivery_builds_what_the_constructor_builds() -> None:
-    """The readers' fast path (a builder twin, then ``__class__``) gives an
-    ordinary, immutable ``Delivery``: same type, fields, repr, refusals."""
+def test_the_constructor_built_on_its_twin_gives_an_ordinary_delivery() -> None:
+    """``Delivery.__init__`` fills the slots in on the builder twin, then sets
+    ``__class__`` back: an ordinary, immutable ``Delivery`` (type, fields,
+    defaults, refusals), also when a subclass calls it."""
     args = ("s", "1-0", {b"k": b"v"}, None, 2, "0-1", None, 1, "m", "why", [b"k", b"v", b"k", b"v"])
-    made, built = make_delivery(*args), Delivery(*args)
+    made = Delivery(*args)
     assert type(made) is Delivery
-    assert [getattr(made, f.name, "unset") for f in dataclasses.fields(made)] == [
-        getattr(built, f.name, "unset") for f in dataclasses.fields(built)]
-    assert repr(made) == repr(built) and made.field_list == built.field_list
-    assert getattr(made, "error", None) is None  # unset, as the constructor leaves it
+    names = ("source", "id", "fields", "data", "attempt", "origin_id", "raw", "retries", "mount",
+             "corrupt", "flat")
+    assert [getattr(made, n) for n in names] == list(args) and made.error is None
+    assert made.field_list == ((b"k", b"v"), (b"k", b"v"))
+    assert repr(made) == ("Delivery(source='s', id='1-0', fields={b'k': b'v'}, data=None, "
+                          "attempt=2, origin_id='0-1')")
     for name in ("id", "not_a_field"):
         with pytest.raises(dataclasses.FrozenInstanceError, match="Delivery"):
             setattr(made, name, 1)
         with pytest.raises(dataclasses.FrozenInstanceError, match="Delivery"):
             delattr(made, name)
-    short = make_delivery("s", None, {}, b"x", 1, "o")
+    short = Delivery("s", None, {}, b"x", 1, "o")
     assert (short.raw, short.retries, short.mount, short.corrupt, short.flat) == (None, 0, "", None, None)
+    [foreign], _ = list_deliveries(ReliableListSubscription("q").target("c"), "q", [b"x"])
+    again = dataclasses.replace(foreign, attempt=2)  # a subclass's __init__: its own class kept
+    assert type(again) is type(foreign) and again.attempt == 2 and again.origin_id == foreign.origin_id
 
 
 def test_builder_refuses_what_is_not_a_frozen_slotted_dataclass() -> None:

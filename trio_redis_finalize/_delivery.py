@@ -8,13 +8,12 @@ from typing import Any
 
 from ._value import builder, immutable, setters
 
-__all__ = ["MAX_ERROR", "Delivery", "DeliveryBuilder", "make_delivery", "record_error"]
+__all__ = ["MAX_ERROR", "Delivery", "DeliveryBuilder", "record_error"]
 
 
-# ``init=False``: the ``__init__`` below sets the slots with their setters
-# (see ``_value``), about twice as fast as the generated frozen ``__init__``;
-# the readers build theirs with ``make_delivery`` (plain slot stores on a
-# builder twin), about three times faster still.
+# ``init=False``: the ``__init__`` below fills the slots in on the builder
+# twin (``_value.builder``): about 0.7 µs against 1.5 µs with the slot setters
+# and 2.3 µs for the generated frozen ``__init__``.
 @immutable
 @dataclasses.dataclass(frozen=True, slots=True, eq=False, init=False)
 class Delivery:
@@ -88,61 +87,32 @@ class Delivery:
         corrupt: str | None = None,
         flat: Sequence[bytes] | None = None,
     ) -> None:
-        _set_source(self, source)
-        _set_id(self, id)
-        _set_fields(self, fields)
-        _set_data(self, data)
-        _set_attempt(self, attempt)
-        _set_origin_id(self, origin_id)
-        _set_raw(self, raw)
-        _set_retries(self, retries)
-        _set_mount(self, mount)
-        _set_corrupt(self, corrupt)
-        _set_error(self, None)
-        _set_flat(self, flat)
+        # plain slot stores on the builder twin (see ``_value.builder``), then
+        # the class again: frozen from here on
+        cls = self.__class__
+        _setattr(self, "__class__", DeliveryBuilder)
+        me: Any = self
+        me.source = source
+        me.id = id
+        me.fields = fields
+        me.data = data
+        me.attempt = attempt
+        me.origin_id = origin_id
+        me.raw = raw
+        me.retries = retries
+        me.mount = mount
+        me.corrupt = corrupt
+        me.error = None
+        me.flat = flat
+        me.__class__ = cls
 
 
-(_set_source, _set_id, _set_fields, _set_data, _set_attempt, _set_origin_id, _set_raw, _set_retries,
- _set_mount, _set_corrupt, _set_error, _set_flat) = setters(
-    Delivery, "source", "id", "fields", "data", "attempt", "origin_id", "raw", "retries", "mount",
-    "corrupt", "error", "flat")
+_set_origin_id, _set_error = setters(Delivery, "origin_id", "error")
+_setattr = object.__setattr__
 
 DeliveryBuilder = builder(Delivery)
-"""The builder twin of :class:`Delivery` (``_value.builder``): see :func:`make_delivery`."""
-_new = object.__new__
-
-
-def make_delivery(
-    source: str,
-    id: str | None,
-    fields: Mapping[bytes, bytes],
-    data: bytes | None,
-    attempt: int,
-    origin_id: str,
-    raw: bytes | None = None,
-    retries: int = 0,
-    mount: str = "",
-    corrupt: str | None = None,
-    flat: Sequence[bytes] | None = None,
-) -> Delivery:
-    """``Delivery(...)`` (the same arguments, the same object), built faster:
-    for the readers, which make one for every message read (see ``_value.builder``)."""
-    d: Any = _new(DeliveryBuilder)
-    d.source = source
-    d.id = id
-    d.fields = fields
-    d.data = data
-    d.attempt = attempt
-    d.origin_id = origin_id
-    d.raw = raw
-    d.retries = retries
-    d.mount = mount
-    d.corrupt = corrupt
-    d.error = None
-    d.flat = flat
-    d.__class__ = Delivery  # every field set: frozen from here on
-    out: Delivery = d
-    return out
+"""The builder twin of :class:`Delivery` (``_value.builder``): its ``__init__``
+fills a new delivery in on it; readers build theirs on it inline."""
 
 
 MAX_ERROR = 500

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .._delivery import Delivery, DeliveryBuilder, _set_origin_id, make_delivery
+from .._delivery import Delivery, DeliveryBuilder, _set_origin_id
 from .._envelope import GROUP_FIELD, MAGIC, ORIGIN_FIELD, RETRIES_FIELD, CorruptEnvelope, unwrap
 from .._value import builder
 from ._plan import Plan, Target, attempt_of, content_origin, plan_dead, plan_foreign, plan_lost
@@ -129,7 +129,7 @@ def list_delivery(target: Target, source: str, raw: bytes) -> tuple[Delivery, Pl
         return foreign(source, raw, target.name), None
     body, retries, origin, corrupt = open_envelope(raw)
     attempt = retries + 1  # attempt_of(retries): retries >= 0
-    d = make_delivery(source, None, {}, body, attempt, origin, raw, retries, target.name, corrupt)
+    d = Delivery(source, None, {}, body, attempt, origin, raw, retries, target.name, corrupt)
     if corrupt is not None:
         what = "dead-lettered" if target.dead_letter is not None else "dropped"
         log.error("%s: %s in a %d-byte element from %r (origin %s); %s",
@@ -173,8 +173,7 @@ def list_deliveries(
         except CorruptEnvelope:
             origin = None
         if origin is not None and (limit is None or retries < limit):  # attempt <= limit
-            ready.append(make_delivery(source, None, {}, body, retries + 1, origin, raw, retries,
-                                       name))
+            ready.append(Delivery(source, None, {}, body, retries + 1, origin, raw, retries, name))
             continue
         d, p = list_delivery(target, source, raw)
         if p is None:
@@ -250,7 +249,7 @@ def stream_deliveries(
     name = target.name
     limit = target.max_attempts
     own_group = target.group.encode()
-    new = make_delivery
+    new = Delivery
     build = object.__new__
     append = ready.append
     for eid, flat in entries:
@@ -273,7 +272,7 @@ def stream_deliveries(
             # an original: its field list as read is its own
             if not counts or counts.get(eid, 1) == 1:
                 # the common case: attempt 1, within any max_attempts;
-                # make_delivery(source, entry_id, fields, None, 1, entry_id, None, 0,
+                # Delivery(source, entry_id, fields, None, 1, entry_id, None, 0,
                 # name, None, flat), inline: one per entry read
                 d: Any = build(DeliveryBuilder)
                 d.source = source
