@@ -735,7 +735,7 @@ def test_fast_path_removes_nothing_where_nothing_is_removed() -> None:
                     plan(t, d, outcome)
 
 
-# -- a stream RETRY's inline plan is the general copy's ---------------------------
+# -- a stream RETRY, taken first in plan(), is the general copy ----------------------
 
 @settings(max_examples=150, deadline=None)
 @given(
@@ -756,14 +756,12 @@ def test_stream_retry_is_the_general_copy(
     cluster: bool, group: str, attempt: int, retries: int, flat: bool,
     field_list: list[tuple[bytes, bytes]],
 ) -> None:
-    """``plan()``'s inline RETRY on a stream (``_stream_retry``) sends what the
-    general ``_stream_copy`` of ``_stream_copy_fields`` does, byte for byte."""
-    from trio_redis_finalize._core._plan import (
-        _stream_copy,
-        _stream_copy_fields,
-        _stream_retry,
-        plan_dead,
-    )
+    """``plan()`` takes a RETRY on a stream first: the dead letter at the last
+    attempt, the PEL when claiming, else the general ``_stream_copy`` of
+    ``_stream_copy_fields`` -- whose gated command, built in one tuple, is
+    ``STREAM_COPY_ACK.command(...)`` byte for byte."""
+    from trio_redis_finalize._core._plan import _stream_copy, _stream_copy_fields, plan_dead
+    from trio_redis_finalize._core._scripts import STREAM_COPY_ACK
 
     t = dataclasses.replace(
         StreamSubscription(STREAM, GROUP, mode=mode, max_attempts=max_attempts).target(
@@ -774,7 +772,10 @@ def test_stream_retry_is_the_general_copy(
                  flat=[x for kv in field_list for x in kv] if flat else None)
     expected = _stream_copy(t, d, t.source, _stream_copy_fields(d, t.group), Effect.COPIED,
                             t.copy_maxlen)
-    assert _stream_retry(t, d) == expected
+    if not cluster and copy_maxlen is None and retention is not Retention.DELETE_ON_FINALIZE:
+        fields = _stream_copy_fields(d, t.group)
+        assert expected.commands == (
+            STREAM_COPY_ACK.command((t.source, t.source), (t.group, d.id, *fields)),)
     got = plan(t, d, RETRY)
     if max_attempts is not None and attempt >= max_attempts:
         reason = f"max_attempts={max_attempts} reached at attempt {attempt}"

@@ -212,20 +212,20 @@ def _entry_fields(d: Delivery) -> list[bytes]:
     return _flat(d.fields)
 
 
-def _stream_copy_fields(d: Delivery, group: str = "") -> list[bytes]:
+def _stream_copy_fields(d: Delivery, group: str = "") -> tuple[bytes, ...]:
     """A copy's fields: the entry's own, byte for byte, then the headers.
 
     ``group``: the group the copy is addressed to (:data:`GROUP_FIELD`,
     for copies written back to the stream); ``""``: no address.
     """
-    out = _entry_fields(d)
-    retries = d.retries + 1  # _copy_retries(d), inlined
+    flat = d.flat if d.flat is not None else _flat(d.fields)
+    retries = d.retries + 1  # _copy_retries(d), inlined (every RETRY copy)
     if d.attempt > retries:
         retries = d.attempt
-    out += (RETRIES_FIELD, str(retries).encode(), ORIGIN_FIELD, d.origin_id.encode())
     if group:
-        out += (GROUP_FIELD, group.encode())
-    return out
+        return (*flat, RETRIES_FIELD, str(retries).encode(), ORIGIN_FIELD, d.origin_id.encode(),
+                GROUP_FIELD, group.encode())
+    return (*flat, RETRIES_FIELD, str(retries).encode(), ORIGIN_FIELD, d.origin_id.encode())
 
 
 def _body(d: Delivery) -> bytes:
@@ -355,43 +355,13 @@ _CHANNEL = Form.CHANNEL
 _PATTERN = Form.PATTERN
 _RETRY = OutcomeKind.RETRY
 _CLAIMING = Mode.CLAIMING
-_DELETE = Retention.DELETE_ON_FINALIZE
 _COPIED = Effect.COPIED
 _LEFT_PENDING = Effect.LEFT_PENDING
 _COPY_ACK_SHA = _scripts.STREAM_COPY_ACK.sha
 
 
-def _stream_retry(t: Target, d: Delivery) -> Plan:
-    """A RETRY on a stream, not claiming, within ``max_attempts``: what
-    ``_stream_copy(t, d, t.source, _stream_copy_fields(d, t.group),
-    Effect.COPIED, t.copy_maxlen)`` returns, built in one tuple (the hot
-    path of a RETRY)."""
-    if t.copy_maxlen is not None or t.retention is _DELETE or t.cluster:
-        return _stream_copy(t, d, t.source, _stream_copy_fields(d, t.group), _COPIED,
-                            t.copy_maxlen)
-    eid = d.id
-    assert eid is not None
-    flat = d.flat
-    if flat is None:
-        flat = _flat(d.fields)
-    retries = d.retries + 1  # _copy_retries(d), inlined
-    if d.attempt > retries:
-        retries = d.attempt
-    source = t.source
-    group = t.group
-    if group:
-        # Script.command((source, source), (group, id, *fields)), inline
-        cmd: Command = (b"EVALSHA", _COPY_ACK_SHA, 2, source, source, group, eid, *flat,
-                        RETRIES_FIELD, str(retries).encode(), ORIGIN_FIELD,
-                        d.origin_id.encode(), GROUP_FIELD, group.encode())
-    else:
-        cmd = (b"EVALSHA", _COPY_ACK_SHA, 2, source, source, group, eid, *flat,
-               RETRIES_FIELD, str(retries).encode(), ORIGIN_FIELD, d.origin_id.encode())
-    return Plan(_COPIED, (cmd,))
-
-
 def _stream_copy(
-    t: Target, d: Delivery, dest: str, fields: list[bytes], effect: Effect,
+    t: Target, d: Delivery, dest: str, fields: Sequence[bytes], effect: Effect,
     maxlen: int | None = None,
 ) -> Plan:
     assert d.id is not None
@@ -407,10 +377,9 @@ def _stream_copy(
     if deletes or maxlen is not None:
         args = (t.group, d.id, "1" if deletes else "0", maxlen or 0, *fields)
         return Plan(effect, (_scripts.STREAM_COPY_ACK_EX.command((t.source, dest), args),))
-    return Plan(
-        effect,
-        (_scripts.STREAM_COPY_ACK.command((t.source, dest), (t.group, d.id, *fields)),),
-    )
+    # STREAM_COPY_ACK.command((t.source, dest), (t.group, d.id, *fields)), in one tuple
+    # (every RETRY copy)
+    return Plan(effect, ((b"EVALSHA", _COPY_ACK_SHA, 2, t.source, dest, t.group, d.id, *fields),))
 
 
 def _list_copy_remove(t: Target, d: Delivery, dest: str, element: bytes, effect: Effect) -> Plan:
@@ -591,7 +560,8 @@ def plan(t: Target, d: Delivery, outcome: Outcome) -> Plan:
             return plan_dead(t, d, f"max_attempts={t.max_attempts} reached at attempt {d.attempt}")
         if t.mode is _CLAIMING:
             return Plan(_LEFT_PENDING)
-        return _stream_retry(t, d)
+        return _stream_copy(t, d, t.source, _stream_copy_fields(d, t.group), _COPIED,
+                            t.copy_maxlen)
     no_ack = form is _LIST or form is _CHANNEL or form is _PATTERN
     if no_ack and kind is not OutcomeKind.RETRY_AFTER:
         raise AckUnsupported(
