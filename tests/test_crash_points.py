@@ -445,6 +445,12 @@ async def run_case(url: str, path: Path, k: int | None, fault: str,
     finalization commands the first run sent (``k=None``: the happy path)."""
     if path.planner is not None:
         monkeypatch.setattr(_core_finalize, "plan", path.planner)  # the finalizer core's planner
+    if path.n > 1:
+        # one finalizer batch of the n outcomes whatever the machine's speed: a
+        # handler call slower than _SLOW_CALL (the racer's round trip, under
+        # load) would otherwise hand the outcomes before it on at once
+        monkeypatch.setattr(_mount, "_SLOW_CALL", 60.0)
+        monkeypatch.setattr(_mount, "_FLUSH_EVERY", 60.0)
     case = Case(path, k, fault)
     async with open_client(url) as admin:
         case.racer = admin
