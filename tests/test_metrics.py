@@ -265,6 +265,35 @@ async def test_prometheus_every_series_from_zero_with_help_and_histogram(
         register(consumer, CollectorRegistry(), prefix="no-dashes")
 
 
+async def test_histogram_counts_every_call_of_runs_of_fast_calls(redis_url: str, client: Client) -> None:
+    """The handler loop keeps a run's fast calls (first bucket) and its time in
+    locals and adds them when the run ends: every call is counted once, in its
+    bucket, whether the run ended at a batch's end or at a slow call."""
+    registry = CollectorRegistry()
+    slow = {b"50", b"150"}
+
+    async def handle(d: Delivery) -> Outcome:
+        if by_n(d) in slow:
+            await trio.sleep(0.02)  # ends the run it is in (a slow call)
+        return ACK
+
+    async with open_consumer(redis_url, name="c1") as consumer:
+        register(consumer, registry, prefix="shop")
+        await client.pipeline([("XADD", S, "*", "n", str(i)) for i in range(300)])
+        start = trio.current_time()
+        await consumer.mount(StreamSubscription(S, G, block=0.05, count=100), handle)
+        await eventually(lambda: consumer.stats()[NAME]["effects"].get("acked") == 300)
+        took = trio.current_time() - start
+        got = scrape(registry)
+    count = got[("shop_handler_duration_seconds_count", lbl(**SL))]
+    assert count == 300
+    assert got[("shop_handler_duration_seconds_bucket", lbl(**SL, le="+Inf"))] == 300
+    # the two slow calls are above 10 ms; the fast ones below (but for a rare
+    # pause of this shared machine, a garbage collection, in one of them)
+    assert 290 <= got[("shop_handler_duration_seconds_bucket", lbl(**SL, le="0.01"))] <= 298
+    assert 0.04 <= got[("shop_handler_duration_seconds_sum", lbl(**SL))] <= took
+
+
 async def test_prometheus_group_lag_pending_and_oldest_idle(redis_url: str, client: Client) -> None:
     """The KEDA-style gauges come from Redis: lag (undelivered), pending (PEL), oldest idle."""
     from trio_redis_finalize.prometheus import refresh_backlog

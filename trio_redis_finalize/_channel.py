@@ -11,7 +11,7 @@ import anyio
 from redis import exceptions as rexc
 
 from ._context import FINALIZE_TIMEOUT, Context, Item, log
-from ._core._decode import foreign, list_delivery
+from ._core._decode import Foreign, ForeignBuilder, list_delivery
 from ._core._plan import Plan, Target
 from ._delivery import Delivery
 from ._envelope import MAGIC
@@ -114,7 +114,7 @@ _CHUNK = 100
 """At most this many already-received messages are handed over together."""
 _MAX_NAMES = 1000
 """Decoded channel names kept at most (a pattern subscription may see many)."""
-_MAGIC_HEAD = MAGIC[:1]
+_MAGIC_BYTE = MAGIC[0]
 
 
 
@@ -133,12 +133,28 @@ def payload_deliveries(
     ready: list[Delivery] = []
     direct: list[Item] = []
     mount = target.name
+    append = ready.append
+    build = object.__new__
     for channel, data in messages:
         name = names.get(channel)
         if name is None:
             name = names[channel] = channel.decode("utf-8", "replace")
-        if data[:1] != _MAGIC_HEAD:  # cannot be an envelope: attempt 1, no plan
-            ready.append(foreign(name, data, mount))
+        if not data or data[0] != _MAGIC_BYTE:  # cannot be an envelope: attempt 1, no plan
+            # foreign(name, data, mount), inline: one per message received
+            d: Any = build(ForeignBuilder)
+            d.source = name
+            d.id = None
+            d.fields = {}
+            d.data = data
+            d.attempt = 1
+            d.raw = data
+            d.retries = 0
+            d.mount = mount
+            d.corrupt = None
+            d.error = None
+            d.flat = None
+            d.__class__ = Foreign  # every field but origin_id set: frozen from here on
+            append(d)
             continue
         envelope, plan = list_delivery(target, name, data)
         if plan is None:

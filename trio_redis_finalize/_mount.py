@@ -178,6 +178,7 @@ class Mount:
         bind = getattr(handler, "trf_bind", None)
         self.settled: Callable[[list[tuple[Delivery, str]]], None] | None = bind(self) if bind else None
         self.in_hand: set[str] = set()  # stream ids read and not yet finalized
+        self._ids = target.form is Form.STREAM
         self.finalizer = Finalizer(
             name=self.name, target=target, client=client, stats=self.stats, in_hand=self.in_hand,
             scheduler=scheduler, owner=self, wait_out=self._wait_out,
@@ -203,7 +204,8 @@ class Mount:
         if not deliveries:
             return
         self.stats.received += len(deliveries)
-        self.in_hand.update([d.id for d in deliveries if d.id is not None])
+        if self._ids:  # stream entries (other forms have no id: nothing held by id)
+            self.in_hand.update([d.id for d in deliveries if d.id is not None])
         # all or nothing: cancelled while waiting, nothing was handed over
         await self._queue.put(deliveries)
 
@@ -382,6 +384,7 @@ class Mount:
         items = queue.items
         popleft = items.popleft
         idle = queue.idle
+        append = results.append
         # the handler-duration histogram, inline (Durations.observe: a call per delivery)
         durations = stats.durations
         counts = durations.counts
@@ -407,6 +410,11 @@ class Mount:
                 # between: in flight all along (only a scrape thread could see
                 # the instants between two calls), not while it sends or waits.
                 stats.in_flight += 1
+                # the run's calls in the histogram's first bucket: added to it
+                # when the run ends (a local per call), with the run's time
+                # (each call starts when the one before ended: their sum)
+                fast = 0
+                began = now
                 try:
                     while True:
                         d = popleft()  # queue.take(), inline
@@ -415,7 +423,6 @@ class Mount:
                                 queue.wake_one()
                         elif queue.room is not None:
                             queue.emptied()
-                        last = not items  # the last delivery of a batch
                         start = now
                         try:  # the handler call, inline: one coroutine less per delivery
                             outcome = await handler(d)
@@ -428,24 +435,27 @@ class Mount:
                         else:
                             if outcome.__class__ is not Outcome and not isinstance(outcome, Outcome):
                                 outcome = self._not_outcome(d, outcome)
-                        results.append((d, outcome))
+                        append((d, outcome))
                         now = monotonic()
                         took = now - start
-                        counts[0 if took <= first else bisect_left(DURATION_BOUNDS, took)] += 1
-                        durations.sum += took
-                        # Hand the outcomes on at the end of a batch, after a slow
-                        # handler call (the send costs little beside it), or when the
-                        # oldest has waited _FLUSH_EVERY; else gather more (and should
+                        if took <= first:
+                            fast += 1
+                        else:
+                            counts[bisect_left(DURATION_BOUNDS, took)] += 1
+                        # Hand the outcomes on at the end of a batch (or once another
+                        # task took the rest of it), after a slow handler call (the
+                        # send costs little beside it), when the oldest has waited
+                        # _FLUSH_EVERY, or at a stop; else gather more (and should
                         # the next call be slow, the flusher hands them on meanwhile).
-                        if last or took > slow or now > flush_by:
+                        if not items or took > slow or now > flush_by or self.stopping:
                             break
                         if self._flusher_idle:
                             self._flusher_idle = False
                             self._flusher_wake.set()
-                        if not items or self.stopping:
-                            break  # another task took the rest (or stop): hand on what is here
                 finally:
                     stats.in_flight -= 1
+                    counts[0] += fast
+                    durations.sum += now - began
                 if self.stopping:
                     break  # the outcomes are handed on below
                 batch = results[:]
