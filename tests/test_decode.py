@@ -83,6 +83,29 @@ def test_against_a_plain_reference(pairs: list[tuple[bytes, bytes]], count: int,
                                    plain_read: bool) -> None:
     """Fields, field list, retries, origin and attempt as the header rules say
     (``plain_read``: no counts, as after ``XREADGROUP``, when the count is 1)."""
+    _against_the_reference(pairs, count, plain_read)
+
+
+_TAILS = st.sampled_from([
+    [(RETRIES_FIELD, b"1"), (ORIGIN_FIELD, b"1-0")],
+    [(RETRIES_FIELD, b"2"), (ORIGIN_FIELD, b"1-0"), (GROUP_FIELD, b"g")],
+    [(RETRIES_FIELD, b"1"), (ORIGIN_FIELD, b"1-0"), (GROUP_FIELD, b"h")],
+    [(RETRIES_FIELD, b"x"), (ORIGIN_FIELD, b"1-0")],
+    [(ORIGIN_FIELD, b"1-0"), (RETRIES_FIELD, b"1")],  # not the library's order
+])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(_NAMES, _VALUES), max_size=5), _TAILS, st.integers(1, 5))
+def test_a_copy_as_the_library_writes_it_against_the_reference(
+    body: list[tuple[bytes, bytes]], tail: list[tuple[bytes, bytes]], count: int,
+) -> None:
+    """A copy's headers last, as ``_plan`` writes them (the decoder's fast path:
+    the body sliced off), header names in the body or not: the same rules."""
+    _against_the_reference([*body, *tail], count, False)
+
+
+def _against_the_reference(pairs: list[tuple[bytes, bytes]], count: int, plain_read: bool) -> None:
     flat = [x for kv in pairs for x in kv]
     counts = None if plain_read and count == 1 else {b"7-0": count}
     ready, direct = stream_deliveries(TARGET, [(b"7-0", flat)], counts)

@@ -228,6 +228,20 @@ def _without_headers(flat: Sequence[bytes]) -> list[bytes]:
             for x in (flat[i], flat[i + 1])]
 
 
+def _body_of(flat: list[bytes], n: int) -> list[bytes]:
+    """``_without_headers(flat)`` (``n``: its length); fast for a copy the
+    library wrote: its headers last (``_plan._stream_copy_fields``), none in
+    the body before them (two slices and a set test, no loop in Python)."""
+    if n >= 6 and not n & 1:
+        if flat[-6] == RETRIES_FIELD and flat[-4] == ORIGIN_FIELD and flat[-2] == GROUP_FIELD:
+            if _HEADERS.isdisjoint(flat[0:n - 6:2]):
+                return flat[:n - 6]
+        elif (flat[-4] == RETRIES_FIELD and flat[-2] == ORIGIN_FIELD
+              and _HEADERS.isdisjoint(flat[0:n - 4:2])):
+            return flat[:n - 4]
+    return _without_headers(flat)
+
+
 def stream_deliveries(
     target: Target, entries: Sequence[Entry], counts: Mapping[bytes, int] | None = None,
 ) -> tuple[list[Delivery], list[tuple[Delivery, Plan]]]:
@@ -296,7 +310,7 @@ def stream_deliveries(
             raw_retries = fields.pop(RETRIES_FIELD, None)
             raw_origin = fields.pop(ORIGIN_FIELD, None)
             group = fields.pop(GROUP_FIELD, None)
-            body = _without_headers(flat)
+            body = _body_of(flat, n)
             if raw_retries is not None:
                 try:
                     retries = int(raw_retries)
