@@ -27,7 +27,17 @@ from ._core._commands import Command
 from ._core._decode import list_deliveries, list_delivery
 from ._core._finalize import Gates
 from ._core._plan import Effect, Plan, Target, list_copies, list_counted, list_removal
-from ._core._reliable import BUMP, GIVE_BACK, REAP, bumped, dec, heartbeat_key, registry_key, stranded
+from ._core._reliable import (
+    BUMP,
+    GIVE_BACK,
+    REAP,
+    bumped,
+    dec,
+    doubtful,
+    heartbeat_key,
+    registry_key,
+    stranded,
+)
 from ._core._scripts import MOVE_DUE_TO_LIST
 from ._delay_set import move_due
 from ._delivery import Delivery
@@ -156,6 +166,9 @@ _REAP_PAGE = 100
 _REAP_ROUNDS = 1000
 _HELD_MARGIN = 0.5
 """Seconds after its due time a runtime ``retry_after`` original counts as sent."""
+_RECHECK = 1.0
+"""Seconds after a rescan that may have taken a stranded copy for an identical
+one finalized meanwhile before the processing list is looked at again."""
 _BYTES = {bytes}  # the types of a read's replies when none is an error
 
 
@@ -228,6 +241,7 @@ class ReliableListReader:
         self._next_move = 0.0
         self._target: Target | None = None
         self._rescan_planned = False
+        self._recheck_at: float | None = None  # a rescan that may have missed a copy: again then
         self._started = False  # a catch_up went through (the first rescan bumps counters)
         self._previous = 0  # elements the previous turn handed over
         self._blmove: Command = ()
@@ -548,11 +562,19 @@ class ReliableListReader:
         """
         t = ctx.target
         self._rescan_wanted = False
+        self._recheck_at = None
+        self._expire()
+        # what is held as the LRANGE is sent: a removal answered while it is on
+        # its way may have run after it (see _core._reliable.stranded)
+        before = dict(self._in_hand)
         items: list[bytes] = await conn.execute("LRANGE", t.processing, 0, -1,
                                                 timeout=FINALIZE_TIMEOUT)
         self._expire()
-        lost = stranded(items, self._in_hand, self._leftover, {e for _, e in self._delayed},
-                        start=start)
+        held = self._in_hand
+        lost = stranded(items, held, self._leftover, {e for _, e in self._delayed},
+                        start=start, before=before)
+        if doubtful(items, held, before):
+            self._recheck_at = anyio.current_time() + _RECHECK
         if not lost:
             return
         log.warning("%s: %d element(s) in processing list %r were not finalized; "
@@ -700,7 +722,9 @@ class ReliableListReader:
                 and anyio.current_time() >= self._next_move):
             wait = await self._move_due(ctx)
             self._next_move = anyio.current_time() + wait
-        if self._rescan_planned or self._rescan_wanted:
+        recheck = self._recheck_at
+        if (self._rescan_planned or self._rescan_wanted
+                or (recheck is not None and anyio.current_time() >= recheck)):
             await self._rescan(conn, ctx, start=not self._started)
             self._rescan_planned = False
         self._started = True  # drive() is started after the first catch_up that went through

@@ -20,14 +20,17 @@ a multiset of bytes, ``dict[bytes, int]``, counted down with :func:`dec`.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from .._envelope import CorruptEnvelope, unwrap, wrap
 from .._keys import derived
 from ._commands import Script
 from ._plan import content_origin
 
-__all__ = ["BUMP", "GIVE_BACK", "REAP", "bumped", "dec", "heartbeat_key", "registry_key", "stranded"]
+__all__ = [
+    "BUMP", "GIVE_BACK", "REAP", "bumped", "dec", "doubtful", "heartbeat_key", "registry_key",
+    "stranded",
+]
 
 
 def registry_key(queue: str) -> str:
@@ -123,7 +126,7 @@ def dec(counts: dict[bytes, int], e: bytes) -> int:
 
 def stranded(
     items: Sequence[bytes], held: dict[bytes, int], leftover: dict[bytes, int],
-    delayed: Collection[bytes], *, start: bool,
+    delayed: Collection[bytes], *, start: bool, before: Mapping[bytes, int] | None = None,
 ) -> list[tuple[bytes, bool]]:
     """What a processing list (``items``, LRANGE order: newest first) holds
     that the reader does not (``held``, as a multiset), oldest first, each
@@ -134,14 +137,35 @@ def stranded(
     handled whose removal may have left them (``leftover``, counted down
     here) are; the others were stranded by a lost read reply, no handler saw
     them.  ``leftover`` entries not waiting for a runtime ``retry_after``
-    copy (``delayed``) are forgotten: their removal did remove them after all.
+    copy (``delayed``) are forgotten: their removal did remove it after all.
+
+    ``before``: what the reader held when it sent the ``LRANGE``.  A removal
+    answered since then may have run after the ``LRANGE`` did, its element
+    still in ``items`` though no longer held: an element counts as held up to
+    the larger of the two counts (and its ``leftover`` is kept), so a copy
+    finalized meanwhile is not delivered again.  :func:`doubtful` says
+    whether that hid a stranded copy, to be looked for again later.
     """
     seen: Counter[bytes] = Counter()
     out: list[tuple[bytes, bool]] = []
+    masked: set[bytes] = set()
     for e in reversed(items):  # oldest first
         seen[e] += 1
-        if seen[e] > held.get(e, 0):
+        k = seen[e]
+        if k > held.get(e, 0):
+            if before is not None and k <= before.get(e, 0):
+                masked.add(e)  # held when the LRANGE was sent: finalized meanwhile
+                continue
             out.append((e, start or dec(leftover, e) > 0))
-    for e in [e for e in leftover if e not in delayed]:
+    for e in [e for e in leftover if e not in delayed and e not in masked]:
         del leftover[e]  # its removal did remove it after all (a resend)
     return out
+
+
+def doubtful(items: Sequence[bytes], held: Mapping[bytes, int], before: Mapping[bytes, int]) -> bool:
+    """Whether :func:`stranded` took a copy in ``items`` for one finalized
+    while the ``LRANGE`` ran (held ``before``, not now): identical bytes
+    cannot tell it from a copy a lost read stranded, so the processing list
+    is to be looked at again, once the removals in flight are answered."""
+    seen: Counter[bytes] = Counter(items)
+    return any(held.get(e, 0) < n and before.get(e, 0) > held.get(e, 0) for e, n in seen.items())
