@@ -6,8 +6,9 @@ On one private redis-server, in the same run, N = 20,000 messages each:
   (``ReliableListSubscription`` mounted with a handler returning ``ACK``)
   against the floor: our transport alone doing what the library must do per
   element - ``BLMOVE`` (+ pipelined ``LMOVE``, 64 per round trip like the
-  reader's largest prefetch) on a dedicated connection, then the ``LREM`` of
-  each element, pipelined on a pool connection.  Timed until the processing
+  reader's largest prefetch) on a dedicated connection, then the ``LREM
+  processing -1 element`` of each element (from the tail, the oldest end, as
+  the library removes), pipelined on a pool connection.  Timed until the processing
   list is empty.
 * **Pub/Sub receive**: N messages PUBLISHed (pipelined, batches of 100) by a
   separate connection; the library (``ChannelSubscription``, handler returning
@@ -68,7 +69,7 @@ async def _raw_reliable(client: Client, n: int) -> float:
                 ]
                 cmds += [("LMOVE", QUEUE, PROCESSING, "RIGHT", "LEFT")] * (PREFETCH - 1)
                 got = [r for r in await conn.pipeline(cmds) if r is not None]
-                await client.pipeline([("LREM", PROCESSING, 1, e) for e in got])
+                await client.pipeline([("LREM", PROCESSING, -1, e) for e in got])
                 done += len(got)
     assert await client.execute("LLEN", PROCESSING) == 0
     return t.seconds
