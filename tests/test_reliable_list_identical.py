@@ -19,7 +19,7 @@ pool (finalizations) or on the reader's dedicated connection (``BLMOVE``).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -101,16 +101,25 @@ class _LosingConnection:
 
     async def pipeline(self, commands: Sequence[Command], *, timeout: float | None = None) -> list[Any]:
         replies = await self._inner.pipeline(commands, timeout=timeout)
-        if (self._owner.lose_reads and _name(commands[0]) == b"BLMOVE"
-                and any(r is not None for r in replies)):
-            self._owner.lose_reads -= 1
-            self._owner.lost_reads.append([r for r in replies if r is not None])
+        owner = self._owner
+        if owner.lose_reads and _name(commands[0]) == b"BLMOVE" and any(r is not None for r in replies):
+            owner.lose_reads -= 1
+            owner.lost_reads.append([r for r in replies if r is not None])
             await self._inner.aclose()
             raise rexc.ConnectionError("injected: BLMOVE ran, its reply was lost")
+        if owner.lose_empty_reads and _name(commands[0]) == b"BLMOVE" and not any(replies):
+            owner.lose_empty_reads -= 1  # nothing moved: nothing stranded, a reconnect
+            await self._inner.aclose()
+            raise rexc.ConnectionError("injected: an empty BLMOVE ran, its reply was lost")
         return replies
 
     async def execute(self, *args: Any, timeout: float | None = None) -> Any:
-        return await self._inner.execute(*args, timeout=timeout)
+        reply = await self._inner.execute(*args, timeout=timeout)
+        hold = self._owner.hold_lrange
+        if hold is not None and _name(args) == b"LRANGE":
+            self._owner.hold_lrange = None
+            await hold()  # the LRANGE ran; its reply is read only now
+        return reply
 
     async def aclose(self) -> None:
         await self._inner.aclose()
@@ -129,6 +138,9 @@ class LosingClient(Client):
         super().__init__(*args, **kwargs)
         self.lose_reads = 0
         self.lost_reads: list[list[bytes]] = []
+        self.lose_empty_reads = 0
+        self.hold_lrange: Callable[[], Awaitable[None]] | None = None
+        """Awaited once, after the reader's next ``LRANGE`` ran, before its reply is read."""
         self._match: Match | None = None
         self._times = 0
         self._every = 1
@@ -268,6 +280,41 @@ async def test_resent_dead_letter_keeps_the_other_copy(redis_url: str, client: C
 
 async def _llen(client: Client, key: str, n: int) -> bool:
     return int(await client.execute("LLEN", key)) == n
+
+
+async def test_a_rescan_racing_a_removal_does_not_deliver_the_element_again(
+    redis_url: str, client: Client
+) -> None:
+    """A rescan's ``LRANGE`` runs while X is being handled, and X's ACK is answered
+    before the ``LRANGE``'s reply is read: X is in the reply but no longer held.
+    It was finalized, not stranded: it is not delivered again (it was, under
+    load: the flaky test above handled a copy twice), nor by the recheck later."""
+    await client.execute("LPUSH", Q, b"X")
+    seen: list[Delivery] = []
+    handling, lrange_ran = trio.Event(), trio.Event()
+    box: list[Consumer] = []
+
+    async def h(d: Delivery) -> Any:
+        seen.append(d)
+        handling.set()
+        await lrange_ran.wait()
+        return ACK
+
+    async def hold() -> None:
+        lrange_ran.set()
+        await eventually(lambda: effects(box[0]).get("acked") == 1, what="X acked meanwhile")
+
+    async with losing_client(redis_url) as lc, open_consumer(lc, name="c1") as consumer:
+        box.append(consumer)
+        await consumer.mount(sub(), h)
+        await handling.wait()
+        lc.hold_lrange = hold
+        lc.lose_empty_reads = 1  # the reader reconnects: a rescan, X still in hand
+        await eventually(lambda: lc.hold_lrange is None and lrange_ran.is_set(), what="the rescan")
+        await trio.sleep(1.5)  # past the recheck (_RECHECK)
+        assert effects(consumer).get("acked") == 1
+    assert [(d.data, d.attempt) for d in seen] == [(b"X", 1)]
+    assert await lrange(client, proc("c1")) == [] and await lrange(client, Q) == []
 
 
 async def test_copy_stranded_after_an_identical_one_was_handled_is_delivered(
