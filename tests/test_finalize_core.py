@@ -153,6 +153,42 @@ def test_fast_path_on_a_reliable_list_is_one_lrem_each() -> None:
     assert b.result().forget() == []  # list elements have no stream id
 
 
+def test_a_reliable_list_removal_that_removed_nothing_is_gate_closed_not_acked() -> None:
+    """Counts are what Redis answered: an ``LREM`` answered 0, sent once with a
+    known outcome, removed nothing (the element was no longer in the processing
+    list: another consumer's takeover put it back, say): ``gate_closed``, not
+    ``acked``; a counted gate's ``nil`` too."""
+    t = ReliableListSubscription("q").target("c1")
+    items: list[Item] = [(element(b"a"), ACK), (element(b"b"), ACK), (element(b"c"), DROP),
+                         (element(b"d"), DROP)]
+    b = core(t).batch(items)
+    assert b.receive([1, 0, None, 1]) is GO
+    s = b.result()
+    assert s.effects == {"acked": 1, "dropped": 1, GATE_CLOSED: 2}
+    assert [e for _, e in s.deliveries()] == ["acked", GATE_CLOSED, GATE_CLOSED, "dropped"]
+    assert b.outcomes == {"ack": 2, "drop": 2}  # what the handlers returned, unchanged
+
+
+def test_a_resent_reliable_list_removal_answered_0_counts_as_planned() -> None:
+    """After a round trip with an unknown outcome, a 0 may be the first send's
+    doing (it removed the element): counted as planned, as before."""
+    t = ReliableListSubscription("q").target("c1")
+    b = core(t).batch([(element(b"a"), ACK), (element(b"b"), ACK)])
+    b.failed(LOST)
+    assert b.receive([0, 1]) is GO
+    s = b.result()
+    assert s.effects == {"acked": 2}
+    assert [e for _, e in s.deliveries()] == ["acked", "acked"]
+
+
+def test_debug_records_say_gate_closed_for_a_removal_that_removed_nothing() -> None:
+    t = ReliableListSubscription("q").target("c1")
+    b = FinalizerCore(t).batch([(element(b"a"), ACK), (element(b"b"), ACK)], debug=True)
+    b.receive([0, 1])
+    records = b.result().records
+    assert [r[3]["effect"] for r in records] == [GATE_CLOSED, "acked"]
+
+
 # -- plans ---------------------------------------------------------------------------
 
 

@@ -297,6 +297,36 @@ async def test_slow_but_alive_consumer_keeps_its_element(redis_url: str, client:
     assert await lrange(client, Q) == []
 
 
+async def test_an_ack_that_removed_nothing_is_counted_gate_closed(
+    redis_url: str, client: Client
+) -> None:
+    """The element leaves the processing list while its handler runs (moved back
+    to the queue, as another consumer's takeover of a list whose heartbeat
+    lapsed does): the ACK's ``LREM`` answers 0 -- counted ``gate_closed``, not
+    ``acked`` (counts are what Redis answered) -- and the element, back on the
+    queue, is delivered again and acknowledged then."""
+    moved = trio.Event()
+    seen: list[Delivery] = []
+
+    async def h(d: Delivery) -> Any:
+        seen.append(d)
+        if len(seen) == 1:
+            await moved.wait()
+        return ACK
+
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(sub(), h)
+        await client.execute("LPUSH", Q, b"job")
+        await eventually(lambda: len(seen) == 1, what="handler started")
+        assert await client.execute("LMOVE", proc("c1"), Q, "RIGHT", "RIGHT") == b"job"
+        moved.set()
+        await eventually(lambda: effects(consumer).get("acked") == 1, what="the second delivery acked")
+        assert effects(consumer).get("gate_closed") == 1
+        assert effects(consumer).get("acked") == 1
+    assert [(d.data, d.attempt) for d in seen] == [(b"job", 1), (b"job", 1)]
+    assert await lrange(client, proc("c1")) == [] and await lrange(client, Q) == []
+
+
 async def test_a_returning_consumer_is_not_reaped(redis_url: str, client: Client) -> None:
     """The reaper's script is gated on the heartbeat key: present -> untouched."""
     await client.execute("RPUSH", proc("back"), b"e")

@@ -39,7 +39,9 @@ class MountStats:
     ``dead_lettered``, ``exhausted``, ``lost_before_handling``, ...), as
     Redis answered: ``gate_closed`` when a gated script found the original
     no longer pending (nothing written; finalized already, e.g. by a racing
-    finalizer), ``failed`` when a step got a final error reply (the original
+    finalizer), or a reliable list's ``ACK`` / ``DROP`` removed nothing (the
+    element was no longer in the processing list: another consumer's takeover
+    put it back on the queue, say), ``failed`` when a step got a final error reply (the original
     stays pending; the error is logged with command and key), ``released``
     when a runtime delayed copy was written.  ``finalize_errors`` counts
     every error reply or failed round trip of finalization (those that did

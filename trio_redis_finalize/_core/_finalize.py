@@ -166,8 +166,8 @@ class FinalizerCore:
     ``gates``: the reader's counted gates (reliable lists), or None.
     """
 
-    __slots__ = ("_cut_warned", "_kinds", "_names", "_stream", "gates", "name", "removals",
-                 "target")
+    __slots__ = ("_cut_warned", "_kinds", "_lists", "_names", "_stream", "gates", "name",
+                 "removals", "target")
 
     def __init__(self, target: Target, *, gates: Gates | None = None) -> None:
         self.target = target
@@ -178,6 +178,7 @@ class FinalizerCore:
         self._names = tuple((k, k._value_, e._value_) for k, e in self.removals.items())
         self._cut_warned = False  # claiming: a retry_after longer than min_idle was logged
         self._stream = target.form is Form.STREAM
+        self._lists = target.form is Form.RELIABLE_LIST  # the hot path: one LREM per element
 
     def batch(self, items: Sequence[Item], *, debug: bool = False) -> FinalizeBatch:
         """The batch that finalizes ``items``; ``debug``: add a record per delivery finalized."""
@@ -238,7 +239,8 @@ class FinalizeBatch:
 
     __slots__ = (
         "_answered", "_answers", "_attempt", "_commands", "_core", "_debug", "_fast_failed",
-        "_got", "_items", "_kinds", "_owners", "_plans", "_recount", "_removed", "_rest",
+        "_fast_replies", "_got", "_items", "_kinds", "_owners", "_plans", "_recount", "_removed",
+        "_rest",
         "_returned", "_tally", "_unsure", "backoffs", "outcomes", "records", "refused",
     )
 
@@ -321,6 +323,8 @@ class FinalizeBatch:
         self._recount = False  # a resend: the gates renumber on what is held now
         self._unsure = False  # a send had an unknown outcome (then resent)
         self._fast_failed = False
+        # a reliable list's removals answered in one round, one reply each (see result())
+        self._fast_replies: Sequence[Any] | None = None
 
     # -- the rounds --------------------------------------------------------------
     def commands(self) -> list[Command]:
@@ -367,6 +371,8 @@ class FinalizeBatch:
                 if track:
                     self._answered += commands
                     self._answers += replies
+                if self._core._lists and not self._unsure:
+                    self._fast_replies = replies  # one removal per element, in order
                 self._commands = []
                 return GO
             owners = [FAST_ONLY] * len(commands)
@@ -453,6 +459,18 @@ class FinalizeBatch:
         still go out -- every plan's ``(delay, later)``: duplicate, never loss."""
         return [(p.delay, p.later) for _, p in self._plans if p.delay is not None and p.later]
 
+    def _closed(self) -> list[int]:
+        """The hot path's reliable-list removals Redis answered *nothing
+        removed* (``LREM`` 0, a counted gate closed), sent once with a known
+        outcome: the element was not (or no longer) in the processing list --
+        taken back by another consumer's takeover, say -- so it is not counted
+        as acknowledged but as :data:`GATE_CLOSED`.  A resend's 0 is no such
+        answer (the first send may have removed it): counted as planned."""
+        replies = self._fast_replies
+        if replies is None or len(replies) != len(self._removed):
+            return []
+        return [i for i, r in enumerate(replies) if r == 0 or r is None]
+
     def result(self) -> Settlement:
         """The batch's settlement, once :meth:`commands` is empty."""
         if self._commands:
@@ -474,14 +492,22 @@ class FinalizeBatch:
             else:
                 for _, e, n in self._tally:
                     effects[e] = effects.get(e, 0) + n  # kinds may share an effect
+                closed = self._closed()
+                if closed:
+                    for i in closed:
+                        e = removals[self._kinds[i]]._value_
+                        effects[e] -= 1
+                    effects[GATE_CLOSED] = effects.get(GATE_CLOSED, 0) + len(closed)
             if debug:
+                shut = {id(removed[i]) for i in self._closed()} if not self._fast_failed else set()
                 for d, outcome in self._items:
                     effect = (removals.get(outcome.kind) if outcome.__class__ is Outcome
                               else None)
                     if effect is not None:
+                        value = GATE_CLOSED if id(d) in shut else effect.value
                         records.append((_DEBUG, "%s: %s (attempt %d) finalized: %s",
-                                        (name, d.id or d.origin_id, d.attempt, effect.value),
-                                        log_extra(name, d, outcome, effect.value)))
+                                        (name, d.id or d.origin_id, d.attempt, value),
+                                        log_extra(name, d, outcome, value)))
         plans = self._plans
         settled_effects: list[str] = []
         unsure = self._unsure
@@ -555,6 +581,8 @@ class Settlement:
             out = [(d, FAILED) for d in b._removed]
         else:
             out = [(d, removals[k]._value_) for d, k in zip(b._removed, b._kinds, strict=True)]
+            for i in b._closed():
+                out[i] = (out[i][0], GATE_CLOSED)
         return out + [(d, e) for (d, _), e in zip(b._plans, self._settled, strict=True)]
 
 
