@@ -164,9 +164,24 @@ def list_deliveries(
     name = target.name
     limit = target.max_attempts
     head = _MAGIC_HEAD
+    append = ready.append
     for raw in raws:
         if raw[:1] != head:
-            ready.append(foreign(source, raw, name))
+            # foreign(source, raw, name), inline: one per element read
+            d: Any = _new(ForeignBuilder)
+            d.source = source
+            d.id = None
+            d.fields = {}
+            d.data = raw
+            d.attempt = 1
+            d.raw = raw
+            d.retries = 0
+            d.mount = name
+            d.corrupt = None
+            d.error = None
+            d.flat = None
+            d.__class__ = Foreign  # every field but origin_id set: frozen from here on
+            append(d)
             continue
         try:
             body, retries, origin = unwrap(raw)
