@@ -17,7 +17,7 @@ from typing import Any
 from .._delivery import Delivery, DeliveryBuilder, _set_origin_id
 from .._envelope import GROUP_FIELD, MAGIC, ORIGIN_FIELD, RETRIES_FIELD, CorruptEnvelope, unwrap
 from .._value import builder
-from ._plan import Plan, Target, attempt_of, content_origin, plan_dead, plan_foreign, plan_lost
+from ._plan import Plan, Target, content_origin, plan_dead, plan_foreign, plan_lost
 
 __all__ = [
     "Entry",
@@ -278,7 +278,6 @@ def stream_deliveries(
     name = target.name
     limit = target.max_attempts
     own_group = target.group.encode()
-    new = Delivery
     build = object.__new__
     append = ready.append
     for eid, flat in entries:
@@ -337,8 +336,23 @@ def stream_deliveries(
             if raw_origin is not None:
                 origin = raw_origin.decode("utf-8", "replace")
         count = counts.get(eid, 1) if counts else 1
-        attempt = attempt_of(retries, count)
-        d = new(source, entry_id, fields, None, attempt, origin, None, retries, name, corrupt, body)
+        attempt = retries + 1 if retries >= count else count  # attempt_of(), inline
+        # Delivery(source, entry_id, fields, None, attempt, origin, None, retries,
+        # name, corrupt, body), inline: one per copy read
+        d = build(DeliveryBuilder)
+        d.source = source
+        d.id = entry_id
+        d.fields = fields
+        d.data = None
+        d.attempt = attempt
+        d.origin_id = origin
+        d.raw = None
+        d.retries = retries
+        d.mount = name
+        d.corrupt = corrupt
+        d.error = None
+        d.flat = body
+        d.__class__ = Delivery  # every field set: frozen from here on
         if group is not None and group != own_group:
             # a copy another group wrote (RETRY, delayed): that group handles it
             direct.append((d, plan_foreign(target, d)))
