@@ -24,13 +24,14 @@ generated ``__init__`` about 2.3 µs, ``init=False`` with the setters about
 0.8-1.1 µs.
 
 Where even the setters cost too much (a ``Delivery`` for every entry a
-stream read returns), :func:`builder` gives the class a private mutable
+stream read returns, a ``Plan`` for every RETRY), :func:`builder` gives the class a private mutable
 twin: a subclass that adds no slot and no behaviour but plain assignment.
 A new object is made as a twin, its fields assigned plainly (the
 interpreter's specialised slot stores), then its ``__class__`` set to the
 value class: from then on it is an ordinary frozen instance (same layout,
 same type, assignment refused).  About 0.3 µs for the 11 fields of a
-``Delivery``.
+``Delivery``; a ``Plan`` of 6 fields 0.27 µs through its ``__init__`` on
+the twin (0.36 with the setters), 0.17 built inline.
 """
 
 from __future__ import annotations

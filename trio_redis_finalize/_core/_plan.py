@@ -44,6 +44,7 @@ import json
 import uuid
 from collections.abc import Mapping, Sequence
 from itertools import chain
+from typing import Any
 
 from .._delivery import Delivery
 from .._envelope import GROUP_FIELD, ORIGIN_FIELD, RETRIES_FIELD, pack_parts, wrap
@@ -51,7 +52,7 @@ from .._errors import AckUnsupported
 from .._keys import derived, same_slot
 from .._outcome import Outcome, OutcomeKind
 from .._subscription import DelayedRetry, Form, Mode, Retention
-from .._value import immutable, setters
+from .._value import builder, immutable
 from . import _scripts
 from ._commands import Command
 
@@ -137,8 +138,9 @@ class Target:
         return self.retention is Retention.DELETE_ON_FINALIZE
 
 
-# ``init=False``: built per message, so the ``__init__`` below sets the slots
-# with their setters (see ``_value``), faster than the generated one.
+# ``init=False``: built per message, so the ``__init__`` below fills the slots
+# in on the builder twin (see ``_value.builder``): about 0.25 µs against 0.36 µs
+# with the slot setters; a RETRY's copy (one per delivery) builds it inline.
 @immutable
 @dataclasses.dataclass(frozen=True, slots=True, init=False)
 class Plan:
@@ -165,16 +167,38 @@ class Plan:
         gated: bool = True,
         warning: str | None = None,
     ) -> None:
-        _set_effect(self, effect)
-        _set_commands(self, commands)
-        _set_delay(self, delay)
-        _set_later(self, later)
-        _set_gated(self, gated)
-        _set_warning(self, warning)
+        # plain slot stores on the builder twin, then the class again: frozen from here on
+        cls = self.__class__
+        _setattr(self, "__class__", PlanBuilder)
+        me: Any = self
+        me.effect = effect
+        me.commands = commands
+        me.delay = delay
+        me.later = later
+        me.gated = gated
+        me.warning = warning
+        me.__class__ = cls
 
 
-_set_effect, _set_commands, _set_delay, _set_later, _set_gated, _set_warning = setters(
-    Plan, "effect", "commands", "delay", "later", "gated", "warning")
+_setattr = object.__setattr__
+_new = object.__new__
+
+PlanBuilder = builder(Plan)
+"""The builder twin of :class:`Plan` (``_value.builder``)."""
+
+
+def _gated(effect: Effect, command: Command) -> Plan:
+    """``Plan(effect, (command,))``, built inline on the twin (a RETRY's copy)."""
+    p: Any = _new(PlanBuilder)
+    p.effect = effect
+    p.commands = (command,)
+    p.delay = None
+    p.later = ()
+    p.gated = True
+    p.warning = None
+    p.__class__ = Plan
+    out: Plan = p
+    return out
 
 
 def attempt_of(retries: int, delivery_count: int = 1) -> int:
@@ -379,7 +403,7 @@ def _stream_copy(
         return Plan(effect, (_scripts.STREAM_COPY_ACK_EX.command((t.source, dest), args),))
     # STREAM_COPY_ACK.command((t.source, dest), (t.group, d.id, *fields)), in one tuple
     # (every RETRY copy)
-    return Plan(effect, ((b"EVALSHA", _COPY_ACK_SHA, 2, t.source, dest, t.group, d.id, *fields),))
+    return _gated(effect, (b"EVALSHA", _COPY_ACK_SHA, 2, t.source, dest, t.group, d.id, *fields))
 
 
 def _list_copy_remove(t: Target, d: Delivery, dest: str, element: bytes, effect: Effect) -> Plan:
