@@ -167,6 +167,10 @@ def test_a_reliable_list_removal_that_removed_nothing_is_gate_closed_not_acked()
     assert s.effects == {"acked": 1, "dropped": 1, GATE_CLOSED: 2}
     assert [e for _, e in s.deliveries()] == ["acked", GATE_CLOSED, GATE_CLOSED, "dropped"]
     assert b.outcomes == {"ack": 2, "drop": 2}  # what the handlers returned, unchanged
+    # every removal of a kind answered 0: no zero count of that kind's effect left
+    b = core(t).batch([(element(b"a"), ACK), (element(b"b"), DROP)])
+    assert b.receive([0, 1]) is GO
+    assert b.result().effects == {"dropped": 1, GATE_CLOSED: 1}
 
 
 def test_a_resent_reliable_list_removal_answered_0_counts_as_planned() -> None:

@@ -496,7 +496,10 @@ class FinalizeBatch:
                 if closed:
                     for i in closed:
                         e = removals[self._kinds[i]]._value_
-                        effects[e] -= 1
+                        if effects[e] > 1:
+                            effects[e] -= 1
+                        else:
+                            del effects[e]  # none of that effect after all
                     effects[GATE_CLOSED] = effects.get(GATE_CLOSED, 0) + len(closed)
             if debug:
                 shut = {id(removed[i]) for i in self._closed()} if not self._fast_failed else set()
