@@ -17,7 +17,7 @@ from typing import Any
 from .._delivery import Delivery, DeliveryBuilder, _set_origin_id
 from .._envelope import GROUP_FIELD, MAGIC, ORIGIN_FIELD, RETRIES_FIELD, CorruptEnvelope, unwrap
 from .._value import builder
-from ._plan import Plan, Target, content_origin, plan_dead, plan_foreign, plan_lost
+from ._plan import Plan, Target, attempt_of, content_origin, plan_dead, plan_foreign, plan_lost
 
 __all__ = [
     "Entry",
@@ -336,23 +336,9 @@ def stream_deliveries(
             if raw_origin is not None:
                 origin = raw_origin.decode("utf-8", "replace")
         count = counts.get(eid, 1) if counts else 1
-        attempt = retries + 1 if retries >= count else count  # attempt_of(), inline
-        # Delivery(source, entry_id, fields, None, attempt, origin, None, retries,
-        # name, corrupt, body), inline: one per copy read
-        d = build(DeliveryBuilder)
-        d.source = source
-        d.id = entry_id
-        d.fields = fields
-        d.data = None
-        d.attempt = attempt
-        d.origin_id = origin
-        d.raw = None
-        d.retries = retries
-        d.mount = name
-        d.corrupt = corrupt
-        d.error = None
-        d.flat = body
-        d.__class__ = Delivery  # every field set: frozen from here on
+        attempt = attempt_of(retries, count)
+        d = Delivery(source, entry_id, fields, None, attempt, origin, None, retries, name, corrupt,
+                     body)
         if group is not None and group != own_group:
             # a copy another group wrote (RETRY, delayed): that group handles it
             direct.append((d, plan_foreign(target, d)))
