@@ -11,7 +11,7 @@ import anyio
 from redis import exceptions as rexc
 
 from ._context import FINALIZE_TIMEOUT, Context, Item, log
-from ._core._decode import Foreign, ForeignBuilder, list_delivery
+from ._core._decode import foreign, list_delivery
 from ._core._plan import Plan, Target
 from ._delivery import Delivery
 from ._envelope import MAGIC
@@ -134,27 +134,12 @@ def payload_deliveries(
     direct: list[Item] = []
     mount = target.name
     append = ready.append
-    build = object.__new__
     for channel, data in messages:
         name = names.get(channel)
         if name is None:
             name = names[channel] = channel.decode("utf-8", "replace")
         if not data or data[0] != _MAGIC_BYTE:  # cannot be an envelope: attempt 1, no plan
-            # foreign(name, data, mount), inline: one per message received
-            d: Any = build(ForeignBuilder)
-            d.source = name
-            d.id = None
-            d.fields = {}
-            d.data = data
-            d.attempt = 1
-            d.raw = data
-            d.retries = 0
-            d.mount = mount
-            d.corrupt = None
-            d.error = None
-            d.flat = None
-            d.__class__ = Foreign  # every field but origin_id set: frozen from here on
-            append(d)
+            append(foreign(name, data, mount))
             continue
         envelope, plan = list_delivery(target, name, data)
         if plan is None:

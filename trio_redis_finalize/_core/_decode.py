@@ -167,21 +167,7 @@ def list_deliveries(
     append = ready.append
     for raw in raws:
         if raw[:1] != head:
-            # foreign(source, raw, name), inline: one per element read
-            d: Any = _new(ForeignBuilder)
-            d.source = source
-            d.id = None
-            d.fields = {}
-            d.data = raw
-            d.attempt = 1
-            d.raw = raw
-            d.retries = 0
-            d.mount = name
-            d.corrupt = None
-            d.error = None
-            d.flat = None
-            d.__class__ = Foreign  # every field but origin_id set: frozen from here on
-            append(d)
+            append(foreign(source, raw, name))
             continue
         try:
             body, retries, origin = unwrap(raw)
