@@ -486,13 +486,13 @@ class FinalizeBatch:
         later: list[tuple[float, tuple[Command, ...]]] = []
         removed = self._removed
         removals = core.removals
+        closed = [] if self._fast_failed else self._closed()
         if removed:
             if self._fast_failed:
                 effects[FAILED] = len(removed)
             else:
                 for _, e, n in self._tally:
                     effects[e] = effects.get(e, 0) + n  # kinds may share an effect
-                closed = self._closed()
                 if closed:
                     for i in closed:
                         e = removals[self._kinds[i]]._value_
@@ -502,7 +502,7 @@ class FinalizeBatch:
                             del effects[e]  # none of that effect after all
                     effects[GATE_CLOSED] = effects.get(GATE_CLOSED, 0) + len(closed)
             if debug:
-                shut = {id(removed[i]) for i in self._closed()} if not self._fast_failed else set()
+                shut = {id(removed[i]) for i in closed}
                 for d, outcome in self._items:
                     effect = (removals.get(outcome.kind) if outcome.__class__ is Outcome
                               else None)
@@ -545,7 +545,7 @@ class FinalizeBatch:
                                 log_extra(name, d, outcome, settled)))
             if p.delay is not None and p.later:
                 later.append((p.delay, p.later))
-        return Settlement(self, effects, records, later, settled_effects)
+        return Settlement(self, effects, records, later, settled_effects, closed)
 
 
 class Settlement:
@@ -559,11 +559,13 @@ class Settlement:
     effect (what instrumentation is told).
     """
 
-    __slots__ = ("_batch", "_settled", "effects", "later", "records")
+    __slots__ = ("_batch", "_closed", "_settled", "effects", "later", "records")
 
     def __init__(self, batch: FinalizeBatch, effects: dict[str, int], records: list[Record],
-                 later: list[tuple[float, tuple[Command, ...]]], settled: list[str]) -> None:
+                 later: list[tuple[float, tuple[Command, ...]]], settled: list[str],
+                 closed: list[int]) -> None:
         self._batch = batch
+        self._closed = closed  # the hot path's removals that removed nothing (gate_closed)
         self.effects = effects
         self.records = records
         self.later = later
@@ -584,7 +586,7 @@ class Settlement:
             out = [(d, FAILED) for d in b._removed]
         else:
             out = [(d, removals[k]._value_) for d, k in zip(b._removed, b._kinds, strict=True)]
-            for i in b._closed():
+            for i in self._closed:
                 out[i] = (out[i][0], GATE_CLOSED)
         return out + [(d, e) for (d, _), e in zip(b._plans, self._settled, strict=True)]
 
