@@ -185,6 +185,18 @@ def test_a_resent_reliable_list_removal_answered_0_counts_as_planned() -> None:
     assert [e for _, e in s.deliveries()] == ["acked", "acked"]
 
 
+def test_a_reliable_list_removal_refused_then_answered_0_counts_as_planned() -> None:
+    """Refused (OOM: not run) and sent again, a removal's 0 is counted as planned:
+    only a round answered at once, every reply a count, settles per element."""
+    t = ReliableListSubscription("q").target("c1")
+    b = core(t).batch([(element(b"a"), ACK), (element(b"b"), ACK)])
+    assert b.receive([OOM, 1]).pause == 1
+    assert b.receive([0]) is GO
+    s = b.result()
+    assert s.effects == {"acked": 2}
+    assert [e for _, e in s.deliveries()] == ["acked", "acked"]
+
+
 def test_debug_records_say_gate_closed_for_a_removal_that_removed_nothing() -> None:
     t = ReliableListSubscription("q").target("c1")
     b = FinalizerCore(t).batch([(element(b"a"), ACK), (element(b"b"), ACK)], debug=True)
