@@ -197,6 +197,95 @@ def test_a_reliable_list_removal_refused_then_answered_0_counts_as_planned() -> 
     assert [e for _, e in s.deliveries()] == ["acked", "acked"]
 
 
+def test_a_stream_xack_answered_short_counts_gate_closed_for_the_rest() -> None:
+    """Counts are what Redis answered: an ``XACK`` of three ids, sent once with
+    a known outcome, answered 2 -- one entry was no longer pending (another
+    consumer claimed and acknowledged it, say): ``acked`` 2 and
+    ``gate_closed`` 1, with one record saying so.  Which entry is not known:
+    the last of the batch is reported."""
+    b = core(stream()).batch([(entry(1), ACK), (entry(2), ACK), (entry(3), ACK)])
+    assert b.receive([2]) is GO
+    s = b.result()
+    assert s.effects == {"acked": 2, GATE_CLOSED: 1}
+    assert [e for _, e in s.deliveries()] == ["acked", "acked", GATE_CLOSED]
+    [(level, msg, args, extra)] = s.records
+    assert level == logging.INFO and "no longer pending" in msg
+    assert args[1:] == (3, 2, 1) and extra["subscription"] == b._core.name
+    assert s.forget() == ["1-0", "2-0", "3-0"]
+    assert b.outcomes == {"ack": 3}  # what the handlers returned, unchanged
+    # none pending any more (the group recreated, say): all gate_closed, no acked left
+    b = core(stream()).batch([(entry(1), DROP), (entry(2), DROP)])
+    assert b.receive([0]) is GO
+    assert b.result().effects == {GATE_CLOSED: 2}
+    # the full count: as planned, no record
+    b = core(stream()).batch([(entry(1), ACK), (entry(2), DROP)])
+    assert b.receive([2]) is GO
+    s = b.result()
+    assert s.effects == {"acked": 1, "dropped": 1} and s.records == []
+
+
+def test_a_stream_xack_answered_short_with_delete_on_finalize() -> None:
+    from trio_redis_finalize._subscription import Retention
+
+    b = core(stream(retention=Retention.DELETE_ON_FINALIZE)).batch(
+        [(entry(1), ACK), (entry(2), ACK)])
+    assert b.receive([1, 2]) is GO  # the XDEL's count says nothing about the group
+    assert b.result().effects == {"acked": 1, GATE_CLOSED: 1}
+
+
+def test_a_resent_or_refused_stream_xack_answered_short_counts_as_planned() -> None:
+    """After a round trip with an unknown outcome the first send may have
+    acknowledged them; after a refusal (OOM) too only the first round's answer
+    settles: counted as planned."""
+    b = core(stream()).batch([(entry(1), ACK), (entry(2), ACK)])
+    b.failed(LOST)
+    assert b.receive([0]) is GO
+    s = b.result()
+    assert s.effects == {"acked": 2} and s.records == []
+    b = core(stream()).batch([(entry(1), ACK), (entry(2), ACK)])
+    assert b.receive([OOM]).pause == 1
+    assert b.receive([1]) is GO
+    assert b.result().effects == {"acked": 2}
+
+
+def test_a_short_xack_beside_plans_counts_gate_closed_unless_plans_share_it() -> None:
+    """In a batch with plans the hot path's ``XACK`` is still its own command
+    (a RETRY is a script): its short count settles as alone.  Merged with a
+    plan's single ``XACK`` (an entry deleted while pending) the count is
+    theirs together: counted as planned."""
+    b = core(stream()).batch([(entry(1), ACK), (entry(2), ACK), (entry(3), RETRY)])
+    cmds = b.commands()
+    assert list(cmds[0]) == ["XACK", "orders", "billing", "1-0", "2-0"]
+    replies = all_ok(cmds)
+    replies[0] = 1
+    assert b.receive(replies) is GO
+    s = b.result()
+    assert s.effects == {"acked": 1, GATE_CLOSED: 1, "copied": 1}
+    assert [e for _, e in s.deliveries()] == ["acked", GATE_CLOSED, "copied"]
+    t = stream()
+    lost = entry(3)
+    b = core(t).batch([(entry(1), ACK), (entry(2), ACK), (lost, plan_lost(t, lost))])
+    cmds = b.commands()
+    assert [list(c) for c in cmds] == [["XACK", "orders", "billing", "1-0", "2-0", "3-0"]]
+    assert b.receive([2]) is GO
+    assert b.result().effects == {"acked": 2, "lost_before_handling": 1}
+
+
+def test_a_reliable_list_removal_beside_plans_that_removed_nothing_is_gate_closed() -> None:
+    t = ReliableListSubscription("q").target("c1")
+    b = core(t).batch([(element(b"a"), ACK), (element(b"b"), ACK), (element(b"c"), RETRY)])
+    cmds = b.commands()
+    assert cmds[:2] == [("LREM", t.processing, -1, b"a"), ("LREM", t.processing, -1, b"b")]
+    replies = all_ok(cmds)
+    replies[1] = 0
+    assert b.receive(replies) is GO
+    while cmds := b.commands():
+        assert b.receive(all_ok(cmds)) is GO
+    s = b.result()
+    assert s.effects["acked"] == 1 and s.effects[GATE_CLOSED] == 1
+    assert [e for _, e in s.deliveries()][:2] == ["acked", GATE_CLOSED]
+
+
 def test_debug_records_say_gate_closed_for_a_removal_that_removed_nothing() -> None:
     t = ReliableListSubscription("q").target("c1")
     b = FinalizerCore(t).batch([(element(b"a"), ACK), (element(b"b"), ACK)], debug=True)

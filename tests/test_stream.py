@@ -102,6 +102,38 @@ async def test_ack_and_drop_acknowledge_without_copies(redis_url: str, client: C
     assert [eid for eid, _ in await xrange(client)] == [a, b]
 
 
+async def test_an_ack_of_an_entry_another_consumer_finalized_is_counted_gate_closed(
+    redis_url: str, client: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    """While its handler runs, another consumer of the group claims the entry
+    and acknowledges it (a reclaim after ``min_idle``, say): this consumer's
+    ``XACK`` answers 0 -- counted ``gate_closed``, not ``acked`` (counts are
+    what Redis answered), and logged."""
+    a = await xadd(client, n="a")
+    b = await xadd(client, n="b")
+    claimed = trio.Event()
+
+    async def h(d: Delivery) -> Outcome:
+        if d.id == a:
+            await claimed.wait()
+        return ACK
+
+    caplog.set_level(logging.INFO, logger="trio_redis_finalize")
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(StreamSubscription(S, G, block=0.1), h, concurrency=2)
+        await eventually(lambda: effects(consumer).get("acked") == 1, what="b acknowledged")
+        [[eid, _]] = await client.execute("XCLAIM", S, G, "other", 0, a)
+        assert eid.decode() == a
+        assert await client.execute("XACK", S, G, a) == 1
+        claimed.set()
+        await eventually(lambda: effects(consumer).get("gate_closed") == 1, what="a settled")
+        assert effects(consumer).get("acked") == 1  # b's, not a's
+        assert stats(consumer)["outcomes"] == {"ack": 2}
+    assert await pending(client) == 0
+    assert [eid for eid, _ in await xrange(client)] == [a, b]
+    assert any("were no longer pending" in r.getMessage() for r in caplog.records)
+
+
 async def test_retry_appends_one_copy_with_headers_and_acks(redis_url: str, client: Client) -> None:
     orig = await xadd(client, payload="p1", kind="k")
     h = Recorder(lambda d: RETRY if d.attempt == 1 else ACK)

@@ -41,7 +41,10 @@ class MountStats:
     no longer pending (nothing written; finalized already, e.g. by a racing
     finalizer), or a reliable list's ``ACK`` / ``DROP`` removed nothing (the
     element was no longer in the processing list: another consumer's takeover
-    put it back on the queue, say), ``failed`` when a step got a final error reply (the original
+    put it back on the queue, say), or a stream's ``XACK`` of a batch
+    acknowledged fewer entries than it named (the rest no longer pending:
+    claimed and finalized by another consumer, say; which ones is not
+    known, the last of the batch are reported), ``failed`` when a step got a final error reply (the original
     stays pending; the error is logged with command and key), ``released``
     when a runtime delayed copy was written.  ``finalize_errors`` counts
     every error reply or failed round trip of finalization (those that did

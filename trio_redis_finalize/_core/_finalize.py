@@ -239,8 +239,8 @@ class FinalizeBatch:
 
     __slots__ = (
         "_answered", "_answers", "_attempt", "_commands", "_core", "_debug", "_fast_failed",
-        "_fast_replies", "_got", "_items", "_kinds", "_owners", "_plans", "_recount", "_removed",
-        "_rest",
+        "_fast_replies", "_first", "_got", "_items", "_kinds", "_n_fast", "_owners", "_plans",
+        "_recount", "_removed", "_rest",
         "_returned", "_tally", "_unsure", "backoffs", "outcomes", "records", "refused",
     )
 
@@ -323,8 +323,10 @@ class FinalizeBatch:
         self._recount = False  # a resend: the gates renumber on what is held now
         self._unsure = False  # a send had an unknown outcome (then resent)
         self._fast_failed = False
-        # a reliable list's removals answered in one round, one reply each (see result())
+        # the hot path's removals answered in the first round, sent once (see _closed())
         self._fast_replies: Sequence[Any] | None = None
+        self._n_fast = len(fast)
+        self._first = True
 
     # -- the rounds --------------------------------------------------------------
     def commands(self) -> list[Command]:
@@ -362,6 +364,7 @@ class FinalizeBatch:
             raise RuntimeError(f"receive(): {len(replies)} replies to {len(commands)} commands")
         track = self._core.gates is not None
         owners = self._owners
+        first, self._first = self._first, False
         if owners is None:
             # the hot path: only removals; done unless an error reply came
             for r in replies:
@@ -371,11 +374,18 @@ class FinalizeBatch:
                 if track:
                     self._answered += commands
                     self._answers += replies
-                if self._core._lists and not self._unsure:
-                    self._fast_replies = replies  # one removal per element, in order
+                if not self._unsure:
+                    self._fast_replies = replies  # the removals' own replies, in order
                 self._commands = []
                 return GO
             owners = [FAST_ONLY] * len(commands)
+        elif first and self._n_fast and not self._unsure:
+            # the first round of a batch with plans: the hot path's removals
+            # are the commands only it owns, first and in order (an XACK that
+            # plans share answers for them too: no reply of the hot path's own)
+            mine = [r for r, own in zip(replies, owners, strict=True) if len(own) == 1 and own[0] < 0]
+            if len(mine) == self._n_fast and not any(isinstance(r, Exception) for r in mine):
+                self._fast_replies = mine
         core = self._core
         got = self._got
         rest = self._rest
@@ -460,14 +470,29 @@ class FinalizeBatch:
         return [(p.delay, p.later) for _, p in self._plans if p.delay is not None and p.later]
 
     def _closed(self) -> list[int]:
-        """The hot path's reliable-list removals Redis answered *nothing
-        removed* (``LREM`` 0, a counted gate closed), sent once with a known
-        outcome: the element was not (or no longer) in the processing list --
-        taken back by another consumer's takeover, say -- so it is not counted
-        as acknowledged but as :data:`GATE_CLOSED`.  A resend's 0 is no such
-        answer (the first send may have removed it): counted as planned."""
+        """The hot path's removals Redis answered *nothing removed*, sent once
+        in the first round with a known outcome, as indexes into ``_removed``:
+        counted :data:`GATE_CLOSED`, not as acknowledged (or dropped).
+
+        A reliable list's ``LREM`` answered 0 (or a counted gate's nil): the
+        element was not (or no longer) in the processing list -- taken back
+        by another consumer's takeover, say.  A stream's ``XACK`` of ``n``
+        ids answered ``k < n``: ``n - k`` entries were no longer pending in
+        the group (another consumer claimed and finalized them, or the
+        group was recreated).  Which ones is not known (``XACK`` answers a
+        count): the last ``n - k`` of the batch are reported so.  A resend's
+        answer is no such evidence (the first send may have removed it):
+        counted as planned."""
         replies = self._fast_replies
-        if replies is None or len(replies) != len(self._removed):
+        if replies is None:
+            return []
+        n = len(self._removed)
+        if self._core._stream:
+            k = replies[0] if replies else None
+            if k.__class__ is not int or k >= n:
+                return []
+            return list(range(max(k, 0), n))
+        if len(replies) != n:
             return []
         return [i for i, r in enumerate(replies) if r == 0 or r is None]
 
@@ -501,6 +526,13 @@ class FinalizeBatch:
                         else:
                             del effects[e]  # none of that effect after all
                     effects[GATE_CLOSED] = effects.get(GATE_CLOSED, 0) + len(closed)
+                    if core._stream:
+                        records.append((
+                            _INFO, "%s: XACK of %d entries acknowledged %d: %d were no longer "
+                            "pending (finalized already: claimed and finalized by another "
+                            "consumer, or the group was recreated); counted gate_closed",
+                            (name, len(removed), len(removed) - len(closed), len(closed)),
+                            {"subscription": name, "effect": GATE_CLOSED}))
             if debug:
                 shut = {id(removed[i]) for i in closed}
                 for d, outcome in self._items:
