@@ -48,6 +48,7 @@ from typing import Any
 
 import anyio
 import pytest
+from _procs import eventually
 from faults.checks import list_state, stream_state
 from faults.cmdproxy import (
     BLACKHOLE,
@@ -593,6 +594,40 @@ async def test_proxy_blackhole_never_answers(redis_server: RedisServer,
             with pytest.raises(Exception):  # noqa: B017 - the client's own deadline
                 await c.execute("SET", "bh", "v", timeout=0.3)
         assert await admin.execute("GET", "bh") is None
+
+
+async def test_a_final_error_on_one_removal_fails_that_element_only(
+        redis_server: RedisServer, proxy: CommandProxy) -> None:
+    """Counts are what Redis answered, element by element: of three reliable-list
+    ACKs the second ``LREM`` is answered a final error (NOPERM) instead of
+    running -- that element failed and stays in the processing list; the other
+    two were removed and count as acknowledged."""
+    queue = "fm:final"
+    sub = ReliableListSubscription(queue)
+    processing = sub.target("c-final").processing
+    async with open_client(redis_server.url) as admin:
+        await admin.execute("DEL", queue, processing)
+        await admin.execute("RPUSH", queue, b"a", b"b", b"c")
+        seen: list[bytes] = []
+
+        async def handler(d: Delivery) -> Outcome:
+            seen.append(d.data or b"")
+            return ACK
+
+        proxy.arm("LREM", error("NOPERM"), at=1)
+        async with open_consumer(proxy.url, name="c-final", shutdown_grace=0.5) as consumer:
+            await consumer.mount(sub, handler)
+            name = consumer.mounts[0].name
+
+            def settled() -> bool:
+                e = consumer.stats()[name]["effects"]
+                return e.get("acked", 0) + e.get("failed", 0) >= 3
+            await eventually(settled, what="three removals answered")
+            stats = consumer.stats()[name]
+            assert stats["effects"].get("acked") == 2 and stats["effects"].get("failed") == 1
+            assert stats["finalize_errors"] == 1
+            assert await admin.execute("LRANGE", processing, 0, -1) == [b"b"]
+        assert sorted(seen) == [b"a", b"b", b"c"]
 
 
 def test_kinds_name_scripts_and_reads() -> None:

@@ -148,9 +148,47 @@ def test_fast_path_on_a_reliable_list_is_one_lrem_each() -> None:
     assert b.commands() == [("LREM", t.processing, -1, b"a"), ("LREM", t.processing, -1, b"b")]
     step = b.receive([1, WRONGTYPE])
     assert step.errors == 1
-    # one failed removal fails the hot path's count (as the shell always did)
-    assert b.result().effects == {FAILED: 2}
-    assert b.result().forget() == []  # list elements have no stream id
+    # each element has its own reply: only the one answered an error failed
+    s = b.result()
+    assert s.effects == {"acked": 1, FAILED: 1}
+    assert [e for _, e in s.deliveries()] == ["acked", FAILED]
+    assert s.forget() == []  # list elements have no stream id
+
+
+def test_a_reliable_list_removal_refused_then_failed_fails_its_element_only() -> None:
+    """Refused (OOM), sent again alone and answered a final error: that
+    element failed; the others of the batch count what they were answered."""
+    t = ReliableListSubscription("q").target("c1")
+    b = FinalizerCore(t).batch([(element(b"a"), ACK), (element(b"b"), DROP),
+                                (element(b"c"), ACK)], debug=True)
+    assert b.receive([1, OOM, 1]).pause == 1
+    assert b.commands() == [("LREM", t.processing, -1, b"b")]
+    assert b.receive([WRONGTYPE]).errors == 1
+    assert b.commands() == []
+    s = b.result()
+    assert s.effects == {"acked": 2, FAILED: 1}
+    assert [e for _, e in s.deliveries()] == ["acked", FAILED, "acked"]
+    assert [r[3]["effect"] for r in s.records] == ["acked", FAILED, "acked"]
+
+
+def test_a_failed_xdel_after_its_xack_leaves_the_entries_acked() -> None:
+    """``DELETE_ON_FINALIZE``: the ``XACK`` went through, the ``XDEL`` got a
+    final error -- acknowledged all the same (the error logged and counted;
+    the periodic trim removes them); a failed ``XACK`` fails them all."""
+    from trio_redis_finalize._subscription import Retention
+
+    t = stream(retention=Retention.DELETE_ON_FINALIZE)
+    b = core(t).batch([(entry(1), ACK), (entry(2), DROP)])
+    step = b.receive([2, WRONGTYPE])
+    assert step.errors == 1 and "XDEL on key 'orders'" in str(step.records[0][2][1])
+    s = b.result()
+    assert s.effects == {"acked": 1, "dropped": 1}
+    assert [e for _, e in s.deliveries()] == ["acked", "dropped"]
+    b = core(t).batch([(entry(1), ACK), (entry(2), DROP)])
+    assert b.receive([WRONGTYPE, 2]).errors == 1
+    s = b.result()
+    assert s.effects == {FAILED: 2}
+    assert [e for _, e in s.deliveries()] == [FAILED, FAILED]
 
 
 def test_a_reliable_list_removal_that_removed_nothing_is_gate_closed_not_acked() -> None:

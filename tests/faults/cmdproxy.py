@@ -27,8 +27,9 @@ PEL, ``EVALSHA:<script name>`` names the library's script by its sha,
   client only learns by its own deadline);
 * :func:`error` -- an error reply is sent *instead of* running it (the request
   never reaches the server), in the server's own wording
-  (:data:`TRANSIENT_ERRORS`); :func:`wrapped` gives the Redis 6.2 form of an
-  error raised inside a script (``-ERR Error running script ... -READONLY``).
+  (:data:`TRANSIENT_ERRORS`, or a final one of :data:`FINAL_ERRORS`);
+  :func:`wrapped` gives the Redis 6.2 form of an error raised inside a
+  script (``-ERR Error running script ... -READONLY``).
 
 Once a connection sent ``SUBSCRIBE``/``PSUBSCRIBE`` its replies are no longer
 one per request (pushed messages): from then on they are forwarded as they
@@ -52,6 +53,7 @@ from anyio.abc import SocketAttribute, TaskStatus
 
 __all__ = [
     "BLACKHOLE",
+    "FINAL_ERRORS",
     "LOST",
     "TRANSIENT_ERRORS",
     "CommandProxy",
@@ -81,6 +83,12 @@ TRANSIENT_ERRORS: dict[str, str] = {
     "CLUSTERDOWN": "CLUSTERDOWN The cluster is down",
     "NOSCRIPT": "NOSCRIPT No matching script. Please use EVAL.",
 }
+# Final error replies (the command will not succeed if sent again), for
+# :func:`error` too: what an ACL change or a key of another type answers.
+FINAL_ERRORS: dict[str, str] = {
+    "NOPERM": "NOPERM this user has no permissions to run this command",
+    "WRONGTYPE": "WRONGTYPE Operation against a key holding the wrong kind of value",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +107,7 @@ class Fault:
 
     def reply(self, flavour: str, sha: str = "") -> bytes:
         server = "Valkey" if flavour == "valkey" else "Redis"
-        text = TRANSIENT_ERRORS[self.code].format(Server=server)
+        text = {**TRANSIENT_ERRORS, **FINAL_ERRORS}[self.code].format(Server=server)
         if self.wrapped:
             text = (f"ERR Error running script (call to f_{sha}): @user_script:4: "
                     f"@user_script: 4: -{text}")
@@ -111,8 +119,9 @@ BLACKHOLE = Fault("blackhole")
 
 
 def error(code: str) -> Fault:
-    if code not in TRANSIENT_ERRORS:
-        raise ValueError(f"code must be one of {sorted(TRANSIENT_ERRORS)}, got {code!r}")
+    if code not in TRANSIENT_ERRORS and code not in FINAL_ERRORS:
+        raise ValueError(f"code must be one of {sorted({**TRANSIENT_ERRORS, **FINAL_ERRORS})}, "
+                         f"got {code!r}")
     return Fault("error", code)
 
 

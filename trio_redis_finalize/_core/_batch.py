@@ -14,13 +14,19 @@ from ._commands import Arg, Command
 from ._plan import Effect, Plan
 
 __all__ = [
-    "BATCHED", "FAST_ONLY", "batch_part", "batch_singles", "first_round", "gate_range", "is_batched",
-    "merge_commands",
+    "BATCHED", "FAST_ONLY", "batch_part", "batch_singles", "fast_owner", "first_round", "gate_range",
+    "is_batched", "merge_commands",
 ]
 
 
 FAST_ONLY = (-1,)
-"""Owner of a command that removes the hot path's deliveries (no plan)."""
+"""Owner of the hot path's first command (no plan); its command ``i`` is
+owned by ``-(i + 1)`` (see :func:`fast_owner`)."""
+
+
+def fast_owner(i: int) -> tuple[int, ...]:
+    """The owners of the hot path's command ``i``: ``(-(i + 1),)``."""
+    return (-(i + 1),)
 
 _COPY = _scripts.STREAM_COPY_ACK.sha
 _COPY_EX = _scripts.STREAM_COPY_ACK_EX.sha
@@ -127,8 +133,8 @@ def first_round(
 ) -> tuple[list[Command], list[tuple[int, ...]], list[list[Command]]]:
     """The first pipeline of a batch: commands, their owners, the steps left.
 
-    ``owners[i]``: the indexes of the plans that command ``i`` serves (``-1``:
-    the hot path's removals ``fast``).  Single-``XACK`` commands merge per
+    ``owners[i]``: the indexes of the plans that command ``i`` serves
+    (``-(k + 1)``: the hot path's removal command ``fast[k]``).  Single-``XACK`` commands merge per
     stream and group, as :func:`merge_commands` does.  Plans of one gated
     stream script that share its keys and fixed arguments (RETRY copies,
     dead letters, durable delays of one subscription) go in batched script
@@ -168,8 +174,8 @@ def first_round(
     if len(fast) == 1:
         add(fast, -1)
     else:
-        for c in fast:
-            add((c,), -1)
+        for i, c in enumerate(fast):
+            add((c,), -(i + 1))
     # batched calls being filled: key -> [place in out, plans, their single
     # commands, arguments, values]
     batches: dict[tuple[Arg, ...], list[Any]] = {}

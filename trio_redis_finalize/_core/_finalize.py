@@ -69,7 +69,7 @@ from .._delivery import Delivery
 from .._errors import AckUnsupported
 from .._outcome import Backoff, Outcome, OutcomeKind
 from .._subscription import Form
-from ._batch import BATCHED, FAST_ONLY, first_round
+from ._batch import BATCHED, fast_owner, first_round
 from ._commands import Command
 from ._plan import (
     FAILED,
@@ -322,7 +322,7 @@ class FinalizeBatch:
         self._attempt = 0  # rounds in a row that needed a pause
         self._recount = False  # a resend: the gates renumber on what is held now
         self._unsure = False  # a send had an unknown outcome (then resent)
-        self._fast_failed = False
+        self._fast_failed: set[int] = set()  # the hot path's commands answered a final error
         # the hot path's removals answered in the first round, sent once (see _closed())
         self._fast_replies: Sequence[Any] | None = None
         self._n_fast = len(fast)
@@ -378,7 +378,7 @@ class FinalizeBatch:
                     self._fast_replies = replies  # the removals' own replies, in order
                 self._commands = []
                 return GO
-            owners = [FAST_ONLY] * len(commands)
+            owners = [fast_owner(i) for i in range(len(commands))]
         elif first and self._n_fast and not self._unsure:
             # the first round of a batch with plans: the hot path's removals
             # are the commands only it owns, first and in order (an XACK that
@@ -439,7 +439,8 @@ class FinalizeBatch:
                 self._answers.append(r)
             for j in own:
                 if j < 0:
-                    self._fast_failed = self._fast_failed or isinstance(r, Exception)
+                    if isinstance(r, Exception):
+                        self._fast_failed.add(-j - 1)
                     continue
                 got[j].append(r)
                 more = rest[j]
@@ -468,6 +469,25 @@ class FinalizeBatch:
         ``retry_after``'s removal may have been applied, so its copy must
         still go out -- every plan's ``(delay, later)``: duplicate, never loss."""
         return [(p.delay, p.later) for _, p in self._plans if p.delay is not None and p.later]
+
+    def _failed(self) -> list[int]:
+        """The hot path's removals whose command got a final error reply, as
+        indexes into ``_removed``: counted :data:`FAILED` (they stay pending).
+
+        A stream's one ``XACK`` fails them all; its ``XDEL``
+        (``DELETE_ON_FINALIZE``) failing alone fails none: they were
+        acknowledged, and the periodic trim removes them from the stream (the
+        error is logged and counted in ``finalize_errors`` all the same).  A
+        reliable list's ``LREM`` fails its own element only."""
+        broken = self._fast_failed
+        if not broken:
+            return []
+        n = len(self._removed)
+        if self._core._stream:
+            return list(range(n)) if 0 in broken else []
+        if self._n_fast != n:  # pragma: no cover - one LREM per element, always
+            return list(range(n))
+        return sorted(broken)
 
     def _closed(self) -> list[int]:
         """The hot path's removals Redis answered *nothing removed*, sent once
@@ -511,35 +531,37 @@ class FinalizeBatch:
         later: list[tuple[float, tuple[Command, ...]]] = []
         removed = self._removed
         removals = core.removals
-        closed = [] if self._fast_failed else self._closed()
+        failed = self._failed()
+        closed = [] if failed else self._closed()
         if removed:
-            if self._fast_failed:
-                effects[FAILED] = len(removed)
-            else:
-                for _, e, n in self._tally:
-                    effects[e] = effects.get(e, 0) + n  # kinds may share an effect
-                if closed:
-                    for i in closed:
-                        e = removals[self._kinds[i]]._value_
-                        if effects[e] > 1:
-                            effects[e] -= 1
-                        else:
-                            del effects[e]  # none of that effect after all
-                    effects[GATE_CLOSED] = effects.get(GATE_CLOSED, 0) + len(closed)
-                    if core._stream:
-                        records.append((
-                            _INFO, "%s: XACK of %d entries acknowledged %d: %d were no longer "
-                            "pending (finalized already: claimed and finalized by another "
-                            "consumer, or the group was recreated); counted gate_closed",
-                            (name, len(removed), len(removed) - len(closed), len(closed)),
-                            {"subscription": name, "effect": GATE_CLOSED}))
+            for _, e, n in self._tally:
+                effects[e] = effects.get(e, 0) + n  # kinds may share an effect
+            if failed or closed:
+                # the removals Redis answered otherwise than planned
+                instead = FAILED if failed else GATE_CLOSED
+                for i in failed or closed:
+                    e = removals[self._kinds[i]]._value_
+                    if effects[e] > 1:
+                        effects[e] -= 1
+                    else:
+                        del effects[e]  # none of that effect after all
+                effects[instead] = effects.get(instead, 0) + len(failed or closed)
+                if closed and core._stream:
+                    records.append((
+                        _INFO, "%s: XACK of %d entries acknowledged %d: %d were no longer "
+                        "pending (finalized already: claimed and finalized by another "
+                        "consumer, or the group was recreated); counted gate_closed",
+                        (name, len(removed), len(removed) - len(closed), len(closed)),
+                        {"subscription": name, "effect": GATE_CLOSED}))
             if debug:
                 shut = {id(removed[i]) for i in closed}
+                broke = {id(removed[i]) for i in failed}
                 for d, outcome in self._items:
                     effect = (removals.get(outcome.kind) if outcome.__class__ is Outcome
                               else None)
                     if effect is not None:
-                        value = GATE_CLOSED if id(d) in shut else effect.value
+                        value = (GATE_CLOSED if id(d) in shut else FAILED if id(d) in broke
+                                 else effect.value)
                         records.append((_DEBUG, "%s: %s (attempt %d) finalized: %s",
                                         (name, d.id or d.origin_id, d.attempt, value),
                                         log_extra(name, d, outcome, value)))
@@ -577,7 +599,7 @@ class FinalizeBatch:
                                 log_extra(name, d, outcome, settled)))
             if p.delay is not None and p.later:
                 later.append((p.delay, p.later))
-        return Settlement(self, effects, records, later, settled_effects, closed)
+        return Settlement(self, effects, records, later, settled_effects, closed, failed)
 
 
 class Settlement:
@@ -591,13 +613,14 @@ class Settlement:
     effect (what instrumentation is told).
     """
 
-    __slots__ = ("_batch", "_closed", "_settled", "effects", "later", "records")
+    __slots__ = ("_batch", "_closed", "_failed", "_settled", "effects", "later", "records")
 
     def __init__(self, batch: FinalizeBatch, effects: dict[str, int], records: list[Record],
                  later: list[tuple[float, tuple[Command, ...]]], settled: list[str],
-                 closed: list[int]) -> None:
+                 closed: list[int], failed: list[int]) -> None:
         self._batch = batch
         self._closed = closed  # the hot path's removals that removed nothing (gate_closed)
+        self._failed = failed  # those whose command got a final error reply
         self.effects = effects
         self.records = records
         self.later = later
@@ -614,12 +637,11 @@ class Settlement:
         path's first, then the plans'; ``backoffs`` and refused ones are not there)."""
         b = self._batch
         removals = b._core.removals
-        if b._fast_failed:
-            out = [(d, FAILED) for d in b._removed]
-        else:
-            out = [(d, removals[k]._value_) for d, k in zip(b._removed, b._kinds, strict=True)]
-            for i in self._closed:
-                out[i] = (out[i][0], GATE_CLOSED)
+        out = [(d, removals[k]._value_) for d, k in zip(b._removed, b._kinds, strict=True)]
+        for i in self._closed:
+            out[i] = (out[i][0], GATE_CLOSED)
+        for i in self._failed:
+            out[i] = (out[i][0], FAILED)
         return out + [(d, e) for (d, _), e in zip(b._plans, self._settled, strict=True)]
 
 
