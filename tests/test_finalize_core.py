@@ -23,6 +23,7 @@ from trio_redis_finalize import (
     Backoff,
     Delivery,
     ListSubscription,
+    Outcome,
     ReliableListSubscription,
     StreamSubscription,
     retry_after,
@@ -169,6 +170,83 @@ def test_a_reliable_list_removal_refused_then_failed_fails_its_element_only() ->
     assert s.effects == {"acked": 2, FAILED: 1}
     assert [e for _, e in s.deliveries()] == ["acked", FAILED, "acked"]
     assert [r[3]["effect"] for r in s.records] == ["acked", FAILED, "acked"]
+
+
+def test_a_reliable_list_round_with_a_failed_removal_still_settles_the_others() -> None:
+    """One ``LREM`` answered a final error, another 0, in the same first round:
+    failed for the one, gate_closed for the other, acked for the rest."""
+    t = ReliableListSubscription("q").target("c1")
+    b = core(t).batch([(element(b"a"), ACK), (element(b"b"), ACK), (element(b"c"), DROP)])
+    assert b.receive([WRONGTYPE, 0, 1]).errors == 1
+    s = b.result()
+    assert s.effects == {FAILED: 1, GATE_CLOSED: 1, "dropped": 1}
+    assert [e for _, e in s.deliveries()] == [FAILED, GATE_CLOSED, "dropped"]
+
+
+def test_a_short_xack_whose_xdel_failed_counts_gate_closed_for_the_rest() -> None:
+    from trio_redis_finalize._subscription import Retention
+
+    b = core(stream(retention=Retention.DELETE_ON_FINALIZE)).batch(
+        [(entry(1), ACK), (entry(2), ACK)])
+    assert b.receive([1, WRONGTYPE]).errors == 1
+    s = b.result()
+    assert s.effects == {"acked": 1, GATE_CLOSED: 1}
+    assert [e for _, e in s.deliveries()] == ["acked", GATE_CLOSED]
+
+
+_ANSWERS = {  # a removal's replies, round by round, and the effect they settle
+    "ok": ([1], None), "zero": ([0], GATE_CLOSED), "final": ([WRONGTYPE], FAILED),
+    "not_run_ok": ([OOM, 1], None), "not_run_zero": ([OOM, 0], None),
+    "not_run_final": ([OOM, WRONGTYPE], FAILED),
+}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([ACK, DROP]), st.sampled_from(sorted(_ANSWERS))),
+                min_size=1, max_size=12))
+def test_reliable_list_removals_settle_each_by_its_own_replies(
+        cells: list[tuple[Outcome, str]]) -> None:
+    """Any batch of reliable-list ACKs and DROPs, each ``LREM`` answered its own
+    way (removed, 0, a final error; refused first, then one of those): each
+    element's effect is what its replies say -- a 0 only when answered at once
+    -- and the counts are their sum."""
+    t = ReliableListSubscription("q").target("c1")
+    items: list[Item] = [(element(str(i).encode()), o) for i, (o, _) in enumerate(cells)]
+    b = core(t).batch(items)
+    queued = {i: list(_ANSWERS[how][0]) for i, (_, how) in enumerate(cells)}
+    while cmds := b.commands():
+        replies = []
+        for c in cmds:
+            i = int(c[3])
+            replies.append(queued[i].pop(0))
+        b.receive(replies)
+    assert all(not q for q in queued.values())
+    planned = {"ack": "acked", "drop": "dropped"}
+    want = [_ANSWERS[how][1] or planned[o.kind.value] for o, how in cells]
+    s = b.result()
+    assert [e for _, e in s.deliveries()] == want
+    counts: dict[str, int] = {}
+    for e in want:
+        counts[e] = counts.get(e, 0) + 1
+    assert s.effects == counts
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([ACK, DROP]), min_size=1, max_size=12), st.data())
+def test_a_stream_xack_count_settles_acked_plus_gate_closed(
+        kinds: list[Outcome], data: st.DataObject) -> None:
+    """Any batch of stream ACKs and DROPs whose ``XACK`` is answered ``k`` (at
+    most its ids): ``k`` keep their planned effect, the rest are gate_closed."""
+    n = len(kinds)
+    k = data.draw(st.integers(0, n))
+    b = core(stream()).batch([(entry(i + 1), o) for i, o in enumerate(kinds)])
+    assert b.receive([k]) is GO
+    planned = {"ack": "acked", "drop": "dropped"}
+    want = [planned[o.kind.value] if i < k else GATE_CLOSED for i, o in enumerate(kinds)]
+    s = b.result()
+    assert [e for _, e in s.deliveries()] == want
+    assert sum(s.effects.values()) == n and s.effects.get(GATE_CLOSED, 0) == n - k
+    assert (len(s.records) == 1) == (k < n)
 
 
 def test_a_failed_xdel_after_its_xack_leaves_the_entries_acked() -> None:

@@ -379,12 +379,14 @@ class FinalizeBatch:
                 self._commands = []
                 return GO
             owners = [fast_owner(i) for i in range(len(commands))]
+            if not self._unsure:
+                self._fast_replies = replies  # error replies among them settle nothing here
         elif first and self._n_fast and not self._unsure:
             # the first round of a batch with plans: the hot path's removals
             # are the commands only it owns, first and in order (an XACK that
             # plans share answers for them too: no reply of the hot path's own)
             mine = [r for r, own in zip(replies, owners, strict=True) if len(own) == 1 and own[0] < 0]
-            if len(mine) == self._n_fast and not any(isinstance(r, Exception) for r in mine):
+            if len(mine) == self._n_fast:
                 self._fast_replies = mine
         core = self._core
         got = self._got
@@ -532,27 +534,30 @@ class FinalizeBatch:
         removed = self._removed
         removals = core.removals
         failed = self._failed()
-        closed = [] if failed else self._closed()
+        closed = self._closed()
+        if failed and closed:  # a stream's failed XACK fails all (a list's: never both)
+            closed = [i for i in closed if i not in failed]
         if removed:
             for _, e, n in self._tally:
                 effects[e] = effects.get(e, 0) + n  # kinds may share an effect
-            if failed or closed:
-                # the removals Redis answered otherwise than planned
-                instead = FAILED if failed else GATE_CLOSED
-                for i in failed or closed:
+            # the removals Redis answered otherwise than planned
+            for instead, which in ((FAILED, failed), (GATE_CLOSED, closed)):
+                if not which:
+                    continue
+                for i in which:
                     e = removals[self._kinds[i]]._value_
                     if effects[e] > 1:
                         effects[e] -= 1
                     else:
                         del effects[e]  # none of that effect after all
-                effects[instead] = effects.get(instead, 0) + len(failed or closed)
-                if closed and core._stream:
-                    records.append((
-                        _INFO, "%s: XACK of %d entries acknowledged %d: %d were no longer "
-                        "pending (finalized already: claimed and finalized by another "
-                        "consumer, or the group was recreated); counted gate_closed",
-                        (name, len(removed), len(removed) - len(closed), len(closed)),
-                        {"subscription": name, "effect": GATE_CLOSED}))
+                effects[instead] = effects.get(instead, 0) + len(which)
+            if closed and core._stream:
+                records.append((
+                    _INFO, "%s: XACK of %d entries acknowledged %d: %d were no longer "
+                    "pending (finalized already: claimed and finalized by another "
+                    "consumer, or the group was recreated); counted gate_closed",
+                    (name, len(removed), len(removed) - len(closed), len(closed)),
+                    {"subscription": name, "effect": GATE_CLOSED}))
             if debug:
                 shut = {id(removed[i]) for i in closed}
                 broke = {id(removed[i]) for i in failed}
