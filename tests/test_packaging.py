@@ -1,0 +1,86 @@
+"""The package as users install it, not as the editable install of ``dev.py`` shows it.
+
+An editable install imports from the checkout, so a module the build leaves
+out is only missed by users (0.1.0's wheel had no ``_core``: ``import
+trio_redis_finalize`` failed).  These tests build the wheel from a copy of
+the checkout (offline, with the test extra's setuptools) and look inside.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = "trio_redis_finalize"
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.rst"):
+        shutil.copy(ROOT / name, src / name)
+    shutil.copytree(ROOT / PACKAGE, src / PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+         "--disable-pip-version-check", "-q", "-w", str(tmp / "dist"), str(src)],
+        capture_output=True, text=True, timeout=110,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    [built] = (tmp / "dist").glob("*.whl")
+    return built
+
+
+def _read(wheel: Path, suffix: str) -> str:
+    with zipfile.ZipFile(wheel) as z:
+        return next(z.read(n).decode() for n in z.namelist() if n.endswith(suffix))
+
+
+def test_the_wheel_holds_every_module_and_the_type_marker(wheel: Path) -> None:
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+    source = {p.relative_to(ROOT).as_posix() for p in (ROOT / PACKAGE).rglob("*.py")
+              if "__pycache__" not in p.parts}
+    assert f"{PACKAGE}/_core/_finalize.py" in source  # the walk sees the subpackages
+    assert not source - names, f"left out of the wheel: {sorted(source - names)}"
+    assert f"{PACKAGE}/py.typed" in names
+    assert "License-Expression: MIT" in _read(wheel, ".dist-info/METADATA")
+    entry_points = _read(wheel, ".dist-info/entry_points.txt")
+    assert "trio-redis-finalize = trio_redis_finalize._cli:main" in entry_points
+    assert "trio_redis_finalize = trio_redis_finalize.pytest_plugin" in entry_points
+
+
+def test_every_module_of_the_wheel_imports_from_it(wheel: Path, tmp_path: Path) -> None:
+    """Python started without ``site`` (``-S``): the editable install's finder,
+    which a ``.pth`` file sets up, would serve what the wheel lacks; the
+    dependencies come from site-packages, added as plain path entries."""
+    site = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(site)
+    paths = sysconfig.get_paths()
+    code = (
+        "import importlib, pkgutil, sys\n"
+        "sys.path[:0] = [sys.argv[1]]\n"
+        "sys.path += sys.argv[2:]\n"
+        "import trio_redis_finalize as t\n"
+        "assert t.__file__.startswith(sys.argv[1]), t.__file__\n"
+        "names = [m.name for m in pkgutil.walk_packages(t.__path__, 'trio_redis_finalize.')\n"
+        "         if m.name != 'trio_redis_finalize.__main__']\n"
+        "for name in names:\n"
+        "    assert importlib.import_module(name).__file__.startswith(sys.argv[1]), name\n"
+        "print(len(names))\n"
+    )
+    out = subprocess.run([sys.executable, "-S", "-c", code, str(site), paths["purelib"],
+                          paths["platlib"]], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert int(out.stdout) >= 40  # the modules (and subpackages) found in the wheel
