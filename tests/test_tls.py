@@ -31,11 +31,23 @@ def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, 
     if shutil.which("openssl") is None or shutil.which("ldd") is None or not _tls_capable(binary):
         pytest.skip(f"{binary} was built without TLS, or openssl is missing")
     d = tmp_path_factory.mktemp("tls")
+    # the extensions RFC 5280 asks for: Python 3.13's default context verifies
+    # strictly (VERIFY_X509_STRICT), and refuses a CA without keyUsage
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=trf test CA",
+             "-addext", "basicConstraints=critical,CA:TRUE",
+             "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+             "-addext", "subjectKeyIdentifier=hash",
              "-keyout", "ca.key", "-out", "ca.pem", cwd=d)
     _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
              "-keyout", "server.key", "-out", "server.csr", cwd=d)
-    (d / "san.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
+    (d / "san.cnf").write_text(
+        "subjectAltName=IP:127.0.0.1\n"
+        "basicConstraints=critical,CA:FALSE\n"
+        "keyUsage=critical,digitalSignature,keyEncipherment\n"
+        "extendedKeyUsage=serverAuth\n"
+        "subjectKeyIdentifier=hash\n"
+        "authorityKeyIdentifier=keyid,issuer\n"
+    )
     _openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
              "-CAcreateserial", "-days", "2", "-extfile", "san.cnf", "-out", "server.pem", cwd=d)
     tls_port = free_port()
