@@ -630,6 +630,50 @@ async def test_a_final_error_on_one_removal_fails_that_element_only(
         assert sorted(seen) == [b"a", b"b", b"c"]
 
 
+@pytest.mark.parametrize("fault", [LOST, error("OOM"), BLACKHOLE], ids=lambda f: f.label)
+@pytest.mark.parametrize("form", ["stream", "reliable list"])
+async def test_a_removal_sent_again_counts_as_planned_not_gate_closed(
+        redis_server: RedisServer, proxy: CommandProxy, form: str, fault: Fault) -> None:
+    """Counts are what Redis answered, and a resend's "removed nothing" is no
+    such answer: the first ``XACK`` / ``LREM`` of three ACKs loses its reply
+    (it ran), is refused (OOM: it did not) or meets a silent link (unknown);
+    the finalizer sends it again, which may answer 0 -- still ``acked`` 3,
+    never ``gate_closed``, and nothing pending."""
+    seen: list[Delivery] = []
+
+    async def handler(d: Delivery) -> Outcome:
+        seen.append(d)
+        return ACK
+
+    async with open_client(redis_server.url) as admin:
+        if form == "stream":
+            await admin.execute("DEL", "fm:again")
+            for i in range(3):
+                await admin.execute("XADD", "fm:again", "*", "n", str(i))
+            sub: Any = StreamSubscription("fm:again", "g", block=0.1, start_id="0")
+            kind = "XACK"
+        else:
+            sub = ReliableListSubscription("fm:again-q")
+            await admin.execute("DEL", "fm:again-q", sub.target("c-again").processing)
+            await admin.execute("RPUSH", "fm:again-q", b"a", b"b", b"c")
+            kind = "LREM"
+        proxy.arm(kind, fault)
+        async with open_consumer(proxy.url, name="c-again", shutdown_grace=0.5) as consumer:
+            await consumer.mount(sub, handler)
+            name = consumer.mounts[0].name
+            await eventually(lambda: consumer.stats()[name]["effects"].get("acked", 0) >= 3,
+                             timeout=20.0, what="three acked")
+            stats = consumer.stats()[name]
+            assert "gate_closed" not in stats["effects"] and "failed" not in stats["effects"]
+            assert stats["effects"]["acked"] == 3 and stats["finalize_errors"] >= 1
+        assert proxy.fired, "the fault never fired"
+        if form == "stream":
+            assert int((await admin.execute("XPENDING", "fm:again", "g"))[0]) == 0
+        else:
+            assert await admin.execute("LLEN", sub.target("c-again").processing) == 0
+        assert len(seen) == 3
+
+
 def test_kinds_name_scripts_and_reads() -> None:
     names = script_names()
     assert "stream_copy_ack" in names.values()
