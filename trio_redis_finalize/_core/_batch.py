@@ -14,19 +14,20 @@ from ._commands import Arg, Command
 from ._plan import Effect, Plan
 
 __all__ = [
-    "BATCHED", "FAST_ONLY", "batch_part", "batch_singles", "fast_owner", "first_round", "gate_range",
+    "BATCHED", "batch_part", "batch_singles", "fast_index", "fast_owner", "first_round", "gate_range",
     "is_batched", "merge_commands",
 ]
 
 
-FAST_ONLY = (-1,)
-"""Owner of the hot path's first command (no plan); its command ``i`` is
-owned by ``-(i + 1)`` (see :func:`fast_owner`)."""
+def fast_owner(i: int) -> int:
+    """The owner of the hot path's command ``i`` (no plan): ``-(i + 1)``,
+    negative where a plan's index is not."""
+    return -(i + 1)
 
 
-def fast_owner(i: int) -> tuple[int, ...]:
-    """The owners of the hot path's command ``i``: ``(-(i + 1),)``."""
-    return (-(i + 1),)
+def fast_index(owner: int) -> int:
+    """The hot path's command that ``owner`` (< 0, :func:`fast_owner`) stands for."""
+    return -owner - 1
 
 _COPY = _scripts.STREAM_COPY_ACK.sha
 _COPY_EX = _scripts.STREAM_COPY_ACK_EX.sha
@@ -134,8 +135,9 @@ def first_round(
     """The first pipeline of a batch: commands, their owners, the steps left.
 
     ``owners[i]``: the indexes of the plans that command ``i`` serves
-    (``-(k + 1)``: the hot path's removal command ``fast[k]``).  Single-``XACK`` commands merge per
-    stream and group, as :func:`merge_commands` does.  Plans of one gated
+    (negative: the hot path's removal command ``fast[k]``, see
+    :func:`fast_owner`).  Single-``XACK`` commands merge per stream and
+    group, as :func:`merge_commands` does.  Plans of one gated
     stream script that share its keys and fixed arguments (RETRY copies,
     dead letters, durable delays of one subscription) go in batched script
     calls (:func:`batch_part`), at most ``STREAM_BATCH_MAX`` deliveries and
@@ -171,11 +173,8 @@ def first_round(
             out.append(c)
             owners.append([j])
 
-    if len(fast) == 1:
-        add(fast, -1)
-    else:
-        for i, c in enumerate(fast):
-            add((c,), -(i + 1))
+    for i, c in enumerate(fast):
+        add((c,), fast_owner(i))
     # batched calls being filled: key -> [place in out, plans, their single
     # commands, arguments, values]
     batches: dict[tuple[Arg, ...], list[Any]] = {}

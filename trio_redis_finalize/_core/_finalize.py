@@ -69,7 +69,7 @@ from .._delivery import Delivery
 from .._errors import AckUnsupported
 from .._outcome import Backoff, Outcome, OutcomeKind
 from .._subscription import Form
-from ._batch import BATCHED, fast_owner, first_round
+from ._batch import BATCHED, fast_index, fast_owner, first_round
 from ._commands import Command
 from ._plan import (
     FAILED,
@@ -364,7 +364,10 @@ class FinalizeBatch:
             raise RuntimeError(f"receive(): {len(replies)} replies to {len(commands)} commands")
         track = self._core.gates is not None
         owners = self._owners
-        first, self._first = self._first, False
+        # a first round sent once with a known outcome: its replies settle the
+        # hot path's removals (see _closed()); a resend's do not
+        known = self._first and not self._unsure
+        self._first = False
         if owners is None:
             # the hot path: only removals; done unless an error reply came
             for r in replies:
@@ -374,14 +377,14 @@ class FinalizeBatch:
                 if track:
                     self._answered += commands
                     self._answers += replies
-                if not self._unsure:
+                if known:
                     self._fast_replies = replies  # the removals' own replies, in order
                 self._commands = []
                 return GO
-            owners = [fast_owner(i) for i in range(len(commands))]
-            if not self._unsure:
+            owners = [(fast_owner(i),) for i in range(len(commands))]
+            if known:
                 self._fast_replies = replies  # error replies among them settle nothing here
-        elif first and self._n_fast and not self._unsure:
+        elif known and self._n_fast:
             # the first round of a batch with plans: the hot path's removals
             # are the commands only it owns, first and in order (an XACK that
             # plans share answers for them too: no reply of the hot path's own)
@@ -442,7 +445,7 @@ class FinalizeBatch:
             for j in own:
                 if j < 0:
                     if isinstance(r, Exception):
-                        self._fast_failed.add(-j - 1)
+                        self._fast_failed.add(fast_index(j))
                     continue
                 got[j].append(r)
                 more = rest[j]
@@ -533,10 +536,10 @@ class FinalizeBatch:
         later: list[tuple[float, tuple[Command, ...]]] = []
         removed = self._removed
         removals = core.removals
+        # never the same removal in both: a removal answered 0 at once was not
+        # sent again, and a stream's XACK that failed answered no count
         failed = self._failed()
         closed = self._closed()
-        if failed and closed:  # a stream's failed XACK fails all (a list's: never both)
-            closed = [i for i in closed if i not in failed]
         if removed:
             for _, e, n in self._tally:
                 effects[e] = effects.get(e, 0) + n  # kinds may share an effect
