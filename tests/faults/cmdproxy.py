@@ -89,6 +89,7 @@ FINAL_ERRORS: dict[str, str] = {
     "NOPERM": "NOPERM this user has no permissions to run this command",
     "WRONGTYPE": "WRONGTYPE Operation against a key holding the wrong kind of value",
 }
+_ERRORS = {**TRANSIENT_ERRORS, **FINAL_ERRORS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +108,7 @@ class Fault:
 
     def reply(self, flavour: str, sha: str = "") -> bytes:
         server = "Valkey" if flavour == "valkey" else "Redis"
-        text = {**TRANSIENT_ERRORS, **FINAL_ERRORS}[self.code].format(Server=server)
+        text = _ERRORS[self.code].format(Server=server)
         if self.wrapped:
             text = (f"ERR Error running script (call to f_{sha}): @user_script:4: "
                     f"@user_script: 4: -{text}")
@@ -119,9 +120,8 @@ BLACKHOLE = Fault("blackhole")
 
 
 def error(code: str) -> Fault:
-    if code not in TRANSIENT_ERRORS and code not in FINAL_ERRORS:
-        raise ValueError(f"code must be one of {sorted({**TRANSIENT_ERRORS, **FINAL_ERRORS})}, "
-                         f"got {code!r}")
+    if code not in _ERRORS:
+        raise ValueError(f"code must be one of {sorted(_ERRORS)}, got {code!r}")
     return Fault("error", code)
 
 
