@@ -10,8 +10,9 @@ than ``--peers``) are passed on to the ``main(argv)`` of every named module.
 
 Modules are found by listing this directory: every ``*.py`` whose name does
 not start with ``_`` (so ``__init__``, ``__main__`` and ``_common`` are skipped).
-Optional modules (``peers``: it installs a third-party package into a
-virtualenv of its own) run only when named or asked for with ``--peers``.
+Optional modules run only when named: ``peers`` (it installs a third-party
+package into a virtualenv of its own; also with ``--peers``) and
+``instructions`` (it counts instructions under valgrind, a few minutes).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import time
 import traceback
 from pathlib import Path
 
-OPTIONAL = ("peers",)
+OPTIONAL = ("instructions", "peers")
 
 
 def discover() -> list[str]:

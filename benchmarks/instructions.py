@@ -1,0 +1,392 @@
+"""Instructions per message, counted by callgrind: the workloads' cost without the noise.
+
+Wall time and CPU time on a shared machine vary by 20-30 % from run to run
+(see ``workloads``), more than most of the differences worth knowing.
+``valgrind --tool=callgrind`` counts the instructions a process executes:
+the same program, inputs and environment give the same count whatever else
+the machine is doing.  This module counts, per message:
+
+* **client**: the Python process of a floor of ``workloads`` and of the
+  library doing the same work (stream ACK at concurrency 1, reliable list ACK,
+  Pub/Sub receive), beside the floor that also awaits a no-op handler per
+  message (what the one call per message that no consumer can avoid costs).
+  Each contender runs in a child process under callgrind, instrumented only
+  while it consumes (``callgrind_control -i on`` / ``off`` around it; the
+  data is written beforehand by this process).  Each runs twice, with
+  ``N_SMALL`` and ``N`` messages: the difference divided by ``N - N_SMALL``
+  is the cost per message, without the set-up (imports, connections, the
+  mount).
+* **server**: the redis-server, under callgrind, finalizing ``N`` RETRYs of
+  entries read beforehand (100 per batch): the ungated minimum (an ``XADD``
+  of each copy and one ``XACK`` of the batch, pipelined), the library's
+  batched gated script (``stream_copy_ack_batch``, one call per batch), and
+  two scripts that are not correct finalizations but bound what any script
+  can cost: a bare Lua loop of the same ``XADD`` s and ``XACK`` (no gate, no
+  error handling), and the same loop gated by the one ``XPENDING`` of the
+  batch's range the library's script reads.
+
+Callgrind runs a process about 50 times slower; a time-driven part of a
+contender (the library's flusher, timers, the 50 ms poll of its counters)
+then runs more often per message than it would natively, which counts
+against the library (a bias of a few per cent at most: the counters are
+polled every ``POLL`` seconds).  Ratios are instructions to the floor's
+instructions; they rank the costs and say how far apart they are, but an
+instruction of a system call or of hiredis is not a nanosecond of Python.
+
+    python -m benchmarks instructions [N]        # needs valgrind on PATH
+    python3 dev.py bench instructions
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import select
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import trio
+from redis import exceptions as rexc
+
+from trio_redis_finalize import ORIGIN_FIELD, RETRIES_FIELD
+from trio_redis_finalize._transport import Client, Command, open_client
+
+from ._common import internal, redis_server
+
+N = 12_000
+N_SMALL = 2_000
+BATCH = 100
+POLL = 0.05  # the library contenders' counter poll under callgrind (workloads: 1 ms)
+_ROOT = Path(__file__).resolve().parent.parent
+
+
+# -- the child: one contender, instrumented while it consumes --------------------------------------
+
+def _wait_for(word: str) -> None:
+    """Wait for ``word`` on stdin, waking every 20 ms (callgrind takes its
+    commands only while the process runs)."""
+    line = ""
+    while True:
+        ready, _, _ = select.select([sys.stdin], [], [], 0.02)
+        if ready:
+            line = sys.stdin.readline().strip()
+            if line == word:
+                return
+            raise SystemExit(f"instructions child: expected {word!r}, got {line!r}")
+
+
+def _child(contender: str, url: str, n: int) -> None:
+    from . import workloads as w
+
+    async def nothing(*args: Any) -> None:
+        return None
+
+    class NoMeter:
+        sample = None
+
+        def __init__(self, client: Any) -> None:
+            pass
+
+        async def __aenter__(self) -> NoMeter:
+            return self
+
+        async def __aexit__(self, *exc: object) -> None:
+            pass
+
+    # the data is written by the parent, before instrumentation; no server stats
+    for name, value in {"preload": nothing, "_fill": nothing, "Meter": NoMeter,
+                        "POLL": POLL}.items():
+        setattr(w, name, value)
+
+    runs: dict[str, Callable[[Client, Client], Awaitable[object]]] = {
+        "stream floor": lambda c, p: w.ovl_ack(c, n),
+        "stream floor + call": lambda c, p: w.ovl_ack(c, n, calls=True),
+        "stream library": lambda c, p: w.lib_stream(url, c, n),
+        "list floor": lambda c, p: w.ovl_reliable(c, n),
+        "list library": lambda c, p: w.lib_reliable(url, c, n),
+        "pubsub floor": lambda c, p: w.ovl_pubsub(c, p, n),
+        "pubsub floor + call": lambda c, p: w.ovl_pubsub(c, p, n, calls=True),
+        "pubsub library": lambda c, p: w.lib_pubsub(url, c, p, n),
+    }
+
+    async def main() -> None:
+        async with open_client(url) as client, open_client(url) as publisher:
+            print("ready", flush=True)
+            _wait_for("go")
+            await runs[contender](client, publisher)
+            print("done", flush=True)
+            _wait_for("exit")
+
+    trio.run(main)
+
+
+# -- the parent ---------------------------------------------------------------------------------
+
+def _totals(out: Path) -> int:
+    """The instruction count of a callgrind output file (and its parts)."""
+    total = 0
+    for part in out.parent.glob(out.name + "*"):
+        # "totals:" (callgrind writes "summary: 0" when instrumentation started off)
+        counts = {k: int(v) for k, _, v in (line.partition(": ") for line in
+                                            part.read_text().splitlines())
+                  if k in ("summary", "totals")}
+        total += counts.get("totals", counts.get("summary", 0))
+    return total
+
+
+def _control(pid: int, switch: str) -> None:
+    """Instrumentation ``on`` / ``off``, or ``dump`` (end a part), of a process under callgrind."""
+    args = ["-d"] if switch == "dump" else ["-i", switch]
+    subprocess.run(["callgrind_control", *args, str(pid)], check=True, capture_output=True,
+                   timeout=120)
+
+
+@contextlib.contextmanager
+def _callgrind(cmd: list[str], out: Path, **kw: Any) -> Iterator[subprocess.Popen[str]]:
+    proc = subprocess.Popen(
+        ["valgrind", "-q", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}", *cmd],
+        text=True, **kw)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+        proc.wait(timeout=120)
+
+
+def _line(proc: subprocess.Popen[str]) -> str:
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    if not line:
+        raise RuntimeError(f"instructions: the child ended (exit {proc.wait()})")
+    return line
+
+
+async def _prepare(client: Client, contender: str, n: int) -> None:
+    from . import workloads as w
+    from .consume import STREAM, preload
+
+    await client.execute("FLUSHALL")
+    if contender.startswith("stream"):
+        await preload(client, STREAM, n)
+    elif contender.startswith("list"):
+        await w._fill(client, n)
+
+
+def _count_client(url: str, contender: str, n: int, tmp: Path) -> int:
+    """Instructions of the child consuming ``n`` messages as ``contender``."""
+    async def prepare() -> None:
+        async with open_client(url) as client:
+            await _prepare(client, contender, n)
+
+    trio.run(prepare)
+    out = tmp / f"client.{abs(hash((contender, n)))}.out"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    cmd = [sys.executable, "-m", "benchmarks.instructions", "--child", contender, url, str(n)]
+    with _callgrind(cmd, out, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env) as proc:
+        assert proc.stdin is not None
+        if _line(proc) != "ready":
+            raise RuntimeError("instructions: the child did not get ready")
+        _control(proc.pid, "on")
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        if _line(proc) != "done":
+            raise RuntimeError("instructions: the child did not finish")
+        _control(proc.pid, "off")
+        proc.stdin.write("exit\n")
+        proc.stdin.flush()
+    return _totals(out)
+
+
+def _client_table(url: str, tmp: Path, n: int) -> None:
+    cells = [
+        ("stream ACK, concurrency 1", ["stream floor", "stream floor + call", "stream library"]),
+        ("reliable list ACK", ["list floor", "list library"]),
+        ("Pub/Sub receive", ["pubsub floor", "pubsub floor + call", "pubsub library"]),
+    ]
+    print(f"client (this Python, its transport included): instructions per message, "
+          f"({n:,} - {N_SMALL:,} messages) / {n - N_SMALL:,}", flush=True)
+    for title, contenders in cells:
+        print(f"  {title}")
+        floor = 0.0
+        for contender in contenders:
+            start = time.perf_counter()
+            big = _count_client(url, contender, n, tmp)
+            small = _count_client(url, contender, N_SMALL, tmp)
+            per = (big - small) / (n - N_SMALL)
+            floor = floor or per
+            label = contender.split(" ", 1)[1]
+            print(f"    {label:14} {per:9,.0f}   {per / floor:5.2f}x of the floor  "
+                  f"({time.perf_counter() - start:.0f} s)", flush=True)
+
+
+# -- the server: RETRY finalization --------------------------------------------------------------
+
+_MINIMAL = """
+local done = {}
+local i = 7
+local last = #ARGV
+while i <= last do
+  local n = tonumber(ARGV[i + 1])
+  redis.call('XADD', KEYS[2], '*', unpack(ARGV, i + 2, i + 1 + n))
+  done[#done + 1] = ARGV[i]
+  i = i + 2 + n
+end
+redis.call('XACK', KEYS[1], ARGV[1], unpack(done))
+return 1
+"""
+_MINIMAL_GATED = """
+local pend = {}
+for _, e in ipairs(redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[4], ARGV[5], tonumber(ARGV[6]))) do
+  pend[e[1]] = true
+end
+local done = {}
+local i = 7
+local last = #ARGV
+while i <= last do
+  local n = tonumber(ARGV[i + 1])
+  if pend[ARGV[i]] then
+    redis.call('XADD', KEYS[2], '*', unpack(ARGV, i + 2, i + 1 + n))
+    done[#done + 1] = ARGV[i]
+  end
+  i = i + 2 + n
+end
+redis.call('XACK', KEYS[1], ARGV[1], unpack(done))
+return 1
+"""
+
+
+def _retry_batches(entries: list[Any], script: Any | None) -> list[Command]:
+    """What finalizes one batch of RETRYs: the copies to ``c`` and the removals
+    from ``s`` (group ``g``), ungated (``script`` None) or as one script call
+    with the batched script's arguments."""
+    if script is None:
+        cmds: list[Command] = [("XADD", "c", "*", *flat, RETRIES_FIELD, b"1", ORIGIN_FIELD, eid)
+                               for eid, flat in entries]
+        cmds.append(("XACK", "s", "g", *[eid for eid, _ in entries]))
+        return cmds
+    args: list[Any] = []
+    for eid, flat in entries:
+        fields = [*flat, RETRIES_FIELD, b"1", ORIGIN_FIELD, eid]
+        args += [eid, len(fields), *fields]
+    gates = (entries[0][0], entries[-1][0], 2 * len(entries))
+    return [script.command(("s", "c"), ("g", "0", "0", *gates, *args))]
+
+
+def _parts(out: Path) -> dict[int, int]:
+    """The instruction counts of a callgrind run's parts (``callgrind_control
+    -d`` ends a part), by part number."""
+    parts: dict[int, int] = {}
+    for f in out.parent.glob(out.name + "*"):
+        fields = {k: v for k, _, v in (line.partition(": ") for line in f.read_text().splitlines())
+                  if k in ("part", "summary", "totals")}
+        parts[int(fields.get("part", "1"))] = int(fields.get("totals", fields.get("summary", "0")))
+    return parts
+
+
+def _count_server(binary: str, script: Any | None, n: int, tmp: Path) -> tuple[int, int]:
+    """The server's instructions for ``n`` RETRYs: finalizing them, and the
+    whole round trip (reading the originals, finalizing, reading the copies
+    and acknowledging them)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp / f"server.{port}.out"
+    url = f"redis://127.0.0.1:{port}"
+    cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    with _callgrind(cmd, out, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as proc:
+        async def read(c: Client, key: str) -> list[list[Any]]:
+            batches = []
+            while reply := await c.execute("XREADGROUP", "GROUP", "g", "me", "COUNT", BATCH,
+                                           "STREAMS", key, ">"):
+                batches.append(reply[0][1])
+            return batches
+
+        async def run() -> None:
+            for _ in range(600):
+                try:
+                    async with open_client(url):
+                        break
+                except (OSError, rexc.ConnectionError):  # not listening yet
+                    await trio.sleep(0.1)
+            async with open_client(url) as c:
+                if script is not None:
+                    await c.execute("SCRIPT", "LOAD", script.source)
+                for _ in range(0, n, 1000):
+                    await c.pipeline([("XADD", "s", "*", "payload", b"x" * 32, "kind", "k")] * 1000)
+                await c.execute("XGROUP", "CREATE", "s", "g", "0")
+                await c.execute("XGROUP", "CREATE", "c", "g", "0", "MKSTREAM")
+                _control(proc.pid, "on")
+                plans = [_retry_batches(b, script) for b in await read(c, "s")]
+                _control(proc.pid, "dump")  # part 1: the reads
+                for p in plans:
+                    replies = await c.pipeline(p, raise_on_error=False)
+                    bad = [r for r in replies if isinstance(r, Exception)]
+                    if bad:
+                        raise RuntimeError(f"instructions: {bad[0]}")
+                _control(proc.pid, "dump")  # part 2: the finalization
+                for b in await read(c, "c"):
+                    await c.execute("XACK", "c", "g", *[eid for eid, _ in b])
+                _control(proc.pid, "off")  # part 3 (at exit): the copies read and acknowledged
+                if int((await c.execute("XPENDING", "s", "g"))[0]) or int(
+                        await c.execute("XLEN", "c")) != n:
+                    raise RuntimeError("instructions: the RETRYs were not all finalized")
+
+        trio.run(run)
+    parts = _parts(out)
+    return parts.get(2, 0), sum(parts.values())
+
+
+def _server_table(binary: str, tmp: Path, n: int) -> None:
+    from trio_redis_finalize._core._commands import Script
+
+    scripts = internal("_scripts")
+    rows = [
+        ("ungated: XADD + XACK, pipelined", None),
+        ("library: stream_copy_ack_batch", scripts.STREAM_COPY_ACK_BATCH),
+        ("bare Lua loop of the same", Script(_MINIMAL, name="minimal")),
+        ("bare Lua loop + the XPENDING gate", Script(_MINIMAL_GATED, name="minimal_gated")),
+    ]
+    print(f"server ({binary}): instructions per RETRY ({n:,} entries, {BATCH} per batch):\n"
+          "  finalized = the copy and the XACK of the original; round trip = also reading the\n"
+          "  original, and reading and acknowledging the copy", flush=True)
+    print(f"    {'':36} {'finalized':>9}            {'round trip':>10}")
+    floors = (0.0, 0.0)
+    for label, script in rows:
+        fin, trip = (x / n for x in _count_server(binary, script, n, tmp))
+        floors = (floors[0] or fin, floors[1] or trip)
+        print(f"    {label:36} {fin:9,.0f}   {fin / floors[0]:5.2f}x   {trip:10,.0f}   "
+              f"{trip / floors[1]:5.2f}x", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks instructions")
+    parser.add_argument("n", nargs="?", type=int, default=N, help=f"messages per run (default {N:,})")
+    args = parser.parse_args(argv or [])
+    if args.n <= N_SMALL:
+        raise SystemExit(f"instructions: n must be above {N_SMALL:,}")
+    missing = [t for t in ("valgrind", "callgrind_control") if shutil.which(t) is None]
+    if missing:
+        print(f"instructions: {' and '.join(missing)} not on PATH: nothing counted")
+        return
+    with tempfile.TemporaryDirectory(prefix="trf-callgrind-") as d, redis_server() as server:
+        tmp = Path(d)
+        _client_table(server.url, tmp, args.n)
+        _server_table(server.binary, tmp, args.n)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--child"]:
+        _child(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    else:
+        main(sys.argv[1:])
