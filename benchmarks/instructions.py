@@ -340,7 +340,9 @@ def _count_server(binary: str, script: Any | None, n: int, tmp: Path) -> tuple[i
                 _control(proc.pid, "off")  # part 3 (at exit): the copies read and acknowledged
                 if int((await c.execute("XPENDING", "s", "g"))[0]) or int(
                         await c.execute("XLEN", "c")) != n:
-                    raise RuntimeError("instructions: the RETRYs were not all finalized")
+                    raise RuntimeError("instructions: the RETRYs were not all finalized: "
+                                       f"{await c.execute('XPENDING', 's', 'g')!r:.80} "
+                                       f"{await c.execute('XLEN', 'c')}")
 
         trio.run(run)
     parts = _parts(out)
