@@ -3,7 +3,9 @@
 An editable install imports from the checkout, so a module the build leaves
 out is only missed by users (0.1.0's wheel had no ``_core``: ``import
 trio_redis_finalize`` failed).  These tests build the wheel from a copy of
-the checkout (offline, with the test extra's setuptools) and look inside.
+the checkout (offline, with the test extra's setuptools) and look inside;
+and the source distribution, and a wheel built from it (what pip does when
+it installs from the sdist).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -23,22 +26,31 @@ PACKAGE = "trio_redis_finalize"
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tmp = tmp_path_factory.mktemp("wheel")
+def _source(tmp: Path) -> Path:
+    """What a release is built from: the checkout's files the build reads."""
     src = tmp / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.rst"):
+    for name in ("pyproject.toml", "README.rst", "LICENSE"):
         shutil.copy(ROOT / name, src / name)
     shutil.copytree(ROOT / PACKAGE, src / PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
+    return src
+
+
+def _build_wheel(src: Path, dist: Path) -> Path:
     out = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-         "--disable-pip-version-check", "-q", "-w", str(tmp / "dist"), str(src)],
+         "--disable-pip-version-check", "-q", "-w", str(dist), str(src)],
         capture_output=True, text=True, timeout=110,
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    [built] = (tmp / "dist").glob("*.whl")
+    [built] = dist.glob("*.whl")
     return built
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("wheel")
+    return _build_wheel(_source(tmp), tmp / "dist")
 
 
 def _read(wheel: Path, suffix: str) -> str:
@@ -54,7 +66,10 @@ def test_the_wheel_holds_every_module_and_the_type_marker(wheel: Path) -> None:
     assert f"{PACKAGE}/_core/_finalize.py" in source  # the walk sees the subpackages
     assert not source - names, f"left out of the wheel: {sorted(source - names)}"
     assert f"{PACKAGE}/py.typed" in names
-    assert "License-Expression: MIT" in _read(wheel, ".dist-info/METADATA")
+    metadata = _read(wheel, ".dist-info/METADATA")
+    assert "License-Expression: MIT" in metadata
+    assert "License-File: LICENSE" in metadata
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), "no license text"
     entry_points = _read(wheel, ".dist-info/entry_points.txt")
     assert "trio-redis-finalize = trio_redis_finalize._cli:main" in entry_points
     assert "trio_redis_finalize = trio_redis_finalize.pytest_plugin" in entry_points
@@ -129,3 +144,28 @@ def test_the_wheel_imports_with_only_its_declared_dependencies(wheel: Path, tmp_
         "    print(len(names))\n"
     ), before=block)
     assert imported >= 40  # every module imported, and the block held
+
+
+def test_the_sdist_holds_the_sources_and_builds_the_same_wheel(
+        wheel: Path, tmp_path: Path) -> None:
+    """``pip install`` from the source distribution builds a wheel from it:
+    that wheel must hold what the wheel built from the checkout holds."""
+    src = _source(tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-c",
+         "import sys; from setuptools import build_meta as b; print(b.build_sdist(sys.argv[1]))",
+         str(tmp_path / "sdist")],
+        capture_output=True, text=True, timeout=110, cwd=src,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    name = out.stdout.split()[-1]
+    with tarfile.open(tmp_path / "sdist" / name) as t:
+        members = {m.name.split("/", 1)[1] for m in t.getmembers() if "/" in m.name}
+        t.extractall(tmp_path / "unpacked", filter="data")
+    for needed in ("pyproject.toml", "README.rst", "LICENSE", f"{PACKAGE}/py.typed",
+                   f"{PACKAGE}/_core/_finalize.py", "PKG-INFO"):
+        assert needed in members, f"{needed} is not in the sdist"
+    [root] = (tmp_path / "unpacked").iterdir()
+    again = _build_wheel(root, tmp_path / "dist")
+    with zipfile.ZipFile(wheel) as a, zipfile.ZipFile(again) as b:
+        assert sorted(a.namelist()) == sorted(b.namelist())
