@@ -2,7 +2,8 @@
 
 Real faults only: ``CONFIG SET maxmemory 1`` (OOM), ``REPLICAOF`` a dead port
 (READONLY), ``min-replicas-to-write`` (NOREPLICAS), another client's busy Lua
-loop (BUSY), a closed gate made by acknowledging from outside.  Run on Redis
+loop (BUSY), a closed gate made by acknowledging from outside, an ACL user
+that may not run ``XACK`` (NOPERM inside the batched script, after its copies).  Run on Redis
 6.2 (wraps inner errors in ``Error running script ... -OOM``), 7.0 and Valkey
 9.1 (``TRF_REDIS_SERVER``).
 """
@@ -290,3 +291,63 @@ async def test_batched_dead_letters_to_a_wrong_type_fail_each_and_name_it(
     for eid in ids:
         assert f"finalization of {eid} (attempt 1" in text
     assert await _batched_script_ran(client)
+
+
+async def test_batched_retry_whose_xack_is_refused_leaves_copies_and_originals_pending(
+    redis_server: RedisServer, redis_url: str, client: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The batched script writes every copy, then one XACK of the originals; an
+    ACL user that may not run XACK gets that XACK refused inside the script
+    (NOPERM; Redis 7.0 words it "The user executing the script can't run this
+    command"), a final error.  Every delivery of the call fails, logged; the copies stay
+    written and the originals pending (duplicate, never loss).  Once XACK is
+    allowed, the own PEL read again at the next start finishes them: each
+    original delivered again (attempt 2), no copy written twice."""
+    await client.execute("XGROUP", "CREATE", "s", "g", "0", "MKSTREAM")
+    ids = [(await client.execute("XADD", "s", "*", "n", str(i))).decode() for i in range(3)]
+    user, password = "trf-no-xack", "pw-no-xack"
+    await client.execute("ACL", "SETUSER", user, "on", f">{password}", "~*", "&*", "+@all", "-xack")
+    url = f"redis://{user}:{password}@127.0.0.1:{redis_server.port}/0"
+    seen: list[tuple[str, int]] = []
+
+    async def handler(d: Delivery) -> Outcome:
+        seen.append((d.origin_id, d.attempt))
+        return RETRY if d.attempt == 1 and d.id == d.origin_id else ACK
+
+    caplog.set_level("INFO", logger="trio_redis_finalize")
+    try:
+        async with open_consumer(url, name="c1") as consumer:
+            await consumer.mount(StreamSubscription("s", "g", block=0.1, count=10), handler)
+            name = consumer.mounts[0].name
+            await eventually(lambda: consumer.stats()[name]["effects"].get("failed", 0) >= 3,
+                             what="the three RETRYs failed")
+            stats = consumer.stats()[name]
+            assert "copied" not in stats["effects"] and stats["finalize_errors"] >= 1, stats
+        entries = await client.execute("XRANGE", "s", "-", "+")
+        copies = [e for e in entries if e[0].decode() not in ids]
+        origins = sorted(dict(zip(f[::2], f[1::2], strict=True))[b"trf-origin"].decode()
+                         for _, f in copies)
+        assert origins == sorted(ids)  # each copy written once, before the refused XACK
+        pending = await client.execute("XPENDING", "s", "g", "-", "+", 10)
+        assert set(ids) <= {p[0].decode() for p in pending}  # the originals: not lost
+        assert await _batched_script_ran(client)
+        text = caplog.text  # the refusal's text differs between servers; the command does not
+        assert "finalization command failed" in text and "EVALSHA on key 's'" in text
+        for eid in ids:
+            assert f"finalization of {eid} (attempt 1" in text
+
+        await client.execute("ACL", "SETUSER", user, "+xack")
+        async with open_consumer(url, name="c1") as consumer:
+            await consumer.mount(StreamSubscription("s", "g", block=0.1, count=10), handler)
+            await eventually(_none_pending(client), what="everything finalized")
+    finally:
+        await client.execute("ACL", "DELUSER", user)
+    assert await client.execute("XLEN", "s") == 6  # no second copy
+    for eid in ids:
+        assert (eid, 1) in seen and (eid, 2) in seen  # delivered again: a duplicate
+
+
+def _none_pending(client: Client) -> Any:
+    async def check() -> bool:
+        return await _pending(client, "s", "g") == 0
+    return check
