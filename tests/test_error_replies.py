@@ -287,7 +287,7 @@ async def test_batched_dead_letters_to_a_wrong_type_fail_each_and_name_it(
         assert stats["finalize_errors"] >= 2 and "dead_lettered" not in stats["effects"]
     assert await _pending(client, "s", "g") == 2
     text = caplog.text
-    assert "WRONGTYPE" in text and "EVALSHA on key 's', 'dl'" in text
+    assert "WRONGTYPE" in text and "EVALSHA stream_copy_ack on key 's', 'dl'" in text
     for eid in ids:
         assert f"finalization of {eid} (attempt 1" in text
     assert await _batched_script_ran(client)
@@ -332,7 +332,7 @@ async def test_batched_retry_whose_xack_is_refused_leaves_copies_and_originals_p
         assert set(ids) <= {p[0].decode() for p in pending}  # the originals: not lost
         assert await _batched_script_ran(client)
         text = caplog.text  # the refusal's text differs between servers; the command does not
-        assert "finalization command failed" in text and "EVALSHA on key 's'" in text
+        assert "finalization command failed" in text and "EVALSHA stream_copy_ack on key 's', 's'" in text
         for eid in ids:
             assert f"finalization of {eid} (attempt 1" in text
 

@@ -29,6 +29,7 @@ from trio_redis_finalize import (
     retry_after,
 )
 from trio_redis_finalize._core._batch import batch_singles, is_batched
+from trio_redis_finalize._core._commands import describe
 from trio_redis_finalize._core._finalize import GO, FinalizeBatch, FinalizerCore, Item
 from trio_redis_finalize._core._plan import FAILED, GATE_CLOSED, Effect, Plan, Target, plan_lost
 from trio_redis_finalize._core._replies import NotRunError
@@ -860,7 +861,7 @@ def test_batched_call_settles_each_delivery_from_its_element() -> None:
     assert step.errors == 2 and step.pause == 1
     failed = [r for r in step.records if r[0] == logging.ERROR]
     [(_, msg, args, _)] = failed
-    assert "WRONGTYPE" in msg % args and "EVALSHA on key 'orders', 'orders'" in msg % args
+    assert "WRONGTYPE" in msg % args and "EVALSHA stream_copy_ack on key 'orders', 'orders'" in msg % args
     deferred = [r for r in step.records if r[0] == logging.WARNING]
     assert len(deferred) == 1 and "OOM" in deferred[0][1] % deferred[0][2]
     # only the delivery that did not run goes again, alone, as its own script
@@ -1155,3 +1156,15 @@ def test_first_round_groups_as_the_rule_says(
     expected = [x for x in _reference_first_round(plans, cap, room)
                 if not (x[0] == "own" and plans[x[1][0]].commands[0][0] == "XACK")]
     assert got == expected
+
+
+def test_error_messages_name_the_command_its_keys_and_the_librarys_script() -> None:
+    from trio_redis_finalize._core._scripts import STREAM_COPY_ACK_BATCH
+
+    assert describe(("XADD", "orders", "*", "n", 1)) == "XADD on key 'orders'"
+    assert describe(("PUBLISH", "news", "m")) == "PUBLISH on channel 'news'"
+    batch = STREAM_COPY_ACK_BATCH.command(("s", "copies"), ("g", "0"))
+    assert describe(batch) == "EVALSHA stream_copy_ack_batch on key 's', 'copies'"
+    as_text = (batch[0], batch[1].decode(), *batch[2:])  # type: ignore[union-attr]
+    assert describe(as_text) == "EVALSHA stream_copy_ack_batch on key 's', 'copies'"
+    assert describe(("EVALSHA", "0" * 40, 1, "k")) == "EVALSHA on key 'k'"  # not ours

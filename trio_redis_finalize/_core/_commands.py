@@ -15,6 +15,8 @@ Arg = bytes | str | int | float
 Command = Sequence[Arg]
 
 SCRIPT_SOURCES: dict[bytes, bytes] = {}
+_SCRIPT_NAMES: dict[bytes, str] = {}
+"""The name of each script by its sha (error messages name the script run)."""
 
 
 class Script:
@@ -27,6 +29,7 @@ class Script:
         self.sha = hashlib.sha1(self.source).hexdigest().encode()
         self.name = name
         SCRIPT_SOURCES[self.sha] = self.source
+        _SCRIPT_NAMES[self.sha] = name
 
     def command(self, keys: Sequence[Arg], args: Sequence[Arg]) -> tuple[Arg, ...]:
         """The ``EVALSHA`` command for a pipeline."""
@@ -105,10 +108,18 @@ def command_keys(command: Command) -> list[Arg]:
 
 
 def describe(command: Command) -> str:
-    """``"XADD on key 'orders'"``: the command and its key(s), for error messages."""
+    """``"XADD on key 'orders'"``: the command and its key(s), for error messages;
+    a script of the library's by its name (``"EVALSHA stream_copy_ack on key
+    'orders', 'orders'"``)."""
     name = _text(command[0]).upper() if command else "?"
     if name in {"PUBLISH", "SPUBLISH"} and len(command) > 1:
         return f"{name} on channel {_text(command[1])!r}"
+    if name == "EVALSHA" and len(command) > 1:
+        sha = command[1]
+        sha = sha.encode() if isinstance(sha, str) else sha
+        script = _SCRIPT_NAMES.get(sha) if isinstance(sha, bytes) else None
+        if script is not None:
+            name = f"EVALSHA {script}"
     keys = command_keys(command)
     if not keys:
         return name
