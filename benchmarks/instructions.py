@@ -10,6 +10,8 @@ the machine is doing.  This module counts, per message:
   library doing the same work (stream ACK at concurrency 1, reliable list ACK,
   Pub/Sub receive), beside the floor that also awaits a no-op handler per
   message (what the one call per message that no consumer can avoid costs).
+  As in ``workloads``, the Pub/Sub contenders publish their messages from the
+  same process (counted alike for all three).
   Each contender runs in a child process under callgrind, instrumented only
   while it consumes (``callgrind_control -i on`` / ``off`` around it; the
   data is written beforehand by this process).  Each runs twice, with
@@ -72,7 +74,6 @@ _ROOT = Path(__file__).resolve().parent.parent
 def _wait_for(word: str) -> None:
     """Wait for ``word`` on stdin, waking every 20 ms (callgrind takes its
     commands only while the process runs)."""
-    line = ""
     while True:
         ready, _, _ = select.select([sys.stdin], [], [], 0.02)
         if ready:
@@ -129,16 +130,16 @@ def _child(contender: str, url: str, n: int) -> None:
 
 # -- the parent ---------------------------------------------------------------------------------
 
-def _totals(out: Path) -> int:
-    """The instruction count of a callgrind output file (and its parts)."""
-    total = 0
-    for part in out.parent.glob(out.name + "*"):
+def _parts(out: Path) -> dict[int, int]:
+    """The instruction counts of a callgrind run's parts (``callgrind_control
+    -d`` ends a part), by part number."""
+    parts: dict[int, int] = {}
+    for f in out.parent.glob(out.name + "*"):
         # "totals:" (callgrind writes "summary: 0" when instrumentation started off)
-        counts = {k: int(v) for k, _, v in (line.partition(": ") for line in
-                                            part.read_text().splitlines())
-                  if k in ("summary", "totals")}
-        total += counts.get("totals", counts.get("summary", 0))
-    return total
+        fields = {k: v for k, _, v in (line.partition(": ") for line in f.read_text().splitlines())
+                  if k in ("part", "summary", "totals")}
+        parts[int(fields.get("part", "1"))] = int(fields.get("totals", fields.get("summary", "0")))
+    return parts
 
 
 def _control(pid: int, switch: str) -> None:
@@ -203,7 +204,7 @@ def _count_client(url: str, contender: str, n: int, tmp: Path) -> int:
         _control(proc.pid, "off")
         proc.stdin.write("exit\n")
         proc.stdin.flush()
-    return _totals(out)
+    return sum(_parts(out).values())
 
 
 def _client_table(url: str, tmp: Path, n: int) -> None:
@@ -279,17 +280,6 @@ def _retry_batches(entries: list[Any], script: Any | None) -> list[Command]:
         args += [eid, len(fields), *fields]
     gates = (entries[0][0], entries[-1][0], 2 * len(entries))
     return [script.command(("s", "c"), ("g", "0", "0", *gates, *args))]
-
-
-def _parts(out: Path) -> dict[int, int]:
-    """The instruction counts of a callgrind run's parts (``callgrind_control
-    -d`` ends a part), by part number."""
-    parts: dict[int, int] = {}
-    for f in out.parent.glob(out.name + "*"):
-        fields = {k: v for k, _, v in (line.partition(": ") for line in f.read_text().splitlines())
-                  if k in ("part", "summary", "totals")}
-        parts[int(fields.get("part", "1"))] = int(fields.get("totals", fields.get("summary", "0")))
-    return parts
 
 
 def _count_server(binary: str, script: Any | None, n: int, tmp: Path) -> tuple[int, int]:
