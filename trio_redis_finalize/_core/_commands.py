@@ -9,14 +9,14 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-__all__ = ["SCRIPT_SOURCES", "Arg", "Command", "Script", "command_keys", "describe"]
+__all__ = ["SCRIPTS", "Arg", "Command", "Script", "command_keys", "describe"]
 
 Arg = bytes | str | int | float
 Command = Sequence[Arg]
 
-SCRIPT_SOURCES: dict[bytes, bytes] = {}
-_SCRIPT_NAMES: dict[bytes, str] = {}
-"""The name of each script by its sha (error messages name the script run)."""
+SCRIPTS: dict[bytes, Script] = {}
+"""Every script by its sha: its source (loaded on ``NOSCRIPT``) and its name
+(error messages name the script run)."""
 
 
 class Script:
@@ -28,8 +28,7 @@ class Script:
         self.source = source.encode()
         self.sha = hashlib.sha1(self.source).hexdigest().encode()
         self.name = name
-        SCRIPT_SOURCES[self.sha] = self.source
-        _SCRIPT_NAMES[self.sha] = name
+        SCRIPTS[self.sha] = self
 
     def command(self, keys: Sequence[Arg], args: Sequence[Arg]) -> tuple[Arg, ...]:
         """The ``EVALSHA`` command for a pipeline."""
@@ -117,9 +116,9 @@ def describe(command: Command) -> str:
     if name == "EVALSHA" and len(command) > 1:
         sha = command[1]
         sha = sha.encode() if isinstance(sha, str) else sha
-        script = _SCRIPT_NAMES.get(sha) if isinstance(sha, bytes) else None
+        script = SCRIPTS.get(sha) if isinstance(sha, bytes) else None
         if script is not None:
-            name = f"EVALSHA {script}"
+            name = f"EVALSHA {script.name}"
     keys = command_keys(command)
     if not keys:
         return name

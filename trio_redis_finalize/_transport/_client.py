@@ -24,7 +24,7 @@ from typing import Any
 import anyio
 from redis import exceptions as rexc
 
-from .._core._commands import SCRIPT_SOURCES, Arg, Command, Script
+from .._core._commands import SCRIPTS, Arg, Command, Script
 from .._core._replies import raise_first_error
 from ._connection import DEFAULT_TIMEOUT, Connection, open_connection
 from ._pubsub import PubSub
@@ -45,9 +45,9 @@ def _loads(commands: Sequence[Command], loaded: set[bytes]) -> tuple[dict[bytes,
             scripts = True
             sha = c[1]
             if isinstance(sha, bytes) and sha not in loaded and sha not in out:
-                source = SCRIPT_SOURCES.get(sha)
-                if source is not None:
-                    out[sha] = (b"SCRIPT", b"LOAD", source)
+                script = SCRIPTS.get(sha)
+                if script is not None:
+                    out[sha] = (b"SCRIPT", b"LOAD", script.source)
         elif isinstance(name, str) and len(name) == 7 and name.upper() == "EVALSHA":
             scripts = True
     return out, scripts
@@ -261,10 +261,10 @@ class Client:
         shas = {bytes(c[1]) if isinstance(c[1], bytes) else str(c[1]).encode() for c in commands}
         loads: list[Command] = []
         for sha in shas:
-            source = SCRIPT_SOURCES.get(sha)
-            if source is None:
+            script = SCRIPTS.get(sha)
+            if script is None:
                 raise rexc.NoScriptError(f"NOSCRIPT and no source known for sha {sha!r}")
-            loads.append((b"SCRIPT", b"LOAD", source))
+            loads.append((b"SCRIPT", b"LOAD", script.source))
         for r in await conn.pipeline(loads, timeout=timeout):
             if isinstance(r, rexc.RedisError):
                 raise r
