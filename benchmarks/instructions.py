@@ -59,6 +59,7 @@ from redis import exceptions as rexc
 
 from trio_redis_finalize import ORIGIN_FIELD, RETRIES_FIELD
 from trio_redis_finalize._transport import Client, Command, open_client
+from trio_redis_finalize.testing import free_port
 
 from ._common import internal, redis_server
 
@@ -274,23 +275,20 @@ def _retry_batches(entries: list[Any], script: Any | None) -> list[Command]:
                                for eid, flat in entries]
         cmds.append(("XACK", "s", "g", *[eid for eid, _ in entries]))
         return cmds
-    args: list[Any] = []
+    from .workloads import _batched
+
+    parts = []
     for eid, flat in entries:
         fields = [*flat, RETRIES_FIELD, b"1", ORIGIN_FIELD, eid]
-        args += [eid, len(fields), *fields]
-    gates = (entries[0][0], entries[-1][0], 2 * len(entries))
-    return [script.command(("s", "c"), ("g", "0", "0", *gates, *args))]
+        parts.append([eid, len(fields), *fields])
+    return _batched(script, ("s", "c"), ("g", "0", "0"), parts)
 
 
 def _count_server(binary: str, script: Any | None, n: int, tmp: Path) -> tuple[int, int]:
     """The server's instructions for ``n`` RETRYs: finalizing them, and the
     whole round trip (reading the originals, finalizing, reading the copies
     and acknowledging them)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = tmp / f"server.{port}.out"
     url = f"redis://127.0.0.1:{port}"
     cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
