@@ -47,20 +47,22 @@ class RecordingClient:
     ``fail``: how many calls raise ``ConnectionError`` first (nothing sent).
     ``hang``: how many calls (after those) never return, whatever their
     ``timeout`` (a round trip stuck past every deadline of its own).
+    ``rtt``: mock seconds each call takes (default: none, one checkpoint).
     """
 
-    def __init__(self, fail: int = 0, hang: int = 0) -> None:
+    def __init__(self, fail: int = 0, hang: int = 0, rtt: float = 0.0) -> None:
         self.calls: list[tuple[float, list[tuple[Any, ...]]]] = []
         self.failed: list[float] = []
         self.hung: list[float] = []
         self.fail = fail
         self.hang = hang
         self.sent = trio.Event()
+        self.rtt = rtt
 
     async def pipeline(
         self, commands: Sequence[Any], *, raise_on_error: bool = True, timeout: float | None = None
     ) -> list[Any]:
-        await trio.lowlevel.checkpoint()
+        await trio.sleep(self.rtt)
         if self.fail:
             self.fail -= 1
             self.failed.append(trio.current_time())
@@ -234,6 +236,31 @@ async def test_a_failed_send_is_sent_again_not_dropped(autojump_clock: trio.abc.
     assert len(scheduler) == 0
 
 
+async def test_held_by_counts_a_copy_through_every_failed_send(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """``held`` is the copies in memory: a copy out of the heap being sent, or
+    back in it after a failed send, is counted at every moment until Redis
+    confirmed it (before: 0 while in flight, a gauge that dipped under faults)."""
+    client = RecordingClient(fail=5, rtt=0.5)  # each failed round trip takes 0.5 s
+    scheduler = Scheduler(client)  # type: ignore[arg-type]
+    m = FakeMount("orders")
+    samples: list[tuple[int, int]] = []  # (held_by, released) at each sample
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(scheduler.run)
+            scheduler.hold(m, 1, cmd("x"))
+            while not m.stats.effects["released"]:
+                samples.append((scheduler.held_by(m), m.stats.effects["released"]))
+                await trio.sleep(0.001)
+            samples.append((scheduler.held_by(m), m.stats.effects["released"]))
+            nursery.cancel_scope.cancel()
+    assert len(client.failed) == 5 and client.sent_commands() == list(cmd("x"))
+    assert set(samples[:-1]) == {(1, 0)}  # counted throughout, in flight or waiting
+    assert samples[-1] == (0, 1)
+    assert len(samples) > 1_000  # sampled across the backoffs, not once
+
+
 async def test_a_batch_stuck_in_flight_goes_back_into_the_heap_at_its_bound(
     autojump_clock: trio.abc.Clock,
 ) -> None:
@@ -252,6 +279,7 @@ async def test_a_batch_stuck_in_flight_goes_back_into_the_heap_at_its_bound(
             scheduler.hold(m, 1, cmd("y"))
             await trio.sleep(2)  # due at 1: in flight, stuck
             assert client.hung and len(scheduler) == 0 and not client.calls
+            assert scheduler.held_by(m) == 2  # out of the heap, still in memory
             await client.sent.wait()
             await trio.sleep(100)
             nursery.cancel_scope.cancel()
@@ -288,6 +316,7 @@ async def test_flush_counts_what_it_could_not_send_by_its_deadline(
         await scheduler.flush(trio.current_time() + 5)
     assert not client.calls
     assert m.stats.effects["held_lost"] == 2
+    assert scheduler.held_by(m) == 0  # counted lost, no longer held
     assert any("they are lost" in r.getMessage() for r in caplog.records)
 
 

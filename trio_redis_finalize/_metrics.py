@@ -158,8 +158,8 @@ _FAMILIES: dict[str, tuple[str, _Kind, tuple[str, ...], str]] = {
                "errors; and consumer groups recreated."),
     "in_flight": ("in_flight", "gauge", (), "Handler calls running now."),
     "held": ("held_copies", "gauge", (),
-             "Runtime retry_after copies waiting in process memory (lost if the process is "
-             "killed)."),
+             "Runtime retry_after copies in process memory, waiting or being sent (lost if "
+             "the process is killed)."),
     "delay_lag": ("delay_lag_seconds", "gauge", (),
                   "How overdue the oldest copy in the durable delay set was at the last read (0: "
                   "none due)."),

@@ -59,7 +59,10 @@ class Scheduler:
       rather than lost.  Only a crash of the process loses held copies (a
       reliable list's original is still in its processing list then).
 
-    ``held_by(mount)`` is what ``consumer.stats()[name]["held"]`` shows.
+    ``held_by(mount)`` is what ``consumer.stats()[name]["held"]`` shows: the
+    copies of that mount in memory, waiting for their due time or being sent
+    (from the batch taken out of the heap until what Redis answered settled
+    it), so a copy the server keeps refusing stays counted throughout.
     """
 
     _WARN_EVERY = 5.0
@@ -73,7 +76,8 @@ class Scheduler:
         self._seq = itertools.count()
         self._wake = anyio.Event()
         self._now: list[tuple[Owner, tuple[Command, ...]]] = []  # over the limit: send at once
-        self._held: dict[Owner, int] = {}
+        self._held: dict[Owner, int] = {}  # in the heap
+        self._in_flight: dict[Owner, int] = {}  # the batch being sent (one at a time)
         self._sending = anyio.Lock()
         self._failures = 0
         self._overflow = 0
@@ -83,8 +87,14 @@ class Scheduler:
         return len(self._heap)
 
     def held_by(self, mount: Owner) -> int:
-        """How many copies of ``mount`` wait in memory now."""
-        return self._held.get(mount, 0)
+        """How many copies of ``mount`` are in memory now: waiting, or being sent."""
+        return self._held.get(mount, 0) + self._in_flight.get(mount, 0)
+
+    def _sending_now(self, batch: list[tuple[Owner, tuple[Command, ...]]]) -> None:
+        """Count ``batch`` as being sent (it has left the heap, it is not settled)."""
+        self._in_flight.clear()
+        for mount, _ in batch:
+            self._in_flight[mount] = self._in_flight.get(mount, 0) + 1
 
     def _push(self, due: float, mount: Owner, commands: tuple[Command, ...]) -> None:
         heapq.heappush(self._heap, (due, next(self._seq), mount, commands))
@@ -142,22 +152,32 @@ class Scheduler:
                     continue
             # taken out of the heap: must not be lost to a cancellation (each
             # of a copy's at most two steps is bounded by FINALIZE_TIMEOUT)
-            left: list[tuple[Owner, tuple[Command, ...]]] = []
             with cleanup(3 * FINALIZE_TIMEOUT):
                 async with self._sending:
                     batch = left = self._take_due(anyio.current_time())
                     if not batch:
                         continue
-                    left = await self._send(batch)
-                    if not left:
-                        self._failures = 0
-                        continue
-            # back into the heap, due after a backoff (never dropped; a batch
-            # whose sending ran out of time: all of it, a duplicate at worst)
-            due = anyio.current_time() + backoff(self._failures, cap=5.0)
-            self._failures += 1
-            for mount, commands in left:
-                self._push(due, mount, commands)
+                    self._sending_now(batch)
+                    try:
+                        left = await self._send(batch)
+                    finally:
+                        self._requeue(left)
+
+    def _requeue(self, left: list[tuple[Owner, tuple[Command, ...]]]) -> None:
+        """Put what must be sent again back into the heap, due after a backoff.
+
+        Never dropped; a batch whose sending ran out of time comes back whole,
+        a duplicate at worst.  Done in the same step that ends the batch's
+        count as being sent, so :meth:`held_by` never misses a copy between.
+        """
+        self._in_flight.clear()
+        if not left:
+            self._failures = 0
+            return
+        due = anyio.current_time() + backoff(self._failures, cap=5.0)
+        self._failures += 1
+        for mount, commands in left:
+            self._push(due, mount, commands)
 
     async def flush(self, deadline: float) -> None:
         """Send every held copy now (graceful shutdown), trying until ``deadline``."""
@@ -170,18 +190,24 @@ class Scheduler:
                 return
             log.info("publishing %d held runtime delayed copies at shutdown", len(batch))
             attempt = 0
-            while batch := await self._send(batch):
-                if anyio.current_time() + backoff(attempt) > deadline:
-                    log.error(
-                        "could not publish %d held runtime delayed copies before shutting "
-                        "down: they are lost (use DelayedRetry.DURABLE_ZSET to keep them in Redis)",
-                        len(batch),
-                    )
-                    for mount, _ in batch:
-                        mount.stats.effects["held_lost"] += 1
-                    return
-                await anyio.sleep(backoff(attempt))
-                attempt += 1
+            try:
+                self._sending_now(batch)
+                while batch := await self._send(batch):
+                    self._sending_now(batch)
+                    if anyio.current_time() + backoff(attempt) > deadline:
+                        log.error(
+                            "could not publish %d held runtime delayed copies before shutting "
+                            "down: they are lost (use DelayedRetry.DURABLE_ZSET to keep them in "
+                            "Redis)",
+                            len(batch),
+                        )
+                        for mount, _ in batch:
+                            mount.stats.effects["held_lost"] += 1
+                        return
+                    await anyio.sleep(backoff(attempt))
+                    attempt += 1
+            finally:
+                self._in_flight.clear()
 
     async def _send(
         self, batch: list[tuple[Owner, tuple[Command, ...]]]
