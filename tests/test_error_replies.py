@@ -115,6 +115,47 @@ async def test_runtime_delayed_copy_under_oom_is_requeued(
     assert await _pending(client, "s", "g") == 0
 
 
+@pytest.mark.parametrize("form", ["stream", "reliable-list"])
+async def test_copies_refused_through_the_shutdown_are_counted_lost_and_logged(
+    redis_url: str, client: Client, oom: Any, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture, form: str,
+) -> None:
+    """A runtime copy the server refuses (OOM) until the flush's deadline is
+    counted ``held_lost`` and logged with its subscription.  A stream's is
+    lost (the original was acknowledged); a reliable list's original is
+    still in its processing list."""
+    from trio_redis_finalize import _shutdown
+    monkeypatch.setattr(_shutdown, "FINALIZE_GRACE", 1.0)  # the flush ends 3.5 s after
+    monkeypatch.setattr(_shutdown, "FLUSH_GRACE", 1.0)     # the shutdown began, not 21.5 s
+    sub: StreamSubscription | ReliableListSubscription
+    if form == "stream":
+        await client.execute("XADD", "s", "*", "n", "1")
+        sub = StreamSubscription("s", "g", block=0.1)
+    else:
+        await client.execute("LPUSH", "q", b"job")
+        sub = ReliableListSubscription("q", block=0.1)
+
+    async def handler(d: Delivery) -> Outcome:
+        return retry_after(60)
+
+    async with open_consumer(redis_url, name="c1", shutdown_grace=0.5) as consumer:
+        await consumer.mount(sub, handler)
+        await eventually(lambda: consumer.stats()[sub.name]["held"] == 1, what="copy held")
+        oom.on()
+    stats = consumer.stats()[sub.name]
+    oom.off()
+    assert stats["effects"].get("held_lost") == 1, stats
+    assert stats["held"] == 0 and stats["effects"].get("released", 0) == 0
+    [record] = [r for r in caplog.records if "before shutting down" in r.getMessage()]
+    assert record.subscription == sub.name  # type: ignore[attr-defined]
+    if form == "stream":
+        assert await _pending(client, "s", "g") == 0  # acknowledged: the copy was the message
+        assert await client.execute("XLEN", "s") == 1
+    else:
+        assert await client.execute("LLEN", "{q}:processing:c1") == 1  # recovered on restart
+        assert await client.execute("LLEN", "q") == 0
+
+
 async def test_final_error_on_delayed_copy_is_counted_not_released(
     redis_url: str, client: Client
 ) -> None:

@@ -315,9 +315,78 @@ async def test_flush_counts_what_it_could_not_send_by_its_deadline(
         scheduler.hold(m, 100, cmd("y"))
         await scheduler.flush(trio.current_time() + 5)
     assert not client.calls
+    assert scheduler.held_by(m) == 2  # still held: counted once the scheduler has stopped
+    assert scheduler.abandon() == 2
     assert m.stats.effects["held_lost"] == 2
-    assert scheduler.held_by(m) == 0  # counted lost, no longer held
-    assert any("they are lost" in r.getMessage() for r in caplog.records)
+    assert scheduler.held_by(m) == 0 and len(scheduler) == 0
+    [record] = [r for r in caplog.records if "before shutting down" in r.getMessage()]
+    assert record.levelno == logging.ERROR and record.subscription == "orders"  # type: ignore[attr-defined]
+    assert "could not publish 2 held runtime delayed copies" in record.getMessage()
+
+
+async def test_a_flush_cut_mid_send_leaves_its_copies_counted_lost(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A round trip that hangs past the shutdown's own deadline: the flush is
+    cancelled mid-send (before: its copies vanished, neither logged nor
+    counted).  They stay held until abandon() counts each ``held_lost``."""
+    client = RecordingClient(hang=1)
+    scheduler = Scheduler(client)  # type: ignore[arg-type]
+    a, b = FakeMount("a"), FakeMount("b")
+    with trio.fail_after(TIMEOUT):
+        scheduler.hold(a, 100, cmd("x"))
+        scheduler.hold(b, 100, cmd("y"))
+        with trio.move_on_after(3):
+            await scheduler.flush(trio.current_time() + 2)
+    assert client.hung and not client.calls
+    assert (scheduler.held_by(a), scheduler.held_by(b)) == (1, 1)
+    assert scheduler.abandon() == 2
+    assert (a.stats.effects["held_lost"], b.stats.effects["held_lost"]) == (1, 1)
+    lost = sorted(r.getMessage() for r in caplog.records if "before shutting down" in r.getMessage())
+    assert [m.split(":")[0] for m in lost] == ["a", "b"]  # one line per subscription
+
+
+async def test_a_flush_cut_while_run_is_stuck_sending_leaves_the_batch_counted_lost(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """run() is stuck mid-send (shielded, up to 3 x FINALIZE_TIMEOUT) when the
+    shutdown's flush begins and is cut waiting for it: the batch goes back
+    into the heap at run()'s bound, run() sends nothing more, and abandon()
+    counts it."""
+    client = RecordingClient(hang=1)
+    scheduler = Scheduler(client)  # type: ignore[arg-type]
+    m = FakeMount("orders")
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(scheduler.run)
+            scheduler.hold(m, 1, cmd("x"))
+            await trio.sleep(2)  # due at 1: in flight, stuck
+            assert client.hung and scheduler.held_by(m) == 1
+            with trio.move_on_after(3):
+                await scheduler.flush(trio.current_time() + 2)
+            await trio.sleep(3 * FINALIZE_TIMEOUT + 100)  # run()'s bound, and long after
+            nursery.cancel_scope.cancel()
+    assert not client.calls  # nothing sent after the flush began
+    assert scheduler.held_by(m) == 1
+    assert scheduler.abandon() == 1 and m.stats.effects["held_lost"] == 1
+
+
+async def test_run_sends_nothing_once_flush_has_begun(autojump_clock: trio.abc.Clock) -> None:
+    """What the flush could not send by its deadline is not sent by run()
+    afterwards (run() would hold the shutdown up to 3 x FINALIZE_TIMEOUT more)."""
+    client = RecordingClient(fail=10_000)
+    scheduler = Scheduler(client)  # type: ignore[arg-type]
+    m = FakeMount("orders")
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(scheduler.run)
+            scheduler.hold(m, 100, cmd("x"))
+            await scheduler.flush(trio.current_time() + 5)
+            tried = len(client.failed)
+            await trio.sleep(200)  # long past its due time and any backoff
+            assert len(client.failed) == tried
+            nursery.cancel_scope.cancel()
+    assert scheduler.abandon() == 1 and m.stats.effects["held_lost"] == 1
 
 
 # -- a real server ---------------------------------------------------------------

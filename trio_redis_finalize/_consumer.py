@@ -242,22 +242,30 @@ async def open_consumer(
             )
         else:
             raise ValueError(f"url_or_client must be a URL string or a client, got {url_or_client!r}")
-        async with anyio.create_task_group() as tg:
-            consumer = Consumer(
-                client, consumer_name, tg, float(shutdown_grace), max_held_copies=max_held_copies
-            )
-            sched_scope = anyio.CancelScope(shield=True)
+        sched: Scheduler | None = None
+        try:
+            async with anyio.create_task_group() as tg:
+                consumer = Consumer(
+                    client, consumer_name, tg, float(shutdown_grace), max_held_copies=max_held_copies
+                )
+                sched = consumer.scheduler
+                sched_scope = anyio.CancelScope(shield=True)
 
-            async def scheduler(*, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-                with sched_scope:
-                    await consumer.scheduler.run(task_status=task_status)
+                async def scheduler(
+                    *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+                ) -> None:
+                    with sched_scope:
+                        await consumer.scheduler.run(task_status=task_status)
 
-            await tg.start(scheduler)
-            try:
-                yield consumer
-            finally:
+                await tg.start(scheduler)
                 try:
-                    await consumer.aclose()  # shielded and bounded inside (_shutdown)
-                finally:  # even if shutdown failed: the shielded task must end
-                    sched_scope.cancel()
+                    yield consumer
+                finally:
+                    try:
+                        await consumer.aclose()  # shielded and bounded inside (_shutdown)
+                    finally:  # even if shutdown failed: the shielded task must end
+                        sched_scope.cancel()
+        finally:  # the scheduler has stopped: what it still holds is counted and logged
+            if sched is not None:
+                sched.abandon()
 

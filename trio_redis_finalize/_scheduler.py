@@ -56,8 +56,11 @@ class Scheduler:
       send whose reply was lost may be repeated, so a fault can duplicate a
       copy, never lose it.
     * :meth:`flush` (graceful shutdown) sends every held copy at once: early
-      rather than lost.  Only a crash of the process loses held copies (a
-      reliable list's original is still in its processing list then).
+      rather than lost.  Only a crash of the process, or a server that
+      refuses or does not answer until the shutdown's deadline, loses held
+      copies (a reliable list's original is still in its processing list
+      then); the second kind is logged and counted ``held_lost``
+      (:meth:`abandon`).
 
     ``held_by(mount)`` is what ``consumer.stats()[name]["held"]`` shows: the
     copies of that mount in memory, waiting for their due time or being sent
@@ -81,6 +84,7 @@ class Scheduler:
         self._sending = anyio.Lock()
         self._failures = 0
         self._overflow = 0
+        self._closing = False  # flush() has begun: run() sends nothing more
         self._warned_at = -float("inf")
 
     def __len__(self) -> int:
@@ -129,6 +133,8 @@ class Scheduler:
         self._wake.set()
 
     def _take_due(self, now: float) -> list[tuple[Owner, tuple[Command, ...]]]:
+        if self._closing:  # flush() took over: nothing more goes out from run()
+            return []
         batch = self._now[: self._BATCH]
         del self._now[: self._BATCH]
         while self._heap and self._heap[0][0] <= now and len(batch) < self._BATCH:
@@ -138,6 +144,8 @@ class Scheduler:
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         while True:
+            if self._closing:
+                await anyio.sleep_forever()
             if not self._now:
                 if not self._heap:
                     self._wake = anyio.Event()
@@ -154,20 +162,21 @@ class Scheduler:
             # of a copy's at most two steps is bounded by FINALIZE_TIMEOUT)
             with cleanup(3 * FINALIZE_TIMEOUT):
                 async with self._sending:
-                    batch = left = self._take_due(anyio.current_time())
+                    batch = self._take_due(anyio.current_time())
                     if not batch:
                         continue
                     self._sending_now(batch)
+                    left: list[tuple[Owner, tuple[Command, ...]]] = []
                     try:
-                        left = await self._send(batch)
+                        await self._send(batch, left)
                     finally:
                         self._requeue(left)
 
     def _requeue(self, left: list[tuple[Owner, tuple[Command, ...]]]) -> None:
         """Put what must be sent again back into the heap, due after a backoff.
 
-        Never dropped; a batch whose sending ran out of time comes back whole,
-        a duplicate at worst.  Done in the same step that ends the batch's
+        Never dropped; a copy whose send ran out of time comes back too, a
+        duplicate at worst.  Done in the same step that ends the batch's
         count as being sent, so :meth:`held_by` never misses a copy between.
         """
         self._in_flight.clear()
@@ -180,7 +189,14 @@ class Scheduler:
             self._push(due, mount, commands)
 
     async def flush(self, deadline: float) -> None:
-        """Send every held copy now (graceful shutdown), trying until ``deadline``."""
+        """Send every held copy now (graceful shutdown), trying until ``deadline``.
+
+        From here on ``run()`` sends nothing.  What could not be sent by
+        ``deadline`` (or when a cancellation cut the flush, even while it
+        waited for a batch that ``run()`` was sending) stays held, for
+        :meth:`abandon` to count and report once the scheduler has stopped.
+        """
+        self._closing = True
         async with self._sending:  # a batch being sent by run() is settled first
             batch = list(self._now)
             self._now.clear()
@@ -191,28 +207,60 @@ class Scheduler:
             log.info("publishing %d held runtime delayed copies at shutdown", len(batch))
             attempt = 0
             try:
-                self._sending_now(batch)
-                while batch := await self._send(batch):
+                while batch:
                     self._sending_now(batch)
-                    if anyio.current_time() + backoff(attempt) > deadline:
-                        log.error(
-                            "could not publish %d held runtime delayed copies before shutting "
-                            "down: they are lost (use DelayedRetry.DURABLE_ZSET to keep them in "
-                            "Redis)",
-                            len(batch),
-                        )
-                        for mount, _ in batch:
-                            mount.stats.effects["held_lost"] += 1
-                        return
-                    await anyio.sleep(backoff(attempt))
-                    attempt += 1
+                    left: list[tuple[Owner, tuple[Command, ...]]] = []
+                    try:
+                        await self._send(batch, left)
+                    finally:
+                        batch = left
+                    if batch and anyio.current_time() + backoff(attempt) > deadline:
+                        break
+                    if batch:
+                        await anyio.sleep(backoff(attempt))
+                        attempt += 1
             finally:
                 self._in_flight.clear()
+                now = anyio.current_time()
+                for mount, commands in batch:
+                    self._push(now, mount, commands)
+
+    def abandon(self) -> int:
+        """Count and report the copies still held once the scheduler has stopped.
+
+        Called after :meth:`flush` and the end of ``run()``: each copy left
+        (the server refused or did not answer until the shutdown deadline)
+        is counted ``held_lost`` on its mount and logged.  A stream's, a
+        simple list's or Pub/Sub's copy is lost (its original was removed
+        already); a reliable list's original is still in its processing list
+        and is delivered again after a restart.  Returns how many.
+        """
+        left = [self._pop()[0] for _ in range(len(self._heap))] + [m for m, _ in self._now]
+        self._now.clear()
+        self._in_flight.clear()
+        by_mount: dict[Owner, int] = {}
+        for mount in left:
+            mount.stats.effects["held_lost"] += 1
+            by_mount[mount] = by_mount.get(mount, 0) + 1
+        for mount, n in by_mount.items():
+            log.error(
+                "%s: could not publish %d held runtime delayed cop%s before shutting down: "
+                "lost, except a reliable list's, whose originals stay in its processing list "
+                "(use DelayedRetry.DURABLE_ZSET to keep delayed copies in Redis)",
+                mount.name, n, "y" if n == 1 else "ies", extra={"subscription": mount.name},
+            )
+        return len(left)
 
     async def _send(
-        self, batch: list[tuple[Owner, tuple[Command, ...]]]
-    ) -> list[tuple[Owner, tuple[Command, ...]]]:
-        """Send the copies of ``batch``; returns what must be sent again.
+        self,
+        batch: list[tuple[Owner, tuple[Command, ...]]],
+        left: list[tuple[Owner, tuple[Command, ...]]],
+    ) -> None:
+        """Send the copies of ``batch``; what must be sent again goes into ``left``.
+
+        On any exit: a cancellation (a deadline) adds the copies whose round
+        trip it cut, from their unconfirmed command on (a duplicate at worst),
+        and none that Redis had settled.
 
         Each entry's commands run in order, each only once the one before
         it succeeded (a reliable list's cross-slot ``LPUSH`` copy, then the
@@ -223,11 +271,23 @@ class Scheduler:
         (``finalize_errors``, effect ``failed``), never counted released.
         """
         chains = [(mount, list(cmds)) for mount, cmds in batch]
-        left: list[tuple[Owner, tuple[Command, ...]]] = []
         live = [i for i, (_, cmds) in enumerate(chains) if cmds]
         for mount, cmds in chains:
             if not cmds:
                 mount.stats.effects["released"] += 1
+        try:
+            await self._rounds(chains, live, left)
+        finally:
+            left.extend((chains[i][0], tuple(chains[i][1])) for i in live)
+
+    async def _rounds(
+        self,
+        chains: list[tuple[Owner, list[Command]]],
+        live: list[int],
+        left: list[tuple[Owner, tuple[Command, ...]]],
+    ) -> None:
+        """The round trips of :meth:`_send`.  ``live`` (updated in place) is
+        what is on its way: each entry's commands from its unconfirmed one on."""
         gate_closed: set[int] = set()
         while live:
             commands = [chains[i][1][0] for i in live]
@@ -239,8 +299,7 @@ class Scheduler:
                 if classify(e) is not FINAL:
                     log.warning("sending %d delayed copies failed (%s); sending them again",
                                 len(live), e)
-                    left.extend((chains[i][0], tuple(chains[i][1])) for i in live)
-                    return left
+                    return  # live: all of them, from this command on, to send again
                 replies = [e] * len(commands)
             deferred: str | None = None
             step: list[int] = []
@@ -266,5 +325,4 @@ class Scheduler:
             if deferred is not None:
                 log.warning("sending delayed copies deferred by the server (%s); sending "
                             "them again", deferred)
-            live = step
-        return left
+            live[:] = step
