@@ -311,17 +311,24 @@ async def test_batched_dead_letters_to_a_wrong_type_fail_each_and_name_it(
     await client.execute("XGROUP", "CREATE", "s", "g", "0", "MKSTREAM")
     ids = [(await client.execute("XADD", "s", "*", "n", str(i))).decode() for i in range(2)]
     calls: list[str] = []
+    both = trio.Event()
 
     async def handler(d: Delivery) -> Outcome:
+        # Both return in the same step, so that their outcomes reach the
+        # finalizer together (one batched call) however slow the machine:
+        # the first sets the trap and waits for the second to have begun.
         calls.append(d.id or "")
         if len(calls) == 1:  # after the mount's own type check
             await client.execute("SET", "dl", "x")
+            await eventually(lambda: len(calls) == 2, what="the second handler begun")
+            both.set()
+        await both.wait()
         return RETRY
 
     caplog.set_level("INFO", logger="trio_redis_finalize")
     async with open_consumer(redis_url, name="c1") as consumer:
         await consumer.mount(StreamSubscription("s", "g", block=0.1, count=10, max_attempts=1,
-                                                dead_letter="dl"), handler)
+                                                dead_letter="dl"), handler, concurrency=2)
         name = consumer.mounts[0].name
         await eventually(lambda: consumer.stats()[name]["effects"].get("failed", 0) >= 2,
                          what="both failed")
