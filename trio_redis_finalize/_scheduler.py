@@ -245,8 +245,8 @@ class Scheduler:
         for mount, n in by_mount.items():
             log.error(
                 "%s: could not publish %d held runtime delayed cop%s before shutting down: "
-                "lost, except a reliable list's, whose originals stay in its processing list "
-                "(use DelayedRetry.DURABLE_ZSET to keep delayed copies in Redis)",
+                "lost (a reliable list's originals stay in its processing list, delivered "
+                "again after a restart; DelayedRetry.DURABLE_ZSET keeps delayed copies in Redis)",
                 mount.name, n, "y" if n == 1 else "ies", extra={"subscription": mount.name},
             )
         return len(left)
