@@ -156,6 +156,39 @@ async def test_copies_refused_through_the_shutdown_are_counted_lost_and_logged(
         assert await client.execute("LLEN", "q") == 0
 
 
+async def test_a_finalization_the_shutdown_cuts_is_logged_and_stays_pending(
+    redis_url: str, client: Client, oom: Any, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A RETRY the server refuses (OOM) until the finalizer's shutdown deadline:
+    the cut is logged with its subscription and count (before: nothing said),
+    and the delivery stays pending, no copy written."""
+    from trio_redis_finalize import _shutdown
+    monkeypatch.setattr(_shutdown, "FINALIZE_GRACE", 1.0)
+    monkeypatch.setattr(_shutdown, "FLUSH_GRACE", 1.0)
+    await client.execute("XADD", "s", "*", "n", "1")
+    refused = trio.Event()
+
+    async def handler(d: Delivery) -> Outcome:
+        oom.on()
+        refused.set()
+        return RETRY
+
+    async with open_consumer(redis_url, name="c1", shutdown_grace=0.5) as consumer:
+        sub = StreamSubscription("s", "g", block=0.1)
+        await consumer.mount(sub, handler)
+        await refused.wait()
+        await eventually(lambda: consumer.stats()[sub.name]["finalize_errors"] >= 1,
+                         what="the copy refused")
+    oom.off()
+    [record] = [r for r in caplog.records if "cut finalization" in r.getMessage()]
+    assert record.subscription == sub.name  # type: ignore[attr-defined]
+    assert "with 1 outcome not confirmed" in record.getMessage()
+    assert await _pending(client, "s", "g") == 1
+    assert await client.execute("XLEN", "s") == 1
+    assert "copied" not in consumer.stats()[sub.name]["effects"]
+
+
 async def test_final_error_on_delayed_copy_is_counted_not_released(
     redis_url: str, client: Client
 ) -> None:

@@ -78,7 +78,23 @@ class Finalizer:
                             batch.extend(recv.receive_nowait())
                         except (anyio.WouldBlock, anyio.EndOfStream):
                             break
-                    await self.finalize(batch)
+                    try:
+                        await self.finalize(batch)
+                    except anyio.get_cancelled_exc_class():
+                        if self.scope.cancel_called:  # the shutdown's deadline, not a bug
+                            self._cut(len(batch) + _drain(recv))
+                        raise
+
+    def _cut(self, n: int) -> None:
+        """The shutdown's deadline (``Budget.finalizer``) cut the finalizer with
+        ``n`` outcomes Redis had not confirmed: say so once, with what it means."""
+        log.warning(
+            "%s: the shutdown's deadline cut finalization with %d outcome%s not confirmed by "
+            "Redis: on streams and reliable lists those deliveries stay pending and are "
+            "delivered again; on simple lists and Pub/Sub a copy not written is lost "
+            "(a longer shutdown_grace gives the finalizer more time)",
+            self.name, n, "" if n == 1 else "s", extra={"subscription": self.name},
+        )
 
     async def finalize(self, items: list[Item]) -> None:
         """Send the rounds the core decides for ``items``; apply what it settled."""
@@ -129,6 +145,16 @@ class Finalizer:
             self.scheduler.hold(self.owner, delay, later)
         if self.settled is not None:  # instrumentation: each delivery and the effect Redis confirmed
             self.settled(done.deliveries())
+
+
+def _drain(recv: Recv[list[Item]]) -> int:
+    """How many outcomes were still waiting in ``recv`` (taken out: never sent)."""
+    n = 0
+    while True:
+        try:
+            n += len(recv.receive_nowait())
+        except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+            return n
 
 
 def _emit(records: Sequence[Record]) -> None:
