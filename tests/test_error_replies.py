@@ -189,6 +189,50 @@ async def test_a_finalization_the_shutdown_cuts_is_logged_and_stays_pending(
     assert "copied" not in consumer.stats()[sub.name]["effects"]
 
 
+def test_the_shutdown_cuts_and_losses_are_reported_under_asyncio(
+    redis_url: str, oom: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The two reports above under anyio's asyncio backend: a RETRY refused
+    until the finalizer's deadline (the cut, logged; it stays pending) and a
+    runtime copy refused until the flush's (counted held_lost, logged)."""
+    import anyio
+
+    from trio_redis_finalize import _shutdown
+    from trio_redis_finalize._transport import open_client
+    monkeypatch.setattr(_shutdown, "FINALIZE_GRACE", 1.0)
+    monkeypatch.setattr(_shutdown, "FLUSH_GRACE", 1.0)
+    retry, later = StreamSubscription("s", "g", block=0.05), StreamSubscription("t", "g", block=0.05)
+
+    async def main() -> tuple[dict[str, Any], int, int]:
+        async def handler(d: Delivery) -> Outcome:
+            if d.source == "t":
+                return retry_after(60)
+            oom.on()  # from here the server refuses the copy (and the held one)
+            return RETRY
+
+        async with open_client(redis_url) as c:
+            await c.execute("XADD", "t", "*", "n", "1")
+            await c.execute("XADD", "s", "*", "n", "1")
+            async with open_consumer(redis_url, name="aio", shutdown_grace=0.2) as consumer:
+                await consumer.mount(later, handler)
+                with anyio.fail_after(10):
+                    while consumer.stats()[later.name]["held"] != 1:
+                        await anyio.sleep(0.02)
+                    await consumer.mount(retry, handler)
+                    while consumer.stats()[retry.name]["finalize_errors"] < 1:
+                        await anyio.sleep(0.02)
+            oom.off()
+            return (consumer.stats(), int((await c.execute("XPENDING", "s", "g"))[0]),
+                    int(await c.execute("XLEN", "t")))
+
+    stats, pending, t_len = anyio.run(main, backend="asyncio")
+    assert stats[later.name]["effects"].get("held_lost") == 1 and t_len == 1
+    texts = [r.getMessage() for r in caplog.records]
+    assert any(t.startswith(f"{later.name}: could not publish 1 held") for t in texts), texts
+    assert any(t.startswith(f"{retry.name}: the shutdown's deadline cut") for t in texts), texts
+    assert pending == 1
+
+
 async def test_final_error_on_delayed_copy_is_counted_not_released(
     redis_url: str, client: Client
 ) -> None:
