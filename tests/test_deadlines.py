@@ -93,6 +93,35 @@ async def test_pooled_commands_have_a_default_deadline(proxy: ChaosProxy) -> Non
         proxy.heal()
 
 
+async def test_a_shutdown_on_a_silent_server_ends_and_reports_its_held_copies(
+    proxy: ChaosProxy, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The server goes silent with a runtime copy held: leaving the block still
+    ends (each phase bounded; here about 4 s with the graces cut to 1 s), and
+    the copy the flush could not write is logged and counted ``held_lost``
+    (before: gone without a word when the flush's round trip was cut)."""
+    from trio_redis_finalize import _shutdown, retry_after
+    monkeypatch.setattr(_shutdown, "FINALIZE_GRACE", 1.0)
+    monkeypatch.setattr(_shutdown, "FLUSH_GRACE", 1.0)
+    async with open_client(proxy.url) as client:
+        await client.execute("XADD", "s", "*", "n", "1")
+
+    async def later(d: Delivery) -> Outcome:
+        return retry_after(60)
+
+    sub = StreamSubscription("s", "g", block=0.1)
+    with trio.fail_after(30):  # a hang fails here, not at the test's timeout
+        async with open_consumer(proxy.url, name="c1", shutdown_grace=0.2) as consumer:
+            await consumer.mount(sub, later)
+            while consumer.stats()[sub.name]["held"] != 1:
+                await trio.sleep(0.02)
+            proxy.stall()
+    stats = consumer.stats()[sub.name]
+    assert stats["effects"].get("held_lost") == 1 and stats["held"] == 0, stats
+    assert any(r.getMessage().startswith(f"{sub.name}: could not publish 1 held")
+               for r in caplog.records)
+
+
 def test_mount_honours_cancellation_on_asyncio(redis_server: RedisServer, redis_url: str) -> None:
     async def main() -> None:
         async with anyio.create_task_group() as tg:
