@@ -35,13 +35,20 @@ below) when shutdown begins (``t0``), times every phase.
    CLOSE_MARGIN`` (:attr:`Budget.mounts`), they are cancelled.
 5. **Scheduler flush**: every runtime ``retry_after`` copy still held in
    memory is sent at once (early rather than lost), until
-   :attr:`Budget.flush` (``+ FLUSH_GRACE``).
+   :attr:`Budget.flush` (``+ FLUSH_GRACE``); from then on the scheduler's
+   own task sends nothing.
 6. **Close**: the client's connections (the pool's and each reader's own)
-   are closed (``open_consumer``'s exit).
+   are closed (``open_consumer``'s exit).  Once the scheduler's task has
+   ended, each copy it still holds (the server refused it or did not answer
+   until the deadline) is counted ``held_lost`` and logged
+   (:meth:`Scheduler.abandon <trio_redis_finalize._scheduler.Scheduler.abandon>`).
 
-Only a crash loses something: the runtime delayed copies held in memory (use
+Only a crash, or a server that refuses or stays silent through these
+deadlines, loses something: the runtime delayed copies held in memory (use
 ``DelayedRetry.DURABLE_ZSET`` to keep them in Redis) and, on simple lists and
-Pub/Sub, what was popped or received.
+Pub/Sub, what was popped or received.  Every such loss at shutdown is
+logged: a finalization cut at phase 4's deadline (a warning with the number
+of outcomes Redis had not confirmed) and the copies of phase 6.
 
 Every cleanup scope of the runtime is made by :func:`cleanup` or
 :func:`cleanup_until`: shielded from the cancellation that stops the
