@@ -365,11 +365,11 @@ def test_a_resent_or_refused_stream_xack_answered_short_counts_as_planned() -> N
     assert b.result().effects == {"acked": 2}
 
 
-def test_a_short_xack_beside_plans_counts_gate_closed_unless_plans_share_it() -> None:
-    """In a batch with plans the hot path's ``XACK`` is still its own command
-    (a RETRY is a script): its short count settles as alone.  Merged with a
-    plan's single ``XACK`` (an entry deleted while pending) the count is
-    theirs together: counted as planned."""
+def test_a_short_xack_beside_plans_counts_gate_closed_even_beside_a_plans_xack() -> None:
+    """In a batch with plans the hot path's ``XACK`` is its own command, never
+    merged with a plan's single ``XACK`` (an entry deleted while pending): its
+    short count settles as alone (before: merged, a shared count taken as
+    planned)."""
     b = core(stream()).batch([(entry(1), ACK), (entry(2), ACK), (entry(3), RETRY)])
     cmds = b.commands()
     assert list(cmds[0]) == ["XACK", "orders", "billing", "1-0", "2-0"]
@@ -383,9 +383,10 @@ def test_a_short_xack_beside_plans_counts_gate_closed_unless_plans_share_it() ->
     lost = entry(3)
     b = core(t).batch([(entry(1), ACK), (entry(2), ACK), (lost, plan_lost(t, lost))])
     cmds = b.commands()
-    assert [list(c) for c in cmds] == [["XACK", "orders", "billing", "1-0", "2-0", "3-0"]]
-    assert b.receive([2]) is GO
-    assert b.result().effects == {"acked": 2, "lost_before_handling": 1}
+    assert [list(c) for c in cmds] == [["XACK", "orders", "billing", "1-0", "2-0"],
+                                       ["XACK", "orders", "billing", "3-0"]]
+    assert b.receive([1, 1]) is GO
+    assert b.result().effects == {"acked": 1, GATE_CLOSED: 1, "lost_before_handling": 1}
 
 
 def test_a_reliable_list_removal_beside_plans_that_removed_nothing_is_gate_closed() -> None:
@@ -438,21 +439,27 @@ def test_plan_final_error_is_failed_and_logged() -> None:
     assert "stays where it was" in s.records[0][1]
 
 
-def test_xack_plans_merge_with_the_fast_path() -> None:
+def test_xack_plans_stay_apart_from_the_fast_path() -> None:
+    """A plan's single XACK is not merged into the hot path's: each reply
+    settles its own (the hot path's short count is gate_closed, see above)."""
     t = stream()
     lost = plan_lost(t, entry(7))
     b = core(t).batch([(entry(1), ACK), (entry(7), lost), (entry(2), ACK)])
-    assert b.commands() == [("XACK", "orders", "billing", "1-0", "2-0", "7-0")]
-    assert b.receive([3]) is GO
+    assert b.commands() == [("XACK", "orders", "billing", "1-0", "2-0"),
+                            ("XACK", "orders", "billing", "7-0")]
+    assert b.receive([2, 1]) is GO
     assert b.result().effects == {"acked": 2, "lost_before_handling": 1}
 
 
-def test_merged_xack_final_error_fails_the_plan_and_the_fast_path() -> None:
+def test_xack_final_errors_fail_the_plan_and_the_fast_path_each() -> None:
     t = stream()
     b = core(t).batch([(entry(1), ACK), (entry(7), plan_lost(t, entry(7)))])
-    step = b.receive([WRONGTYPE])
-    assert step.errors == 1
+    step = b.receive([WRONGTYPE, WRONGTYPE])
+    assert step.errors == 2
     assert b.result().effects == {FAILED: 2}
+    b = core(t).batch([(entry(1), ACK), (entry(7), plan_lost(t, entry(7)))])
+    assert b.receive([1, WRONGTYPE]).errors == 1  # one fails, the other stands
+    assert b.result().effects == {"acked": 1, FAILED: 1}
 
 
 def test_not_run_reply_resends_only_that_command() -> None:

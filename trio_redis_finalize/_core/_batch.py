@@ -136,8 +136,10 @@ def first_round(
 
     ``owners[i]``: the indexes of the plans that command ``i`` serves
     (negative: the hot path's removal command ``fast[k]``, see
-    :func:`fast_owner`).  Single-``XACK`` commands merge per stream and
-    group, as :func:`merge_commands` does.  Plans of one gated
+    :func:`fast_owner`), each sent as it is.  Plans' single-``XACK``
+    commands merge per stream and group, as :func:`merge_commands` does,
+    never into a hot-path removal: its own reply settles it (a short
+    ``XACK`` count is ``gate_closed``).  Plans of one gated
     stream script that share its keys and fixed arguments (RETRY copies,
     dead letters, durable delays of one subscription) go in batched script
     calls (:func:`batch_part`), at most ``STREAM_BATCH_MAX`` deliveries and
@@ -174,7 +176,10 @@ def first_round(
             owners.append([j])
 
     for i, c in enumerate(fast):
-        add((c,), fast_owner(i))
+        # the hot path's removals go as they are, never merged with a plan's
+        # XACK: their own reply is what settles them (a short XACK is gate_closed)
+        out.append(c)
+        owners.append([fast_owner(i)])
     # batched calls being filled: key -> [place in out, plans, their single
     # commands, arguments, values]
     batches: dict[tuple[Arg, ...], list[Any]] = {}

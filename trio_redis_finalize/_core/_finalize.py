@@ -27,7 +27,8 @@ What the core decides:
   :func:`~._plan.removal_commands` removes them all (one ``XACK`` of every
   id on a stream).  Everything else gets its :func:`~._plan.plan`.
 * **The first round** (:func:`~._batch.first_round`): single-``XACK`` plans merge
-  with the hot path's ``XACK`` per stream and group; a plan of two ungated
+  per stream and group, apart from the hot path's ``XACK`` (whose own count
+  settles its removals: a short one is ``gate_closed``); a plan of two ungated
   steps (a copy to another Redis Cluster slot, then the removal of the
   original) sends only its copy; its removal goes in a later round, once
   the copy's reply was a success.  A removal never follows a copy that
@@ -386,8 +387,8 @@ class FinalizeBatch:
                 self._fast_replies = replies  # error replies among them settle nothing here
         elif known and self._n_fast:
             # the first round of a batch with plans: the hot path's removals
-            # are the commands only it owns, first and in order (an XACK that
-            # plans share answers for them too: no reply of the hot path's own)
+            # are the commands only it owns, first and in order (never merged
+            # with a plan's XACK: first_round keeps them apart)
             mine = [r for r, own in zip(replies, owners, strict=True) if len(own) == 1 and own[0] < 0]
             if len(mine) == self._n_fast:
                 self._fast_replies = mine

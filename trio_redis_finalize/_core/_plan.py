@@ -528,8 +528,8 @@ def plain_removals(t: Target) -> dict[OutcomeKind, Effect]:
 def removal_commands(t: Target, deliveries: Sequence[Delivery]) -> list[Command]:
     """The commands that remove ``deliveries`` of ``t`` (see :func:`plain_removals`).
 
-    A stream's entries go in one ``XACK`` of all their ids (what the plans'
-    single-id ``XACK`` commands merge into), followed with
+    A stream's entries go in one ``XACK`` of all their ids (the plans'
+    single-id ``XACK`` commands merge into one of their own), followed with
     ``Retention.DELETE_ON_FINALIZE`` by one ``XDEL`` of the same ids (both
     idempotent; a crash between the two leaves acknowledged entries in the
     stream, which the periodic trim removes); a reliable list's elements
