@@ -80,9 +80,11 @@ class RecordingClient:
 
 
 @asynccontextmanager
-async def scheduled(max_held: int = 100) -> AsyncIterator[tuple[Any, RecordingClient]]:
-    """A scheduler with its ``run`` task, over a recording client."""
-    client = RecordingClient()
+async def scheduled(
+    max_held: int = 100, client: RecordingClient | None = None
+) -> AsyncIterator[tuple[Any, RecordingClient]]:
+    """A scheduler with its ``run`` task, over a recording client (``client``, or a new one)."""
+    client = client or RecordingClient()
     scheduler = Scheduler(client, max_held=max_held)  # type: ignore[arg-type]
     async with trio.open_nursery() as nursery:
         await nursery.start(scheduler.run)
@@ -353,19 +355,15 @@ async def test_a_flush_cut_while_run_is_stuck_sending_leaves_the_batch_counted_l
     shutdown's flush begins and is cut waiting for it: the batch goes back
     into the heap at run()'s bound, run() sends nothing more, and abandon()
     counts it."""
-    client = RecordingClient(hang=1)
-    scheduler = Scheduler(client)  # type: ignore[arg-type]
     m = FakeMount("orders")
     with trio.fail_after(TIMEOUT):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(scheduler.run)
+        async with scheduled(client=RecordingClient(hang=1)) as (scheduler, client):
             scheduler.hold(m, 1, cmd("x"))
             await trio.sleep(2)  # due at 1: in flight, stuck
             assert client.hung and scheduler.held_by(m) == 1
             with trio.move_on_after(3):
                 await scheduler.flush(trio.current_time() + 2)
             await trio.sleep(3 * FINALIZE_TIMEOUT + 100)  # run()'s bound, and long after
-            nursery.cancel_scope.cancel()
     assert not client.calls  # nothing sent after the flush began
     assert scheduler.held_by(m) == 1
     assert scheduler.abandon() == 1 and m.stats.effects["held_lost"] == 1
@@ -374,18 +372,14 @@ async def test_a_flush_cut_while_run_is_stuck_sending_leaves_the_batch_counted_l
 async def test_run_sends_nothing_once_flush_has_begun(autojump_clock: trio.abc.Clock) -> None:
     """What the flush could not send by its deadline is not sent by run()
     afterwards (run() would hold the shutdown up to 3 x FINALIZE_TIMEOUT more)."""
-    client = RecordingClient(fail=10_000)
-    scheduler = Scheduler(client)  # type: ignore[arg-type]
     m = FakeMount("orders")
     with trio.fail_after(TIMEOUT):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(scheduler.run)
+        async with scheduled(client=RecordingClient(fail=10_000)) as (scheduler, client):
             scheduler.hold(m, 100, cmd("x"))
             await scheduler.flush(trio.current_time() + 5)
             tried = len(client.failed)
             await trio.sleep(200)  # long past its due time and any backoff
             assert len(client.failed) == tried
-            nursery.cancel_scope.cancel()
     assert scheduler.abandon() == 1 and m.stats.effects["held_lost"] == 1
 
 
