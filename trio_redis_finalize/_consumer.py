@@ -36,7 +36,7 @@ bound the per-command deadlines keep; see ``Consumer.mount``)."""
 
 
 DEFAULT_BACKOFF = Backoff()
-"""``Consumer.mount``'s default ``on_error``: ``Backoff(base=0.1, cap=30.0)``."""
+"""``Consumer.mount``'s default ``on_error``: ``Backoff(base=0.1, cap=30.0, window=30.0)``."""
 
 
 def _default_name() -> str:
@@ -76,16 +76,21 @@ class Consumer:
             on_error: what is done when the handler raises or returns
                 something that is not an :class:`Outcome`: a
                 :class:`Backoff` (the default, ``Backoff(base=0.1,
-                cap=30.0)``) or an outcome (``RETRY``, ``DROP``, ``ACK``,
-                ``retry_after(d)``).  With a ``Backoff`` the delivery stays
-                pending -- in the group's PEL (streams, every mode) or in the
-                processing list (reliable lists) -- and this consumer
-                delivers it again after ``min(cap, base * 2 ** (attempt -
-                1))`` seconds at most (full jitter): no copy is written, a
-                crash loses nothing, and a message that always fails never
-                loops hot.  ``max_attempts`` and ``dead_letter`` apply as to
-                a ``RETRY`` (at the last attempt: the dead letter, or dropped
-                with a warning).  On simple lists and Pub/Sub, which have
+                cap=30.0, window=30.0)``) or an outcome (``RETRY``, ``DROP``,
+                ``ACK``, ``retry_after(d)``).  With a ``Backoff`` the delivery
+                stays pending -- in the group's PEL (streams, every mode) or
+                in the processing list (reliable lists) -- and this consumer
+                delivers it again after a floor plus a random part of at
+                most ``min(cap, base * 2 ** (attempt - 1))`` seconds (full
+                jitter): no copy is written, a crash loses nothing, and a
+                message that always fails never loops hot.  With
+                ``max_attempts = m`` the floor after failed attempt ``a`` is
+                ``window * 2 ** (a - 1) / (2 ** (m - 1) - 1)``, so the last
+                attempt comes at least ``window`` (30 s) after the first
+                (``m = 3``: 10 s, then 20 s); without ``max_attempts`` there
+                is no floor.  ``max_attempts`` and ``dead_letter`` apply as
+                to a ``RETRY`` (at the last attempt: the dead letter, or
+                dropped with a warning).  On simple lists and Pub/Sub, which have
                 nothing to leave pending, a ``Backoff`` logs the error and
                 drops the message.
 

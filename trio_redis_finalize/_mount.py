@@ -34,7 +34,7 @@ stays pending (the group's PEL / the processing list) and still "held" by
 this consumer (``Mount.in_hand``, the reader's counts), so no lease lapses,
 no other consumer claims it and no own-PEL re-read or rescan delivers it
 early.  It waits in the mount's waiting set (a heap by due time, at most
-:data:`MAX_WAITING` deliveries) for ``Backoff.delay(attempt)`` seconds; a
+:data:`MAX_WAITING` deliveries) for ``Backoff.delay(attempt, max_attempts)`` seconds; a
 redeliverer task, beside the reader and cancelled with it, then hands it
 to the reader's ``redeliver(mount, deliveries)``, which takes it again as
 the next attempt (stream: ``XCLAIM ... RETRYCOUNT attempt+1`` of an entry
@@ -254,7 +254,7 @@ class Mount:
                 self._full_count = 0
             effect = Effect.LEFT_PENDING.value
         else:
-            delay = b.delay(d.attempt)
+            delay = b.delay(d.attempt, self.target.max_attempts)
             self._park(d, delay)
             stats.effects["backed_off"] += 1
             effect = "backed_off"
@@ -511,7 +511,7 @@ class Mount:
         record_error(d, sys.exc_info()[1])  # for the dead-letter entry
         log.exception(
             "%s: handler raised on %s (attempt %d); %s",
-            self.name, d.id or d.origin_id, d.attempt, self._on_error_text,
+            self.name, d.id or d.origin_id, d.attempt, self._error_text(d),
             extra=log_extra(self.name, d, self._on_error),
         )
         if self._warn_repeats:
@@ -523,13 +523,27 @@ class Mount:
         self.stats.handler_errors += 1
         log.error(
             "%s: handler returned %r, not an Outcome, for %s (attempt %d); %s",
-            self.name, result, d.id or d.origin_id, d.attempt, self._on_error_text,
+            self.name, result, d.id or d.origin_id, d.attempt, self._error_text(d),
             exc_info=TypeError(f"handler returned {type(result).__name__}, not an Outcome"),
             extra=log_extra(self.name, d, self._on_error),
         )
         if self._warn_repeats:
             self._keeps_failing(d)
         return self._on_error
+
+    def _error_text(self, d: Delivery) -> str:
+        """What becomes of ``d`` after its handler failed, for the log line: at
+        the last attempt a Backoff or a retry outcome dead-letters (or drops)
+        it, as the finalizer's core decides (``_core._finalize``, ``plan``)."""
+        t = self.target
+        again = self._on_error
+        if (t.max_attempts is None or d.attempt < t.max_attempts
+                or not (isinstance(again, Backoff) or again.is_retry)):
+            return self._on_error_text
+        reached = f"max_attempts={t.max_attempts} reached"
+        if t.dead_letter is not None and t.form in (Form.STREAM, Form.RELIABLE_LIST):
+            return f"{reached}: dead-lettered to {t.dead_letter!r}"
+        return f"{reached}: dropped (no dead_letter)"
 
     def _keeps_failing(self, d: Delivery) -> None:
         """Without ``max_attempts`` nothing ends a delivery that always fails:
