@@ -33,14 +33,10 @@ import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
-from ._envelope import ORIGIN_FIELD, RETRIES_FIELD, wrap
+from ._envelope import ORIGIN_FIELD, RETRIES_FIELD, TRACEPARENT_FIELD, TRACESTATE_FIELD, wrap
 from ._transport import Client, open_client
 
 __all__ = ["TRACEPARENT_FIELD", "TRACESTATE_FIELD", "Publisher", "open_publisher", "trace_context"]
-
-TRACEPARENT_FIELD = b"traceparent"
-"""Stream field carrying the W3C trace context of the producer's span."""
-TRACESTATE_FIELD = b"tracestate"
 
 _TRACEPARENT = re.compile(r"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}\Z")
 
