@@ -648,8 +648,18 @@ def test_run_metrics_port_serves_prometheus(
         assert got[("jobs_handler_duration_seconds_count", labels)] == 4
         assert got[("jobs_pending", labels)] == 0
         assert got[("jobs_oldest_pending_idle_seconds", labels)] == 0
-        assert (("jobs_effects_total", (("effect", "dead_lettered"), *labels))
-                in got)
+        # every outcome and effect series from 0 (before: backoff, backed_off,
+        # gate_closed, failed, foreign_copy and trimmed were missing until counted)
+        outcomes = {o: got.get(("jobs_handler_outcomes_total", (*labels, ("outcome", o))))
+                    for o in ("ack", "retry", "drop", "retry_after", "backoff")}
+        assert outcomes == {"ack": 4, "retry": 0, "drop": 0, "retry_after": 0, "backoff": 0}
+        for effect in ("dead_lettered", "backed_off", "gate_closed", "failed", "foreign_copy",
+                       "trimmed", "left_pending", "exhausted"):
+            assert got[("jobs_effects_total", (("effect", effect), *labels))] == 0, effect
+        # the process metrics (before: none; the registry of its own had only ours)
+        assert got[("process_resident_memory_bytes", ())] > 0
+        assert ("process_cpu_seconds_total", ()) in got
+        assert any(name == "python_info" for name, _ in got)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=20)
     finally:
@@ -657,6 +667,56 @@ def test_run_metrics_port_serves_prometheus(
             proc.kill()
             proc.wait()
     assert proc.returncode == 0, err
+    # the default host: this host only, and the log says where
+    assert f"serving metrics on http://127.0.0.1:{port}/metrics" in err
+
+
+def _listening(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex((host, port)) == 0
+
+
+def test_run_metrics_host(tmp_path: Path, redis_url: str) -> None:
+    """``--metrics-host 127.0.0.2``: served there, not on 127.0.0.1 (before:
+    no such option; always 0.0.0.0)."""
+    (tmp_path / "worker_mod.py").write_text(WORKER)
+    port = free_port()
+    proc = subprocess.Popen(
+        [*CLI, "run", "worker_mod:setup", "--url", redis_url, "--metrics-port", str(port),
+         "--metrics-host", "127.0.0.2"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: _listening("127.0.0.2", port) or proc.poll() is not None)
+        assert proc.poll() is None
+        assert not _listening("127.0.0.1", port)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert f"serving metrics on http://127.0.0.2:{port}/metrics" in err
+
+
+def test_run_metrics_port_in_use_one_line_naming_it(tmp_path: Path, redis_url: str) -> None:
+    """Before: ``error: [Errno 98] Address already in use`` (no port named)."""
+    import socket
+
+    (tmp_path / "worker_mod.py").write_text(WORKER)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = cli("run", "worker_mod:setup", "--url", redis_url, "--metrics-port", str(port),
+                cwd=tmp_path, timeout=30)
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if " INFO " not in ln]
+    assert lines == [f"trio-redis-finalize run: error: --metrics-port {port}: cannot serve "
+                     f"metrics on 127.0.0.1:{port}: address already in use"], r.stderr
 
 
 async def test_inspect_dead_letter_entries(redis_url: str) -> None:
