@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import trio
+from _endpoints import not_redis
 
 from trio_redis_finalize import (
     ACK,
@@ -465,10 +466,12 @@ def _bad_cases(port: int) -> list[tuple[list[str], str]]:
         (["requeue", "d", "--to", "k", "--url", "http://h/0"], "unknown scheme 'http'"),
         (["demo", "--url", "bogus://x"], "unknown scheme 'bogus'"),
         (["run", "os:getcwd", "--url", "mysql://x"], "unknown scheme 'mysql'"),
-        (["inspect", "k", "--url", dead], f"cannot connect to 127.0.0.1:{port}"),
-        (["requeue", "d", "--to", "k", "--url", dead], f"cannot connect to 127.0.0.1:{port}"),
-        (["demo", "--url", dead], f"cannot connect to 127.0.0.1:{port}"),
-        (["run", "os:getcwd", "--url", dead], f"cannot connect to 127.0.0.1:{port}"),
+        (["inspect", "k", "--url", dead], f"cannot connect to 127.0.0.1:{port}: connection refused"),
+        (["requeue", "d", "--to", "k", "--url", dead],
+         f"cannot connect to 127.0.0.1:{port}: connection refused"),
+        (["demo", "--url", dead], f"cannot connect to 127.0.0.1:{port}: connection refused"),
+        (["run", "os:getcwd", "--url", dead],
+         f"cannot connect to 127.0.0.1:{port}: connection refused"),
     ]
 
 
@@ -483,6 +486,43 @@ def test_bad_url_one_line_exit_2(case: int) -> None:
     assert len(lines) == 1, r.stderr
     assert lines[0].startswith(f"trio-redis-finalize {args[0]}: error: ")
     assert expected in lines[0]
+
+
+@pytest.mark.parametrize("command", [["inspect", "k"], ["requeue", "d", "--to", "k"],
+                                     ["run", "os:getcwd"]])
+def test_an_endpoint_that_is_not_redis_one_line_exit_2(command: list[str]) -> None:
+    """Before: ``error: Protocol error, got "H" as reply type byte`` (no address)."""
+    with not_redis() as port:
+        r = cli(*command, "--url", f"redis://127.0.0.1:{port}/0", timeout=30)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"trio-redis-finalize {command[0]}: error: 127.0.0.1:{port} did not answer as a Redis "
+        'server (Protocol error, got "H" as reply type byte)']
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["run", "m:f", "--metrics-port", "abc"], "argument --metrics-port: 'abc' is not a port number"),
+        (["run", "m:f", "--metrics-port", "70000"], "argument --metrics-port: '70000' is not a port"),
+        (["run", "m:f", "--shutdown-grace", "-1"], "argument --shutdown-grace: '-1' must be >= 0"),
+        (["inspect", "k", "--entries", "-3"], "argument --entries: '-3' must be >= 1"),
+        (["inspect", "k", "--heartbeat", "soon"], "argument --heartbeat: 'soon' is not a number"),
+        (["requeue", "d", "--to", "k", "--limit", "0"], "argument --limit: '0' must be >= 1"),
+        (["demo", "--messages", "x"], "argument --messages: 'x' is not an integer"),
+        (["requeue", "d"], "the following arguments are required: --to"),
+        (["nosuchcommand"], "argument COMMAND: invalid choice: 'nosuchcommand'"),
+    ],
+)
+def test_bad_numbers_and_arguments_one_line_no_usage_exit_2(args: list[str], expected: str) -> None:
+    """Before: argparse's usage block above the error line."""
+    r = cli(*args, timeout=30)
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "usage:" not in r.stderr, r.stderr
+    assert lines[0].startswith("trio-redis-finalize") and ": error: " in lines[0], lines
+    assert expected in lines[0] and lines[0].endswith("--help)"), lines
 
 
 @pytest.mark.parametrize(

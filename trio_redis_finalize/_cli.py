@@ -875,8 +875,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
-        self.print_usage(sys.stderr)
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        # bad input is one line on stderr, exit 2 (no usage block); --help shows the usage
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 _N = TypeVar("_N", int, float)
