@@ -155,7 +155,29 @@ class Consumer:
         raise ValueError(f"delivery: no mounted subscription named {delivery.mount!r}")
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        """Counters per subscription (see :class:`~trio_redis_finalize._stats.MountStats`)."""
+        """Counters per subscription: ``{subscription name: counters}``, plain dicts.
+
+        Each subscription's counters: ``received`` (deliveries read, before
+        any handler call), ``handler_errors``, ``refused`` (outcomes the
+        form cannot carry out), ``finalize_errors`` (error replies or failed
+        round trips of finalization; those that did not run, or whose
+        outcome is unknown, are sent again), ``read_errors``,
+        ``group_recreated``, ``in_flight`` (handler calls running now),
+        ``held`` (runtime ``retry_after`` copies in memory), ``delay_lag``
+        (how overdue the durable delay set's oldest copy was at the last
+        read; ``None`` without one), ``outcomes`` (what handlers returned:
+        ``ack``, ``retry``, ``drop``, ``retry_after``, ``backoff``) and
+        ``effects`` (what finalization did, as Redis answered: ``acked``,
+        ``copied``, ``delayed``, ``held``, ``left_pending``, ``backed_off``,
+        ``dead_lettered``, ``exhausted``, ``lost_before_handling``,
+        ``foreign_copy``, ...; ``gate_closed`` when a gated step found the
+        original no longer pending -- finalized already -- or a removal
+        removed nothing; ``failed`` when a step got a final error reply: the
+        original stays pending, the error is logged with command and key;
+        ``released`` when a runtime delayed copy was written).  An outcome
+        or effect not counted yet is absent from its dict (Prometheus shows
+        every series from 0).
+        """
         out = {}
         for m in self._mounts:
             snap = m.stats.snapshot()
@@ -206,8 +228,9 @@ async def open_consumer(
 
     Args:
         url_or_client: ``redis://[user:password@]host:port/db``, ``rediss://``
-            (TLS), ``unix://path`` or ``redis+cluster://host:port[,...]``; or
-            a transport client to share.
+            (TLS), ``unix://path``, ``redis+cluster://host:port[,...]`` or
+            ``redis+sentinel://host:port[,...]/service_name``; or a
+            :class:`Client` of :func:`open_client` to share.
         name: the consumer name in stream groups and processing-list keys;
             give a stable one so a restart recovers this consumer's pending
             work.  Default: unique per process.
@@ -224,8 +247,8 @@ async def open_consumer(
     finalizes every outcome they returned, sends held delayed copies at once
     (early rather than lost) and closes connections.  What is unfinished
     stays pending for recovery.  A runtime delayed copy is lost only if the
-    process dies while it waits (see :class:`~trio_redis_finalize._scheduler.Scheduler`; use
-    ``DelayedRetry.DURABLE_ZSET`` to keep delayed copies in Redis).
+    process dies while it waits (use ``DelayedRetry.DURABLE_ZSET`` to keep
+    delayed copies in Redis).
 
     Raises:
         ValueError: bad URL or argument (the message names it).

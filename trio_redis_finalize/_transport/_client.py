@@ -181,7 +181,7 @@ class Client:
     async def execute(self, *args: Arg, timeout: float | None = None) -> Any:
         """Run one command on a pooled connection; error replies raise.
 
-        ``timeout``: seconds (``None``: ``DEFAULT_TIMEOUT``).
+        ``timeout``: seconds (``None``: 5 s, ``DEFAULT_TIMEOUT``).
         """
         if timeout is None:
             timeout = DEFAULT_TIMEOUT
