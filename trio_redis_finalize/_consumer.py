@@ -13,7 +13,7 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
 from ._channel import PubSubReader
-from ._context import Handler, sole
+from ._context import Handler, log, sole
 from ._core._plan import plan
 from ._delivery import Delivery
 from ._list import ListReader
@@ -195,6 +195,13 @@ class Consumer:
             return
         self._closing = True
         budget = Budget.from_now(self.shutdown_grace)
+        running = [(m.name, m.stats.in_flight) for m in self._mounts if m.stats.in_flight]
+        if running:
+            total = sum(n for _, n in running)
+            log.info("consumer %s shutting down: waiting for %d handler%s to finish "
+                     "(shutdown_grace=%g s): %s", self.name, total, "" if total == 1 else "s",
+                     self.shutdown_grace, "; ".join(f"{name}: {n}" for name, n in running),
+                     extra={"consumer": self.name, "handlers": total})
         with cleanup_until(budget.flush + CLOSE_MARGIN):
             async with anyio.create_task_group() as tg:  # phases 1-4, every mount at once
                 for m in self._mounts:

@@ -107,6 +107,8 @@ _REDELIVER_BATCH = 100
 _WARN_FULL_EVERY = 5.0
 _POSTPONE = 0.05
 """Seconds before a redelivery the reader put off is tried again."""
+_CUT_SHOWN = 20
+"""At most this many ids of deliveries cancelled by the shutdown in its log line."""
 
 
 class _Status:
@@ -185,6 +187,9 @@ class Mount:
             gates=reader.gates, settled=self.settled,
         )
         self.stopping = False
+        self.cut: list[Delivery] = []
+        """Deliveries whose handler call the shutdown's grace deadline cancelled
+        (they stay pending on streams and reliable lists; logged)."""
         self.done = anyio.Event()
         self._reader_scope = anyio.CancelScope()
         self._handlers_scope = anyio.CancelScope()
@@ -361,6 +366,8 @@ class Mount:
                             tg.start_soon(self._handler_loop, send, results)
                     outer.cancel_scope.cancel()  # every loop ended: so does the flusher
         finally:
+            if self.cut:
+                self._log_cut()
             # phase 3: stopped, or cancelled at the grace deadline: what no
             # handler started goes back (one cancelled mid-handler stays pending)
             with cleanup(FINALIZE_GRACE):
@@ -370,6 +377,27 @@ class Mount:
                     await senders[0].send([(unstarted[0], give_back)])
                 for s in senders:
                     await s.aclose()
+
+    def _log_cut(self) -> None:
+        """Say which deliveries stay pending (or, at-most-once, are gone)
+        because the shutdown cancelled their handler."""
+        t = self.target
+        cut = self.cut
+        shown = [d.id or d.origin_id for d in cut[:_CUT_SHOWN]]
+        names = ", ".join(shown) + (f" and {len(cut) - len(shown)} more" if len(cut) > len(shown)
+                                    else "")
+        if t.form is Form.STREAM:
+            fate = (f"entries {names}: left pending in the PEL of group {t.group!r} (consumer "
+                    f"{self.consumer.name!r}), delivered again later")
+        elif t.form is Form.RELIABLE_LIST:
+            fate = (f"elements {names} (origin ids): left in the processing list "
+                    f"{t.processing!r}, delivered again later")
+        else:
+            fate = f"messages {names} (origin ids): gone (a {t.form.value} is at-most-once)"
+        grace = self.consumer.shutdown_grace
+        log.warning("%s: shutdown_grace (%g s) ended with %d handler(s) still running, "
+                    "cancelled: %s", self.name, grace, len(cut), fate,
+                    extra={"subscription": self.name, "cancelled": [d.id or d.origin_id for d in cut]})
 
     async def _handler_loop(self, send: Send[list[Item]], results: list[Item]) -> None:
         """Call the handler on one delivery after another; hand outcomes on in lists.
@@ -430,6 +458,7 @@ class Mount:
                             outcome = self._raised(d)
                         except BaseException as e:
                             if self._own_exit(e):
+                                self.cut.append(d)  # cancelled mid-handler: logged by _handlers
                                 raise
                             outcome = self._raised(d)  # e.g. asyncio.CancelledError of another task
                         else:
