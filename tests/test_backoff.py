@@ -7,6 +7,7 @@ waiting entry is not claimed by another consumer (RECLAIM, CLAIMING)."""
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 import math
 import random
@@ -46,7 +47,8 @@ from trio_redis_finalize._transport import Client, Command, open_client, parse_u
 S, G = "jobs", "workers"
 Q = "tasks"
 PROC = Path(__file__).with_name("_backoff_proc.py")
-FAST = Backoff(base=0.01, cap=0.05)
+FAST = Backoff(base=0.01, cap=0.05, window=0)
+"""Quick retries, no window: the tests of what a backoff does, not of how long."""
 
 
 def processing(name: str) -> str:
@@ -99,16 +101,16 @@ async def llen(client: Client, key: str) -> int:
 
 def test_backoff_defaults_and_value() -> None:
     b = Backoff()
-    assert (b.base, b.cap) == (0.1, 30.0)
-    assert b == Backoff(0.1, 30) and hash(b) == hash(Backoff(0.1, 30.0))
-    assert b != Backoff(0.2, 30.0) and b != RETRY
-    assert repr(b) == "Backoff(base=0.1, cap=30.0)"
+    assert (b.base, b.cap, b.window) == (0.1, 30.0, 30.0)
+    assert b == Backoff(0.1, 30, 30) and hash(b) == hash(Backoff(0.1, 30.0))
+    assert b != Backoff(0.2, 30.0) and b != Backoff(window=0) and b != RETRY
+    assert repr(b) == "Backoff(base=0.1, cap=30.0, window=30.0)"
     with pytest.raises(AttributeError):
         b.base = 1.0  # type: ignore[misc]
     assert [b.ceiling(n) for n in (1, 2, 3, 9, 10, 10**9)] == [0.1, 0.2, 0.4, 25.6, 30.0, 30.0]
     # the mount's default
     default = inspect.signature(Consumer.mount).parameters["on_error"].default
-    assert default == Backoff(base=0.1, cap=30.0)
+    assert default == Backoff(base=0.1, cap=30.0, window=30.0)
 
 
 @pytest.mark.parametrize(
@@ -118,6 +120,9 @@ def test_backoff_defaults_and_value() -> None:
         ({"base": math.inf}, "base"), ({"base": True}, "base"), ({"base": "0.1"}, "base"),
         ({"cap": 0}, "cap"), ({"cap": math.inf}, "cap"), ({"cap": None}, "cap"),
         ({"base": 2.0, "cap": 1.0}, "cap"),
+        ({"window": -1.0}, "window"), ({"window": math.nan}, "window"),
+        ({"window": math.inf}, "window"), ({"window": None}, "window"),
+        ({"window": False}, "window"), ({"window": "30"}, "window"),
     ],
 )
 def test_backoff_refuses_bad_parameters_naming_them(kwargs: dict[str, Any], param: str) -> None:
@@ -138,6 +143,50 @@ def test_backoff_delay_is_full_jitter_below_the_capped_exponential(
     assert ceiling == min(b.cap, base * 2.0 ** min(attempt - 1, 2000)) if attempt < 1000 else b.cap
     assert 0.0 <= b.delay(attempt) <= ceiling
     assert b.ceiling(attempt + 1) >= ceiling  # never shorter for a later attempt
+
+
+def test_the_default_window_floors() -> None:
+    """``max_attempts=3``: waits of at least 10 s and 20 s, so the third (last)
+    attempt comes 30 s after the first at the earliest; ``max_attempts=2``: 30 s;
+    the random part is added to the floor (full jitter over the ceiling)."""
+    b = Backoff()
+    assert [b.floor(a, 3) for a in (1, 2)] == [10.0, 20.0]
+    assert b.floor(1, 2) == 30.0
+    assert b.floor(3, 3) == 0.0 and b.floor(4, 3) == 0.0  # the last attempt: nothing waits
+    assert b.floor(1, 1) == 0.0
+    # large max_attempts: short first retries, the last wait about half the window
+    assert b.floor(1, 10) == pytest.approx(30 / 511) and b.floor(9, 10) == pytest.approx(30 * 256 / 511)
+    assert b.floor(1, 10**6) == 0.0 and b.floor(10**6 - 1, 10**6) == pytest.approx(15.0)
+    for _ in range(200):
+        assert 10.0 <= b.delay(1, 3) <= 10.0 + 0.1
+        assert 20.0 <= b.delay(2, 3) <= 20.0 + 0.2
+        assert 30.0 <= b.delay(1, 2) <= 30.0 + 0.1
+
+
+def test_no_floor_without_max_attempts_or_with_window_0() -> None:
+    b = Backoff()
+    assert all(b.floor(a, None) == 0.0 for a in (1, 2, 10, 10**9))
+    assert all(0.0 <= b.delay(a) <= b.ceiling(a) for a in (1, 2, 10) for _ in range(50))
+    off = Backoff(window=0)
+    assert all(off.floor(a, 3) == 0.0 for a in (1, 2))
+    assert all(0.0 <= off.delay(1, 3) <= 0.1 for _ in range(50))
+
+
+@given(
+    window=st.floats(min_value=0.0, max_value=1e6),
+    max_attempts=st.integers(min_value=1, max_value=3000),
+)
+def test_the_waits_before_the_last_attempt_span_the_window(window: float, max_attempts: int) -> None:
+    """The ``max_attempts - 1`` floors sum to the window, each twice the one
+    before; so the waits (floor + random part) sum to at least the window."""
+    b = Backoff(window=window)
+    floors = [b.floor(a, max_attempts) for a in range(1, max_attempts)]
+    if max_attempts > 1:
+        assert math.fsum(floors) == pytest.approx(window, rel=1e-9, abs=1e-300)
+    for a in range(1, min(max_attempts, 60)):
+        low = b.floor(a, max_attempts)
+        assert low <= b.delay(a, max_attempts) <= low + b.ceiling(a)
+    assert all(x * 2 == pytest.approx(y) for x, y in itertools.pairwise(floors) if x > 1e-300)
 
 
 # -- streams ------------------------------------------------------------------------
@@ -199,6 +248,48 @@ async def test_stream_max_attempts_dead_letters_in_every_mode(
     assert more[b"trf-dead-error"].startswith(b"RuntimeError: fails at attempt 3")
 
 
+@pytest.mark.parametrize("form", ["stream", "list"])
+async def test_the_dead_letter_does_not_come_before_the_window(
+    redis_url: str, client: Client, caplog: pytest.LogCaptureFixture, form: str
+) -> None:
+    """``max_attempts=3`` with a window of 1.5 s: the attempts are at least
+    0.5 s and 1 s apart (the floors), the dead letter is written no sooner
+    than 1.5 s after the first failure; the log line of each failed attempt
+    but the last says the delivery comes back, the last's that it is
+    dead-lettered, naming the dead letter."""
+    window = 1.5
+    if form == "stream":
+        await client.execute("XADD", S, "*", "n", "1")
+        sub: Any = StreamSubscription(S, G, block=0.05, max_attempts=3, dead_letter="dead")
+    else:
+        await client.execute("LPUSH", Q, b"job")
+        sub = ReliableListSubscription(Q, block=0.05, max_attempts=3, dead_letter="dead")
+    h = Failing()
+    dead_at: list[float] = []
+    caplog.set_level(logging.INFO, logger="trio_redis_finalize")
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(sub, h, on_error=Backoff(base=0.01, cap=0.01, window=window))
+
+        def dead() -> bool:
+            if effects(consumer, sub).get("dead_lettered") == 1:
+                dead_at.append(trio.current_time())
+                return True
+            return False
+
+        await eventually(dead, timeout=20, what="dead-lettered")
+    assert h.attempts == [1, 2, 3]
+    (t1, _, _), (t2, _, _), (t3, _, _) = h.calls
+    assert t2 - t1 >= window / 3 and t3 - t2 >= 2 * window / 3, h.calls
+    assert dead_at[0] - t1 >= window
+    kind = "xlen" if form == "stream" else "llen"
+    assert await (xlen(client, "dead") if kind == "xlen" else llen(client, "dead")) == 1
+    raised = [r.getMessage() for r in caplog.records if "handler raised" in r.getMessage()]
+    assert len(raised) == 3, raised
+    assert all("delivered again later" in m for m in raised[:2]), raised
+    assert "dead-lettered to 'dead'" in raised[2] and "max_attempts=3" in raised[2], raised[2]
+    assert "again" not in raised[2], raised[2]
+
+
 async def test_stream_max_attempts_without_dead_letter_drops_with_a_warning(
     redis_url: str, client: Client, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -214,6 +305,9 @@ async def test_stream_max_attempts_without_dead_letter_drops_with_a_warning(
     warned = [r for r in caplog.records if getattr(r, "effect", None) == "exhausted"]
     assert len(warned) == 1 and warned[0].levelno == logging.WARNING
     assert (warned[0].entry_id, warned[0].attempt, warned[0].outcome) == (eid, 2, "backoff")
+    raised = [r.getMessage() for r in caplog.records if "handler raised" in r.getMessage()]
+    assert "delivered again later" in raised[0]
+    assert "max_attempts=2 reached: dropped (no dead_letter)" in raised[1], raised
 
 
 async def test_stream_backoff_then_success_and_an_explicit_retry_keeps_its_copy(

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import trio
+from _endpoints import not_redis
 
 from trio_redis_finalize import (
     ACK,
@@ -465,10 +466,12 @@ def _bad_cases(port: int) -> list[tuple[list[str], str]]:
         (["requeue", "d", "--to", "k", "--url", "http://h/0"], "unknown scheme 'http'"),
         (["demo", "--url", "bogus://x"], "unknown scheme 'bogus'"),
         (["run", "os:getcwd", "--url", "mysql://x"], "unknown scheme 'mysql'"),
-        (["inspect", "k", "--url", dead], f"cannot connect to 127.0.0.1:{port}"),
-        (["requeue", "d", "--to", "k", "--url", dead], f"cannot connect to 127.0.0.1:{port}"),
-        (["demo", "--url", dead], f"cannot connect to 127.0.0.1:{port}"),
-        (["run", "os:getcwd", "--url", dead], f"cannot connect to 127.0.0.1:{port}"),
+        (["inspect", "k", "--url", dead], f"cannot connect to 127.0.0.1:{port}: connection refused"),
+        (["requeue", "d", "--to", "k", "--url", dead],
+         f"cannot connect to 127.0.0.1:{port}: connection refused"),
+        (["demo", "--url", dead], f"cannot connect to 127.0.0.1:{port}: connection refused"),
+        (["run", "os:getcwd", "--url", dead],
+         f"cannot connect to 127.0.0.1:{port}: connection refused"),
     ]
 
 
@@ -483,6 +486,43 @@ def test_bad_url_one_line_exit_2(case: int) -> None:
     assert len(lines) == 1, r.stderr
     assert lines[0].startswith(f"trio-redis-finalize {args[0]}: error: ")
     assert expected in lines[0]
+
+
+@pytest.mark.parametrize("command", [["inspect", "k"], ["requeue", "d", "--to", "k"],
+                                     ["run", "os:getcwd"]])
+def test_an_endpoint_that_is_not_redis_one_line_exit_2(command: list[str]) -> None:
+    """Before: ``error: Protocol error, got "H" as reply type byte`` (no address)."""
+    with not_redis() as port:
+        r = cli(*command, "--url", f"redis://127.0.0.1:{port}/0", timeout=30)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"trio-redis-finalize {command[0]}: error: 127.0.0.1:{port} did not answer as a Redis "
+        'server (Protocol error, got "H" as reply type byte)']
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["run", "m:f", "--metrics-port", "abc"], "argument --metrics-port: 'abc' is not a port number"),
+        (["run", "m:f", "--metrics-port", "70000"], "argument --metrics-port: '70000' is not a port"),
+        (["run", "m:f", "--shutdown-grace", "-1"], "argument --shutdown-grace: '-1' must be >= 0"),
+        (["inspect", "k", "--entries", "-3"], "argument --entries: '-3' must be >= 1"),
+        (["inspect", "k", "--heartbeat", "soon"], "argument --heartbeat: 'soon' is not a number"),
+        (["requeue", "d", "--to", "k", "--limit", "0"], "argument --limit: '0' must be >= 1"),
+        (["demo", "--messages", "x"], "argument --messages: 'x' is not an integer"),
+        (["requeue", "d"], "the following arguments are required: --to"),
+        (["nosuchcommand"], "argument COMMAND: invalid choice: 'nosuchcommand'"),
+    ],
+)
+def test_bad_numbers_and_arguments_one_line_no_usage_exit_2(args: list[str], expected: str) -> None:
+    """Before: argparse's usage block above the error line."""
+    r = cli(*args, timeout=30)
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "usage:" not in r.stderr, r.stderr
+    assert lines[0].startswith("trio-redis-finalize") and ": error: " in lines[0], lines
+    assert expected in lines[0] and lines[0].endswith("--help)"), lines
 
 
 @pytest.mark.parametrize(
@@ -648,8 +688,18 @@ def test_run_metrics_port_serves_prometheus(
         assert got[("jobs_handler_duration_seconds_count", labels)] == 4
         assert got[("jobs_pending", labels)] == 0
         assert got[("jobs_oldest_pending_idle_seconds", labels)] == 0
-        assert (("jobs_effects_total", (("effect", "dead_lettered"), *labels))
-                in got)
+        # every outcome and effect series from 0 (before: backoff, backed_off,
+        # gate_closed, failed, foreign_copy and trimmed were missing until counted)
+        outcomes = {o: got.get(("jobs_handler_outcomes_total", (*labels, ("outcome", o))))
+                    for o in ("ack", "retry", "drop", "retry_after", "backoff")}
+        assert outcomes == {"ack": 4, "retry": 0, "drop": 0, "retry_after": 0, "backoff": 0}
+        for effect in ("dead_lettered", "backed_off", "gate_closed", "failed", "foreign_copy",
+                       "trimmed", "left_pending", "exhausted"):
+            assert got[("jobs_effects_total", (("effect", effect), *labels))] == 0, effect
+        # the process metrics (before: none; the registry of its own had only ours)
+        assert got[("process_resident_memory_bytes", ())] > 0
+        assert ("process_cpu_seconds_total", ()) in got
+        assert any(name == "python_info" for name, _ in got)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=20)
     finally:
@@ -657,6 +707,56 @@ def test_run_metrics_port_serves_prometheus(
             proc.kill()
             proc.wait()
     assert proc.returncode == 0, err
+    # the default host: this host only, and the log says where
+    assert f"serving metrics on http://127.0.0.1:{port}/metrics" in err
+
+
+def _listening(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex((host, port)) == 0
+
+
+def test_run_metrics_host(tmp_path: Path, redis_url: str) -> None:
+    """``--metrics-host 127.0.0.2``: served there, not on 127.0.0.1 (before:
+    no such option; always 0.0.0.0)."""
+    (tmp_path / "worker_mod.py").write_text(WORKER)
+    port = free_port()
+    proc = subprocess.Popen(
+        [*CLI, "run", "worker_mod:setup", "--url", redis_url, "--metrics-port", str(port),
+         "--metrics-host", "127.0.0.2"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: _listening("127.0.0.2", port) or proc.poll() is not None)
+        assert proc.poll() is None
+        assert not _listening("127.0.0.1", port)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert f"serving metrics on http://127.0.0.2:{port}/metrics" in err
+
+
+def test_run_metrics_port_in_use_one_line_naming_it(tmp_path: Path, redis_url: str) -> None:
+    """Before: ``error: [Errno 98] Address already in use`` (no port named)."""
+    import socket
+
+    (tmp_path / "worker_mod.py").write_text(WORKER)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = cli("run", "worker_mod:setup", "--url", redis_url, "--metrics-port", str(port),
+                cwd=tmp_path, timeout=30)
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if " INFO " not in ln]
+    assert lines == [f"trio-redis-finalize run: error: --metrics-port {port}: cannot serve "
+                     f"metrics on 127.0.0.1:{port}: address already in use"], r.stderr
 
 
 async def test_inspect_dead_letter_entries(redis_url: str) -> None:

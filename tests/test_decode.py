@@ -20,11 +20,12 @@ from trio_redis_finalize._core._decode import (
     read_entries,
     stream_deliveries,
 )
-from trio_redis_finalize._core._plan import Effect, Target, content_origin
-from trio_redis_finalize._delivery import Delivery
+from trio_redis_finalize._core._plan import Effect, Target, _entry_fields, content_origin
+from trio_redis_finalize._delivery import Delivery, trace_fields
 from trio_redis_finalize._envelope import MAGIC, wrap
 
 HEADERS = (RETRIES_FIELD, ORIGIN_FIELD, GROUP_FIELD)
+TRACE = (b"traceparent", b"tracestate")
 TARGET = StreamSubscription("s", "g", max_attempts=3, dead_letter="dead").target("c")
 
 
@@ -61,6 +62,24 @@ def test_what_no_handler_sees() -> None:
     assert direct[1][0].corrupt is not None
 
 
+def test_the_trace_context_is_not_the_handlers_but_copies_keep_it() -> None:
+    """``traceparent`` / ``tracestate`` (the publisher writes them inside a
+    span): not in ``fields`` nor ``field_list``; in the fields a copy
+    writes, in place; found by ``trace_fields`` (the OpenTelemetry side)."""
+    tp = b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    flat = [b"n", b"1", b"traceparent", tp, b"tracestate", b"k=v", b"m", b"2"]
+    copy = [*flat, RETRIES_FIELD, b"1", ORIGIN_FIELD, b"1-0", GROUP_FIELD, b"g"]
+    [orig, again], direct = stream_deliveries(TARGET, [(b"1-0", list(flat)), (b"2-0", copy)])
+    assert direct == []
+    for d in (orig, again):
+        assert d.fields == {b"n": b"1", b"m": b"2"}
+        assert d.field_list == ((b"n", b"1"), (b"m", b"2"))
+        assert _entry_fields(d) == flat  # what a RETRY copy or a dead letter writes
+        assert trace_fields(d) == {b"traceparent": tp, b"tracestate": b"k=v"}
+    [alone], _ = stream_deliveries(TARGET, [(b"3-0", [b"traceparent", tp])])
+    assert (alone.fields, alone.field_list, _entry_fields(alone)) == ({}, (), [b"traceparent", tp])
+
+
 def test_counts_set_the_attempt() -> None:
     [a, b], _ = stream_deliveries(TARGET, [(b"1-0", [b"x", b"1"]), (b"2-0", [b"x", b"1"])],
                                   {b"2-0": 2})
@@ -73,7 +92,7 @@ def test_read_entries_and_id_key() -> None:
     assert id_key(b"10-2") > id_key("9-30") > id_key("9")
 
 
-_NAMES = st.sampled_from([b"a", b"b", b"", *HEADERS])
+_NAMES = st.sampled_from([b"a", b"b", b"", *HEADERS, *TRACE])
 _VALUES = st.sampled_from([b"0", b"1", b"2", b"g", b"h", b"x", b"-1"])
 
 
@@ -112,10 +131,13 @@ def _against_the_reference(pairs: list[tuple[bytes, bytes]], count: int, plain_r
     [d] = ready + [d for d, _ in direct]
     assert type(d) is Delivery and d.id == "7-0" and d.source == TARGET.source
     assert (d.data, d.raw, d.mount) == (None, None, TARGET.name)
-    own = [(n, v) for n, v in pairs if n not in HEADERS]
+    body = [(n, v) for n, v in pairs if n not in HEADERS]  # what copies carry
+    own = [(n, v) for n, v in body if n not in TRACE]  # what the handler sees
     headers = {n: v for n, v in pairs if n in HEADERS}  # the last value of each
     assert d.field_list == tuple(own)
     assert dict(d.fields) == dict(own)
+    assert _entry_fields(d) == [x for kv in body for x in kv]
+    assert trace_fields(d) == {n: v for n, v in body if n in TRACE}
     raw = headers.get(RETRIES_FIELD)
     valid = raw is None or (raw.isdigit())
     retries = int(raw) if raw is not None and valid else 0

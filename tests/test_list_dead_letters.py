@@ -90,7 +90,7 @@ async def test_handler_exception_is_recorded_beside_the_element(redis_url: str) 
 async def test_backoff_exhaustion_is_recorded_too(redis_url: str) -> None:
     sub = ReliableListSubscription("jobs", block=0.05, max_attempts=2, dead_letter=DEAD)
     async with open_consumer(redis_url, name="c") as consumer:
-        await consumer.mount(sub, boom, on_error=Backoff(base=0.01, cap=0.01))
+        await consumer.mount(sub, boom, on_error=Backoff(base=0.01, cap=0.01, window=0))
         await consumer.client.execute("LPUSH", "jobs", "job-1")
         await wait_len(consumer.client, DEAD, 1)
         (element,) = await consumer.client.execute("LRANGE", DEAD, 0, -1)

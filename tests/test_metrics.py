@@ -219,7 +219,8 @@ def test_prometheus_families_add_up_equal_labels() -> None:
     k = ("stream", "s", "g")
     assert fams["trf_deliveries_read"].samples == [(k, 8.0)]
     assert dict(fams["trf_handler_outcomes"].samples) == {
-        (*k, "ack"): 8.0, (*k, "retry"): 0.0, (*k, "drop"): 0.0, (*k, "retry_after"): 0.0}
+        (*k, "ack"): 8.0, (*k, "retry"): 0.0, (*k, "drop"): 0.0, (*k, "retry_after"): 0.0,
+        (*k, "backoff"): 0.0}
     assert fams["trf_in_flight"].samples == [(k, 3.0)]
     assert fams["trf_held_copies"].samples == [(k, 6.0)]
     assert fams["trf_delay_lag_seconds"].samples == [(k, 2.0)]
@@ -244,10 +245,11 @@ async def test_prometheus_every_series_from_zero_with_help_and_histogram(
         await consumer.mount(SUB, handle)
         text = generate_latest(registry).decode()
         got = samples(text)
-        for outcome in ("ack", "retry", "drop", "retry_after"):
+        for outcome in ("ack", "retry", "drop", "retry_after", "backoff"):
             assert got[("shop_handler_outcomes_total", lbl(**SL, outcome=outcome))] == 0
         for effect in ("acked", "dropped", "copied", "delayed", "held", "left_pending",
-                       "dead_lettered", "exhausted", "refused", "lost_before_handling"):
+                       "dead_lettered", "exhausted", "refused", "lost_before_handling",
+                       "backed_off", "gate_closed", "failed", "foreign_copy", "trimmed"):
             assert got[("shop_effects_total", lbl(**SL, effect=effect))] == 0, effect
         assert got[("shop_handler_duration_seconds_count", lbl(**SL))] == 0
         assert "# HELP shop_deliveries_read_total Deliveries read from Redis" in text
@@ -263,6 +265,70 @@ async def test_prometheus_every_series_from_zero_with_help_and_histogram(
         assert got[("shop_handler_duration_seconds_sum", lbl(**SL))] >= 0.06
     with pytest.raises(ValueError, match="prefix"):
         register(consumer, CollectorRegistry(), prefix="no-dashes")
+
+
+def test_every_effect_and_outcome_the_package_counts_is_exported_from_zero() -> None:
+    """The package's source names each effect it counts (``effects["x"]``,
+    ``Effect.X``, the ``GATE_CLOSED`` / ``FAILED`` answers) and each outcome:
+    all of them are in the families' from-0 lists, so the README's "every
+    series from 0" holds for series added later too."""
+    import re
+    from pathlib import Path
+
+    import trio_redis_finalize
+    from trio_redis_finalize._core._plan import FAILED, GATE_CLOSED, Effect
+    from trio_redis_finalize._metrics import EFFECTS, OUTCOMES
+
+    root = Path(trio_redis_finalize.__file__).parent
+    source = "\n".join(p.read_text() for p in root.rglob("*.py"))
+    counted = set(re.findall(r"effects\[\"(\w+)\"\]", source))
+    counted |= {e.value for e in Effect} | {GATE_CLOSED, FAILED}
+    assert counted <= set(EFFECTS), counted - set(EFFECTS)
+    assert {"backed_off", "gate_closed", "failed", "foreign_copy", "trimmed"} <= counted
+    assert set(re.findall(r"outcomes\[\"(\w+)\"\]", source)) <= set(OUTCOMES)
+    assert "backoff" in OUTCOMES
+
+
+async def test_serve_exposes_the_process_metrics(redis_url: str) -> None:
+    """``serve`` without a registry: the process metrics beside the consumer's."""
+    from trio_redis_finalize.prometheus import serve
+
+    port = free_port()
+    async with open_consumer(redis_url, name="c1") as consumer, trio.open_nursery() as n:
+        await consumer.mount(SUB, lambda d: _ack())
+        await n.start(lambda task_status: serve(consumer, port, host="127.0.0.1",
+                                                task_status=task_status))
+        body = await trio.to_thread.run_sync(
+            lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read())
+        n.cancel_scope.cancel()
+    got = samples(body.decode())
+    assert got[("process_resident_memory_bytes", ())] > 0
+    assert ("process_cpu_seconds_total", ()) in got and ("process_open_fds", ()) in got
+    assert any(name == "python_info" for name, _ in got)
+    assert got[("trf_effects_total", lbl(**SL, effect="backed_off"))] == 0
+
+
+async def test_serve_on_a_port_in_use_names_it(redis_url: str) -> None:
+    """Before: ``[Errno 98] Address already in use``, no address named."""
+    import errno
+    import socket
+
+    from trio_redis_finalize.prometheus import serve
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        async with open_consumer(redis_url, name="c1") as consumer:
+            with trio.fail_after(10), pytest.raises(
+                    OSError, match=rf"cannot serve metrics on 127\.0\.0\.1:{port}: address already "
+                                   "in use") as info:
+                await serve(consumer, port, host="127.0.0.1")
+    assert info.value.errno == errno.EADDRINUSE
+
+
+async def _ack() -> Outcome:
+    return ACK
 
 
 async def test_histogram_counts_every_call_of_runs_of_fast_calls(redis_url: str, client: Client) -> None:
@@ -414,7 +480,8 @@ def test_otel_without_the_api_returns_the_handler_itself() -> None:
 # -- structured logs -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("on_error", [RETRY, Backoff(base=0.01, cap=0.02)], ids=["retry", "backoff"])
+@pytest.mark.parametrize("on_error", [RETRY, Backoff(base=0.01, cap=0.02, window=0)],
+                         ids=["retry", "backoff"])
 async def test_log_records_carry_subscription_id_attempt_outcome(
     redis_url: str, client: Client, caplog: pytest.LogCaptureFixture, on_error: Outcome | Backoff
 ) -> None:

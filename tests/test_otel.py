@@ -30,7 +30,7 @@ from trio_redis_finalize import (
     open_publisher,
 )
 from trio_redis_finalize._transport import Client
-from trio_redis_finalize.otel import instrument_handler
+from trio_redis_finalize.otel import instrument_handler, trace_context
 
 _EXPORTER = InMemorySpanExporter()
 _PROVIDER = TracerProvider()
@@ -165,14 +165,48 @@ async def test_a_foreign_traceparent_field_is_the_parent(
     tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
     await client.execute("XADD", "orders", "*", "n", "1", "traceparent", tp)
 
+    seen: list[tuple[dict[bytes, bytes], dict[str, str]]] = []
+
     async def handle(d: Delivery) -> Outcome:
-        assert d.fields[b"traceparent"] == tp.encode()  # the application sees it too
+        seen.append((dict(d.fields), trace_context(d)))  # the field is the library's to read
         return ACK
 
     async with open_consumer(redis_url, name="c") as consumer:
         await consumer.mount(StreamSubscription("orders", "g", block=0.05), instrument_handler(handle))
         await until(lambda: len(named(exporter, "settle ")) == 1)
+    assert seen == [({b"n": b"1"}, {"traceparent": tp})]
     (span,) = named(exporter, "process ")
     assert span.parent is not None and span.parent.is_remote
     assert format(span.context.trace_id, "032x") == "0af7651916cd43dd8448eb211c80319c"
     assert format(span.parent.span_id, "016x") == "b7ad6b7169203331"
+
+
+async def test_publishing_inside_a_span_the_handler_sees_only_its_fields(
+    redis_url: str, client: Client, exporter: InMemorySpanExporter
+) -> None:
+    """``pub.add`` inside a span writes ``traceparent``: the handler sees the
+    entry's own fields only (``fields``, ``field_list``), at every attempt;
+    the RETRY copy keeps the entry's field list byte for byte, the trace
+    context included, so the copy's process span has the producer's parent too."""
+    tracer = trace.get_tracer("test")
+    seen: list[tuple[int, dict[bytes, bytes], tuple[tuple[bytes, bytes], ...]]] = []
+
+    async def handle(d: Delivery) -> Outcome:
+        seen.append((d.attempt, dict(d.fields), d.field_list))
+        return RETRY if d.attempt == 1 else ACK
+
+    async with open_consumer(redis_url, name="c") as consumer, open_publisher(redis_url) as pub:
+        await consumer.mount(StreamSubscription("orders", "g", block=0.05), instrument_handler(handle))
+        with tracer.start_as_current_span("checkout"):
+            eid = await pub.add("orders", {b"n": b"1", b"m": b"2"})
+        await until(lambda: len(named(exporter, "settle ")) == 2)
+    assert seen == [(a, {b"n": b"1", b"m": b"2"}, ((b"n", b"1"), (b"m", b"2"))) for a in (1, 2)]
+    (orig, copy) = await client.execute("XRANGE", "orders", "-", "+")
+    assert orig[0].decode() == eid
+    written = orig[1]
+    assert written[:4] == [b"n", b"1", b"m", b"2"] and written[4] == b"traceparent"
+    assert copy[1][:len(written)] == written  # the copy: the entry's own list, byte for byte
+    (send,) = named(exporter, "send ")
+    process = named(exporter, "process ")
+    assert len(process) == 2
+    assert all(s.parent is not None and s.parent.span_id == send.context.span_id for s in process)

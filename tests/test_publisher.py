@@ -116,6 +116,24 @@ async def test_pushed_element_is_the_library_envelope(redis_url: str, client: Cl
     assert unwrap(element) == (b"payload", 0, origin)
 
 
+async def test_push_and_publish_take_str_like_add(redis_url: str, client: Client) -> None:
+    """Before: ``push("k", "text")`` was a ValueError while ``add`` took str
+    values.  A str is written UTF-8 encoded (an int or float as its repr)."""
+    rel, chan = Seen(), Seen()
+    async with open_consumer(redis_url, name="c") as consumer, open_publisher(redis_url) as pub:
+        await consumer.mount(ReliableListSubscription("jobs", block=0.05), rel)
+        await consumer.mount(ChannelSubscription("news"), chan)
+        origin = await pub.push("jobs", "tâche")
+        await pub.push("jobs", 42)
+        await pub.push("jobs", bytearray(b"raw"))
+        assert await pub.publish("news", "héllo") == 1
+        await rel.wait(3)
+        await chan.wait(1)
+    assert [d.data for d in rel.got] == ["tâche".encode(), b"42", b"raw"]
+    assert rel.got[0].origin_id == origin
+    assert [d.data for d in chan.got] == ["héllo".encode()]
+
+
 @pytest.mark.parametrize(
     ("call", "match"),
     [
@@ -125,7 +143,9 @@ async def test_pushed_element_is_the_library_envelope(redis_url: str, client: Cl
         (lambda p: p.add("s", {b"a": object()}), "fields"),
         (lambda p: p.add("s", {b"a": b"1"}, maxlen=0), "maxlen"),
         (lambda p: p.push("", b"x"), "key"),
-        (lambda p: p.push("k", "text"), "payload"),
+        (lambda p: p.push("k", None), "payload"),
+        (lambda p: p.push("k", True), "payload"),
+        (lambda p: p.publish("c", ["x"]), "payload"),
         (lambda p: p.publish("", b"x"), "channel"),
     ],
 )

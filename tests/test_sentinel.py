@@ -139,6 +139,8 @@ def test_sentinel_params_constructor() -> None:
                          ({"sentinels": ["h:1"], "service_name": "s", "db": -1}, "db")]:
         with pytest.raises(ValueError, match=name):
             sentinel_params(**kwargs)  # type: ignore[arg-type]
+    # one string: its addresses, not its characters (now that the name is public)
+    assert sentinel_params("h1:1, h2", "svc").sentinels == (("h1", 1), ("h2", 26379))
     with pytest.raises(ValueError, match="params"):
         SentinelClient(parse_url("redis://h:1"))
 

@@ -18,8 +18,10 @@ from typing import Any
 import anyio
 import pytest
 import trio
+from _endpoints import HTTP_REPLY, not_redis
 from redis import exceptions as rexc
 
+from trio_redis_finalize import open_consumer, open_publisher
 from trio_redis_finalize._transport import (
     BusyGroupError,
     Client,
@@ -33,7 +35,7 @@ from trio_redis_finalize._transport import (
     parse_url,
 )
 from trio_redis_finalize.pytest_plugin import sync_command
-from trio_redis_finalize.testing import RedisServer
+from trio_redis_finalize.testing import RedisServer, free_port
 
 # -- helpers ------------------------------------------------------------------
 
@@ -626,3 +628,52 @@ def test_round_trip_on_asyncio_backend(redis_url: str) -> None:
         return "ok"
 
     assert anyio.run(main, backend="asyncio") == "ok"
+
+
+# -- what is not a Redis server -------------------------------------------------------
+
+POSTGRES_LIKE = b"EXXXXSFATAL\x00C08P01\x00Minvalid length of startup packet\x00\x00"
+"""What a PostgreSQL server answers to bytes that are no startup packet (roughly)."""
+
+
+def _openers(url: str) -> list[Any]:
+    """Every way in: a bare client (PING only), a named one (a handshake), a consumer, a publisher."""
+    return [lambda: open_client(url), lambda: open_client(url, name="trf-test"),
+            lambda: open_consumer(url), lambda: open_publisher(url)]
+
+
+@pytest.mark.parametrize("answer", [HTTP_REPLY, POSTGRES_LIKE], ids=["http", "postgres"])
+async def test_an_endpoint_that_answers_otherwise_did_not_answer_as_a_redis_server(
+    answer: bytes,
+) -> None:
+    """Before: ``InvalidResponse: Protocol error, got "H" as reply type byte``, no address."""
+    with not_redis(answer) as port:
+        for opener in _openers(f"redis://127.0.0.1:{port}/0"):
+            with trio.fail_after(10), pytest.raises(
+                    rexc.ConnectionError,
+                    match=rf"^127\.0\.0\.1:{port} did not answer as a Redis server \(Protocol error"):
+                async with opener():
+                    pass
+
+
+async def test_a_silent_endpoint_did_not_answer_as_a_redis_server() -> None:
+    """Before: a ``TimeoutError`` (bare client) or "handshake with ... timed out"."""
+    with not_redis(None) as port:
+        for opener in _openers(f"redis://127.0.0.1:{port}/0")[:2]:
+            with trio.fail_after(15), pytest.raises(
+                    rexc.ConnectionError,
+                    match=rf"^127\.0\.0\.1:{port} did not answer as a Redis server \(no reply to"):
+                async with opener():
+                    pass
+
+
+async def test_a_server_down_is_named_with_its_address() -> None:
+    """Before: ``cannot connect to ...: OSError('All connection attempts failed')``."""
+    port = free_port()
+    for opener in _openers(f"redis://127.0.0.1:{port}/0"):
+        with trio.fail_after(10), pytest.raises(
+                rexc.ConnectionError,
+                match=rf"^cannot connect to 127\.0\.0\.1:{port}: connection refused \(is a Redis "
+                      r"server running there\?\)$"):
+            async with opener():
+                pass

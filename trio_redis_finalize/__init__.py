@@ -33,6 +33,10 @@ from ._stream import StreamSubscription as StreamSubscription
 from ._subscription import DelayedRetry as DelayedRetry
 from ._subscription import Mode as Mode
 from ._subscription import Retention as Retention
+from ._transport import Client as Client
+from ._transport import ConnectionParams as ConnectionParams
+from ._transport import open_client as open_client
+from ._transport import sentinel_params as sentinel_params
 from ._version import __version__ as __version__
 
 __all__ = [
@@ -46,6 +50,8 @@ __all__ = [
     "AckUnsupported",
     "Backoff",
     "ChannelSubscription",
+    "Client",
+    "ConnectionParams",
     "Consumer",
     "DelayedRetry",
     "Delivery",
@@ -57,9 +63,11 @@ __all__ = [
     "ReliableListSubscription",
     "Retention",
     "StreamSubscription",
+    "open_client",
     "open_consumer",
     "open_publisher",
     "retry_after",
+    "sentinel_params",
 ]
 
 

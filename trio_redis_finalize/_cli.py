@@ -3,7 +3,7 @@
 Commands (``--help`` on each)::
 
     demo [--url URL]                                every form x every outcome, as observed
-    run MODULE:FACTORY [--url URL] [--backend trio|asyncio] [--metrics-port N]
+    run MODULE:FACTORY [--url URL] [--backend trio|asyncio] [--metrics-port N] [--metrics-host H]
                                                     run a consumer defined in your code
     inspect KEY [--group G] [--entries N] [--url URL] [--json]
                                                     a queue's state (table, or --json)
@@ -174,7 +174,8 @@ async def _watch_signals(signals: Any, stop: anyio.CancelScope) -> None:
 
 
 async def _run(url: str, factory: Callable[[Any], Awaitable[None]], spec: str, name: str | None,
-               grace: float, metrics_port: int | None, metrics_prefix: str) -> int:
+               grace: float, metrics_port: int | None, metrics_prefix: str,
+               metrics_host: str = "127.0.0.1") -> int:
     from ._consumer import open_consumer
 
     failure: str | None = None
@@ -188,7 +189,8 @@ async def _run(url: str, factory: Callable[[Any], Awaitable[None]], spec: str, n
                 async with open_consumer(url, name=name, shutdown_grace=grace) as consumer:
                     running = consumer
                     if metrics_port is not None:  # before the factory: serves from the first mount
-                        await outer.start(_serve_metrics, consumer, metrics_port, metrics_prefix)
+                        await outer.start(_serve_metrics, consumer, metrics_host, metrics_port,
+                                          metrics_prefix)
                     log.info("consumer %s connected to %s; calling %s", consumer.name,
                              parse_url(url).address, spec)
                     try:
@@ -219,13 +221,16 @@ async def _run(url: str, factory: Callable[[Any], Awaitable[None]], spec: str, n
     return 0
 
 
-async def _serve_metrics(consumer: Any, port: int, prefix: str, *,
+async def _serve_metrics(consumer: Any, host: str, port: int, prefix: str, *,
                          task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
     try:
         from . import prometheus
     except ImportError as e:
         raise CliError(str(e)) from None
-    await prometheus.serve(consumer, port, prefix=prefix, task_status=task_status)
+    try:
+        await prometheus.serve(consumer, port, host=host, prefix=prefix, task_status=task_status)
+    except OSError as e:  # cannot listen (before started: the port in use, say)
+        raise CliError(f"--metrics-port {port}: {e.strerror or e}") from None
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -237,7 +242,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     url = check_url(args.url)
     factory = load_factory(args.factory)
     code: int = anyio.run(_run, url, factory, args.factory, args.name, args.shutdown_grace,
-                          args.metrics_port, args.metrics_prefix, backend=args.backend)
+                          args.metrics_port, args.metrics_prefix, args.metrics_host,
+                          backend=args.backend)
     return code
 
 
@@ -869,8 +875,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
-        self.print_usage(sys.stderr)
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        # bad input is one line on stderr, exit 2 (no usage block); --help shows the usage
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 _N = TypeVar("_N", int, float)
@@ -966,8 +972,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the event loop the consumer and your handlers run on: trio (default) "
                         "or asyncio (for handlers that use asyncio libraries)")
     p.add_argument("--metrics-port", type=_port, default=None, metavar="N",
-                   help="serve Prometheus metrics on http://0.0.0.0:N/metrics "
-                        "(needs the [prometheus] extra)")
+                   help="serve Prometheus metrics on http://HOST:N/metrics, with the "
+                        "process metrics (needs the [prometheus] extra)")
+    p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                   help="the address the metrics are served on (default 127.0.0.1: this host "
+                        "only; 0.0.0.0: every interface, e.g. scraped from outside a container)")
     p.add_argument("--metrics-prefix", default="trf", metavar="PREFIX",
                    help="prefix of the metric names (default trf)")
     p.add_argument("--log-level", default="INFO",

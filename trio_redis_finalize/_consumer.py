@@ -13,7 +13,7 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
 from ._channel import PubSubReader
-from ._context import Handler, sole
+from ._context import Handler, log, sole
 from ._core._plan import plan
 from ._delivery import Delivery
 from ._list import ListReader
@@ -36,7 +36,7 @@ bound the per-command deadlines keep; see ``Consumer.mount``)."""
 
 
 DEFAULT_BACKOFF = Backoff()
-"""``Consumer.mount``'s default ``on_error``: ``Backoff(base=0.1, cap=30.0)``."""
+"""``Consumer.mount``'s default ``on_error``: ``Backoff(base=0.1, cap=30.0, window=30.0)``."""
 
 
 def _default_name() -> str:
@@ -76,16 +76,21 @@ class Consumer:
             on_error: what is done when the handler raises or returns
                 something that is not an :class:`Outcome`: a
                 :class:`Backoff` (the default, ``Backoff(base=0.1,
-                cap=30.0)``) or an outcome (``RETRY``, ``DROP``, ``ACK``,
-                ``retry_after(d)``).  With a ``Backoff`` the delivery stays
-                pending -- in the group's PEL (streams, every mode) or in the
-                processing list (reliable lists) -- and this consumer
-                delivers it again after ``min(cap, base * 2 ** (attempt -
-                1))`` seconds at most (full jitter): no copy is written, a
-                crash loses nothing, and a message that always fails never
-                loops hot.  ``max_attempts`` and ``dead_letter`` apply as to
-                a ``RETRY`` (at the last attempt: the dead letter, or dropped
-                with a warning).  On simple lists and Pub/Sub, which have
+                cap=30.0, window=30.0)``) or an outcome (``RETRY``, ``DROP``,
+                ``ACK``, ``retry_after(d)``).  With a ``Backoff`` the delivery
+                stays pending -- in the group's PEL (streams, every mode) or
+                in the processing list (reliable lists) -- and this consumer
+                delivers it again after a floor plus a random part of at
+                most ``min(cap, base * 2 ** (attempt - 1))`` seconds (full
+                jitter): no copy is written, a crash loses nothing, and a
+                message that always fails never loops hot.  With
+                ``max_attempts = m`` the floor after failed attempt ``a`` is
+                ``window * 2 ** (a - 1) / (2 ** (m - 1) - 1)``, so the last
+                attempt comes at least ``window`` (30 s) after the first
+                (``m = 3``: 10 s, then 20 s); without ``max_attempts`` there
+                is no floor.  ``max_attempts`` and ``dead_letter`` apply as
+                to a ``RETRY`` (at the last attempt: the dead letter, or
+                dropped with a warning).  On simple lists and Pub/Sub, which have
                 nothing to leave pending, a ``Backoff`` logs the error and
                 drops the message.
 
@@ -150,7 +155,29 @@ class Consumer:
         raise ValueError(f"delivery: no mounted subscription named {delivery.mount!r}")
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        """Counters per subscription (see :class:`~trio_redis_finalize._stats.MountStats`)."""
+        """Counters per subscription: ``{subscription name: counters}``, plain dicts.
+
+        Each subscription's counters: ``received`` (deliveries read, before
+        any handler call), ``handler_errors``, ``refused`` (outcomes the
+        form cannot carry out), ``finalize_errors`` (error replies or failed
+        round trips of finalization; those that did not run, or whose
+        outcome is unknown, are sent again), ``read_errors``,
+        ``group_recreated``, ``in_flight`` (handler calls running now),
+        ``held`` (runtime ``retry_after`` copies in memory), ``delay_lag``
+        (how overdue the durable delay set's oldest copy was at the last
+        read; ``None`` without one), ``outcomes`` (what handlers returned:
+        ``ack``, ``retry``, ``drop``, ``retry_after``, ``backoff``) and
+        ``effects`` (what finalization did, as Redis answered: ``acked``,
+        ``copied``, ``delayed``, ``held``, ``left_pending``, ``backed_off``,
+        ``dead_lettered``, ``exhausted``, ``lost_before_handling``,
+        ``foreign_copy``, ...; ``gate_closed`` when a gated step found the
+        original no longer pending -- finalized already -- or a removal
+        removed nothing; ``failed`` when a step got a final error reply: the
+        original stays pending, the error is logged with command and key;
+        ``released`` when a runtime delayed copy was written).  An outcome
+        or effect not counted yet is absent from its dict (Prometheus shows
+        every series from 0).
+        """
         out = {}
         for m in self._mounts:
             snap = m.stats.snapshot()
@@ -168,6 +195,13 @@ class Consumer:
             return
         self._closing = True
         budget = Budget.from_now(self.shutdown_grace)
+        running = [(m.name, m.stats.in_flight) for m in self._mounts if m.stats.in_flight]
+        if running:
+            total = sum(n for _, n in running)
+            log.info("consumer %s shutting down: waiting for %d handler%s to finish "
+                     "(shutdown_grace=%g s): %s", self.name, total, "" if total == 1 else "s",
+                     self.shutdown_grace, "; ".join(f"{name}: {n}" for name, n in running),
+                     extra={"consumer": self.name, "handlers": total})
         with cleanup_until(budget.flush + CLOSE_MARGIN):
             async with anyio.create_task_group() as tg:  # phases 1-4, every mount at once
                 for m in self._mounts:
@@ -201,8 +235,9 @@ async def open_consumer(
 
     Args:
         url_or_client: ``redis://[user:password@]host:port/db``, ``rediss://``
-            (TLS), ``unix://path`` or ``redis+cluster://host:port[,...]``; or
-            a transport client to share.
+            (TLS), ``unix://path``, ``redis+cluster://host:port[,...]`` or
+            ``redis+sentinel://host:port[,...]/service_name``; or a
+            :class:`Client` of :func:`open_client` to share.
         name: the consumer name in stream groups and processing-list keys;
             give a stable one so a restart recovers this consumer's pending
             work.  Default: unique per process.
@@ -219,8 +254,8 @@ async def open_consumer(
     finalizes every outcome they returned, sends held delayed copies at once
     (early rather than lost) and closes connections.  What is unfinished
     stays pending for recovery.  A runtime delayed copy is lost only if the
-    process dies while it waits (see :class:`~trio_redis_finalize._scheduler.Scheduler`; use
-    ``DelayedRetry.DURABLE_ZSET`` to keep delayed copies in Redis).
+    process dies while it waits (use ``DelayedRetry.DURABLE_ZSET`` to keep
+    delayed copies in Redis).
 
     Raises:
         ValueError: bad URL or argument (the message names it).

@@ -6,9 +6,10 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ._envelope import TRACE_FIELDS
 from ._value import builder, immutable, setters
 
-__all__ = ["MAX_ERROR", "Delivery", "DeliveryBuilder", "record_error"]
+__all__ = ["MAX_ERROR", "Delivery", "DeliveryBuilder", "record_error", "trace_fields"]
 
 
 # ``init=False``: the ``__init__`` below fills the slots in on the builder
@@ -25,10 +26,14 @@ class Delivery:
         id: the stream entry id; ``None`` for other forms.
         fields: the stream entry's field map without the library's header
             fields (:data:`RETRIES_FIELD`, :data:`ORIGIN_FIELD`,
-            :data:`GROUP_FIELD`); empty for other forms.  A name the entry
-            repeats maps to its last value; :attr:`field_list` has them all.
+            :data:`GROUP_FIELD`) and without the trace context
+            (``traceparent``, ``tracestate``: the publisher writes them
+            inside a span; :func:`trio_redis_finalize.otel.trace_context`
+            reads them); empty for other forms.  A name the entry repeats
+            maps to its last value; :attr:`field_list` has them all.
         field_list: (the property below) the entry's fields as written, in
-            order, repeated names included, without the header fields.
+            order, repeated names included, without the header fields and
+            the trace context.
         data: the list element or message payload without envelope; ``None``
             for streams.
         attempt: 1 on the first delivery, one more on every retry (and on
@@ -57,21 +62,24 @@ class Delivery:
     without one."""
     flat: Sequence[bytes] | None = dataclasses.field(default=None, repr=False)
     """The entry's fields as read, flat (name, value, ...), without the header
-    fields; ``None``: the same as ``fields`` (built without a field list)."""
+    fields but with the trace context (what copies carry, byte for byte);
+    ``None``: the same as ``fields`` (built without a field list)."""
 
     @property
     def field_list(self) -> tuple[tuple[bytes, bytes], ...]:
         """The stream entry's ``(name, value)`` pairs as written, in order.
 
         Repeated names are all there (``fields`` keeps the last value of
-        each); the library's header fields are not.  Copies (RETRY, delayed,
-        dead letter) keep this list byte for byte.  Empty for other forms.
+        each); the library's header fields and the trace context
+        (``traceparent``, ``tracestate``) are not.  Copies (RETRY, delayed,
+        dead letter) keep the entry's field list byte for byte, the trace
+        context in its place.  Empty for other forms.
         """
         flat = self.flat
         if flat is None:
             return tuple(self.fields.items())
         it = iter(flat)
-        return tuple(zip(it, it, strict=False))
+        return tuple(pair for pair in zip(it, it, strict=False) if pair[0] not in TRACE_FIELDS)
 
     def __init__(
         self,
@@ -113,6 +121,17 @@ _setattr = object.__setattr__
 DeliveryBuilder = builder(Delivery)
 """The builder twin of :class:`Delivery` (``_value.builder``): its ``__init__``
 fills a new delivery in on it; readers build theirs on it inline."""
+
+
+def trace_fields(d: Delivery) -> dict[bytes, bytes]:
+    """The trace-context fields of a stream delivery (``traceparent``,
+    ``tracestate``; a repeated one: its last value), which ``fields`` and
+    ``field_list`` leave out; ``{}`` without them."""
+    flat = d.flat
+    if flat is None:
+        return {k: v for k, v in d.fields.items() if k in TRACE_FIELDS}
+    it = iter(flat)
+    return {k: v for k, v in zip(it, it, strict=False) if k in TRACE_FIELDS}
 
 
 MAX_ERROR = 500

@@ -8,6 +8,12 @@ not dead letters), :data:`GROUP_FIELD` (the group that wrote the copy: other
 groups of the stream acknowledge it unhandled).  A copy without
 :data:`GROUP_FIELD` (older versions) is handled by every group.
 
+The trace-context fields :data:`TRACEPARENT_FIELD` and :data:`TRACESTATE_FIELD`
+(written by the publisher inside a span, or by any producer) are part of
+the entry's own field list: copies keep them in place, byte for byte; the
+handler sees neither (the OpenTelemetry instrumentation makes the context
+the parent of its span).
+
 List elements and Pub/Sub payloads have no fields, so their copies are
 wrapped in an envelope, version 1::
 
@@ -35,6 +41,9 @@ __all__ = [
     "MAGIC_DELAY",
     "ORIGIN_FIELD",
     "RETRIES_FIELD",
+    "TRACEPARENT_FIELD",
+    "TRACESTATE_FIELD",
+    "TRACE_FIELDS",
     "CorruptEnvelope",
     "pack_parts",
     "unpack_parts",
@@ -48,6 +57,15 @@ ORIGIN_FIELD: Final[bytes] = b"trf-origin"
 """Stream header field: id of the first entry of the chain (copies only)."""
 GROUP_FIELD: Final[bytes] = b"trf-group"
 """Stream header field: the consumer group that wrote the copy to the stream."""
+TRACEPARENT_FIELD: Final[bytes] = b"traceparent"
+"""Stream field carrying the W3C trace context of the producer's span
+(written by the publisher; read by the OpenTelemetry instrumentation)."""
+TRACESTATE_FIELD: Final[bytes] = b"tracestate"
+"""Stream field carrying the W3C ``tracestate`` beside :data:`TRACEPARENT_FIELD`."""
+TRACE_FIELDS: Final = frozenset((TRACEPARENT_FIELD, TRACESTATE_FIELD))
+"""The trace-context fields: copies keep them where the entry has them (byte
+for byte), the handler does not see them (``Delivery.fields`` /
+``field_list``)."""
 
 MAGIC: Final = b"\xfftrf\x01"
 MAGIC_DELAY: Final = b"\xfftrd\x01"

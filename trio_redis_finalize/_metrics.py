@@ -17,8 +17,8 @@ name                                     type       what
                                                     handler call
 ``trf_handler_outcomes_total{outcome}``  counter    handler calls by what they returned:
                                                     ``ack``, ``retry``, ``drop``,
-                                                    ``retry_after`` (a raise counts as the
-                                                    ``on_error`` outcome)
+                                                    ``retry_after``, ``backoff`` (a raise
+                                                    counts as the ``on_error`` outcome)
 ``trf_handler_duration_seconds``         histogram  how long handler calls took
 ``trf_effects_total{effect}``            counter    what finalization did, as Redis confirmed
 ``trf_errors_total{kind}``               counter    ``handler``, ``finalize``, ``read`` errors,
@@ -42,6 +42,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
+from ._core._plan import FAILED, GATE_CLOSED, Effect
 from ._stats import DURATION_BOUNDS
 
 if TYPE_CHECKING:
@@ -55,13 +56,18 @@ _ERROR_KINDS = (
     ("read", "read_errors"),
     ("group_recreated", "group_recreated"),
 )
-OUTCOMES = ("ack", "retry", "drop", "retry_after")
+OUTCOMES = ("ack", "retry", "drop", "retry_after", "backoff")
+"""Every outcome counted (``backoff``: a handler error under ``on_error=Backoff``);
+each series is exported from zero."""
 EFFECTS = (
-    "acked", "dropped", "copied", "delayed", "held", "left_pending", "dead_lettered", "exhausted",
-    "nothing", "lost_before_handling", "refused", "recovered", "moved_from_delay_set", "held_lost",
-    "released", "gaps",
+    *(e.value for e in Effect),  # what plans do: acked, copied, ..., foreign_copy
+    GATE_CLOSED, FAILED,  # what Redis answered instead
+    # counted by the runtime itself
+    "backed_off", "refused", "recovered", "moved_from_delay_set", "held_lost", "released",
+    "gaps", "trimmed",
 )
-"""Every effect the runtime counts; each series is exported from zero."""
+"""Every effect the runtime counts; each series is exported from zero
+(``tests/test_metrics.py`` checks the package counts no other)."""
 LABELS = ("form", "key", "group")
 
 
@@ -148,7 +154,7 @@ _FAMILIES: dict[str, tuple[str, _Kind, tuple[str, ...], str]] = {
              "handler call; not handler calls."),
     "outcomes": ("handler_outcomes", "counter", ("outcome",),
                  "Handler calls by the outcome they returned (ack, retry, drop, retry_after); a "
-                 "raise counts as the on_error outcome."),
+                 "raise counts as the on_error outcome (backoff under on_error=Backoff)."),
     "duration": ("handler_duration_seconds", "histogram", (), "Seconds each handler call took."),
     "effects": ("effects", "counter", ("effect",),
                 "What finalization did in Redis, counted once Redis confirmed it (acked, copied, "

@@ -34,7 +34,7 @@ stays pending (the group's PEL / the processing list) and still "held" by
 this consumer (``Mount.in_hand``, the reader's counts), so no lease lapses,
 no other consumer claims it and no own-PEL re-read or rescan delivers it
 early.  It waits in the mount's waiting set (a heap by due time, at most
-:data:`MAX_WAITING` deliveries) for ``Backoff.delay(attempt)`` seconds; a
+:data:`MAX_WAITING` deliveries) for ``Backoff.delay(attempt, max_attempts)`` seconds; a
 redeliverer task, beside the reader and cancelled with it, then hands it
 to the reader's ``redeliver(mount, deliveries)``, which takes it again as
 the next attempt (stream: ``XCLAIM ... RETRYCOUNT attempt+1`` of an entry
@@ -107,6 +107,8 @@ _REDELIVER_BATCH = 100
 _WARN_FULL_EVERY = 5.0
 _POSTPONE = 0.05
 """Seconds before a redelivery the reader put off is tried again."""
+_CUT_SHOWN = 20
+"""At most this many ids of deliveries cancelled by the shutdown in its log line."""
 
 
 class _Status:
@@ -185,6 +187,9 @@ class Mount:
             gates=reader.gates, settled=self.settled,
         )
         self.stopping = False
+        self.cut: list[Delivery] = []
+        """Deliveries whose handler call the shutdown's grace deadline cancelled
+        (they stay pending on streams and reliable lists; logged)."""
         self.done = anyio.Event()
         self._reader_scope = anyio.CancelScope()
         self._handlers_scope = anyio.CancelScope()
@@ -254,7 +259,7 @@ class Mount:
                 self._full_count = 0
             effect = Effect.LEFT_PENDING.value
         else:
-            delay = b.delay(d.attempt)
+            delay = b.delay(d.attempt, self.target.max_attempts)
             self._park(d, delay)
             stats.effects["backed_off"] += 1
             effect = "backed_off"
@@ -361,6 +366,8 @@ class Mount:
                             tg.start_soon(self._handler_loop, send, results)
                     outer.cancel_scope.cancel()  # every loop ended: so does the flusher
         finally:
+            if self.cut:
+                self._log_cut()
             # phase 3: stopped, or cancelled at the grace deadline: what no
             # handler started goes back (one cancelled mid-handler stays pending)
             with cleanup(FINALIZE_GRACE):
@@ -370,6 +377,27 @@ class Mount:
                     await senders[0].send([(unstarted[0], give_back)])
                 for s in senders:
                     await s.aclose()
+
+    def _log_cut(self) -> None:
+        """Say which deliveries stay pending (or, at-most-once, are gone)
+        because the shutdown cancelled their handler."""
+        t = self.target
+        cut = self.cut
+        shown = [d.id or d.origin_id for d in cut[:_CUT_SHOWN]]
+        names = ", ".join(shown) + (f" and {len(cut) - len(shown)} more" if len(cut) > len(shown)
+                                    else "")
+        if t.form is Form.STREAM:
+            fate = (f"entries {names}: left pending in the PEL of group {t.group!r} (consumer "
+                    f"{self.consumer.name!r}), delivered again later")
+        elif t.form is Form.RELIABLE_LIST:
+            fate = (f"elements {names} (origin ids): left in the processing list "
+                    f"{t.processing!r}, delivered again later")
+        else:
+            fate = f"messages {names} (origin ids): gone (a {t.form.value} is at-most-once)"
+        grace = self.consumer.shutdown_grace
+        log.warning("%s: shutdown_grace (%g s) ended with %d handler(s) still running, "
+                    "cancelled: %s", self.name, grace, len(cut), fate,
+                    extra={"subscription": self.name, "cancelled": [d.id or d.origin_id for d in cut]})
 
     async def _handler_loop(self, send: Send[list[Item]], results: list[Item]) -> None:
         """Call the handler on one delivery after another; hand outcomes on in lists.
@@ -430,6 +458,7 @@ class Mount:
                             outcome = self._raised(d)
                         except BaseException as e:
                             if self._own_exit(e):
+                                self.cut.append(d)  # cancelled mid-handler: logged by _handlers
                                 raise
                             outcome = self._raised(d)  # e.g. asyncio.CancelledError of another task
                         else:
@@ -511,7 +540,7 @@ class Mount:
         record_error(d, sys.exc_info()[1])  # for the dead-letter entry
         log.exception(
             "%s: handler raised on %s (attempt %d); %s",
-            self.name, d.id or d.origin_id, d.attempt, self._on_error_text,
+            self.name, d.id or d.origin_id, d.attempt, self._error_text(d),
             extra=log_extra(self.name, d, self._on_error),
         )
         if self._warn_repeats:
@@ -523,13 +552,27 @@ class Mount:
         self.stats.handler_errors += 1
         log.error(
             "%s: handler returned %r, not an Outcome, for %s (attempt %d); %s",
-            self.name, result, d.id or d.origin_id, d.attempt, self._on_error_text,
+            self.name, result, d.id or d.origin_id, d.attempt, self._error_text(d),
             exc_info=TypeError(f"handler returned {type(result).__name__}, not an Outcome"),
             extra=log_extra(self.name, d, self._on_error),
         )
         if self._warn_repeats:
             self._keeps_failing(d)
         return self._on_error
+
+    def _error_text(self, d: Delivery) -> str:
+        """What becomes of ``d`` after its handler failed, for the log line: at
+        the last attempt a Backoff or a retry outcome dead-letters (or drops)
+        it, as the finalizer's core decides (``_core._finalize``, ``plan``)."""
+        t = self.target
+        again = self._on_error
+        if (t.max_attempts is None or d.attempt < t.max_attempts
+                or not (isinstance(again, Backoff) or again.is_retry)):
+            return self._on_error_text
+        reached = f"max_attempts={t.max_attempts} reached"
+        if t.dead_letter is not None and t.form in (Form.STREAM, Form.RELIABLE_LIST):
+            return f"{reached}: dead-lettered to {t.dead_letter!r}"
+        return f"{reached}: dropped (no dead_letter)"
 
     def _keeps_failing(self, d: Delivery) -> None:
         """Without ``max_attempts`` nothing ends a delivery that always fails:

@@ -60,7 +60,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ._core._plan import FAILED
-from ._delivery import Delivery
+from ._delivery import Delivery, trace_fields
 from ._outcome import Outcome
 from ._publisher import trace_context
 
@@ -164,7 +164,7 @@ def instrument_handler(handler: Handler, *, tracer: Any = None) -> Handler:
         }
         if delivery.id is not None:
             attributes["trf.id"] = delivery.id
-        carrier = trace_context(delivery.origin_id, delivery.fields)
+        carrier = trace_context(delivery.origin_id, trace_fields(delivery))
         context = propagate.extract(carrier) if carrier else None
         with tracer.start_as_current_span(
             f"process {destination}", context=context, kind=consumer_kind, attributes=attributes,

@@ -73,6 +73,15 @@ def _seconds(name: str, value: object) -> float:
     return seconds
 
 
+def _window(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"window must be a number of seconds >= 0, got {value!r}")
+    seconds = float(value)
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"window must be a finite number of seconds >= 0, got {value!r}")
+    return seconds
+
+
 # ``init=False``: the ``__init__`` below validates and normalises (see ``_value``).
 @immutable
 @dataclasses.dataclass(frozen=True, slots=True, init=False)
@@ -80,50 +89,84 @@ class Backoff:
     """``on_error`` (the default): a failed delivery stays pending and is
     delivered again later, by the same consumer.
 
-    ``consumer.mount(..., on_error=Backoff(base=0.1, cap=30.0))``.  When the
-    handler raises (or returns something that is not an outcome) on attempt
-    ``n``, the delivery stays where it is -- in the group's PEL (streams,
-    every mode) or in the processing list (reliable lists) -- and after a
-    random delay between 0 and ``min(cap, base * 2 ** (n - 1))`` seconds
-    (full jitter) it is delivered again as attempt ``n + 1``.  No copy is
-    written, a crash loses nothing (the delivery is still pending), and a
-    message that always fails is handled a handful of times a minute, never
-    in a hot loop.  ``max_attempts`` and ``dead_letter`` apply as to a
-    ``RETRY``.  On simple lists and Pub/Sub (nothing to leave pending) a
-    ``Backoff`` drops the message, with the error logged.
+    ``consumer.mount(..., on_error=Backoff(base=0.1, cap=30.0, window=30.0))``.
+    When the handler raises (or returns something that is not an outcome) on
+    attempt ``n``, the delivery stays where it is -- in the group's PEL
+    (streams, every mode) or in the processing list (reliable lists) -- and
+    after a wait it is delivered again as attempt ``n + 1``.  The wait is
+    ``floor(n) + uniform(0, min(cap, base * 2 ** (n - 1)))`` seconds: the
+    capped exponential with full jitter, plus a floor that spreads the
+    attempts over ``window`` seconds when the subscription has
+    ``max_attempts = m``::
+
+        floor(n) = window * 2 ** (n - 1) / (2 ** (m - 1) - 1)    for 1 <= n < m
+
+    The ``m - 1`` waits before the last attempt then add up to at least
+    ``window``: a dead letter (or a drop) never comes sooner than ``window``
+    seconds after the first failure, so an outage shorter than that does not
+    dead-letter what it made fail.  With ``m = 3`` the floors are 10 s and
+    20 s, with ``m = 2`` one of 30 s; with a large ``m`` the first retries
+    stay short (``m = 10``: 0.06 s, 0.12 s, ..., 15 s).  Without
+    ``max_attempts`` there is no floor (nothing ends the retries anyway);
+    ``window=0`` turns the floor off.  The window counts within one
+    consumer's run: a consumer that restarts recovers what is pending at once.
+
+    No copy is written, a crash loses nothing (the delivery is still
+    pending), and a message that always fails is handled a handful of times
+    a minute, never in a hot loop.  ``max_attempts`` and ``dead_letter``
+    apply as to a ``RETRY``.  On simple lists and Pub/Sub (nothing to leave
+    pending) a ``Backoff`` drops the message, with the error logged.
 
     Immutable; equal values compare equal.
 
     Args:
-        base: seconds; the longest wait after the first failed attempt.
-        cap: seconds; no wait is longer (at least ``base``).
+        base: seconds; the random part's ceiling after the first failed attempt.
+        cap: seconds; the random part is never longer (at least ``base``).
+        window: seconds; with ``max_attempts``, the least time from the
+            first failed attempt to the last attempt (0: no floor).
 
     Raises:
         ValueError: ``base`` or ``cap`` is not a finite number of seconds
-            above 0, or ``cap`` is below ``base`` (the message names it).
+            above 0, ``cap`` is below ``base``, or ``window`` is not a
+            finite number of seconds >= 0 (the message names it).
     """
 
     base: float
     cap: float
+    window: float
 
-    def __init__(self, base: float = 0.1, cap: float = 30.0) -> None:
+    def __init__(self, base: float = 0.1, cap: float = 30.0, window: float = 30.0) -> None:
         b = _seconds("base", base)
         c = _seconds("cap", cap)
         if c < b:
             raise ValueError(f"cap must be >= base ({b!r} s), got {cap!r}")
+        w = _window(window)
         _set_base(self, b)
         _set_cap(self, c)
+        _set_window(self, w)
 
     def ceiling(self, attempt: int) -> float:
-        """The longest wait after failed attempt ``attempt``: ``min(cap, base * 2 ** (attempt - 1))``."""
+        """The random part's longest value after failed attempt ``attempt``:
+        ``min(cap, base * 2 ** (attempt - 1))``."""
         exponent = max(attempt - 1, 0)
         if exponent >= 1024:  # 2.0 ** 1024 overflows; base * 2 ** 1024 exceeds any finite cap
             return self.cap
         return min(self.cap, self.base * 2.0**exponent)
 
-    def delay(self, attempt: int) -> float:
-        """A wait after failed attempt ``attempt``: uniform in ``[0, ceiling(attempt)]``."""
-        return random.uniform(0.0, self.ceiling(attempt))
+    def floor(self, attempt: int, max_attempts: int | None) -> float:
+        """The shortest wait after failed attempt ``attempt`` when the
+        subscription has ``max_attempts``: ``window * 2 ** (attempt - 1) /
+        (2 ** (max_attempts - 1) - 1)`` before the last attempt, else 0."""
+        if max_attempts is None or not self.window or not 1 <= attempt < max_attempts:
+            return 0.0
+        # window * 2**(a-1) / (2**(m-1) - 1), scaled by 2**-(m-1): no overflow for a large m
+        return math.ldexp(self.window, attempt - max_attempts) / (
+            1.0 - math.ldexp(1.0, 1 - max_attempts))
+
+    def delay(self, attempt: int, max_attempts: int | None = None) -> float:
+        """A wait after failed attempt ``attempt``: ``floor(attempt,
+        max_attempts)`` plus a uniform draw in ``[0, ceiling(attempt)]``."""
+        return self.floor(attempt, max_attempts) + random.uniform(0.0, self.ceiling(attempt))
 
 
-_set_base, _set_cap = setters(Backoff, "base", "cap")
+_set_base, _set_cap, _set_window = setters(Backoff, "base", "cap", "window")

@@ -33,18 +33,16 @@ import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
-from ._envelope import ORIGIN_FIELD, RETRIES_FIELD, wrap
+from ._envelope import ORIGIN_FIELD, RETRIES_FIELD, TRACEPARENT_FIELD, TRACESTATE_FIELD, wrap
 from ._transport import Client, open_client
 
 __all__ = ["TRACEPARENT_FIELD", "TRACESTATE_FIELD", "Publisher", "open_publisher", "trace_context"]
 
-TRACEPARENT_FIELD = b"traceparent"
-"""Stream field carrying the W3C trace context of the producer's span."""
-TRACESTATE_FIELD = b"tracestate"
-
 _TRACEPARENT = re.compile(r"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}\Z")
 
 FieldValue = bytes | str | int | float
+Payload = bytes | bytearray | memoryview | str | int | float
+"""What :meth:`Publisher.push` and :meth:`Publisher.publish` take (a str: UTF-8)."""
 
 
 def _bytes(value: Any, what: str) -> bytes:
@@ -152,22 +150,31 @@ class Publisher:
             entry_id = await self.client.execute("XADD", stream, *cap, "*", *flat)
         return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
 
-    def envelope(self, payload: bytes, ctx: Mapping[str, str]) -> tuple[bytes, str]:
-        """``(element, origin id)``: ``payload`` wrapped with a fresh origin id."""
-        if not isinstance(payload, bytes | bytearray | memoryview):
-            raise ValueError(f"payload must be bytes, got {type(payload).__name__}")
+    def envelope(self, payload: Payload, ctx: Mapping[str, str]) -> tuple[bytes, str]:
+        """``(element, origin id)``: ``payload`` wrapped with a fresh origin id.
+
+        ``payload``: bytes (or a bytearray / memoryview), a str (UTF-8), an
+        int or a float (its ``repr``), as :meth:`add` takes field values.
+        """
+        body = (bytes(payload) if isinstance(payload, bytearray | memoryview)
+                else _bytes(payload, "payload"))
         origin = uuid.uuid4().hex
         tp = ctx.get("traceparent")
         if tp and _TRACEPARENT.match(tp):
             origin += ";" + tp
-        return wrap(bytes(payload), 0, origin), origin
+        return wrap(body, 0, origin), origin
 
-    async def push(self, key: str, payload: bytes) -> str:
+    async def push(self, key: str, payload: Payload) -> str:
         """``LPUSH key <envelope(payload)>``; returns the message's origin id.
 
         Read by :class:`~trio_redis_finalize.ReliableListSubscription` and
         :class:`~trio_redis_finalize.ListSubscription` as ``delivery.data ==
-        payload``, attempt 1, ``delivery.origin_id`` the id returned.
+        payload`` (bytes: a str is written UTF-8 encoded, an int or a float
+        as its ``repr``, as :meth:`add` writes field values), attempt 1,
+        ``delivery.origin_id`` the id returned.
+
+        Raises:
+            ValueError: an empty ``key``, a ``payload`` of another type.
         """
         _key("key", key)
         with _send_span("push", key, self.name) as ctx:
@@ -175,13 +182,17 @@ class Publisher:
             await self.client.execute("LPUSH", key, element)
         return origin
 
-    async def publish(self, channel: str, payload: bytes) -> int:
+    async def publish(self, channel: str, payload: Payload) -> int:
         """``PUBLISH channel <envelope(payload)>``; returns how many subscribers got it.
 
         Read by :class:`~trio_redis_finalize.ChannelSubscription` and
         :class:`~trio_redis_finalize.PatternSubscription` as ``delivery.data
-        == payload``; on Redis Cluster, classic Pub/Sub is broadcast to
-        every node, so any node takes it.
+        == payload`` (a str UTF-8 encoded, as for :meth:`push`); on Redis
+        Cluster, classic Pub/Sub is broadcast to every node, so any node
+        takes it.
+
+        Raises:
+            ValueError: an empty ``channel``, a ``payload`` of another type.
         """
         _key("channel", channel)
         with _send_span("publish", channel, self.name) as ctx:

@@ -16,10 +16,11 @@ below) when shutdown begins (``t0``), times every phase.
    consumer reaps the processing list meanwhile) gets ``CLOSING_TIMEOUT``.
 2. **Handlers drain**, until ``t0 + g`` (:attr:`Budget.handlers`): each
    handler task finishes the delivery it holds and starts nothing new; its
-   outcome goes to the finalizer.  A handler still running at the deadline
-   is cancelled: its delivery stays pending and is delivered again later
-   (streams, reliable lists), or is gone (simple lists, Pub/Sub:
-   at-most-once).
+   outcome goes to the finalizer ("waiting for N handlers" is logged at
+   ``t0``).  A handler still running at the deadline is cancelled: its
+   delivery stays pending and is delivered again later (streams, reliable
+   lists), or is gone (simple lists, Pub/Sub: at-most-once); a warning per
+   subscription names those deliveries (``Mount.cut``).
 3. **One give-back plan**: what was read but no handler started goes back in
    one plan from the reader's ``abandon`` (stream: ``XCLAIM ... RETRYCOUNT``
    back to the count it had, so the read does not count as an attempt;

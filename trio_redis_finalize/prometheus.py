@@ -9,7 +9,8 @@ or asyncio), which also reads the queue gauges from Redis at each scrape::
         await consumer.mount(...)
         await tg.start(serve, consumer, 9108)     # http://0.0.0.0:9108/metrics
 
-``trio-redis-finalize run MODULE:FACTORY --metrics-port 9108`` does this.
+``trio-redis-finalize run MODULE:FACTORY --metrics-port 9108`` does this
+(on ``127.0.0.1`` unless ``--metrics-host``).
 Or register in a registry of your own and expose it as you already do::
 
     register(consumer)              # prometheus_client.REGISTRY; or register(consumer, my_registry)
@@ -30,11 +31,15 @@ extra ``labels=`` given to :func:`register`.  Names start with the prefix
 * ``trf_deliveries_read_total``: deliveries read from Redis, redeliveries
   included, counted when read (not handler calls);
 * ``trf_handler_outcomes_total{outcome}``: handler calls by the outcome they
-  returned (``ack``, ``retry``, ``drop``, ``retry_after``; every one from 0);
+  returned (``ack``, ``retry``, ``drop``, ``retry_after``, ``backoff``: a
+  handler error under ``on_error=Backoff``; every one from 0);
 * ``trf_handler_duration_seconds``: histogram of handler call durations;
-* ``trf_effects_total{effect}``: what finalization did in Redis (``acked``,
-  ``copied``, ``delayed``, ``held``, ``left_pending``, ``dead_lettered``,
-  ``exhausted``, ``refused``, ``lost_before_handling``, ...; every one from 0);
+* ``trf_effects_total{effect}``: what finalization did in Redis, every one
+  from 0: ``acked``, ``dropped``, ``copied``, ``delayed``, ``held``,
+  ``left_pending``, ``dead_lettered``, ``exhausted``, ``nothing``,
+  ``lost_before_handling``, ``foreign_copy``, ``gate_closed``, ``failed``,
+  ``backed_off``, ``refused``, ``recovered``, ``moved_from_delay_set``,
+  ``held_lost``, ``released``, ``gaps``, ``trimmed``;
 * ``trf_errors_total{kind}``: ``handler``, ``finalize`` and ``read`` errors,
   ``group_recreated``;
 * ``trf_in_flight``: handler calls running now;
@@ -53,6 +58,9 @@ extra ``labels=`` given to :func:`register`.  Names start with the prefix
 
 The last three are read from Redis by :func:`refresh_backlog` (each scrape of
 :func:`serve`, or every ``interval`` seconds in :func:`track_backlog`).
+:func:`serve` also exposes prometheus-client's process metrics
+(``process_cpu_seconds_total``, ``process_resident_memory_bytes``, ...,
+``python_info``, ``python_gc_*``), unless given a ``registry`` of yours.
 
 Importing this module without ``prometheus-client`` installed raises
 :class:`ImportError` naming the extra to install.
@@ -68,7 +76,14 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 try:
-    from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
+    from prometheus_client import (
+        REGISTRY,
+        CollectorRegistry,
+        GCCollector,
+        PlatformCollector,
+        ProcessCollector,
+        generate_latest,
+    )
     from prometheus_client.core import (
         CounterMetricFamily,
         GaugeMetricFamily,
@@ -92,7 +107,8 @@ from ._stats import DURATION_BOUNDS
 if TYPE_CHECKING:
     from ._consumer import Consumer
 
-__all__ = ["ConsumerCollector", "refresh_backlog", "register", "serve", "track_backlog"]
+__all__ = ["ConsumerCollector", "process_registry", "refresh_backlog", "register", "serve",
+           "track_backlog"]
 
 log = logging.getLogger("trio_redis_finalize.prometheus")
 
@@ -324,6 +340,18 @@ async def _answer(stream: SocketStream, consumer: Consumer, registry: CollectorR
             pass
 
 
+def process_registry() -> CollectorRegistry:
+    """A new registry with prometheus-client's process, platform and GC
+    collectors (``process_cpu_seconds_total``, ``process_resident_memory_bytes``,
+    ``process_open_fds``, ..., ``python_info``, ``python_gc_*``), as its global
+    registry has them: what :func:`serve` starts from."""
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+    return registry
+
+
 async def serve(
     consumer: Consumer,
     port: int,
@@ -342,15 +370,26 @@ async def serve(
     Args:
         consumer: the consumer to expose.
         port: the TCP port (0: any free one).
-        host: the address to listen on (default every interface).
+        host: the address to listen on (default ``0.0.0.0``: every
+            interface; ``127.0.0.1``: this host only).
         prefix: the start of every metric name (default ``trf``).
-        registry: where to register; default a new registry of its own.
+        registry: where to register; default a new registry of its own
+            with the process metrics (:func:`process_registry`).
         labels: extra constant labels (see :func:`register`).
+
+    Raises:
+        OSError: cannot listen on ``host:port`` (in use, say); the message
+            names both.
     """
     if registry is None:
-        registry = CollectorRegistry()
+        registry = process_registry()
     register(consumer, registry, labels=labels, prefix=prefix)
-    listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
+    try:
+        listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
+    except OSError as e:
+        why = e.strerror or str(e)
+        raise OSError(e.errno, f"cannot serve metrics on {host}:{port}: "
+                               f"{why[:1].lower() + why[1:]}") from e
     async with listener, anyio.create_task_group() as tg:
         log.info("serving metrics on http://%s:%d/metrics", host, port)
         task_status.started()

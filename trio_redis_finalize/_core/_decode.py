@@ -15,7 +15,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .._delivery import Delivery, DeliveryBuilder, _set_origin_id
-from .._envelope import GROUP_FIELD, MAGIC, ORIGIN_FIELD, RETRIES_FIELD, CorruptEnvelope, unwrap
+from .._envelope import (
+    GROUP_FIELD,
+    MAGIC,
+    ORIGIN_FIELD,
+    RETRIES_FIELD,
+    TRACEPARENT_FIELD,
+    TRACESTATE_FIELD,
+    CorruptEnvelope,
+    unwrap,
+)
 from .._value import builder
 from ._plan import Plan, Target, attempt_of, content_origin, plan_dead, plan_foreign, plan_lost
 
@@ -253,7 +262,9 @@ def stream_deliveries(
     an entry not in it was delivered once.  The header fields
     (:data:`RETRIES_FIELD`, :data:`ORIGIN_FIELD`, :data:`GROUP_FIELD`) are
     taken out of ``fields`` and ``flat`` (a repeated one: its last value
-    counts, as in a mapping); the attempt is ``max(retries + 1, count)``.
+    counts, as in a mapping); the trace context (``traceparent``,
+    ``tracestate``) out of ``fields`` only (``flat`` is what copies carry;
+    ``field_list`` leaves it out); the attempt is ``max(retries + 1, count)``.
     Without a handler: a copy another group wrote (acknowledged as
     foreign), a corrupt retry counter or an attempt past ``max_attempts``
     (dead letter), an entry deleted while pending (acknowledged, lost).
@@ -282,6 +293,10 @@ def stream_deliveries(
         else:
             it = iter(flat)
             fields = dict(zip(it, it, strict=False))
+        if TRACEPARENT_FIELD in fields or TRACESTATE_FIELD in fields:
+            # the trace context: kept in ``flat`` (copies carry it), not shown to the handler
+            fields.pop(TRACEPARENT_FIELD, None)
+            fields.pop(TRACESTATE_FIELD, None)
         if RETRIES_FIELD not in fields and ORIGIN_FIELD not in fields and GROUP_FIELD not in fields:
             # an original: its field list as read is its own
             if not counts or counts.get(eid, 1) == 1:

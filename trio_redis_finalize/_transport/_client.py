@@ -181,7 +181,7 @@ class Client:
     async def execute(self, *args: Arg, timeout: float | None = None) -> Any:
         """Run one command on a pooled connection; error replies raise.
 
-        ``timeout``: seconds (``None``: ``DEFAULT_TIMEOUT``).
+        ``timeout``: seconds (``None``: 5 s, ``DEFAULT_TIMEOUT``).
         """
         if timeout is None:
             timeout = DEFAULT_TIMEOUT
@@ -304,8 +304,21 @@ class Client:
         return await self._dial(name)
 
     async def check(self) -> None:
-        """``PING`` the server (raises when it cannot be reached)."""
-        await self.execute("PING")
+        """``PING`` the server (raises when it cannot be reached).
+
+        Raises:
+            redis.exceptions.ConnectionError: the server cannot be reached,
+                or what answers is not a Redis server (the message names
+                the address).
+        """
+        try:
+            await self.execute("PING")
+        except rexc.InvalidResponse as e:
+            raise rexc.ConnectionError(str(e)) from e
+        except rexc.TimeoutError as e:
+            raise rexc.ConnectionError(
+                f"{self.params.address} did not answer as a Redis server (no reply to PING "
+                f"within {DEFAULT_TIMEOUT} s)") from e
 
     async def aclose(self) -> None:
         """Close every idle connection; leased ones close when given back."""

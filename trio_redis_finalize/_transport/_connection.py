@@ -34,7 +34,7 @@ from .._core._replies import (
 from ._keepalive import set_keepalive
 from ._url import ConnectionParams
 
-__all__ = ["DEFAULT_TIMEOUT", "Connection", "open_connection", "pack_command"]
+__all__ = ["DEFAULT_TIMEOUT", "Connection", "open_connection", "pack_command", "why_not_connected"]
 
 pack_command = cast(Callable[[Sequence["Arg"]], bytes], hiredis.pack_command)
 """``hiredis.pack_command`` (its stub wrongly types the argument as a 1-tuple)."""
@@ -116,6 +116,12 @@ class Connection:
             ) from e
         self._reader.feed(data)
 
+    def _not_redis(self, e: rexc.InvalidResponse) -> rexc.InvalidResponse:
+        """A reply that is not RESP: the peer is no Redis server (or not one
+        any more); the error names the address."""
+        self.lost = True
+        return rexc.InvalidResponse(f"{self.params.address} did not answer as a Redis server ({e})")
+
     async def _read_reply(self) -> Any:
         while True:
             reply = self._reader.gets()
@@ -156,12 +162,15 @@ class Connection:
                 # socket is read only when the parser has no complete reply
                 gets = self._reader.gets
                 append = replies.append
-                while len(replies) < n:
-                    reply = gets()
-                    if reply is _NOT_ENOUGH:
-                        await self._receive()
-                    else:
-                        append(reply)
+                try:
+                    while len(replies) < n:
+                        reply = gets()
+                        if reply is _NOT_ENOUGH:
+                            await self._receive()
+                        else:
+                            append(reply)
+                except rexc.InvalidResponse as e:
+                    raise self._not_redis(e) from None
             if scope is not None and scope.cancelled_caught:
                 raise rexc.TimeoutError(
                     f"no reply from {self.params.address} within {timeout} s (outcome unknown)"
@@ -238,6 +247,21 @@ async def _connect_stream(params: ConnectionParams) -> anyio.abc.ByteStream:
     return await anyio.connect_tcp(params.host, params.port)
 
 
+def why_not_connected(e: BaseException, params: ConnectionParams) -> str:
+    """Why a connection attempt failed, in words (``connection refused``, ...)."""
+    if isinstance(e, TimeoutError):
+        return f"no connection within {params.connect_timeout} s"
+    # anyio's connect_tcp: "All connection attempts failed", the attempt's error as the cause
+    cause = e.__cause__ if isinstance(e.__cause__, OSError) else e
+    if isinstance(cause, ConnectionRefusedError):
+        return "connection refused (is a Redis server running there?)"
+    if isinstance(cause, FileNotFoundError):
+        return "no such socket file (is a Redis server running there?)"
+    if isinstance(cause, OSError) and cause.strerror:
+        return cause.strerror[:1].lower() + cause.strerror[1:]
+    return str(cause) or type(cause).__name__
+
+
 def _handshake(params: ConnectionParams, name: str | None) -> list[Command]:
     cmds: list[Command] = []
     if params.password is not None:
@@ -268,7 +292,8 @@ async def open_connection(
         with anyio.fail_after(params.connect_timeout):
             stream = await _connect_stream(params)
     except (OSError, TimeoutError, anyio.BrokenResourceError) as e:
-        raise rexc.ConnectionError(f"cannot connect to {params.address}: {e!r}") from e
+        raise rexc.ConnectionError(
+            f"cannot connect to {params.address}: {why_not_connected(e, params)}") from e
     set_keepalive(stream, params.keepalive)
     conn = factory(stream, params)
     cmds = [*_handshake(params, name), *extra]
@@ -276,7 +301,11 @@ async def open_connection(
         try:
             replies = await conn.pipeline(cmds, timeout=params.connect_timeout)
         except rexc.TimeoutError as e:
-            raise rexc.ConnectionError(f"handshake with {params.address} timed out ({e})") from e
+            raise rexc.ConnectionError(
+                f"{params.address} did not answer as a Redis server (no reply to the handshake, "
+                f"{_describe_many(cmds)}, within {params.connect_timeout} s)") from e
+        except rexc.InvalidResponse as e:
+            raise rexc.ConnectionError(str(e)) from e
         for cmd, reply in zip(cmds, replies, strict=True):
             if isinstance(reply, rexc.RedisError):
                 await conn.aclose()

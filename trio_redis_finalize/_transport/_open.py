@@ -17,18 +17,29 @@ __all__ = ["open_client"]
 async def open_client(
     url: str | ConnectionParams, *, name: str | None = None, max_connections: int = 32
 ) -> AsyncIterator[Client]:
-    """A :class:`Client` for ``url``; checks the server answers, closes on exit.
+    """A :class:`~trio_redis_finalize.Client` for ``url``; checks the server
+    answers, closes on exit.
 
-    A ``redis+cluster://`` URL gives a :class:`~._cluster.ClusterClient` (the
-    same interface, commands routed by hash slot); it reads the slot map
-    from the first seed node that answers.  A ``redis+sentinel://`` URL (or
-    ``sentinel_params``) gives a ``SentinelClient``:
-    commands go to the master the sentinels name, and a background task
+    Give it to ``open_consumer`` and ``open_publisher`` to share its
+    connections.  ``url``: a URL as ``open_consumer`` takes, or the
+    :class:`~trio_redis_finalize.ConnectionParams` of
+    :func:`~trio_redis_finalize.sentinel_params`.  A ``redis+cluster://``
+    URL gives a client of the same interface whose commands are routed by
+    hash slot (one pool per master node, ``MOVED`` and ``ASK`` followed); it
+    reads the slot map from the first seed node that answers.  A
+    ``redis+sentinel://`` URL (or ``sentinel_params``) gives one whose
+    commands go to the master the sentinels name; a background task
     follows ``+switch-master`` while the client is open.
+
+    Args:
+        url: where to connect.
+        name: the connections' name (``CLIENT SETNAME``).
+        max_connections: the pool's size.
 
     Raises:
         ValueError: the URL is not understood.
-        redis.exceptions.ConnectionError: the server cannot be reached.
+        redis.exceptions.ConnectionError: the server cannot be reached, or
+            is not a Redis server (the message names the address).
     """
     params = parse_url(url) if isinstance(url, str) else url
     client: Client

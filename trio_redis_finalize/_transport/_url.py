@@ -17,7 +17,9 @@ SENTINEL_PORT = 26379
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ConnectionParams:
-    """Where and how to connect; built by :func:`parse_url`."""
+    """Where and how to connect (immutable): what a URL says, or what
+    :func:`~trio_redis_finalize.sentinel_params` builds; give it to
+    :func:`~trio_redis_finalize.open_client`."""
 
     host: str = "127.0.0.1"
     port: int = 6379
@@ -216,7 +218,7 @@ def parse_url(url: str) -> ConnectionParams:
 
 
 def sentinel_params(
-    sentinels: Sequence[tuple[str, int] | str],
+    sentinels: Sequence[tuple[str, int] | str] | str,
     service_name: str,
     *,
     db: int = 0,
@@ -231,17 +233,25 @@ def sentinel_params(
     """Connection parameters for the master ``service_name`` found through ``sentinels``.
 
     The constructor form of a ``redis+sentinel://`` URL: ``sentinels`` are
-    ``(host, port)`` pairs or ``"host:port"`` strings; ``username`` /
+    ``(host, port)`` pairs or ``"host:port"`` strings (or one string,
+    ``"host:port,host:port"``); ``username`` /
     ``password`` are the master's, ``sentinel_*`` the sentinels' own;
-    ``options`` are other :class:`ConnectionParams` fields (``connect_timeout``,
-    ``tls_ca_certs``, ``health_check_interval`` ...).  Give the result to
-    ``open_client`` or ``open_consumer``'s client.
+    ``options`` are other :class:`~trio_redis_finalize.ConnectionParams`
+    fields (``connect_timeout``, ``tls_ca_certs``, ``health_check_interval``
+    ...).  Give the result to :func:`~trio_redis_finalize.open_client`, and
+    the client to ``open_consumer`` or ``open_publisher``::
+
+        params = sentinel_params(["10.0.0.1:26379", "10.0.0.2:26379"], "orders-master")
+        async with open_client(params) as client, open_consumer(client) as consumer:
+            ...
 
     Raises:
         ValueError: naming the parameter that is wrong.
     """
     if not isinstance(service_name, str) or not service_name:
         raise ValueError(f"service_name must be a non-empty string, got {service_name!r}")
+    if isinstance(sentinels, str):  # not its characters, one by one
+        sentinels = [part.strip() for part in sentinels.split(",") if part.strip()]
     nodes: list[tuple[str, int]] = []
     for item in sentinels:
         if isinstance(item, str):
