@@ -84,7 +84,7 @@ from ._delivery import Delivery, record_error
 from ._finalizer import Finalizer
 from ._outcome import DROP, Backoff, Outcome
 from ._read_loop import Reader, drive
-from ._shutdown import CLOSE_MARGIN, FINALIZE_GRACE, Budget, cleanup, cleanup_until
+from ._shutdown import CLOSE_MARGIN, CLOSING_TIMEOUT, FINALIZE_GRACE, Budget, cleanup, cleanup_until
 from ._stats import DURATION_BOUNDS, MountStats
 from ._subscription import Form, Subscription
 from ._work_queue import WorkQueue
@@ -185,6 +185,7 @@ class Mount:
             gates=reader.gates, settled=self.settled,
         )
         self.stopping = False
+        self.reading = False  # mount() returned: the reader set itself up
         self.done = anyio.Event()
         self._reader_scope = anyio.CancelScope()
         self._handlers_scope = anyio.CancelScope()
@@ -310,6 +311,7 @@ class Mount:
                     tg.start_soon(self.finalizer.run, self._outcome_recv)
                     tg.start_soon(self._handlers, handler_senders)
                     await tg.start(self._read)
+                    self.reading = True
                     self._outer_scope.shield = True
                     task_status.started()
         finally:
@@ -346,6 +348,20 @@ class Mount:
         self._outer_scope.deadline = budget.mounts  # whatever still runs then is cancelled
         with cleanup_until(budget.mounts + CLOSE_MARGIN):
             await self.done.wait()
+
+    async def deregister(self) -> None:
+        """Phase 6 of the shutdown (``_shutdown``): the reader's ``closed`` step
+        (a stream's or reliable list's consumer deregisters when nothing is
+        left pending for it), shielded, within ``CLOSING_TIMEOUT``."""
+        if not self.reading:
+            return
+        with cleanup(CLOSING_TIMEOUT):
+            try:
+                await self.reader.closed(self)
+            except (rexc.RedisError, OSError) as e:
+                log.warning("%s: deregistering consumer %r failed (%s); its heartbeat lapses "
+                            "and a live consumer removes it", self.name, self.consumer.name, e,
+                            extra={"subscription": self.name})
 
     # -- handlers -------------------------------------------------------------
     async def _handlers(self, senders: list[Send[list[Item]]]) -> None:

@@ -443,6 +443,9 @@ class StreamReader:
     async def closing(self, ctx: Context) -> None:
         pass
 
+    async def closed(self, ctx: Context) -> None:
+        pass  # nothing registered
+
 
     def _plan_recovery(self) -> None:
         """Look at the own PEL before the next read (CLAIMING: its claims do)."""
