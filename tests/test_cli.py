@@ -199,12 +199,13 @@ def test_run_consumes_then_stops_gracefully_on_sigterm(
     assert sorted(_handled(tmp_path)) == [str(i) for i in range(5)]
     assert "SIGTERM" in err and "shutting down gracefully" in err
     assert "Traceback" not in err
-    # every handled entry was acknowledged, by consumer w1
+    # every handled entry was acknowledged; consumer w1, with nothing left
+    # pending, deregistered as it stopped (the group, its heartbeat, the registry)
     assert cmd(redis_server, "XPENDING", "jobs", "workers")[0] == 0
     (group,) = [pairs(g) for g in cmd(redis_server, "XINFO", "GROUPS", "jobs")]
     assert group[b"last-delivered-id"].decode() == ids[-1]
-    consumers = [pairs(c)[b"name"] for c in cmd(redis_server, "XINFO", "CONSUMERS", "jobs", "workers")]
-    assert consumers == [b"w1"]
+    assert cmd(redis_server, "XINFO", "CONSUMERS", "jobs", "workers") == []
+    assert cmd(redis_server, "EXISTS", "{jobs}:heartbeat:workers:w1", "{jobs}:consumers:workers") == 0
 
 
 def test_run_second_signal_exits_at_once(
@@ -607,6 +608,26 @@ def test_run_shutdown_line_counts_what_was_left_pending(
     assert code == 0, err
     assert "trio-redis-finalize run: stopped: finalized 1 delivery (acked 1); left pending 1" in err
     assert cmd(redis_server, "XPENDING", "jobs", "workers")[0] == 1
+
+
+def test_run_shutdown_line_says_what_is_stranded_in_the_group(
+    tmp_path: Path, redis_url: str, redis_server: RedisServer
+) -> None:
+    """Entries pending for a consumer without a heartbeat (another client) are
+    not this consumer's to finish: the shutdown line does not stop at "left
+    pending 0", it says how many are stranded, and where."""
+    (tmp_path / "worker_mod.py").write_text(WORKER)
+    for i in range(3):
+        cmd(redis_server, "XADD", "jobs", "*", "n", str(i))
+    cmd(redis_server, "XGROUP", "CREATE", "jobs", "workers", "0")
+    cmd(redis_server, "XREADGROUP", "GROUP", "workers", "foreign", "COUNT", 2, "STREAMS", "jobs", ">")
+    code, err = _run_until_handled(tmp_path, ["worker_mod:setup", "--url", redis_url], 1)
+    assert code == 0, err
+    [line] = [ln for ln in err.splitlines() if ln.startswith("trio-redis-finalize run: stopped")]
+    assert "; left pending 0 by this consumer (redelivered later); stranded: 2 in stream 'jobs' " \
+           "group 'workers' (entries pending for other consumers of the group with no live " \
+           "heartbeat" in line, line
+    assert "2 entries pending for consumer 'foreign'" in err  # the warning at mount
 
 
 def test_run_metrics_port_serves_prometheus(

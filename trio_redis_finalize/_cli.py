@@ -155,8 +155,14 @@ def shutdown_summary(stats: dict[str, dict[str, Any]]) -> str:
     finalized = sum(n for e, n in effects.items() if e in kinds)
     detail = ", ".join(f"{e} {n}" for e, n in sorted(effects.items()) if n and e in kinds)
     left = max(0, received - handled) + effects.get("left_pending", 0)
+    stranded = [f"{n} in {name}" for name, s in stats.items() if (n := s.get("stranded"))]
     return (f"stopped: finalized {finalized} deliver{'y' if finalized == 1 else 'ies'}"
-            f"{f' ({detail})' if detail else ''}; left pending {left} (redelivered later)")
+            f"{f' ({detail})' if detail else ''}; left pending {left} by this consumer "
+            "(redelivered later)" + (
+                f"; stranded: {', '.join(stranded)} (entries pending for other consumers of the "
+                "group with no live heartbeat, as last seen: dead ones are taken over by the "
+                "next live consumer, those that never kept one are not -- see inspect KEY "
+                "--group G)" if stranded else ""))
 
 
 async def _watch_signals(signals: Any, stop: anyio.CancelScope) -> None:
