@@ -301,6 +301,44 @@ def test_inspect_stream_table_and_json(redis_url: str, redis_server: RedisServer
         "trio-redis-finalize inspect: error: stream 'orders' has no consumer group 'nope'")
 
 
+def test_inspect_stream_shows_heartbeats_and_marks_stranded_consumers(
+        redis_url: str, redis_server: RedisServer) -> None:
+    """Per consumer of a group: pending, idle, its heartbeat (alive: the key
+    and its TTL; lapsed: registered, key gone -- dead; none: never kept one)
+    and whether what it holds is stranded; per group, how many entries are."""
+    for i in range(3):
+        cmd(redis_server, "XADD", "orders", "*", "n", str(i))
+    cmd(redis_server, "XGROUP", "CREATE", "orders", "billing", "0")
+    for who in ("alive", "dead", "foreign"):
+        cmd(redis_server, "XREADGROUP", "GROUP", "billing", who, "COUNT", "1", "STREAMS", "orders", ">")
+    cmd(redis_server, "XGROUP", "CREATECONSUMER", "orders", "billing", "idle")
+    cmd(redis_server, "HSET", "{orders}:consumers:billing", "alive", "30000 plain", "dead", "500 reclaim")
+    cmd(redis_server, "SET", "{orders}:heartbeat:billing:alive", "alive", "PX", "60000")
+
+    r = cli("inspect", "orders", "--group", "billing", "--url", redis_url, "--json")
+    assert r.returncode == 0, r.stderr
+    [g] = json.loads(r.stdout)["groups"]
+    by = {c["name"]: c for c in g["consumer_list"]}
+    assert set(by) == {"alive", "dead", "foreign", "idle"}
+    assert (by["alive"]["heartbeat"], by["alive"]["stranded"], by["alive"]["pending"]) == ("alive", False, 1)
+    assert 50 < by["alive"]["heartbeat_ttl"] <= 60 and by["alive"]["heartbeat_period"] == 30.0
+    dead = by["dead"]
+    assert (dead["heartbeat"], dead["stranded"], dead["mode"]) == ("lapsed", True, "reclaim")
+    assert (by["foreign"]["heartbeat"], by["foreign"]["stranded"]) == ("none", True)
+    assert (by["idle"]["heartbeat"], by["idle"]["stranded"]) == ("none", False)
+    assert g["stranded"] == 2
+
+    r = cli("inspect", "orders", "--group", "billing", "--url", redis_url)
+    assert r.returncode == 0, r.stderr
+    rows = {ln.split("|")[1].strip(): [c.strip() for c in ln.strip("|").split("|")]
+            for ln in r.stdout.splitlines() if ln.startswith("| ") and ln.count("|") == 6}
+    assert rows["alive"][3].startswith("alive (expires in") and rows["alive"][4] == "-"
+    assert rows["dead"][3] == "lapsed (dead)" and rows["dead"][4].startswith("yes: a live")
+    assert rows["foreign"][3] == "none" and rows["foreign"][4].startswith("yes: no heartbeat")
+    assert rows["idle"][4] == "-"
+    assert "stranded in group billing: 2 pending entries" in r.stdout
+
+
 async def test_inspect_reliable_list_of_a_running_consumer(redis_url: str) -> None:
     """Processing list, owner and heartbeat come from a real consumer."""
     release = trio.Event()
