@@ -95,7 +95,10 @@ def test_survey_reaps_the_dead_and_counts_the_stranded() -> None:
     # dead (entries: taken once idle its own heartbeat, 1 s), empty and ghost (deleted)
     assert [(r.peer.name, r.page, r.min_idle) for r in s.reap] == [
         ("dead", 100, 1.0), ("empty", 0, 30.0), ("ghost", 0, 30.0)]
-    assert s.reap[0].args("billing", "me") == ["billing", "dead", "me", 1000, 100]
+    assert s.reap[0].candidates("orders", "billing") == (
+        "XPENDING", "orders", "billing", "IDLE", 1000, "-", "+", 100, "dead")
+    assert s.reap[0].args("billing", "me", [b"1-1"]) == ["billing", "dead", "me", 1000, 100, b"1-1"]
+    assert s.reap[1].args("billing", "me") == ["billing", "empty", "me", 30000, 0]
     assert s.stranded == 3 + 4  # the dead one's and the foreign one's
     assert s.wake == 12.5  # when "alive" would lapse
 

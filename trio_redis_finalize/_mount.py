@@ -62,6 +62,7 @@ import math
 import sys
 from bisect import bisect_left
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from time import monotonic
 from typing import TYPE_CHECKING
 
@@ -83,7 +84,7 @@ from ._core._plan import Effect, Target
 from ._delivery import Delivery, record_error
 from ._finalizer import Finalizer
 from ._outcome import DROP, Backoff, Outcome
-from ._read_loop import Reader, drive
+from ._read_loop import Reader, drive, retry_not_run
 from ._shutdown import CLOSE_MARGIN, CLOSING_TIMEOUT, FINALIZE_GRACE, Budget, cleanup, cleanup_until
 from ._stats import DURATION_BOUNDS, MountStats
 from ._subscription import Form, Subscription
@@ -352,12 +353,16 @@ class Mount:
     async def deregister(self) -> None:
         """Phase 6 of the shutdown (``_shutdown``): the reader's ``closed`` step
         (a stream's or reliable list's consumer deregisters when nothing is
-        left pending for it), shielded, within ``CLOSING_TIMEOUT``."""
+        left pending for it), shielded, within ``CLOSING_TIMEOUT``, asked
+        again while the server refuses it for now."""
         if not self.reading:
             return
         with cleanup(CLOSING_TIMEOUT):
             try:
-                await self.reader.closed(self)
+                # asked again while the server says it did not run it (OOM, BUSY ...)
+                await retry_not_run(self, partial(self.reader.closed, self),
+                                    deadline=anyio.current_time() + CLOSING_TIMEOUT,
+                                    what="deregistering")
             except (rexc.RedisError, OSError) as e:
                 log.warning("%s: deregistering consumer %r failed (%s); its heartbeat lapses "
                             "and a live consumer removes it", self.name, self.consumer.name, e,

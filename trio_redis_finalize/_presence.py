@@ -57,21 +57,24 @@ __all__ = ["Adopt", "StreamPresence"]
 _LAPSE_MARGIN = 0.005
 """Seconds after a heartbeat key's TTL ends before the look that finds it gone."""
 
-Adopt = Callable[[Context, list[Entry], dict[bytes, int], list[bytes]], Awaitable[None]]
-"""The reader's hand-over of entries just taken into its PEL (with the delivery
-count each has now) and of the ids the stream no longer has."""
+Adopt = Callable[[Context, list[bytes], list[Entry], dict[bytes, int], list[bytes]],
+                 Awaitable[None]]
+"""The reader's hand-over of what a :data:`~._core._presence.REAP` of the
+candidate ids took into its PEL (the entries, the delivery count each has
+now) and of the ids the stream no longer has."""
 
 
 class StreamPresence:
     """The heartbeat, reaper and deregistration of one stream mount (see the module docstring).
 
-    ``claiming``: called before a :data:`~._core._presence.REAP` is sent (a
-    reply lost then may have moved entries into the own PEL unseen);
-    ``adopt``: called with what it took.
+    ``claiming(ids)``: called before a :data:`~._core._presence.REAP` that
+    may take ``ids`` is sent (a reply lost then may have moved them into the
+    own PEL unseen, their count raised already); ``adopt``: called with what
+    it took.
     """
 
     def __init__(self, stream: str, group: str, mode: Mode, min_idle: float, heartbeat: float,
-                 page: int, claiming: Callable[[], None], adopt: Adopt) -> None:
+                 page: int, claiming: Callable[[list[bytes]], None], adopt: Adopt) -> None:
         self.stream = stream
         self.group = group
         self.mode = mode
@@ -118,6 +121,10 @@ class StreamPresence:
     async def look(self, ctx: Context) -> Survey:
         """Look at the group, take over dead consumers, warn about stranded work.
 
+        Per dead consumer whose entries are to be taken: an ``XPENDING ...
+        IDLE`` of one page of candidates, then :data:`~._core._presence.REAP`
+        (which takes each only while still pending for it and idle enough).
+
         Errors propagate (a step of the read loop: logged, backed off, tried
         again; a reply lost while taking plans the own-PEL recovery).
         """
@@ -146,15 +153,19 @@ class StreamPresence:
         more = False
         left = found.stranded
         for r in found.reap:
+            ids: list[bytes] = []
             if r.page:
-                self._claiming()  # a reply lost now may leave entries in the own PEL unseen
+                rows = await client.execute(*r.candidates(self.stream, self.group),
+                                            timeout=FINALIZE_TIMEOUT)
+                ids = [row[0] for row in rows]
+                self._claiming(ids)  # a reply lost now may leave them in the own PEL unseen
             got = parse_reap(await client.evalsha(
                 REAP, (self.stream, self._heartbeat_of(r.peer.name), self._registry),
-                r.args(self.group, me), timeout=FINALIZE_TIMEOUT,
+                r.args(self.group, me, ids), timeout=FINALIZE_TIMEOUT,
             ))
             if got is None:  # its heartbeat came back: nothing taken
                 if r.page:
-                    await self._adopt(ctx, [], {}, [])
+                    await self._adopt(ctx, ids, [], {}, [])
                 continue
             taken = len(got.entries) + len(got.gone)
             left -= min(taken, r.peer.pending)
@@ -169,7 +180,7 @@ class StreamPresence:
                                 r.peer.name, len(got.entries),
                                 f"; {len(got.gone)} more were deleted while pending"
                                 if got.gone else "", extra={"subscription": ctx.name})
-                await self._adopt(ctx, got.entries, got.counts, got.gone)
+                await self._adopt(ctx, ids, got.entries, got.counts, got.gone)
             if got.forgotten:
                 self._warned.discard(r.peer.name)
                 log.info("%s: removed dead consumer %r from the group (nothing pending for it)",

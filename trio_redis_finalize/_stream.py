@@ -661,23 +661,26 @@ class StreamReader:
                                     extra={"subscription": ctx.name})
             raise
 
-    def _claiming(self) -> None:
-        """A claim into the own PEL is about to be sent (the reaper's): should its
-        reply be lost, the own PEL is looked at before the next read."""
+    def _claiming(self, ids: list[bytes]) -> None:
+        """The reaper is about to claim ``ids`` (their count one higher) into the
+        own PEL: should its reply be lost, the own PEL is looked at before the
+        next read, and those found there count as they are (the claim counted
+        the attempt already)."""
         self._unsure = True
+        self._taking.update(dict.fromkeys(ids))
 
-    async def _adopt(self, ctx: Context, entries: list[Entry], counts: dict[bytes, int],
-                     gone: list[bytes]) -> None:
-        """What the reaper took into the own PEL (``counts``: the delivery count
-        of each, set by the claim), handed over; ``gone``: ids the stream no
-        longer has, acknowledged and reported lost."""
+    async def _adopt(self, ctx: Context, ids: list[bytes], entries: list[Entry],
+                     counts: dict[bytes, int], gone: list[bytes]) -> None:
+        """What the reaper's claim of ``ids`` took into the own PEL (``counts``:
+        the delivery count of each, set by the claim), handed over; ``gone``:
+        ids the stream no longer has, acknowledged and reported lost."""
         self._unsure = False  # its reply is here
         # until handed over: a recovery after a failure in between counts them alike
         self._taking.update(counts)
         try:
             await self._deliver_taken(ctx, entries, counts, gone)
         finally:
-            for eid in counts:
+            for eid in ids:
                 self._taking.pop(eid, None)
 
     async def _deliver_taken(self, ctx: Context, entries: list[Entry], counts: dict[bytes, int],

@@ -124,30 +124,32 @@ def beat(stream: str, group: str, consumer: str, heartbeat: float, mode: Mode,
 
 
 # KEYS: stream, the dead consumer's heartbeat key, registry.
-# ARGV: group, dead consumer, me, min idle (ms), page (0: take nothing).
+# ARGV: group, dead consumer, me, min idle (ms), page, id, id, ...
 # Gated on the heartbeat key being absent (the consumer came back: -1).
-# Takes each of the first `page` entries pending for the dead consumer that
-# have been idle `min idle`, with its delivery count one higher (the crash
-# counts as an attempt); an entry another consumer took meanwhile is not
-# pending for the dead one any more, one touched since is not idle enough:
-# racing reapers take each entry once.  Then, when nothing is pending for the
-# dead consumer any more, deletes it from the group and from the registry.
+# Takes each id (the reaper looked them up: XPENDING ... IDLE, at most `page`)
+# that is still pending for the dead consumer and idle `min idle`, with its
+# delivery count one higher (the crash counts as an attempt); one another
+# consumer took meanwhile is not pending for the dead one any more, one
+# touched since is not idle enough: racing reapers take each entry once.
+# Then, when nothing is pending for the dead consumer any more, deletes it
+# from the group and from the registry.
 # Returns {taken, gone, wait, forgotten}: taken = {id, fields, count} each;
 # gone = ids the stream no longer has (Redis 6.2 claims them as nil, 7+ drops
 # them from the PEL); wait = ms until the next entry left is idle enough (-1:
-# none is left, or page is 0); forgotten = 1 when the consumer was deleted.
+# none left, or page 0: nothing is to be taken); forgotten = 1 when the
+# consumer was deleted.
 REAP = Script(
     """
 if redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
 local group, dead, me = ARGV[1], ARGV[2], ARGV[3]
 local min_idle, page = tonumber(ARGV[4]), tonumber(ARGV[5])
 local taken, gone = {}, {}
-if page > 0 then
-  local rows = redis.call('XPENDING', KEYS[1], group, 'IDLE', min_idle, '-', '+', page, dead)
-  for _, r in ipairs(rows) do
-    local n = tonumber(r[4]) + 1
-    local c = redis.call('XCLAIM', KEYS[1], group, me, 0, r[1], 'RETRYCOUNT', n)
-    if c[1] then taken[#taken + 1] = {c[1][1], c[1][2], n} else gone[#gone + 1] = r[1] end
+for i = 6, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], group, 'IDLE', min_idle, ARGV[i], ARGV[i], 1, dead)
+  if #p > 0 then
+    local n = tonumber(p[1][4]) + 1
+    local c = redis.call('XCLAIM', KEYS[1], group, me, 0, ARGV[i], 'RETRYCOUNT', n)
+    if c[1] then taken[#taken + 1] = {c[1][1], c[1][2], n} else gone[#gone + 1] = ARGV[i] end
   end
 end
 local rest = redis.call('XPENDING', KEYS[1], group, '-', '+', math.max(page, 1), dead)
@@ -278,8 +280,17 @@ class Reap:
     min_idle: float
     """Seconds an entry must have been idle to be taken (the dead consumer's heartbeat)."""
 
-    def args(self, group: str, me: str) -> list[str | int]:
-        return [group, self.peer.name, me, max(1, round(self.min_idle * 1000)), self.page]
+    @property
+    def min_idle_ms(self) -> int:
+        return max(1, round(self.min_idle * 1000))
+
+    def candidates(self, stream: str, group: str) -> Command:
+        """The ``XPENDING`` of the entries :data:`REAP` is to take (idle enough, one page)."""
+        return ("XPENDING", stream, group, "IDLE", self.min_idle_ms, "-", "+", self.page,
+                self.peer.name)
+
+    def args(self, group: str, me: str, ids: Sequence[bytes] = ()) -> list[str | int | bytes]:
+        return [group, self.peer.name, me, self.min_idle_ms, self.page, *ids]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
