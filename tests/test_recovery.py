@@ -363,6 +363,25 @@ async def test_claiming_leaves_a_dead_consumers_pel_to_xautoclaim_and_deletes_it
     assert seen == [("c1", eid, 2)]
 
 
+async def test_a_registry_key_of_another_type_is_logged_and_reading_goes_on(
+        redis_url: str, client: Client, caplog: pytest.LogCaptureFixture) -> None:
+    """An error reply that can never succeed at the look at the group (the
+    registry key replaced by a string) is logged and the look tried again
+    later: it never stops the reading."""
+    caplog.set_level(logging.WARNING, logger="trio_redis_finalize")
+    seen: list[tuple[str, str, int]] = []
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(sub(heartbeat=0.2), Seen("c1", seen))
+        await client.execute("SET", REGISTRY, "not a hash")
+        await trio.sleep(0.3)  # looks at the group meet WRONGTYPE
+        for i in range(3):
+            await client.execute("XADD", S, "*", "n", str(i))
+        await eventually(lambda: effects(consumer).get("acked") == 3, what="read and acked")
+        assert stats(consumer)["read_errors"] >= 1
+    assert any(r.levelname == "ERROR" and "looking for dead consumers of the group failed"
+               in r.getMessage() and "WRONGTYPE" in r.getMessage() for r in caplog.records)
+
+
 # -- a clean stop ---------------------------------------------------------------------
 
 async def test_a_clean_stop_deregisters(redis_url: str, client: Client) -> None:

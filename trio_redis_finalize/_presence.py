@@ -47,6 +47,7 @@ from ._core._presence import (
     survey,
     warnings,
 )
+from ._core._replies import FINAL, classify, error_code
 from ._shutdown import CLOSING_TIMEOUT, Budget
 
 if TYPE_CHECKING:
@@ -117,6 +118,23 @@ class StreamPresence:
     # -- the reaper ---------------------------------------------------------------
     def due(self) -> bool:
         return anyio.current_time() >= self._next
+
+    async def step(self, ctx: Context) -> None:
+        """:meth:`look`, as a step of the read loop: what the loop handles
+        (connection errors, refusals for now, a group gone) propagates; an
+        error reply that can never succeed (a registry key of another type,
+        say) is logged and the look tried again ``heartbeat / 2`` later, so it
+        never stops the reading."""
+        try:
+            await self.look(ctx)
+        except rexc.ResponseError as e:
+            if classify(e) is not FINAL or error_code(e) in ("NOGROUP", "UNBLOCKED"):
+                raise
+            ctx.stats.read_errors += 1
+            wait = self.heartbeat / 2
+            self._next = anyio.current_time() + wait
+            log.error("%s: looking for dead consumers of the group failed: %s; trying again in "
+                      "%g s", ctx.name, e, wait, extra={"subscription": ctx.name})
 
     async def look(self, ctx: Context) -> Survey:
         """Look at the group, take over dead consumers, warn about stranded work.

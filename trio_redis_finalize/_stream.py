@@ -420,7 +420,7 @@ class StreamReader:
             await self._recover(conn, ctx, start=self._first_recovery)
             self._recover_due = self._first_recovery = False
         if self._presence.due():
-            await self._presence.look(ctx)
+            await self._presence.step(ctx)
         if sub.mode is Mode.CLAIMING or (
             sub.mode is Mode.RECLAIM and anyio.current_time() >= self._next_claim
         ):
