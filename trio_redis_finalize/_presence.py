@@ -173,9 +173,9 @@ class StreamPresence:
         for r in found.reap:
             ids: list[bytes] = []
             if r.page:
-                rows = await client.execute(*r.candidates(self.stream, self.group),
-                                            timeout=FINALIZE_TIMEOUT)
-                ids = [row[0] for row in rows]
+                candidates = await client.execute(*r.candidates(self.stream, self.group),
+                                                  timeout=FINALIZE_TIMEOUT)
+                ids = [row[0] for row in candidates]
                 self._claiming(ids)  # a reply lost now may leave them in the own PEL unseen
             got = parse_reap(await client.evalsha(
                 REAP, (self.stream, self._heartbeat_of(r.peer.name), self._registry),
