@@ -200,12 +200,13 @@ def test_run_consumes_then_stops_gracefully_on_sigterm(
     assert sorted(_handled(tmp_path)) == [str(i) for i in range(5)]
     assert "SIGTERM" in err and "shutting down gracefully" in err
     assert "Traceback" not in err
-    # every handled entry was acknowledged, by consumer w1
+    # every handled entry was acknowledged; consumer w1, with nothing left
+    # pending, deregistered as it stopped (the group, its heartbeat, the registry)
     assert cmd(redis_server, "XPENDING", "jobs", "workers")[0] == 0
     (group,) = [pairs(g) for g in cmd(redis_server, "XINFO", "GROUPS", "jobs")]
     assert group[b"last-delivered-id"].decode() == ids[-1]
-    consumers = [pairs(c)[b"name"] for c in cmd(redis_server, "XINFO", "CONSUMERS", "jobs", "workers")]
-    assert consumers == [b"w1"]
+    assert cmd(redis_server, "XINFO", "CONSUMERS", "jobs", "workers") == []
+    assert cmd(redis_server, "EXISTS", "{jobs}:heartbeat:workers:w1", "{jobs}:consumers:workers") == 0
 
 
 def test_run_second_signal_exits_at_once(
@@ -299,6 +300,44 @@ def test_inspect_stream_table_and_json(redis_url: str, redis_server: RedisServer
     assert r.returncode == 2
     assert r.stderr.strip() == (
         "trio-redis-finalize inspect: error: stream 'orders' has no consumer group 'nope'")
+
+
+def test_inspect_stream_shows_heartbeats_and_marks_stranded_consumers(
+        redis_url: str, redis_server: RedisServer) -> None:
+    """Per consumer of a group: pending, idle, its heartbeat (alive: the key
+    and its TTL; lapsed: registered, key gone -- dead; none: never kept one)
+    and whether what it holds is stranded; per group, how many entries are."""
+    for i in range(3):
+        cmd(redis_server, "XADD", "orders", "*", "n", str(i))
+    cmd(redis_server, "XGROUP", "CREATE", "orders", "billing", "0")
+    for who in ("alive", "dead", "foreign"):
+        cmd(redis_server, "XREADGROUP", "GROUP", "billing", who, "COUNT", "1", "STREAMS", "orders", ">")
+    cmd(redis_server, "XGROUP", "CREATECONSUMER", "orders", "billing", "idle")
+    cmd(redis_server, "HSET", "{orders}:consumers:billing", "alive", "30000 plain", "dead", "500 reclaim")
+    cmd(redis_server, "SET", "{orders}:heartbeat:billing:alive", "alive", "PX", "60000")
+
+    r = cli("inspect", "orders", "--group", "billing", "--url", redis_url, "--json")
+    assert r.returncode == 0, r.stderr
+    [g] = json.loads(r.stdout)["groups"]
+    by = {c["name"]: c for c in g["consumer_list"]}
+    assert set(by) == {"alive", "dead", "foreign", "idle"}
+    assert (by["alive"]["heartbeat"], by["alive"]["stranded"], by["alive"]["pending"]) == ("alive", False, 1)
+    assert 50 < by["alive"]["heartbeat_ttl"] <= 60 and by["alive"]["heartbeat_period"] == 30.0
+    dead = by["dead"]
+    assert (dead["heartbeat"], dead["stranded"], dead["mode"]) == ("lapsed", True, "reclaim")
+    assert (by["foreign"]["heartbeat"], by["foreign"]["stranded"]) == ("none", True)
+    assert (by["idle"]["heartbeat"], by["idle"]["stranded"]) == ("none", False)
+    assert g["stranded"] == 2
+
+    r = cli("inspect", "orders", "--group", "billing", "--url", redis_url)
+    assert r.returncode == 0, r.stderr
+    rows = {ln.split("|")[1].strip(): [c.strip() for c in ln.strip("|").split("|")]
+            for ln in r.stdout.splitlines() if ln.startswith("| ") and ln.count("|") == 6}
+    assert rows["alive"][3].startswith("alive (expires in") and rows["alive"][4] == "-"
+    assert rows["dead"][3] == "lapsed (dead)" and rows["dead"][4].startswith("yes: a live")
+    assert rows["foreign"][3] == "none" and rows["foreign"][4].startswith("yes: no heartbeat")
+    assert rows["idle"][4] == "-"
+    assert "stranded in group billing: 2 pending entries" in r.stdout
 
 
 async def test_inspect_reliable_list_of_a_running_consumer(redis_url: str) -> None:
@@ -647,6 +686,26 @@ def test_run_shutdown_line_counts_what_was_left_pending(
     assert code == 0, err
     assert "trio-redis-finalize run: stopped: finalized 1 delivery (acked 1); left pending 1" in err
     assert cmd(redis_server, "XPENDING", "jobs", "workers")[0] == 1
+
+
+def test_run_shutdown_line_says_what_is_stranded_in_the_group(
+    tmp_path: Path, redis_url: str, redis_server: RedisServer
+) -> None:
+    """Entries pending for a consumer without a heartbeat (another client) are
+    not this consumer's to finish: the shutdown line does not stop at "left
+    pending 0", it says how many are stranded, and where."""
+    (tmp_path / "worker_mod.py").write_text(WORKER)
+    for i in range(3):
+        cmd(redis_server, "XADD", "jobs", "*", "n", str(i))
+    cmd(redis_server, "XGROUP", "CREATE", "jobs", "workers", "0")
+    cmd(redis_server, "XREADGROUP", "GROUP", "workers", "foreign", "COUNT", 2, "STREAMS", "jobs", ">")
+    code, err = _run_until_handled(tmp_path, ["worker_mod:setup", "--url", redis_url], 1)
+    assert code == 0, err
+    [line] = [ln for ln in err.splitlines() if ln.startswith("trio-redis-finalize run: stopped")]
+    assert "; left pending 0 by this consumer (redelivered later); stranded: 2 in stream 'jobs' " \
+           "group 'workers' (entries pending for other consumers of the group with no live " \
+           "heartbeat" in line, line
+    assert "2 entries pending for consumer 'foreign'" in err  # the warning at mount
 
 
 def test_run_metrics_port_serves_prometheus(

@@ -19,7 +19,8 @@ Each case runs a short workload (a handful of messages whose handlers return
 ACK, RETRY, DROP, retry_after, or RETRY until ``max_attempts`` sends them to
 the dead letter; pre-seeded state so that recovery paths run: an own PEL /
 processing list from a previous life, a dead consumer's entries to reclaim /
-reap) until Redis holds nothing left to do, shuts down gracefully, and checks:
+reap -- for the stream reaper, a dead consumer registered by the library
+whose heartbeat is gone) until Redis holds nothing left to do, shuts down gracefully, and checks:
 
 * no loss: every message was finalized by a handler (ACK / DROP / the dead
   letter) or is still physically in Redis;
@@ -138,14 +139,17 @@ class Workload:
     kinds: tuple[str, ...]  # the command kinds this workload is the test of
     make: Callable[[], Any]  # the subscription
     plans: tuple[str, ...] = ("ack", "retry", "drop", "later", "dead")
-    seed: str = ""  # "own": own PEL / processing list; "dead": a dead consumer's too
+    # "own": own PEL / processing list; "dead": a dead consumer's too (streams:
+    # one without a heartbeat, for XAUTOCLAIM); "registered": a dead stream
+    # consumer the library registered, its heartbeat gone (for the reaper)
+    seed: str = ""
     concurrency: int = 2
     dead_letter: str | None = None
 
 
 def _stream(**kw: Any) -> Callable[[], StreamSubscription]:
     return lambda: StreamSubscription(S, G, **{"block": 0.05, "max_attempts": MAX_ATTEMPTS,
-                                              "dead_letter": S_DEAD, **kw})
+                                              "dead_letter": S_DEAD, "heartbeat": 1.5, **kw})
 
 
 def _rlist(**kw: Any) -> Callable[[], ReliableListSubscription]:
@@ -159,6 +163,12 @@ WORKLOADS = [
              ("TYPE", "XGROUP CREATE", "XINFO GROUPS", "XPENDING", "XCLAIM", "XREADGROUP>", "XACK",
               "EVALSHA:stream_copy_ack", "XADD"),
              _stream(), seed="own", dead_letter=S_DEAD),
+    # the heartbeat, the registry, the reaper (a registered dead consumer's
+    # entry taken over, the consumer deleted), the deregistration at shutdown
+    Workload("stream-reap", "stream",
+             ("SET", "HSET", "XINFO CONSUMERS", "HGETALL", "PTTL", "XPENDING IDLE",
+              "EVALSHA:stream_reap", "EVALSHA:stream_forget"),
+             _stream(), seed="registered", dead_letter=S_DEAD),
     Workload("stream-reclaim", "stream", ("XAUTOCLAIM", "XCLAIM"),
              _stream(mode=Mode.RECLAIM, min_idle=0.6), seed="dead", dead_letter=S_DEAD),
     Workload("stream-claiming", "stream", ("XPENDING", "XAUTOCLAIM", "XCLAIM"),
@@ -196,6 +206,7 @@ WORKLOADS = [
 ]
 
 PERIODIC_KINDS = {"SET", "HSET", "HGETALL", "EXISTS", "EVALSHA:reliable_list_reap", "XCLAIM"}
+"""Kinds a periodic task sends (heartbeat, reaper, lease): it meets one error per period."""
 ERRORS = [c for c in TRANSIENT_ERRORS if c != "NOSCRIPT"]
 FAULT_GROUPS = ["lost", "blackhole", "errors"]
 
@@ -273,6 +284,8 @@ async def _produce(admin: Client, case: Case) -> None:
             owner = NAME if w.seed == "own" else DEAD_NAME
             await admin.execute("XREADGROUP", "GROUP", G, owner, "COUNT", 1, "STREAMS", S, ">")
             await admin.execute("XCLAIM", S, G, owner, 0, ids[0], "IDLE", 600_000, "JUSTID")
+            if w.seed == "registered":  # as the library registers it; no heartbeat key
+                await admin.execute("HSET", "{orders}:consumers:" + G, DEAD_NAME, "1500 plain")
             case.seeded.add(ids[0])
         return
     if w.form == "list":
@@ -682,6 +695,8 @@ def test_kinds_name_scripts_and_reads() -> None:
     assert kind_of([b"XREADGROUP", b"GROUP", b"g", b"c", b"STREAMS", b"s", b">"]) == "XREADGROUP>"
     assert kind_of([b"XREADGROUP", b"GROUP", b"g", b"c", b"STREAMS", b"s", b"0"]) == "XREADGROUP0"
     assert kind_of([b"xgroup", b"create", b"s", b"g", b"0"]) == "XGROUP CREATE"
+    assert kind_of([b"XPENDING", b"s", b"g", b"IDLE", b"1500", b"-", b"+", b"10", b"w0"]) == "XPENDING IDLE"
+    assert kind_of([b"XPENDING", b"s", b"g", b"-", b"+", b"10", b"w1"]) == "XPENDING"
 
 
 # -- the matrix -------------------------------------------------------------------

@@ -340,6 +340,40 @@ async def test_a_returning_consumer_is_not_reaped(redis_url: str, client: Client
     assert await lrange(client, proc("back")) == [b"e"]
 
 
+async def test_a_clean_stop_deregisters(redis_url: str, client: Client) -> None:
+    """A consumer that stops cleanly with an empty processing list deletes its
+    heartbeat key and its registration (they stayed in the registry before)."""
+    await client.execute("LPUSH", Q, b"job")
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(sub(heartbeat=2), Recorder(lambda d: ACK))
+        await eventually(lambda: effects(consumer).get("acked") == 1, what="acked")
+        assert await client.execute("HGET", f"{{{Q}}}:consumers", "c1") == proc("c1").encode()
+        assert await client.execute("EXISTS", f"{{{Q}}}:heartbeat:c1") == 1
+    assert await client.execute("HEXISTS", f"{{{Q}}}:consumers", "c1") == 0
+    assert await client.execute("EXISTS", f"{{{Q}}}:heartbeat:c1") == 0
+
+
+async def test_a_stop_that_leaves_an_element_keeps_the_registration(
+    redis_url: str, client: Client
+) -> None:
+    """A handler cut at the grace leaves its element in the processing list:
+    the consumer stays registered, its heartbeat extended over the shutdown,
+    for the reaper once it lapses."""
+    await client.execute("LPUSH", Q, b"job")
+    started = trio.Event()
+
+    async def hang(d: Delivery) -> Any:
+        started.set()
+        await trio.sleep_forever()
+
+    async with open_consumer(redis_url, name="c1", shutdown_grace=0.1) as consumer:
+        await consumer.mount(sub(heartbeat=0.5), hang)
+        await started.wait()
+    assert await lrange(client, proc("c1")) == [b"job"]
+    assert await client.execute("HGET", f"{{{Q}}}:consumers", "c1") == proc("c1").encode()
+    assert int(await client.execute("PTTL", f"{{{Q}}}:heartbeat:c1")) > 5000  # grace + 11 s
+
+
 # -- max_attempts and the dead letter --------------------------------------------
 
 async def test_max_attempts_three_ends_in_exactly_one_dead_letter(

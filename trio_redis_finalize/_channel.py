@@ -226,3 +226,6 @@ class PubSubReader:
     async def closing(self, ctx: Context) -> None:
         pass
 
+    async def closed(self, ctx: Context) -> None:
+        pass  # nothing registered
+

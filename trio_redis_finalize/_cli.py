@@ -39,6 +39,7 @@ import anyio
 from anyio.abc import TaskStatus
 from redis import exceptions as rexc
 
+from ._core import _presence as presence
 from ._core._plan import DEAD_FIELDS, DEAD_REASON, Effect, why_key
 from ._core._reliable import heartbeat_key, registry_key
 from ._core._retention import GroupNeed, group_rows, oldest_needed
@@ -155,8 +156,14 @@ def shutdown_summary(stats: dict[str, dict[str, Any]]) -> str:
     finalized = sum(n for e, n in effects.items() if e in kinds)
     detail = ", ".join(f"{e} {n}" for e, n in sorted(effects.items()) if n and e in kinds)
     left = max(0, received - handled) + effects.get("left_pending", 0)
+    stranded = [f"{n} in {name}" for name, s in stats.items() if (n := s.get("stranded"))]
     return (f"stopped: finalized {finalized} deliver{'y' if finalized == 1 else 'ies'}"
-            f"{f' ({detail})' if detail else ''}; left pending {left} (redelivered later)")
+            f"{f' ({detail})' if detail else ''}; left pending {left} by this consumer "
+            "(redelivered later)" + (
+                f"; stranded: {', '.join(stranded)} (entries pending for other consumers of the "
+                "group with no live heartbeat, as last seen: dead ones are taken over by the "
+                "next live consumer, those that never kept one are not -- see inspect KEY "
+                "--group G)" if stranded else ""))
 
 
 async def _watch_signals(signals: Any, stop: anyio.CancelScope) -> None:
@@ -341,7 +348,8 @@ async def inspect_stream(client: Client, key: str, group: str | None) -> dict[st
             raise CliError(f"stream {key!r} has no consumer group {group!r}")
     for g in groups:
         gname = _str(g["name"])
-        consumers = [_pairs(c) for c in await client.execute("XINFO", "CONSUMERS", key, gname)]
+        rows = await client.execute("XINFO", "CONSUMERS", key, gname)
+        consumer_list, stranded = await _consumers(client, key, gname, rows)
         out["groups"].append({
             "name": gname,
             "consumers": int(g["consumers"]),
@@ -350,12 +358,57 @@ async def inspect_stream(client: Client, key: str, group: str | None) -> dict[st
             "oldest_needed_id": needs[gname].oldest_needed,
             "lag": _int_or_none(g.get("lag")),
             "oldest_idle_pending": await _oldest_idle(client, key, gname) if int(g["pending"]) else None,
-            "consumer_list": [
-                {"name": _str(c["name"]), "pending": int(c["pending"]), "idle": int(c["idle"]) / 1000}
-                for c in consumers
-            ],
+            "stranded": stranded,
+            "consumer_list": consumer_list,
         })
     return out
+
+
+async def _consumers(client: Client, key: str, group: str, rows: Sequence[Any]
+                     ) -> tuple[list[dict[str, Any]], int]:
+    """The group's consumers (``XINFO CONSUMERS`` ``rows``, and those in the
+    library's registry ``{KEY}:consumers:<group>``), each with its heartbeat
+    (``alive``, ``lapsed``: dead, ``none``: never kept one) and whether its
+    pending entries are stranded (no live heartbeat); and how many entries are."""
+    reg_key = presence.registry_key(key, group)
+    registered = (presence.registry(await client.execute("HGETALL", reg_key))
+                  if await key_type(client, reg_key) == "hash" else {})
+    names = list(registered)
+    ttls: dict[str, int] = {}
+    if names:
+        replies = await client.pipeline(
+            [("PTTL", presence.heartbeat_key(key, group, n)) for n in names])
+        ttls = {n: int(t) for n, t in zip(names, replies, strict=True)}
+    found = presence.peers(presence.consumer_rows(rows), registered, ttls)
+    out = []
+    for p in found:
+        reg = p.registration
+        out.append({
+            "name": p.name, "pending": p.pending, "idle": p.idle,
+            "heartbeat": p.heartbeat.value, "heartbeat_ttl": p.ttl,
+            "heartbeat_period": None if reg is None else reg.heartbeat,
+            "mode": None if reg is None or reg.mode is None else reg.mode.value,
+            "stranded": p.stranded,
+        })
+    return out, sum(p.pending for p in found if p.stranded)
+
+
+def _heartbeat_text(c: dict[str, Any]) -> str:
+    if c["heartbeat"] == "alive":
+        return "alive" + ("" if c["heartbeat_ttl"] is None else f" (expires in {c['heartbeat_ttl']:.3f} s)")
+    if c["heartbeat"] == "lapsed":
+        return "lapsed (dead)"
+    return "none"
+
+
+def _stranded_text(c: dict[str, Any]) -> str:
+    if not c["stranded"]:
+        return "-"
+    if c["heartbeat"] == "lapsed":
+        if c["mode"] == "claiming":
+            return "yes: a CLAIMING mount claims them back once idle min_idle"
+        return "yes: a live PLAIN/RECLAIM mount takes them over"
+    return "yes: no heartbeat; only Mode.RECLAIM (min_idle) or XCLAIM takes them"
 
 
 def _processing_prefix(queue: str) -> str:
@@ -620,9 +673,13 @@ def print_inspect(info: dict[str, Any]) -> None:
             if g["consumer_list"]:
                 print()
                 print_table(
-                    [f"consumer of {g['name']}", "pending", "idle"],
-                    [[c["name"], str(c["pending"]), _seconds(c["idle"])] for c in g["consumer_list"]],
+                    [f"consumer of {g['name']}", "pending", "idle", "heartbeat", "stranded"],
+                    [[c["name"], str(c["pending"]), _seconds(c["idle"]), _heartbeat_text(c),
+                      _stranded_text(c)] for c in g["consumer_list"]],
                 )
+                if g["stranded"]:
+                    print(f"stranded in group {g['name']}: {g['stranded']} pending entries under "
+                          "consumers with no live heartbeat")
     else:
         print()
         prows = [[p["key"], p["owner"], str(p["length"]),

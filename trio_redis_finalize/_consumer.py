@@ -207,6 +207,9 @@ class Consumer:
                 for m in self._mounts:
                     tg.start_soon(m.stop, budget)
             await self.scheduler.flush(budget.flush)  # phase 5
+            async with anyio.create_task_group() as tg:  # phase 6, every mount at once
+                for m in self._mounts:
+                    tg.start_soon(m.deregister)
 
 
 _READERS: dict[Form, Callable[[Any], Reader]] = {

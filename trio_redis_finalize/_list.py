@@ -116,6 +116,9 @@ class ListReader:
     async def closing(self, ctx: Context) -> None:
         pass
 
+    async def closed(self, ctx: Context) -> None:
+        pass  # nothing registered
+
     async def _give_back(self, ctx: Context, raws: list[bytes]) -> None:
         with cleanup(FINALIZE_TIMEOUT) as scope:
             attempt = 0

@@ -62,6 +62,7 @@ import math
 import sys
 from bisect import bisect_left
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from time import monotonic
 from typing import TYPE_CHECKING
 
@@ -83,8 +84,8 @@ from ._core._plan import Effect, Target
 from ._delivery import Delivery, record_error
 from ._finalizer import Finalizer
 from ._outcome import DROP, Backoff, Outcome
-from ._read_loop import Reader, drive
-from ._shutdown import CLOSE_MARGIN, FINALIZE_GRACE, Budget, cleanup, cleanup_until
+from ._read_loop import Reader, drive, retry_not_run
+from ._shutdown import CLOSE_MARGIN, CLOSING_TIMEOUT, FINALIZE_GRACE, Budget, cleanup, cleanup_until
 from ._stats import DURATION_BOUNDS, MountStats
 from ._subscription import Form, Subscription
 from ._work_queue import WorkQueue
@@ -190,6 +191,7 @@ class Mount:
         self.cut: list[Delivery] = []
         """Deliveries whose handler call the shutdown's grace deadline cancelled
         (they stay pending on streams and reliable lists; logged)."""
+        self.reading = False  # mount() returned: the reader set itself up
         self.done = anyio.Event()
         self._reader_scope = anyio.CancelScope()
         self._handlers_scope = anyio.CancelScope()
@@ -315,6 +317,7 @@ class Mount:
                     tg.start_soon(self.finalizer.run, self._outcome_recv)
                     tg.start_soon(self._handlers, handler_senders)
                     await tg.start(self._read)
+                    self.reading = True
                     self._outer_scope.shield = True
                     task_status.started()
         finally:
@@ -351,6 +354,24 @@ class Mount:
         self._outer_scope.deadline = budget.mounts  # whatever still runs then is cancelled
         with cleanup_until(budget.mounts + CLOSE_MARGIN):
             await self.done.wait()
+
+    async def deregister(self) -> None:
+        """Phase 6 of the shutdown (``_shutdown``): the reader's ``closed`` step
+        (a stream's or reliable list's consumer deregisters when nothing is
+        left pending for it), shielded, within ``CLOSING_TIMEOUT``, asked
+        again while the server refuses it for now."""
+        if not self.reading:
+            return
+        with cleanup(CLOSING_TIMEOUT):
+            try:
+                # asked again while the server says it did not run it (OOM, BUSY ...)
+                await retry_not_run(self, partial(self.reader.closed, self),
+                                    deadline=anyio.current_time() + CLOSING_TIMEOUT,
+                                    what="deregistering")
+            except (rexc.RedisError, OSError) as e:
+                log.warning("%s: deregistering consumer %r failed (%s); its heartbeat lapses "
+                            "and a live consumer removes it", self.name, self.consumer.name, e,
+                            extra={"subscription": self.name})
 
     # -- handlers -------------------------------------------------------------
     async def _handlers(self, senders: list[Send[list[Item]]]) -> None:

@@ -112,6 +112,12 @@ class Reader(Steps[Any], Protocol):
         """Commands that give back deliveries read but never started (or None)."""
         ...
 
+    async def closed(self, ctx: Context) -> None:
+        """After a shutdown (phase 6, ``_shutdown``): what the reader registered
+        in Redis about this consumer (a stream's or reliable list's heartbeat
+        and registration) removed, when nothing is left pending for it."""
+        ...
+
 
 async def drive(steps: Steps[Any], ctx: Context, *, task_status: TaskStatus[None]) -> None:
     """Run a reader's steps until cancelled (see the module docstring)."""

@@ -27,8 +27,10 @@ from ._core._commands import Command
 from ._core._decode import list_deliveries, list_delivery
 from ._core._finalize import Gates
 from ._core._plan import Effect, Plan, Target, list_copies, list_counted, list_removal
+from ._core._presence import HEARTBEAT_FLOOR
 from ._core._reliable import (
     BUMP,
+    FORGET,
     GIVE_BACK,
     REAP,
     bumped,
@@ -106,8 +108,8 @@ class ReliableListSubscription(Subscription):
                              "(the dead letter is a list, the delay set a sorted set)")
         check_positive("block", self.block)
         check_positive("heartbeat", self.heartbeat)
-        if self.heartbeat < _MIN_HEARTBEAT:
-            raise ValueError(f"heartbeat must be >= {_MIN_HEARTBEAT} s (too short to renew a "
+        if self.heartbeat < HEARTBEAT_FLOOR:
+            raise ValueError(f"heartbeat must be >= {HEARTBEAT_FLOOR} s (too short to renew a "
                              f"consumer's lease), got {self.heartbeat!r}")
 
     @property
@@ -147,10 +149,6 @@ class ReliableListSubscription(Subscription):
                     "in Redis Cluster (one script moves copies between them)"
                 )
         return t
-
-
-_MIN_HEARTBEAT = 0.01
-"""Seconds: a shorter heartbeat cannot be renewed (every ``heartbeat / 3``) in time."""
 
 
 # -- runtime ------------------------------------------------------------------
@@ -213,7 +211,9 @@ class ReliableListReader:
     * Shutdown: elements read but never handed to a handler go back onto the
       queue (consumer end, not counted as an attempt); those being handled
       when ``shutdown_grace`` ran out stay in the processing list, and the
-      heartbeat is extended to cover the grace.
+      heartbeat is extended to cover the grace.  Once the shutdown is over
+      (:meth:`closed`), a consumer whose processing list is empty
+      deregisters (its heartbeat key and registry entry deleted).
     * ``DelayedRetry.DURABLE_ZSET``: due copies are moved from the delay set
       before each read, and the read blocks no longer than the next is due.
     * ``on_error=Backoff()``: a failed element stays in the processing list,
@@ -767,4 +767,20 @@ class ReliableListReader:
         they hold, so it lasts until they must have ended (``_shutdown.Budget``)."""
         ttl = max(self.sub.heartbeat, Budget.heartbeat_ttl(ctx.consumer.shutdown_grace))
         await ctx.client.pipeline(self._beat(ctx, ttl), timeout=CLOSING_TIMEOUT)
+
+    async def closed(self, ctx: Context) -> None:
+        """After the shutdown: deregister (heartbeat key, registry entry) when the
+        processing list is empty; else they stay, the heartbeat lapses and a
+        live consumer moves what is left back onto the queue."""
+        sub = self.sub
+        me = ctx.consumer.name
+        keys = (ctx.target.processing, heartbeat_key(sub.queue, me), registry_key(sub.queue))
+        if await ctx.client.evalsha(FORGET, keys, (me,), timeout=CLOSING_TIMEOUT):
+            log.debug("%s: deregistered consumer %r (processing list empty)", ctx.name, me,
+                      extra={"subscription": ctx.name})
+        else:
+            log.info("%s: consumer %r stopped with elements in processing list %r; a live "
+                     "consumer moves them back onto the queue once its heartbeat lapses (or "
+                     "this name started again delivers them)", ctx.name, me,
+                     ctx.target.processing, extra={"subscription": ctx.name})
 

@@ -11,7 +11,7 @@ below) when shutdown begins (``t0``), times every phase.
    A read cut while handing over gives back what it had not handed over
    (stream: the delivery counts set back; reliable list: the give-back
    script moves them back to the queue; simple list: ``RPUSH`` back), within ``FINALIZE_TIMEOUT``.  The
-   reader's ``closing`` step (a reliable list's last heartbeat, whose TTL,
+   reader's ``closing`` step (a stream's or reliable list's last heartbeat, whose TTL,
    :meth:`Budget.heartbeat_ttl`, covers the phases below so that no other
    consumer reaps the processing list meanwhile) gets ``CLOSING_TIMEOUT``.
 2. **Handlers drain**, until ``t0 + g`` (:attr:`Budget.handlers`): each
@@ -38,7 +38,14 @@ below) when shutdown begins (``t0``), times every phase.
    memory is sent at once (early rather than lost), until
    :attr:`Budget.flush` (``+ FLUSH_GRACE``); from then on the scheduler's
    own task sends nothing.
-6. **Close**: the client's connections (the pool's and each reader's own)
+6. **Deregistration**: each mount's reader gets its ``closed`` step
+   (``CLOSING_TIMEOUT``, all at once): a stream consumer with nothing left
+   pending in the group deletes its heartbeat key, its registration and
+   itself from the group (one gated script); a reliable-list consumer with an
+   empty processing list deletes its heartbeat key and registration.  One
+   that leaves work pending keeps them: its last heartbeat (phase 1) lapses,
+   then a live consumer takes the work over.
+7. **Close**: the client's connections (the pool's and each reader's own)
    are closed (``open_consumer``'s exit).  Once the scheduler's task has
    ended, each copy it still holds (the server refused it or did not answer
    until the deadline) is counted ``held_lost`` and logged
@@ -49,7 +56,7 @@ deadlines, loses something: the runtime delayed copies held in memory (use
 ``DelayedRetry.DURABLE_ZSET`` to keep them in Redis) and, on simple lists and
 Pub/Sub, what was popped or received.  Every such loss at shutdown is
 logged: a finalization cut at phase 4's deadline (a warning with the number
-of outcomes Redis had not confirmed) and the copies of phase 6.
+of outcomes Redis had not confirmed) and the copies of phase 7.
 
 Every cleanup scope of the runtime is made by :func:`cleanup` or
 :func:`cleanup_until`: shielded from the cancellation that stops the
@@ -74,7 +81,7 @@ FLUSH_GRACE = 10.0
 CLOSE_MARGIN = 1.0
 """Seconds past the finalizer's deadline before a mount's tasks are cancelled."""
 CLOSING_TIMEOUT = 1.0
-"""Seconds a reader's ``closing`` step may take (phase 1)."""
+"""Seconds a reader's ``closing`` step (phase 1) or ``closed`` step (phase 6) may take."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -60,6 +60,10 @@ class MountStats:
     group_recreated: int = 0
     in_flight: int = 0
     delay_lag: float | None = None
+    stranded: int | None = None
+    """Streams: entries pending for other consumers of the group that have no
+    live heartbeat (dead, or never kept one), as the last look at the group
+    (at most ``heartbeat / 2`` ago) found them; None for other forms."""
     outcomes: Counter[str] = dataclasses.field(default_factory=Counter)
     effects: Counter[str] = dataclasses.field(default_factory=Counter)
     durations: Durations = dataclasses.field(default_factory=Durations)
@@ -77,6 +81,7 @@ class MountStats:
             "group_recreated": self.group_recreated,
             "in_flight": self.in_flight,
             "delay_lag": self.delay_lag,
+            "stranded": self.stranded,
             "outcomes": dict(self.outcomes),
             "effects": dict(self.effects),
         }

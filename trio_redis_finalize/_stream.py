@@ -15,12 +15,14 @@ from redis import exceptions as rexc
 from ._context import FINALIZE_TIMEOUT, READ_MARGIN, Context, Item, log
 from ._core._decode import Entry, as_str, id_key, lost_entry, read_entries, stream_deliveries
 from ._core._plan import Effect, Plan, Target
+from ._core._presence import HEARTBEAT_FLOOR, lease_every
 from ._core._replies import FINAL, NOT_RUN, BusyGroupError, classify, error_code
 from ._core._retention import TRIM_ACKED, TRIM_LIMIT, delete_refusal, group_rows, parse_trim
 from ._core._scripts import move_due_to_stream
 from ._delay_set import move_due
 from ._delivery import Delivery
 from ._keys import derived, same_slot
+from ._presence import StreamPresence
 from ._read_loop import Pending, check_type, reader_connection, retry_not_run
 from ._shutdown import cleanup
 from ._subscription import (
@@ -99,6 +101,27 @@ class StreamSubscription(Subscription):
             lost to every group; off (``None``) by default.
         dead_letter_maxlen: cap (``MAXLEN ~ n``) on the dead letter's XADDs:
             the oldest dead letters go first; off (``None``) by default.
+        heartbeat: seconds after which a consumer of the group that stopped
+            without a clean shutdown (a crash, SIGKILL) counts as dead (at
+            least 0.01).  Each mount keeps a heartbeat key
+            ``{stream}:heartbeat:<group>:<consumer>`` with this TTL, renewed
+            every ``heartbeat / 3``, and registers in
+            ``{stream}:consumers:<group>``.  In PLAIN and RECLAIM mode a live
+            consumer takes over a dead consumer's pending entries once they
+            have been idle ``heartbeat`` (entries being handled have their
+            lease renewed every ``heartbeat / 3``, so a live consumer whose
+            key vanished keeps them), counting the crash as an attempt: with
+            the defaults, a killed consumer's entries are delivered again
+            about ``heartbeat`` (30 s) after the kill, whatever the consumer
+            names.  CLAIMING mode leaves a dead consumer's PEL to its
+            XAUTOCLAIM (its PEL holds delayed retries).  A dead consumer with
+            nothing pending is deleted from the group (``XGROUP
+            DELCONSUMER``); so is a cleanly stopped one whose PEL is empty.
+            Entries pending for a consumer that never kept a heartbeat
+            (another client) are not taken in PLAIN mode: ``mount()`` warns
+            about them (name, count, idle time, how to recover them), and
+            ``trio-redis-finalize inspect STREAM --group G`` marks them
+            stranded.
 
     Attempts count handler calls that may have happened.  ``attempt`` is
     ``max(header retries + 1, server delivery count)``, and the reader keeps
@@ -133,6 +156,7 @@ class StreamSubscription(Subscription):
     retention: Retention | None = None
     copy_maxlen: int | None = None
     dead_letter_maxlen: int | None = None
+    heartbeat: float = 30.0
 
     form = Form.STREAM
 
@@ -148,6 +172,10 @@ class StreamSubscription(Subscription):
                 f"an entry being handled is renewed every min_idle / 3), got {self.min_idle!r}"
             )
         check_positive("block", self.block)
+        check_positive("heartbeat", self.heartbeat)
+        if self.heartbeat < HEARTBEAT_FLOOR:
+            raise ValueError(f"heartbeat must be >= {HEARTBEAT_FLOOR} s (too short to renew a "
+                             f"consumer's heartbeat and lease), got {self.heartbeat!r}")
         check_delay(self.delayed_retry, self.delay_key)
         check_limits(self.max_attempts, self.dead_letter)
         if self.dead_letter == self.stream:
@@ -264,12 +292,15 @@ class StreamReader:
     """Reads one :class:`StreamSubscription` on a dedicated connection.
 
     The steps of :func:`~._read_loop.drive`: ``setup`` (key types, the group,
-    the retention's precondition), ``background`` (the lease in RECLAIM and
-    CLAIMING, the retention trim), ``connected`` (plans a look at the own
-    PEL), ``catch_up`` (a destroyed group recreated, due durable copies
-    moved back, the own PEL recovered, claims), ``turn`` (one
-    ``XREADGROUP``, handed over) and ``failed`` (NOGROUP, UNBLOCKED: the
-    group recreated; a refused step: a recovery planned).  Entries become
+    the retention's precondition, the first heartbeat), ``background`` (the
+    heartbeat, the lease of entries in hand, the retention trim),
+    ``connected`` (plans a look at the own PEL), ``catch_up`` (a destroyed
+    group recreated, due durable copies moved back, the own PEL recovered,
+    dead consumers taken over (``_presence``), claims), ``turn`` (one
+    ``XREADGROUP``, handed over), ``failed`` (NOGROUP, UNBLOCKED: the group
+    recreated; a refused step: a recovery planned) and ``closing`` (the last
+    heartbeat, over the shutdown); after the shutdown, ``closed``
+    deregisters a consumer with nothing pending.  Entries become
     deliveries in :func:`~._core._decode.stream_deliveries`.
     """
 
@@ -303,6 +334,9 @@ class StreamReader:
         # count (None: the server count as it is), until handed over: a
         # recovery after a failure in between counts them alike (no bump twice).
         self._taking: dict[bytes, int | None] = {}
+        # the heartbeat, the reaper of dead consumers, the deregistration
+        self._presence = StreamPresence(sub.stream, sub.group, sub.mode, sub.min_idle,
+                                        sub.heartbeat, sub.count, self._claiming, self._adopt)
 
     @property
     def pending(self) -> Pending:
@@ -345,6 +379,7 @@ class StreamReader:
         await check_type(client, sub.stream, "stream", sub.name)
         await self._check_keys(ctx)
         await self._ensure_group(client)
+        await self._presence.register(ctx)  # before the first read
         await self._check_retention(client)
         last = await self._group_last(client)
         if last is not None and (self._last is None or id_key(last) > id_key(self._last)):
@@ -352,9 +387,9 @@ class StreamReader:
         self._next_recover = anyio.current_time() + _RECOVER_EVERY
 
     def background(self, ctx: Context) -> Sequence[Callable[[], Coroutine[Any, Any, None]]]:
-        tasks: list[Callable[[], Coroutine[Any, Any, None]]] = []
-        if self.sub.mode in (Mode.RECLAIM, Mode.CLAIMING):
-            tasks.append(partial(self._lease, ctx))
+        tasks: list[Callable[[], Coroutine[Any, Any, None]]] = [
+            partial(self._presence.beats, ctx), partial(self._lease, ctx),
+        ]
         if self.sub.retention is not None:
             tasks.append(partial(self._trim, ctx))
         return tasks
@@ -369,8 +404,9 @@ class StreamReader:
 
     async def catch_up(self, ctx: Context, conn: Connection) -> None:
         """The group again if it was destroyed, due durable copies moved back,
-        the own PEL recovered when planned, one page claimed (RECLAIM when
-        due, CLAIMING always)."""
+        the own PEL recovered when planned, dead consumers taken over when a
+        look at the group is due (at mount, then see ``_presence``), one page
+        claimed (RECLAIM when due, CLAIMING always)."""
         sub = self.sub
         if self._regroup:  # here, so that a connection error is retried
             await self._ensure_group(ctx.client, self._resume_at())
@@ -383,6 +419,8 @@ class StreamReader:
         if self._recover_due:
             await self._recover(conn, ctx, start=self._first_recovery)
             self._recover_due = self._first_recovery = False
+        if self._presence.due():
+            await self._presence.step(ctx)
         if sub.mode is Mode.CLAIMING or (
             sub.mode is Mode.RECLAIM and anyio.current_time() >= self._next_claim
         ):
@@ -393,7 +431,7 @@ class StreamReader:
         sub = self.sub
         now = anyio.current_time()
         self._unsure = True
-        if (self._durable and self._next_move <= now) or (
+        if (self._durable and self._next_move <= now) or self._presence.more or (
             sub.mode is not Mode.PLAIN and self._next_claim == 0.0
         ):
             # more due copies to move, or more of the PEL to claim: read what
@@ -441,8 +479,13 @@ class StreamReader:
         return None
 
     async def closing(self, ctx: Context) -> None:
-        pass
+        """The last heartbeat: the handlers and the finalizer may still finish what
+        they hold, so it lasts until they must have ended (``_shutdown.Budget``)."""
+        await self._presence.last_beat(ctx)
 
+    async def closed(self, ctx: Context) -> None:
+        """After the shutdown: deregister when nothing is pending for this consumer."""
+        await self._presence.deregister(ctx)
 
     def _plan_recovery(self) -> None:
         """Look at the own PEL before the next read (CLAIMING: its claims do)."""
@@ -495,10 +538,7 @@ class StreamReader:
                             extra={"subscription": ctx.name, "entry_id": d.id, "attempt": d.attempt})
             else:
                 gone.append(d.id.encode())
-        await self._lost(ctx, gone)
-        if entries:
-            self._note(ctx, entries, counts)
-            await self._hand_over(ctx, entries, counts)
+        await self._deliver_taken(ctx, entries, counts, gone)
         return []  # nothing to try again later
 
     def leave_pending(self, ctx: Context, deliveries: Sequence[Delivery]) -> None:
@@ -621,6 +661,39 @@ class StreamReader:
                                     extra={"subscription": ctx.name})
             raise
 
+    def _claiming(self, ids: list[bytes]) -> None:
+        """The reaper is about to claim ``ids`` (their count one higher) into the
+        own PEL: should its reply be lost, the own PEL is looked at before the
+        next read, and those found there count as they are (the claim counted
+        the attempt already)."""
+        self._unsure = True
+        self._taking.update(dict.fromkeys(ids))
+
+    async def _adopt(self, ctx: Context, ids: list[bytes], entries: list[Entry],
+                     counts: dict[bytes, int], gone: list[bytes]) -> None:
+        """What the reaper's claim of ``ids`` took into the own PEL (``counts``:
+        the delivery count of each, set by the claim), handed over; ``gone``:
+        ids the stream no longer has, acknowledged and reported lost."""
+        self._unsure = False  # its reply is here
+        # until handed over: a recovery after a failure in between counts them alike
+        self._taking.update(counts)
+        try:
+            await self._deliver_taken(ctx, entries, counts, gone)
+        finally:
+            for eid in ids:
+                self._taking.pop(eid, None)
+
+    async def _deliver_taken(self, ctx: Context, entries: list[Entry], counts: dict[bytes, int],
+                             gone: Sequence[bytes]) -> None:
+        """Entries taken into the own PEL (a recovery, a claim, a redelivery, the
+        reaper), with the delivery count each has now: the ids the stream no
+        longer has acknowledged and reported lost, the others remembered
+        (:meth:`_note`) and handed over."""
+        await self._lost(ctx, gone)
+        if entries:
+            self._note(ctx, entries, counts)
+            await self._hand_over(ctx, entries, counts)
+
     def _note(self, ctx: Context, entries: Sequence[tuple[bytes, Any]], counts: dict[bytes, int]) -> None:
         """Remember what recovery and claims hand over: the last id, counts other than 1."""
         if not entries:
@@ -741,17 +814,15 @@ class StreamReader:
         ]
         got = {e[0] for e in entries}
         missing = [eid for eid in ids if eid not in got]
+        gone: list[bytes] = []
         if missing:
             # deleted while pending (Redis 7 drops them from the PEL here, 6.2
             # answers nil and keeps them), or claimed by another consumer
             found = await ctx.client.pipeline(
                 [("XRANGE", sub.stream, eid, eid) for eid in missing], timeout=FINALIZE_TIMEOUT
             )
-            await self._lost(ctx, [eid for eid, hit in zip(missing, found, strict=True) if not hit])
-        if entries:
-            counts = dict.fromkeys(got, n)
-            self._note(ctx, entries, counts)
-            await self._hand_over(ctx, entries, counts)
+            gone = [eid for eid, hit in zip(missing, found, strict=True) if not hit]
+        await self._deliver_taken(ctx, entries, dict.fromkeys(got, n), gone)
         for eid in ids:
             self._taking.pop(eid, None)
 
@@ -803,8 +874,7 @@ class StreamReader:
                 if p is not None:
                     await ctx.client.pipeline(p.commands, timeout=FINALIZE_TIMEOUT)
                 live = [e for e in live if e[0].decode() not in held]
-            self._note(ctx, live, counts)
-            await self._hand_over(ctx, live, counts)
+            await self._deliver_taken(ctx, live, counts, [])
         for e in claimed:
             self._taking.pop(e[0], None)
         self._unsure = False
@@ -857,12 +927,16 @@ class StreamReader:
     async def _lease(self, ctx: Context) -> None:
         """Keep held entries' idle time low so no other consumer claims them.
 
-        Renewed every ``min_idle / 3`` (``min_idle`` >= 0.01 s in the modes
-        that lease), so an entry being handled stays well below ``min_idle``
-        while the process runs; should one lapse all the same, the claim
-        that finds it keeps it with its handler (see :meth:`_claim`).
+        Renewed every third of the shortest idle time after which another
+        consumer may take an entry (``_core._presence.lease_every``: the
+        reaper's ``heartbeat`` in PLAIN and RECLAIM, ``min_idle`` in
+        RECLAIM and CLAIMING), so an entry being handled stays well below
+        it while the process runs -- even should this consumer's heartbeat
+        key vanish (evicted, flushed); should one lapse all the same, the
+        claim that finds it keeps it with its handler (see :meth:`_claim`).
         """
-        interval = max(self.sub.min_idle / 3, 0.001)
+        sub = self.sub
+        interval = lease_every(sub.mode, sub.min_idle, sub.heartbeat)
         while True:
             await anyio.sleep(interval)
             ids = sorted(ctx.in_hand)

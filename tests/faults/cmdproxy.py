@@ -17,7 +17,8 @@ and maps each reply to its request in order.  Every request gets a *kind*
 (see :func:`kind_of`): the command name, refined where one name does several
 jobs (``XREADGROUP>`` reads new entries, ``XREADGROUP0`` re-reads the own
 PEL, ``EVALSHA:<script name>`` names the library's script by its sha,
-``XGROUP CREATE``).  For an armed ``(kind, k)`` the k-th request of that kind
+``XGROUP CREATE``, ``XPENDING IDLE`` is the stream reaper's look for a dead
+consumer's entries idle enough).  For an armed ``(kind, k)`` the k-th request of that kind
 (0-based, counted from :meth:`CommandProxy.arm`) meets its fault:
 
 * :data:`LOST` -- forwarded (the server runs it); its reply is dropped and
@@ -158,6 +159,8 @@ def kind_of(args: Sequence[bytes], scripts: dict[bytes, str] | None = None) -> s
             ids = args[upper.index(b"STREAMS") + 1:]
             last = ids[len(ids) // 2:] if ids else []
             return "XREADGROUP>" if last and all(i == b">" for i in last) else "XREADGROUP0"
+    if name == "XPENDING" and len(args) > 3 and args[3].upper() == b"IDLE":
+        return "XPENDING IDLE"
     if name in ("XGROUP", "SCRIPT", "CLIENT", "CONFIG", "XINFO") and len(args) > 1:
         return f"{name} {args[1].upper().decode(errors='replace')}"
     return name

@@ -14,4 +14,6 @@ decided; the replies come back here to be settled into effects and counts.
   resend, count and log record (the finalizer task only does the I/O).
 * ``_decode``: replies of reads turned into deliveries.
 * ``_reliable``: the reliable list's keys, reader scripts, counter bumps and multiset counting.
+* ``_presence``: stream consumers' heartbeat keys and registry, the reaper's script, and
+  what a look at the group decides (who is dead, what to take, what to warn about).
 """

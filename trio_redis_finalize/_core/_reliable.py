@@ -11,7 +11,10 @@ Keys beside the queue (all in the queue's hash slot):
   consumer runs.
 
 A consumer whose heartbeat key is gone is dead: any live consumer moves its
-processing list back onto the queue (:data:`REAP`) and then forgets it.
+processing list back onto the queue (:data:`REAP`) and then forgets it.  A
+cleanly stopped consumer whose processing list is empty deregisters itself
+(:data:`FORGET`); one that leaves elements there keeps its last heartbeat,
+whose TTL covers the shutdown, and is reaped once it lapses.
 
 The reader tells identical elements apart by count only: its bookkeeping is
 a multiset of bytes, ``dict[bytes, int]``, counted down with :func:`dec`.
@@ -28,7 +31,7 @@ from ._commands import Script
 from ._plan import content_origin
 
 __all__ = [
-    "BUMP", "GIVE_BACK", "REAP", "bumped", "dec", "doubtful", "heartbeat_key", "registry_key",
+    "BUMP", "FORGET", "GIVE_BACK", "REAP", "bumped", "dec", "doubtful", "heartbeat_key", "registry_key",
     "stranded",
 ]
 
@@ -79,6 +82,20 @@ if redis.call('LLEN', KEYS[1]) == 0 then redis.call('HDEL', KEYS[4], ARGV[1]) en
 return n
 """,
     name="reliable_list_reap",
+)
+
+# KEYS: processing list, own heartbeat key, registry.  ARGV: consumer name.
+# A cleanly stopped consumer deregisters itself -- its heartbeat key and its
+# registration -- only when its processing list is empty; 0 otherwise (what
+# is left there is reaped once the heartbeat lapses).
+FORGET = Script(
+    """
+if redis.call('LLEN', KEYS[1]) > 0 then return 0 end
+redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('DEL', KEYS[2])
+return 1
+""",
+    name="reliable_list_forget",
 )
 
 # KEYS: processing list, queue.  ARGV: element, n, element, n, ..., newest first.

@@ -1,0 +1,404 @@
+"""Stream consumers' presence, sans-IO: heartbeat keys, the group's registry,
+the reaper's script and what a look at the group decides.
+
+A stream mount keeps two keys beside its stream (in its hash slot):
+
+* ``{stream}:consumers:<group>`` (:func:`registry_key`): a hash, consumer
+  name -> its registration (``"<heartbeat ms> <mode>"``,
+  :func:`registration`); every live consumer of the library registers itself
+  there with each heartbeat;
+* ``{stream}:heartbeat:<group>:<consumer>`` (:func:`heartbeat_key`): a key
+  with a TTL of ``heartbeat`` seconds, renewed every ``heartbeat / 3``
+  while the consumer runs (:func:`beat`).
+
+A look at the group (:func:`survey`: ``XINFO CONSUMERS``, the registry, the
+``PTTL`` of each registered consumer's heartbeat key) sorts its consumers:
+
+* **alive**: registered, heartbeat key present -- nothing to do (the look
+  after its key would lapse is planned: :attr:`Survey.wake`);
+* **lapsed**: registered, heartbeat key gone -- dead.  :data:`REAP` (one
+  gated script) takes the entries it holds that have been idle its
+  ``heartbeat`` (so an entry a live consumer whose key vanished still
+  leases is never taken), with ``RETRYCOUNT`` one higher (the crash counts
+  as an attempt), and once nothing is pending for it deletes the consumer
+  from the group (``XGROUP DELCONSUMER``) and from the registry.  Not in
+  ``Mode.CLAIMING`` (its PEL holds delayed retries; its own ``XAUTOCLAIM``
+  takes them back after ``min_idle``), nor from a consumer registered as
+  CLAIMING: there the script only deletes a consumer whose PEL is empty;
+* **none**: never registered (another client, a consumer of a version
+  without heartbeats): its pending entries are *stranded* in PLAIN mode --
+  warned about (:func:`warnings`), counted (:attr:`Survey.stranded`), never
+  taken; RECLAIM and CLAIMING claim them once idle ``min_idle``.
+
+A cleanly stopping mount whose PEL is empty deregisters itself
+(:data:`FORGET`); one that leaves entries pending keeps its last heartbeat,
+whose TTL covers the shutdown, and is reaped once it lapses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import logging
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+from .._keys import derived
+from .._subscription import Mode
+from ._commands import Command, Script
+from ._decode import Entry
+from ._finalize import Record
+
+__all__ = [
+    "FORGET", "HEARTBEAT_FLOOR", "REAP", "Heartbeat", "Peer", "Reap", "Reaped", "Registration",
+    "Survey", "beat", "consumer_rows", "heartbeat_key", "lease_every", "parse_reap", "peers",
+    "registration", "registration_value", "registry", "registry_key", "survey", "warnings",
+]
+
+HEARTBEAT_FLOOR = 0.01
+"""Seconds: a shorter heartbeat cannot be renewed (every ``heartbeat / 3``) in time."""
+
+
+@functools.lru_cache(maxsize=4096)
+def registry_key(stream: str, group: str) -> str:
+    """The hash of the library's consumers of ``group`` (name -> registration)."""
+    return derived(stream, f":consumers:{group}")
+
+
+@functools.lru_cache(maxsize=4096)
+def heartbeat_key(stream: str, group: str, consumer: str) -> str:
+    """The key whose TTL says ``consumer`` of ``group`` is alive."""
+    return derived(stream, f":heartbeat:{group}:{consumer}")
+
+
+def lease_every(mode: Mode, min_idle: float, heartbeat: float) -> float:
+    """Seconds between two lease renewals of the entries in hand.
+
+    A third of the shortest idle time after which another consumer may take
+    an entry: the reaper's guard (``heartbeat``) in PLAIN and RECLAIM, and
+    ``min_idle`` (XAUTOCLAIM) in RECLAIM and CLAIMING.
+    """
+    if mode is Mode.PLAIN:
+        return heartbeat / 3
+    if mode is Mode.CLAIMING:
+        return max(min_idle / 3, 0.001)
+    return max(min(min_idle, heartbeat) / 3, 0.001)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Registration:
+    """What a consumer wrote about itself in the registry."""
+
+    heartbeat: float | None
+    """Its heartbeat in seconds (None: unreadable)."""
+    mode: Mode | None
+
+
+def registration_value(heartbeat: float, mode: Mode) -> str:
+    return f"{max(1, round(heartbeat * 1000))} {mode.value}"
+
+
+def registration(value: bytes | str) -> Registration:
+    """A registry value as :class:`Registration` (unknown parts None)."""
+    text = value.decode(errors="replace") if isinstance(value, bytes) else value
+    ms, _, mode = text.partition(" ")
+    try:
+        hb: float | None = int(ms) / 1000
+    except ValueError:
+        hb = None
+    try:
+        m: Mode | None = Mode(mode)
+    except ValueError:
+        m = None
+    return Registration(hb, m)
+
+
+def beat(stream: str, group: str, consumer: str, heartbeat: float, mode: Mode,
+         ttl: float) -> list[Command]:
+    """A heartbeat: the key with a TTL of ``ttl`` seconds, and the registration."""
+    return [
+        ("SET", heartbeat_key(stream, group, consumer), consumer, "PX", max(1, round(ttl * 1000))),
+        ("HSET", registry_key(stream, group), consumer, registration_value(heartbeat, mode)),
+    ]
+
+
+# KEYS: stream, the dead consumer's heartbeat key, registry.
+# ARGV: group, dead consumer, me, min idle (ms), page, id, id, ...
+# Gated on the heartbeat key being absent (the consumer came back: -1).
+# Takes each id (the reaper looked them up: XPENDING ... IDLE, at most `page`)
+# that is still pending for the dead consumer and idle `min idle`, with its
+# delivery count one higher (the crash counts as an attempt); one another
+# consumer took meanwhile is not pending for the dead one any more, one
+# touched since is not idle enough: racing reapers take each entry once.
+# Then, when nothing is pending for the dead consumer any more, deletes it
+# from the group and from the registry.
+# Returns {taken, gone, wait, forgotten}: taken = {id, fields, count} each;
+# gone = ids the stream no longer has (Redis 6.2 claims them as nil, 7+ drops
+# them from the PEL); wait = ms until the next entry left is idle enough (-1:
+# none left, or page 0: nothing is to be taken); forgotten = 1 when the
+# consumer was deleted.
+REAP = Script(
+    """
+if redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
+local group, dead, me = ARGV[1], ARGV[2], ARGV[3]
+local min_idle, page = tonumber(ARGV[4]), tonumber(ARGV[5])
+local taken, gone = {}, {}
+for i = 6, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], group, 'IDLE', min_idle, ARGV[i], ARGV[i], 1, dead)
+  if #p > 0 then
+    local n = tonumber(p[1][4]) + 1
+    local c = redis.call('XCLAIM', KEYS[1], group, me, 0, ARGV[i], 'RETRYCOUNT', n)
+    if c[1] then taken[#taken + 1] = {c[1][1], c[1][2], n} else gone[#gone + 1] = ARGV[i] end
+  end
+end
+local rest = redis.call('XPENDING', KEYS[1], group, '-', '+', math.max(page, 1), dead)
+if #rest == 0 then
+  redis.call('XGROUP', 'DELCONSUMER', KEYS[1], group, dead)
+  redis.call('HDEL', KEYS[3], dead)
+  return {taken, gone, -1, 1}
+end
+local wait = -1
+if page > 0 then
+  for _, r in ipairs(rest) do
+    local w = math.max(0, min_idle - tonumber(r[3]))
+    if wait < 0 or w < wait then wait = w end
+  end
+end
+return {taken, gone, wait, 0}
+""",
+    name="stream_reap",
+)
+
+# KEYS: stream, own heartbeat key, registry.  ARGV: group, consumer.
+# A cleanly stopped consumer deregisters itself -- its heartbeat key, its
+# registration, the consumer in the group -- only when nothing is pending for
+# it (XGROUP DELCONSUMER would drop its pending entries); 0 otherwise.  A
+# group that is gone leaves nothing to delete in it.
+FORGET = Script(
+    """
+local ok, p = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2])
+if ok and #p > 0 then return 0 end
+if ok then redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2]) end
+redis.call('HDEL', KEYS[3], ARGV[2])
+redis.call('DEL', KEYS[2])
+return 1
+""",
+    name="stream_forget",
+)
+
+
+# -- a look at the group --------------------------------------------------------
+
+class Heartbeat(enum.Enum):
+    """A consumer's heartbeat as a look at the group found it."""
+
+    ALIVE = "alive"
+    """Registered; its heartbeat key is there."""
+    LAPSED = "lapsed"
+    """Registered; its heartbeat key is gone: dead."""
+    NONE = "none"
+    """Never registered: another client, or a consumer without heartbeats."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Peer:
+    """One consumer of the group."""
+
+    name: str
+    pending: int
+    idle: float | None
+    """Seconds since its last interaction with the group (None: not in the group)."""
+    heartbeat: Heartbeat
+    ttl: float | None
+    """Seconds its heartbeat key still lives (None: not alive, or no expiry)."""
+    registration: Registration | None
+
+    @property
+    def stranded(self) -> bool:
+        """Entries pending for it, and no live heartbeat."""
+        return self.pending > 0 and self.heartbeat is not Heartbeat.ALIVE
+
+
+def _pairs(row: Sequence[Any]) -> dict[str, Any]:
+    return {(k.decode() if isinstance(k, bytes) else str(k)): v
+            for k, v in zip(row[::2], row[1::2], strict=False)}
+
+
+def consumer_rows(reply: Sequence[Any]) -> list[tuple[str, int, int | None]]:
+    """``XINFO CONSUMERS`` (RESP2) as (name, pending, idle ms) rows."""
+    out: list[tuple[str, int, int | None]] = []
+    for row in reply:
+        info = _pairs(row)
+        name = info.get("name", b"")
+        idle = info.get("idle")
+        out.append((name.decode(errors="replace") if isinstance(name, bytes) else str(name),
+                    int(info.get("pending", 0)), None if idle is None else int(idle)))
+    return out
+
+
+def registry(flat: Sequence[bytes]) -> dict[str, Registration]:
+    """``HGETALL`` of the registry as name -> :class:`Registration`."""
+    return {k.decode(errors="replace"): registration(v)
+            for k, v in zip(flat[::2], flat[1::2], strict=True)}
+
+
+def peers(rows: Sequence[tuple[str, int, int | None]], registered: Mapping[str, Registration],
+          ttls: Mapping[str, int]) -> list[Peer]:
+    """The group's consumers (``rows``, :func:`consumer_rows`) and the registered
+    ones it does not have (yet, or any more), each with its heartbeat.
+
+    ``ttls``: the ``PTTL`` of each registered consumer's heartbeat key (-2:
+    gone, -1: no expiry, else ms).
+    """
+    out: list[Peer] = []
+    seen: set[str] = set()
+    for name, pending, idle in [*rows, *((n, 0, None) for n in registered)]:
+        if name in seen:
+            continue
+        seen.add(name)
+        reg = registered.get(name)
+        ttl = ttls.get(name, -2) if reg is not None else -2
+        if reg is None:
+            hb = Heartbeat.NONE
+        elif ttl == -2:
+            hb = Heartbeat.LAPSED
+        else:
+            hb = Heartbeat.ALIVE
+        out.append(Peer(name, pending, None if idle is None else idle / 1000, hb,
+                        ttl / 1000 if ttl >= 0 else None, reg))
+    return out
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Reap:
+    """One :data:`REAP` call a look decided."""
+
+    peer: Peer
+    page: int
+    """Entries to take at most (0: none, only delete the consumer once its PEL is empty)."""
+    min_idle: float
+    """Seconds an entry must have been idle to be taken (the dead consumer's heartbeat)."""
+
+    @property
+    def min_idle_ms(self) -> int:
+        return max(1, round(self.min_idle * 1000))
+
+    def candidates(self, stream: str, group: str) -> Command:
+        """The ``XPENDING`` of the entries :data:`REAP` is to take (idle enough, one page)."""
+        return ("XPENDING", stream, group, "IDLE", self.min_idle_ms, "-", "+", self.page,
+                self.peer.name)
+
+    def args(self, group: str, me: str, ids: Sequence[bytes] = ()) -> list[str | int | bytes]:
+        return [group, self.peer.name, me, self.min_idle_ms, self.page, *ids]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Survey:
+    """What a look at the group found and decided (:func:`survey`)."""
+
+    peers: tuple[Peer, ...]
+    """The group's other consumers (all but the one that looked)."""
+    reap: tuple[Reap, ...]
+    """Dead consumers: their entries to take, or their names to delete."""
+    stranded: int
+    """Entries pending for other consumers without a live heartbeat (lapsed or none)."""
+    wake: float | None
+    """Seconds until the first live consumer's heartbeat key would lapse (None: none)."""
+
+
+def survey(me: str, mode: Mode, heartbeat: float, page: int, found: Sequence[Peer]) -> Survey:
+    """Sort the group's consumers (see the module docstring) for consumer ``me``.
+
+    ``page``: entries one :data:`REAP` takes at most.  A dead consumer's
+    entries are taken once idle its own registered heartbeat (this
+    consumer's ``heartbeat`` when unreadable).
+    """
+    others = tuple(p for p in found if p.name != me)
+    reap: list[Reap] = []
+    for p in others:
+        if p.heartbeat is not Heartbeat.LAPSED:
+            continue
+        reg = p.registration
+        takes = mode is not Mode.CLAIMING and (reg is None or reg.mode is not Mode.CLAIMING)
+        hb = reg.heartbeat if reg is not None and reg.heartbeat is not None else heartbeat
+        reap.append(Reap(p, page if takes and p.pending else 0, hb))
+    lapse = [p.ttl for p in others if p.heartbeat is Heartbeat.ALIVE and p.ttl is not None]
+    return Survey(others, tuple(reap), sum(p.pending for p in others if p.stranded),
+                  min(lapse) if lapse else None)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Reaped:
+    """A :data:`REAP` reply."""
+
+    entries: list[Entry]
+    counts: dict[bytes, int]
+    """Each taken entry's delivery count now (the attempt it counts)."""
+    gone: list[bytes]
+    wait: float | None
+    """Seconds until the next entry left is idle enough (None: none left to wait for)."""
+    forgotten: bool
+
+
+def parse_reap(reply: Any) -> Reaped | None:
+    """A :data:`REAP` reply; None when the consumer's heartbeat came back."""
+    if not isinstance(reply, list):
+        return None
+    taken, gone, wait, forgotten = reply
+    entries: list[Entry] = [(t[0], t[1]) for t in taken]
+    counts = {t[0]: int(t[2]) for t in taken}
+    return Reaped(entries, counts, list(gone), None if int(wait) < 0 else int(wait) / 1000,
+                  bool(forgotten))
+
+
+def _n(n: int) -> str:
+    return f"{n} entr{'y' if n == 1 else 'ies'}"
+
+
+def warnings(name: str, mode: Mode, min_idle: float, found: Survey,
+             warned: Collection[str]) -> list[Record]:
+    """Log records about stranded work (consumers not in ``warned`` yet).
+
+    A consumer without a heartbeat holding entries: a warning in PLAIN mode
+    (nothing takes them: how to recover them), a note in RECLAIM and
+    CLAIMING (claimed once idle ``min_idle``).  A dead registered consumer
+    holding entries: when they are taken over (or, CLAIMING, claimed back).
+    """
+    out: list[Record] = []
+    extra = {"subscription": name}
+    reaped = {r.peer.name: r for r in found.reap}
+    for p in found.peers:
+        if p.name in warned or not p.stranded:
+            continue
+        idle = "-" if p.idle is None else f"{p.idle:.1f}"
+        if p.heartbeat is Heartbeat.NONE:
+            if mode is Mode.PLAIN:
+                out.append((logging.WARNING,
+                            "%s: %s pending for consumer %r (idle %s s) are stranded: it has no "
+                            "heartbeat (another client, or a consumer without heartbeats), and "
+                            "Mode.PLAIN takes over only dead consumers that kept one.  To "
+                            "recover them: mount this group once with Mode.RECLAIM (it claims "
+                            "entries idle min_idle), XCLAIM them, or start that consumer again "
+                            "under its name (open_consumer(name=...))",
+                            (name, _n(p.pending), p.name, idle), extra))
+            else:
+                out.append((logging.INFO,
+                            "%s: %s pending for consumer %r (idle %s s, no heartbeat); claimed "
+                            "by this subscription once idle min_idle=%g s",
+                            (name, _n(p.pending), p.name, idle, min_idle), extra))
+            continue
+        r = reaped[p.name]
+        if r.page:
+            left = max(0.0, r.min_idle - (p.idle or 0.0))
+            when = "now" if left == 0 else f"within {left:.1f} s (once idle heartbeat={r.min_idle:g} s)"
+            out.append((logging.WARNING,
+                        "%s: consumer %r stopped its heartbeat with %s pending (idle %s s); "
+                        "taking them over %s",
+                        (name, p.name, _n(p.pending), idle, when), extra))
+        else:
+            out.append((logging.INFO,
+                        "%s: consumer %r (Mode.CLAIMING) stopped its heartbeat with %s pending "
+                        "(idle %s s); a CLAIMING subscription claims them back once idle min_idle",
+                        (name, p.name, _n(p.pending), idle), extra))
+    return out
