@@ -164,16 +164,16 @@ async def test_a_connection_finding_less_than_was_planned_with_is_logged(
     is missing, once; an unknown answer (a refused detection) is no loss."""
     caplog.set_level(logging.ERROR, logger="trio_redis_finalize")
     async with open_client(redis_server.url) as client:
-        client._caps = NATIVE  # noqa: SLF001 - as if the first server had been 8.2
+        client._caps = NATIVE
         assert await client.capabilities_for("orders") == NATIVE
         conn = await open_connection(client.params, detect=True)
         async with conn:
             conn.capabilities = None  # refused: nothing learnt
-            client._found(conn)  # noqa: SLF001
+            client._found(conn)
             assert not caplog.records and client.capabilities == NATIVE
             conn.capabilities = Capabilities(xackdel=True)
-            client._found(conn)  # noqa: SLF001
-            client._found(conn)  # noqa: SLF001 - said once
+            client._found(conn)
+            client._found(conn)
         [record] = caplog.records
         assert "acked_trim" in record.getMessage() and "xackdel" not in record.getMessage()
         assert "remount" in record.getMessage() and redis_server.url.split("/")[2] in record.getMessage()

@@ -16,7 +16,7 @@ from ._context import FINALIZE_TIMEOUT, READ_MARGIN, Context, Item, log
 from ._core._decode import Entry, as_str, id_key, lost_entry, read_entries, stream_deliveries
 from ._core._plan import Effect, Plan, Target
 from ._core._replies import FINAL, NOT_RUN, BusyGroupError, classify, error_code
-from ._core._retention import TRIM_ACKED, TRIM_LIMIT, delete_refusal, group_rows, parse_trim
+from ._core._retention import TRIM_LIMIT, delete_refusal, group_rows, parse_trim, trim_script
 from ._core._scripts import move_due_to_stream
 from ._delay_set import move_due
 from ._delivery import Delivery
@@ -345,7 +345,7 @@ class StreamReader:
         await check_type(client, sub.stream, "stream", sub.name)
         await self._check_keys(ctx)
         await self._ensure_group(client)
-        await self._check_retention(client)
+        await self._check_retention(ctx)
         last = await self._group_last(client)
         if last is not None and (self._last is None or id_key(last) > id_key(self._last)):
             self._last = last
@@ -527,18 +527,20 @@ class StreamReader:
         except BusyGroupError:
             return False
 
-    async def _check_retention(self, client: Client) -> None:
+    async def _check_retention(self, ctx: Context) -> None:
         """``Retention.DELETE_ON_FINALIZE`` on a stream other groups read: refused.
 
         Deleting an entry takes it from every group of the stream, so a
         work-queue retention on a shared stream would lose the other groups'
         unread entries.  A group created later is reported by the periodic
-        trim (it cannot be refused any more).
+        trim (it cannot be refused any more).  Not on a server whose
+        ``XACKDEL ... ACKED`` removes (``Target.xackdel``): it deletes an
+        entry only once no group references it.
         """
         sub = self.sub
-        if sub.retention is not Retention.DELETE_ON_FINALIZE:
+        if sub.retention is not Retention.DELETE_ON_FINALIZE or ctx.target.xackdel:
             return
-        rows = await client.execute("XINFO", "GROUPS", sub.stream, timeout=FINALIZE_TIMEOUT)
+        rows = await ctx.client.execute("XINFO", "GROUPS", sub.stream, timeout=FINALIZE_TIMEOUT)
         why = delete_refusal(sub.stream, sub.group, [g.name for g in group_rows(rows)])
         if why is not None:
             raise ValueError(f"{why} (mounting {sub.name})")
@@ -552,12 +554,14 @@ class StreamReader:
         """
         sub = self.sub
         client = ctx.client
+        t = ctx.target
+        script = trim_script(t.acked)
         reported: tuple[str, ...] = ()
         while True:
             wait = _TRIM_EVERY
             try:
                 reply = await client.evalsha(
-                    TRIM_ACKED, (sub.stream,), (TRIM_LIMIT,), timeout=FINALIZE_TIMEOUT
+                    script, (sub.stream,), (TRIM_LIMIT,), timeout=FINALIZE_TIMEOUT
                 )
             except (rexc.RedisError, OSError) as e:
                 kind = classify(e)
@@ -576,7 +580,7 @@ class StreamReader:
                     wait = _TRIM_AGAIN
                 if sub.retention is Retention.DELETE_ON_FINALIZE and result.groups != reported:
                     reported = result.groups
-                    why = delete_refusal(sub.stream, sub.group, result.groups)
+                    why = delete_refusal(sub.stream, sub.group, result.groups, xackdel=t.xackdel)
                     if why is not None:
                         log.error("%s: %s -- they are losing entries now", ctx.name, why,
                                   extra={"subscription": ctx.name})

@@ -15,8 +15,12 @@ One flag per capability, and one place in the core that consumes each (the
     Consumed by ``Target.xackdel``: it replaces the XACK + XDEL of
     ``Retention.DELETE_ON_FINALIZE`` (plans, gated and batched scripts).
 ``acked_trim`` (Redis 8.2): the ``ACKED`` option of ``XADD`` and ``XTRIM``
-    Consumed by ``Target.acked``: ``MAXLEN ~ n ACKED`` on the ``*_maxlen``
-    caps, and ``_retention.TRIM_ACKED_NATIVE`` for the retention trim.
+    Consumed by ``Target.acked``: ``_retention.TRIM_ACKED_NATIVE`` for the
+    retention trim (``XTRIM ... = id ACKED``).  Not by the ``*_maxlen`` caps:
+    on Redis 8.2.3 ``MAXLEN ~ n ACKED`` removes nothing (redis/redis#14656,
+    fixed upstream later) and ``MAXLEN = n ACKED`` walks the referenced head
+    of the stream on every XADD; a server with the fix could make the caps
+    ``ACKED`` at ``Target.acked``, the same one place.
 ``claim_read`` (Redis 8.4): ``XREADGROUP ... CLAIM min-idle``
     Would replace ``Mode.CLAIMING``'s ``XAUTOCLAIM`` before each
     ``XREADGROUP >`` (one command reads idle pending entries and new ones).
