@@ -87,12 +87,16 @@ class StreamSubscription(Subscription):
             keeps every entry.  ``Retention.DELETE_ON_FINALIZE``: each
             original is deleted (XDEL) when finalized, whatever the outcome
             (for a work queue one group reads; ``mount()`` raises
-            ``ValueError`` naming the other groups when the stream has any).
+            ``ValueError`` naming the other groups when the stream has any
+            -- except on Redis 8.2, where one ``XACKDEL ... ACKED`` per
+            finalization deletes an entry only once no group references it,
+            so several groups may share the stream).
             ``Retention.TRIM_ACKED``: at least every 10 s the stream is
             trimmed below the oldest entry any of its groups still needs
             (pending, or not read yet): never an entry a group has not read
-            or has pending.  Both also trim, periodically, what a crash
-            left acknowledged in the stream.
+            or has pending (on Redis 8.2 ``XTRIM ... ACKED`` also removes
+            the acknowledged entries above a stuck pending one).  Both also
+            trim, periodically, what a crash left acknowledged in the stream.
         copy_maxlen: cap (``XADD ... MAXLEN ~ n``) on the copies this
             subscription writes to the stream (RETRY, delayed copies).  The
             cap trims the stream itself, read or not: entries beyond it are
