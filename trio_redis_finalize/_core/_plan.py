@@ -38,8 +38,8 @@ On a server with Redis 8.2's stream commands (``Target.caps``, see
 ``_caps``): ``DELETE_ON_FINALIZE`` removes with one ``XACKDEL key group
 ACKED IDS n id ...`` instead (:attr:`Target.xackdel`; inside the scripts too:
 ``STREAM_COPY_ACK_EX`` with ``x``, ``STREAM_ZADD_ACKDEL``, the batched
-scripts), which deletes an entry only once no group references it -- so
-another group's copy is removed so as well.  Each two-step cell keeps its
+scripts), which deletes an entry only once no group references it (so
+another group's copy is removed with it too, once that group is done).  Each two-step cell keeps its
 order and its gate; only the commands inside change.  The caps stay
 ``MAXLEN ~ n`` (see ``_scripts``: ``~ ... ACKED`` removes nothing on 8.2.3).
 """
@@ -89,7 +89,6 @@ __all__ = [
     "removal_commands",
     "settle",
     "why_key",
-    "xackdel_acked",
     "xackdel_closed",
 ]
 
@@ -712,14 +711,6 @@ def xackdel_closed(reply: object) -> bool:
     """Whether an ``XACKDEL`` reply says none of its ids was pending (every
     code ``-1``): nothing acknowledged, a closed gate."""
     return isinstance(reply, list) and bool(reply) and all(c == -1 for c in reply)
-
-
-def xackdel_acked(reply: object) -> int | None:
-    """How many ids an ``XACKDEL`` reply acknowledged (codes ``1``: deleted,
-    ``2``: kept, another group references it); None for another reply."""
-    if not isinstance(reply, list):
-        return None
-    return sum(1 for c in reply if c in (1, 2))
 
 
 GATE_CLOSED = "gate_closed"
