@@ -20,6 +20,8 @@ from typing import Any
 
 import hiredis
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from redis import exceptions as rexc
 
 from trio_redis_finalize import ACK, Delivery, Outcome, Retention, StreamSubscription, open_consumer
@@ -91,6 +93,23 @@ def test_the_later_capabilities_have_their_detection_point() -> None:
     # ACKED on XTRIM alone is not enough: the caps' XADD needs it too
     _, old_docs = recorded("redis-7.0")
     assert parse([info, _with_token(old_docs, b"xtrim", b"ACKED")]) == Capabilities(xackdel=True)
+
+
+_resp = st.recursive(
+    st.none() | st.integers() | st.binary(max_size=12)
+    | st.sampled_from([b"token", b"ACKED", b"CLAIM", b"IDMP", b"arguments", b"xadd", b"xtrim"]),
+    lambda inner: st.lists(inner, max_size=6), max_leaves=40)
+
+
+@given(st.one_of(_resp, st.just(rexc.ResponseError("ERR"))),
+       st.one_of(_resp, st.just(rexc.ResponseError("ERR"))))
+def test_parse_never_fails_on_any_reply(info: Any, docs: Any) -> None:
+    """Whatever a server (or a proxy) answers, detection gives a value or
+    unknown, never an exception: a connection is never refused over it."""
+    caps = parse([info, docs])
+    assert caps is None or isinstance(caps, Capabilities)
+    if not isinstance(info, list) or len(info) != 2:
+        assert caps is None
 
 
 def test_a_refused_detection_is_unknown() -> None:
