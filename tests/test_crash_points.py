@@ -18,11 +18,14 @@ of it exists), nothing stranded, at most one copy for gated paths, attempt
 counters never going back, ``max_attempts`` never exceeded by a handler call.
 
 The retention variants (``Retention.DELETE_ON_FINALIZE``: every removal
-deletes the original, in the gated script or as ``XDEL`` after ``XACK``) run
-the same enumeration; copies are counted from what the handler was given
-(they are deleted once handled), and after recovery and one all-groups trim
-the stream must be empty: a crash between an ``XACK`` and its ``XDEL``
-leaves an acknowledged entry that the trim removes, nothing else may stay.
+deletes the original, in the gated script or as ``XDEL`` after ``XACK`` --
+on Redis 8.2 as one ``XACKDEL ... ACKED``, which the session's server then
+gets) run the same enumeration; copies are counted from what the handler
+was given (they are deleted once handled), and after recovery and one
+all-groups trim the stream must be empty: a crash between an ``XACK`` and
+its ``XDEL`` leaves an acknowledged entry that the trim removes, nothing
+else may stay.  Each case checks that the path it enumerated is the one the
+server's capabilities choose (``XACKDEL`` there, ``XDEL`` elsewhere).
 
 Handlers are deterministic: a stream handler returns the path's outcome for
 the original entry (whatever its attempt: recovery resends the same
@@ -68,6 +71,7 @@ from trio_redis_finalize import (
 from trio_redis_finalize._core import _finalize as _core_finalize
 from trio_redis_finalize._core import _plan
 from trio_redis_finalize._core._batch import is_batched
+from trio_redis_finalize._core._caps import Capabilities
 from trio_redis_finalize._core._plan import Effect, Plan
 from trio_redis_finalize._core._retention import TRIM_ACKED, parse_trim
 from trio_redis_finalize._core._scripts import LIST_COPY_REMOVE, LIST_ZADD_REMOVE
@@ -235,6 +239,7 @@ class Case:
     crashed: bool = False
     list_copies: int = 0
     leaked: int = 0  # retention: entries left in the stream after recovery and a trim
+    names: set[str] = dataclasses.field(default_factory=set)  # the commands sent (first life)
 
     @property
     def label(self) -> str:
@@ -462,6 +467,7 @@ async def run_case(url: str, path: Path, k: int | None, fault: str,
                 client.arm(k, mode, crash=fault.startswith("crash"), cancel=fault.startswith("cancel"))
             await _run(client, case, stop_when_fired=fault.startswith("cancel"))
             sent = len(client.sent)
+            case.names |= {str(c[0]).upper() for c in client.sent}
             case.list_copies += list_copies(client.applied)
             case.batched += [r for c, r in client.applied if is_batched(c)]
         # recovery: the restarted process, same consumer name
@@ -480,6 +486,11 @@ async def run_case(url: str, path: Path, k: int | None, fault: str,
 _STEPS: dict[tuple[str, str, bool], int] = {}
 
 
+async def _caps_of(url: str) -> Capabilities:
+    async with open_client(url) as client:
+        return await client.capabilities_for(S)
+
+
 async def enumerate_path(url: str, path: Path, fault: str,
                          monkeypatch: pytest.MonkeyPatch) -> list[Report]:
     """The happy path once per path (K, and its own soundness), then k < K."""
@@ -488,6 +499,11 @@ async def enumerate_path(url: str, path: Path, fault: str,
         happy, steps = await run_case(url, path, None, "none", monkeypatch)
         assert not happy.problems, happy.problems
         assert steps >= 1
+        if path.deletes and path.expect == "gone" and path.planner is None:
+            # the removal the server's capabilities choose (not its name)
+            caps = await _caps_of(url)
+            want, never = ("XACKDEL", "XDEL") if caps.xackdel else ("XDEL", "XACKDEL")
+            assert want in happy.case.names and never not in happy.case.names, happy.case.names
         if path.n > 1:  # the batch went in one batched script call
             assert any(isinstance(r, list) and len(r) == path.n for r in happy.case.batched), (
                 happy.case.batched)

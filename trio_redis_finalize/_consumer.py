@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import uuid
@@ -123,6 +124,14 @@ class Consumer:
         if any(m.name == target.name for m in self._mounts):
             raise ValueError(f"subscription: {target.name} is already mounted on consumer "
                              f"{self.name!r} (a second mount would handle everything twice)")
+        if target.form is Form.STREAM:
+            # what the stream's server can do beyond Redis 6.2: the plans choose
+            # native commands or the fallback from it (``_core._caps``), once
+            caps = await self.client.capabilities_for(target.source)
+            target = dataclasses.replace(target, caps=caps)
+            if target.retention is not None and (target.xackdel or target.acked):
+                log.info("%s: %s with the server's own commands (%s)", target.name,
+                         target.retention, caps, extra={"subscription": target.name})
         reader = _reader_for(subscription)
         mount = Mount(self, self.client, self.scheduler, subscription, handler, reader, target,
                       concurrency=concurrency, on_error=on_error)

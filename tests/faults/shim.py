@@ -22,7 +22,8 @@ and what follows the fault:
   new consumer (same name) on a fresh client plays the restarted process.
 
 Finalization commands are the ones plans are made of: ``XACK``, ``XDEL``
-(retention), ``XADD``, ``LREM``, ``LPUSH``, ``ZADD`` and the gated
+(retention), ``XACKDEL`` (retention on Redis 8.2), ``XADD``, ``LREM``,
+``LPUSH``, ``ZADD`` and the gated
 finalization scripts (a batched call, many deliveries in one, is one command).
 The retention trim script is not one.  Reads,
 ``XPENDING``, lease renewals and the delay-set mover are not counted.
@@ -54,11 +55,11 @@ class FaultMode(enum.Enum):
     AFTER = "after"
 
 
-_FINALIZE_NAMES = {b"XACK", b"XDEL", b"XADD", b"LREM", b"LPUSH", b"RPUSH", b"ZADD"}
+_FINALIZE_NAMES = {b"XACK", b"XDEL", b"XACKDEL", b"XADD", b"LREM", b"LPUSH", b"RPUSH", b"ZADD"}
 _FINALIZE_SCRIPTS = {
     s.sha for s in (
         _scripts.STREAM_COPY_ACK, _scripts.STREAM_ZADD_ACK,
-        _scripts.STREAM_COPY_ACK_EX, _scripts.STREAM_ZADD_ACK_DEL,
+        _scripts.STREAM_COPY_ACK_EX, _scripts.STREAM_ZADD_ACK_DEL, _scripts.STREAM_ZADD_ACKDEL,
         _scripts.STREAM_COPY_ACK_BATCH, _scripts.STREAM_ZADD_ACK_BATCH,
         _scripts.LIST_COPY_REMOVE, _scripts.LIST_ZADD_REMOVE, _scripts.LIST_REMOVE,
         _scripts.LIST_DEAD_PUSH,

@@ -33,9 +33,15 @@ _COPY = _scripts.STREAM_COPY_ACK.sha
 _COPY_EX = _scripts.STREAM_COPY_ACK_EX.sha
 _ZADD = _scripts.STREAM_ZADD_ACK.sha
 _ZADD_DEL = _scripts.STREAM_ZADD_ACK_DEL.sha
+_ZADD_ACKDEL = _scripts.STREAM_ZADD_ACKDEL.sha
 _COPY_BATCH = _scripts.STREAM_COPY_ACK_BATCH.sha
 _ZADD_BATCH = _scripts.STREAM_ZADD_ACK_BATCH.sha
-_SINGLE = frozenset({_COPY, _COPY_EX, _ZADD, _ZADD_DEL})
+_SINGLE = frozenset({_COPY, _COPY_EX, _ZADD, _ZADD_DEL, _ZADD_ACKDEL})
+# a durable delay's single script -> the batched call's ``how`` (see ``_scripts``), and back
+_ZADD_HOW = {_ZADD: "0", _ZADD_DEL: "1", _ZADD_ACKDEL: "x"}
+_ZADD_BY_HOW = {
+    "0": _scripts.STREAM_ZADD_ACK, "1": _scripts.STREAM_ZADD_ACK_DEL, "x": _scripts.STREAM_ZADD_ACKDEL,
+}
 
 BATCHED = frozenset({_COPY_BATCH, _ZADD_BATCH})
 """The shas of the batched scripts: their reply has one element per owner."""
@@ -51,14 +57,14 @@ def batch_singles(cmd: Command) -> list[Command]:
     of its reply's elements (what each delivery's plan would send alone)."""
     sha, stream, dest, group = cmd[1], cmd[3], cmd[4], cmd[5]
     out: list[Command] = []
-    if sha == _ZADD_BATCH:  # ... group delete lo hi count (id delay member)...
-        script = _scripts.STREAM_ZADD_ACK_DEL if cmd[6] == "1" else _scripts.STREAM_ZADD_ACK
+    if sha == _ZADD_BATCH:  # ... group how lo hi count (id delay member)...
+        script = _ZADD_BY_HOW[str(cmd[6])]
         for i in range(10, len(cmd), 3):
             out.append(script.command((stream, dest), (group, *cmd[i:i + 3])))
         return out
     if sha != _COPY_BATCH:
         raise ValueError(f"not a batched script call: {cmd[:2]!r}")
-    delete, cap = cmd[6], cmd[7]  # ... group delete cap lo hi count (id n values...)...
+    delete, cap = cmd[6], cmd[7]  # ... group how cap lo hi count (id n values...)...
     plain = str(delete) == "0" and str(cap) == "0"
     i = 11
     while i < len(cmd):
@@ -126,7 +132,7 @@ def batch_part(cmd: Command) -> tuple[tuple[Arg, ...], tuple[Arg, ...]] | None:
         return ((_COPY_BATCH, cmd[3], cmd[4], cmd[5], str(cmd[7]), str(cmd[8])),
                 (cmd[6], len(fields), *fields))
     # EVALSHA sha 2 stream delays group id delay member
-    return (_ZADD_BATCH, cmd[3], cmd[4], cmd[5], "1" if sha == _ZADD_DEL else "0"), tuple(cmd[6:9])
+    return (_ZADD_BATCH, cmd[3], cmd[4], cmd[5], _ZADD_HOW[sha]), tuple(cmd[6:9])
 
 
 def first_round(
@@ -211,8 +217,7 @@ def first_round(
                     elif sha == _COPY_EX:
                         key, at = (_COPY_BATCH, c[3], c[4], c[5], str(c[7]), str(c[8])), 9
                     else:
-                        key, at = (_ZADD_BATCH, c[3], c[4], c[5],
-                                   "1" if sha == _ZADD_DEL else "0"), 0
+                        key, at = (_ZADD_BATCH, c[3], c[4], c[5], _ZADD_HOW[sha]), 0
                     b = batches.get(key)
                     # an EX copy's key has its own arguments too: never reused
                     lsha = sha if sha != _COPY_EX else _UNSET
@@ -255,8 +260,8 @@ def first_round(
             elif sha == _COPY_EX:
                 head = (c[5], c[7], c[8], *gates)
             else:
-                head = (c[5], "1" if sha == _ZADD_DEL else "0", *gates)
-            batch = _ZADD_BATCH if sha in (_ZADD, _ZADD_DEL) else _COPY_BATCH
+                head = (c[5], _ZADD_HOW[sha], *gates)
+            batch = _ZADD_BATCH if sha in _ZADD_HOW else _COPY_BATCH
             out[at] = (b"EVALSHA", batch, 2, c[3], c[4], *head, *args)
     commands: list[Command] = [tuple(c) if isinstance(c, list) else c for c in out]
     return commands, [tuple(o) for o in owners], rest

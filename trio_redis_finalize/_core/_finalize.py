@@ -506,7 +506,9 @@ class FinalizeBatch:
         ids answered ``k < n``: ``n - k`` entries were no longer pending in
         the group (another consumer claimed and finalized them, or the
         group was recreated).  Which ones is not known (``XACK`` answers a
-        count): the last ``n - k`` of the batch are reported so.  A resend's
+        count): the last ``n - k`` of the batch are reported so.  An
+        ``XACKDEL`` (Redis 8.2, ``Retention.DELETE_ON_FINALIZE``) answers a
+        code per id: exactly those answered ``-1`` are.  A resend's
         answer is no such evidence (the first send may have removed it):
         counted as planned."""
         replies = self._fast_replies
@@ -515,6 +517,9 @@ class FinalizeBatch:
         n = len(self._removed)
         if self._core._stream:
             k = replies[0] if replies else None
+            if k.__class__ is list:  # XACKDEL: one code per id, -1 for one not pending
+                codes: list[Any] = k
+                return [i for i, c in enumerate(codes) if c == -1] if len(codes) == n else []
             if k.__class__ is not int or k >= n:
                 return []
             return list(range(max(k, 0), n))
@@ -557,10 +562,11 @@ class FinalizeBatch:
                 effects[instead] = effects.get(instead, 0) + len(which)
             if closed and core._stream:
                 records.append((
-                    _INFO, "%s: XACK of %d entries acknowledged %d: %d were no longer "
+                    _INFO, "%s: %s of %d entries acknowledged %d: %d were no longer "
                     "pending (finalized already: claimed and finalized by another "
                     "consumer, or the group was recreated); counted gate_closed",
-                    (name, len(removed), len(removed) - len(closed), len(closed)),
+                    (name, "XACKDEL" if core.target.xackdel else "XACK", len(removed),
+                     len(removed) - len(closed), len(closed)),
                     {"subscription": name, "effect": GATE_CLOSED}))
             if debug:
                 shut = {id(removed[i]) for i in closed}
@@ -581,7 +587,7 @@ class FinalizeBatch:
             if not p.commands:
                 settled = p.effect._value_
             elif (len(rs) == 1 and len(p.commands) == 1 and (r := rs[0]) is not None
-                  and r is not False and not isinstance(r, Exception)):
+                  and r is not False and r.__class__ is not list and not isinstance(r, Exception)):
                 settled = p.effect._value_  # settle()'s answer for one command that ran, inline
             else:
                 settled = settle(p, rs, unsure=unsure)

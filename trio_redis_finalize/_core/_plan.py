@@ -33,6 +33,15 @@ copy is only acknowledged, never deleted.  ``copy_maxlen`` /
 ``dead_letter_maxlen`` put ``MAXLEN ~ n`` on the XADDs of copies written to
 the stream and of dead letters.  ``TRIM_ACKED`` changes no plan: a periodic
 task of the reader trims (``_retention``).
+
+On a server with Redis 8.2's stream commands (``Target.caps``, see
+``_caps``): ``DELETE_ON_FINALIZE`` removes with one ``XACKDEL key group
+ACKED IDS n id ...`` instead (:attr:`Target.xackdel`; inside the scripts too:
+``STREAM_COPY_ACK_EX`` with ``x``, ``STREAM_ZADD_ACKDEL``, the batched
+scripts), which deletes an entry only once no group references it (so
+another group's copy is removed with it too, once that group is done).  Each two-step cell keeps its
+order and its gate; only the commands inside change.  The caps stay
+``MAXLEN ~ n`` (see ``_scripts``: ``~ ... ACKED`` removes nothing on 8.2.3).
 """
 
 from __future__ import annotations
@@ -54,7 +63,8 @@ from .._outcome import Outcome, OutcomeKind
 from .._subscription import DelayedRetry, Form, Mode, Retention
 from .._value import builder, immutable
 from . import _scripts
-from ._commands import Command
+from ._caps import NO_CAPABILITIES, Capabilities
+from ._commands import Arg, Command
 
 __all__ = [
     "DEAD_FIELDS",
@@ -66,6 +76,7 @@ __all__ = [
     "Target",
     "attempt_of",
     "content_origin",
+    "copy_how",
     "dead_record",
     "list_copies",
     "list_counted",
@@ -78,6 +89,7 @@ __all__ = [
     "removal_commands",
     "settle",
     "why_key",
+    "xackdel_closed",
 ]
 
 DEAD_REASON = b"trf-dead-reason"
@@ -131,11 +143,30 @@ class Target:
     retention: Retention | None = None
     copy_maxlen: int | None = None
     dead_letter_maxlen: int | None = None
+    # what the server can do beyond Redis 6.2, as the client reported it at
+    # mount (``_caps``); none: every plan takes the fallback
+    caps: Capabilities = NO_CAPABILITIES
 
     @property
     def deletes(self) -> bool:
         """Originals are deleted (XDEL) when finalized: ``Retention.DELETE_ON_FINALIZE``."""
         return self.retention is Retention.DELETE_ON_FINALIZE
+
+    @property
+    def xackdel(self) -> bool:
+        """Originals are removed with ``XACKDEL ... ACKED`` (acknowledged, and
+        deleted once no group references them): ``DELETE_ON_FINALIZE`` on a
+        server that has it.  The one place the core consumes
+        ``Capabilities.xackdel``."""
+        return self.retention is Retention.DELETE_ON_FINALIZE and self.caps.xackdel
+
+    @property
+    def acked(self) -> bool:
+        """The retention trim lets the server keep what some group still
+        references (``XTRIM ... ACKED``: ``_retention.TRIM_ACKED_NATIVE``).
+        The one place the core consumes ``Capabilities.acked_trim``.  (Not the
+        ``*_maxlen`` caps: see ``_scripts`` for why they stay ``MAXLEN ~ n``.)"""
+        return self.caps.acked_trim
 
 
 # ``init=False``: built per message, so the ``__init__`` below fills the slots
@@ -268,6 +299,8 @@ def _member(*parts: bytes) -> bytes:
 def _stream_remove(t: Target, d: Delivery, effect: Effect) -> Plan:
     assert d.id is not None
     if t.retention is Retention.DELETE_ON_FINALIZE:
+        if t.xackdel:  # one command, idempotent; its reply says what it acknowledged
+            return Plan(effect, (("XACKDEL", t.source, t.group, "ACKED", "IDS", 1, d.id),))
         # both idempotent: safe to send again after an unknown outcome
         return Plan(effect, (("XACK", t.source, t.group, d.id), ("XDEL", t.source, d.id)))
     return Plan(effect, (("XACK", t.source, t.group, d.id),))
@@ -276,6 +309,12 @@ def _stream_remove(t: Target, d: Delivery, effect: Effect) -> Plan:
 def _cap(maxlen: int | None) -> tuple[str | int, ...]:
     """``MAXLEN ~ n`` for an XADD, or nothing."""
     return () if maxlen is None else ("MAXLEN", "~", maxlen)
+
+
+def copy_how(t: Target) -> str:
+    """How ``STREAM_COPY_ACK_EX`` removes the original (see ``_scripts``):
+    ``"0"`` XACK, ``"1"`` XACK then XDEL, ``"x"`` one XACKDEL ACKED."""
+    return "x" if t.xackdel else "1" if t.deletes else "0"
 
 
 def _list_remove(t: Target, d: Delivery, effect: Effect) -> Plan:
@@ -384,7 +423,7 @@ def _stream_copy(
             gated=False,
         )
     if deletes or maxlen is not None:
-        args = (t.group, d.id, "1" if deletes else "0", maxlen or 0, *fields)
+        args: tuple[Arg, ...] = (t.group, d.id, copy_how(t), maxlen or 0, *fields)
         return Plan(effect, (_scripts.STREAM_COPY_ACK_EX.command((t.source, dest), args),))
     # STREAM_COPY_ACK.command((t.source, dest), (t.group, d.id, *fields)), in one tuple
     # (every RETRY copy)
@@ -495,9 +534,14 @@ def plan_lost(t: Target, d: Delivery) -> Plan:
 def plan_foreign(t: Target, d: Delivery) -> Plan:
     """A copy another group wrote to the stream: acknowledge it unhandled, count it.
 
-    Never deleted, whatever the retention: it is the other group's.
+    Never deleted, whatever the retention: it is the other group's -- but
+    with ``XACKDEL ... ACKED`` (:attr:`Target.xackdel`), which deletes it only
+    once no group references it any more (the group it is addressed to
+    finalized it already).
     """
     assert d.id is not None
+    if t.xackdel:
+        return Plan(Effect.FOREIGN_COPY, (("XACKDEL", t.source, t.group, "ACKED", "IDS", 1, d.id),))
     return Plan(Effect.FOREIGN_COPY, (("XACK", t.source, t.group, d.id),))
 
 
@@ -532,7 +576,9 @@ def removal_commands(t: Target, deliveries: Sequence[Delivery]) -> list[Command]
     single-id ``XACK`` commands merge into one of their own), followed with
     ``Retention.DELETE_ON_FINALIZE`` by one ``XDEL`` of the same ids (both
     idempotent; a crash between the two leaves acknowledged entries in the
-    stream, which the periodic trim removes); a reliable list's elements
+    stream, which the periodic trim removes) -- or, where the server has it
+    (:attr:`Target.xackdel`), one ``XACKDEL ... ACKED IDS n`` of them all
+    (its reply: one code per id); a reliable list's elements
     need one ``LREM`` each; simple lists and Pub/Sub have nothing to remove
     (no command).
     """
@@ -542,6 +588,8 @@ def removal_commands(t: Target, deliveries: Sequence[Delivery]) -> list[Command]
     if form is Form.STREAM:
         ids = [d.id for d in deliveries if d.id is not None]
         if t.retention is Retention.DELETE_ON_FINALIZE:
+            if t.xackdel:
+                return [("XACKDEL", t.source, t.group, "ACKED", "IDS", len(ids), *ids)]
             return [("XACK", t.source, t.group, *ids), ("XDEL", t.source, *ids)]
         return [("XACK", t.source, t.group, *ids)]
     if form is Form.RELIABLE_LIST:
@@ -606,8 +654,9 @@ def plan(t: Target, d: Delivery, outcome: Outcome) -> Plan:
         if way is DelayedRetry.DURABLE_ZSET:
             assert d.id is not None
             member = _member(*_stream_copy_fields(d, t.group))
-            script = (_scripts.STREAM_ZADD_ACK_DEL if t.retention is Retention.DELETE_ON_FINALIZE
-                      else _scripts.STREAM_ZADD_ACK)
+            script = (_scripts.STREAM_ZADD_ACK if t.retention is not Retention.DELETE_ON_FINALIZE
+                      else _scripts.STREAM_ZADD_ACKDEL if t.xackdel
+                      else _scripts.STREAM_ZADD_ACK_DEL)
             return Plan(
                 Effect.DELAYED,
                 (
@@ -658,6 +707,12 @@ def plan(t: Target, d: Delivery, outcome: Outcome) -> Plan:
                 later=(("PUBLISH", t.retry_channel, copy),), gated=False)
 
 
+def xackdel_closed(reply: object) -> bool:
+    """Whether an ``XACKDEL`` reply says none of its ids was pending (every
+    code ``-1``): nothing acknowledged, a closed gate."""
+    return isinstance(reply, list) and bool(reply) and all(c == -1 for c in reply)
+
+
 GATE_CLOSED = "gate_closed"
 """The effect of a gated script whose gate was closed: the original was no
 longer pending (finalized already, by this or a racing finalizer), nothing written."""
@@ -673,8 +728,11 @@ def settle(p: Plan, replies: Sequence[object], *, unsure: bool = False) -> str:
     sent (error replies as exception values).  A step that got an error
     reply, or was never sent, makes the effect :data:`FAILED`; a gated
     script (``EVALSHA``) answered nil or false found its gate closed
-    (:data:`GATE_CLOSED`: no copy written, nothing removed); otherwise the
-    plan's own effect (``copied``, ``dead_lettered``, ``delayed`` ...).
+    (:data:`GATE_CLOSED`: no copy written, nothing removed), and so did a
+    plan's first command ``XACKDEL`` answered ``-1`` for every id (none
+    was pending: nothing acknowledged, and a runtime ``retry_after``'s copy
+    is then not written); otherwise the plan's own effect (``copied``,
+    ``dead_lettered``, ``delayed`` ...).
 
     ``unsure``: an earlier send of these commands had an unknown outcome (a
     lost reply, a cut connection).  A closed gate then answers that this
@@ -684,9 +742,11 @@ def settle(p: Plan, replies: Sequence[object], *, unsure: bool = False) -> str:
     if len(replies) < len(commands):
         return FAILED
     gate_closed = False
-    for cmd, r in zip(commands, replies[: len(commands)], strict=True):
+    for i, (cmd, r) in enumerate(zip(commands, replies[: len(commands)], strict=True)):
         if isinstance(r, Exception):
             return FAILED
         if (r is None or r is False) and p.gated and cmd[0] == b"EVALSHA":
             gate_closed = True
+        # XACKDEL first (nothing written before it) acknowledged nothing
+        gate_closed = gate_closed or (i == 0 and cmd[0] == "XACKDEL" and xackdel_closed(r))
     return GATE_CLOSED if gate_closed and not unsure else p.effect._value_

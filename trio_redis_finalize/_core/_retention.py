@@ -26,6 +26,23 @@ A stream without consumer groups is left alone.  Limits: a group created
 later (``XGROUP CREATE ... 0``) or moved back (``XGROUP SETID``) cannot get
 back what was trimmed before it existed; a group that never reads holds the
 whole stream (``inspect`` shows each group's oldest needed entry).
+
+On Redis 8.2 (``Target.acked``, see ``_caps``) :data:`TRIM_ACKED_NATIVE`
+lets the server decide entry by entry where the fallback's threshold stops:
+the same approximate step first (whole nodes below the oldest needed entry,
+bounded by ``LIMIT``; without ``ACKED``, which in its approximate form
+removes nothing on Redis 8.2.3, redis/redis#14656), then, instead of the
+exact ``XTRIM MINID <oldest needed>``, ``XTRIM key MINID = bound ACKED``:
+it deletes *each* entry below ``bound`` that no group has pending -- also
+those above a stuck pending entry, which holds the rest of the stream on the
+fallback.  ``bound`` is the minimum over the groups of the id right after
+their last-delivered id (everything above it is unread by some group, so
+needed, and ``ACKED`` would keep it anyway): it bounds the exact step's scan
+to what lies below it -- after a backlog behind a stuck entry, the first
+such step deletes that backlog at once (the server's time is proportional
+to it, as the fallback's trim of the same entries would be once the stuck
+entry goes).  The same guard: a stream without groups is left alone (an
+exact ``ACKED`` trim there removes everything), in the same atomic script.
 """
 
 from __future__ import annotations
@@ -39,6 +56,7 @@ from ._commands import Command, Script
 __all__ = [
     "MAX_PART",
     "TRIM_ACKED",
+    "TRIM_ACKED_NATIVE",
     "TRIM_LIMIT",
     "GroupNeed",
     "TrimResult",
@@ -49,6 +67,7 @@ __all__ = [
     "oldest_needed",
     "parse_trim",
     "trim_command",
+    "trim_script",
 ]
 
 MAX_PART = 2**64 - 1
@@ -121,15 +140,18 @@ def oldest_needed(groups: Sequence[GroupNeed]) -> str | None:
     return min((g.oldest_needed for g in groups), key=id_key)
 
 
-def delete_refusal(stream: str, group: str, groups: Sequence[str]) -> str | None:
+def delete_refusal(stream: str, group: str, groups: Sequence[str], *,
+                   xackdel: bool = False) -> str | None:
     """Why ``Retention.DELETE_ON_FINALIZE`` must not run on ``stream``, or None.
 
     ``groups``: the names of the stream's groups.  Deleting an entry takes it
     from every group; other groups than ``group`` would lose what they have
-    not read, so the mount is refused, naming them.
+    not read, so the mount is refused, naming them -- unless the removals are
+    ``XACKDEL ... ACKED`` (``xackdel``, ``Target.xackdel``: Redis 8.2), which
+    delete an entry only once no group references it.
     """
     others = sorted(g for g in groups if g != group)
-    if not others:
+    if not others or xackdel:
         return None
     names = ", ".join(repr(g) for g in others)
     return (
@@ -160,7 +182,7 @@ def parse_trim(reply: Sequence[Any]) -> TrimResult:
 # Returns {removed, threshold or nil, more (0/1), group name, ...}.
 # Ids are compared and incremented as decimal strings (Lua numbers are
 # doubles: ids reach 2^64 - 1).
-TRIM_ACKED = Script(
+_TRIM_HEAD = (
     """
 local kind = redis.call('TYPE', KEYS[1])['ok']
 if kind == 'none' then return {0, false, 0} end
@@ -198,6 +220,21 @@ local function after(id)
 end
 local out = {0, false, 0}
 local min = nil
+"""
+)
+
+
+def _trim_source(native: bool) -> str:
+    """The trim script's Lua.  Both: ``low`` = the oldest entry some group
+    needs (pending, or unread), and an approximate step below it (whole
+    nodes, no ``ACKED``: every entry below ``low`` is done with).  Then the
+    fallback trims exactly below ``low``; the native one (Redis 8.2) exactly
+    below ``bound`` (the oldest unread) with ``ACKED``: each entry below it
+    that no group has pending goes, also above a stuck one."""
+    exact = "'=', bound, 'ACKED'" if native else "low"
+    threshold = "bound" if native else "low"
+    return _TRIM_HEAD + f"""
+local bound = nil
 for i, g in ipairs(groups) do
   local name, pending, last
   for j = 1, #g - 1, 2 do
@@ -208,27 +245,42 @@ for i, g in ipairs(groups) do
     end
   end
   out[3 + i] = name
-  local need = after(last)
+  local unread = after(last)
+  local need = unread
   if tonumber(pending) > 0 then
     local s = redis.call('XPENDING', KEYS[1], name)
     if s[2] and lt(s[2], need) then need = s[2] end
   end
   if not min or lt(need, min) then min = need end
+  if not bound or lt(unread, bound) then bound = unread end
 end
-out[2] = min
-local removed = redis.call('XTRIM', KEYS[1], 'MINID', '~', min, 'LIMIT', ARGV[1])
+local low = min
+out[2] = {threshold}
+local removed = redis.call('XTRIM', KEYS[1], 'MINID', '~', low, 'LIMIT', ARGV[1])
 if removed > 0 then
   out[3] = 1
 else
-  removed = redis.call('XTRIM', KEYS[1], 'MINID', min)
+  removed = redis.call('XTRIM', KEYS[1], 'MINID', {exact})
 end
 out[1] = removed
 return out
-""",
-    name="trim_acked",
-)
+"""
 
 
-def trim_command(stream: str, limit: int = TRIM_LIMIT) -> Command:
-    """The ``EVALSHA`` of one :data:`TRIM_ACKED` step on ``stream``."""
-    return TRIM_ACKED.command((stream,), (limit,))
+TRIM_ACKED = Script(_trim_source(native=False), name="trim_acked")
+
+# KEYS: stream.  ARGV: limit of the approximate step.  The same reply.  The
+# threshold is the bound (see the module docstring): the server's ACKED
+# keeps every entry below it that some group still has pending.
+TRIM_ACKED_NATIVE = Script(_trim_source(native=True), name="trim_acked_native")
+
+
+def trim_script(acked: bool) -> Script:
+    """The retention trim: :data:`TRIM_ACKED_NATIVE` where the server trims
+    with ``ACKED`` (``Target.acked``), else :data:`TRIM_ACKED`."""
+    return TRIM_ACKED_NATIVE if acked else TRIM_ACKED
+
+
+def trim_command(stream: str, limit: int = TRIM_LIMIT, *, acked: bool = False) -> Command:
+    """The ``EVALSHA`` of one trim step (:func:`trim_script`) on ``stream``."""
+    return trim_script(acked).command((stream,), (limit,))

@@ -6,7 +6,21 @@ This is the small internal interface the consumer is written against:
 * :meth:`Client.pipeline` / :meth:`Client.transaction` - many in one round trip;
 * :meth:`Client.evalsha` - a :class:`Script`, loaded on ``NOSCRIPT``;
 * :meth:`Client.connect` - a dedicated connection (blocking reads);
-* :meth:`Client.pubsub` - a Pub/Sub connection.
+* :meth:`Client.pubsub` - a Pub/Sub connection;
+* :meth:`Client.capabilities_for` - what the server can do beyond Redis 6.2.
+
+Every connection the client opens asks the server, in its handshake's round
+trip, what it can do (``_core._caps``) and keeps the answer
+(``Connection.capabilities``); the client reports the latest answer.  A new
+connection that finds fewer capabilities than the client reported before (a
+failover to an older server, a downgrade) is logged as an error naming what
+is missing: subscriptions mounted before planned with it, and their
+commands that use it now fail with an error reply (``ERR unknown command``,
+or a syntax error): their deliveries stay pending, nothing is lost, and a
+remount (a restart of the consumer) plans again with what the server has.
+``native=False`` -- or the environment variable ``TRF_FALLBACK=1``, read in
+:func:`native_default` -- asks nothing and reports no capability: every plan
+takes the fallback (to compare the two, or to keep the older behaviour).
 
 No automatic retries anywhere: a failed call raises, and the caller decides
 what is safe to send again.  Every pooled call has a deadline: ``timeout``
@@ -17,6 +31,8 @@ command and key.
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -24,13 +40,26 @@ from typing import Any
 import anyio
 from redis import exceptions as rexc
 
+from .._core._caps import NO_CAPABILITIES, Capabilities
 from .._core._commands import SCRIPTS, Arg, Command, Script
 from .._core._replies import raise_first_error
 from ._connection import DEFAULT_TIMEOUT, Connection, open_connection
 from ._pubsub import PubSub
 from ._url import ConnectionParams
 
-__all__ = ["Client", "Script", "transaction_result"]
+__all__ = ["FALLBACK_ENV", "Client", "Script", "native_default", "transaction_result"]
+
+log = logging.getLogger("trio_redis_finalize.transport")
+
+FALLBACK_ENV = "TRF_FALLBACK"
+"""The environment variable that forces the fallback (see :func:`native_default`)."""
+
+
+def native_default() -> bool:
+    """Whether clients detect and use what the server adds (Redis 8.2's stream
+    commands ...): yes unless ``TRF_FALLBACK`` is set to something other than
+    ``""`` or ``"0"``.  The one place the variable is read."""
+    return os.environ.get(FALLBACK_ENV, "") in ("", "0")
 
 
 def _loads(commands: Sequence[Command], loaded: set[bytes]) -> tuple[dict[bytes, Command], bool]:
@@ -81,7 +110,7 @@ class Client:
 
     def __init__(
         self, params: ConnectionParams, *, name: str | None = None, max_connections: int = 32,
-        health_check_timeout: float = HEALTH_CHECK_TIMEOUT,
+        health_check_timeout: float = HEALTH_CHECK_TIMEOUT, native: bool | None = None,
     ) -> None:
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
@@ -99,6 +128,48 @@ class Client:
         self.connections_opened = 0
         self.health_checks = 0
         self.health_check_failures = 0
+        self.native = native_default() if native is None else native
+        """Detect and report what the server can do beyond Redis 6.2 (False:
+        report nothing: the fallback everywhere)."""
+        self._caps: Capabilities | None = None if self.native else NO_CAPABILITIES
+        self._reported = NO_CAPABILITIES  # what capabilities_for() handed out so far
+
+    # -- capabilities ------------------------------------------------------
+    @property
+    def capabilities(self) -> Capabilities | None:
+        """What the latest connection opened found the server can do (None:
+        no connection answered yet)."""
+        return self._caps
+
+    def _found(self, conn: Connection, where: str | None = None) -> None:
+        """A new connection's detected capabilities (``conn.capabilities``)."""
+        if not self.native:
+            return
+        caps = conn.capabilities
+        if caps is None:  # the server did not say (refused COMMAND): nothing learnt
+            return
+        lost = self._reported.missing(caps)
+        if lost:
+            log.error(
+                "%s has no %s, which subscriptions mounted earlier planned with (a "
+                "failover to an older server?): their commands that use it now fail and "
+                "their deliveries stay pending; remount (restart the consumer) to plan with "
+                "what this server has", where or self.params.address, ", ".join(lost),
+                extra={"capabilities": str(caps), "missing": lost},
+            )
+            # said once: a mount from now on plans with what this server has
+            self._reported = Capabilities(**{n: True for n in self._reported.names if n not in lost})
+        self._caps = caps
+
+    async def capabilities_for(self, key: Arg | None = None) -> Capabilities:
+        """What the server that serves ``key`` can do, for a mount to plan
+        with (opens a connection when none answered yet).  Remembered: a
+        later connection finding less is logged (see the module docstring)."""
+        if self._caps is None:
+            await self.execute("PING")  # a pooled connection: detected in its handshake
+        caps = self._caps or NO_CAPABILITIES
+        self._reported = self._reported.union(caps)
+        return caps
 
     # -- pool --------------------------------------------------------------
     @property
@@ -115,8 +186,11 @@ class Client:
         return self.params
 
     async def _dial(self, name: str | None) -> Connection:
-        """A new connection to the server (pooled or dedicated)."""
-        return await open_connection(self.params, name=name)
+        """A new connection to the server (pooled or dedicated), its
+        capabilities detected (see :attr:`native`)."""
+        conn = await open_connection(self.params, name=name, detect=self.native)
+        self._found(conn)
+        return conn
 
     async def _open(self) -> Connection:
         if self._closed:

@@ -55,6 +55,7 @@ import anyio.abc
 from redis import exceptions as rexc
 from redis.crc import key_slot
 
+from .._core._caps import NO_CAPABILITIES, Capabilities
 from .._core._commands import Arg, Command, command_keys
 from .._core._replies import with_context
 from ._client import Client, _is_evalsha, transaction_result
@@ -134,11 +135,12 @@ class ClusterClient(Client):
     """
 
     def __init__(
-        self, params: ConnectionParams, *, name: str | None = None, max_connections: int = 32
+        self, params: ConnectionParams, *, name: str | None = None, max_connections: int = 32,
+        native: bool | None = None,
     ) -> None:
         if not params.cluster_seeds:
             raise ValueError("params: a cluster client needs seed nodes (a redis+cluster:// URL)")
-        super().__init__(params, name=name, max_connections=max_connections)
+        super().__init__(params, name=name, max_connections=max_connections, native=native)
         self._nodes: dict[Address, Client] = {}
         self._owner: list[Address | None] = [None] * SLOTS
         self._epoch = 0
@@ -156,7 +158,8 @@ class ClusterClient(Client):
             if self._closed:
                 raise rexc.ConnectionError("client is closed")
             pool = self._nodes[addr] = Client(
-                self.params.for_node(*addr), name=self.name, max_connections=self.max_connections
+                self.params.for_node(*addr), name=self.name, max_connections=self.max_connections,
+                native=self.native,
             )
         return pool
 
@@ -312,6 +315,26 @@ class ClusterClient(Client):
                 replies[i] = await self._follow(commands[i], r, addr, timeout)
         return replies
 
+    # -- capabilities (each node's pool keeps its own, see Client) ---------------------
+    @property
+    def capabilities(self) -> Capabilities | None:
+        """What every node answered so far has in common (None: none answered)."""
+        if not self.native:
+            return NO_CAPABILITIES
+        known = [c for p in self._nodes.values() if (c := p.capabilities) is not None]
+        if not known:
+            return None
+        out = known[0]
+        for c in known[1:]:
+            out = out.common(c)
+        return out
+
+    async def capabilities_for(self, key: Arg | None = None) -> Capabilities:
+        """What the node that serves ``key``'s slot can do (its pool's, see
+        :meth:`Client.capabilities_for`)."""
+        slot = None if key is None else int(key_slot(_bytes(key)))
+        return await self.node(await self._route(slot)).capabilities_for()
+
     # -- the Client interface ----------------------------------------------------------
     async def check(self) -> None:
         """Read the slot map (raises when no seed answers or the map is empty)."""
@@ -424,10 +447,13 @@ class ClusterClient(Client):
         slot = None if key is None else int(key_slot(_bytes(key)))
         addr = await self._route(slot)
         try:
-            return await open_connection(self.params.for_node(*addr), name=name, factory=factory)
+            conn = await open_connection(self.params.for_node(*addr), name=name, factory=factory,
+                                         detect=self.native)
         except rexc.ConnectionError:
             self._stale = True
             raise
+        self.node(addr)._found(conn)
+        return conn
 
     async def aclose(self) -> None:
         """Close every node's idle connections; leased ones close when given back."""
@@ -508,13 +534,17 @@ class RoutedConnection(Connection):
 
     async def _move_to(self, addr: Address) -> None:
         """Talk to ``addr`` from now on (a new socket; the old one is closed)."""
+        cluster = self._cluster
         try:
-            new = await open_connection(self._cluster.params.for_node(*addr), name=self._name)
+            new = await open_connection(cluster.params.for_node(*addr), name=self._name,
+                                        detect=cluster.native)
         except rexc.ConnectionError:
-            self._cluster._stale = True
+            cluster._stale = True
             raise
+        cluster.node(addr)._found(new)
         old = self._stream
         self._stream, self._reader, self.params = new._stream, new._reader, new.params
+        self.capabilities = new.capabilities
         with anyio.move_on_after(_CLOSE_TIMEOUT, shield=True):
             try:
                 await old.aclose()

@@ -23,6 +23,8 @@ import hiredis
 from redis import exceptions as rexc
 from redis._parsers.base import BaseParser
 
+from .._core import _caps
+from .._core._caps import Capabilities
 from .._core._commands import Arg, Command, describe
 from .._core._replies import (
     _EXTRA,
@@ -68,7 +70,8 @@ class Connection:
     Not for direct construction: use :func:`open_connection`.
     """
 
-    __slots__ = ("_busy", "_reader", "_stream", "broken", "lost", "params", "scripts")
+    __slots__ = ("_busy", "_reader", "_stream", "broken", "capabilities", "lost", "params",
+                 "scripts")
 
     def __init__(self, stream: anyio.abc.ByteStream, params: ConnectionParams) -> None:
         self._stream = stream
@@ -84,6 +87,9 @@ class Connection:
         """The connection failed (I/O error, closed by the server), as opposed to
         being closed on purpose after a cancellation or timeout."""
         self.params = params
+        self.capabilities: Capabilities | None = None
+        """What the server said it can do when this connection was opened
+        (``_core._caps``); None: not asked, or the server refused to say."""
 
     async def aclose(self) -> None:
         """Close the connection (shielded and bounded: safe inside a cancelled scope)."""
@@ -279,10 +285,14 @@ def _handshake(params: ConnectionParams, name: str | None) -> list[Command]:
 async def open_connection(
     params: ConnectionParams, *, name: str | None = None, extra: Iterable[Command] = (),
     factory: Callable[[anyio.abc.ByteStream, ConnectionParams], Connection] = Connection,
+    detect: bool = False,
 ) -> Connection:
     """Connect, authenticate, select the database and set the client name.
 
     ``factory`` builds the connection object (a :class:`Connection` subclass).
+    ``detect``: ask the server what it can do (``_core._caps.DETECT``, in the
+    handshake's round trip) into :attr:`Connection.capabilities`; a refused
+    detection leaves it None and fails nothing.
 
     Raises:
         redis.exceptions.ConnectionError: the server cannot be reached in
@@ -297,15 +307,19 @@ async def open_connection(
     set_keepalive(stream, params.keepalive)
     conn = factory(stream, params)
     cmds = [*_handshake(params, name), *extra]
-    if cmds:
+    probe = _caps.DETECT if detect else ()
+    if cmds or probe:
         try:
-            replies = await conn.pipeline(cmds, timeout=params.connect_timeout)
+            replies = await conn.pipeline([*cmds, *probe], timeout=params.connect_timeout)
         except rexc.TimeoutError as e:
             raise rexc.ConnectionError(
                 f"{params.address} did not answer as a Redis server (no reply to the handshake, "
                 f"{_describe_many(cmds)}, within {params.connect_timeout} s)") from e
         except rexc.InvalidResponse as e:
             raise rexc.ConnectionError(str(e)) from e
+        if probe:
+            conn.capabilities = _caps.parse(replies[len(cmds):])
+            del replies[len(cmds):]
         for cmd, reply in zip(cmds, replies, strict=True):
             if isinstance(reply, rexc.RedisError):
                 await conn.aclose()

@@ -15,7 +15,8 @@ __all__ = ["open_client"]
 
 @asynccontextmanager
 async def open_client(
-    url: str | ConnectionParams, *, name: str | None = None, max_connections: int = 32
+    url: str | ConnectionParams, *, name: str | None = None, max_connections: int = 32,
+    native: bool | None = None,
 ) -> AsyncIterator[Client]:
     """A :class:`~trio_redis_finalize.Client` for ``url``; checks the server
     answers, closes on exit.
@@ -35,6 +36,9 @@ async def open_client(
         url: where to connect.
         name: the connections' name (``CLIENT SETNAME``).
         max_connections: the pool's size.
+        native: detect and use what the server adds beyond Redis 6.2 (see
+            ``_client``); ``False`` forces the fallback; ``None`` (default):
+            yes unless ``TRF_FALLBACK`` is set.
 
     Raises:
         ValueError: the URL is not understood.
@@ -44,9 +48,10 @@ async def open_client(
     params = parse_url(url) if isinstance(url, str) else url
     client: Client
     if params.cluster_seeds:
-        client = ClusterClient(params, name=name, max_connections=max_connections)
+        client = ClusterClient(params, name=name, max_connections=max_connections, native=native)
     elif params.sentinels:
-        sentinel = SentinelClient(params, name=name, max_connections=max_connections)
+        sentinel = SentinelClient(params, name=name, max_connections=max_connections,
+                                  native=native)
         try:
             async with sentinel.following():
                 await sentinel.check()
@@ -55,7 +60,7 @@ async def open_client(
             await sentinel.aclose()
         return
     else:
-        client = Client(params, name=name, max_connections=max_connections)
+        client = Client(params, name=name, max_connections=max_connections, native=native)
     try:
         await client.check()
         yield client

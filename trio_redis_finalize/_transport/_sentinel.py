@@ -279,6 +279,7 @@ class SentinelClient(Client):
                 conn = await open_connection(
                     params, name=name,
                     factory=lambda stream, p: MasterConnection(stream, p, self),
+                    detect=self.native,
                 )
             except rexc.AuthenticationError:
                 raise
@@ -297,6 +298,7 @@ class SentinelClient(Client):
                     await conn.aclose()
                     continue
                 self._conns.add(conn)
+                self._found(conn, f"master {self.service_name!r} at {addr[0]}:{addr[1]}")
                 return conn
             await conn.aclose()
             self.refused += 1

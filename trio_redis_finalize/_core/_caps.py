@@ -1,0 +1,154 @@
+"""What the server can do beyond Redis 6.2, as a value (sans-IO).
+
+The transport asks every connection it opens, in the handshake's round trip,
+``COMMAND INFO`` of the commands that may be missing and ``COMMAND DOCS`` of
+the commands whose options may be missing (:data:`DETECT`), and turns the
+replies into :class:`Capabilities` with :func:`parse` -- once per connection.
+A mount resolves its :class:`~._plan.Target` with the capabilities the client
+reports at that moment; from there the plans choose the native commands or
+today's scripts, the fallback (Redis 6.2, 7.0, Valkey 9.1).
+
+One flag per capability, and one place in the core that consumes each (the
+``Target`` properties named below; the later ones are detected, not used yet):
+
+``xackdel`` (Redis 8.2): ``XACKDEL key group ACKED IDS n id ...``
+    Consumed by ``Target.xackdel``: it replaces the XACK + XDEL of
+    ``Retention.DELETE_ON_FINALIZE`` (plans, gated and batched scripts).
+``acked_trim`` (Redis 8.2): the ``ACKED`` option of ``XADD`` and ``XTRIM``
+    Consumed by ``Target.acked``: ``_retention.TRIM_ACKED_NATIVE`` for the
+    retention trim (``XTRIM ... = id ACKED``).  Not by the ``*_maxlen`` caps:
+    on Redis 8.2.3 ``MAXLEN ~ n ACKED`` removes nothing (redis/redis#14656,
+    fixed upstream later) and ``MAXLEN = n ACKED`` walks the referenced head
+    of the stream on every XADD; a server with the fix could make the caps
+    ``ACKED`` at ``Target.acked``, the same one place.
+``claim_read`` (Redis 8.4): ``XREADGROUP ... CLAIM min-idle``
+    Would replace ``Mode.CLAIMING``'s ``XAUTOCLAIM`` before each
+    ``XREADGROUP >`` (one command reads idle pending entries and new ones).
+``idmp`` (Redis 8.6): ``XADD ... IDMP``
+    Would make the copies written before an acknowledgement idempotent (a
+    resent cross-slot copy, a runtime copy sent again after a lost reply).
+``xnack`` (Redis 8.8): ``XNACK``
+    Would replace the give-backs' ``XCLAIM ... RETRYCOUNT`` (a delivery given
+    back unstarted, or waiting out a ``Backoff``, spends no attempt).
+
+A command is there when ``COMMAND INFO`` names it (a missing one answers
+nil); an option when ``COMMAND DOCS`` lists its token among the command's
+arguments (Redis 6.2 has no ``COMMAND DOCS``: its error reply means no
+option).  A detection that the server refused (an ACL without ``COMMAND``, a
+transient error) gives ``None``: unknown, which plans as the fallback and is
+never taken for a server that lost a capability.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from ._commands import Command
+
+__all__ = ["DETECT", "NO_CAPABILITIES", "Capabilities", "parse", "tokens"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a server has beyond Redis 6.2 (see the module docstring)."""
+
+    xackdel: bool = False
+    """Redis 8.2: ``XACKDEL key group ACKED IDS n id ...`` (acknowledge, and
+    delete what no group still references)."""
+    acked_trim: bool = False
+    """Redis 8.2: ``XADD ... MAXLEN ~ n ACKED`` and ``XTRIM ... ACKED`` (trim
+    only entries every group has read and acknowledged)."""
+    claim_read: bool = False
+    """Redis 8.4: ``XREADGROUP ... CLAIM min-idle`` (claim idle pending entries
+    in the same read)."""
+    idmp: bool = False
+    """Redis 8.6: ``XADD ... IDMP`` (an idempotent XADD)."""
+    xnack: bool = False
+    """Redis 8.8: ``XNACK`` (give an entry back without spending an attempt)."""
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The flags that are set, by name."""
+        return tuple(f.name for f in dataclasses.fields(self) if getattr(self, f.name))
+
+    def missing(self, other: Capabilities) -> tuple[str, ...]:
+        """The flags set here that ``other`` lacks, by name."""
+        return tuple(n for n in self.names if not getattr(other, n))
+
+    def union(self, other: Capabilities) -> Capabilities:
+        """The flags set here or in ``other``."""
+        return Capabilities(**{n: True for n in (*self.names, *other.names)})
+
+    def common(self, other: Capabilities) -> Capabilities:
+        """The flags set both here and in ``other``."""
+        return Capabilities(**{n: True for n in self.names if getattr(other, n)})
+
+    def __str__(self) -> str:
+        return ", ".join(self.names) or "none"
+
+
+NO_CAPABILITIES = Capabilities()
+"""Redis 6.2's: every plan takes the fallback."""
+
+_COMMANDS = ("XACKDEL", "XNACK")
+_DOCUMENTED = ("XADD", "XTRIM", "XREADGROUP")
+
+DETECT: tuple[Command, ...] = (
+    ("COMMAND", "INFO", *_COMMANDS),
+    ("COMMAND", "DOCS", *_DOCUMENTED),
+)
+"""The detection commands; their replies, in order, go to :func:`parse`."""
+
+
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def tokens(doc: Any) -> set[str]:
+    """Every argument token (``MAXLEN``, ``ACKED`` ...) of one command's
+    ``COMMAND DOCS`` entry (RESP2: a flat list of names and values, nested)."""
+    out: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):  # pragma: no cover - RESP3 maps (the transport speaks RESP2)
+            node = [x for kv in node.items() for x in kv]
+        if not isinstance(node, list):
+            return
+        for i, item in enumerate(node):
+            if isinstance(item, list | dict):
+                walk(item)
+            elif _text(item) == "token" and i + 1 < len(node) and not isinstance(node[i + 1], list):
+                out.add(_text(node[i + 1]).upper())
+
+    walk(doc)
+    return out
+
+
+def _docs(reply: Any) -> dict[str, set[str]]:
+    """``COMMAND DOCS`` (name, doc, name, doc ...) -> name -> its argument tokens."""
+    if not isinstance(reply, list):
+        return {}
+    return {_text(name).upper(): tokens(doc) for name, doc in zip(reply[::2], reply[1::2], strict=False)}
+
+
+def parse(replies: Sequence[Any]) -> Capabilities | None:
+    """:class:`Capabilities` from the replies to :data:`DETECT`, in order
+    (error replies as exception values); ``None`` when ``COMMAND INFO`` was
+    refused (unknown).  ``COMMAND DOCS`` refused (Redis 6.2 has none) leaves
+    the options out."""
+    if len(replies) != len(DETECT):
+        raise ValueError(f"parse(): {len(replies)} replies to {len(DETECT)} detection commands")
+    info, docs = replies
+    if not isinstance(info, list) or len(info) != len(_COMMANDS):
+        return None
+    has = {name: bool(row) for name, row in zip(_COMMANDS, info, strict=True)}
+    options = _docs(docs) if not isinstance(docs, Exception) else {}
+    return Capabilities(
+        xackdel=has["XACKDEL"],
+        acked_trim="ACKED" in options.get("XTRIM", set()) and "ACKED" in options.get("XADD", set()),
+        claim_read="CLAIM" in options.get("XREADGROUP", set()),
+        idmp="IDMP" in options.get("XADD", set()),
+        xnack=has["XNACK"],
+    )
