@@ -316,10 +316,15 @@ _COUNTED_SHAS: dict[object, tuple[int, int]] = {
 _DEAD_AT = (6, 9)
 
 
+_WRITES_SHA = _scripts.LIST_WRITES.sha  # (with an outcome's writes: its n always last)
+
+
 def _counted_at(cmd: Command) -> tuple[int, int] | None:
     sha = cmd[1]
     if sha == _COPY_REMOVE_SHA and cmd[2] == 3:
         return _DEAD_AT
+    if sha == _WRITES_SHA:
+        return 3 + int(cmd[2]), len(cmd) - 1
     return _COUNTED_SHAS.get(sha)
 
 

@@ -18,6 +18,7 @@ __all__ = [
     "LIST_COPY_REMOVE",
     "LIST_DEAD_PUSH",
     "LIST_REMOVE",
+    "LIST_WRITES",
     "LIST_ZADD_REMOVE",
     "LUA_XADD",
     "LUA_XADD_CAPPED",
@@ -28,6 +29,7 @@ __all__ = [
     "STREAM_COPY_ACK",
     "STREAM_COPY_ACK_BATCH",
     "STREAM_COPY_ACK_EX",
+    "STREAM_WRITES",
     "STREAM_ZADD_ACK",
     "STREAM_ZADD_ACK_BATCH",
     "STREAM_ZADD_ACK_DEL",
@@ -354,7 +356,7 @@ return redis.call('LREM', KEYS[1], -1, ARGV[1])
 # record ARGV[r] is a JSON object, the server time goes in front of its
 # fields as ``"time_ms"``.  The reads come first: a hash of another type fails
 # the script before anything is written.
-def _why_push(k: int, i: int, r: int, dead: int) -> str:
+def _why_push(k: int, i: int | str, r: int | str, dead: int) -> str:
     return (
         _NOW_MS
         + f"""
@@ -561,4 +563,113 @@ MOVE_DUE_TO_LIST = Script(
 """
     + _MOVE_TAIL,
     name="move_due_to_list",
+)
+
+# -- exactly-once effects: an outcome's writes in its finalization (see ``_writes``) --------
+
+# Lua: the writes at ARGV[i] ..: for each, its count of values, the type its
+# key must have ('' for any), then the command (name, arguments).
+# ``wcheck(i, nw)``: an error reply naming the write and the key when a key
+# holds another type; else the index after the writes.  ``wapply(i, nw)``
+# runs them.
+_WRITES_LUA = """
+local function wcheck(i, nw)
+  for w = 1, nw do
+    local argc = tonumber(ARGV[i])
+    local want = ARGV[i + 1]
+    if want ~= '' then
+      local t = redis.call('TYPE', ARGV[i + 3])['ok']
+      if t ~= 'none' and t ~= want then
+        return nil, 'WRONGTYPE write ' .. w .. ' of the outcome (' .. ARGV[i + 2] .. ' ' ..
+          ARGV[i + 3] .. '): the key holds a ' .. t .. ', not a ' .. want .. '; nothing written'
+      end
+    end
+    i = i + 2 + argc
+  end
+  return i
+end
+local function wapply(i, nw)
+  for w = 1, nw do
+    local argc = tonumber(ARGV[i])
+    redis.call(unpack(ARGV, i + 2, i + 1 + argc))
+    i = i + 2 + argc
+  end
+end
+"""
+
+# KEYS: stream, destination (a stream for 'copy', the delay set for 'zadd',
+# the stream itself for 'ack'), the writes' keys (declared, for Redis
+# Cluster).  ARGV: group, id, op ('ack', 'copy', 'zadd'), delete ('1': XDEL
+# the original after its XACK), cap ('0': none), nw, the writes, then the
+# op's own: 'copy': field, value, ...; 'zadd': delay ms, member.
+# Returns false (gate closed), or what the cell's script returns: 1 ('ack'),
+# the copy's id, the due time.
+STREAM_WRITES = Script(
+    LUA_XADD
+    + LUA_XADD_CAPPED
+    + _WRITES_LUA
+    + """
+local group, id = ARGV[1], ARGV[2]
+local ok, p = pcall(redis.call, 'XPENDING', KEYS[1], group, id, id, 1)
+if not ok or #p == 0 then return false end
+local nw = tonumber(ARGV[6])
+local i, why = wcheck(7, nw)
+if not i then return redis.error_reply(why) end
+wapply(7, nw)
+local op = ARGV[3]
+local r = 1
+if op == 'copy' then
+  if ARGV[5] ~= '0' then
+    r = xadd_capped(KEYS[2], ARGV[5], ARGV, i)
+  else
+    r = xadd(KEYS[2], ARGV, i)
+  end
+elseif op == 'zadd' then
+"""
+    + _NOW_MS
+    + """
+  r = now + tonumber(ARGV[i])
+  redis.call('ZADD', KEYS[2], r, ARGV[i + 1])
+end
+redis.call('XACK', KEYS[1], group, id)
+if ARGV[4] == '1' then redis.call('XDEL', KEYS[1], id) end
+return r
+""",
+    name="stream_writes",
+)
+
+# KEYS: processing list, destination (the queue for 'copy', the dead letter
+# for 'dead', the delay set for 'zadd', the processing list for 'remove'),
+# the dead letter's reason hash (the processing list when none), the writes'
+# keys.  ARGV: element, op ('remove', 'copy', 'dead', 'zadd'), nw, the
+# writes, then the op's own -- 'copy': the copy; 'dead': the copy, its
+# reason record; 'zadd': delay ms, member -- and last n (the counted gate,
+# see ``_plan.list_counted``).  Returns false (gate closed), 1, or the due time.
+LIST_WRITES = Script(
+    _WRITES_LUA
+    + """
+if not redis.call('LPOS', KEYS[1], ARGV[1], 'RANK', -tonumber(ARGV[#ARGV])) then return false end
+local nw = tonumber(ARGV[3])
+local i, why = wcheck(4, nw)
+if not i then return redis.error_reply(why) end
+wapply(4, nw)
+local op = ARGV[2]
+local r = 1
+if op == 'copy' then
+  redis.call('LPUSH', KEYS[2], ARGV[i])
+elseif op == 'dead' then
+"""
+    + _why_push(3, "i", "i + 1", 2)
+    + """
+elseif op == 'zadd' then
+"""
+    + _NOW_MS
+    + """
+  r = now + tonumber(ARGV[i])
+  redis.call('ZADD', KEYS[2], r, ARGV[i + 1])
+end
+redis.call('LREM', KEYS[1], -1, ARGV[1])
+return r
+""",
+    name="list_writes",
 )
