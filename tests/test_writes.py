@@ -354,7 +354,7 @@ async def test_every_stream_outcome_commits_its_writes_once(url: str) -> None:
         await consumer.mount(StreamSubscription(S, G, block=0.05), handle, concurrency=4)
         async with open_client(url) as c:
             with trio.fail_after(20):
-                while int((await c.execute("HLEN", TOTALS))) < n or any(
+                while int(await c.execute("HLEN", TOTALS)) < n or any(
                         v != b"2" for v in (await c.execute("HGETALL", TOTALS))[1::2]):
                     await trio.sleep(0.05)
         stats = consumer.stats()[StreamSubscription(S, G).name]
