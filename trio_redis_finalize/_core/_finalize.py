@@ -474,8 +474,14 @@ class FinalizeBatch:
     def cancelled(self) -> list[tuple[float, tuple[Command, ...]]]:
         """Cancelled (shutdown deadline) with the outcome unknown: a runtime
         ``retry_after``'s removal may have been applied, so its copy must
-        still go out -- every plan's ``(delay, later)``: duplicate, never loss."""
-        return [(p.delay, p.later) for _, p in self._plans if p.delay is not None and p.later]
+        still go out -- every plan's ``(delay, removal + later)``.
+
+        The removal (idempotent: ``XACK``, ``XDEL``) goes first again, so the
+        original cannot come back beside its copy (the removal may never have
+        been sent): one line of descent, no duplicate; should the removal
+        fail, the copy is not sent either and the original stays pending."""
+        return [(p.delay, (*p.commands, *p.later))
+                for _, p in self._plans if p.delay is not None and p.later]
 
     def _failed(self) -> list[int]:
         """The hot path's removals whose command got a final error reply, as

@@ -396,6 +396,15 @@ def _stream_copy(
     return Plan(effect, ((b"EVALSHA", _COPY_ACK_SHA, 2, t.source, dest, t.group, d.id, *fields),))
 
 
+def _runtime_copy(t: Target, d: Delivery) -> Command:
+    """The command that writes a runtime ``retry_after`` copy to the stream
+    once (``_scripts.STREAM_COPY_ONCE``, with a fresh marker key)."""
+    marker = derived(t.source, f":copy:{uuid.uuid4().hex}")
+    return _scripts.STREAM_COPY_ONCE.command(
+        (t.source, marker),
+        (_scripts.COPY_MARK_TTL, t.copy_maxlen or 0, *_stream_copy_fields(d, t.group)))
+
+
 def _list_copy_remove(t: Target, d: Delivery, dest: str, element: bytes, effect: Effect) -> Plan:
     assert d.raw is not None
     if t.cluster and not same_slot(t.processing, dest):
@@ -621,14 +630,13 @@ def plan(t: Target, d: Delivery, outcome: Outcome) -> Plan:
                     ),
                 ),
             )
-        # runtime: acknowledge now, XADD the copy when the timer fires (the
-        # XADD is not safe to send twice: not gated)
+        # runtime: acknowledge now, XADD the copy when the timer fires, once
+        # (its marker makes a resend after a lost reply write nothing more)
         return Plan(
             Effect.HELD,
             _stream_remove(t, d, Effect.HELD).commands,
             delay=outcome.delay,
-            later=(("XADD", t.source, *_cap(t.copy_maxlen), "*", *_stream_copy_fields(d, t.group)),),
-            gated=False,
+            later=(_runtime_copy(t, d),),
         )
 
     if form is Form.RELIABLE_LIST:

@@ -14,6 +14,7 @@ import functools
 from ._commands import Script
 
 __all__ = [
+    "COPY_MARK_TTL",
     "CORRUPT_FIELD",
     "LIST_COPY_REMOVE",
     "LIST_DEAD_PUSH",
@@ -29,6 +30,7 @@ __all__ = [
     "STREAM_COPY_ACK",
     "STREAM_COPY_ACK_BATCH",
     "STREAM_COPY_ACK_EX",
+    "STREAM_COPY_ONCE",
     "STREAM_WRITES",
     "STREAM_ZADD_ACK",
     "STREAM_ZADD_ACK_BATCH",
@@ -672,4 +674,38 @@ redis.call('LREM', KEYS[1], -1, ARGV[1])
 return r
 """,
     name="list_writes",
+)
+
+
+# -- a runtime delayed copy, written once ------------------------------------------------
+#
+# The scheduler writes a runtime ``retry_after`` copy when its delay is over and
+# sends it again when the reply was lost: a plain XADD would then write it
+# twice (two deliveries of one message).  The copy goes through this script
+# with a marker key of its own (a fresh name per copy, in the stream's slot):
+# the first run writes the copy and keeps its id under the marker for
+# COPY_MARK_TTL; a resend meanwhile finds the marker and answers the same id,
+# writing nothing.  (Redis 8.6's ``XADD ... IDMP`` would do this natively.)
+
+COPY_MARK_TTL = 600_000
+"""Milliseconds a runtime copy's marker lives: how late a resend of it is
+still recognised (the scheduler resends within seconds)."""
+
+# KEYS: stream, marker.  ARGV: marker ttl ms, cap ('0': none), field, value, ...
+STREAM_COPY_ONCE = Script(
+    LUA_XADD
+    + LUA_XADD_CAPPED
+    + """
+local done = redis.call('GET', KEYS[2])
+if done then return done end
+local id
+if ARGV[2] ~= '0' then
+  id = xadd_capped(KEYS[1], ARGV[2], ARGV, 3)
+else
+  id = xadd(KEYS[1], ARGV, 3)
+end
+redis.call('SET', KEYS[2], id, 'PX', ARGV[1])
+return id
+""",
+    name="stream_copy_once",
 )
