@@ -16,6 +16,9 @@ from typing import Any
 
 import pytest
 import trio
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 from redis import exceptions as rexc
 
 from trio_redis_finalize import (
@@ -453,3 +456,125 @@ async def test_writes_a_subscription_cannot_commit_are_a_handler_error(url: str)
         assert consumer.stats()[sub.name]["handler_errors"] == 1
     async with open_client(url) as c:
         assert await c.execute("HGET", TOTALS, "n") is None
+
+
+# -- racing consumers: a state machine against a real server -------------------------------
+
+MACHINE_CONSUMERS = ("w1", "w2")
+EFFECTS = "{o}effects"
+
+
+class RacingWrites(RuleBasedStateMachine):
+    """Two consumers read, claim each other's entries (a lapsed lease), and
+    finalize what they hold with outcomes carrying a write (``HINCRBY`` of the
+    delivery's entry id), some finalizations sent again (a lost reply) or
+    raced by the other consumer.  The model: a finalization applies exactly
+    when its entry is pending at that moment.  After every step each entry's
+    counter equals the number of finalizations that applied to it -- 0 or 1
+    -- and a message's counters (its original and its copies) never exceed
+    the finalizations its line of copies made.
+
+    hypothesis-trio does not work with current Hypothesis: each rule is one
+    ``trio.run`` with a fresh connection, against a server started once."""
+
+    url = ""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: dict[str, list[Delivery]] = {c: [] for c in MACHINE_CONSUMERS}
+        self.sent: list[Any] = []  # finalization commands sent (resent later)
+        self.applied: dict[str, int] = {}  # entry id -> finalizations that applied
+        self.sub = StreamSubscription(S, G)
+        self.run(self._reset)
+
+    def run(self, fn: Any, *args: Any) -> Any:
+        async def go() -> Any:
+            async with open_client(self.url) as c:
+                return await fn(c, *args)
+
+        return trio.run(go)
+
+    @staticmethod
+    async def _reset(c: Client) -> None:
+        await c.execute("FLUSHALL")
+        await c.execute("XGROUP", "CREATE", S, G, "0", "MKSTREAM")
+
+    @rule(n=st.integers(1, 3))
+    def produce(self, n: int) -> None:
+        async def go(c: Client) -> None:
+            for i in range(n):
+                await c.execute("XADD", S, "*", "n", i)
+
+        self.run(go)
+
+    def _take(self, consumer: str, reply: Any) -> None:
+        for eid, flat in reply:
+            if flat is None:
+                continue
+            fields = dict(zip(flat[::2], flat[1::2], strict=True))
+            origin = fields.get(b"trf-origin", eid).decode()
+            retries = int(fields.get(b"trf-retries", b"0"))
+            self.held[consumer].append(Delivery(
+                source=S, id=eid.decode(), fields={}, data=None, attempt=retries + 1,
+                origin_id=origin, retries=retries, flat=tuple(flat)))
+
+    @rule(c=st.sampled_from(MACHINE_CONSUMERS))
+    def read(self, c: str) -> None:
+        reply = self.run(lambda cl: cl.execute(
+            "XREADGROUP", "GROUP", G, c, "COUNT", 2, "STREAMS", S, ">"))
+        if reply:
+            self._take(c, reply[0][1])
+
+    @rule(c=st.sampled_from(MACHINE_CONSUMERS))
+    def claim(self, c: str) -> None:
+        """The other consumer's lease lapsed: c claims everything pending
+        (both now hold those entries: their finalizations race)."""
+        reply = self.run(lambda cl: cl.execute("XAUTOCLAIM", S, G, c, 0, "0", "COUNT", 10))
+        self._take(c, [e for e in reply[1] if e[1] is not None])
+
+    @rule(data=st.data(), c=st.sampled_from(MACHINE_CONSUMERS),
+          kind=st.sampled_from(["ack", "drop", "retry"]), lose=st.booleans())
+    def finalize(self, data: st.DataObject, c: str, kind: str, lose: bool) -> None:
+        held = self.held[c]
+        if not held:
+            return
+        d = held.pop(data.draw(st.integers(0, len(held) - 1)))
+        outcome = {"ack": ACK, "drop": DROP, "retry": RETRY}[kind]
+        p = plan_writes(self.sub.target(c), d, outcome.with_writes(("HINCRBY", EFFECTS, d.id, 1)))
+        (cmd,) = p.commands
+        if lose:  # sent later instead (as after a lost reply, or by a racing party)
+            self.sent.append((d.id, cmd))
+            return
+        self._send(d.id, cmd)
+
+    @rule(data=st.data())
+    def resend(self, data: st.DataObject) -> None:
+        if self.sent:
+            eid, cmd = self.sent[data.draw(st.integers(0, len(self.sent) - 1))]
+            self._send(eid, cmd)
+
+    def _send(self, eid: Any, cmd: Any) -> None:
+        async def go(c: Client) -> tuple[bool, Any]:
+            pending = bool(await c.execute("XPENDING", S, G, eid, eid, 1))
+            (reply,) = await c.pipeline([cmd])
+            return pending, reply
+
+        pending, reply = self.run(go)
+        assert (reply is not None) == pending, (pending, reply)  # the gate is the PEL
+        if pending:
+            self.applied[eid] = self.applied.get(eid, 0) + 1
+
+    @invariant()
+    def writes_applied_once_per_finalization(self) -> None:
+        got = self.run(lambda c: c.execute("HGETALL", EFFECTS))
+        counts = {k.decode(): int(v) for k, v in zip(got[::2], got[1::2], strict=True)}
+        assert counts == self.applied
+        assert all(n == 1 for n in counts.values())
+
+
+@pytest.mark.timeout(600)
+def test_racing_consumers_apply_each_write_once(redis_server: RedisServer) -> None:
+    RacingWrites.url = redis_server.url
+    run_state_machine_as_test(RacingWrites, settings=settings(
+        max_examples=25, stateful_step_count=25, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]))
