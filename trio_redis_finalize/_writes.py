@@ -77,6 +77,9 @@ MAX_WRITE_BYTES = 1 << 20
 """Bytes of one outcome's writes together, at most (1 MiB)."""
 
 
+_TEXT = frozenset({str, bytes})
+
+
 def _value(i: int, j: int, v: object) -> str | bytes:
     if isinstance(v, (bytes, str)):
         return v
@@ -102,11 +105,15 @@ def check_writes(writes: Sequence[object]) -> tuple[Write, ...]:
     out: list[Write] = []
     values = size = 0
     for i, w in enumerate(writes):
-        if isinstance(w, (str, bytes)) or not isinstance(w, Sequence) or not w:
+        if (w.__class__ is not tuple and w.__class__ is not list
+                and (isinstance(w, (str, bytes)) or not isinstance(w, Sequence))) or not w:
             raise ValueError(f"writes[{i}] must be a command as a tuple, e.g. "
                              f"('HINCRBY', 'totals', 'eur', 5), got {w!r}")
-        name = w[0].decode() if isinstance(w[0], bytes) else w[0]
-        spec = WRITE_COMMANDS.get(name.upper()) if isinstance(name, str) else None
+        name = w[0]
+        spec = WRITE_COMMANDS.get(name) if name.__class__ is str else None
+        if spec is None:
+            name = name.decode() if isinstance(name, bytes) else name
+            spec = WRITE_COMMANDS.get(name.upper()) if isinstance(name, str) else None
         if spec is None:
             raise ValueError(f"writes[{i}]: {w[0]!r} is not a write an outcome may carry "
                              f"(deterministic writes on declared keys: {', '.join(WRITE_COMMANDS)})")
@@ -116,7 +123,9 @@ def check_writes(writes: Sequence[object]) -> tuple[Write, ...]:
             bound = f"{least}" if most == least else f"{least} to {most}" if most else f"at least {least}"
             raise ValueError(f"writes[{i}]: {name} takes {bound} values (the name included), "
                              f"got {len(w)}")
-        args = tuple(_value(i, j, v) for j, v in enumerate(w[1:], 1))
+        args = tuple(w[1:])
+        if not _TEXT.issuperset(map(type, args)):  # (numbers and the rest: one by one)
+            args = tuple(_value(i, j, v) for j, v in enumerate(args, 1))
         if name in ("HSET",) and len(args) % 2 == 0:
             raise ValueError(f"writes[{i}]: HSET takes a key and field value pairs, got {len(args)} "
                              "arguments")

@@ -37,12 +37,10 @@ slot (:func:`check_outcome`).
 
 from __future__ import annotations
 
-import dataclasses
-
 from .._delivery import Delivery
 from .._errors import AckUnsupported
 from .._keys import same_slot
-from .._outcome import Outcome, OutcomeKind, WithWrites
+from .._outcome import ACK, DROP, RETRY, Outcome, OutcomeKind, WithWrites
 from .._subscription import Form, Mode
 from .._writes import WRITE_COMMANDS, Write, write_keys
 from . import _scripts
@@ -112,14 +110,19 @@ def plan_writes(t: Target, d: Delivery, outcome: Outcome) -> Plan:
         AckUnsupported: as :func:`~._plan.plan`.
     """
     check_outcome(t, d, outcome)
-    base = plan(t, d, Outcome(outcome.kind, outcome.delay))
+    base = plan(t, d, _PLAIN[outcome.kind] if outcome.kind in _PLAIN
+                else Outcome(outcome.kind, outcome.delay))
     encoded = encode_writes(outcome.writes)
     keys = write_keys(outcome.writes)
     if base.commands:
         commands = _with_writes(t, base.commands, encoded, keys)
-        return dataclasses.replace(base, commands=commands)
+        return Plan(base.effect, commands, base.delay, base.later, base.gated, base.warning)
     # a reliable list's runtime retry_after: the gated copy-then-remove comes later
-    return dataclasses.replace(base, later=_with_writes(t, base.later, encoded, keys))
+    later = _with_writes(t, base.later, encoded, keys)
+    return Plan(base.effect, base.commands, base.delay, later, base.gated, base.warning)
+
+
+_PLAIN = {o.kind: o for o in (ACK, DROP, RETRY)}
 
 
 _COPY = _scripts.STREAM_COPY_ACK.sha
