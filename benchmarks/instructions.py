@@ -57,7 +57,7 @@ from typing import Any
 import trio
 from redis import exceptions as rexc
 
-from trio_redis_finalize import ORIGIN_FIELD, RETRIES_FIELD
+from trio_redis_finalize import ACK, ORIGIN_FIELD, RETRIES_FIELD
 from trio_redis_finalize._transport import Client, Command, open_client
 from trio_redis_finalize.testing import free_port
 
@@ -111,6 +111,9 @@ def _child(contender: str, url: str, n: int) -> None:
         "stream floor": lambda c, p: w.ovl_ack(c, n),
         "stream floor + call": lambda c, p: w.ovl_ack(c, n, calls=True),
         "stream library": lambda c, p: w.lib_stream(url, c, n),
+        "stream floor + write": lambda c, p: w.ovl_ack(c, n, writes=True),
+        "stream library + write": lambda c, p: w.lib_stream(
+            url, c, n, outcome=ACK.with_writes(("HINCRBY", w.TOTALS, "n", 1))),
         "list floor": lambda c, p: w.ovl_reliable(c, n),
         "list library": lambda c, p: w.lib_reliable(url, c, n),
         "pubsub floor": lambda c, p: w.ovl_pubsub(c, p, n),
@@ -211,6 +214,8 @@ def _count_client(url: str, contender: str, n: int, tmp: Path) -> int:
 def _client_table(url: str, tmp: Path, n: int) -> None:
     cells = [
         ("stream ACK, concurrency 1", ["stream floor", "stream floor + call", "stream library"]),
+        ("stream ACK carrying one write (HINCRBY)", ["stream floor + write",
+                                                    "stream library + write"]),
         ("reliable list ACK", ["list floor", "list library"]),
         ("Pub/Sub receive", ["pubsub floor", "pubsub floor + call", "pubsub library"]),
     ]
@@ -359,6 +364,71 @@ def _server_table(binary: str, tmp: Path, n: int) -> None:
               f"{trip / floors[1]:5.2f}x", flush=True)
 
 
+def _count_server_writes(binary: str, library: bool, n: int, tmp: Path) -> int:
+    """The server's instructions finalizing ``n`` ACKs that carry one write
+    each: the raw client's pipeline (a ``HINCRBY`` per entry and one ``XACK``
+    of the batch: not exactly once), or the library's ``stream_writes``
+    script per entry (gate, type check, write, ``XACK``)."""
+    from trio_redis_finalize import Delivery, StreamSubscription
+    from trio_redis_finalize._core._writes import plan_writes
+
+    port = free_port()
+    out = tmp / f"server-writes.{port}.out"
+    url = f"redis://127.0.0.1:{port}"
+    target = StreamSubscription("s", "g").target("me")
+    outcome = ACK.with_writes(("HINCRBY", "totals", "n", 1))
+    cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    with _callgrind(cmd, out, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as proc:
+        async def run() -> None:
+            for _ in range(600):
+                try:
+                    async with open_client(url):
+                        break
+                except (OSError, rexc.ConnectionError):  # not listening yet
+                    await trio.sleep(0.1)
+            async with open_client(url) as c:
+                for _ in range(0, n, 1000):
+                    await c.pipeline([("XADD", "s", "*", "payload", b"x" * 32, "kind", "k")] * 1000)
+                await c.execute("XGROUP", "CREATE", "s", "g", "0")
+                batches = []
+                while reply := await c.execute("XREADGROUP", "GROUP", "g", "me", "COUNT", BATCH,
+                                               "STREAMS", "s", ">"):
+                    batches.append(reply[0][1])
+                plans: list[list[Command]] = []
+                for b in batches:
+                    if library:
+                        plans.append([plan_writes(target, Delivery(
+                            source="s", id=eid.decode(), fields={}, data=None, attempt=1,
+                            origin_id=eid.decode(), flat=tuple(flat)), outcome).commands[0]
+                            for eid, flat in b])
+                    else:
+                        plans.append([*[("HINCRBY", "totals", "n", 1) for _ in b],
+                                      ("XACK", "s", "g", *[eid for eid, _ in b])])
+                await c.pipeline(plans[0][:1], raise_on_error=False)  # loads the script
+                await c.execute("HSET", "totals", "n", 0)
+                _control(proc.pid, "on")
+                for p in plans:
+                    await c.pipeline(p)
+                _control(proc.pid, "off")
+                if int((await c.execute("XPENDING", "s", "g"))[0]) > 1 or int(
+                        await c.execute("HGET", "totals", "n")) < n - 1:
+                    raise RuntimeError("instructions: the ACKs with writes were not all finalized")
+
+        trio.run(run)
+    return sum(_parts(out).values())
+
+
+def _server_writes_table(binary: str, tmp: Path, n: int) -> None:
+    print(f"server ({binary}): instructions per ACK carrying one write ({n:,} entries, "
+          f"{BATCH} per pipeline)", flush=True)
+    floor = 0.0
+    for label, library in (("raw: HINCRBY each + XACK, pipelined", False),
+                           ("library: stream_writes, one per ACK", True)):
+        per = _count_server_writes(binary, library, n, tmp) / n
+        floor = floor or per
+        print(f"    {label:36} {per:9,.0f}   {per / floor:5.2f}x", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks instructions")
     parser.add_argument("n", nargs="?", type=int, default=N, help=f"messages per run (default {N:,})")
@@ -373,6 +443,7 @@ def main(argv: list[str] | None = None) -> None:
         tmp = Path(d)
         _client_table(server.url, tmp, args.n)
         _server_table(server.binary, tmp, args.n)
+        _server_writes_table(server.binary, tmp, args.n)
 
 
 if __name__ == "__main__":

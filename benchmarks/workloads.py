@@ -299,10 +299,16 @@ async def _noop(entry: Any) -> Outcome:
     return ACK
 
 
-async def ovl_ack(client: Client, n: int, *, calls: bool = False) -> Sample:
+TOTALS = "{bench}:totals"
+"""The hash the ``writes`` contenders count each message in (``HINCRBY``)."""
+
+
+async def ovl_ack(client: Client, n: int, *, calls: bool = False, writes: bool = False) -> Sample:
     """The overlapped floor; ``calls``: it also awaits a no-op handler on each
     entry before the batch's XACK (a diagnostic row: what one coroutine call
-    per message costs, which no consumer can avoid)."""
+    per message costs, which no consumer can avoid); ``writes``: one
+    ``HINCRBY`` per entry goes in the XACK's pipeline (the raw client's way to
+    a write per message: not exactly once -- the library's floor to beat)."""
     await preload(client, STREAM, n)
     group = _group()
     await client.execute("XGROUP", "CREATE", STREAM, group, "0")
@@ -311,6 +317,11 @@ async def ovl_ack(client: Client, n: int, *, calls: bool = False) -> Sample:
         if calls:
             for e in entries:
                 await _noop(e)
+        if writes:
+            replies = await client.pipeline(
+                [*[("HINCRBY", TOTALS, "n", 1) for _ in entries],
+                 ("XACK", STREAM, group, *[e[0] for e in entries])])
+            return int(replies[-1])
         return int(await client.execute("XACK", STREAM, group, *[e[0] for e in entries]))
 
     async with await client.connect(name="bench-raw-reader") as conn, Meter(client) as m:
@@ -321,10 +332,11 @@ async def ovl_ack(client: Client, n: int, *, calls: bool = False) -> Sample:
 
 async def lib_stream(url: str, client: Client, n: int, *, outcome: Outcome = ACK,
                      concurrency: int = 1) -> Sample:
-    """Preloaded ``n`` entries, a handler returning ``outcome`` (ACK or DROP)."""
+    """Preloaded ``n`` entries, a handler returning ``outcome`` (ACK or DROP,
+    or one of them carrying writes: ``ACK.with_writes(...)``)."""
     await preload(client, STREAM, n)
     group = _group()
-    effect = "acked" if outcome == ACK else "dropped"
+    effect = "acked" if outcome.kind is ACK.kind else "dropped"
 
     async def handle(d: Delivery) -> Outcome:
         return outcome

@@ -70,6 +70,7 @@ from trio_redis_finalize import (
 )
 from trio_redis_finalize._core import _finalize as _core_finalize
 from trio_redis_finalize._core import _plan
+from trio_redis_finalize._core import _writes as _core_writes
 from trio_redis_finalize._core._batch import is_batched
 from trio_redis_finalize._core._caps import Capabilities
 from trio_redis_finalize._core._plan import Effect, Plan
@@ -88,6 +89,12 @@ S_DELAYS, Q_DELAYS = "{orders}:delayed", "{jobs}:delayed"
 PROCESSING = "{jobs}:processing:" + NAME
 
 FAULTS = ["before", "after", "crash-before", "crash-after", "cancel-before", "cancel-after"]
+
+
+def effects_key(path: Path) -> str:
+    """The hash the ``writes`` paths' handlers count each message's effect in
+    (in the source's hash slot, so the Cluster-split plans can carry it)."""
+    return "{orders}:effects" if path.form == "stream" else "{jobs}:effects"
 
 
 @pytest.fixture(autouse=True)
@@ -120,6 +127,7 @@ class Path:
     n: int = 1  # streams: messages produced (n > 1: finalized in one batched script call)
     raced: bool = False  # n > 1: the second is finalized by another party just before
     # its batch (a racing finalizer): the batched call is half gated-closed
+    writes: bool = False  # the message's last outcome carries a write (exactly-once effects)
 
     def subscription(self) -> StreamSubscription | ReliableListSubscription:
         if self.form == "stream":
@@ -161,7 +169,7 @@ STREAM_PATHS = [
     Path("drop", "stream", DROP, "gone"),
     Path("retry", "stream", RETRY, "copy"),
     Path("retry-after-durable", "stream", retry_after(0.02), "copy", sub=DURABLE),
-    Path("retry-after-runtime", "stream", retry_after(0.02), "runtime", gated=False),
+    Path("retry-after-runtime", "stream", retry_after(0.02), "runtime"),
     Path("dead-letter", "stream", RETRY, "dead", preset_retries=2, sub=DEAD3),
     Path("dead-letter-cluster-split", "stream", RETRY, "dead", gated=False, preset_retries=2,
          sub=DEAD3, planner=_cluster_split),
@@ -194,7 +202,7 @@ RETENTION_PATHS = [
     Path("drop", "stream", DROP, "gone", sub=DELETE),
     Path("retry-capped", "stream", RETRY, "copy", sub={**DELETE, "copy_maxlen": 1000}),
     Path("retry-after-durable", "stream", retry_after(0.02), "copy", sub={**DURABLE, **DELETE}),
-    Path("retry-after-runtime", "stream", retry_after(0.02), "runtime", gated=False, sub=DELETE),
+    Path("retry-after-runtime", "stream", retry_after(0.02), "runtime", sub=DELETE),
     Path("dead-letter-capped", "stream", RETRY, "dead", preset_retries=2,
          sub={**DEAD3, **DELETE, "dead_letter_maxlen": 1000}),
     Path("dead-letter-cluster-split", "stream", RETRY, "dead", gated=False, preset_retries=2,
@@ -207,6 +215,12 @@ RETENTION_PATHS = [
          sub={**DURABLE, **DELETE}),
     Path("dead-letter-capped-batch", "stream", RETRY, "dead", preset_retries=2, n=3,
          sub={**DEAD3, **DELETE, "dead_letter_maxlen": 1000}),
+]
+# Exactly-once effects: the message's last outcome carries a write (one per
+# cell: the batched paths are left out, an outcome with writes goes alone)
+WRITES_PATHS = [
+    dataclasses.replace(p, id=f"{p.form}{'-delete' if p.deletes else ''}-{p.id}-writes", writes=True)
+    for p in [*STREAM_PATHS, *RETENTION_PATHS, *LIST_PATHS] if p.n == 1
 ]
 BROKEN_STREAM = Path("broken-ack-then-copy", "stream", RETRY, "copy", gated=False,
                      planner=_remove_then_copy)
@@ -240,6 +254,7 @@ class Case:
     list_copies: int = 0
     leaked: int = 0  # retention: entries left in the stream after recovery and a trim
     names: set[str] = dataclasses.field(default_factory=set)  # the commands sent (first life)
+    effects: dict[str, int] = dataclasses.field(default_factory=dict)  # writes paths: per origin
 
     @property
     def label(self) -> str:
@@ -253,9 +268,18 @@ class Case:
             return path.outcome if d.id in self.originals else ACK
         return path.outcome if not self.calls else ACK
 
+    def ends(self, d: Delivery, outcome: Outcome) -> bool:
+        """Whether ``outcome`` finalizes the message for good (ACK, DROP, the
+        last attempt's RETRY: dead letter or dropped)."""
+        limit = self.path.max_attempts
+        return outcome in (ACK, DROP) or (limit is not None and d.attempt >= limit)
+
     def handler(self) -> Callable[[Delivery], Awaitable[Outcome]]:
         async def handle(d: Delivery) -> Outcome:
-            outcome = self.outcome_for(d)
+            outcome = plain = self.outcome_for(d)
+            if self.path.writes and self.ends(d, outcome):
+                # the message's one effect, committed with its last finalization
+                outcome = outcome.with_writes(("HINCRBY", effects_key(self.path), d.origin_id, 1))
             if (self.path.raced and self.racer is not None and not self.raced
                     and d.id == self.originals[1]):
                 # another finalizer got there first: this one's gate is closed
@@ -263,7 +287,7 @@ class Case:
                 await self.racer.execute("XACK", S, G, d.id)
                 if self.path.deletes:
                     await self.racer.execute("XDEL", S, d.id)
-            self.calls.append(Call(d.id, d.origin_id, d.attempt, outcome))
+            self.calls.append(Call(d.id, d.origin_id, d.attempt, plain))
             return outcome
 
         return handle
@@ -422,9 +446,31 @@ def _judge_one(case: Case, state: StreamState | ListState, origin: str) -> Repor
         seen = max(seen, c.attempt)
     if case.leaked:
         problems.append(f"leaked: {case.leaked} entries left in the stream after recovery and a trim")
+    if path.writes:
+        problems += _judge_writes(case, origin, present=bool(present),
+                                  lost=not finalized and documented)
     if not calls:
         problems.append("the handler never ran")
     return Report(case, problems, copies, dead)
+
+
+def _judge_writes(case: Case, origin: str, *, present: bool, lost: bool) -> list[str]:
+    """Exactly-once effects: the message's write was committed exactly once
+    with its last finalization -- never twice, whatever was resent, crashed or
+    cancelled; none while it is still in Redis to be handled (or lost with a
+    runtime copy, as documented).  One exception, no double count: after a
+    crash or a cancelled shutdown, the restart counts the interrupted
+    attempt, and a message then past ``max_attempts`` is dead-lettered (or
+    dropped) without a handler call, so without the write."""
+    applied = case.effects.get(origin, 0)
+    if applied > 1:
+        return [f"writes applied {applied} times (exactly once wanted)"]
+    if present or lost:
+        return [f"writes applied {applied} times to a message not finalized"] if applied else []
+    interrupted = case.fault.startswith(("crash", "cancel"))
+    if applied == 0 and not (interrupted and case.path.max_attempts is not None):
+        return ["the message was finalized but its writes were not applied"]
+    return []
 
 
 def list_copies(applied: list[tuple[Any, Any]]) -> int:
@@ -450,6 +496,7 @@ async def run_case(url: str, path: Path, k: int | None, fault: str,
     finalization commands the first run sent (``k=None``: the happy path)."""
     if path.planner is not None:
         monkeypatch.setattr(_core_finalize, "plan", path.planner)  # the finalizer core's planner
+        monkeypatch.setattr(_core_writes, "plan", path.planner)  # ... and the one under writes
     if path.n > 1:
         # one finalizer batch of the n outcomes whatever the machine's speed: a
         # handler call slower than _SLOW_CALL (the racer's round trip, under
@@ -480,6 +527,9 @@ async def run_case(url: str, path: Path, k: int | None, fault: str,
             while parse_trim(await admin.evalsha(TRIM_ACKED, (S,), (100,))).more:
                 pass
             case.leaked = int(await admin.execute("XLEN", S))
+        if path.writes:
+            got = await admin.execute("HGETALL", effects_key(path))
+            case.effects = {k.decode(): int(v) for k, v in zip(got[::2], got[1::2], strict=True)}
         return judge(case, await _state(admin, path.form)), sent
 
 
@@ -545,6 +595,18 @@ async def test_stream_delete_on_finalize_crash_points(redis_url: str, path: Path
 async def test_reliable_list_crash_points(redis_url: str, path: Path, fault: str,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     _assert_sound(path, await enumerate_path(redis_url, path, fault, monkeypatch))
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("path", WRITES_PATHS, ids=lambda p: p.id)
+async def test_writes_crash_points(redis_url: str, path: Path, fault: str,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every finalization path with its last outcome carrying a write, a fault
+    at every command: the write is applied exactly once per finalized message."""
+    reports = await enumerate_path(redis_url, path, fault, monkeypatch)
+    _assert_sound(path, reports)
+    if fault in ("before", "after"):  # the consumer lives on: every case applied its writes
+        assert all(r.case.effects for r in reports)
 
 
 @pytest.mark.parametrize("path", [BROKEN_STREAM, BROKEN_LIST], ids=lambda p: p.form)

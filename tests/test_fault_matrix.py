@@ -177,6 +177,7 @@ class Workload:
     seed: str = ""
     concurrency: int = 2
     dead_letter: str | None = None
+    writes: bool = False  # each message's last outcome carries a write (exactly-once effects)
 
 
 def _stream(**kw: Any) -> Callable[[], StreamSubscription]:
@@ -193,7 +194,7 @@ DURABLE = {"delayed_retry": DelayedRetry.DURABLE_ZSET}
 WORKLOADS = [
     Workload("stream-plain", "stream",
              ("TYPE", "XGROUP CREATE", "XINFO GROUPS", "XPENDING", "XCLAIM", "XREADGROUP>", "XACK",
-              "EVALSHA:stream_copy_ack", "XADD"),
+              "EVALSHA:stream_copy_ack", "EVALSHA:stream_copy_once"),
              _stream(), seed="own", dead_letter=S_DEAD),
     # the heartbeat, the registry, the reaper (a registered dead consumer's
     # entry taken over, the consumer deleted), the deregistration at shutdown
@@ -229,10 +230,19 @@ WORKLOADS = [
     Workload("stream-delete-batched", "stream", ("EVALSHA:stream_copy_ack_batch",),
              _stream(retention=Retention.DELETE_ON_FINALIZE, copy_maxlen=1000),
              plans=("retry", "retry", "dead", "dead"), concurrency=1, dead_letter=S_DEAD),
+    # exactly-once effects: the finalizations carry a write, each message's counted once
+    Workload("stream-writes", "stream",
+             ("EVALSHA:stream_writes", "EVALSHA:stream_copy_once", "XREADGROUP>"),
+             _stream(), seed="own", dead_letter=S_DEAD, writes=True),
+    Workload("stream-delete-writes", "stream", ("EVALSHA:stream_writes",),
+             _stream(retention=Retention.DELETE_ON_FINALIZE, **DURABLE), dead_letter=S_DEAD,
+             writes=True),
     Workload("list", "list",
              ("TYPE", "SET", "HSET", "HGETALL", "EXISTS", "LRANGE", "EVALSHA:reliable_list_reap",
               "EVALSHA:reliable_list_bump", "BLMOVE", "LMOVE", "LREM", "EVALSHA:list_copy_remove"),
              _rlist(), seed="dead", dead_letter=Q_DEAD),
+    Workload("list-writes", "list", ("EVALSHA:list_writes", "BLMOVE"),
+             _rlist(), seed="dead", dead_letter=Q_DEAD, writes=True),
     Workload("list-durable", "list",
              ("EVALSHA:list_zadd_remove", "EVALSHA:move_due_to_list"),
              _rlist(**DURABLE), dead_letter=Q_DEAD),
@@ -298,7 +308,16 @@ class Case:
             out = ACK
         if out in (ACK, DROP):
             self.finished.add(origin)
+        if self.workload.writes and (out in (ACK, DROP) or d.attempt >= MAX_ATTEMPTS):
+            # the message's one effect, committed with its last finalization
+            out = out.with_writes(("HINCRBY", effects_key(self.workload), origin, 1))
         return out
+
+
+def effects_key(workload: Workload) -> str:
+    """Where a ``writes`` workload's handlers count each message's effect (in the
+    source's hash slot)."""
+    return "{orders}:effects" if workload.form == "stream" else "{jobs}:effects"
 
 
 def _lease_plan(workload: Workload) -> set[str]:
@@ -563,6 +582,8 @@ async def _judge(admin: Client, case: Case, stats: dict[str, Any]) -> list[str]:
             problems.append(f"DUPLICATE: message {origin} dead-lettered {dead[origin]} times")
         if plan != "dead" and dead[origin]:
             problems.append(f"message {origin} ({plan}) in the dead letter")
+    if w.writes:
+        problems += await _judge_writes(admin, case, dead, present)
     if stats and w.dead_letter is not None:
         counted = stats["effects"].get("dead_lettered", 0)
         if counted != dead_len:
@@ -575,6 +596,34 @@ async def _judge(admin: Client, case: Case, stats: dict[str, Any]) -> list[str]:
         if counted != made:
             problems.append(f"COUNTERS: effects.copied={counted} but the stream holds {made} "
                             f"RETRY copies")
+    return problems
+
+
+async def _judge_writes(admin: Client, case: Case, dead: Counter[str],
+                        present: Counter[str]) -> list[str]:
+    """Exactly-once effects: every finalized message's write applied exactly
+    once, none for a message still in Redis; the counter equals the number of
+    finalized messages."""
+    got = await admin.execute("HGETALL", effects_key(case.workload))
+    applied = {k.decode(): int(v) for k, v in zip(got[::2], got[1::2], strict=True)}
+    problems: list[str] = []
+    finalized = 0
+    for origin, plan in case.plan.items():
+        n = applied.get(origin, 0)
+        done = origin in case.finished or dead[origin] >= 1
+        finalized += done
+        # its last outcome came from a handler (a message past max_attempts is
+        # dead-lettered without a call, so without the write)
+        wrote = origin in case.finished or (dead[origin] >= 1
+                                            and MAX_ATTEMPTS in case.calls.get(origin, []))
+        if n > 1:
+            problems.append(f"WRITES: message {origin} ({plan}) applied its write {n} times")
+        elif wrote and n == 0:
+            problems.append(f"WRITES: message {origin} ({plan}) finalized, its write not applied")
+        elif not done and n:
+            problems.append(f"WRITES: message {origin} ({plan}) not finalized but its write applied")
+    if sum(applied.values()) > finalized:
+        problems.append(f"WRITES: {sum(applied.values())} writes applied for {finalized} messages")
     return problems
 
 

@@ -321,9 +321,14 @@ def check_cell(f: Form_, t: Target, d: Delivery, outcome: Outcome) -> None:
             assert shape(p) == xack
             assert p.commands == (("XACK", STREAM, GROUP, d.id),)
             assert p.delay == outcome.delay
-            assert len(p.later) == 1 and p.later[0][:3] == ("XADD", STREAM, "*")
-            check_stream_copy(p.later[0][3:], d, next_retries)
-            assert not p.gated  # the later XADD is not safe to send twice
+            # the later copy: written once (a marker of its own, in the stream's slot)
+            (later,) = p.later
+            sha, keys, args = evalsha(later)
+            assert sha == _scripts.STREAM_COPY_ONCE.sha and keys[0] == STREAM
+            assert keys[1].startswith("{orders}:copy:") and same_slot(keys[0], keys[1])
+            assert args[:2] == [_scripts.COPY_MARK_TTL, 0]
+            check_stream_copy(args[2:], d, next_retries)
+            assert p.gated  # safe to send again: the marker answers a resend
         return
 
     if f.kind == "rlist":

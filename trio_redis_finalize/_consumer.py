@@ -15,7 +15,7 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from ._channel import PubSubReader
 from ._context import Handler, log, sole
-from ._core._plan import plan
+from ._core._writes import plan_outcome
 from ._delivery import Delivery
 from ._list import ListReader
 from ._mount import Mount
@@ -154,12 +154,15 @@ class Consumer:
 
         Raises:
             AckUnsupported: the subscription's form cannot carry out ``outcome``.
+            ValueError: ``outcome`` carries writes the subscription cannot
+                commit with it (see ``Outcome.with_writes``).
             ValueError: no mounted subscription delivered ``delivery``.
         """
         for m in self._mounts:
             if m.name == delivery.mount:
-                p = plan(m.target, delivery, outcome)
-                await m.finalizer.finalize([(delivery, p)])
+                p = plan_outcome(m.target, delivery, outcome)  # raises what it refuses
+                # an outcome with writes goes as itself: the finalizer counts its writes
+                await m.finalizer.finalize([(delivery, outcome if outcome.writes else p)])
                 return
         raise ValueError(f"delivery: no mounted subscription named {delivery.mount!r}")
 

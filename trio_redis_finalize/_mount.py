@@ -81,9 +81,10 @@ from ._context import (
     log_extra,
 )
 from ._core._plan import Effect, Target
+from ._core._writes import check_outcome
 from ._delivery import Delivery, record_error
 from ._finalizer import Finalizer
-from ._outcome import DROP, Backoff, Outcome
+from ._outcome import DROP, Backoff, Outcome, WithWrites
 from ._read_loop import Reader, drive, retry_not_run
 from ._shutdown import CLOSE_MARGIN, CLOSING_TIMEOUT, FINALIZE_GRACE, Budget, cleanup, cleanup_until
 from ._stats import DURATION_BOUNDS, MountStats
@@ -483,8 +484,11 @@ class Mount:
                                 raise
                             outcome = self._raised(d)  # e.g. asyncio.CancelledError of another task
                         else:
-                            if outcome.__class__ is not Outcome and not isinstance(outcome, Outcome):
-                                outcome = self._not_outcome(d, outcome)
+                            if outcome.__class__ is not Outcome:
+                                if outcome.__class__ is WithWrites:
+                                    outcome = self._checked(d, outcome)
+                                elif not isinstance(outcome, Outcome):
+                                    outcome = self._not_outcome(d, outcome)
                         append((d, outcome))
                         now = monotonic()
                         took = now - start
@@ -567,6 +571,16 @@ class Mount:
         if self._warn_repeats:
             self._keeps_failing(d)
         return self._on_error
+
+    def _checked(self, d: Delivery, outcome: Outcome) -> Outcome | Backoff:
+        """An outcome with writes this subscription cannot commit (a key in
+        another Cluster slot, a form without a gate ...) is a handler error:
+        its ``ValueError`` is logged and ``on_error`` applies."""
+        try:
+            check_outcome(self.target, d, outcome)
+        except ValueError:
+            return self._raised(d)
+        return outcome
 
     def _not_outcome(self, d: Delivery, result: object) -> Outcome | Backoff:
         """The handler returned something that is not an outcome: count, log, ``on_error``."""

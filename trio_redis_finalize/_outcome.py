@@ -7,11 +7,13 @@ import dataclasses
 import enum
 import math
 import random
-from typing import Final
+from collections.abc import Sequence
+from typing import ClassVar, Final
 
 from ._value import immutable, setters
+from ._writes import Write, check_writes
 
-__all__ = ["ACK", "DROP", "RETRY", "Backoff", "Outcome", "OutcomeKind", "retry_after"]
+__all__ = ["ACK", "DROP", "RETRY", "Backoff", "Outcome", "OutcomeKind", "WithWrites", "retry_after"]
 
 
 class OutcomeKind(enum.Enum):
@@ -43,6 +45,31 @@ class Outcome:
         """Whether this is RETRY or retry_after (the message is to be handled again)."""
         return self.kind is OutcomeKind.RETRY or self.kind is OutcomeKind.RETRY_AFTER
 
+    writes: ClassVar[tuple[Write, ...]] = ()
+    """The writes it carries (none; see :meth:`with_writes`)."""
+
+    def with_writes(self, *writes: Sequence[object]) -> Outcome:
+        """This outcome, carrying Redis writes committed with its finalization.
+
+        ``return ACK.with_writes(("HINCRBY", "totals", "eur", 5))``: the
+        finalization script checks that the delivery is still pending (in
+        the group's PEL / the processing list), runs the writes, then
+        finalizes it, as one atomic step on the server -- so the writes
+        are applied once per finalized delivery, whatever is lost, refused,
+        resent or raced (see the README, "Exactly-once effects").  Streams
+        (every mode but a claiming RETRY, which finalizes nothing) and
+        reliable lists; ACK, DROP, RETRY, ``retry_after`` and the dead
+        letter a RETRY turns into at the last attempt.  Called on an
+        outcome that carries writes already, adds to them.
+
+        Raises:
+            ValueError: a command that is not a deterministic write on
+                declared keys (see ``WRITE_COMMANDS``), bad arguments, or
+                more than the bounds allow (64 writes, 4,096 values, 1 MiB).
+        """
+        checked = check_writes(writes)
+        return WithWrites(self.kind, self.delay, (*self.writes, *checked))
+
 
 ACK: Final = Outcome(OutcomeKind.ACK)
 """Handled: remove the delivery for good."""
@@ -50,6 +77,17 @@ RETRY: Final = Outcome(OutcomeKind.RETRY)
 """Handle again as soon as possible (a copy with the retry counter one higher)."""
 DROP: Final = Outcome(OutcomeKind.DROP)
 """Give up on the delivery without handling it: removed like ACK, counted apart."""
+
+
+@immutable
+@dataclasses.dataclass(frozen=True, slots=True, repr=False)
+class WithWrites(Outcome):
+    """An outcome with writes (made by :meth:`Outcome.with_writes`)."""
+
+    writes: tuple[Write, ...] = ()  # type: ignore[misc]  # a slot over Outcome's ClassVar
+
+    def __repr__(self) -> str:
+        return f"{Outcome.__repr__(self)}.with_writes({', '.join(map(repr, self.writes))})"
 
 
 def retry_after(delay: float) -> Outcome:

@@ -68,7 +68,7 @@ from redis import exceptions as rexc
 
 from .._delivery import Delivery
 from .._errors import AckUnsupported
-from .._outcome import Backoff, Outcome, OutcomeKind
+from .._outcome import Backoff, Outcome, OutcomeKind, WithWrites
 from .._subscription import Form
 from ._batch import BATCHED, fast_index, fast_owner, first_round
 from ._commands import Command
@@ -85,6 +85,7 @@ from ._plan import (
     settle,
 )
 from ._replies import FINAL, classify, describe_error
+from ._writes import WRITES, plan_writes
 
 __all__ = [
     "GO",
@@ -201,9 +202,9 @@ class FinalizerCore:
         key = kind._value_  # not .value: a Python-level property
         outcomes[key] = outcomes.get(key, 0) + 1
         try:
-            p = plan(t, d, outcome)
-        except AckUnsupported as e:
-            if kind is OutcomeKind.ACK or kind is OutcomeKind.DROP:
+            p = plan_writes(t, d, outcome) if outcome.__class__ is WithWrites else plan(t, d, outcome)
+        except (AckUnsupported, ValueError) as e:
+            if (kind is OutcomeKind.ACK or kind is OutcomeKind.DROP) and isinstance(e, AckUnsupported):
                 return Plan(Effect.NOTHING)
             b.refused += 1
             b.records.append((_ERROR, "%s (message %s, attempt %d)", (e, d.origin_id, d.attempt),
@@ -473,8 +474,14 @@ class FinalizeBatch:
     def cancelled(self) -> list[tuple[float, tuple[Command, ...]]]:
         """Cancelled (shutdown deadline) with the outcome unknown: a runtime
         ``retry_after``'s removal may have been applied, so its copy must
-        still go out -- every plan's ``(delay, later)``: duplicate, never loss."""
-        return [(p.delay, p.later) for _, p in self._plans if p.delay is not None and p.later]
+        still go out -- every plan's ``(delay, removal + later)``.
+
+        The removal (idempotent: ``XACK``, ``XDEL``) goes first again, so the
+        original cannot come back beside its copy (the removal may never have
+        been sent): one line of descent, no duplicate; should the removal
+        fail, the copy is not sent either and the original stays pending."""
+        return [(p.delay, (*p.commands, *p.later))
+                for _, p in self._plans if p.delay is not None and p.later]
 
     def _failed(self) -> list[int]:
         """The hot path's removals whose command got a final error reply, as
@@ -593,6 +600,9 @@ class FinalizeBatch:
                 settled = settle(p, rs, unsure=unsure)
             settled_effects.append(settled)
             effects[settled] = effects.get(settled, 0) + 1
+            if outcome.__class__ is WithWrites and settled != FAILED and settled != GATE_CLOSED:
+                # committed with the finalization (a closed gate or a failure: none)
+                effects[WRITES] = effects.get(WRITES, 0) + len(outcome.writes)
             if settled == FAILED:
                 records.append((_ERROR, "%s: finalization of %s (attempt %d, origin %s) failed; it "
                                 "stays where it was (pending) and is delivered again",

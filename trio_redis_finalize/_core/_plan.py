@@ -355,10 +355,15 @@ _COUNTED_SHAS: dict[object, tuple[int, int]] = {
 _DEAD_AT = (6, 9)
 
 
+_WRITES_SHA = _scripts.LIST_WRITES.sha  # (with an outcome's writes: its n always last)
+
+
 def _counted_at(cmd: Command) -> tuple[int, int] | None:
     sha = cmd[1]
     if sha == _COPY_REMOVE_SHA and cmd[2] == 3:
         return _DEAD_AT
+    if sha == _WRITES_SHA:
+        return 3 + int(cmd[2]), len(cmd) - 1
     return _COUNTED_SHAS.get(sha)
 
 
@@ -428,6 +433,15 @@ def _stream_copy(
     # STREAM_COPY_ACK.command((t.source, dest), (t.group, d.id, *fields)), in one tuple
     # (every RETRY copy)
     return Plan(effect, ((b"EVALSHA", _COPY_ACK_SHA, 2, t.source, dest, t.group, d.id, *fields),))
+
+
+def _runtime_copy(t: Target, d: Delivery) -> Command:
+    """The command that writes a runtime ``retry_after`` copy to the stream
+    once (``_scripts.STREAM_COPY_ONCE``, with a fresh marker key)."""
+    marker = derived(t.source, f":copy:{uuid.uuid4().hex}")
+    return _scripts.STREAM_COPY_ONCE.command(
+        (t.source, marker),
+        (_scripts.COPY_MARK_TTL, t.copy_maxlen or 0, *_stream_copy_fields(d, t.group)))
 
 
 def _list_copy_remove(t: Target, d: Delivery, dest: str, element: bytes, effect: Effect) -> Plan:
@@ -665,14 +679,13 @@ def plan(t: Target, d: Delivery, outcome: Outcome) -> Plan:
                     ),
                 ),
             )
-        # runtime: acknowledge now, XADD the copy when the timer fires (the
-        # XADD is not safe to send twice: not gated)
+        # runtime: acknowledge now, XADD the copy when the timer fires, once
+        # (its marker makes a resend after a lost reply write nothing more)
         return Plan(
             Effect.HELD,
             _stream_remove(t, d, Effect.HELD).commands,
             delay=outcome.delay,
-            later=(("XADD", t.source, *_cap(t.copy_maxlen), "*", *_stream_copy_fields(d, t.group)),),
-            gated=False,
+            later=(_runtime_copy(t, d),),
         )
 
     if form is Form.RELIABLE_LIST:

@@ -14,10 +14,12 @@ import functools
 from ._commands import Script
 
 __all__ = [
+    "COPY_MARK_TTL",
     "CORRUPT_FIELD",
     "LIST_COPY_REMOVE",
     "LIST_DEAD_PUSH",
     "LIST_REMOVE",
+    "LIST_WRITES",
     "LIST_ZADD_REMOVE",
     "LUA_XADD",
     "LUA_XADD_CAPPED",
@@ -28,6 +30,8 @@ __all__ = [
     "STREAM_COPY_ACK",
     "STREAM_COPY_ACK_BATCH",
     "STREAM_COPY_ACK_EX",
+    "STREAM_COPY_ONCE",
+    "STREAM_WRITES",
     "STREAM_ZADD_ACK",
     "STREAM_ZADD_ACKDEL",
     "STREAM_ZADD_ACK_BATCH",
@@ -392,7 +396,7 @@ return redis.call('LREM', KEYS[1], -1, ARGV[1])
 # record ARGV[r] is a JSON object, the server time goes in front of its
 # fields as ``"time_ms"``.  The reads come first: a hash of another type fails
 # the script before anything is written.
-def _why_push(k: int, i: int, r: int, dead: int) -> str:
+def _why_push(k: int, i: int | str, r: int | str, dead: int) -> str:
     return (
         _NOW_MS
         + f"""
@@ -599,4 +603,147 @@ MOVE_DUE_TO_LIST = Script(
 """
     + _MOVE_TAIL,
     name="move_due_to_list",
+)
+
+# -- exactly-once effects: an outcome's writes in its finalization (see ``_writes``) --------
+
+# Lua: the writes at ARGV[i] ..: for each, its count of values, the type its
+# key must have ('' for any), then the command (name, arguments).
+# ``wcheck(i, nw)``: an error reply naming the write and the key when a key
+# holds another type; else the index after the writes.  ``wapply(i, nw)``
+# runs them.
+_WRITES_LUA = """
+local function wcheck(i, nw)
+  for w = 1, nw do
+    local argc = tonumber(ARGV[i])
+    local want = ARGV[i + 1]
+    if want ~= '' then
+      local t = redis.call('TYPE', ARGV[i + 3])['ok']
+      if t ~= 'none' and t ~= want then
+        return nil, 'WRONGTYPE write ' .. w .. ' of the outcome (' .. ARGV[i + 2] .. ' ' ..
+          ARGV[i + 3] .. '): the key holds a ' .. t .. ', not a ' .. want .. '; nothing written'
+      end
+    end
+    i = i + 2 + argc
+  end
+  return i
+end
+local function wapply(i, nw)
+  for w = 1, nw do
+    local argc = tonumber(ARGV[i])
+    redis.call(unpack(ARGV, i + 2, i + 1 + argc))
+    i = i + 2 + argc
+  end
+end
+"""
+
+# KEYS: stream, destination (a stream for 'copy', the delay set for 'zadd',
+# the stream itself for 'ack'), the writes' keys (declared, for Redis
+# Cluster).  ARGV: group, id, op ('ack', 'copy', 'zadd'), how the original
+# is removed ('0', '1' or 'x', see _HOW), cap ('0': none), nw, the writes, then the
+# op's own: 'copy': field, value, ...; 'zadd': delay ms, member.
+# Returns false (gate closed), or what the cell's script returns: 1 ('ack'),
+# the copy's id, the due time.
+STREAM_WRITES = Script(
+    LUA_XADD
+    + LUA_XADD_CAPPED
+    + _HOW
+    + _WRITES_LUA
+    + """
+local group, id = ARGV[1], ARGV[2]
+local ok, p = pcall(redis.call, 'XPENDING', KEYS[1], group, id, id, 1)
+if not ok or #p == 0 then return false end
+local nw = tonumber(ARGV[6])
+local i, why = wcheck(7, nw)
+if not i then return redis.error_reply(why) end
+wapply(7, nw)
+local op = ARGV[3]
+local r = 1
+if op == 'copy' then
+  if ARGV[5] ~= '0' then
+    r = xadd_capped(KEYS[2], ARGV[5], ARGV, i)
+  else
+    r = xadd(KEYS[2], ARGV, i)
+  end
+elseif op == 'zadd' then
+"""
+    + _NOW_MS
+    + """
+  r = now + tonumber(ARGV[i])
+  redis.call('ZADD', KEYS[2], r, ARGV[i + 1])
+end
+remove_one(KEYS[1], group, id, ARGV[4])
+return r
+""",
+    name="stream_writes",
+)
+
+# KEYS: processing list, destination (the queue for 'copy', the dead letter
+# for 'dead', the delay set for 'zadd', the processing list for 'remove'),
+# the dead letter's reason hash (the processing list when none), the writes'
+# keys.  ARGV: element, op ('remove', 'copy', 'dead', 'zadd'), nw, the
+# writes, then the op's own -- 'copy': the copy; 'dead': the copy, its
+# reason record; 'zadd': delay ms, member -- and last n (the counted gate,
+# see ``_plan.list_counted``).  Returns false (gate closed), 1, or the due time.
+LIST_WRITES = Script(
+    _WRITES_LUA
+    + """
+if not redis.call('LPOS', KEYS[1], ARGV[1], 'RANK', -tonumber(ARGV[#ARGV])) then return false end
+local nw = tonumber(ARGV[3])
+local i, why = wcheck(4, nw)
+if not i then return redis.error_reply(why) end
+wapply(4, nw)
+local op = ARGV[2]
+local r = 1
+if op == 'copy' then
+  redis.call('LPUSH', KEYS[2], ARGV[i])
+elseif op == 'dead' then
+"""
+    + _why_push(3, "i", "i + 1", 2)
+    + """
+elseif op == 'zadd' then
+"""
+    + _NOW_MS
+    + """
+  r = now + tonumber(ARGV[i])
+  redis.call('ZADD', KEYS[2], r, ARGV[i + 1])
+end
+redis.call('LREM', KEYS[1], -1, ARGV[1])
+return r
+""",
+    name="list_writes",
+)
+
+
+# -- a runtime delayed copy, written once ------------------------------------------------
+#
+# The scheduler writes a runtime ``retry_after`` copy when its delay is over and
+# sends it again when the reply was lost: a plain XADD would then write it
+# twice (two deliveries of one message).  The copy goes through this script
+# with a marker key of its own (a fresh name per copy, in the stream's slot):
+# the first run writes the copy and keeps its id under the marker for
+# COPY_MARK_TTL; a resend meanwhile finds the marker and answers the same id,
+# writing nothing.  (Redis 8.6's ``XADD ... IDMP`` would do this natively.)
+
+COPY_MARK_TTL = 600_000
+"""Milliseconds a runtime copy's marker lives: how late a resend of it is
+still recognised (the scheduler resends within seconds)."""
+
+# KEYS: stream, marker.  ARGV: marker ttl ms, cap ('0': none), field, value, ...
+STREAM_COPY_ONCE = Script(
+    LUA_XADD
+    + LUA_XADD_CAPPED
+    + """
+local done = redis.call('GET', KEYS[2])
+if done then return done end
+local id
+if ARGV[2] ~= '0' then
+  id = xadd_capped(KEYS[1], ARGV[2], ARGV, 3)
+else
+  id = xadd(KEYS[1], ARGV, 3)
+end
+redis.call('SET', KEYS[2], id, 'PX', ARGV[1])
+return id
+""",
+    name="stream_copy_once",
 )

@@ -1,0 +1,148 @@
+"""Redis writes an outcome carries (``ACK.with_writes(...)``): which commands,
+how they are checked and normalised.  Pure: no I/O, no package imports.
+
+A handler may return its own Redis writes with its outcome; the finalizer
+runs them in the same gated script as the acknowledgement (see
+``_core._writes``), so they are committed exactly once with it.  Only
+deterministic write commands on declared keys are allowed: each command
+names its keys at known places, so the script can declare them (Redis
+Cluster routes a script by its keys) and check their types before it writes
+anything.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+__all__ = [
+    "MAX_WRITES", "MAX_WRITE_BYTES", "MAX_WRITE_VALUES", "WRITE_COMMANDS", "Write",
+    "check_writes", "write_keys",
+]
+
+Write = tuple[str | bytes, ...]
+"""One write as normalised: the command name (upper-case ``str``), then its
+arguments as ``bytes`` or ``str`` (numbers are turned into their text)."""
+
+# name -> (the type its key must have, or hold nothing: "" for any type;
+#          fewest values (the name included); most values, or None;
+#          how many keys, from the first argument on: 1, or None for all of them)
+WRITE_COMMANDS: dict[str, tuple[str, int, int | None, int | None]] = {
+    # strings
+    "SET": ("", 3, None, 1),
+    "SETNX": ("", 3, 3, 1),
+    "APPEND": ("string", 3, 3, 1),
+    "INCR": ("string", 2, 2, 1),
+    "INCRBY": ("string", 3, 3, 1),
+    "INCRBYFLOAT": ("string", 3, 3, 1),
+    "DECR": ("string", 2, 2, 1),
+    "DECRBY": ("string", 3, 3, 1),
+    "SETBIT": ("string", 4, 4, 1),
+    "PFADD": ("string", 2, None, 1),
+    # hashes
+    "HSET": ("hash", 4, None, 1),
+    "HSETNX": ("hash", 4, 4, 1),
+    "HINCRBY": ("hash", 4, 4, 1),
+    "HINCRBYFLOAT": ("hash", 4, 4, 1),
+    "HDEL": ("hash", 3, None, 1),
+    # sets and sorted sets
+    "SADD": ("set", 3, None, 1),
+    "SREM": ("set", 3, None, 1),
+    "ZADD": ("zset", 4, None, 1),
+    "ZINCRBY": ("zset", 4, 4, 1),
+    "ZREM": ("zset", 3, None, 1),
+    # lists and streams
+    "LPUSH": ("list", 3, None, 1),
+    "RPUSH": ("list", 3, None, 1),
+    "LTRIM": ("list", 4, 4, 1),
+    "XADD": ("stream", 5, None, 1),
+    # any type
+    "DEL": ("", 2, None, None),
+    "UNLINK": ("", 2, None, None),
+    "EXPIRE": ("", 3, 4, 1),
+    "PEXPIRE": ("", 3, 4, 1),
+    "EXPIREAT": ("", 3, 4, 1),
+    "PEXPIREAT": ("", 3, 4, 1),
+    "PERSIST": ("", 2, 2, 1),
+}
+"""The commands an outcome may carry.  Deterministic writes only (no
+``SPOP``, no ``EVAL``), each on keys at known places, so the finalization
+script declares every key and checks its type first."""
+
+MAX_WRITES = 64
+"""Writes one outcome carries at most."""
+MAX_WRITE_VALUES = 4096
+"""Values (names and arguments) of one outcome's writes together, at most."""
+MAX_WRITE_BYTES = 1 << 20
+"""Bytes of one outcome's writes together, at most (1 MiB)."""
+
+
+_TEXT = frozenset({str, bytes})
+
+
+def _value(i: int, j: int, v: object) -> str | bytes:
+    if isinstance(v, (bytes, str)):
+        return v
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"writes[{i}][{j}] must be bytes, str, int or float, got {v!r}")
+    if isinstance(v, float) and not math.isfinite(v):
+        raise ValueError(f"writes[{i}][{j}] must be a finite number, got {v!r}")
+    return repr(v) if isinstance(v, float) else str(v)
+
+
+def check_writes(writes: Sequence[object]) -> tuple[Write, ...]:
+    """``writes`` normalised: each a tuple ``(NAME, arg, ...)`` of a command
+    in :data:`WRITE_COMMANDS`, within the bounds.
+
+    Raises:
+        ValueError: not a sequence of commands, a command that is not allowed
+            (named, with the list), a wrong number of arguments, a value that
+            is not bytes/str/int/float, or past :data:`MAX_WRITES`,
+            :data:`MAX_WRITE_VALUES` or :data:`MAX_WRITE_BYTES`.
+    """
+    if len(writes) > MAX_WRITES:
+        raise ValueError(f"writes: at most {MAX_WRITES} writes per outcome, got {len(writes)}")
+    out: list[Write] = []
+    values = size = 0
+    for i, w in enumerate(writes):
+        if (w.__class__ is not tuple and w.__class__ is not list
+                and (isinstance(w, (str, bytes)) or not isinstance(w, Sequence))) or not w:
+            raise ValueError(f"writes[{i}] must be a command as a tuple, e.g. "
+                             f"('HINCRBY', 'totals', 'eur', 5), got {w!r}")
+        name = w[0]
+        spec = WRITE_COMMANDS.get(name) if name.__class__ is str else None
+        if spec is None:
+            name = name.decode() if isinstance(name, bytes) else name
+            spec = WRITE_COMMANDS.get(name.upper()) if isinstance(name, str) else None
+        if spec is None:
+            raise ValueError(f"writes[{i}]: {w[0]!r} is not a write an outcome may carry "
+                             f"(deterministic writes on declared keys: {', '.join(WRITE_COMMANDS)})")
+        name = name.upper()
+        _, least, most, _ = spec
+        if len(w) < least or (most is not None and len(w) > most):
+            bound = f"{least}" if most == least else f"{least} to {most}" if most else f"at least {least}"
+            raise ValueError(f"writes[{i}]: {name} takes {bound} values (the name included), "
+                             f"got {len(w)}")
+        args = tuple(w[1:])
+        if not _TEXT.issuperset(map(type, args)):  # (numbers and the rest: one by one)
+            args = tuple(_value(i, j, v) for j, v in enumerate(args, 1))
+        if name in ("HSET",) and len(args) % 2 == 0:
+            raise ValueError(f"writes[{i}]: HSET takes a key and field value pairs, got {len(args)} "
+                             "arguments")
+        values += 1 + len(args)
+        size += len(name) + sum(len(a) for a in args)
+        out.append((name, *args))
+    if values > MAX_WRITE_VALUES:
+        raise ValueError(f"writes: at most {MAX_WRITE_VALUES} values per outcome, got {values}")
+    if size > MAX_WRITE_BYTES:
+        raise ValueError(f"writes: at most {MAX_WRITE_BYTES} bytes per outcome, got {size}")
+    return tuple(out)
+
+
+def write_keys(writes: Sequence[Write]) -> list[str | bytes]:
+    """The keys the (checked) ``writes`` touch, in order, each once."""
+    keys: dict[str | bytes, None] = {}
+    for w in writes:
+        n = WRITE_COMMANDS[str(w[0])][3]
+        keys.update(dict.fromkeys(w[1:] if n is None else w[1:1 + n]))
+    return list(keys)
