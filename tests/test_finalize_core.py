@@ -513,8 +513,8 @@ def test_pause_resets_after_a_round_that_went_through() -> None:
 
 def test_two_step_copy_ok_then_removal() -> None:
     b = core(dead_cross_slot()).batch([(entry(1, attempt=3), RETRY)])
-    (copy,) = b.commands()
-    assert copy[0] == "XADD" and copy[1] == "dead-orders"
+    (copy,) = b.commands()  # the plain XADD, as a script (trf-dead-time: the server's clock)
+    assert copy[:2] == (b"EVALSHA", _scripts.STREAM_XADD.sha) and copy[3] == "dead-orders"
     assert b.receive([b"9-0"]) is GO
     assert b.commands() == [("XACK", "orders", "billing", "1-0")]
     assert b.receive([1]) is GO
@@ -812,7 +812,8 @@ def test_removal_never_before_its_copy_and_one_effect_each(
             nonlocal at
             how = answers[at] if at < len(answers) else "ok"
             at += 1
-            return (ok(c) if how == "ok" else None if how == "closed" and c[0] == b"EVALSHA"
+            gated = c[0] == b"EVALSHA" and c[1] != _scripts.STREAM_XADD.sha  # (a plain XADD: no gate)
+            return (ok(c) if how == "ok" else None if how == "closed" and gated
                     else OOM if how == "not_run" else WRONGTYPE if how == "final" else ok(c))
 
         for c in cmds:
@@ -987,7 +988,7 @@ def test_one_two_step_delivery_is_its_own_script_and_cross_slot_is_not_batched()
     assert b.commands()[1] == singles_of(b)[0]
     t = dead_cross_slot()
     b = core(t).batch([(entry(1, attempt=3), RETRY), (entry(2, attempt=3), RETRY)])
-    assert [c[0] for c in b.commands()] == ["XADD", "XADD"]
+    assert [c[1] for c in b.commands()] == [_scripts.STREAM_XADD.sha] * 2  # two plain copies
 
 
 @settings(max_examples=200, deadline=None)

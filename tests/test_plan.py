@@ -46,6 +46,7 @@ from trio_redis_finalize._core._plan import (
     DEAD_ID,
     DEAD_REASON,
     DEAD_SOURCE,
+    DEAD_TIME,
     Effect,
     Plan,
     Target,
@@ -177,7 +178,7 @@ SCRIPT_NAMES: dict[Any, str] = {
     s.sha: s.name for s in (
         _scripts.STREAM_COPY_ACK, _scripts.STREAM_ZADD_ACK, _scripts.LIST_COPY_REMOVE,
         _scripts.LIST_DEAD_PUSH, _scripts.LIST_ZADD_REMOVE, _scripts.MOVE_DUE_TO_STREAM,
-        _scripts.MOVE_DUE_TO_LIST,
+        _scripts.MOVE_DUE_TO_LIST, _scripts.STREAM_XADD,
     )
 }
 
@@ -393,9 +394,11 @@ def check_dead(f: Form_, t: Target, d: Delivery, p: Plan) -> None:
     if f.kind == "stream":
         if split:  # two commands, copy first
             assert not p.gated
-            assert shape(p) == [("XADD", t.dead_letter), ("XACK", STREAM)]
-            assert p.commands[0][2] == "*"
-            copy_fields = list(p.commands[0][3:])
+            # the copy: a plain XADD, as a script for the server's time of trf-dead-time
+            assert shape(p) == [("EVALSHA", "stream_xadd", t.dead_letter), ("XACK", STREAM)]
+            _, _, args = evalsha(p.commands[0])
+            assert args[0] == 0  # no cap
+            copy_fields = args[1:]
             assert p.commands[1] == ("XACK", STREAM, GROUP, d.id)
         else:
             assert p.gated
@@ -415,6 +418,8 @@ def check_dead(f: Form_, t: Target, d: Delivery, p: Plan) -> None:
         assert headers[DEAD_ID] == str(d.id).encode()
         assert headers[DEAD_GROUP] == GROUP.encode()
         assert headers[DEAD_ATTEMPT] == str(d.attempt).encode()
+        # last: when, the server's clock (the script writes it in place of the marker)
+        assert copy_fields[-2:] == [DEAD_TIME, _scripts.SERVER_TIME]
         return
     why = why_key(t.dead_letter)
     if split:  # the copy with its reason record, then the removal
@@ -467,7 +472,7 @@ def test_cross_slot_dead_letter_is_copy_then_remove() -> None:
         CONSUMER, cluster=True)
     d = make_delivery(FORMS[0], attempt=1, retries=0, fields={b"f": b"v"}, body=b"")
     p = plan(t, d, RETRY)
-    assert [c[0] for c in p.commands] == ["XADD", "XACK"]
+    assert shape(p) == [("EVALSHA", "stream_xadd", "dead"), ("XACK", STREAM)]  # a plain XADD
     assert p.effect is Effect.DEAD_LETTERED and not p.gated
     # same keys on one node (no cluster): the gated script
     p = plan(dataclasses.replace(t, cluster=False), d, RETRY)

@@ -51,8 +51,10 @@ from trio_redis_finalize import (
     open_consumer,
     retry_after,
 )
+from trio_redis_finalize._core import _scripts
 from trio_redis_finalize._core._caps import Capabilities
 from trio_redis_finalize._core._plan import (
+    Plan,
     copy_how,
     plain_removals,
     plan,
@@ -151,6 +153,22 @@ def target(**kw: Any) -> Any:
     return StreamSubscription(S, G, **kw).target("c1")
 
 
+def runtime_copy(p: Plan) -> tuple[Any, Any]:
+    """(stream, cap) of a runtime ``retry_after``'s later copy: written once
+    (``stream_copy_once``, a marker of its own)."""
+    (cmd,) = p.later
+    assert cmd[:2] == (b"EVALSHA", _scripts.STREAM_COPY_ONCE.sha)
+    return cmd[3], cmd[6]
+
+
+def cross_slot_copy(p: Plan) -> tuple[Any, Any]:
+    """(dead letter, cap) of the first of a cross-slot plan's two steps: the
+    plain XADD (a script: trf-dead-time is the server's clock)."""
+    cmd = p.commands[0]
+    assert cmd[:2] == (b"EVALSHA", _scripts.STREAM_XADD.sha)
+    return cmd[3], cmd[4]
+
+
 def test_delete_on_finalize_plans_delete_every_original() -> None:
     t = target(retention=DELETE, max_attempts=3, dead_letter=DEAD)
     d = delivery()
@@ -179,7 +197,7 @@ def test_delete_on_finalize_plans_delete_every_original() -> None:
     assert cmd[:2] == (b"EVALSHA", STREAM_ZADD_ACK_DEL.sha)
     # runtime delay: acknowledged and deleted now, the copy later
     p = plan(t, d, retry_after(1.0))
-    assert p.commands == (xack, xdel) and p.later[0][:3] == ("XADD", S, "*")
+    assert p.commands == (xack, xdel) and runtime_copy(p) == (S, 0)
     # exhausted without a dead letter
     assert plan_dead(target(retention=DELETE, max_attempts=1), d, "x").commands == (xack, xdel)
 
@@ -201,14 +219,14 @@ def test_maxlen_caps_go_on_the_library_s_xadds() -> None:
     assert cmd[1] == STREAM_COPY_ACK_EX.sha and cmd[5:9] == (G, d.id, "0", 1000)
     (cmd,) = plan(t, delivery(attempt=3, retries=2), RETRY).commands
     assert cmd[4] == DEAD and cmd[5:9] == (G, d.id, "0", 50)
-    assert plan(t, d, retry_after(1.0)).later[0][:6] == ("XADD", S, "MAXLEN", "~", 1000, "*")
+    assert runtime_copy(plan(t, d, retry_after(1.0))) == (S, 1000)
     # Redis Cluster, dead letter on another slot: capped copy, then XACK, XDEL
     tc = StreamSubscription(S, G, retention=DELETE, max_attempts=1, dead_letter="elsewhere",
                             dead_letter_maxlen=7).target("c1", cluster=True)
     p = plan(tc, d, RETRY)
     assert not p.gated
-    assert [c[:6] for c in p.commands] == [("XADD", "elsewhere", "MAXLEN", "~", 7, "*"),
-                                           ("XACK", S, G, d.id), ("XDEL", S, d.id)]
+    assert cross_slot_copy(p) == ("elsewhere", 7)
+    assert list(p.commands[1:]) == [("XACK", S, G, d.id), ("XDEL", S, d.id)]
     assert move_due_to_stream(None) is move_due_to_stream(None)
     assert move_due_to_stream(5).sha != move_due_to_stream(None).sha
 
@@ -705,7 +723,7 @@ def test_native_delete_on_finalize_plans_use_xackdel() -> None:
     assert cmd[:2] == (b"EVALSHA", STREAM_ZADD_ACKDEL.sha)
     p = plan(t, d, retry_after(1.0))
     assert p.commands == (xackdel,)
-    assert p.later[0][:6] == ("XADD", S, "MAXLEN", "~", 1000, "*")
+    assert runtime_copy(p) == (S, 1000)
     assert plan_dead(native_target(retention=DELETE, max_attempts=1), d, "x").commands == (xackdel,)
     # Redis Cluster, dead letter on another slot: the capped copy, then the XACKDEL
     tc = dataclasses.replace(StreamSubscription(
@@ -713,7 +731,7 @@ def test_native_delete_on_finalize_plans_use_xackdel() -> None:
     ).target("c1", cluster=True), caps=NATIVE)
     p = plan(tc, d, RETRY)
     assert not p.gated
-    assert p.commands[0][:6] == ("XADD", "elsewhere", "MAXLEN", "~", 7, "*")
+    assert cross_slot_copy(p) == ("elsewhere", 7)
     assert p.commands[1:] == (xackdel,)
 
 
@@ -727,7 +745,8 @@ def test_native_caps_stay_plain_and_without_retention_nothing_changes() -> None:
     fallback = target(copy_maxlen=1000, max_attempts=3, dead_letter=DEAD, dead_letter_maxlen=50)
     for outcome in (ACK, DROP, RETRY, retry_after(1.0)):
         assert plan(t, d, outcome).commands == plan(fallback, d, outcome).commands
-    assert plan(t, d, retry_after(1.0)).later == plan(fallback, d, retry_after(1.0)).later
+    assert runtime_copy(plan(t, d, retry_after(1.0))) == runtime_copy(
+        plan(fallback, d, retry_after(1.0)))
     dead = delivery(attempt=3, retries=2)
     assert plan(t, dead, RETRY).commands == plan(fallback, dead, RETRY).commands
     assert plan_foreign(t, d).commands == (("XACK", S, G, d.id),)

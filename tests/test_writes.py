@@ -37,6 +37,7 @@ from trio_redis_finalize import (
     open_consumer,
     retry_after,
 )
+from trio_redis_finalize._core import _scripts
 from trio_redis_finalize._core._caps import Capabilities
 from trio_redis_finalize._core._plan import Effect, Target, plan
 from trio_redis_finalize._core._scripts import LIST_WRITES, STREAM_WRITES
@@ -228,7 +229,7 @@ def test_cross_slot_dead_letter_keeps_its_copy_first_and_gates_the_writes() -> N
     p = plan_writes(t, _entry(), RETRY.with_writes(INCR))
     assert p.gated is False and p.effect is Effect.DEAD_LETTERED
     copy, removal = p.commands
-    assert copy[0] == "XADD" and copy[1] == "elsewhere"
+    assert copy[:2] == (b"EVALSHA", _scripts.STREAM_XADD.sha) and copy[3] == "elsewhere"
     assert _script_op(removal, STREAM_WRITES) == "ack"
 
 

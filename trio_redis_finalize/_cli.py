@@ -511,9 +511,10 @@ def stream_entry(eid: Any, flat: Sequence[bytes]) -> dict[str, Any]:
 
     ``dead`` holds the ``trf-dead-*`` fields without the prefix (``reason``,
     ``source``, ``id``, ``group``, ``attempt``, and ``error`` when the
-    library recorded the handler's exception), or is ``None`` for an entry
-    that is not a dead letter.  ``time`` is the entry's own id as a time:
-    when it was written (for a dead letter, when it was dead-lettered).
+    library recorded the handler's exception, and ``time``: epoch ms), or is
+    ``None`` for an entry that is not a dead letter.  ``time`` (ISO 8601, UTC):
+    for a dead letter when it was dead-lettered (its ``trf-dead-time``, the
+    server's clock), else the time in the entry's id (when it was written).
     """
     entry_id = _str(eid)
     fields: dict[str, str] = {}
@@ -528,8 +529,11 @@ def stream_entry(eid: Any, flat: Sequence[bytes]) -> dict[str, Any]:
             header[_str(k)] = _str(v)
         else:
             fields[_str(k)] = _shown(v)
-    return {"id": entry_id, "time": _id_time(entry_id), "fields": fields, "header": header,
-            "dead": dead or None}
+    # when it was dead-lettered: its trf-dead-time (the server's clock at that
+    # step); else (older dead letters, other entries) the time in its id
+    when = _ms_time(dead["time"]) if "time" in dead else None
+    return {"id": entry_id, "time": when or _id_time(entry_id), "fields": fields,
+            "header": header, "dead": dead or None}
 
 
 def why_records(value: bytes | None) -> list[dict[str, Any]]:
@@ -638,7 +642,14 @@ def print_inspect(info: dict[str, Any]) -> None:
     rows: list[list[str]] = [["type", info["type"]], ["length", str(info["length"])]]
     if info["type"] == "stream":
         rows.append(["first id", info["first_id"] or "-"])
-        rows.append(["last id", info["last_id"]])
+        shown = info.get("entries")
+        if shown is not None and len(shown) < info["length"]:
+            # --entries N lists N entries: the newest, not among them, by its time only
+            newest = _id_time(_str(info["last_id"])) or "-"
+            rows.append(["entries shown", f"the {len(shown)} oldest of {info['length']} "
+                                          f"(the newest written {newest})"])
+        else:
+            rows.append(["last id", info["last_id"]])
         ret = info["retention"]
         if ret["oldest_needed_id"] is None:
             rows.append(["oldest needed", "- (no groups: a trim leaves the stream alone)"])

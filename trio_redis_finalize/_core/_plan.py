@@ -68,6 +68,7 @@ from ._commands import Arg, Command
 
 __all__ = [
     "DEAD_FIELDS",
+    "DEAD_TIME",
     "FAILED",
     "GATE_CLOSED",
     "WHY_SUFFIX",
@@ -97,7 +98,10 @@ DEAD_SOURCE = b"trf-dead-source"
 DEAD_ID = b"trf-dead-id"
 DEAD_GROUP = b"trf-dead-group"
 DEAD_ATTEMPT = b"trf-dead-attempt"
-DEAD_FIELDS = (DEAD_REASON, DEAD_SOURCE, DEAD_ID, DEAD_GROUP, DEAD_ATTEMPT)
+DEAD_TIME = b"trf-dead-time"
+"""When the entry was dead-lettered: epoch milliseconds of the server's clock,
+written in the step that writes the dead letter (``_scripts.SERVER_TIME``)."""
+DEAD_FIELDS = (DEAD_REASON, DEAD_SOURCE, DEAD_ID, DEAD_GROUP, DEAD_ATTEMPT, DEAD_TIME)
 DEAD_ERROR = b"trf-dead-error"  # the handler's exception, when it raised (not always there)
 WHY_SUFFIX = ":why"
 """A reliable list's dead letter ``D`` records why each element is there in the
@@ -421,12 +425,11 @@ def _stream_copy(
     deletes = t.retention is Retention.DELETE_ON_FINALIZE
     if t.cluster and not same_slot(t.source, dest):
         # copy, then remove (acknowledge; delete), each once the one before succeeded
-        return Plan(
-            effect,
-            (("XADD", dest, *_cap(maxlen), "*", *fields),
-             *_stream_remove(t, d, effect).commands),
-            gated=False,
-        )
+        copy: Command = (
+            _scripts.STREAM_XADD.command((dest,), (maxlen or 0, *fields))
+            if fields and fields[-1] == _scripts.SERVER_TIME  # a dead letter: the server's time
+            else ("XADD", dest, *_cap(maxlen), "*", *fields))
+        return Plan(effect, (copy, *_stream_remove(t, d, effect).commands), gated=False)
     if deletes or maxlen is not None:
         args: tuple[Arg, ...] = (t.group, d.id, copy_how(t), maxlen or 0, *fields)
         return Plan(effect, (_scripts.STREAM_COPY_ACK_EX.command((t.source, dest), args),))
@@ -525,6 +528,7 @@ def plan_dead(t: Target, d: Delivery, reason: str) -> Plan:
         ]
         if error := getattr(d, "error", None):  # set by the runtime when the handler raised
             fields += [DEAD_ERROR, error.encode()]
+        fields += [DEAD_TIME, _scripts.SERVER_TIME]  # last: the script writes the server's clock
         p = _stream_copy(t, d, t.dead_letter, fields, Effect.DEAD_LETTERED,
                          t.dead_letter_maxlen)
         return dataclasses.replace(p, warning=warning + f"entry {d.id} dead-lettered")

@@ -25,6 +25,7 @@ __all__ = [
     "LUA_XADD_CAPPED",
     "MOVE_DUE_TO_LIST",
     "MOVE_DUE_TO_STREAM",
+    "SERVER_TIME",
     "STREAM_BATCH_MAX",
     "STREAM_BATCH_VALUES",
     "STREAM_COPY_ACK",
@@ -32,6 +33,7 @@ __all__ = [
     "STREAM_COPY_ACK_EX",
     "STREAM_COPY_ONCE",
     "STREAM_WRITES",
+    "STREAM_XADD",
     "STREAM_ZADD_ACK",
     "STREAM_ZADD_ACKDEL",
     "STREAM_ZADD_ACK_BATCH",
@@ -75,6 +77,12 @@ UNPACK_MAX = 7000
 _CHUNK = 200
 """Values a wider XADD gains per step (a Lua call holds at most ~250 registers)."""
 
+SERVER_TIME = b"\x00trf:server-time-ms\x00"
+"""A field value the library's XADDs in scripts write as the server's clock
+(epoch milliseconds) when it is an entry's last value: a dead letter's
+``trf-dead-time``, taken in the same gated step that writes it (never the
+client's clock, never the entry id's, which need not be the time)."""
+
 # LUA_XADD defines ``xadd(key, t, from)``: XADD key * t[from], ..., t[#t],
 # for any number of values (prefix it to a script that writes entries whose
 # width it does not know).  Up to UNPACK_MAX values go in one unpack; a wider list is built up
@@ -83,11 +91,16 @@ _CHUNK = 200
 # ~10 ms for 5,000 fields, ~0.3 s for 100,000).
 def _xadd_function(name: str, params: str, head: str, last: str = "#t") -> str:
     """The Lua of an XADD of any width: ``redis.call('XADD', <head>, values...)``
-    of ``t[from]`` ... ``t[<last>]``."""
+    of ``t[from]`` ... ``t[<last>]``; a last value :data:`SERVER_TIME` is
+    written as the server's clock (epoch ms) instead."""
     return (
         f"""
 local function {name}({params})
   local n = {last}
+  if t[n] == '""" + SERVER_TIME.decode("latin-1") + """' then
+    local c = redis.call('TIME')
+    t[n] = string.format('%d', tonumber(c[1]) * 1000 + math.floor(tonumber(c[2]) / 1000))
+  end
   if n - from < """ + str(UNPACK_MAX) + f""" then
     return redis.call('XADD', {head}, unpack(t, from, n))
   end
@@ -746,4 +759,19 @@ redis.call('SET', KEYS[2], id, 'PX', ARGV[1])
 return id
 """,
     name="stream_copy_once",
+)
+
+
+# KEYS: stream.  ARGV: cap ('0': none), field, value, ...  A plain XADD (not
+# gated) that writes a last value SERVER_TIME as the server's clock: a dead
+# letter written to another Redis Cluster slot than its source (the removal
+# of the original follows as its own command).
+STREAM_XADD = Script(
+    LUA_XADD
+    + LUA_XADD_CAPPED
+    + """
+if ARGV[1] ~= '0' then return xadd_capped(KEYS[1], ARGV[1], ARGV, 2) end
+return xadd(KEYS[1], ARGV, 2)
+""",
+    name="stream_xadd",
 )
