@@ -1113,19 +1113,22 @@ async def _history(server: RedisServer, steps: list[tuple[Any, ...]], form: str)
                                 await anyio.sleep(step[1])
                             elif step[0] == "destroy":
                                 # what gb holds goes with its PEL: a RETRY of it finds
-                                # the gate closed (the operator's doing, not a loss)
-                                try:
-                                    rows = await admin.execute("XPENDING", H_STREAM, H_GB, "-", "+", 1000)
-                                except rexc.ResponseError:  # destroyed already, not yet recreated
-                                    rows = []
+                                # the gate closed (the operator's doing, not a loss).
+                                # The PEL is read in the destroy's own transaction: gb
+                                # may read (into it) between two separate commands
+                                orphaned.update(o for (g, o), outs in calls.items()
+                                                if g == H_GB and ACK not in outs)
+                                *_, (rows, _destroyed) = await admin.pipeline([
+                                    ("MULTI",), ("XPENDING", H_STREAM, H_GB, "-", "+", 1000),
+                                    ("XGROUP", "DESTROY", H_STREAM, H_GB), ("EXEC",),
+                                ])
+                                if isinstance(rows, rexc.ResponseError):  # destroyed already,
+                                    rows = []                             # not yet recreated
                                 for r in rows:
                                     got = await admin.execute("XRANGE", H_STREAM, r[0], r[0])
                                     head = _pairs(got[0][1]) if got else {}
                                     orphaned.add(_s(head.get(ORIGIN_FIELD, r[0])))
-                                orphaned.update(o for (g, o), outs in calls.items()
-                                                if g == H_GB and ACK not in outs)
                                 pending_at_destroy += len(rows) + 2  # + in the reader's hands
-                                await admin.execute("XGROUP", "DESTROY", H_STREAM, H_GB)
                         await anyio.sleep(0.1)
                         proxy.disarm()
                         await _drain(admin, form, consumer, drained)
@@ -1143,6 +1146,14 @@ async def _history(server: RedisServer, steps: list[tuple[Any, ...]], form: str)
 
 
 async def _drain(admin: Any, form: str, consumer: Any, drained: list[str]) -> None:
+    """Wait until the consumer is idle and Redis holds nothing unread or pending.
+
+    A group of the history that ``XINFO GROUPS`` does not list is not drained:
+    it was destroyed and its reader has not recreated it yet (it may be in a
+    backoff after the recreation was refused, OOM ...); what the stream holds
+    is still unread for it.  (Before, such a group was simply not looked at,
+    the history ended early and its unread entries were judged lost.)
+    """
     calm = 0
     while calm < 3:
         await anyio.sleep(0.03)
@@ -1152,9 +1163,12 @@ async def _drain(admin: Any, form: str, consumer: Any, drained: list[str]) -> No
         if form == "stream":
             left = 0
             last = await admin.execute("XREVRANGE", H_STREAM, "+", "-", "COUNT", 1)
+            seen: set[str] = set()
             for g in await admin.execute("XINFO", "GROUPS", H_STREAM):
                 info = _pairs(g)
+                seen.add(_s(info[b"name"]))
                 left += int(info[b"pending"]) + (bool(last) and info[b"last-delivered-id"] != last[0][0])
+            left += len({H_GA, H_GB} - seen)  # destroyed, not recreated yet
         else:
             left = int(await admin.execute("LLEN", H_QUEUE)) + int(
                 await admin.execute("LLEN", "{hjobs}:processing:h1"))
@@ -1204,6 +1218,25 @@ async def _present(admin: Any, form: str, origin: str, fields: list[bytes]) -> b
         await admin.execute("LPOS", "{hjobs}:processing:h1", fields[0]))
 
 
+async def test_history_drain_waits_for_a_destroyed_group(redis_url: str) -> None:
+    """The judge's premise (a drained stream holds nothing unread for any
+    group) holds for a group that is gone too: the drain waits while a group
+    of the history does not exist, and ends once it is back and has read all."""
+    from trio_redis_finalize._transport import open_client
+
+    async with open_client(redis_url) as admin, open_consumer(redis_url, name="idle") as consumer:
+        eid = await admin.execute("XADD", H_STREAM, "*", "n", "1")
+        await admin.execute("XGROUP", "CREATE", H_STREAM, H_GA, "$")  # ga has read all, gb is gone
+        drained: list[str] = []
+        with anyio.move_on_after(0.5) as waited:
+            await _drain(admin, "stream", consumer, drained)
+        assert waited.cancelled_caught, drained
+        assert drained == ["left: 1 unread/pending in Redis, consumer busy: False"]
+        await admin.execute("XGROUP", "CREATE", H_STREAM, H_GB, eid)
+        with anyio.fail_after(2):
+            await _drain(admin, "stream", consumer, drained)
+
+
 @pytest.mark.timeout(3600 if LONG else 300)
 @H_PROFILE
 @given(steps=_steps(_STREAM_KINDS, destroy=True))
@@ -1215,6 +1248,13 @@ async def _present(admin: Any, form: str, origin: str, fields: list[bytes]) -> b
 @example(steps=[("fault", "EVALSHA:stream_copy_ack", "OOM", 0), ("produce", 3, False)])
 @example(steps=[("fault", "EVALSHA:stream_copy_ack_batch", "lost", 0), ("produce", 3, True),
                 ("wait", 0.1)])
+# gb destroyed, its recreation refused (OOM) into a backoff that outlasted the
+# history: the drain did not wait for it and judged its unread entry lost
+@example(steps=[("destroy",), ("oom", 0.15), ("produce", 1, False),
+                ("fault", "XGROUP CREATE", "OOM", 0)])
+# gb reads entries (into the PEL the destroy takes) right between the history's
+# look at its PEL and the XGROUP DESTROY: their RETRY finds the gate closed
+@example(steps=[("destroy",), ("destroy",), ("produce", 3, False), ("destroy",)])
 def test_stream_history_two_groups_repeated_fields_destroy_errors(
     redis_server: RedisServer, steps: list[tuple[Any, ...]]
 ) -> None:

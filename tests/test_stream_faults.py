@@ -1,6 +1,7 @@
 """Stream subscriptions under real faults: SIGKILL of a consumer process
-mid-handler, long handlers next to a reclaiming consumer, FLUSHALL, entries
-deleted while pending, and a read reply lost to CLIENT KILL."""
+mid-handler, long handlers next to a reclaiming consumer, FLUSHALL, a destroyed
+group whose recreation fails, entries deleted while pending, and a read reply
+lost to CLIENT KILL."""
 
 from __future__ import annotations
 
@@ -199,6 +200,48 @@ async def test_flushall_recreates_the_group_and_goes_on(
     assert [d.id for d in h.seen][1:] == [after, again]
     assert any(r.levelname == "WARNING" and "group is gone" in r.getMessage() and NAME in r.getMessage()
                for r in caplog.records)
+    assert await pending(client) == 0
+
+
+# -- a destroyed group whose recreation fails ---------------------------------------------
+
+@pytest.mark.parametrize("fault", ["OOM", "READONLY", "BUSY", "lost", "blackhole"])
+async def test_group_recreation_refused_or_unanswered_is_sent_again_nothing_lost(
+    redis_server: RedisServer, client: Client, fault: str
+) -> None:
+    """The group destroyed, and the reader's ``XGROUP CREATE`` refused (did not
+    run: sent again after a backoff), its reply lost (it ran: the next one
+    answers BUSYGROUP) or unanswered (a silent link: its deadline, then again).
+    Entries written while the group is gone, before and after the failed
+    recreation, are each handled once; nothing read before is handled again."""
+    from faults.cmdproxy import BLACKHOLE, LOST, CommandProxy, error
+
+    info = await client.execute("INFO", "server")
+    proxy = CommandProxy(redis_server.port, flavour="valkey" if b"valkey" in info.lower() else "redis")
+    h = Recorder()
+    async with anyio.create_task_group() as tg:
+        await tg.start(proxy.serve)
+        async with open_consumer(proxy.url, name="c1") as consumer:
+            await consumer.mount(StreamSubscription(S, G, block=0.1), h)
+            first = await xadd(client, n="first")
+            await eventually(lambda: effects(consumer).get("acked") == 1, what="first entry")
+            proxy.arm("XGROUP CREATE", {"lost": LOST, "blackhole": BLACKHOLE}.get(fault) or error(fault))
+            if fault not in ("lost", "blackhole"):
+                proxy.arm("XGROUP CREATE", error(fault), at=1)  # refused twice
+            replies = await client.pipeline([
+                ("MULTI",), ("XGROUP", "DESTROY", S, G), ("XADD", S, "*", "n", "meanwhile"), ("EXEC",),
+            ])
+            meanwhile = replies[-1][1].decode()
+            await eventually(lambda: len(proxy.fired) >= 1, what="the recreation failed")
+            later = await xadd(client, n="later")  # refused: the group most likely still gone
+            await eventually(lambda: effects(consumer).get("acked") == 3, timeout=15,
+                             what="the entries written while the group was gone")
+            await trio.sleep(0.3)
+            assert stats(consumer)["group_recreated"] == 1
+        await proxy.cut_all()
+        tg.cancel_scope.cancel()
+    assert [f.kind for f in proxy.fired] == ["XGROUP CREATE"] * (1 if fault in ("lost", "blackhole") else 2)
+    assert [(d.id, d.attempt) for d in h.seen] == [(first, 1), (meanwhile, 1), (later, 1)]
     assert await pending(client) == 0
 
 
