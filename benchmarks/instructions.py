@@ -271,6 +271,28 @@ return 1
 """
 
 
+@contextlib.contextmanager
+def _server_under_callgrind(binary: str, tmp: Path, name: str
+                            ) -> Iterator[tuple[subprocess.Popen[str], str, Path]]:
+    """A redis-server on a free port under callgrind (instrumentation off):
+    ``(process, url, callgrind output)``."""
+    port = free_port()
+    out = tmp / f"{name}.{port}.out"
+    cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    with _callgrind(cmd, out, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as proc:
+        yield proc, f"redis://127.0.0.1:{port}", out
+
+
+async def _listening(url: str) -> None:
+    """Wait until the server at ``url`` answers (callgrind starts it slowly)."""
+    for _ in range(600):
+        try:
+            async with open_client(url):
+                return
+        except (OSError, rexc.ConnectionError):  # not listening yet
+            await trio.sleep(0.1)
+
+
 def _retry_batches(entries: list[Any], script: Any | None) -> list[Command]:
     """What finalizes one batch of RETRYs: the copies to ``c`` and the removals
     from ``s`` (group ``g``), ungated (``script`` None) or as one script call
@@ -293,11 +315,7 @@ def _count_server(binary: str, script: Any | None, n: int, tmp: Path) -> tuple[i
     """The server's instructions for ``n`` RETRYs: finalizing them, and the
     whole round trip (reading the originals, finalizing, reading the copies
     and acknowledging them)."""
-    port = free_port()
-    out = tmp / f"server.{port}.out"
-    url = f"redis://127.0.0.1:{port}"
-    cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    with _callgrind(cmd, out, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as proc:
+    with _server_under_callgrind(binary, tmp, "server") as (proc, url, out):
         async def read(c: Client, key: str) -> list[list[Any]]:
             batches = []
             while reply := await c.execute("XREADGROUP", "GROUP", "g", "me", "COUNT", BATCH,
@@ -306,12 +324,7 @@ def _count_server(binary: str, script: Any | None, n: int, tmp: Path) -> tuple[i
             return batches
 
         async def run() -> None:
-            for _ in range(600):
-                try:
-                    async with open_client(url):
-                        break
-                except (OSError, rexc.ConnectionError):  # not listening yet
-                    await trio.sleep(0.1)
+            await _listening(url)
             async with open_client(url) as c:
                 if script is not None:
                     await c.execute("SCRIPT", "LOAD", script.source)
@@ -372,20 +385,11 @@ def _count_server_writes(binary: str, library: bool, n: int, tmp: Path) -> int:
     from trio_redis_finalize import Delivery, StreamSubscription
     from trio_redis_finalize._core._writes import plan_writes
 
-    port = free_port()
-    out = tmp / f"server-writes.{port}.out"
-    url = f"redis://127.0.0.1:{port}"
     target = StreamSubscription("s", "g").target("me")
     outcome = ACK.with_writes(("HINCRBY", "totals", "n", 1))
-    cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    with _callgrind(cmd, out, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as proc:
+    with _server_under_callgrind(binary, tmp, "server-writes") as (proc, url, out):
         async def run() -> None:
-            for _ in range(600):
-                try:
-                    async with open_client(url):
-                        break
-                except (OSError, rexc.ConnectionError):  # not listening yet
-                    await trio.sleep(0.1)
+            await _listening(url)
             async with open_client(url) as c:
                 for _ in range(0, n, 1000):
                     await c.pipeline([("XADD", "s", "*", "payload", b"x" * 32, "kind", "k")] * 1000)

@@ -650,6 +650,18 @@ local function wapply(i, nw)
 end
 """
 
+def _run_writes(at: int) -> str:
+    """Lua, after a writes script's gate: the writes whose count is ``ARGV[at]``
+    (then the writes themselves) checked, refused as a whole, or run; ``i``
+    is left at the op's own arguments."""
+    return f"""
+local nw = tonumber(ARGV[{at}])
+local i, why = wcheck({at + 1}, nw)
+if not i then return redis.error_reply(why) end
+wapply({at + 1}, nw)
+"""
+
+
 # KEYS: stream, destination (a stream for 'copy', the delay set for 'zadd',
 # the stream itself for 'ack'), the writes' keys (declared, for Redis
 # Cluster).  ARGV: group, id, op ('ack', 'copy', 'zadd'), how the original
@@ -666,10 +678,9 @@ STREAM_WRITES = Script(
 local group, id = ARGV[1], ARGV[2]
 local ok, p = pcall(redis.call, 'XPENDING', KEYS[1], group, id, id, 1)
 if not ok or #p == 0 then return false end
-local nw = tonumber(ARGV[6])
-local i, why = wcheck(7, nw)
-if not i then return redis.error_reply(why) end
-wapply(7, nw)
+"""
+    + _run_writes(6)
+    + """
 local op = ARGV[3]
 local r = 1
 if op == 'copy' then
@@ -702,10 +713,9 @@ LIST_WRITES = Script(
     _WRITES_LUA
     + """
 if not redis.call('LPOS', KEYS[1], ARGV[1], 'RANK', -tonumber(ARGV[#ARGV])) then return false end
-local nw = tonumber(ARGV[3])
-local i, why = wcheck(4, nw)
-if not i then return redis.error_reply(why) end
-wapply(4, nw)
+"""
+    + _run_writes(3)
+    + """
 local op = ARGV[2]
 local r = 1
 if op == 'copy' then
