@@ -102,7 +102,8 @@ def test_first_round_holds_back_the_removal_of_a_cross_slot_copy() -> None:
     fast = [("XACK", "orders", "billing", "5-0", "6-0")]
     commands, owners, rest = first_round(fast, [cross, gated, ack])
     names = [c[0] for c in commands]
-    assert names == ["XACK", "XADD", b"EVALSHA", "XACK"]
+    assert names == ["XACK", b"EVALSHA", b"EVALSHA", "XACK"]
+    assert commands[1] == cross.commands[0]  # the cross-slot copy (a plain XADD, as stream_xadd)
     assert commands[0] == ("XACK", "orders", "billing", "5-0", "6-0")  # the hot path's own
     assert commands[3] == ("XACK", "orders", "billing", "1-0")  # the plan's, apart
     assert owners == [(-1,), (0,), (1,), (2,)]

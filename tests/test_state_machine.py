@@ -74,6 +74,7 @@ from trio_redis_finalize._core._scripts import (
     LIST_COPY_REMOVE,
     LIST_ZADD_REMOVE,
     STREAM_COPY_ACK,
+    STREAM_COPY_ONCE,
     STREAM_ZADD_ACK,
 )
 from trio_redis_finalize._envelope import unpack_parts
@@ -413,6 +414,7 @@ class StreamMachine(Base):
         self.pending: dict[str, tuple[str, int, str, int]] = {}  # id -> consumer, count, origin, retries
         self.delayed: Counter[tuple[str, int]] = Counter()
         self.dead: Counter[str] = Counter()
+        self.copy_marks: set[str] = set()  # runtime copies' markers (written once)
         self.readers = {c: StreamReader(_stream_sub(DelayedRetry.DURABLE_ZSET)) for c in CONSUMERS}
         super().__init__()
 
@@ -455,6 +457,12 @@ class StreamMachine(Base):
         elif name == "EVALSHA" and is_batched(cmd):
             for single in batch_singles(cmd):  # each delivery as its own script, in order
                 self.apply(single)
+        elif name == "EVALSHA" and cmd[1] == STREAM_COPY_ONCE.sha:
+            # a runtime copy, written once: its marker makes a resend write nothing
+            keys, argv = [_s(k) for k in cmd[3:5]], list(cmd[5:])
+            if keys[1] not in self.copy_marks:
+                self.copy_marks.add(keys[1])
+                self._add(keys[0], _pairs(argv[2:]))
         elif name == "EVALSHA":
             n = int(cmd[2])
             keys, argv = [_s(k) for k in cmd[3:3 + n]], list(cmd[3 + n:])
@@ -478,7 +486,7 @@ class StreamMachine(Base):
         if _s(cmd[0]).upper() != "EVALSHA":
             return None
         argv = list(cmd[3 + int(cmd[2]):])
-        if cmd[1] == STREAM_COPY_ACK.sha:
+        if cmd[1] == STREAM_COPY_ACK.sha or cmd[1] == STREAM_COPY_ONCE.sha:  # (fields from 3rd arg)
             return int(_pairs(argv[2:])[RETRIES_FIELD])
         if cmd[1] == STREAM_ZADD_ACK.sha:
             return int(_pairs(unpack_parts(argv[3])[1:])[RETRIES_FIELD])
