@@ -81,7 +81,8 @@ def test_help_of_every_command(command: list[str]) -> None:
 # -- demo ---------------------------------------------------------------------
 
 EXPECTED_ROWS = {
-    "stream": ["XACK", "EVALSHA(XADD, XACK)", "XACK", "XACK then XADD", "EVALSHA(XADD, XACK)"],
+    "stream": ["XACK", "EVALSHA(XADD, XACK)", "XACK", "XACK then EVALSHA(XADD)",
+               "EVALSHA(XADD, XACK)"],
     "claiming stream": ["XACK", "none: same id re-read from the PEL", "XACK",
                         "none: same id re-read from the PEL", "EVALSHA(XADD, XACK)"],
     "stream (durable delay)": ["XACK", "EVALSHA(XADD, XACK)", "XACK",
