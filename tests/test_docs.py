@@ -195,3 +195,70 @@ def test_the_package_cites_no_file_it_does_not_ship() -> None:
                                     "_otel.py", "_publisher.py", "testing.py", "pytest_plugin.py")]
     for path in [*public, ROOT / "README.rst", *DOCS.glob("*.rst")]:
         assert "DESIGN" not in path.read_text(), path
+
+
+# -- what users read names nothing outside the repository ---------------------------------------
+
+INTERNAL = {
+    "an issue number of the project's tracker": r"\bissues?\s*#?\s*\d+",
+    "a work stop": r"\bstops?\s+#?\d+\b",
+    "a work session": r"\b(?:this|that|previous|earlier|later|last|next)\s+session\b"
+                      r"|\bthe\s+session(?:'s)?\b(?![ -](?:scope|fixture))|\bbetween\s+sessions\b",
+    "the lead": r"\bthe\s+lead\b",
+    "the project's private tooling": r"\.\./shared\b|/work/|\bshared research\b|\bresearch/|\bseed/",
+    "the design notes": r"\bDESIGN\b",
+}
+FILE_NAME = re.compile(r"(?<![\w/.{}-])((?:\.\.?/)?(?:[\w-]+/)*[\w-]+\.(?:py|md|rst|toml|txt|lua|cfg|ini|"
+                       r"json|ya?ml|sh|html))\b|(?<![\w/.-])(\.ci/run)\b")
+EXAMPLES = {"test_billing.py", "args.json", "ca.pem"}
+"""File names the docs use as the reader's own (an example's test module, a CA file)."""
+
+
+def _user_facing() -> dict[str, str]:
+    """What users read: README, CHANGELOG, the docs pages, every docstring and
+    message of the package (the API page shows the docstrings), the command
+    line's help, and the tools the README sends them to (``dev.py``, the
+    benchmarks, whose output it quotes)."""
+    paths = [ROOT / "README.rst", ROOT / "CHANGELOG.rst", ROOT / "dev.py", ROOT / "pyproject.toml",
+             *sorted(DOCS.glob("*.rst")), DOCS / "conf.py",
+             *sorted((ROOT / "trio_redis_finalize").rglob("*.py")), *sorted((ROOT / "benchmarks").glob("*.py"))]
+    out = {str(p.relative_to(ROOT)): p.read_text() for p in paths}
+    for command in ([], ["demo"], ["run"], ["inspect"], ["requeue"]):
+        proc = subprocess.run([sys.executable, "-m", "trio_redis_finalize", *command, "--help"],
+                              capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr
+        out[" ".join(["trio-redis-finalize", *command, "--help"])] = proc.stdout
+    return out
+
+
+def test_no_project_internal_references() -> None:
+    """No issue numbers ("issue #16"), work sessions ("this session"), the
+    lead, stops, the project's private notes (``../shared/...``, the design
+    notes, research notes): none of it means anything to a reader of the
+    repository."""
+    found = []
+    for where, content in _user_facing().items():
+        for what, pattern in INTERNAL.items():
+            for m in re.finditer(pattern, content, flags=re.I if what != "the design notes" else 0):
+                line = content.count("\n", 0, m.start()) + 1
+                found.append(f"{where}:{line}: {what}: {m.group(0)!r}")
+    assert found == []
+
+
+def test_every_file_named_is_in_the_repository() -> None:
+    """A file the docs, a docstring or a help text names (``tests/test_soak.py``,
+    ``.ci/run``, ``../README.rst`` from ``docs/``) is a file of the repository."""
+    tracked = set(subprocess.run(["git", "ls-files"], capture_output=True, text=True, check=True,
+                                 cwd=ROOT).stdout.split())
+    names = {Path(t).name for t in tracked}
+    missing = []
+    for where, content in _user_facing().items():
+        here = (ROOT / where).parent if (ROOT / where).exists() else ROOT
+        for m in FILE_NAME.finditer(content):
+            name = m.group(1) or m.group(2)
+            resolved = (here / name).resolve() if name.startswith(".") and name != ".ci/run" else ROOT / name
+            rel = str(resolved.relative_to(ROOT)) if resolved.is_relative_to(ROOT) else name
+            if rel in tracked or ("/" not in name and name in names) or name in EXAMPLES:
+                continue
+            missing.append(f"{where}: {name}")
+    assert missing == []
