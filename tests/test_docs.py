@@ -262,3 +262,49 @@ def test_every_file_named_is_in_the_repository() -> None:
                 continue
             missing.append(f"{where}: {name}")
     assert missing == []
+
+
+# -- getting started -----------------------------------------------------------------------------
+
+
+def _titles(text: str) -> list[str]:
+    return re.findall(r"^(\S[^\n]*)\n-{3,}$", text, flags=re.M)
+
+
+def _body(site: Path, page: str) -> str:
+    """A page's text without the sidebar and the navigation."""
+    raw = (site / f"{page}.html").read_text()
+    raw = raw[raw.index('<div class="body"'):raw.index('<div class="sphinxsidebar"')]
+    return html.unescape(re.sub(r"<[^>]+>", "", raw))
+
+
+def test_getting_started_opens_with_install_then_quick_starts_then_concepts(site: Path) -> None:
+    """The README's top and the site's getting-started page: install, quick
+    start (trio), quick start (asyncio), concepts (the forms and outcomes
+    table, what is guaranteed); the developer notes (``dev.py``, CI) come
+    last, in their own section and page."""
+    readme = (ROOT / "README.rst").read_text()
+    start, guide = readme.index(".. docs:getting-started"), readme.index(".. docs:guide")
+    assert _titles(readme[:start]) == []  # the title and what the package does, then Install
+    opening = ["Install", "Quick start", "Quick start with asyncio", "Concepts"]
+    assert _titles(readme[start:guide])[:4] == opening
+    part = readme[start:guide]
+    concepts = re.split(r"\n\S[^\n]*\n-{3,}\n", part[part.index("Concepts\n--------\n") + 18:])[0]
+    table = re.search(r"^=+  =+.*\n^form .*\n^=+.*\n((?:.*\n)+?)^=+", concepts, flags=re.M)
+    assert table is not None, "the forms and outcomes table is in Concepts"
+    rows = {line.split("  ")[0] for line in table.group(1).splitlines() if line and line[0] != " "}
+    assert rows == {"stream", "claiming stream", "reliable list", "simple list", "channel / pattern"}
+    for words in ("at-least-once", "at-most-once", "never a loss", "origin_id"):
+        assert words in concepts, words
+    assert "dev.py" not in part and ".ci/" not in part
+    developing = readme.index("Developing\n----------\n")
+    assert developing > guide and readme.index(".. docs:developing") < developing
+    assert "python3 dev.py test" in readme[developing:] and ".ci/run" in readme[developing:]
+
+    page = _body(site, "getting_started")
+    at = [page.index(title) for title in ["Getting started", *opening, "Forms and outcomes",
+                                          "What is guaranteed"]]
+    assert at == sorted(at), at
+    assert "dev.py" not in page
+    assert "python3 dev.py test" in _body(site, "developing")
+    assert "python3 dev.py" not in _body(site, "operations")
