@@ -308,3 +308,128 @@ def test_getting_started_opens_with_install_then_quick_starts_then_concepts(site
     assert "dev.py" not in page
     assert "python3 dev.py test" in _body(site, "developing")
     assert "python3 dev.py" not in _body(site, "operations")
+
+
+# -- one figure per workload ----------------------------------------------------------------------
+#
+# Every measured figure (a rate, a ratio, a time or cost per message, a share, a size) lives in one
+# table marked with an RST comment ``.. figures: <kind>`` just above the note that says what
+# measured it.  The rest of the text reads the tables and repeats no figure, so two places cannot
+# give a workload two numbers (the README had stream ACK at 341,543/s in one table and 90,587/s
+# in another, Pub/Sub at 0.86, 0.78-0.85 and 0.82-0.83 of its floor, FastStream at 3,000-3,700
+# and about 4,000/s).
+
+UNIT = r"(?:k?/s\b|[a-z]+/s\b|×|x\b|µs\b|ms\b|%|KiB\b|k\b|instructions\b|bytecodes\b)"
+FIGURE = re.compile(rf"(?<![\w.\-])\d[\d,.]*(?:\s?[–-]\s?\d[\d,.]*)?\s?{UNIT}")
+MARKER = re.compile(r"^(\s*)\.\. figures: (\S+)\s*$")
+BORDER = re.compile(r"^\s*=+(?: +=+)+\s*$")
+PROSE_SOURCES = [ROOT / "README.rst", ROOT / "CHANGELOG.rst", *sorted(DOCS.glob("*.rst"))]
+
+
+class Figures:
+    """One ``.. figures:`` table: its kind, the note above it, its rows' first cells."""
+
+    def __init__(self, kind: str, where: str, note: str, rows: list[str]) -> None:
+        self.kind, self.where, self.note, self.rows = kind, where, note, rows
+
+
+def _read_rst(path: Path) -> tuple[list[tuple[int, str]], list[Figures], list[list[str]]]:
+    """``(prose lines, marked tables, unmarked simple tables)`` of one RST file.  Prose is what a
+    reader reads as text: no code or literal blocks, no comments, no inline literals, no table
+    marked ``.. figures:`` (nor the note above it)."""
+    lines = path.read_text().splitlines()
+    prose: list[tuple[int, str]] = []
+    marked: list[Figures] = []
+    unmarked: list[list[str]] = []
+    i = 0
+
+    def indent(line: str) -> int:
+        return len(line) - len(line.lstrip())
+
+    def skip_block(i: int, base: int) -> int:  # the indented block after line i - 1
+        while i < len(lines) and (not lines[i].strip() or indent(lines[i]) > base):
+            i += 1
+        return i
+
+    while i < len(lines):
+        line = lines[i]
+        m = MARKER.match(line)
+        if m:
+            start, i = i, i + 1
+            note: list[str] = []
+            while i < len(lines) and not BORDER.match(lines[i]):
+                note.append(lines[i])
+                i += 1
+            table_start, borders = i, 0
+            while i < len(lines) and borders < 3:
+                borders += bool(BORDER.match(lines[i]))
+                i += 1
+            table = lines[table_start:i]
+            body = table[[n for n, t in enumerate(table) if BORDER.match(t)][1] + 1:-1] if table else []
+            left = indent(table[0]) if table else 0
+            right = left + len(table[0].split()[0]) if table else 0
+            rows = [r for r in (t[left:right].strip() for t in body) if r]  # blank: a continuation
+            marked.append(Figures(m.group(2), f"{path.name}:{start + 1}", " ".join(note), rows))
+            continue
+        if BORDER.match(line):  # an unmarked simple table
+            start, borders = i, 0
+            while i < len(lines) and borders < 3:
+                borders += bool(BORDER.match(lines[i]))
+                i += 1
+            unmarked.append(lines[start:i])
+            continue
+        stripped = line.strip()
+        if stripped.startswith(".. ") or stripped == "..":
+            directive = re.match(r"\.\. ([\w-]+)::", stripped)
+            i += 1
+            if directive and directive.group(1) == "list-table":
+                continue  # its cells are prose
+            i = skip_block(i, indent(line))
+            continue
+        text = line
+        if stripped.endswith("::"):
+            text = line.rstrip()[:-2]
+            prose.append((i + 1, text))
+            i = skip_block(i + 1, indent(line))
+            continue
+        prose.append((i + 1, text))
+        i += 1
+    cleaned = [(n, re.sub(r"``.*?``", "``lit``", t)) for n, t in prose]
+    return cleaned, marked, unmarked
+
+
+def _all_figures() -> list[Figures]:
+    return [f for path in PROSE_SOURCES for f in _read_rst(path)[1]]
+
+
+def test_every_measured_figure_is_in_one_marked_table() -> None:
+    repeated = []
+    for path in PROSE_SOURCES:
+        prose, _, unmarked = _read_rst(path)
+        text = "\n".join(t for _, t in prose)
+        numbers = [n for n, _ in prose]
+        for m in FIGURE.finditer(text):
+            line = numbers[text.count("\n", 0, m.start())]
+            repeated.append(f"{path.name}:{line}: {m.group(0)!r} outside a marked table")
+        for table in unmarked:
+            for m in FIGURE.finditer("\n".join(table)):
+                repeated.append(f"{path.name}: {m.group(0)!r} in a table not marked '.. figures:'")
+    assert repeated == []
+
+
+def test_each_figures_table_is_one_measurement_that_says_how_and_when() -> None:
+    """One table per measurement kind, one row per workload in it, and a note
+    that names the command (or says it was measured by hand), the server, the
+    machine and the date."""
+    tables = _all_figures()
+    kinds = [t.kind for t in tables]
+    assert {"workloads", "instructions-client", "instructions-server", "peers", "scale-out"} <= set(kinds)
+    assert len(kinds) == len(set(kinds)), kinds
+    for t in tables:
+        assert t.rows and len(t.rows) == len(set(t.rows)), (t.where, t.rows)
+        for what, pattern in {"a command": r"``[^`]*(?:dev\.py bench|-m benchmarks|tests/test_\w+\.py)"
+                                           r"[^`]*``|\bby hand\b",
+                              "a server": r"\b(?:Redis|Valkey|redis-server) \d+\.\d+",
+                              "a machine": r"\b\d-core\b|\b\d CPUs?\b|\*\*\d CPUs\*\*",
+                              "a date": r"\b20\d\d-\d\d-\d\d\b"}.items():
+            assert re.search(pattern, t.note), f"{t.where} ({t.kind}): the note names no {what}"
