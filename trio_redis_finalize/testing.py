@@ -723,8 +723,8 @@ class RedisSentinel(_Started):
     sentinel monitors ``service_name`` with ``quorum``, ``down_after``
     seconds (``down-after-milliseconds``) and ``failover_timeout`` seconds.
     :meth:`start` waits until every sentinel knows the replicas and the other
-    sentinels, so a failover can happen at once.  Works with Redis 6.2, 7 and
-    Valkey (the same binary runs the sentinels).
+    sentinels, so a failover can happen at once.  Works with every supported
+    server (the same binary runs the sentinels).
 
     Args:
         replicas: how many replicas (at least 1).

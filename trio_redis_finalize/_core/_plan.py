@@ -6,7 +6,7 @@ connection, the effect to count, and for a runtime ``retry_after`` the
 commands to send once the delay is over.  The shell (``_consumer``) only
 executes plans.
 
-The table it implements (DESIGN §1 with §4's extensions):
+The table it implements (the README's forms and outcomes, with its gated two-step cells):
 
 =================  ==========  =====================  ==========  ====================
 form               ACK         RETRY                  DROP        retry_after(d)
