@@ -396,9 +396,11 @@ async def test_stream_cells(redis_cluster: RedisCluster, cc: ClusterClient, case
             assert len(src.find("XADD", f'"{dead}"', lua=True)) == 5
             assert len(src.find("XACK", f'"{S}"', lua=True)) >= 1
         else:
-            # another node: two commands from a pool connection, the copy first
+            # another node: two commands from a pool connection, the copy first (a
+            # plain XADD in the one-key stream_xadd script: trf-dead-time, the
+            # server's clock)
             assert dst is not src
-            xadds = dst.find("XADD", f'"{dead}"', lua=False)
+            xadds = dst.find("XADD", f'"{dead}"', lua=True)
             dead_ids = {d.id for d in h.seen if d.attempt == 2}
             xacks = [t for t, a, c, rest in src.lines if c == "XACK" and a != "lua"
                      and any(i in rest for i in dead_ids)]
