@@ -355,7 +355,7 @@ def test_round_trip_under_asyncio(redis_url: str) -> None:
             for _ in range(3):  # several quickly: the drain path
                 await c.execute("PUBLISH", "a.c", b"m2")
             with anyio.fail_after(5):
-                while len(seen) < 6:
+                while len(seen) < 8:  # the 4 messages and their 4 retry_after copies
                     await anyio.sleep(0.02)
         return sorted((d.source, d.data, d.attempt) for d in seen)
 
