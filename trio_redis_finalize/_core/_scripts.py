@@ -650,6 +650,17 @@ local function wapply(i, nw)
 end
 """
 
+_ZADD_DUE = (
+    _NOW_MS
+    + """
+  r = now + tonumber(ARGV[i])
+  redis.call('ZADD', KEYS[2], r, ARGV[i + 1])
+"""
+)
+"""Lua of the writes scripts' ``zadd``: the copy ``ARGV[i + 1]`` into the delay
+set ``KEYS[2]``, due ``ARGV[i]`` ms from the server's clock (``r``)."""
+
+
 def _run_writes(at: int) -> str:
     """Lua, after a writes script's gate: the writes whose count is ``ARGV[at]``
     (then the writes themselves) checked, refused as a whole, or run; ``i``
@@ -691,10 +702,8 @@ if op == 'copy' then
   end
 elseif op == 'zadd' then
 """
-    + _NOW_MS
+    + _ZADD_DUE
     + """
-  r = now + tonumber(ARGV[i])
-  redis.call('ZADD', KEYS[2], r, ARGV[i + 1])
 end
 remove_one(KEYS[1], group, id, ARGV[4])
 return r
@@ -726,10 +735,8 @@ elseif op == 'dead' then
     + """
 elseif op == 'zadd' then
 """
-    + _NOW_MS
+    + _ZADD_DUE
     + """
-  r = now + tonumber(ARGV[i])
-  redis.call('ZADD', KEYS[2], r, ARGV[i + 1])
 end
 redis.call('LREM', KEYS[1], -1, ARGV[1])
 return r
