@@ -508,6 +508,34 @@ async def test_streams_on_three_nodes_one_consumer(
         assert await cc.execute("XLEN", s) == 110  # ten copies each
 
 
+async def test_writes_commit_in_the_sources_slot_and_elsewhere_are_a_handler_error(
+    redis_cluster_url: str, cc: ClusterClient,
+) -> None:
+    """Exactly-once effects in Redis Cluster: a write on a key of the stream's
+    hash slot is committed with the ACK (one script on that node); one on a key
+    of another slot cannot be, so the outcome is a handler error (a ValueError
+    naming the key, logged; ``on_error`` -- DROP here -- applies)."""
+    s = "{wr}orders"
+    here, there = "{wr}totals", "totals-elsewhere"
+    assert slot_of(here) == slot_of(s) != slot_of(there)
+    await xadd_many(cc, s, 4)
+
+    async def handle(d: Delivery) -> Outcome:
+        key = here if int(d.fields[b"n"]) % 2 == 0 else there
+        return ACK.with_writes(("HINCRBY", key, "n", 1))
+
+    name = f"stream {s!r} group {G!r}"
+    async with open_consumer(redis_cluster_url, name="w") as consumer:
+        await consumer.mount(StreamSubscription(s, G, block=0.1), handle, on_error=DROP)
+        await eventually(lambda: effects(consumer, name).get("acked") == 2
+                         and effects(consumer, name).get("dropped") == 2, what="finalized")
+        assert consumer.stats()[name]["handler_errors"] == 2
+        assert effects(consumer, name).get("writes") == 2
+    assert await cc.execute("HGET", here, "n") == b"2"
+    assert await cc.execute("EXISTS", there) == 0
+    assert await pending(cc, s, G) == 0
+
+
 # -- a slot migrated during consumption ------------------------------------------------------
 
 
