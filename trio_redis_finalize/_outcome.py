@@ -64,7 +64,7 @@ class Outcome:
 
         Raises:
             ValueError: a command that is not a deterministic write on
-                declared keys (see ``WRITE_COMMANDS``), bad arguments, or
+                declared keys (the README lists them), bad arguments, or
                 more than the bounds allow (64 writes, 4,096 values, 1 MiB).
         """
         checked = check_writes(writes)
