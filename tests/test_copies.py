@@ -275,7 +275,9 @@ async def test_other_groups_acknowledge_a_groups_copies(redis_url: str, redis: C
 
         async def g2_done() -> bool:
             info = await group_info(redis, S, "g2")
-            return bool(info["last-delivered-id"] == copy_id.encode() and info["pending"] == 0)
+            # the XACK ran (pending 0) before its reply is counted: wait for both
+            return bool(info["last-delivered-id"] == copy_id.encode() and info["pending"] == 0
+                        and consumer.stats()[two.name]["effects"].get("foreign_copy") == 1)
 
         await wait_for(g2_done, what="g2 read and acknowledged the copy")
         stats = consumer.stats()
