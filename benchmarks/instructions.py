@@ -211,7 +211,7 @@ def _count_client(url: str, contender: str, n: int, tmp: Path) -> int:
     return sum(_parts(out).values())
 
 
-def _client_table(url: str, tmp: Path, n: int) -> None:
+def _client_table(url: str, tmp: Path, n: int, only: list[str]) -> None:
     cells = [
         ("stream ACK, concurrency 1", ["stream floor", "stream floor + call", "stream library"]),
         ("stream ACK carrying one write (HINCRBY)", ["stream floor + write",
@@ -222,6 +222,8 @@ def _client_table(url: str, tmp: Path, n: int) -> None:
     print(f"client (this Python, its transport included): instructions per message, "
           f"({n:,} - {N_SMALL:,} messages) / {n - N_SMALL:,}", flush=True)
     for title, contenders in cells:
+        if only and not any(w in c for w in only for c in contenders):
+            continue
         print(f"  {title}")
         floor = 0.0
         for contender in contenders:
@@ -436,7 +438,12 @@ def _server_writes_table(binary: str, tmp: Path, n: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks instructions")
     parser.add_argument("n", nargs="?", type=int, default=N, help=f"messages per run (default {N:,})")
+    parser.add_argument("--only", action="append", default=[], metavar="WORD",
+                        help="count only the client rows whose contender names contain WORD "
+                             "(their whole table, floors included), and the server RETRY table "
+                             "for 'retry', the server writes table for 'write' (repeatable)")
     args = parser.parse_args(argv or [])
+    only: list[str] = args.only
     if args.n <= N_SMALL:
         raise SystemExit(f"instructions: n must be above {N_SMALL:,}")
     missing = [t for t in ("valgrind", "callgrind_control") if shutil.which(t) is None]
@@ -445,9 +452,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     with tempfile.TemporaryDirectory(prefix="trf-callgrind-") as d, redis_server() as server:
         tmp = Path(d)
-        _client_table(server.url, tmp, args.n)
-        _server_table(server.binary, tmp, args.n)
-        _server_writes_table(server.binary, tmp, args.n)
+        _client_table(server.url, tmp, args.n, only)
+        if not only or "retry" in only:
+            _server_table(server.binary, tmp, args.n)
+        if not only or "write" in only:
+            _server_writes_table(server.binary, tmp, args.n)
 
 
 if __name__ == "__main__":
