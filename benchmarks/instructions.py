@@ -111,11 +111,13 @@ def _child(contender: str, url: str, n: int) -> None:
         "stream floor": lambda c, p: w.ovl_ack(c, n),
         "stream floor + call": lambda c, p: w.ovl_ack(c, n, calls=True),
         "stream library": lambda c, p: w.lib_stream(url, c, n),
+        "stream library batch": lambda c, p: w.lib_stream(url, c, n, batch=True),
         "stream floor + write": lambda c, p: w.ovl_ack(c, n, writes=True),
         "stream library + write": lambda c, p: w.lib_stream(
             url, c, n, outcome=ACK.with_writes(("HINCRBY", w.TOTALS, "n", 1))),
         "list floor": lambda c, p: w.ovl_reliable(c, n),
         "list library": lambda c, p: w.lib_reliable(url, c, n),
+        "list library batch": lambda c, p: w.lib_reliable(url, c, n, batch=True),
         "pubsub floor": lambda c, p: w.ovl_pubsub(c, p, n),
         "pubsub floor + call": lambda c, p: w.ovl_pubsub(c, p, n, calls=True),
         "pubsub library": lambda c, p: w.lib_pubsub(url, c, p, n),
@@ -213,10 +215,11 @@ def _count_client(url: str, contender: str, n: int, tmp: Path) -> int:
 
 def _client_table(url: str, tmp: Path, n: int, only: list[str]) -> None:
     cells = [
-        ("stream ACK, concurrency 1", ["stream floor", "stream floor + call", "stream library"]),
+        ("stream ACK, concurrency 1", ["stream floor", "stream floor + call", "stream library",
+                                       "stream library batch"]),
         ("stream ACK carrying one write (HINCRBY)", ["stream floor + write",
                                                     "stream library + write"]),
-        ("reliable list ACK", ["list floor", "list library"]),
+        ("reliable list ACK", ["list floor", "list library", "list library batch"]),
         ("Pub/Sub receive", ["pubsub floor", "pubsub floor + call", "pubsub library"]),
     ]
     print(f"client (this Python, its transport included): instructions per message, "

@@ -332,19 +332,20 @@ async def ovl_ack(client: Client, n: int, *, calls: bool = False, writes: bool =
 
 
 async def lib_stream(url: str, client: Client, n: int, *, outcome: Outcome = ACK,
-                     concurrency: int = 1) -> Sample:
+                     concurrency: int = 1, batch: bool = False) -> Sample:
     """Preloaded ``n`` entries, a handler returning ``outcome`` (ACK or DROP,
-    or one of them carrying writes: ``ACK.with_writes(...)``)."""
+    or one of them carrying writes: ``ACK.with_writes(...)``); ``batch``: a
+    batch handler (``mount(..., batch=True)``) returning it for all."""
     await preload(client, STREAM, n)
     group = _group()
     effect = "acked" if outcome.kind is ACK.kind else "dropped"
 
-    async def handle(d: Delivery) -> Outcome:
+    async def handle(d: Delivery | list[Delivery]) -> Outcome:
         return outcome
 
     async with open_consumer(url, name="bench") as consumer, Meter(client) as m:
         await consumer.mount(StreamSubscription(STREAM, group, count=COUNT), handle,
-                             concurrency=concurrency)
+                             concurrency=concurrency, batch=batch)
         await _until(consumer, _name(STREAM, group), effect, n)
     assert await _pending(client, group) == 0
     return m.sample
@@ -658,16 +659,17 @@ async def ovl_reliable(client: Client, n: int) -> Sample:
     return m.sample
 
 
-async def lib_reliable(url: str, client: Client, n: int) -> Sample:
+async def lib_reliable(url: str, client: Client, n: int, *, batch: bool = False) -> Sample:
     await _fill(client, n)
     name = f"reliable list {QUEUE!r}"
 
-    async def handle(d: Delivery) -> Outcome:
+    async def handle(d: Delivery | list[Delivery]) -> Outcome:
         return ACK
 
     async with open_consumer(url, name="bench") as consumer, Meter(client) as m:
         await consumer.mount(
-            ReliableListSubscription(QUEUE, processing=PROCESSING, block=1.0), handle
+            ReliableListSubscription(QUEUE, processing=PROCESSING, block=1.0), handle,
+            batch=batch,
         )
         await _until(consumer, name, "acked", n)
     assert await client.execute("LLEN", PROCESSING) == 0

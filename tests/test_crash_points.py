@@ -128,6 +128,7 @@ class Path:
     raced: bool = False  # n > 1: the second is finalized by another party just before
     # its batch (a racing finalizer): the batched call is half gated-closed
     writes: bool = False  # the message's last outcome carries a write (exactly-once effects)
+    batch: bool = False  # mounted with batch=True: the handler takes a read's deliveries at once
 
     def subscription(self) -> StreamSubscription | ReliableListSubscription:
         if self.form == "stream":
@@ -222,6 +223,17 @@ WRITES_PATHS = [
     dataclasses.replace(p, id=f"{p.form}{'-delete' if p.deletes else ''}-{p.id}-writes", writes=True)
     for p in [*STREAM_PATHS, *RETENTION_PATHS, *LIST_PATHS] if p.n == 1
 ]
+# The batch handler (mount(..., batch=True)): the same finalizations, the
+# outcomes of one call handed on together (a list of them; one for all when
+# they are the same)
+BATCH_PATHS = [
+    dataclasses.replace(p, id=f"{p.id if p.writes else f'{p.form}-{p.id}'}-batch-handler",
+                        batch=True)
+    for p in [*STREAM_PATHS, *LIST_PATHS, *WRITES_PATHS]
+    if p.id in ("ack", "retry", "retry-after-runtime", "dead-letter", "retry-batch",
+                "retry-batch-half-closed", "dead-letter-batch", "stream-ack-writes",
+                "stream-retry-writes", "list-ack-writes")
+]
 BROKEN_STREAM = Path("broken-ack-then-copy", "stream", RETRY, "copy", gated=False,
                      planner=_remove_then_copy)
 BROKEN_LIST = Path("broken-lrem-then-lpush", "list", RETRY, "copy", gated=False,
@@ -274,7 +286,20 @@ class Case:
         limit = self.path.max_attempts
         return outcome in (ACK, DROP) or (limit is not None and d.attempt >= limit)
 
-    def handler(self) -> Callable[[Delivery], Awaitable[Outcome]]:
+    def handler(self) -> Callable[[Any], Awaitable[Any]]:
+        one = self.handler_of_one()
+        if not self.path.batch:
+            return one
+
+        async def handle_all(ds: list[Delivery]) -> Outcome | list[Outcome]:
+            outcomes = [await one(d) for d in ds]
+            if len(set(outcomes)) == 1 and not outcomes[0].writes:
+                return outcomes[0]  # one outcome for all
+            return outcomes
+
+        return handle_all
+
+    def handler_of_one(self) -> Callable[[Delivery], Awaitable[Outcome]]:
         async def handle(d: Delivery) -> Outcome:
             outcome = plain = self.outcome_for(d)
             if self.path.writes and self.ends(d, outcome):
@@ -318,7 +343,7 @@ async def _run(client: FaultClient, case: Case, *, stop_when_fired: bool, budget
     (cancel: then shut down), or until it crashed."""
     try:
         async with open_consumer(client, name=NAME, shutdown_grace=0.0) as consumer:
-            await consumer.mount(case.path.subscription(), case.handler())
+            await consumer.mount(case.path.subscription(), case.handler(), batch=case.path.batch)
             calm = 0
             with anyio.fail_after(budget):
                 while calm < 2:
@@ -608,6 +633,13 @@ async def test_writes_crash_points(redis_url: str, path: Path, fault: str,
     _assert_sound(path, reports)
     if fault in ("before", "after"):  # the consumer lives on: every case applied its writes
         assert all(r.case.effects for r in reports)
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("path", BATCH_PATHS, ids=lambda p: p.id)
+async def test_batch_handler_crash_points(redis_url: str, path: Path, fault: str,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    _assert_sound(path, await enumerate_path(redis_url, path, fault, monkeypatch))
 
 
 @pytest.mark.parametrize("path", [BROKEN_STREAM, BROKEN_LIST], ids=lambda p: p.form)

@@ -179,6 +179,7 @@ class Workload:
     concurrency: int = 2
     dead_letter: str | None = None
     writes: bool = False  # each message's last outcome carries a write (exactly-once effects)
+    batch: bool = False  # mounted with batch=True: one handler call per read's deliveries
 
 
 def _stream(**kw: Any) -> Callable[[], StreamSubscription]:
@@ -238,6 +239,14 @@ WORKLOADS = [
     Workload("stream-delete-writes", "stream", ("EVALSHA:stream_writes",),
              _stream(retention=Retention.DELETE_ON_FINALIZE, **DURABLE), dead_letter=S_DEAD,
              writes=True),
+    # the batch handler (mount(..., batch=True)): the same commands, one call per read
+    Workload("stream-batch-handler", "stream",
+             ("XREADGROUP>", "XACK", "EVALSHA:stream_copy_ack_batch", "EVALSHA:stream_copy_once"),
+             _stream(), seed="own", dead_letter=S_DEAD, batch=True),
+    Workload("stream-writes-batch-handler", "stream", ("EVALSHA:stream_writes",),
+             _stream(), dead_letter=S_DEAD, writes=True, batch=True),
+    Workload("list-batch-handler", "list", ("BLMOVE", "LREM", "EVALSHA:list_copy_remove"),
+             _rlist(), seed="dead", dead_letter=Q_DEAD, batch=True),
     Workload("list", "list",
              ("TYPE", "SET", "HSET", "HGETALL", "EXISTS", "LRANGE", "EVALSHA:reliable_list_reap",
               "EVALSHA:reliable_list_bump", "BLMOVE", "LMOVE", "LREM", "EVALSHA:list_copy_remove"),
@@ -439,6 +448,9 @@ async def run_case(server: RedisServer, proxy: CommandProxy, case: Case) -> list
             await anyio.sleep(0.5)  # longer than min_idle / 3: the lease is renewed
         return out
 
+    async def handle_all(ds: list[Delivery]) -> list[Outcome]:
+        return [await handle(d) for d in ds]
+
     async with open_client(server.url) as admin:
         await admin.execute("FLUSHALL")
         await admin.execute("SCRIPT", "FLUSH")
@@ -460,7 +472,11 @@ async def run_case(server: RedisServer, proxy: CommandProxy, case: Case) -> list
         async def body() -> None:
             async with open_consumer(url, name=NAME, shutdown_grace=0.5) as consumer:
                 state["consumer"] = consumer
-                await consumer.mount(w.make(), handle, concurrency=w.concurrency)
+                if w.batch:
+                    await consumer.mount(w.make(), handle_all, concurrency=w.concurrency,
+                                         batch=True)
+                else:
+                    await consumer.mount(w.make(), handle, concurrency=w.concurrency)
                 state["what"] = "consume"
                 if w.form == "channel":
                     await _run_channel(admin, case, consumer)

@@ -14,7 +14,7 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
 from ._channel import PubSubReader
-from ._context import Handler, log, sole
+from ._context import BatchHandler, Handler, log, sole
 from ._core._writes import plan_outcome
 from ._delivery import Delivery
 from ._list import ListReader
@@ -62,18 +62,32 @@ class Consumer:
     async def mount(
         self,
         subscription: Subscription,
-        handler: Handler,
+        handler: Handler | BatchHandler,
         *,
         concurrency: int = 1,
         on_error: Outcome | Backoff = DEFAULT_BACKOFF,
+        batch: bool = False,
     ) -> None:
         """Start reading ``subscription``; returns once it is reading.
 
         Args:
             subscription: a ``StreamSubscription``, ``ReliableListSubscription``,
                 ``ListSubscription``, ``ChannelSubscription`` or ``PatternSubscription``.
-            handler: ``async def handler(delivery) -> Outcome``.
+            handler: ``async def handler(delivery) -> Outcome``; with
+                ``batch=True``, ``async def handler(deliveries) ->
+                Outcome | Sequence[Outcome]``.
             concurrency: how many handler calls may run at once.
+            batch: hand the handler every delivery of one read at once (a
+                list of up to the subscription's ``count``; Pub/Sub: the
+                messages waiting) instead of one at a time.  It returns one
+                outcome for all of them, or a list or tuple of one outcome per
+                delivery, in order; the finalization, its guarantees and
+                ``on_error`` are per delivery, exactly as for a handler of
+                one.  A handler that raises, or returns anything else, fails
+                every delivery of the call (``on_error`` applies to each, one
+                log line names them).  One outcome carrying writes
+                (``Outcome.with_writes``) for more than one delivery is such
+                a failure: it would commit its writes once per delivery.
             on_error: what is done when the handler raises or returns
                 something that is not an :class:`Outcome`: a
                 :class:`Backoff` (the default, ``Backoff(base=0.1,
@@ -116,6 +130,11 @@ class Consumer:
                              f"retry_after), got {on_error!r}")
         if not callable(handler):
             raise ValueError(f"handler must be an async callable, got {handler!r}")
+        if not isinstance(batch, bool):
+            raise ValueError(f"batch must be True or False, got {batch!r}")
+        if batch and getattr(handler, "trf_bind", None) is not None:
+            raise ValueError("handler: otel.instrument_handler wraps a handler of one delivery; "
+                             "it cannot be mounted with batch=True")
         if not isinstance(subscription, Subscription):
             raise ValueError(f"subscription must be a subscription object, got {subscription!r}")
         target = subscription.target(  # type: ignore[attr-defined]
@@ -134,7 +153,7 @@ class Consumer:
                          target.retention, caps, extra={"subscription": target.name})
         reader = _reader_for(subscription)
         mount = Mount(self, self.client, self.scheduler, subscription, handler, reader, target,
-                      concurrency=concurrency, on_error=on_error)
+                      concurrency=concurrency, on_error=on_error, batch=batch)
         # Set-up runs in the caller's cancel scope (a move_on_after around
         # mount() is honoured).  No overall deadline (re-reading a long PEL
         # may take long, at the handlers' pace); every set-up command has its

@@ -32,6 +32,7 @@ __all__ = [
     "FINALIZE_TIMEOUT",
     "READ_MARGIN",
     "SETUP_PATIENCE",
+    "BatchHandler",
     "ConsumerInfo",
     "Context",
     "Handler",
@@ -47,6 +48,8 @@ __all__ = [
 log = logging.getLogger("trio_redis_finalize")
 
 Handler = Callable[[Delivery], Awaitable[Outcome]]
+BatchHandler = Callable[[list[Delivery]], Awaitable["Outcome | Sequence[Outcome]"]]
+"""A handler mounted with ``batch=True``: the deliveries of one read at once."""
 Item = tuple[Delivery, "Outcome | Plan | Backoff"]
 """A delivery and what finalizes it: the handler's outcome, a precomputed
 plan (dead letter, lost entry, give-back) or a :class:`Backoff`."""

@@ -73,6 +73,7 @@ from anyio.streams.memory import MemoryObjectSendStream as Send
 from redis import exceptions as rexc
 
 from ._context import (
+    BatchHandler,
     ConsumerInfo,
     Handler,
     Item,
@@ -134,12 +135,13 @@ class Mount:
         client: Client,
         scheduler: Scheduler,
         subscription: Subscription,
-        handler: Handler,
+        handler: Handler | BatchHandler,
         reader: Reader,
         target: Target,
         *,
         concurrency: int,
         on_error: Outcome | Backoff,
+        batch: bool = False,
     ) -> None:
         self.consumer = consumer
         self.client = client
@@ -150,6 +152,7 @@ class Mount:
         self.target = target
         self.concurrency = concurrency
         self.on_error = on_error
+        self.batch = batch
         self.name = target.name
         self.stats = MountStats(subscription=self.name)
         # what a handler error becomes: a Backoff where the form can leave the
@@ -382,10 +385,11 @@ class Mount:
                     waiting: list[tuple[list[Item], Send[list[Item]]]] = []
                     outer.start_soon(self._flusher, waiting)
                     async with anyio.create_task_group() as tg:
+                        loop = self._batch_loop if self.batch else self._handler_loop
                         for send in senders:
                             results: list[Item] = []
                             waiting.append((results, send))
-                            tg.start_soon(self._handler_loop, send, results)
+                            tg.start_soon(loop, send, results)
                     outer.cancel_scope.cancel()  # every loop ended: so does the flusher
         finally:
             if self.cut:
@@ -429,7 +433,7 @@ class Mount:
         what waits in it while this task runs a slow handler.
         """
         queue = self._queue
-        handler = self.handler
+        handler: Handler = self.handler  # type: ignore[assignment]  # batch=False
         stats = self.stats
         items = queue.items
         popleft = items.popleft
@@ -523,6 +527,104 @@ class Mount:
                 results.clear()
                 with cleanup(FINALIZE_GRACE):
                     await send.send(batch)
+
+    async def _batch_loop(self, send: Send[list[Item]], results: list[Item]) -> None:
+        """``batch=True``: call the handler on every delivery waiting in the
+        queue at once (one read's batch), hand their outcomes on in one list.
+
+        ``results`` is unused (nothing gathers between calls: each call's
+        outcomes go on when it returns); it keeps the flusher's bookkeeping
+        the same for both loops.
+        """
+        queue = self._queue
+        handler: Callable[[list[Delivery]], Awaitable[object]] = self.handler  # type: ignore[assignment]  # batch=True
+        stats = self.stats
+        items = queue.items
+        durations = stats.durations
+        counts = durations.counts
+        while not self.stopping:
+            if not items:
+                if not await queue.wait():
+                    return
+                continue
+            batch = list(items)  # queue.take() of all of them
+            items.clear()
+            queue.emptied()
+            stats.in_flight += 1
+            start = monotonic()
+            try:
+                try:
+                    result = await handler(batch)
+                except Exception:
+                    outcomes = self._batch_raised(batch)
+                except BaseException as e:
+                    if self._own_exit(e):
+                        self.cut.extend(batch)  # cancelled mid-handler: logged by _handlers
+                        raise
+                    outcomes = self._batch_raised(batch)
+                else:
+                    outcomes = self._batch_outcomes(batch, result)
+            finally:
+                stats.in_flight -= 1
+                took = monotonic() - start
+                counts[bisect_left(DURATION_BOUNDS, took)] += 1
+                durations.sum += took
+            with cleanup(FINALIZE_GRACE):  # the call returned: its outcomes must go on
+                await send.send(list(zip(batch, outcomes, strict=True)))
+
+    def _batch_outcomes(self, batch: list[Delivery], result: object) -> list[Outcome | Backoff]:
+        """A batch handler's return: one outcome for all, or one per delivery."""
+        if isinstance(result, Outcome):
+            if result.__class__ is WithWrites:
+                if len(batch) > 1:
+                    return self._batch_invalid(
+                        batch, result, "one outcome carrying writes for a batch of "
+                        f"{len(batch)} deliveries would commit its writes {len(batch)} times: "
+                        "return one outcome per delivery")
+                return [self._checked(batch[0], result)]
+            return [result] * len(batch)
+        if isinstance(result, (list, tuple)) and len(result) == len(batch):
+            out: list[Outcome | Backoff] = []
+            for d, o in zip(batch, result, strict=True):
+                if o.__class__ is Outcome:
+                    out.append(o)
+                elif o.__class__ is WithWrites:
+                    out.append(self._checked(d, o))
+                else:
+                    out.append(self._not_outcome(d, o))
+            return out
+        return self._batch_invalid(
+            batch, result, f"a batch handler returns one Outcome, or a list or tuple of "
+            f"{len(batch)} (one per delivery), not {_what(result)}")
+
+    def _batch_raised(self, batch: list[Delivery]) -> list[Outcome | Backoff]:
+        """The batch handler raised (called inside the ``except``): every
+        delivery of the call failed; one log line for all."""
+        exc = sys.exc_info()[1]
+        for d in batch:
+            record_error(d, exc)  # for the dead-letter entries
+        self._batch_failed(batch, "raised", exc)
+        return [self._on_error] * len(batch)
+
+    def _batch_invalid(self, batch: list[Delivery], result: object,
+                       why: str) -> list[Outcome | Backoff]:
+        self._batch_failed(batch, f"returned {_what(result)}", TypeError(why))
+        return [self._on_error] * len(batch)
+
+    def _batch_failed(self, batch: list[Delivery], what: str, exc: BaseException | None) -> None:
+        self.stats.handler_errors += len(batch)
+        fates: dict[str, list[str]] = {}
+        for d in batch:
+            fates.setdefault(self._error_text(d), []).append(
+                f"{d.id or d.origin_id} (attempt {d.attempt})")
+            if self._warn_repeats:
+                self._keeps_failing(d)
+        text = "; ".join(f"{_shown(ids)}: {fate}" for fate, ids in fates.items())
+        log.error("%s: batch handler %s on %d deliveries: %s", self.name, what, len(batch), text,
+                  exc_info=exc, extra={"subscription": self.name,
+                                       "entry_ids": [d.id for d in batch],
+                                       "origin_ids": [d.origin_id for d in batch],
+                                       "attempts": [d.attempt for d in batch]})
 
     async def _flusher(self, waiting: list[tuple[list[Item], Send[list[Item]]]]) -> None:
         """Hand on outcomes that wait in a handler task's list while it runs a slow
@@ -622,3 +724,16 @@ class Mount:
             extra=log_extra(self.name, d, self._on_error),
         )
 
+
+
+def _what(result: object) -> str:
+    """A handler's wrong return, named for its log line."""
+    if isinstance(result, (list, tuple)):
+        return f"a {type(result).__name__} of {len(result)}"
+    return repr(result) if result is None else f"a {type(result).__name__}"
+
+
+def _shown(ids: list[str]) -> str:
+    """At most ``_CUT_SHOWN`` of ``ids``, and how many more."""
+    more = len(ids) - _CUT_SHOWN
+    return ", ".join(ids[:_CUT_SHOWN]) + (f" and {more} more" if more > 0 else "")

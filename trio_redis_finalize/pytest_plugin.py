@@ -56,8 +56,7 @@ from ._transport._connection import pack_command
 from .testing import ClusterUnavailable, RedisCluster, RedisSentinel, RedisServer
 
 if TYPE_CHECKING:
-    from ._context import Handler
-    from ._delivery import Delivery
+    from ._context import BatchHandler, Handler
     from ._subscription import Subscription
     from ._transport import Client
 
@@ -121,11 +120,12 @@ def fresh_redis_server() -> Iterator[RedisServer]:
 async def consume_until(
     url_or_client: str | Client,
     subscription: Subscription,
-    handler: Handler,
+    handler: Handler | BatchHandler,
     predicate: Predicate,
     *,
     timeout: float = 10.0,
     concurrency: int = 1,
+    batch: bool = False,
     on_error: Outcome | Backoff = DEFAULT_BACKOFF,
     name: str | None = None,
     shutdown_grace: float = 5.0,
@@ -147,6 +147,7 @@ async def consume_until(
             ``lambda: len(seen) == 3``.
         timeout: seconds before giving up with :class:`TimeoutError`.
         concurrency: as in ``consumer.mount``.
+        batch: as in ``consumer.mount`` (``handler`` then takes a list of deliveries).
         on_error: as in ``consumer.mount``.
         name: the consumer name (default: unique).
         shutdown_grace: as in ``open_consumer``.
@@ -167,7 +168,7 @@ async def consume_until(
         raise ValueError(f"predicate must be a callable of no arguments, got {predicate!r}")
     changed = anyio.Event()
 
-    async def observed(delivery: Delivery) -> Outcome:
+    async def observed(delivery: Any) -> Any:  # a delivery, or a list of them (batch=True)
         try:
             return await handler(delivery)
         finally:
@@ -183,7 +184,7 @@ async def consume_until(
     try:
         async with open_consumer(url_or_client, name=name, shutdown_grace=shutdown_grace) as consumer:
             await consumer.mount(subscription, functools.wraps(handler)(observed),
-                                 concurrency=concurrency, on_error=on_error)
+                                 concurrency=concurrency, on_error=on_error, batch=batch)
             with anyio.move_on_after(timeout):
                 while not (held := await holds()):
                     with anyio.move_on_after(poll):
