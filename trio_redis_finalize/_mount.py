@@ -555,11 +555,9 @@ class Mount:
             try:
                 try:
                     result = await handler(batch)
-                except Exception:
-                    outcomes = self._batch_raised(batch)
-                except BaseException as e:
-                    if self._own_exit(e):
-                        self.cut.extend(batch)  # cancelled mid-handler: logged by _handlers
+                except BaseException as e:  # an Exception, or one that is not this task's exit
+                    if not isinstance(e, Exception) and self._own_exit(e):
+                        self.cut.extend(batch)  # cancelled mid-call: logged by _handlers
                         raise
                     outcomes = self._batch_raised(batch)
                 else:
