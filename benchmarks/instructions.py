@@ -110,6 +110,7 @@ def _child(contender: str, url: str, n: int) -> None:
     runs: dict[str, Callable[[Client, Client], Awaitable[object]]] = {
         "stream floor": lambda c, p: w.ovl_ack(c, n),
         "stream floor + call": lambda c, p: w.ovl_ack(c, n, calls=True),
+        "stream floor + decode": lambda c, p: w.ovl_ack(c, n, decode=True),
         "stream library": lambda c, p: w.lib_stream(url, c, n),
         "stream library batch": lambda c, p: w.lib_stream(url, c, n, batch=True),
         "stream floor + write": lambda c, p: w.ovl_ack(c, n, writes=True),
@@ -215,7 +216,8 @@ def _count_client(url: str, contender: str, n: int, tmp: Path) -> int:
 
 def _client_table(url: str, tmp: Path, n: int, only: list[str]) -> None:
     cells = [
-        ("stream ACK, concurrency 1", ["stream floor", "stream floor + call", "stream library",
+        ("stream ACK, concurrency 1", ["stream floor", "stream floor + call",
+                                       "stream floor + decode", "stream library",
                                        "stream library batch"]),
         ("stream ACK carrying one write (HINCRBY)", ["stream floor + write",
                                                     "stream library + write"]),

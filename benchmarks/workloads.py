@@ -304,17 +304,24 @@ TOTALS = "{bench}:totals"
 """The hash the ``writes`` contenders count each message in (``HINCRBY``)."""
 
 
-async def ovl_ack(client: Client, n: int, *, calls: bool = False, writes: bool = False) -> Sample:
+async def ovl_ack(client: Client, n: int, *, calls: bool = False, writes: bool = False,
+                  decode: bool = False) -> Sample:
     """The overlapped floor; ``calls``: it also awaits a no-op handler on each
     entry before the batch's XACK (a diagnostic row: what one coroutine call
     per message costs, which no consumer can avoid); ``writes``: one
     ``HINCRBY`` per entry goes in the XACK's pipeline (the raw client's way to
-    a write per message: not exactly once -- the library's floor to beat)."""
+    a write per message: not exactly once -- the library's floor to beat);
+    ``decode``: it also builds the library's deliveries of each batch
+    (``_core._decode.stream_deliveries``: what a batch handler is given),
+    the bound of a batch handler's cost."""
     await preload(client, STREAM, n)
     group = _group()
     await client.execute("XGROUP", "CREATE", STREAM, group, "0")
+    target = StreamSubscription(STREAM, group).target("raw", cluster=False)
 
     async def finalize(entries: list[Any]) -> int:
+        if decode:
+            internal("_decode").stream_deliveries(target, entries)
         if calls:
             for e in entries:
                 await _noop(e)
