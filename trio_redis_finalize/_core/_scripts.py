@@ -333,12 +333,12 @@ end
 # and its element (nil: its gate was closed; or its error).  A delivery not
 # listed was copied and its original removed (the single script's new id).
 # A reply of one element per delivery (a bulk string each, converted from
-# Lua and written out one by one) cost the server more than all the rest of
-# the script's own work per delivery (``bench instructions``' server table).
+# Lua and written out one by one) was a large share of what the script
+# cost the server beyond its commands (``bench instructions``' server table).
 #
 # The hot path in the loop is inline: no Lua function call or ``pcall``
-# per delivery (each costs instructions the server table counts).  A
-# copy's XADD runs in ``redis.pcall``, which
+# per delivery (the other large share).  A copy's XADD runs in
+# ``redis.pcall``, which
 # answers an error reply as its table instead of raising it: that
 # delivery's element, classified as the single script's reply would be.
 # Only a wide entry (UNPACK_MAX values or more) or one whose last value is
