@@ -337,7 +337,9 @@ end
 # cost the server beyond its commands (``bench instructions``' server table).
 #
 # The hot path in the loop is inline: no Lua function call or ``pcall``
-# per delivery (the other large share).  A copy's XADD runs in
+# per delivery (the other large share), and the globals it reads
+# (``ARGV``, ``redis.pcall``, ``unpack`` ...) read once into locals: each
+# read of a global is a table lookup (a third share).  A copy's XADD runs in
 # ``redis.pcall``, which
 # answers an error reply as its table instead of raising it: that
 # delivery's element, classified as the single script's reply would be.
@@ -347,25 +349,26 @@ STREAM_COPY_ACK_BATCH = Script(
     LUA_XADD_TO
     + LUA_XADD_CAPPED_TO
     + """
-local stream, dest = KEYS[1], KEYS[2]
-local group = ARGV[1]
-local cap = ARGV[3]
-local bad, done = {}, {}
+local argv, stream, dest = ARGV, KEYS[1], KEYS[2]
+local rpcall, unpack, type, tonumber = redis.pcall, unpack, type, tonumber
+local group = argv[1]
+local cap = argv[3]
+local bad, done, nd = {}, {}, 0
 local pend = {}
 do
-  local ok, p = pcall(redis.call, 'XPENDING', stream, group, ARGV[4], ARGV[5], tonumber(ARGV[6]))
+  local ok, p = pcall(redis.call, 'XPENDING', stream, group, argv[4], argv[5], tonumber(argv[6]))
   if ok then
-    for _, e in ipairs(p) do pend[e[1]] = true end
+    for j = 1, #p do pend[p[j][1]] = true end
   end
 end
 local function wide(from, to)
   if cap ~= '0' then return xadd_capped_to(dest, cap, ARGV, from, to) end
   return xadd_to(dest, ARGV, from, to)
 end
-local i, k, last = 7, 0, #ARGV
+local i, k, last = 7, 0, #argv
 while i <= last do
-  local id = ARGV[i]
-  local n = tonumber(ARGV[i + 1])
+  local id = argv[i]
+  local n = tonumber(argv[i + 1])
   local to = i + 1 + n
   k = k + 1
   -- pend[id]: true pending, false copied earlier in this call, nil not read
@@ -376,17 +379,18 @@ while i <= last do
   end
   if open then
     local r
-    if n >= """ + str(UNPACK_MAX) + """ or ARGV[to] == '""" + SERVER_TIME.decode("latin-1") + """' then
+    if n >= """ + str(UNPACK_MAX) + """ or argv[to] == '""" + SERVER_TIME.decode("latin-1") + """' then
       local ok, e = pcall(wide, i + 2, to)
       if ok or type(e) == 'table' then r = e else r = {err = tostring(e)} end
     elseif cap == '0' then
-      r = redis.pcall('XADD', dest, '*', unpack(ARGV, i + 2, to))
+      r = rpcall('XADD', dest, '*', unpack(argv, i + 2, to))
     else
-      r = redis.pcall('XADD', dest, 'MAXLEN', '~', cap, '*', unpack(ARGV, i + 2, to))
+      r = rpcall('XADD', dest, 'MAXLEN', '~', cap, '*', unpack(argv, i + 2, to))
     end
     if type(r) == 'string' then
       pend[id] = false
-      done[#done + 1] = id
+      nd = nd + 1
+      done[nd] = id
     else
       bad[#bad + 1] = k
       bad[#bad + 1] = r
@@ -397,7 +401,7 @@ while i <= last do
   end
   i = to + 1
 end
-if #done > 0 then
+if nd > 0 then
   local ok, e
   if ARGV[2] == 'x' then
     ok, e = pcall(redis.call, 'XACKDEL', stream, group, 'ACKED', 'IDS', #done, unpack(done))
