@@ -25,7 +25,10 @@ the machine is doing.  This module counts, per message:
   two scripts that are not correct finalizations but bound what any script
   can cost: a bare Lua loop of the same ``XADD`` s and ``XACK`` (no gate, no
   error handling), and the same loop gated by the one ``XPENDING`` of the
-  batch's range the library's script reads.
+  batch's range the library's script reads.  On Redis 8.2 and later, four
+  more rows: the same RETRYs deleting each original (``Retention.
+  DELETE_ON_FINALIZE``), ungated and in the library's script, with
+  ``XACK`` + ``XDEL`` and with 8.2's one ``XACKDEL``.
 
 Callgrind runs a process about 50 times slower; a time-driven part of a
 contender (the library's flusher, timers, the 50 ms poll of its counters)
@@ -285,7 +288,12 @@ def _server_under_callgrind(binary: str, tmp: Path, name: str
     ``(process, url, callgrind output)``."""
     port = free_port()
     out = tmp / f"{name}.{port}.out"
-    cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+           "--hz", "1", "--slowlog-log-slower-than", "-1"]
+    # hz 1 (not 10): the server's timer runs ``hz`` times a second of wall
+    # time, so under callgrind ~50 times as often per command as natively,
+    # and more on a loaded machine; no slow log: natively a batch's script
+    # stays far below its 10 ms, under callgrind every one is logged
     with _callgrind(cmd, out, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as proc:
         yield proc, f"redis://127.0.0.1:{port}", out
 
@@ -300,14 +308,23 @@ async def _listening(url: str) -> None:
             await trio.sleep(0.1)
 
 
-def _retry_batches(entries: list[Any], script: Any | None) -> list[Command]:
+def _retry_batches(entries: list[Any], script: Any | None, how: str = "0") -> list[Command]:
     """What finalizes one batch of RETRYs: the copies to ``c`` and the removals
     from ``s`` (group ``g``), ungated (``script`` None) or as one script call
-    with the batched script's arguments."""
+    with the batched script's arguments.  ``how`` as the batched script's
+    (``_scripts._HOW``): ``'0'`` XACK, ``'1'`` XACK then XDEL (delete on
+    finalize), ``'x'`` one XACKDEL (Redis 8.2; ungated: ``XACKDEL ... IDS``,
+    inside the script ``XACKDEL ... ACKED IDS``)."""
     if script is None:
+        ids = [eid for eid, _ in entries]
         cmds: list[Command] = [("XADD", "c", "*", *flat, RETRIES_FIELD, b"1", ORIGIN_FIELD, eid)
                                for eid, flat in entries]
-        cmds.append(("XACK", "s", "g", *[eid for eid, _ in entries]))
+        if how == "x":
+            cmds.append(("XACKDEL", "s", "g", "IDS", len(ids), *ids))
+            return cmds
+        cmds.append(("XACK", "s", "g", *ids))
+        if how == "1":
+            cmds.append(("XDEL", "s", *ids))
         return cmds
     from .workloads import _batched
 
@@ -315,10 +332,11 @@ def _retry_batches(entries: list[Any], script: Any | None) -> list[Command]:
     for eid, flat in entries:
         fields = [*flat, RETRIES_FIELD, b"1", ORIGIN_FIELD, eid]
         parts.append([eid, len(fields), *fields])
-    return _batched(script, ("s", "c"), ("g", "0", "0"), parts)
+    return _batched(script, ("s", "c"), ("g", how, "0"), parts)
 
 
-def _count_server(binary: str, script: Any | None, n: int, tmp: Path) -> tuple[int, int]:
+def _count_server(binary: str, script: Any | None, n: int, tmp: Path, how: str = "0"
+                  ) -> tuple[int, int]:
     """The server's instructions for ``n`` RETRYs: finalizing them, and the
     whole round trip (reading the originals, finalizing, reading the copies
     and acknowledging them)."""
@@ -340,7 +358,7 @@ def _count_server(binary: str, script: Any | None, n: int, tmp: Path) -> tuple[i
                 await c.execute("XGROUP", "CREATE", "s", "g", "0")
                 await c.execute("XGROUP", "CREATE", "c", "g", "0", "MKSTREAM")
                 _control(proc.pid, "on")
-                plans = [_retry_batches(b, script) for b in await read(c, "s")]
+                plans = [_retry_batches(b, script, how) for b in await read(c, "s")]
                 _control(proc.pid, "dump")  # part 1: the reads
                 for p in plans:
                     replies = await c.pipeline(p, raise_on_error=False)
@@ -362,6 +380,15 @@ def _count_server(binary: str, script: Any | None, n: int, tmp: Path) -> tuple[i
     return parts.get(2, 0), sum(parts.values())
 
 
+def _redis_at_least(binary: str, version: tuple[int, int]) -> bool:
+    """Whether ``binary`` is a Redis (not Valkey) server of ``version`` or later."""
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30).stdout
+    if not out.startswith("Redis server") or "v=" not in out:
+        return False
+    major, minor = out.split("v=", 1)[1].split()[0].split(".")[:2]
+    return (int(major), int(minor)) >= version
+
+
 def _server_table(binary: str, tmp: Path, n: int) -> None:
     from trio_redis_finalize._core._commands import Script
 
@@ -372,13 +399,24 @@ def _server_table(binary: str, tmp: Path, n: int) -> None:
         ("bare Lua loop of the same", Script(_MINIMAL, name="minimal")),
         ("bare Lua loop + the XPENDING gate", Script(_MINIMAL_GATED, name="minimal_gated")),
     ]
+    rows3: list[tuple[str, Any, str]] = [(label, script, "0") for label, script in rows]
+    if _redis_at_least(binary, (8, 2)):
+        # Redis 8.2's XACKDEL: the removal of Retention.DELETE_ON_FINALIZE
+        # (it deletes the original, so a plain RETRY cannot use it)
+        batch = scripts.STREAM_COPY_ACK_BATCH
+        rows3 += [
+            ("deleting: ungated XACK + XDEL", None, "1"),
+            ("deleting: ungated XACKDEL", None, "x"),
+            ("deleting: library XACK + XDEL", batch, "1"),
+            ("deleting: library XACKDEL ACKED", batch, "x"),
+        ]
     print(f"server ({binary}): instructions per RETRY ({n:,} entries, {BATCH} per batch):\n"
           "  finalized = the copy and the XACK of the original; round trip = also reading the\n"
           "  original, and reading and acknowledging the copy", flush=True)
     print(f"    {'':36} {'finalized':>9}            {'round trip':>10}")
     floors = (0.0, 0.0)
-    for label, script in rows:
-        fin, trip = (x / n for x in _count_server(binary, script, n, tmp))
+    for label, script, how in rows3:
+        fin, trip = (x / n for x in _count_server(binary, script, n, tmp, how))
         floors = (floors[0] or fin, floors[1] or trip)
         print(f"    {label:36} {fin:9,.0f}   {fin / floors[0]:5.2f}x   {trip:10,.0f}   "
               f"{trip / floors[1]:5.2f}x", flush=True)

@@ -71,7 +71,7 @@ from trio_redis_finalize import (
 from trio_redis_finalize._core import _finalize as _core_finalize
 from trio_redis_finalize._core import _plan
 from trio_redis_finalize._core import _writes as _core_writes
-from trio_redis_finalize._core._batch import is_batched
+from trio_redis_finalize._core._batch import batch_replies, batch_singles, is_batched
 from trio_redis_finalize._core._caps import Capabilities
 from trio_redis_finalize._core._plan import Effect, Plan
 from trio_redis_finalize._core._retention import TRIM_ACKED, parse_trim
@@ -541,7 +541,9 @@ async def run_case(url: str, path: Path, k: int | None, fault: str,
             sent = len(client.sent)
             case.names |= {str(c[0]).upper() for c in client.sent}
             case.list_copies += list_copies(client.applied)
-            case.batched += [r for c, r in client.applied if is_batched(c)]
+            # (each delivery's element, as the core reads them)
+            case.batched += [batch_replies(c, r, len(batch_singles(c))) or r
+                             for c, r in client.applied if is_batched(c)]
         # recovery: the restarted process, same consumer name
         async with open_fault_client(url) as client:
             await _run(client, case, stop_when_fired=False)

@@ -14,8 +14,8 @@ from ._commands import Arg, Command
 from ._plan import Effect, Plan
 
 __all__ = [
-    "BATCHED", "batch_part", "batch_singles", "fast_index", "fast_owner", "first_round", "gate_range",
-    "is_batched", "merge_commands",
+    "BATCHED", "COPIED", "batch_part", "batch_replies", "batch_singles", "fast_index", "fast_owner",
+    "first_round", "gate_range", "is_batched", "merge_commands",
 ]
 
 
@@ -45,6 +45,37 @@ _ZADD_BY_HOW = {
 
 BATCHED = frozenset({_COPY_BATCH, _ZADD_BATCH})
 """The shas of the batched scripts: their reply has one element per owner."""
+
+
+COPIED = 1
+"""The element :func:`batch_replies` gives a delivery of a batched copy call
+that its reply did not list: copied, its original removed (the single
+script answers the new id; no settlement reads it)."""
+
+
+def batch_replies(cmd: Command, reply: object, n: int) -> list[Any] | None:
+    """The elements of a batched call's ``reply``, one per delivery in order
+    (what each delivery's single script would have answered), or None when
+    ``reply`` is not a reply of ``n`` deliveries.
+
+    ``STREAM_ZADD_ACK_BATCH`` answers them as they are.
+    ``STREAM_COPY_ACK_BATCH`` answers ``[n, at, element, ...]``: only the
+    deliveries not copied, by place (1-based), a closed gate's nil or an
+    error; the others get :data:`COPIED`.
+    """
+    if reply.__class__ is not list:
+        return None
+    if cmd[1] != _COPY_BATCH:
+        return reply if len(reply) == n else None
+    if not reply or reply[0] != n or len(reply) % 2 != 1:
+        return None
+    out: list[Any] = [COPIED] * n
+    for k in range(1, len(reply), 2):
+        at = reply[k]
+        if at.__class__ is not int or not 0 < at <= n:
+            return None
+        out[at - 1] = reply[k + 1]
+    return out
 
 
 def is_batched(cmd: Command) -> bool:

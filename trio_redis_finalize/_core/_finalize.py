@@ -70,7 +70,7 @@ from .._delivery import Delivery
 from .._errors import AckUnsupported
 from .._outcome import Backoff, Outcome, OutcomeKind, WithWrites
 from .._subscription import Form
-from ._batch import BATCHED, fast_index, fast_owner, first_round
+from ._batch import BATCHED, batch_replies, fast_index, fast_owner, first_round
 from ._commands import Command
 from ._plan import (
     FAILED,
@@ -407,7 +407,8 @@ class FinalizeBatch:
             if len(own) > 1 and cmd[0] == b"EVALSHA" and cmd[1] in BATCHED:
                 # a batched script call: one element per delivery (plan), each
                 # settled as the reply to that plan's own script would be
-                if r.__class__ is not list or len(r) != len(own):
+                elements = batch_replies(cmd, r, len(own))
+                if elements is None:
                     if not isinstance(r, Exception):
                         r = rexc.ResponseError(
                             f"a batched script answered {r!r:.200} to {len(own)} deliveries")
@@ -416,7 +417,7 @@ class FinalizeBatch:
                         self._answered.append(cmd)
                         self._answers.append(r)
                     plans = self._plans
-                    for j, e in zip(own, r, strict=True):
+                    for j, e in zip(own, elements, strict=True):
                         if isinstance(e, Exception):
                             single = plans[j][1].commands[0]
                             if classify(e) is not FINAL:  # did not run: that delivery alone, again

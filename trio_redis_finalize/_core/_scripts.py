@@ -243,9 +243,11 @@ STREAM_ZADD_ACKDEL = _stream_zadd_ack("stream_zadd_ackdel", delete="xackdel")
 # comes back as that delivery's element of the reply, a nested error reply,
 # with the code the single script's reply would carry (Redis 7 / Valkey:
 # the inner error's own code; Redis 6.2: ``@user_script: n: -CODE ...``,
-# which ``classify`` reads as the wrapped form).  The reply is an array, one
-# element per delivery, in order: what the single script returns (the new
-# id / the due time; nil for a closed gate) or that delivery's error.
+# which ``classify`` reads as the wrapped form).  The reply says, per
+# delivery in order, what the single script returns (the new id / the due
+# time; nil for a closed gate) or that delivery's error: one element each
+# (STREAM_ZADD_ACK_BATCH), or only those of the deliveries not copied
+# (STREAM_COPY_ACK_BATCH, below).
 #
 # OOM (a write refused under maxmemory) is only checked while the script has
 # written nothing, so it meets the first deliveries of a call (each its own
@@ -324,33 +326,105 @@ end
 # _HOW), cap ('0': none), lo, hi, count (the gates' range, see above), then
 # per delivery: id, n, n field values.  Each as STREAM_COPY_ACK
 # (STREAM_COPY_ACK_EX with a delete or a cap).
+#
+# Its reply is short where all went well (see ``_batch.batch_replies``):
+# ``{k, at, element, at, element ...}``, k the number of deliveries, then,
+# for each delivery that was not copied and removed, its place (1-based)
+# and its element (nil: its gate was closed; or its error).  A delivery not
+# listed was copied and its original removed (the single script's new id).
+# A reply of one element per delivery (a bulk string each, converted from
+# Lua and written out one by one) was a large share of what the script
+# cost the server beyond its commands (``bench instructions``' server table).
+#
+# The hot path in the loop is inline: no Lua function call or ``pcall``
+# per delivery (the other large share), and the globals it reads
+# (``ARGV``, ``redis.pcall``, ``unpack`` ...) read once into locals: each
+# read of a global is a table lookup (a third share).  A copy's XADD runs in
+# ``redis.pcall``, which
+# answers an error reply as its table instead of raising it: that
+# delivery's element, classified as the single script's reply would be.
+# Only a wide entry (UNPACK_MAX values or more) or one whose last value is
+# SERVER_TIME takes the LUA_XADD_TO path, in a ``pcall``.
 STREAM_COPY_ACK_BATCH = Script(
     LUA_XADD_TO
     + LUA_XADD_CAPPED_TO
-    + _BATCH_HEAD
     + """
-local cap = ARGV[3]
-gates(ARGV[4], ARGV[5], ARGV[6])
-local function one(i, n)
-  if not open(ARGV[i]) then return false end
-  if cap ~= '0' then
-    return xadd_capped_to(KEYS[2], cap, ARGV, i + 2, i + 1 + n)
+local argv, stream, dest = ARGV, KEYS[1], KEYS[2]
+local rpcall, unpack, type, tonumber = redis.pcall, unpack, type, tonumber
+local group = argv[1]
+local cap = argv[3]
+local bad, done, nd = {}, {}, 0
+local pend = {}
+do
+  local ok, p = pcall(redis.call, 'XPENDING', stream, group, argv[4], argv[5], tonumber(argv[6]))
+  if ok then
+    for j = 1, #p do pend[p[j][1]] = true end
   end
-  return xadd_to(KEYS[2], ARGV, i + 2, i + 1 + n)
 end
-local i = 7
-local k = 0
-local last = #ARGV
+local function wide(from, to)
+  if cap ~= '0' then return xadd_capped_to(dest, cap, ARGV, from, to) end
+  return xadd_to(dest, ARGV, from, to)
+end
+local i, k, last = 7, 0, #argv
 while i <= last do
-  local n = tonumber(ARGV[i + 1])
+  local id = argv[i]
+  local n = tonumber(argv[i + 1])
+  local to = i + 1 + n
   k = k + 1
-  local ok, r = pcall(one, i, n)
-  settle(k, ok, r)
-  if ok and r then remove(k, ARGV[i]) end
-  i = i + 2 + n
+  -- pend[id]: true pending, false copied earlier in this call, nil not read
+  local open = pend[id]
+  if open == nil then
+    local ok, p = pcall(redis.call, 'XPENDING', stream, group, id, id, 1)
+    open = ok and #p > 0
+  end
+  if open then
+    local r
+    if n >= """ + str(UNPACK_MAX) + """ or argv[to] == '""" + SERVER_TIME.decode("latin-1") + """' then
+      local ok, e = pcall(wide, i + 2, to)
+      if ok or type(e) == 'table' then r = e else r = {err = tostring(e)} end
+    elseif cap == '0' then
+      r = rpcall('XADD', dest, '*', unpack(argv, i + 2, to))
+    else
+      r = rpcall('XADD', dest, 'MAXLEN', '~', cap, '*', unpack(argv, i + 2, to))
+    end
+    if type(r) == 'string' then
+      pend[id] = false
+      nd = nd + 1
+      done[nd] = id
+    else
+      bad[#bad + 1] = k
+      bad[#bad + 1] = r
+    end
+  else
+    bad[#bad + 1] = k
+    bad[#bad + 1] = false
+  end
+  i = to + 1
 end
-removals()
-return out
+if nd > 0 then
+  local ok, e
+  if ARGV[2] == 'x' then
+    ok, e = pcall(redis.call, 'XACKDEL', stream, group, 'ACKED', 'IDS', #done, unpack(done))
+  else
+    ok, e = pcall(redis.call, 'XACK', stream, group, unpack(done))
+  end
+  if ok and ARGV[2] == '1' then
+    ok, e = pcall(redis.call, 'XDEL', stream, unpack(done))
+  end
+  if not ok then
+    -- every delivery copied answers the removal's error (still pending)
+    if type(e) ~= 'table' then e = {err = tostring(e)} end
+    local listed = {}
+    for j = 1, #bad, 2 do listed[bad[j]] = true end
+    for j = 1, k do
+      if not listed[j] then
+        bad[#bad + 1] = j
+        bad[#bad + 1] = e
+      end
+    end
+  end
+end
+return {k, unpack(bad)}
 """,
     name="stream_copy_ack_batch",
 )
