@@ -685,9 +685,12 @@ class RecordingGates:
 
     def __init__(self) -> None:
         self.calls: list[Any] = []
+        self.fast = -1
+        self.hot: bool | None = None
 
-    def prepare(self, commands: list[Command]) -> list[Command]:
+    def prepare(self, commands: list[Command], fast: int = 0) -> list[Command]:
         self.calls.append(("prepare", list(commands)))
+        self.fast = fast
         return [(*c, "p") for c in commands]
 
     def resend(self, commands: Sequence[Command], answered: Sequence[Command],
@@ -696,8 +699,9 @@ class RecordingGates:
         return [(*c, "r") for c in commands]
 
     def settle(self, items: Sequence[Item], commands: Sequence[Command],
-               replies: Sequence[object]) -> None:
+               replies: Sequence[object], hot: bool = False) -> None:
         self.calls.append(("settle", (len(items), list(commands), list(replies))))
+        self.hot = hot
 
 
 def test_gates_prepare_once_with_the_later_steps_resend_and_settle() -> None:
@@ -708,6 +712,7 @@ def test_gates_prepare_once_with_the_later_steps_resend_and_settle() -> None:
     [(name, prepared)] = g.calls
     # the first round (the removal, the dead letter's copy) and the later step (its LREM)
     assert name == "prepare" and [c[0] for c in prepared] == ["LREM", b"EVALSHA", "LREM"]
+    assert g.fast == 1  # the hot path's LREM, first
     lrem, copy = b.commands()
     assert lrem[-1] == "p" and copy[-1] == "p"
     step = b.receive([1, OOM])
@@ -723,6 +728,7 @@ def test_gates_prepare_once_with_the_later_steps_resend_and_settle() -> None:
     what, (count, answered, answers) = g.calls[-1]
     assert what == "settle" and count == 2
     assert answered == [lrem, (*copy, "r"), removal] and answers == [1, 1, 1]
+    assert g.hot is False  # a plan: not the hot path alone
 
 
 def test_gates_after_a_lost_round_trip_resend_everything() -> None:
@@ -736,6 +742,7 @@ def test_gates_after_a_lost_round_trip_resend_everything() -> None:
     b.receive([0])
     b.result()
     assert g.calls[-1] == ("settle", (1, [(*lrem, "r")], [0]))
+    assert g.fast == 1 and g.hot is True  # the hot path alone, answered once
 
 
 def test_gate_closed_on_a_counted_removal() -> None:
