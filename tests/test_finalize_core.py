@@ -1279,3 +1279,33 @@ def test_native_two_step_deliveries_batch_with_xackdel_inside() -> None:
     b.receive([[1, rexc.ResponseError("OOM command not allowed"), 3]])
     [again] = b.commands()  # the element that did not run: its own (native) script
     assert again[1] == _scripts.STREAM_ZADD_ACKDEL.sha and again[6] == "2-0"
+
+
+# -- a reliable list's batch of ACKs, taken in C (issue 25) ---------------------------------------
+
+
+def test_list_batch_of_acks_is_one_lrem_each_in_order_whatever_the_outcome_object() -> None:
+    """All ACK (the constant, or an equal ``Outcome(ACK)``): one ``LREM``
+    each, in order, counted acked; a 0 reply is that element's gate_closed."""
+    t = ReliableListSubscription("q").target("c1")
+    items: list[Item] = [(element(b"a"), ACK), (element(b"b"), Outcome(ACK.kind)),
+                         (element(b"c"), ACK)]
+    b = core(t).batch(items)
+    assert b.commands() == [("LREM", t.processing, -1, e) for e in (b"a", b"b", b"c")]
+    assert b.outcomes == {"ack": 3}
+    assert b.receive([1, 0, 1]) is GO
+    s = b.result()
+    assert s.effects == {"acked": 2, GATE_CLOSED: 1}
+    assert [e for _, e in s.deliveries()] == ["acked", GATE_CLOSED, "acked"]
+
+
+def test_list_batch_of_acks_and_others_goes_one_by_one() -> None:
+    """A DROP or a RETRY among ACKs: each counted as its own kind."""
+    t = ReliableListSubscription("q").target("c1")
+    items: list[Item] = [(element(b"a"), ACK), (element(b"b"), DROP), (element(b"c"), RETRY)]
+    b = core(t).batch(items)
+    assert b.outcomes == {"ack": 1, "drop": 1, "retry": 1}
+    cmds = b.commands()
+    assert cmds[:2] == [("LREM", t.processing, -1, b"a"), ("LREM", t.processing, -1, b"b")]
+    assert b.receive([1, 1, 1]) is GO
+    assert b.result().effects == {"acked": 1, "dropped": 1, "copied": 1}

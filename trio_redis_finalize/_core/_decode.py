@@ -177,8 +177,10 @@ def list_deliveries(
     new = _new
     twin = ForeignBuilder
     cls = Foreign
+    # none starts with the envelope's first byte (0xff): the largest is below it
+    foreign_only = not raws or max(raws) < head
     for raw in raws:
-        if raw[:1] != head:
+        if foreign_only or raw[:1] != head:
             # foreign(source, raw, name), inline: no call per element
             d: Any = new(twin)
             d.source = source

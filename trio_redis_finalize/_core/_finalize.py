@@ -61,6 +61,7 @@ What the core decides:
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -68,7 +69,7 @@ from redis import exceptions as rexc
 
 from .._delivery import Delivery
 from .._errors import AckUnsupported
-from .._outcome import Backoff, Outcome, OutcomeKind, WithWrites
+from .._outcome import ACK, Backoff, Outcome, OutcomeKind, WithWrites
 from .._subscription import Form
 from ._batch import BATCHED, fast_index, fast_owner, first_round
 from ._commands import Command
@@ -105,6 +106,9 @@ Record = tuple[int, str, tuple[object, ...], dict[str, Any]]
 ``log.log(level, message, *args, extra=extra)``."""
 
 _RETRY = OutcomeKind.RETRY
+_ACK = OutcomeKind.ACK
+_DELIVERY = operator.itemgetter(0)
+_OUTCOME = operator.itemgetter(1)
 _RETRY_KEY = _RETRY._value_  # what _plan_for counts
 _RETRY_AFTER = OutcomeKind.RETRY_AFTER
 _LEFT_PENDING = Effect.LEFT_PENDING
@@ -266,7 +270,13 @@ class FinalizeBatch:
         retries = core._stream  # a stream: a RETRY's plan, without _plan_for's checks
         target = core.target
         outcomes = self.outcomes
-        for d, outcome in items:
+        todo = items
+        if core._lists and [*map(_OUTCOME, items)].count(ACK) == len(items):
+            # a reliable list's batch of ACKs (its hot path): the loop's work, in C
+            removed = [*map(_DELIVERY, items)]
+            kinds = [_ACK] * len(items)
+            todo = ()
+        for d, outcome in todo:
             if outcome.__class__ is Outcome:
                 kind = outcome.kind
                 if kind is _RETRY and retries:
