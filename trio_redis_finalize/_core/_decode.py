@@ -108,7 +108,7 @@ about 0.37 µs a delivery, against 0.89 µs with the slot setters and 1.3 µs
 with ``Delivery.__init__``)."""
 # Calling the twin (``ForeignBuilder()``) makes it with the C constructor, as
 # any class without ``__init__``: about a tenth of a delivery cheaper than
-# ``object.__new__(ForeignBuilder)`` (a list reader's hot path; issue 25).
+# ``object.__new__(ForeignBuilder)`` (a list reader's hot path).
 ForeignBuilder.__init__ = object.__init__  # type: ignore[assignment, method-assign]
 
 
