@@ -698,9 +698,12 @@ class RecordingGates:
 
     def __init__(self) -> None:
         self.calls: list[Any] = []
+        self.fast = -1
+        self.hot: bool | None = None
 
-    def prepare(self, commands: list[Command]) -> list[Command]:
+    def prepare(self, commands: list[Command], fast: int = 0) -> list[Command]:
         self.calls.append(("prepare", list(commands)))
+        self.fast = fast
         return [(*c, "p") for c in commands]
 
     def resend(self, commands: Sequence[Command], answered: Sequence[Command],
@@ -709,8 +712,9 @@ class RecordingGates:
         return [(*c, "r") for c in commands]
 
     def settle(self, items: Sequence[Item], commands: Sequence[Command],
-               replies: Sequence[object]) -> None:
+               replies: Sequence[object], hot: bool = False) -> None:
         self.calls.append(("settle", (len(items), list(commands), list(replies))))
+        self.hot = hot
 
 
 def test_gates_prepare_once_with_the_later_steps_resend_and_settle() -> None:
@@ -721,6 +725,7 @@ def test_gates_prepare_once_with_the_later_steps_resend_and_settle() -> None:
     [(name, prepared)] = g.calls
     # the first round (the removal, the dead letter's copy) and the later step (its LREM)
     assert name == "prepare" and [c[0] for c in prepared] == ["LREM", b"EVALSHA", "LREM"]
+    assert g.fast == 1  # the hot path's LREM, first
     lrem, copy = b.commands()
     assert lrem[-1] == "p" and copy[-1] == "p"
     step = b.receive([1, OOM])
@@ -736,6 +741,7 @@ def test_gates_prepare_once_with_the_later_steps_resend_and_settle() -> None:
     what, (count, answered, answers) = g.calls[-1]
     assert what == "settle" and count == 2
     assert answered == [lrem, (*copy, "r"), removal] and answers == [1, 1, 1]
+    assert g.hot is False  # a plan: not the hot path alone
 
 
 def test_gates_after_a_lost_round_trip_resend_everything() -> None:
@@ -749,6 +755,7 @@ def test_gates_after_a_lost_round_trip_resend_everything() -> None:
     b.receive([0])
     b.result()
     assert g.calls[-1] == ("settle", (1, [(*lrem, "r")], [0]))
+    assert g.fast == 1 and g.hot is True  # the hot path alone, answered once
 
 
 def test_gate_closed_on_a_counted_removal() -> None:
@@ -1288,3 +1295,33 @@ def test_native_two_step_deliveries_batch_with_xackdel_inside() -> None:
     b.receive([[1, rexc.ResponseError("OOM command not allowed"), 3]])
     [again] = b.commands()  # the element that did not run: its own (native) script
     assert again[1] == _scripts.STREAM_ZADD_ACKDEL.sha and again[6] == "2-0"
+
+
+# -- a reliable list's batch of ACKs, taken in C (issue 25) ---------------------------------------
+
+
+def test_list_batch_of_acks_is_one_lrem_each_in_order_whatever_the_outcome_object() -> None:
+    """All ACK (the constant, or an equal ``Outcome(ACK)``): one ``LREM``
+    each, in order, counted acked; a 0 reply is that element's gate_closed."""
+    t = ReliableListSubscription("q").target("c1")
+    items: list[Item] = [(element(b"a"), ACK), (element(b"b"), Outcome(ACK.kind)),
+                         (element(b"c"), ACK)]
+    b = core(t).batch(items)
+    assert b.commands() == [("LREM", t.processing, -1, e) for e in (b"a", b"b", b"c")]
+    assert b.outcomes == {"ack": 3}
+    assert b.receive([1, 0, 1]) is GO
+    s = b.result()
+    assert s.effects == {"acked": 2, GATE_CLOSED: 1}
+    assert [e for _, e in s.deliveries()] == ["acked", GATE_CLOSED, "acked"]
+
+
+def test_list_batch_of_acks_and_others_goes_one_by_one() -> None:
+    """A DROP or a RETRY among ACKs: each counted as its own kind."""
+    t = ReliableListSubscription("q").target("c1")
+    items: list[Item] = [(element(b"a"), ACK), (element(b"b"), DROP), (element(b"c"), RETRY)]
+    b = core(t).batch(items)
+    assert b.outcomes == {"ack": 1, "drop": 1, "retry": 1}
+    cmds = b.commands()
+    assert cmds[:2] == [("LREM", t.processing, -1, b"a"), ("LREM", t.processing, -1, b"b")]
+    assert b.receive([1, 1, 1]) is GO
+    assert b.result().effects == {"acked": 1, "dropped": 1, "copied": 1}

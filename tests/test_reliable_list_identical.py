@@ -592,3 +592,89 @@ async def test_many_identical_elements_with_lost_finalization_replies(
     assert sum(1 for _, o in outcomes if o == "ack") == n
     assert len(outcomes) == n + retries  # every RETRY came back once, nothing else twice
     assert await lrange(client, proc("c1")) == [] and await lrange(client, Q) == []
+
+
+# -- the hot path's counted gates, taken in C (issue 25) -----------------------------------------
+
+
+def _reader_with(held: dict[bytes, int]) -> Any:
+    """A reader holding ``held`` (none of their removals sent yet)."""
+    from collections import Counter
+
+    from trio_redis_finalize._reliable_list import ReliableListReader
+
+    s = sub()
+    r = ReliableListReader(s)
+    r._target = s.target("c1")
+    r._unsent = Counter(held)
+    r._in_hand = Counter(held)
+    return r
+
+
+def _lrems(*elements: bytes) -> list[Command]:
+    return [("LREM", proc("c1"), -1, e) for e in elements]
+
+
+@pytest.mark.parametrize("batch", [
+    [b"a", b"b", b"c"],  # unique: the commands as they are
+    [b"a", b"X", b"b", b"X", b"X"],  # three copies of X in one batch
+    [b"X", b"a"],  # one of three copies of X held
+    [b"gone", b"a"],  # an element not held (n 0)
+])
+def test_prepare_and_settle_in_c_number_as_one_by_one(batch: list[bytes]) -> None:
+    """The hot path's removals taken out of the counts at once (``fast``,
+    ``hot``) leave the same commands and counts as one by one (``fast=0``,
+    ``hot=False``): identical elements are put back and numbered."""
+    held = {b"a": 1, b"b": 1, b"c": 1, b"X": 3}
+    one, fast = _reader_with(held), _reader_with(held)
+    slow_cmds = one.prepare(_lrems(*batch))
+    fast_cmds = fast.prepare(_lrems(*batch), len(batch))
+    assert fast_cmds == slow_cmds and fast._unsent == one._unsent
+    if batch.count(b"X") == 3:  # gated on 3, 2, 1 copies, in order
+        counted = [c for c in fast_cmds if c[0] == b"EVALSHA"]
+        assert [c[-1] for c in counted] == [3, 2] and fast_cmds[-1][0] == "LREM"
+    replies = [1] * len(batch)
+    one.settle([], slow_cmds, replies)
+    fast.settle([], fast_cmds, replies, True)
+    assert fast._in_hand == one._in_hand and fast._leftover == one._leftover
+
+
+def test_settle_in_c_with_a_removal_that_removed_nothing_settles_one_by_one() -> None:
+    """A hot batch whose replies are not all 1 (a closed gate, an error
+    reply) is settled one by one: the error leaves a copy to look for."""
+    held = {b"a": 1, b"b": 1}
+    one, fast = _reader_with(held), _reader_with(held)
+    cmds = fast.prepare(_lrems(b"a", b"b"), 2)
+    one.prepare(_lrems(b"a", b"b"))
+    replies: list[object] = [rexc.ResponseError("OOM"), 1]
+    one.settle([], cmds, replies)
+    fast.settle([], cmds, replies, True)
+    assert fast._in_hand == one._in_hand == {}
+    assert fast._leftover == one._leftover == {b"a": 1}
+
+
+async def test_identical_elements_among_unique_ones_in_fast_batches(
+    redis_url: str, client: Client
+) -> None:
+    """Copies of X among unique elements, no-op handlers (big batches: the
+    hot path's removals counted in C), every third removal's reply lost and
+    resent: each element is delivered and acknowledged once, nothing left."""
+    elements = [b"X" if i % 7 == 0 else f"u{i}".encode() for i in range(200)]
+    await client.execute("LPUSH", Q, *elements)
+    seen: list[bytes] = []
+
+    async def h(d: Delivery) -> Any:
+        assert d.data is not None
+        seen.append(d.data)
+        return ACK
+
+    async with losing_client(redis_url) as lc, open_consumer(lc, name="c1") as consumer:
+        lc.lose(removes_from(proc("c1")), times=10, every=3)
+        await consumer.mount(sub(), h, concurrency=2)
+        await eventually(lambda: effects(consumer).get("acked", 0) >= len(elements), timeout=20,
+                         what="all acknowledged")
+        await trio.sleep(0.3)
+        assert lc.lost
+        assert effects(consumer).get("acked") == len(elements)
+    assert sorted(seen) == sorted(elements)
+    assert await lrange(client, proc("c1")) == [] and await lrange(client, Q) == []

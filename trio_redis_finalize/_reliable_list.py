@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
+import itertools
+import operator
 import random
 from collections import Counter
 from collections.abc import Callable, Coroutine, Sequence
@@ -168,6 +170,8 @@ _RECHECK = 1.0
 """Seconds after a rescan that may have taken a stranded copy for an identical
 one finalized meanwhile before the processing list is looked at again."""
 _BYTES = {bytes}  # the types of a read's replies when none is an error
+_ELEMENT = operator.itemgetter(3)  # the element of a plain removal: ("LREM", processing, -1, e)
+_repeat = itertools.repeat
 
 
 class ReliableListReader:
@@ -412,20 +416,40 @@ class ReliableListReader:
         removals (:meth:`prepare`, :meth:`resend`, :meth:`settle`)."""
         return self
 
-    def prepare(self, commands: list[Command]) -> list[Command]:
+    def prepare(self, commands: list[Command], fast: int = 0) -> list[Command]:
         """The finalizer calls this once per batch before it is first sent (a
         resend sends the same commands): each removal of an element of which
         this reader holds several copies gets its ``n`` (unique elements: the
-        commands as they are)."""
+        commands as they are).
+
+        ``fast``: the first ``fast`` commands are plain ``LREM`` s of the
+        processing list (the hot path's): their elements are taken out of
+        ``_unsent`` at once, in C; should one of them be held more than once
+        (or twice in the batch: its first take finds ``n >= 2``), they are put
+        back and numbered one by one as any other removal.
+        """
         t = self._target
         if t is None:
             return commands
         self._expire()
         unsent = self._unsent
         take = cast(Callable[[object, int], int], unsent.pop)  # 0: not held (not bytes: not a key)
+        start = 0
+        if fast:
+            xs = list(map(_ELEMENT, commands[:fast] if fast < len(commands) else commands))
+            ks = list(map(take, xs, _repeat(0)))
+            if ks.count(1) != len(ks):  # identical elements (or not held): put back, numbered below
+                for x, k in zip(xs, ks, strict=True):
+                    if k:
+                        unsent[x] = k
+            elif fast == len(commands):
+                return commands
+            else:
+                start = fast
         processing = t.processing
         out: list[Command] | None = None
-        for i, cmd in enumerate(commands):
+        for i in range(start, len(commands)):
+            cmd = commands[i]
             if cmd[0] == "LREM" and cmd[1] == processing:  # the ACK / DROP fast path
                 x = cmd[3]
                 k = take(x, 0)
@@ -496,19 +520,35 @@ class ReliableListReader:
                 out[i] = tuple(args)
         return out
 
-    def settle(self, items: Sequence[Item], commands: Sequence[Command], replies: Sequence[object]) -> None:
+    def settle(self, items: Sequence[Item], commands: Sequence[Command], replies: Sequence[object],
+               hot: bool = False) -> None:
         """The finalizer calls this with the replies of a batch :meth:`prepare` saw.
 
         Answered removals are no longer held; a removal whose ``n`` gate was
         closed (or that failed) may have left a copy that was handled: the
         next rescan delivers it again as an attempt.  Runtime ``retry_after``
         originals stay held until their copy must have been sent.
+
+        ``hot``: only the hot path's removals (plain ``LREM`` s, or their
+        counted ``LIST_REMOVE`` calls), no plan: when each answered 1 (removed)
+        their elements are taken out of ``_in_hand`` at once, in C; should one
+        not have been held exactly once (identical elements, or a counted
+        call, whose element is not at index 3), they are put back and settled
+        one by one.
         """
         t = self._target
         if t is None:
             return
         held = self._in_hand
         take = cast(Callable[[object, int], int], held.pop)  # 0: not held (not bytes: not a key)
+        if hot and replies.count(1) == len(replies):
+            xs = list(map(_ELEMENT, commands))
+            ns = list(map(take, xs, _repeat(0)))
+            if ns.count(1) == len(ns):  # each held once (1: a small int, compared by identity)
+                return  # no plan: no runtime retry_after to hold either
+            for x, n in zip(xs, ns, strict=True):
+                if n:
+                    held[x] = n
         processing = t.processing
         for cmd, r in zip(commands, replies, strict=True):
             if cmd[0] == "LREM" and cmd[1] == processing:  # the ACK / DROP fast path
@@ -533,8 +573,8 @@ class ReliableListReader:
                 self._leftover[element] = self._leftover.get(element, 0) + 1
                 if not failed:
                     self._rescan_wanted = True
-        if t.delayed_retry is not DelayedRetry.RUNTIME:
-            return
+        if hot or t.delayed_retry is not DelayedRetry.RUNTIME:
+            return  # hot: no plan, so no runtime retry_after
         limit = t.max_attempts
         retry_after = OutcomeKind.RETRY_AFTER
         for d, o in items:
@@ -737,9 +777,12 @@ class ReliableListReader:
         cmds: list[Command] = [(*self._blmove, f"{max(block, 0.001):.3f}")]
         cmds += [self._lmove] * (self._batch - 1)
         replies = await conn.pipeline(cmds, timeout=block + READ_MARGIN)
-        # each an element (bytes), None (the queue was empty) or an error reply
-        elements: list[bytes] = [r for r in replies if r is not None]
-        if elements and {*map(type, elements)} != _BYTES:
+        # each an element (bytes), None (the queue was empty) or an error reply;
+        # a busy queue's read answers elements only (their types: one pass, in C)
+        elements: list[bytes] = replies
+        if {*map(type, replies)} != _BYTES:
+            elements = [r for r in replies if r is not None]
+        if elements is not replies and {*map(type, elements)} - _BYTES:
             elements = []
             for cmd, r in zip(cmds, replies, strict=True):
                 if isinstance(r, rexc.RedisError):

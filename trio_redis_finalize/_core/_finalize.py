@@ -61,6 +61,7 @@ What the core decides:
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -68,7 +69,7 @@ from redis import exceptions as rexc
 
 from .._delivery import Delivery
 from .._errors import AckUnsupported
-from .._outcome import Backoff, Outcome, OutcomeKind, WithWrites
+from .._outcome import ACK, Backoff, Outcome, OutcomeKind, WithWrites
 from .._subscription import Form
 from ._batch import BATCHED, batch_replies, fast_index, fast_owner, first_round
 from ._commands import Command
@@ -105,6 +106,9 @@ Record = tuple[int, str, tuple[object, ...], dict[str, Any]]
 ``log.log(level, message, *args, extra=extra)``."""
 
 _RETRY = OutcomeKind.RETRY
+_ACK = OutcomeKind.ACK
+_DELIVERY = operator.itemgetter(0)
+_OUTCOME = operator.itemgetter(1)
 _RETRY_KEY = _RETRY._value_  # what _plan_for counts
 _RETRY_AFTER = OutcomeKind.RETRY_AFTER
 _LEFT_PENDING = Effect.LEFT_PENDING
@@ -123,10 +127,11 @@ class Gates(Protocol):
     ``_plan.list_counted``).  The core calls, for every batch:
     """
 
-    def prepare(self, commands: list[Command]) -> list[Command]:
+    def prepare(self, commands: list[Command], fast: int = 0) -> list[Command]:
         """Once, before the first send, with every command of the batch (the
         first round's, then the later steps'): the same commands, removals
-        numbered."""
+        numbered.  ``fast``: the first ``fast`` commands are the hot path's
+        plain ``LREM`` s (``removal_commands``)."""
         ...
 
     def resend(self, commands: Sequence[Command], answered: Sequence[Command],
@@ -137,8 +142,11 @@ class Gates(Protocol):
         ...
 
     def settle(self, items: Sequence[Item], commands: Sequence[Command],
-               replies: Sequence[object]) -> None:
-        """Once the batch is done: every command answered, and its reply."""
+               replies: Sequence[object], hot: bool = False) -> None:
+        """Once the batch is done: every command answered, and its reply.
+        ``hot``: the batch was the hot path's removals only (no plan, nothing
+        refused), each answered once: ``commands`` are those removals, as
+        prepared (or renumbered for a resend)."""
         ...
 
 
@@ -262,7 +270,13 @@ class FinalizeBatch:
         retries = core._stream  # a stream: a RETRY's plan, without _plan_for's checks
         target = core.target
         outcomes = self.outcomes
-        for d, outcome in items:
+        todo = items
+        if core._lists and [*map(_OUTCOME, items)].count(ACK) == len(items):
+            # a reliable list's batch of ACKs (its hot path): the loop's work, in C
+            removed = [*map(_DELIVERY, items)]
+            kinds = [_ACK] * len(items)
+            todo = ()
+        for d, outcome in todo:
             if outcome.__class__ is Outcome:
                 kind = outcome.kind
                 if kind is _RETRY and retries:
@@ -311,7 +325,7 @@ class FinalizeBatch:
             # the reader's say on the commands (counted gates for identical
             # elements), once, before the first send: a resend sends the same
             later = [c for r in rest for c in r]
-            prepared = gates.prepare([*commands, *later])
+            prepared = gates.prepare([*commands, *later], len(fast))
             n = len(commands)
             commands = prepared[:n]
             it = iter(prepared[n:])
@@ -371,11 +385,16 @@ class FinalizeBatch:
         known = self._first and not self._unsure
         self._first = False
         if owners is None:
-            # the hot path: only removals; done unless an error reply came
-            for r in replies:
-                if isinstance(r, Exception):
-                    break
-            else:
+            # the hot path: only removals; done unless an error reply came (a
+            # reliable list's LREMs all answered 1: none came, counted in C)
+            clean = self._core._lists and replies.count(1) == len(replies)
+            if not clean:
+                for r in replies:
+                    if isinstance(r, Exception):
+                        break
+                else:
+                    clean = True
+            if clean:
                 if track:
                     self._answered += commands
                     self._answers += replies
@@ -531,7 +550,7 @@ class FinalizeBatch:
             if k.__class__ is not int or k >= n:
                 return []
             return list(range(max(k, 0), n))
-        if len(replies) != n:
+        if len(replies) != n or replies.count(1) == n:  # every LREM removed its element
             return []
         return [i for i, r in enumerate(replies) if r == 0 or r is None]
 
@@ -542,7 +561,8 @@ class FinalizeBatch:
         core = self._core
         gates = core.gates
         if gates is not None:
-            gates.settle(self._items, self._answered, self._answers)
+            gates.settle(self._items, self._answered, self._answers,
+                         self._owners is None and not self.refused)
         name = core.name
         debug = self._debug
         effects: dict[str, int] = {}

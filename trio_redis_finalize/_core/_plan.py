@@ -49,7 +49,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
+import itertools
 import json
+import operator
 import uuid
 from collections.abc import Mapping, Sequence
 from itertools import chain
@@ -611,9 +613,17 @@ def removal_commands(t: Target, deliveries: Sequence[Delivery]) -> list[Command]
             return [("XACK", t.source, t.group, *ids), ("XDEL", t.source, *ids)]
         return [("XACK", t.source, t.group, *ids)]
     if form is Form.RELIABLE_LIST:
-        processing = t.processing
-        return [("LREM", processing, -1, d.raw) for d in deliveries if d.raw is not None]
+        # one ("LREM", processing, -1, raw) each, built in C (a reliable list's
+        # deliveries always carry their element: None only in a hand-made one)
+        raws = [*map(_RAW, deliveries)]
+        if None in raws:
+            raws = [e for e in raws if e is not None]
+        return [*zip(_repeat("LREM"), _repeat(t.processing), _repeat(-1), raws, strict=False)]
     return []
+
+
+_RAW = operator.attrgetter("raw")
+_repeat = itertools.repeat
 
 
 def _exhausted(t: Target, d: Delivery) -> bool:
