@@ -262,6 +262,14 @@ class FinalizeBatch:
         retries = core._stream  # a stream: a RETRY's plan, without _plan_for's checks
         target = core.target
         outcomes = self.outcomes
+        # the common batch: one hot-path outcome object for every delivery (a
+        # handler returning ACK): its lists built in C, no loop in Python
+        first = items[0][1] if items else None
+        if (first.__class__ is Outcome and first.kind in removable
+                and len(same := [d for d, o in items if o is first]) == len(items)):
+            removed = same
+            kinds = [first.kind] * len(removed)
+            items = ()
         for d, outcome in items:
             if outcome.__class__ is Outcome:
                 kind = outcome.kind
@@ -654,6 +662,9 @@ class Settlement:
     def forget(self) -> list[str]:
         """The stream ids finalized (or failed: the own-PEL re-read delivers them again)."""
         b = self._batch
+        if b._core._stream:  # every stream delivery has its id
+            ids: list[str] = [d.id for d in b._removed]  # type: ignore[misc]
+            return ids + [d.id for d, _ in b._plans if d.id is not None]
         return [d.id for d in b._removed if d.id is not None] + [
             d.id for d, _ in b._plans if d.id is not None]
 

@@ -604,7 +604,7 @@ def removal_commands(t: Target, deliveries: Sequence[Delivery]) -> list[Command]
         return []
     form = t.form
     if form is Form.STREAM:
-        ids = [d.id for d in deliveries if d.id is not None]
+        ids: list[str] = [d.id for d in deliveries]  # type: ignore[misc]  # a stream delivery has its id
         if t.retention is Retention.DELETE_ON_FINALIZE:
             if t.xackdel:
                 return [("XACKDEL", t.source, t.group, "ACKED", "IDS", len(ids), *ids)]
