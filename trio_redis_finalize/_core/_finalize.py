@@ -83,6 +83,7 @@ from ._plan import (
     plan_dead,
     removal_commands,
     settle,
+    stream_removals,
 )
 from ._replies import FINAL, classify, describe_error
 from ._writes import WRITES, plan_writes
@@ -241,7 +242,7 @@ class FinalizeBatch:
 
     __slots__ = (
         "_answered", "_answers", "_attempt", "_commands", "_core", "_debug", "_fast_failed",
-        "_fast_replies", "_first", "_got", "_items", "_kinds", "_n_fast", "_owners", "_plans",
+        "_fast_replies", "_first", "_got", "_ids", "_items", "_kinds", "_n_fast", "_owners", "_plans",
         "_recount", "_removed", "_rest",
         "_returned", "_tally", "_unsure", "backoffs", "outcomes", "records", "refused",
     )
@@ -296,6 +297,7 @@ class FinalizeBatch:
         self._removed = removed
         self._kinds = kinds
         fast: list[Command] = []
+        self._ids: list[str] = []  # a stream's: the hot path's ids
         if removed:
             # the hot path's count per kind: (outcome, effect, n)
             tally = self._tally = [(o, e, n) for k, o, e in core._names if (n := kinds.count(k))]
@@ -305,7 +307,11 @@ class FinalizeBatch:
                     outcomes[o] = outcomes.get(o, 0) + n
             else:
                 self.outcomes = {o: n for o, _, n in tally}
-            fast = removal_commands(core.target, removed)
+            if core._stream:  # the ids once: the XACK's, then those forgotten
+                ids = self._ids = [d.id for d in removed]  # type: ignore[misc]
+                fast = stream_removals(core.target, ids)
+            else:
+                fast = removal_commands(core.target, removed)
         rest: list[list[Command]]
         owners: list[tuple[int, ...]] | None
         if plans:
@@ -663,8 +669,7 @@ class Settlement:
         """The stream ids finalized (or failed: the own-PEL re-read delivers them again)."""
         b = self._batch
         if b._core._stream:  # every stream delivery has its id
-            ids: list[str] = [d.id for d in b._removed]  # type: ignore[misc]
-            return ids + [d.id for d, _ in b._plans if d.id is not None]
+            return b._ids + [d.id for d, _ in b._plans if d.id is not None]
         return [d.id for d in b._removed if d.id is not None] + [
             d.id for d, _ in b._plans if d.id is not None]
 

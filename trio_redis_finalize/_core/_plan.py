@@ -89,6 +89,7 @@ __all__ = [
     "plan_lost",
     "removal_commands",
     "settle",
+    "stream_removals",
     "why_key",
     "xackdel_closed",
 ]
@@ -605,15 +606,20 @@ def removal_commands(t: Target, deliveries: Sequence[Delivery]) -> list[Command]
     form = t.form
     if form is Form.STREAM:
         ids: list[str] = [d.id for d in deliveries]  # type: ignore[misc]  # a stream delivery has its id
-        if t.retention is Retention.DELETE_ON_FINALIZE:
-            if t.xackdel:
-                return [("XACKDEL", t.source, t.group, "ACKED", "IDS", len(ids), *ids)]
-            return [("XACK", t.source, t.group, *ids), ("XDEL", t.source, *ids)]
-        return [("XACK", t.source, t.group, *ids)]
+        return stream_removals(t, ids)
     if form is Form.RELIABLE_LIST:
         processing = t.processing
         return [("LREM", processing, -1, d.raw) for d in deliveries if d.raw is not None]
     return []
+
+
+def stream_removals(t: Target, ids: Sequence[str]) -> list[Command]:
+    """:func:`removal_commands` of the stream entries ``ids`` (not empty)."""
+    if t.retention is Retention.DELETE_ON_FINALIZE:
+        if t.xackdel:
+            return [("XACKDEL", t.source, t.group, "ACKED", "IDS", len(ids), *ids)]
+        return [("XACK", t.source, t.group, *ids), ("XDEL", t.source, *ids)]
+    return [("XACK", t.source, t.group, *ids)]
 
 
 def _exhausted(t: Target, d: Delivery) -> bool:
