@@ -204,12 +204,6 @@ _SPECIAL = _HEADERS | {TRACEPARENT_FIELD, TRACESTATE_FIELD}
 """Field names an original without trace context has none of."""
 
 
-class _Blank(DeliveryBuilder):  # type: ignore[misc,valid-type]
-    """The builder twin made blank by a call (``object.__init__``: no arguments,
-    no ``object.__new__`` wrapper): the stream decoder's hot path fills it in."""
-
-    __slots__ = ()
-    __init__ = object.__init__
 
 
 def as_str(b: bytes | str) -> str:
@@ -288,7 +282,7 @@ def stream_deliveries(
     append = ready.append
     special = _SPECIAL
     plain = _SPECIAL.isdisjoint
-    blank = _Blank
+    blank: Any = DeliveryBuilder  # called: a blank twin (``_value.builder``)
     for eid, flat in entries:
         # the common case, first: an original (no header, no trace context)
         # read once (attempt 1, within any max_attempts); its field map built
@@ -297,10 +291,8 @@ def stream_deliveries(
         if flat is not None and (not counts or counts.get(eid, 1) == 1):
             n = len(flat)
             if n == 4:
-                if (a := flat[0]) in special or (b := flat[2]) in special:
-                    fields = None
-                else:
-                    fields = {a: flat[1], b: flat[3]}
+                a, x, b, y = flat
+                fields = None if a in special or b in special else {a: x, b: y}
             elif n == 2:
                 fields = None if (a := flat[0]) in special else {a: flat[1]}
             elif not n & 1 and plain(flat[::2]):
