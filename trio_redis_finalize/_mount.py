@@ -216,7 +216,7 @@ class Mount:
             return
         self.stats.received += len(deliveries)
         if self._ids:  # stream entries (other forms have no id: nothing held by id)
-            self.in_hand.update([d.id for d in deliveries if d.id is not None])
+            self.in_hand.update([d.id for d in deliveries])  # type: ignore[misc]  # it has its id
         # all or nothing: cancelled while waiting, nothing was handed over
         await self._queue.put(deliveries)
 

@@ -98,7 +98,7 @@ def builder(cls: _C) -> _C:
     become instances of ``cls`` -- immutable -- once their ``__class__`` is
     set to it::
 
-        b = object.__new__(_Twin)
+        b = _Twin()               # blank (or object.__new__(_Twin))
         b.x = x                   # each field (a slot of ``cls``)
         b.__class__ = cls         # frozen from here on
 
@@ -116,6 +116,8 @@ def builder(cls: _C) -> _C:
         # the generic C slot functions: plain (specialised) slot stores
         "__setattr__": object.__setattr__,
         "__delattr__": object.__delattr__,
+        # ``_Twin()`` makes a blank one (no ``object.__new__`` wrapper to call)
+        "__init__": object.__init__,
         "__module__": cls.__module__,
         "__qualname__": f"_{cls.__qualname__}Builder",
     })

@@ -222,6 +222,10 @@ Entry = tuple[bytes, list[bytes] | None]
 value, ...); ``None`` for an entry deleted while pending (``XCLAIM``)."""
 
 _HEADERS = frozenset((RETRIES_FIELD, ORIGIN_FIELD, GROUP_FIELD))
+_SPECIAL = _HEADERS | {TRACEPARENT_FIELD, TRACESTATE_FIELD}
+"""Field names an original without trace context has none of."""
+
+
 
 
 def as_str(b: bytes | str) -> str:
@@ -297,9 +301,42 @@ def stream_deliveries(
     name = target.name
     limit = target.max_attempts
     own_group = target.group.encode()
-    build = object.__new__
     append = ready.append
+    special = _SPECIAL
+    plain = _SPECIAL.isdisjoint
+    blank: Any = DeliveryBuilder  # called: a blank twin (``_value.builder``)
     for eid, flat in entries:
+        # the common case, first: an original (no header, no trace context)
+        # read once (attempt 1, within any max_attempts); its field map built
+        # from the names tested (a repeated name keeps its last value, as in
+        # dict(zip(...)))
+        if flat is not None and (not counts or counts.get(eid, 1) == 1):
+            n = len(flat)
+            if n == 4:
+                a, x, b, y = flat
+                fields = None if a in special or b in special else {a: x, b: y}
+            elif n == 2:
+                fields = None if (a := flat[0]) in special else {a: flat[1]}
+            elif not n & 1 and plain(flat[::2]):
+                it = iter(flat)
+                fields = dict(zip(it, it, strict=False))
+            else:
+                fields = None
+            if fields is not None:
+                # Delivery(source, entry_id, fields, None, 1, entry_id, None, 0,
+                # name, None, flat), inline: one per entry read
+                d: Any = blank()
+                d.source = source
+                d.id = d.origin_id = eid.decode()
+                d.fields = fields
+                d.data = d.raw = d.corrupt = d.error = None
+                d.attempt = 1
+                d.retries = 0
+                d.mount = name
+                d.flat = flat
+                d.__class__ = Delivery  # every field set: frozen from here on
+                append(d)
+                continue
         entry_id = eid.decode()
         if flat is None:
             direct.append(lost_entry(target, entry_id))
@@ -321,26 +358,6 @@ def stream_deliveries(
             fields.pop(TRACESTATE_FIELD, None)
         if RETRIES_FIELD not in fields and ORIGIN_FIELD not in fields and GROUP_FIELD not in fields:
             # an original: its field list as read is its own
-            if not counts or counts.get(eid, 1) == 1:
-                # the common case: attempt 1, within any max_attempts;
-                # Delivery(source, entry_id, fields, None, 1, entry_id, None, 0,
-                # name, None, flat), inline: one per entry read
-                d: Any = build(DeliveryBuilder)
-                d.source = source
-                d.id = entry_id
-                d.fields = fields
-                d.data = None
-                d.attempt = 1
-                d.origin_id = entry_id
-                d.raw = None
-                d.retries = 0
-                d.mount = name
-                d.corrupt = None
-                d.error = None
-                d.flat = flat
-                d.__class__ = Delivery  # every field set: frozen from here on
-                append(d)
-                continue
             body, retries, origin, corrupt, group = flat, 0, entry_id, None, None
         else:
             retries, origin, corrupt = 0, entry_id, None

@@ -69,7 +69,7 @@ from redis import exceptions as rexc
 
 from .._delivery import Delivery
 from .._errors import AckUnsupported
-from .._outcome import ACK, Backoff, Outcome, OutcomeKind, WithWrites
+from .._outcome import Backoff, Outcome, OutcomeKind, WithWrites
 from .._subscription import Form
 from ._batch import BATCHED, batch_replies, fast_index, fast_owner, first_round
 from ._commands import Command
@@ -84,6 +84,7 @@ from ._plan import (
     plan_dead,
     removal_commands,
     settle,
+    stream_removals,
 )
 from ._replies import FINAL, classify, describe_error
 from ._writes import WRITES, plan_writes
@@ -106,7 +107,6 @@ Record = tuple[int, str, tuple[object, ...], dict[str, Any]]
 ``log.log(level, message, *args, extra=extra)``."""
 
 _RETRY = OutcomeKind.RETRY
-_ACK = OutcomeKind.ACK
 _DELIVERY = operator.itemgetter(0)
 _OUTCOME = operator.itemgetter(1)
 _RETRY_KEY = _RETRY._value_  # what _plan_for counts
@@ -249,7 +249,7 @@ class FinalizeBatch:
 
     __slots__ = (
         "_answered", "_answers", "_attempt", "_commands", "_core", "_debug", "_fast_failed",
-        "_fast_replies", "_first", "_got", "_items", "_kinds", "_n_fast", "_owners", "_plans",
+        "_fast_replies", "_first", "_got", "_ids", "_items", "_kinds", "_n_fast", "_owners", "_plans",
         "_recount", "_removed", "_rest",
         "_returned", "_tally", "_unsure", "backoffs", "outcomes", "records", "refused",
     )
@@ -270,11 +270,14 @@ class FinalizeBatch:
         retries = core._stream  # a stream: a RETRY's plan, without _plan_for's checks
         target = core.target
         outcomes = self.outcomes
+        # the common batch: one hot-path outcome object for every delivery (a
+        # handler returning ACK): its lists built in C, no loop in Python
+        first = items[0][1] if items else None
         todo = items
-        if core._lists and [*map(_OUTCOME, items)].count(ACK) == len(items):
-            # a reliable list's batch of ACKs (its hot path): the loop's work, in C
+        if (first.__class__ is Outcome and first.kind in removable
+                and [*map(_OUTCOME, items)].count(first) == len(items)):
             removed = [*map(_DELIVERY, items)]
-            kinds = [_ACK] * len(items)
+            kinds = [first.kind] * len(removed)
             todo = ()
         for d, outcome in todo:
             if outcome.__class__ is Outcome:
@@ -302,6 +305,7 @@ class FinalizeBatch:
         self._removed = removed
         self._kinds = kinds
         fast: list[Command] = []
+        self._ids: list[str] = []  # a stream's: the hot path's ids
         if removed:
             # the hot path's count per kind: (outcome, effect, n)
             tally = self._tally = [(o, e, n) for k, o, e in core._names if (n := kinds.count(k))]
@@ -311,7 +315,11 @@ class FinalizeBatch:
                     outcomes[o] = outcomes.get(o, 0) + n
             else:
                 self.outcomes = {o: n for o, _, n in tally}
-            fast = removal_commands(core.target, removed)
+            if core._stream:  # the ids once: the XACK's, then those forgotten
+                ids = self._ids = [d.id for d in removed]  # type: ignore[misc]
+                fast = stream_removals(core.target, ids)
+            else:
+                fast = removal_commands(core.target, removed)
         rest: list[list[Command]]
         owners: list[tuple[int, ...]] | None
         if plans:
@@ -675,6 +683,8 @@ class Settlement:
     def forget(self) -> list[str]:
         """The stream ids finalized (or failed: the own-PEL re-read delivers them again)."""
         b = self._batch
+        if b._core._stream:  # every stream delivery has its id
+            return b._ids + [d.id for d, _ in b._plans if d.id is not None]
         return [d.id for d in b._removed if d.id is not None] + [
             d.id for d, _ in b._plans if d.id is not None]
 

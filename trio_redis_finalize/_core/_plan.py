@@ -91,6 +91,7 @@ __all__ = [
     "plan_lost",
     "removal_commands",
     "settle",
+    "stream_removals",
     "why_key",
     "xackdel_closed",
 ]
@@ -606,12 +607,8 @@ def removal_commands(t: Target, deliveries: Sequence[Delivery]) -> list[Command]
         return []
     form = t.form
     if form is Form.STREAM:
-        ids = [d.id for d in deliveries if d.id is not None]
-        if t.retention is Retention.DELETE_ON_FINALIZE:
-            if t.xackdel:
-                return [("XACKDEL", t.source, t.group, "ACKED", "IDS", len(ids), *ids)]
-            return [("XACK", t.source, t.group, *ids), ("XDEL", t.source, *ids)]
-        return [("XACK", t.source, t.group, *ids)]
+        ids: list[str] = [d.id for d in deliveries]  # type: ignore[misc]  # a stream delivery has its id
+        return stream_removals(t, ids)
     if form is Form.RELIABLE_LIST:
         # one ("LREM", processing, -1, raw) each, built in C (a reliable list's
         # deliveries always carry their element: None only in a hand-made one)
@@ -624,6 +621,15 @@ def removal_commands(t: Target, deliveries: Sequence[Delivery]) -> list[Command]
 
 _RAW = operator.attrgetter("raw")
 _repeat = itertools.repeat
+
+
+def stream_removals(t: Target, ids: Sequence[str]) -> list[Command]:
+    """:func:`removal_commands` of the stream entries ``ids`` (not empty)."""
+    if t.retention is Retention.DELETE_ON_FINALIZE:
+        if t.xackdel:
+            return [("XACKDEL", t.source, t.group, "ACKED", "IDS", len(ids), *ids)]
+        return [("XACK", t.source, t.group, *ids), ("XDEL", t.source, *ids)]
+    return [("XACK", t.source, t.group, *ids)]
 
 
 def _exhausted(t: Target, d: Delivery) -> bool:
