@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
@@ -11,7 +11,7 @@ import anyio
 from redis import exceptions as rexc
 
 from ._context import FINALIZE_TIMEOUT, Context, Item, log
-from ._core._decode import foreign, list_delivery
+from ._core._decode import Foreign, ForeignBuilder, list_deliveries
 from ._core._plan import Plan, Target
 from ._delivery import Delivery
 from ._envelope import MAGIC
@@ -115,37 +115,60 @@ _CHUNK = 100
 _MAX_NAMES = 1000
 """Decoded channel names kept at most (a pattern subscription may see many)."""
 _MAGIC_BYTE = MAGIC[0]
-
-
+_new = object.__new__
 
 
 def payload_deliveries(
-    target: Target, names: dict[bytes, str], messages: Sequence[tuple[bytes, bytes]],
+    target: Target, names: dict[bytes, str], messages: Iterable[tuple[bytes, bytes]],
 ) -> tuple[list[Delivery], list[Item]]:
     """The deliveries of ``(channel, payload)`` messages: those for the
     handlers, and those finalized without one (corrupt envelope, past
     ``max_attempts``) with their plan, as :func:`~._core._decode.list_delivery`
     decides.  ``names``: channel names decoded so far (added to).
 
-    A payload without envelope (the common case) is a
-    :func:`~._core._decode.foreign` delivery (its digest computed when read).
+    The hot path of the reader.  A payload without envelope (the common
+    case) is a :func:`~._core._decode.foreign` delivery (its digest computed
+    when read), built here inline (a call per message less); the channel's
+    name is looked up only when it changes (a run of messages on one channel
+    compares bytes, no hash).  An envelope goes through
+    :func:`~._core._decode.list_deliveries`.
     """
     ready: list[Delivery] = []
     direct: list[Item] = []
     mount = target.name
     append = ready.append
+    new = _new
+    builder = ForeignBuilder
+    magic = _MAGIC_BYTE
+    last: bytes | None = None
+    name = ""
     for channel, data in messages:
-        name = names.get(channel)
-        if name is None:
-            name = names[channel] = channel.decode("utf-8", "replace")
-        if not data or data[0] != _MAGIC_BYTE:  # cannot be an envelope: attempt 1, no plan
-            append(foreign(name, data, mount))
+        if channel != last:
+            got = names.get(channel)
+            if got is None:
+                got = names[channel] = channel.decode("utf-8", "replace")
+            name = got
+            last = channel
+        if not data or data[0] != magic:  # cannot be an envelope: attempt 1, no plan
+            # foreign(name, data, mount), inline
+            d: Any = new(builder)
+            d.source = name
+            d.id = None
+            d.fields = {}
+            d.data = data
+            d.attempt = 1
+            d.raw = data
+            d.retries = 0
+            d.mount = mount
+            d.corrupt = None
+            d.error = None
+            d.flat = None
+            d.__class__ = Foreign  # every field but origin_id set: frozen from here on
+            append(d)
             continue
-        envelope, plan = list_delivery(target, name, data)
-        if plan is None:
-            ready.append(envelope)
-        else:
-            direct.append((envelope, plan))
+        more, plans = list_deliveries(target, name, (data,))
+        ready += more
+        direct += plans
     return ready, direct
 
 

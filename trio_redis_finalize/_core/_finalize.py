@@ -68,7 +68,7 @@ from redis import exceptions as rexc
 
 from .._delivery import Delivery
 from .._errors import AckUnsupported
-from .._outcome import Backoff, Outcome, OutcomeKind, WithWrites
+from .._outcome import ACK, DROP, Backoff, Outcome, OutcomeKind, WithWrites
 from .._subscription import Form
 from ._batch import BATCHED, fast_index, fast_owner, first_round
 from ._commands import Command
@@ -108,6 +108,11 @@ _RETRY = OutcomeKind.RETRY
 _RETRY_KEY = _RETRY._value_  # what _plan_for counts
 _RETRY_AFTER = OutcomeKind.RETRY_AFTER
 _LEFT_PENDING = Effect.LEFT_PENDING
+_ACK_KIND = ACK.kind
+_ACK_IDS = frozenset((id(ACK),))
+_COUNTED_IDS = frozenset((id(ACK), id(DROP)))
+"""The constants ``ACK`` and ``DROP`` by identity (module constants: alive
+as long as the process): a batch of only those is told apart in C."""
 
 _DEBUG = logging.DEBUG
 _INFO = logging.INFO
@@ -168,8 +173,8 @@ class FinalizerCore:
     ``gates``: the reader's counted gates (reliable lists), or None.
     """
 
-    __slots__ = ("_cut_warned", "_kinds", "_lists", "_names", "_stream", "gates", "name",
-                 "removals", "target")
+    __slots__ = ("_counted", "_cut_warned", "_kinds", "_lists", "_names", "_stream", "gates",
+                 "name", "removals", "target")
 
     def __init__(self, target: Target, *, gates: Gates | None = None) -> None:
         self.target = target
@@ -181,6 +186,8 @@ class FinalizerCore:
         self._cut_warned = False  # claiming: a retry_after longer than min_idle was logged
         self._stream = target.form is Form.STREAM
         self._lists = target.form is Form.RELIABLE_LIST  # the hot path: one LREM per element
+        # nothing to remove (Pub/Sub, simple lists): ACK and DROP are counted only
+        self._counted = not self._stream and not self._lists
 
     def batch(self, items: Sequence[Item], *, debug: bool = False) -> FinalizeBatch:
         """The batch that finalizes ``items``; ``debug``: add a record per delivery finalized."""
@@ -262,6 +269,17 @@ class FinalizeBatch:
         retries = core._stream  # a stream: a RETRY's plan, without _plan_for's checks
         target = core.target
         outcomes = self.outcomes
+        if core._counted and items:
+            # Pub/Sub, simple lists: an ACK or a DROP sends nothing, it is only
+            # counted.  A batch of only those (the constants) is sorted out
+            # without a loop in Python: the same deliveries and kinds as below.
+            ds, outs = zip(*items)
+            seen = set(map(id, outs))
+            if seen <= _COUNTED_IDS:
+                removed = list(ds)
+                kinds = ([_ACK_KIND] * len(outs) if seen == _ACK_IDS
+                         else [o.kind for o in outs])
+                items = ()  # nothing left for the loop
         for d, outcome in items:
             if outcome.__class__ is Outcome:
                 kind = outcome.kind
