@@ -273,7 +273,7 @@ class FinalizeBatch:
             # Pub/Sub, simple lists: an ACK or a DROP sends nothing, it is only
             # counted.  A batch of only those (the constants) is sorted out
             # without a loop in Python: the same deliveries and kinds as below.
-            ds, outs = zip(*items)
+            ds, outs = zip(*items, strict=False)  # pairs, every one
             seen = set(map(id, outs))
             if seen <= _COUNTED_IDS:
                 removed = list(ds)
