@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
+from itertools import chain
 from typing import Any
 
 import anyio
@@ -115,34 +116,48 @@ _CHUNK = 100
 _MAX_NAMES = 1000
 """Decoded channel names kept at most (a pattern subscription may see many)."""
 _MAGIC_BYTE = MAGIC[0]
+_MESSAGE = b"message"
+_PMESSAGE = b"pmessage"
 _new = object.__new__
 
 
 def payload_deliveries(
-    target: Target, names: dict[bytes, str], messages: Iterable[tuple[bytes, bytes]],
-) -> tuple[list[Delivery], list[Item]]:
-    """The deliveries of ``(channel, payload)`` messages: those for the
-    handlers, and those finalized without one (corrupt envelope, past
-    ``max_attempts``) with their plan, as :func:`~._core._decode.list_delivery`
-    decides.  ``names``: channel names decoded so far (added to).
+    target: Target, names: dict[bytes, str], replies: Iterable[Any],
+) -> tuple[list[Delivery], list[Item], Any]:
+    """The deliveries of Pub/Sub message replies (``[b"message", channel,
+    data]``, a pattern's ``[b"pmessage", pattern, channel, data]``:
+    :meth:`~._transport.PubSub.received`): those for the handlers, and those
+    finalized without one (corrupt envelope, past ``max_attempts``) with
+    their plan, as :func:`~._core._decode.list_delivery` decides; and the
+    first reply that is not a message of the subscription's kind (the loop
+    stops there; None when there is none).  ``names``: channel names
+    decoded so far (added to).
 
-    The hot path of the reader.  A payload without envelope (the common
-    case) is a :func:`~._core._decode.foreign` delivery (its digest computed
-    when read), built here inline (a call per message less); the channel's
-    name is looked up only when it changes (a run of messages on one channel
+    The hot path of the reader: one loop over what the parser gives (in C,
+    a reply per step).  A payload without envelope (the common case) is a
+    :func:`~._core._decode.foreign` delivery (its digest computed when
+    read), built here inline (a call per message less); the channel's name
+    is looked up only when it changes (a run of messages on one channel
     compares bytes, no hash).  An envelope goes through
     :func:`~._core._decode.list_deliveries`.
     """
     ready: list[Delivery] = []
     direct: list[Item] = []
     mount = target.name
+    kind = _PMESSAGE if target.form is Form.PATTERN else _MESSAGE
+    at = 2 if kind is _PMESSAGE else 1  # the channel's index, the data after it
+    after = at + 1  # (indexes from the start: the interpreter's fast list subscript)
     append = ready.append
     new = _new
     builder = ForeignBuilder
     magic = _MAGIC_BYTE
     last: bytes | None = None
     name = ""
-    for channel, data in messages:
+    for reply in replies:
+        if reply.__class__ is not list or reply[0] != kind:
+            return ready, direct, reply  # not a message of this subscription's: the caller's
+        channel = reply[at]
+        data = reply[after]
         if channel != last:
             got = names.get(channel)
             if got is None:
@@ -150,26 +165,23 @@ def payload_deliveries(
             name = got
             last = channel
         if not data or data[0] != magic:  # cannot be an envelope: attempt 1, no plan
-            # foreign(name, data, mount), inline
+            # foreign(name, data, mount), inline; what every foreign delivery
+            # shares (fields, retries, corrupt, error, flat) is set when first
+            # read, as origin_id is (Foreign)
             d: Any = new(builder)
             d.source = name
             d.id = None
-            d.fields = {}
             d.data = data
             d.attempt = 1
             d.raw = data
-            d.retries = 0
             d.mount = mount
-            d.corrupt = None
-            d.error = None
-            d.flat = None
-            d.__class__ = Foreign  # every field but origin_id set: frozen from here on
+            d.__class__ = Foreign  # frozen from here on
             append(d)
             continue
         more, plans = list_deliveries(target, name, (data,))
         ready += more
         direct += plans
-    return ready, direct
+    return ready, direct, None
 
 
 class PubSubReader:
@@ -187,6 +199,7 @@ class PubSubReader:
         self.sub = sub
         self._lost_at: float | None = None  # when the connection was lost (a gap began)
         self._names: dict[bytes, str] = {}  # channel names decoded
+        self._kind = _PMESSAGE if isinstance(sub, PatternSubscription) else _MESSAGE
 
     pending = None  # nothing stays pending (at-most-once)
     gates = None
@@ -235,8 +248,13 @@ class PubSubReader:
         if len(names) > _MAX_NAMES:  # a pattern may match any number of channels
             names.clear()
         # the first message and what is already received with it, without waiting
-        messages = [(msg.channel, msg.data), *ps.payloads(_CHUNK - 1)]
-        ready, direct = payload_deliveries(ctx.target, names, messages)
+        # (in the shape of its subscription's messages, whatever get_message saw)
+        first = ([_PMESSAGE, msg.pattern, msg.channel, msg.data] if self._kind is _PMESSAGE
+                 else [_MESSAGE, msg.channel, msg.data])
+        ready, direct, other = payload_deliveries(
+            ctx.target, names, chain((first,), ps.received(_CHUNK - 1)))
+        if other is not None:  # a reply that is not a message: as get_message takes it
+            ps.other(other)
         if direct:  # plans first (dead letters), as hand_over does
             await ctx.send_plans(direct)
         await ctx.deliver(ready)
