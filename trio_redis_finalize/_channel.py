@@ -144,9 +144,8 @@ def payload_deliveries(
     ready: list[Delivery] = []
     direct: list[Item] = []
     mount = target.name
-    kind = _PMESSAGE if target.form is Form.PATTERN else _MESSAGE
-    at = 2 if kind is _PMESSAGE else 1  # the channel's index, the data after it
-    after = at + 1  # (indexes from the start: the interpreter's fast list subscript)
+    pattern = target.form is Form.PATTERN
+    kind = _PMESSAGE if pattern else _MESSAGE
     append = ready.append
     new = _new
     builder = ForeignBuilder
@@ -154,10 +153,15 @@ def payload_deliveries(
     last: bytes | None = None
     name = ""
     for reply in replies:
-        if reply.__class__ is not list or reply[0] != kind:
-            return ready, direct, reply  # not a message of this subscription's: the caller's
-        channel = reply[at]
-        data = reply[after]
+        try:  # a list of its length unpacks at once (the interpreter's fast path)
+            if pattern:
+                head, _, channel, data = reply
+            else:
+                head, channel, data = reply
+        except (TypeError, ValueError):  # an error reply, a pong ...: the caller's
+            return ready, direct, reply
+        if head != kind:  # a confirmation ...: not a message of this subscription's
+            return ready, direct, reply
         if channel != last:
             got = names.get(channel)
             if got is None:
