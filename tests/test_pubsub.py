@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import logging
 import pickle
 from typing import Any
@@ -17,6 +18,7 @@ import trio
 from _procs import Recorder, eventually
 from hypothesis import given
 from hypothesis import strategies as st
+from redis.exceptions import ResponseError
 
 from trio_redis_finalize import (
     ACK,
@@ -35,6 +37,7 @@ from trio_redis_finalize._core._decode import list_delivery
 from trio_redis_finalize._core._plan import Target, content_origin
 from trio_redis_finalize._delivery import record_error
 from trio_redis_finalize._envelope import MAGIC, unwrap, wrap
+from trio_redis_finalize._subscription import Form
 from trio_redis_finalize._transport import Client, Message, open_client
 
 
@@ -233,7 +236,10 @@ def test_payload_deliveries_are_what_list_delivery_makes(
     computed when read); enveloped, corrupt and exhausted ones go through
     list_delivery: the same deliveries, the same plans, in order."""
     names: dict[bytes, str] = {}
-    ready, direct = payload_deliveries(target, names, messages)
+    kind = b"pmessage" if target.form is Form.PATTERN else b"message"
+    replies = [[kind, c, m] if kind == b"message" else [kind, b"c*", c, m] for c, m in messages]
+    ready, direct, other = payload_deliveries(target, names, iter(replies))
+    assert other is None
     expected = [list_delivery(target, c.decode("utf-8", "replace"), m) for c, m in messages]
     assert [_fields(d) for d in ready] == [_fields(d) for d, p in expected if p is None]
     assert [(_fields(d), p) for d, p in direct] == [(_fields(d), p) for d, p in expected
@@ -246,7 +252,7 @@ def test_payload_deliveries_are_what_list_delivery_makes(
 
 
 def test_a_payloads_origin_id_is_computed_when_read_and_kept() -> None:
-    (d,), _ = payload_deliveries(_TARGETS[0], {}, [(b"ch", b"payload")])
+    (d,), _, _ = payload_deliveries(_TARGETS[0], {}, [[b"message", b"ch", b"payload"]])
     with pytest.raises(AttributeError):
         object.__getattribute__(d, "origin_id")  # not computed yet: the slot is unset
     assert d.origin_id == content_origin(b"payload") == d.origin_id
@@ -259,7 +265,7 @@ def test_a_payloads_origin_id_is_computed_when_read_and_kept() -> None:
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         d.nope  # type: ignore[attr-defined]  # noqa: B018
     for c in (copy.copy, copy.deepcopy, lambda d: pickle.loads(pickle.dumps(d))):
-        (e,), _ = payload_deliveries(_TARGETS[0], {}, [(b"ch", b"p")])
+        (e,), _, _ = payload_deliveries(_TARGETS[0], {}, [[b"message", b"ch", b"p"]])
         other = c(e)  # error None (the handler did not raise), origin_id computed
         assert type(other) is Delivery and _fields(other) == _fields(e) and other.error is None
         record_error(e, ValueError("x"))
@@ -268,35 +274,80 @@ def test_a_payloads_origin_id_is_computed_when_read_and_kept() -> None:
         assert repr(other) == repr(e)
 
 
-async def test_payloads_returns_what_is_received_as_channel_data_pairs(
+def test_a_payloads_shared_fields_are_set_when_read() -> None:
+    """fields, retries, corrupt, error and flat: unset until read, then
+    ordinary slots with the values every foreign delivery has (fields a map
+    of its own); error set by record_error before any read."""
+    (d,), _, _ = payload_deliveries(_TARGETS[0], {}, [[b"message", b"ch", b"p"]])
+    for name in ("fields", "retries", "corrupt", "error", "flat"):
+        with pytest.raises(AttributeError):
+            object.__getattribute__(d, name)
+    assert (d.fields, d.retries, d.corrupt, d.flat) == ({}, 0, None, None)
+    assert d.fields is d.fields and d.field_list == ()
+    (e,), _, _ = payload_deliveries(_TARGETS[0], {}, [[b"message", b"ch", b"p"]])
+    assert e.fields is not d.fields
+    record_error(e, ValueError("boom"))
+    assert e.error == "ValueError: boom" and d.error is None
+    for name in ("fields", "retries", "corrupt", "error", "flat"):
+        object.__getattribute__(d, name)  # set now
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(d, name, "x")
+
+
+async def test_received_gives_the_parsed_replies_without_io(
     redis_url: str, client: Client
 ) -> None:
-    """PubSub.payloads: received() as (channel, data), the concrete channel
-    for a pattern, without reading the socket; kept messages first."""
+    """PubSub.received: what is received, as the parser gives it (channel and
+    data last, the concrete channel for a pattern), without reading the
+    socket; kept messages first, in that shape."""
     async with client.pubsub(name="sub") as ps:
         await ps.subscribe("c")
         await ps.psubscribe("p.*")
-        assert ps.payloads(10) == []
+        assert list(ps.received(10)) == []
         await client.pipeline([("PUBLISH", "c", f"m{i}") for i in range(3)]
                               + [("PUBLISH", "p.1", "pm"), ("PUBLISH", "c", "last")])
         first = await ps.get_message(timeout=5)
         assert first == Message(b"c", b"m0")
         got = [(first.channel, first.data)]
+        kinds = []
         while len(got) < 5:
-            more = ps.payloads(2)
+            more = list(ps.received(2))
             if not more:
                 m = await ps.get_message(timeout=5)
                 assert m is not None
-                more = [(m.channel, m.data)]
+                more = [[b"pmessage" if m.pattern else b"message", m.channel, m.data]]
             assert len(more) <= 2
-            got += more
+            got += [(r[-2], r[-1]) for r in more]
+            kinds += [r[0] for r in more]
         assert got == [(b"c", b"m0"), (b"c", b"m1"), (b"c", b"m2"), (b"p.1", b"pm"),
                        (b"c", b"last")]
+        assert kinds == [b"message", b"message", b"pmessage", b"message"]
         # published while a confirmation is awaited: kept, handed out without I/O
         await client.execute("PUBLISH", "c", "during")
+        await client.execute("PUBLISH", "p.2", "during")
         await ps.subscribe("d")
-        assert ps.payloads(10) == [(b"c", b"during")]
-        assert ps.payloads(10) == [] and not ps.conn.broken and ps.dropped == 0
+        assert list(ps.received(10)) == [[b"message", b"c", b"during"],
+                                         [b"pmessage", b"p.*", b"p.2", b"during"]]
+        assert list(ps.received(10)) == [] and not ps.conn.broken and ps.dropped == 0
+        # a reply the caller does not take goes back: a message is kept for get_message
+        ps.other([b"message", b"c", b"again"])
+        assert await ps.get_message(timeout=0) == Message(b"c", b"again")
+        with pytest.raises(ResponseError, match="boom"):
+            ps.other(ResponseError("boom"))
+
+
+def test_payload_deliveries_stop_at_a_reply_that_is_no_message_of_theirs() -> None:
+    """The first reply that is not a message of the subscription's kind is
+    handed back, and nothing after it is taken from the parser."""
+    for target, kind in ((_TARGETS[0], b"message"), (_TARGETS[2], b"pmessage")):
+        msg = [kind, b"c*", b"ch", b"p"] if kind == b"pmessage" else [kind, b"ch", b"p"]
+        for odd in ([b"subscribe", b"d", 2], ResponseError("x"), b"PONG",
+                    [b"pmessage" if kind == b"message" else b"message", b"ch", b"p"]):
+            rest = iter([msg])
+            ready, direct, other = payload_deliveries(
+                target, {}, itertools.chain([msg, odd], rest))
+            assert [d.data for d in ready] == [b"p"] and not direct and other is odd
+            assert next(rest) is msg  # not taken
 
 
 # -- connection loss ------------------------------------------------------------------

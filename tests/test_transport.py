@@ -546,11 +546,11 @@ async def test_pubsub(redis_url: str) -> None:
 async def test_pubsub_messages_already_received(redis_url: str) -> None:
     """What was read with the first message is returned without a wait, in
     order, by get_message(timeout=0), which never reads the socket
-    (``payloads()``, the same as pairs: tests/test_pubsub.py)."""
+    (``received()``, the same as parsed replies: tests/test_pubsub.py)."""
     async with open_client(redis_url) as client, client.pubsub(name="sub") as ps:
         await ps.subscribe("c")
         await ps.psubscribe("p.*")
-        assert ps.payloads(10) == [] and await ps.get_message(timeout=0) is None
+        assert list(ps.received(10)) == [] and await ps.get_message(timeout=0) is None
         await client.pipeline([("PUBLISH", "c", f"m{i}") for i in range(5)]
                               + [("PUBLISH", "p.1", "pm"), ("PUBLISH", "c", "last")])
         first = await ps.get_message(timeout=5)
@@ -562,7 +562,7 @@ async def test_pubsub_messages_already_received(redis_url: str) -> None:
             got.append(m)
         assert got == [*(Message(b"c", f"m{i}".encode()) for i in range(5)),
                        Message(b"p.1", b"pm", b"p.*"), Message(b"c", b"last")]
-        assert ps.payloads(10) == [] and await ps.get_message(timeout=0) is None
+        assert list(ps.received(10)) == [] and await ps.get_message(timeout=0) is None
         assert not ps.conn.broken and ps.dropped == 0
 
 

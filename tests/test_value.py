@@ -70,8 +70,8 @@ def _read_deliveries() -> list[Delivery]:
                                                        ORIGIN_FIELD, b"1-0"])])
     lists = ReliableListSubscription("q").target("c")
     [foreign, enveloped], _ = list_deliveries(lists, "q", [b"payload", wrap(b"body", 2, "o-1")])
-    [payload], _ = payload_deliveries(ChannelSubscription("ch").target("c"), {},
-                                      [(b"ch", b"message")])
+    [payload], _, _ = payload_deliveries(ChannelSubscription("ch").target("c"), {},
+                                         [[b"message", b"ch", b"message"]])
     raised = Delivery("s", "3-0", {}, None, 1, "3-0")
     record_error(raised, ValueError("boom"))
     return [original, copied, foreign, enveloped, payload, raised]

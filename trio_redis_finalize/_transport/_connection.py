@@ -71,7 +71,7 @@ class Connection:
     """
 
     __slots__ = ("_busy", "_reader", "_stream", "broken", "capabilities", "lost", "params",
-                 "scripts")
+                 "read_size", "scripts")
 
     def __init__(self, stream: anyio.abc.ByteStream, params: ConnectionParams) -> None:
         self._stream = stream
@@ -81,6 +81,8 @@ class Connection:
             notEnoughData=_NOT_ENOUGH,
         )
         self._busy = False
+        self.read_size = _READ_SIZE
+        """Bytes one read of the socket takes at most (a Pub/Sub connection reads less)."""
         self.broken = False
         self.lost = False
         self.scripts: set[bytes] = set()  # shas this connection loaded (SCRIPT LOAD)
@@ -113,7 +115,7 @@ class Connection:
     async def _receive(self) -> None:
         """Read what the socket has (waiting for some) into the reply parser."""
         try:
-            data = await self._stream.receive(_READ_SIZE)
+            data = await self._stream.receive(self.read_size)
         except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError,
                 OSError) as e:
             self.lost = True
