@@ -395,13 +395,17 @@ async def test_zadd_batch_gates_each_delivery(client: Client) -> None:
         reply = await client.evalsha(STREAM_ZADD_ACK_BATCH, (S, "{orders}:delayed"), args)
         seen = await collect()
     t1 = await time_ms(client)
-    assert reply[0] is None and t0 + 5000 <= reply[1] <= t1 + 5000 and t0 + 20 <= reply[2] <= t1 + 20
+    assert reply == [3, 1, None]  # the first's gate closed; the others added and removed
+    scores = await client.execute("ZRANGE", "{orders}:delayed", 0, -1, "WITHSCORES")
+    due = [int(float(x)) for x in scores[1::2]]
+    assert t0 + 20 <= due[0] <= t1 + 20 and t0 + 5000 <= due[1] <= t1 + 5000
     steps = [(a[0].upper(), a[1]) for inside, a in seen
              if inside and a[0].upper() not in ("XPENDING", "TIME")]
     assert steps == [("ZADD", "{orders}:delayed")] * 2 + [("XACK", S), ("XDEL", S)]
     assert await client.execute("ZRANGE", "{orders}:delayed", 0, -1) == [members[2], members[1]]
     assert await client.execute("XLEN", S) == 1  # the one finalized before stays (not deleted)
-    assert await client.evalsha(STREAM_ZADD_ACK_BATCH, (S, "{orders}:delayed"), args) == [None] * 3
+    again = await client.evalsha(STREAM_ZADD_ACK_BATCH, (S, "{orders}:delayed"), args)
+    assert again == [3, 1, None, 2, None, 3, None]
     assert await client.execute("ZCARD", "{orders}:delayed") == 2
 
 
@@ -423,7 +427,7 @@ async def test_planner_batches_run_as_their_single_scripts(client: Client) -> No
     replies = await client.pipeline(commands)
     from trio_redis_finalize._core._batch import batch_replies
 
-    assert replies[1] == [2]  # the copies: both copied
+    assert replies == [[2], [2]]  # the delays and the copies: each finalized
     assert [len(batch_replies(c, r, 2) or ()) for c, r in zip(commands, replies, strict=True)] == [
         2, 2]
     assert await pending_count(client) == 0

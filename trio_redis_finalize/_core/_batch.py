@@ -48,9 +48,10 @@ BATCHED = frozenset({_COPY_BATCH, _ZADD_BATCH})
 
 
 COPIED = 1
-"""The element :func:`batch_replies` gives a delivery of a batched copy call
-that its reply did not list: copied, its original removed (the single
-script answers the new id; no settlement reads it)."""
+"""The element :func:`batch_replies` gives a delivery of a batched call that
+its reply did not list: copied (or added to the delay set), its original
+removed (the single script answers the new id or the due time; no
+settlement reads it)."""
 
 
 def batch_replies(cmd: Command, reply: object, n: int) -> list[Any] | None:
@@ -58,15 +59,12 @@ def batch_replies(cmd: Command, reply: object, n: int) -> list[Any] | None:
     (what each delivery's single script would have answered), or None when
     ``reply`` is not a reply of ``n`` deliveries.
 
-    ``STREAM_ZADD_ACK_BATCH`` answers them as they are.
-    ``STREAM_COPY_ACK_BATCH`` answers ``[n, at, element, ...]``: only the
-    deliveries not copied, by place (1-based), a closed gate's nil or an
+    Both batched scripts answer ``[n, at, element, ...]``: only the
+    deliveries not finalized, by place (1-based), a closed gate's nil or an
     error; the others get :data:`COPIED`.
     """
     if reply.__class__ is not list:
         return None
-    if cmd[1] != _COPY_BATCH:
-        return reply if len(reply) == n else None
     if not reply or reply[0] != n or len(reply) % 2 != 1:
         return None
     out: list[Any] = [COPIED] * n
