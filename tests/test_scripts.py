@@ -409,6 +409,64 @@ async def test_zadd_batch_gates_each_delivery(client: Client) -> None:
     assert await client.execute("ZCARD", "{orders}:delayed") == 2
 
 
+def zadd_batch_args(ids: Sequence[str], delays: Sequence[int | str], how: str = "0"
+                    ) -> list[bytes | str | int]:
+    args: list[bytes | str | int] = [G, how, *gate_range(ids)]
+    for eid, delay in zip(ids, delays, strict=True):
+        args += [eid, delay, pack_parts([uuid.uuid4().bytes, b"n", eid.encode()])]
+    return args
+
+
+async def test_zadd_batch_one_deliverys_error_is_its_element_only(client: Client) -> None:
+    """As the copy batch's: an error is that delivery's element (classified as
+    its single script's reply would be), the others run; a removal that fails
+    is the error of every delivery it would have removed (added to the delay
+    set, still pending: a duplicate, never a loss)."""
+    from trio_redis_finalize._core._batch import batch_replies
+    from trio_redis_finalize._core._replies import FINAL, NOT_RUN, classify
+    from trio_redis_finalize._core._scripts import STREAM_ZADD_ACK_BATCH
+
+    D = "{orders}:delayed"
+
+    async def call(key: str, ids: Sequence[str], delays: Sequence[int | str], how: str = "0"
+                   ) -> list[Any]:
+        reply = await client.evalsha(STREAM_ZADD_ACK_BATCH, (S, key), zadd_batch_args(ids, delays, how))
+        elements = batch_replies((b"EVALSHA", STREAM_ZADD_ACK_BATCH.sha), reply, len(ids))
+        assert elements is not None, reply
+        return elements
+
+    ids = await pending_entries(client, 3)
+    # the middle delay is not a number: its element an ERR, the others added and removed
+    reply = await call(D, ids, [10, "soon", 20])
+    assert reply[0] == reply[2] == 1
+    assert classify(reply[1]) is FINAL and "not a number" in str(reply[1])
+    assert await client.execute("ZCARD", D) == 2
+    assert [e[0].decode() for e in await client.execute("XPENDING", S, G, "-", "+", 10)] == [ids[1]]
+    # a delay set of another type: every delivery's element says so, nothing removed
+    await client.execute("SET", "wrong", "x")
+    reply = await call("wrong", ids[1:2] * 2, [10, 10])
+    assert [classify(e) for e in reply] == [FINAL, FINAL]
+    assert all("WRONGTYPE" in str(e) for e in reply)
+    # OOM at the writes: each delivery "did not run", nothing written for it
+    ids2 = await pending_entries(client, 2)
+    await client.execute("CONFIG", "SET", "maxmemory", "1")
+    try:
+        reply = await call(D, ids2, [10, 10])
+    finally:
+        await client.execute("CONFIG", "SET", "maxmemory", "0")
+    assert [classify(e) for e in reply] == [NOT_RUN, NOT_RUN]
+    assert await client.execute("ZCARD", D) == 2
+    assert await pending_count(client) == 3
+    # the removal fails (``x``: XACKDEL, which servers before 8.2 do not have)
+    if await client.execute("COMMAND", "INFO", "XACKDEL") == [None]:
+        await client.execute("XACK", S, G, ids2[0])
+        reply = await call(D, [ids[1], *ids2], [10, 10, 10], how="x")
+        assert reply[1] is None  # its gate closed
+        assert [classify(reply[k]) for k in (0, 2)] == [FINAL, FINAL]
+        assert await client.execute("ZCARD", D) == 4
+        assert await pending_count(client) == 2
+
+
 async def test_planner_batches_run_as_their_single_scripts(client: Client) -> None:
     """What the core sends for a batch, run: the same writes as the plans' own scripts."""
     from trio_redis_finalize._core._batch import batch_singles, first_round
