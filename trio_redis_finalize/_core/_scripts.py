@@ -22,6 +22,7 @@ __all__ = [
     "LIST_WRITES",
     "LIST_ZADD_REMOVE",
     "LUA_XADD",
+    "LUA_XADD_ANY",
     "LUA_XADD_CAPPED",
     "MOVE_DUE_TO_LIST",
     "MOVE_DUE_TO_STREAM",
@@ -125,6 +126,19 @@ LUA_XADD_CAPPED = _xadd_function(
     "xadd_capped", "key, cap, t, from", "key, 'MAXLEN', '~', cap, '*'"
 )
 
+# LUA_XADD_ANY: both, and ``xadd_any(key, cap, t, from)``: XADD key * ...
+# with cap '0' (none), else XADD key MAXLEN ~ cap * ... (a cap argument).
+LUA_XADD_ANY = (
+    LUA_XADD
+    + LUA_XADD_CAPPED
+    + """
+local function xadd_any(key, cap, t, from)
+  if cap ~= '0' then return xadd_capped(key, cap, t, from) end
+  return xadd(key, t, from)
+end
+"""
+)
+
 # LUA_XADD_TO / LUA_XADD_CAPPED_TO: the same, of t[from] ... t[to] (the
 # batched scripts: many entries' values in one ARGV).
 LUA_XADD_TO = _xadd_function("xadd_to", "key, t, from, to", "key, '*'", "to")
@@ -207,17 +221,11 @@ STREAM_ZADD_ACK = _stream_zadd_ack("stream_zadd_ack")
 # KEYS: stream, destination stream.  ARGV: group, id, how ('0', '1' or 'x',
 # see _HOW), cap ('0': none), field, value, ...
 STREAM_COPY_ACK_EX = Script(
-    LUA_XADD
-    + LUA_XADD_CAPPED
+    LUA_XADD_ANY
     + _HOW
     + _STREAM_GATE
     + """
-local new
-if ARGV[4] ~= '0' then
-  new = xadd_capped(KEYS[2], ARGV[4], ARGV, 5)
-else
-  new = xadd(KEYS[2], ARGV, 5)
-end
+local new = xadd_any(KEYS[2], ARGV[4], ARGV, 5)
 remove_one(KEYS[1], ARGV[1], ARGV[2], ARGV[3])
 return new
 """,
@@ -752,8 +760,7 @@ wapply({at + 1}, nw)
 # Returns false (gate closed), or what the cell's script returns: 1 ('ack'),
 # the copy's id, the due time.
 STREAM_WRITES = Script(
-    LUA_XADD
-    + LUA_XADD_CAPPED
+    LUA_XADD_ANY
     + _HOW
     + _WRITES_LUA
     + """
@@ -766,11 +773,7 @@ if not ok or #p == 0 then return false end
 local op = ARGV[3]
 local r = 1
 if op == 'copy' then
-  if ARGV[5] ~= '0' then
-    r = xadd_capped(KEYS[2], ARGV[5], ARGV, i)
-  else
-    r = xadd(KEYS[2], ARGV, i)
-  end
+  r = xadd_any(KEYS[2], ARGV[5], ARGV, i)
 elseif op == 'zadd' then
 """
     + _ZADD_DUE
@@ -832,17 +835,11 @@ still recognised (the scheduler resends within seconds)."""
 
 # KEYS: stream, marker.  ARGV: marker ttl ms, cap ('0': none), field, value, ...
 STREAM_COPY_ONCE = Script(
-    LUA_XADD
-    + LUA_XADD_CAPPED
+    LUA_XADD_ANY
     + """
 local done = redis.call('GET', KEYS[2])
 if done then return done end
-local id
-if ARGV[2] ~= '0' then
-  id = xadd_capped(KEYS[1], ARGV[2], ARGV, 3)
-else
-  id = xadd(KEYS[1], ARGV, 3)
-end
+local id = xadd_any(KEYS[1], ARGV[2], ARGV, 3)
 redis.call('SET', KEYS[2], id, 'PX', ARGV[1])
 return id
 """,
@@ -855,11 +852,9 @@ return id
 # letter written to another Redis Cluster slot than its source (the removal
 # of the original follows as its own command).
 STREAM_XADD = Script(
-    LUA_XADD
-    + LUA_XADD_CAPPED
+    LUA_XADD_ANY
     + """
-if ARGV[1] ~= '0' then return xadd_capped(KEYS[1], ARGV[1], ARGV, 2) end
-return xadd(KEYS[1], ARGV, 2)
+return xadd_any(KEYS[1], ARGV[1], ARGV, 2)
 """,
     name="stream_xadd",
 )
