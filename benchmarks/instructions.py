@@ -29,8 +29,8 @@ the machine is doing.  This module counts, per message:
   more rows: the same RETRYs deleting each original (``Retention.
   DELETE_ON_FINALIZE``), ungated and in the library's script, with
   ``XACK`` + ``XDEL`` and with 8.2's one ``XACKDEL``.  Last, the same
-  entries finalized as durable ``retry_after`` s (``DelayedRetry.
-  DURABLE_ZSET``): ungated (a ``ZADD`` of each copy into the delay set and
+  entries finalized as durable delays (``retry_after`` with
+  ``DelayedRetry.DURABLE_ZSET``): ungated (a ``ZADD`` of each copy into the delay set and
   one ``XACK``, pipelined; ratios to this row) and the library's
   ``stream_zadd_ack_batch``, one call per batch (their round trip: the
   reads and the finalization; the copies wait in the delay set).
@@ -341,8 +341,8 @@ def _retry_batches(entries: list[Any], script: Any | None, how: str = "0") -> li
 
 
 def _delay_batches(entries: list[Any], script: Any | None) -> list[Command]:
-    """What finalizes one batch of durable ``retry_after`` s (``DelayedRetry.
-    DURABLE_ZSET``): each copy added to the delay set ``d`` (due now, as the
+    """What finalizes one batch of durable delays (``retry_after`` with
+    ``DelayedRetry.DURABLE_ZSET``): each copy added to the delay set ``d`` (due now, as the
     library packs it) and the originals removed from ``s``, ungated (a ``ZADD``
     each and one ``XACK``, pipelined) or as one call of the batched ``script``."""
     from trio_redis_finalize._envelope import pack_parts
