@@ -44,7 +44,8 @@ _ZADD_BY_HOW = {
 }
 
 BATCHED = frozenset({_COPY_BATCH, _ZADD_BATCH})
-"""The shas of the batched scripts: their reply has one element per owner."""
+"""The shas of the batched scripts: :func:`batch_replies` reads their reply
+as one element per owner."""
 
 
 COPIED = 1
@@ -77,7 +78,7 @@ def batch_replies(cmd: Command, reply: object, n: int) -> list[Any] | None:
 
 
 def is_batched(cmd: Command) -> bool:
-    """True for a batched script call (its reply: one element per delivery)."""
+    """True for a batched script call (its reply: see :func:`batch_replies`)."""
     return cmd[0] == b"EVALSHA" and cmd[1] in BATCHED
 
 
