@@ -36,8 +36,8 @@ def _list_items(n: int) -> tuple[Target, list[Item]]:
 
 def _ok(cmd: Any) -> Any:
     if cmd[0] == b"EVALSHA":
-        if cmd[1] in _BATCHED:  # a batched script call: one element per delivery
-            return [b"9-0"] * _deliveries(cmd)
+        if cmd[1] in _BATCHED:  # a batched script call: each delivery finalized
+            return [_deliveries(cmd)]
         return b"9-0"
     return 1
 

@@ -28,7 +28,12 @@ the machine is doing.  This module counts, per message:
   batch's range the library's script reads.  On Redis 8.2 and later, four
   more rows: the same RETRYs deleting each original (``Retention.
   DELETE_ON_FINALIZE``), ungated and in the library's script, with
-  ``XACK`` + ``XDEL`` and with 8.2's one ``XACKDEL``.
+  ``XACK`` + ``XDEL`` and with 8.2's one ``XACKDEL``.  Last, the same
+  entries finalized as durable delays (``retry_after`` with
+  ``DelayedRetry.DURABLE_ZSET``): ungated (a ``ZADD`` of each copy into the delay set and
+  one ``XACK``, pipelined; ratios to this row) and the library's
+  ``stream_zadd_ack_batch``, one call per batch (their round trip: the
+  reads and the finalization; the copies wait in the delay set).
 
 Callgrind runs a process about 50 times slower; a time-driven part of a
 contender (the library's flusher, timers, the 50 ms poll of its counters)
@@ -335,11 +340,33 @@ def _retry_batches(entries: list[Any], script: Any | None, how: str = "0") -> li
     return _batched(script, ("s", "c"), ("g", how, "0"), parts)
 
 
+def _delay_batches(entries: list[Any], script: Any | None) -> list[Command]:
+    """What finalizes one batch of durable delays (``retry_after`` with
+    ``DelayedRetry.DURABLE_ZSET``): each copy added to the delay set ``d`` (due now, as the
+    library packs it) and the originals removed from ``s``, ungated (a ``ZADD``
+    each and one ``XACK``, pipelined) or as one call of the batched ``script``."""
+    from trio_redis_finalize._envelope import pack_parts
+
+    members = [pack_parts([eid.rjust(16, b"0")[-16:], *flat, RETRIES_FIELD, b"1", ORIGIN_FIELD, eid])
+               for eid, flat in entries]
+    if script is None:
+        due = int(time.time() * 1000)
+        cmds: list[Command] = [("ZADD", "d", due, m) for m in members]
+        cmds.append(("XACK", "s", "g", *[eid for eid, _ in entries]))
+        return cmds
+    from .workloads import _batched
+
+    parts = [[eid, 0, m] for (eid, _), m in zip(entries, members, strict=True)]
+    return _batched(script, ("s", "d"), ("g", "0"), parts)
+
+
 def _count_server(binary: str, script: Any | None, n: int, tmp: Path, how: str = "0"
                   ) -> tuple[int, int]:
     """The server's instructions for ``n`` RETRYs: finalizing them, and the
     whole round trip (reading the originals, finalizing, reading the copies
-    and acknowledging them)."""
+    and acknowledging them).  ``how`` ``'d'``: durable delays instead (see
+    :func:`_delay_batches`; their copies wait in the delay set: the round
+    trip is the reads and the finalization)."""
     with _server_under_callgrind(binary, tmp, "server") as (proc, url, out):
         async def read(c: Client, key: str) -> list[list[Any]]:
             batches = []
@@ -358,7 +385,8 @@ def _count_server(binary: str, script: Any | None, n: int, tmp: Path, how: str =
                 await c.execute("XGROUP", "CREATE", "s", "g", "0")
                 await c.execute("XGROUP", "CREATE", "c", "g", "0", "MKSTREAM")
                 _control(proc.pid, "on")
-                plans = [_retry_batches(b, script, how) for b in await read(c, "s")]
+                plans = [_delay_batches(b, script) if how == "d" else _retry_batches(b, script, how)
+                         for b in await read(c, "s")]
                 _control(proc.pid, "dump")  # part 1: the reads
                 for p in plans:
                     replies = await c.pipeline(p, raise_on_error=False)
@@ -369,11 +397,12 @@ def _count_server(binary: str, script: Any | None, n: int, tmp: Path, how: str =
                 for b in await read(c, "c"):
                     await c.execute("XACK", "c", "g", *[eid for eid, _ in b])
                 _control(proc.pid, "off")  # part 3 (at exit): the copies read and acknowledged
+                copies = "ZCARD" if how == "d" else "XLEN"
                 if int((await c.execute("XPENDING", "s", "g"))[0]) or int(
-                        await c.execute("XLEN", "c")) != n:
+                        await c.execute(copies, "d" if how == "d" else "c")) != n:
                     raise RuntimeError("instructions: the RETRYs were not all finalized: "
                                        f"{await c.execute('XPENDING', 's', 'g')!r:.80} "
-                                       f"{await c.execute('XLEN', 'c')}")
+                                       f"{await c.execute(copies, 'd' if how == 'd' else 'c')}")
 
         trio.run(run)
     parts = _parts(out)
@@ -410,12 +439,19 @@ def _server_table(binary: str, tmp: Path, n: int) -> None:
             ("deleting: library XACK + XDEL", batch, "1"),
             ("deleting: library XACKDEL ACKED", batch, "x"),
         ]
+    # durable delays (DelayedRetry.DURABLE_ZSET), ratios to their own ungated row
+    rows3 += [
+        ("durable delay: ungated ZADD + XACK", None, "d"),
+        ("durable delay: stream_zadd_ack_batch", scripts.STREAM_ZADD_ACK_BATCH, "d"),
+    ]
     print(f"server ({binary}): instructions per RETRY ({n:,} entries, {BATCH} per batch):\n"
           "  finalized = the copy and the XACK of the original; round trip = also reading the\n"
           "  original, and reading and acknowledging the copy", flush=True)
     print(f"    {'':36} {'finalized':>9}            {'round trip':>10}")
     floors = (0.0, 0.0)
     for label, script, how in rows3:
+        if how == "d" and script is None:
+            floors = (0.0, 0.0)  # the durable delays' floor
         fin, trip = (x / n for x in _count_server(binary, script, n, tmp, how))
         floors = (floors[0] or fin, floors[1] or trip)
         print(f"    {label:36} {fin:9,.0f}   {fin / floors[0]:5.2f}x   {trip:10,.0f}   "

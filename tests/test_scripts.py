@@ -395,14 +395,76 @@ async def test_zadd_batch_gates_each_delivery(client: Client) -> None:
         reply = await client.evalsha(STREAM_ZADD_ACK_BATCH, (S, "{orders}:delayed"), args)
         seen = await collect()
     t1 = await time_ms(client)
-    assert reply[0] is None and t0 + 5000 <= reply[1] <= t1 + 5000 and t0 + 20 <= reply[2] <= t1 + 20
+    assert reply == [3, 1, None]  # the first's gate closed; the others added and removed
+    scores = await client.execute("ZRANGE", "{orders}:delayed", 0, -1, "WITHSCORES")
+    due = [int(float(x)) for x in scores[1::2]]
+    assert t0 + 20 <= due[0] <= t1 + 20 and t0 + 5000 <= due[1] <= t1 + 5000
     steps = [(a[0].upper(), a[1]) for inside, a in seen
              if inside and a[0].upper() not in ("XPENDING", "TIME")]
     assert steps == [("ZADD", "{orders}:delayed")] * 2 + [("XACK", S), ("XDEL", S)]
     assert await client.execute("ZRANGE", "{orders}:delayed", 0, -1) == [members[2], members[1]]
     assert await client.execute("XLEN", S) == 1  # the one finalized before stays (not deleted)
-    assert await client.evalsha(STREAM_ZADD_ACK_BATCH, (S, "{orders}:delayed"), args) == [None] * 3
+    again = await client.evalsha(STREAM_ZADD_ACK_BATCH, (S, "{orders}:delayed"), args)
+    assert again == [3, 1, None, 2, None, 3, None]
     assert await client.execute("ZCARD", "{orders}:delayed") == 2
+
+
+def zadd_batch_args(ids: Sequence[str], delays: Sequence[int | str], how: str = "0"
+                    ) -> list[bytes | str | int]:
+    args: list[bytes | str | int] = [G, how, *gate_range(ids)]
+    for eid, delay in zip(ids, delays, strict=True):
+        args += [eid, delay, pack_parts([uuid.uuid4().bytes, b"n", eid.encode()])]
+    return args
+
+
+async def test_zadd_batch_one_deliverys_error_is_its_element_only(client: Client) -> None:
+    """As the copy batch's: an error is that delivery's element (classified as
+    its single script's reply would be), the others run; a removal that fails
+    is the error of every delivery it would have removed (added to the delay
+    set, still pending: a duplicate, never a loss)."""
+    from trio_redis_finalize._core._batch import batch_replies
+    from trio_redis_finalize._core._replies import FINAL, NOT_RUN, classify
+    from trio_redis_finalize._core._scripts import STREAM_ZADD_ACK_BATCH
+
+    D = "{orders}:delayed"
+
+    async def call(key: str, ids: Sequence[str], delays: Sequence[int | str], how: str = "0"
+                   ) -> list[Any]:
+        reply = await client.evalsha(STREAM_ZADD_ACK_BATCH, (S, key), zadd_batch_args(ids, delays, how))
+        elements = batch_replies((b"EVALSHA", STREAM_ZADD_ACK_BATCH.sha), reply, len(ids))
+        assert elements is not None, reply
+        return elements
+
+    ids = await pending_entries(client, 3)
+    # the middle delay is not a number: its element an ERR, the others added and removed
+    reply = await call(D, ids, [10, "soon", 20])
+    assert reply[0] == reply[2] == 1
+    assert classify(reply[1]) is FINAL and "not a number" in str(reply[1])
+    assert await client.execute("ZCARD", D) == 2
+    assert [e[0].decode() for e in await client.execute("XPENDING", S, G, "-", "+", 10)] == [ids[1]]
+    # a delay set of another type: every delivery's element says so, nothing removed
+    await client.execute("SET", "wrong", "x")
+    reply = await call("wrong", ids[1:2] * 2, [10, 10])
+    assert [classify(e) for e in reply] == [FINAL, FINAL]
+    assert all("WRONGTYPE" in str(e) for e in reply)
+    # OOM at the writes: each delivery "did not run", nothing written for it
+    ids2 = await pending_entries(client, 2)
+    await client.execute("CONFIG", "SET", "maxmemory", "1")
+    try:
+        reply = await call(D, ids2, [10, 10])
+    finally:
+        await client.execute("CONFIG", "SET", "maxmemory", "0")
+    assert [classify(e) for e in reply] == [NOT_RUN, NOT_RUN]
+    assert await client.execute("ZCARD", D) == 2
+    assert await pending_count(client) == 3
+    # the removal fails (``x``: XACKDEL, which servers before 8.2 do not have)
+    if await client.execute("COMMAND", "INFO", "XACKDEL") == [None]:
+        await client.execute("XACK", S, G, ids2[0])
+        reply = await call(D, [ids[1], *ids2], [10, 10, 10], how="x")
+        assert reply[1] is None  # its gate closed
+        assert [classify(reply[k]) for k in (0, 2)] == [FINAL, FINAL]
+        assert await client.execute("ZCARD", D) == 4
+        assert await pending_count(client) == 2
 
 
 async def test_planner_batches_run_as_their_single_scripts(client: Client) -> None:
@@ -423,7 +485,7 @@ async def test_planner_batches_run_as_their_single_scripts(client: Client) -> No
     replies = await client.pipeline(commands)
     from trio_redis_finalize._core._batch import batch_replies
 
-    assert replies[1] == [2]  # the copies: both copied
+    assert replies == [[2], [2]]  # the delays and the copies: each finalized
     assert [len(batch_replies(c, r, 2) or ()) for c, r in zip(commands, replies, strict=True)] == [
         2, 2]
     assert await pending_count(client) == 0

@@ -44,13 +44,15 @@ _ZADD_BY_HOW = {
 }
 
 BATCHED = frozenset({_COPY_BATCH, _ZADD_BATCH})
-"""The shas of the batched scripts: their reply has one element per owner."""
+"""The shas of the batched scripts: :func:`batch_replies` reads their reply
+as one element per owner."""
 
 
 COPIED = 1
-"""The element :func:`batch_replies` gives a delivery of a batched copy call
-that its reply did not list: copied, its original removed (the single
-script answers the new id; no settlement reads it)."""
+"""The element :func:`batch_replies` gives a delivery of a batched call that
+its reply did not list: copied (or added to the delay set), its original
+removed (the single script answers the new id or the due time; no
+settlement reads it)."""
 
 
 def batch_replies(cmd: Command, reply: object, n: int) -> list[Any] | None:
@@ -58,15 +60,12 @@ def batch_replies(cmd: Command, reply: object, n: int) -> list[Any] | None:
     (what each delivery's single script would have answered), or None when
     ``reply`` is not a reply of ``n`` deliveries.
 
-    ``STREAM_ZADD_ACK_BATCH`` answers them as they are.
-    ``STREAM_COPY_ACK_BATCH`` answers ``[n, at, element, ...]``: only the
-    deliveries not copied, by place (1-based), a closed gate's nil or an
+    Both batched scripts answer ``[n, at, element, ...]``: only the
+    deliveries not finalized, by place (1-based), a closed gate's nil or an
     error; the others get :data:`COPIED`.
     """
     if reply.__class__ is not list:
         return None
-    if cmd[1] != _COPY_BATCH:
-        return reply if len(reply) == n else None
     if not reply or reply[0] != n or len(reply) % 2 != 1:
         return None
     out: list[Any] = [COPIED] * n
@@ -79,7 +78,7 @@ def batch_replies(cmd: Command, reply: object, n: int) -> list[Any] | None:
 
 
 def is_batched(cmd: Command) -> bool:
-    """True for a batched script call (its reply: one element per delivery)."""
+    """True for a batched script call (its reply: see :func:`batch_replies`)."""
     return cmd[0] == b"EVALSHA" and cmd[1] in BATCHED
 
 

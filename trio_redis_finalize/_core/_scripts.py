@@ -22,6 +22,7 @@ __all__ = [
     "LIST_WRITES",
     "LIST_ZADD_REMOVE",
     "LUA_XADD",
+    "LUA_XADD_ANY",
     "LUA_XADD_CAPPED",
     "MOVE_DUE_TO_LIST",
     "MOVE_DUE_TO_STREAM",
@@ -125,6 +126,19 @@ LUA_XADD_CAPPED = _xadd_function(
     "xadd_capped", "key, cap, t, from", "key, 'MAXLEN', '~', cap, '*'"
 )
 
+# LUA_XADD_ANY: both, and ``xadd_any(key, cap, t, from)``: XADD key * ...
+# with cap '0' (none), else XADD key MAXLEN ~ cap * ... (a cap argument).
+LUA_XADD_ANY = (
+    LUA_XADD
+    + LUA_XADD_CAPPED
+    + """
+local function xadd_any(key, cap, t, from)
+  if cap ~= '0' then return xadd_capped(key, cap, t, from) end
+  return xadd(key, t, from)
+end
+"""
+)
+
 # LUA_XADD_TO / LUA_XADD_CAPPED_TO: the same, of t[from] ... t[to] (the
 # batched scripts: many entries' values in one ARGV).
 LUA_XADD_TO = _xadd_function("xadd_to", "key, t, from, to", "key, '*'", "to")
@@ -207,17 +221,11 @@ STREAM_ZADD_ACK = _stream_zadd_ack("stream_zadd_ack")
 # KEYS: stream, destination stream.  ARGV: group, id, how ('0', '1' or 'x',
 # see _HOW), cap ('0': none), field, value, ...
 STREAM_COPY_ACK_EX = Script(
-    LUA_XADD
-    + LUA_XADD_CAPPED
+    LUA_XADD_ANY
     + _HOW
     + _STREAM_GATE
     + """
-local new
-if ARGV[4] ~= '0' then
-  new = xadd_capped(KEYS[2], ARGV[4], ARGV, 5)
-else
-  new = xadd(KEYS[2], ARGV, 5)
-end
+local new = xadd_any(KEYS[2], ARGV[4], ARGV, 5)
 remove_one(KEYS[1], ARGV[1], ARGV[2], ARGV[3])
 return new
 """,
@@ -238,16 +246,16 @@ STREAM_ZADD_ACKDEL = _stream_zadd_ack("stream_zadd_ackdel", delete="xackdel")
 # (~12 us of server time) is paid once per batch instead of once per
 # delivery.  Each delivery is finalized as its single script would: its own
 # gate (XPENDING of its id), its copy written first, its original removed
-# second.  Its steps run in a ``pcall``: an error (WRONGTYPE of the
-# destination, OOM at its write ...) ends that delivery's steps only and
+# second.  Its write runs in a ``redis.pcall`` (or a ``pcall``): an error
+# (WRONGTYPE of the destination, OOM at its write ...) ends that delivery's
+# steps only and
 # comes back as that delivery's element of the reply, a nested error reply,
 # with the code the single script's reply would carry (Redis 7 / Valkey:
 # the inner error's own code; Redis 6.2: ``@user_script: n: -CODE ...``,
-# which ``classify`` reads as the wrapped form).  The reply says, per
-# delivery in order, what the single script returns (the new id / the due
-# time; nil for a closed gate) or that delivery's error: one element each
-# (STREAM_ZADD_ACK_BATCH), or only those of the deliveries not copied
-# (STREAM_COPY_ACK_BATCH, below).
+# which ``classify`` reads as the wrapped form).  The reply lists, by
+# place, the deliveries not finalized, each with what its single script
+# would return (nil for a closed gate) or its error (see
+# STREAM_COPY_ACK_BATCH, below).
 #
 # OOM (a write refused under maxmemory) is only checked while the script has
 # written nothing, so it meets the first deliveries of a call (each its own
@@ -271,55 +279,85 @@ than that alone goes as its single script)."""
 # removes answers its error (copied, still pending: delivered again --
 # duplicate, never loss).  ``how`` (ARGV[2]) as _HOW says: with ``x`` the
 # removals are one XACKDEL ... ACKED IDS n of them all.
-_BATCH_HEAD = """
-local group = ARGV[1]
-local delete = ARGV[2] == '1'
-local ackdel = ARGV[2] == 'x'
-local out = {}
-local done, at = {}, {}
-local pend, gone = {}, {}
-local function gates(lo, hi, count)
-  local ok, p = pcall(redis.call, 'XPENDING', KEYS[1], group, lo, hi, tonumber(count))
+def _batch_head(lo: int) -> str:
+    """Lua, first in a batched script: its globals read once into locals,
+    ``bad`` / ``done`` (see _BATCH_TAIL), and ``pend`` filled from the one
+    XPENDING of the call's range (``ARGV[lo]`` .. ``ARGV[lo + 1]``, at most
+    ``ARGV[lo + 2]`` rows): ``pend[id]`` true for an id it found pending."""
+    return f"""
+local argv, stream, dest = ARGV, KEYS[1], KEYS[2]
+local rpcall, unpack, type, tonumber = redis.pcall, unpack, type, tonumber
+local group, how = argv[1], argv[2]
+local bad, done, nd = {{}}, {{}}, 0
+local pend = {{}}
+do
+  local ok, p = pcall(redis.call, 'XPENDING', stream, group, argv[{lo}], argv[{lo + 1}],
+                      tonumber(argv[{lo + 2}]))
   if ok then
-    for _, e in ipairs(p) do pend[e[1]] = true end
+    for j = 1, #p do pend[p[j][1]] = true end
   end
 end
-local function settle(k, ok, r)
-  if ok then
-    out[k] = r
-  elseif type(r) == 'table' then
-    out[k] = r
+"""
+
+
+# Lua, in a batched script's loop, for the delivery ``k`` of id ``id``: its
+# gate.  ``pend[id]``: true pending, false finalized earlier in this call,
+# nil not read (its own XPENDING, as the single script's).
+_BATCH_GATE = """
+  local open = pend[id]
+  if open == nil then
+    local ok, p = pcall(redis.call, 'XPENDING', stream, group, id, id, 1)
+    open = ok and #p > 0
+  end
+"""
+
+# Lua, in a batched script's loop, after the write of an open delivery
+# (``r``: its ``redis.pcall``'s answer, ``wrote``: whether it is a success):
+# its id goes to the removals, or its error to the reply; a closed gate's
+# delivery is listed as false (nil in the reply).
+_BATCH_SETTLE = """
+    if wrote then
+      pend[id] = false
+      nd = nd + 1
+      done[nd] = id
+    else
+      bad[#bad + 1] = k
+      bad[#bad + 1] = r
+    end
   else
-    out[k] = {err = tostring(r)}
+    bad[#bad + 1] = k
+    bad[#bad + 1] = false
   end
-end
-local function open(id)
-  if gone[id] then return false end
-  if pend[id] then return true end
-  local ok, p = pcall(redis.call, 'XPENDING', KEYS[1], group, id, id, 1)
-  return ok and #p > 0
-end
-local function remove(k, id)
-  gone[id] = true
-  done[#done + 1] = id
-  at[#at + 1] = k
-end
-local function removals()
-  if #done == 0 then return end
+"""
+
+# Lua, last in a batched script: the removals of the deliveries written (one
+# XACK, then one XDEL, or one XACKDEL, as ``how`` says), and the reply
+# ``{k, at, element ...}`` (see STREAM_COPY_ACK_BATCH).
+_BATCH_TAIL = """
+if nd > 0 then
   local ok, e
-  if ackdel then
-    ok, e = pcall(redis.call, 'XACKDEL', KEYS[1], group, 'ACKED', 'IDS', #done, unpack(done))
+  if how == 'x' then
+    ok, e = pcall(redis.call, 'XACKDEL', stream, group, 'ACKED', 'IDS', nd, unpack(done))
   else
-    ok, e = pcall(redis.call, 'XACK', KEYS[1], group, unpack(done))
+    ok, e = pcall(redis.call, 'XACK', stream, group, unpack(done))
   end
-  if ok and delete then
-    ok, e = pcall(redis.call, 'XDEL', KEYS[1], unpack(done))
+  if ok and how == '1' then
+    ok, e = pcall(redis.call, 'XDEL', stream, unpack(done))
   end
   if not ok then
+    -- every delivery written answers the removal's error (still pending)
     if type(e) ~= 'table' then e = {err = tostring(e)} end
-    for _, k in ipairs(at) do out[k] = e end
+    local listed = {}
+    for j = 1, #bad, 2 do listed[bad[j]] = true end
+    for j = 1, k do
+      if not listed[j] then
+        bad[#bad + 1] = j
+        bad[#bad + 1] = e
+      end
+    end
   end
 end
+return {k, unpack(bad)}
 """
 
 # KEYS: stream, destination stream.  ARGV: group, how ('0', '1' or 'x', see
@@ -332,6 +370,7 @@ end
 # for each delivery that was not copied and removed, its place (1-based)
 # and its element (nil: its gate was closed; or its error).  A delivery not
 # listed was copied and its original removed (the single script's new id).
+# STREAM_ZADD_ACK_BATCH answers the same way.
 # A reply of one element per delivery (a bulk string each, converted from
 # Lua and written out one by one) was a large share of what the script
 # cost the server beyond its commands (``bench instructions``' server table).
@@ -348,19 +387,9 @@ end
 STREAM_COPY_ACK_BATCH = Script(
     LUA_XADD_TO
     + LUA_XADD_CAPPED_TO
+    + _batch_head(4)
     + """
-local argv, stream, dest = ARGV, KEYS[1], KEYS[2]
-local rpcall, unpack, type, tonumber = redis.pcall, unpack, type, tonumber
-local group = argv[1]
 local cap = argv[3]
-local bad, done, nd = {}, {}, 0
-local pend = {}
-do
-  local ok, p = pcall(redis.call, 'XPENDING', stream, group, argv[4], argv[5], tonumber(argv[6]))
-  if ok then
-    for j = 1, #p do pend[p[j][1]] = true end
-  end
-end
 local function wide(from, to)
   if cap ~= '0' then return xadd_capped_to(dest, cap, ARGV, from, to) end
   return xadd_to(dest, ARGV, from, to)
@@ -371,12 +400,9 @@ while i <= last do
   local n = tonumber(argv[i + 1])
   local to = i + 1 + n
   k = k + 1
-  -- pend[id]: true pending, false copied earlier in this call, nil not read
-  local open = pend[id]
-  if open == nil then
-    local ok, p = pcall(redis.call, 'XPENDING', stream, group, id, id, 1)
-    open = ok and #p > 0
-  end
+"""
+    + _BATCH_GATE
+    + """
   if open then
     local r
     if n >= """ + str(UNPACK_MAX) + """ or argv[to] == '""" + SERVER_TIME.decode("latin-1") + """' then
@@ -387,72 +413,51 @@ while i <= last do
     else
       r = rpcall('XADD', dest, 'MAXLEN', '~', cap, '*', unpack(argv, i + 2, to))
     end
-    if type(r) == 'string' then
-      pend[id] = false
-      nd = nd + 1
-      done[nd] = id
-    else
-      bad[#bad + 1] = k
-      bad[#bad + 1] = r
-    end
-  else
-    bad[#bad + 1] = k
-    bad[#bad + 1] = false
-  end
+    local wrote = type(r) == 'string'
+"""
+    + _BATCH_SETTLE
+    + """
   i = to + 1
 end
-if nd > 0 then
-  local ok, e
-  if ARGV[2] == 'x' then
-    ok, e = pcall(redis.call, 'XACKDEL', stream, group, 'ACKED', 'IDS', #done, unpack(done))
-  else
-    ok, e = pcall(redis.call, 'XACK', stream, group, unpack(done))
-  end
-  if ok and ARGV[2] == '1' then
-    ok, e = pcall(redis.call, 'XDEL', stream, unpack(done))
-  end
-  if not ok then
-    -- every delivery copied answers the removal's error (still pending)
-    if type(e) ~= 'table' then e = {err = tostring(e)} end
-    local listed = {}
-    for j = 1, #bad, 2 do listed[bad[j]] = true end
-    for j = 1, k do
-      if not listed[j] then
-        bad[#bad + 1] = j
-        bad[#bad + 1] = e
-      end
-    end
-  end
-end
-return {k, unpack(bad)}
-""",
+"""
+    + _BATCH_TAIL,
     name="stream_copy_ack_batch",
 )
 
 # KEYS: stream, delay set.  ARGV: group, how ('0', '1' or 'x', see _HOW), lo, hi, count
 # (the gates' range), then per delivery: id, delay ms, member.  Each as
-# STREAM_ZADD_ACK (_DEL with '1', STREAM_ZADD_ACKDEL with 'x').
+# STREAM_ZADD_ACK (_DEL with '1', STREAM_ZADD_ACKDEL with 'x'); its reply
+# as STREAM_COPY_ACK_BATCH's (a delivery not listed: its copy added to the
+# delay set, its original removed; the single script's due time), its loop
+# as inline: a ZADD in ``redis.pcall`` per delivery, which answers an
+# integer, or an error reply as its table (that delivery's element).  A
+# delay that is not a number is that delivery's error (ERR), as the single
+# script's would be (its error there fails its script).
 STREAM_ZADD_ACK_BATCH = Script(
-    _BATCH_HEAD
+    _batch_head(3)
     + _NOW_MS
     + """
-gates(ARGV[3], ARGV[4], ARGV[5])
-local function one(i)
-  if not open(ARGV[i]) then return false end
-  local due = now + tonumber(ARGV[i + 1])
-  redis.call('ZADD', KEYS[2], due, ARGV[i + 2])
-  return due
-end
 local k = 0
-for i = 6, #ARGV, 3 do
+for i = 6, #argv, 3 do
+  local id = argv[i]
   k = k + 1
-  local ok, r = pcall(one, i)
-  settle(k, ok, r)
-  if ok and r then remove(k, ARGV[i]) end
+"""
+    + _BATCH_GATE
+    + """
+  if open then
+    local d, r = tonumber(argv[i + 1])
+    if d then
+      r = rpcall('ZADD', dest, now + d, argv[i + 2])
+    else
+      r = {err = 'ERR the delay of ' .. id .. ' is not a number'}
+    end
+    local wrote = type(r) == 'number'
+"""
+    + _BATCH_SETTLE
+    + """
 end
-removals()
-return out
-""",
+"""
+    + _BATCH_TAIL,
     name="stream_zadd_ack_batch",
 )
 
@@ -755,8 +760,7 @@ wapply({at + 1}, nw)
 # Returns false (gate closed), or what the cell's script returns: 1 ('ack'),
 # the copy's id, the due time.
 STREAM_WRITES = Script(
-    LUA_XADD
-    + LUA_XADD_CAPPED
+    LUA_XADD_ANY
     + _HOW
     + _WRITES_LUA
     + """
@@ -769,11 +773,7 @@ if not ok or #p == 0 then return false end
 local op = ARGV[3]
 local r = 1
 if op == 'copy' then
-  if ARGV[5] ~= '0' then
-    r = xadd_capped(KEYS[2], ARGV[5], ARGV, i)
-  else
-    r = xadd(KEYS[2], ARGV, i)
-  end
+  r = xadd_any(KEYS[2], ARGV[5], ARGV, i)
 elseif op == 'zadd' then
 """
     + _ZADD_DUE
@@ -835,17 +835,11 @@ still recognised (the scheduler resends within seconds)."""
 
 # KEYS: stream, marker.  ARGV: marker ttl ms, cap ('0': none), field, value, ...
 STREAM_COPY_ONCE = Script(
-    LUA_XADD
-    + LUA_XADD_CAPPED
+    LUA_XADD_ANY
     + """
 local done = redis.call('GET', KEYS[2])
 if done then return done end
-local id
-if ARGV[2] ~= '0' then
-  id = xadd_capped(KEYS[1], ARGV[2], ARGV, 3)
-else
-  id = xadd(KEYS[1], ARGV, 3)
-end
+local id = xadd_any(KEYS[1], ARGV[2], ARGV, 3)
 redis.call('SET', KEYS[2], id, 'PX', ARGV[1])
 return id
 """,
@@ -858,11 +852,9 @@ return id
 # letter written to another Redis Cluster slot than its source (the removal
 # of the original follows as its own command).
 STREAM_XADD = Script(
-    LUA_XADD
-    + LUA_XADD_CAPPED
+    LUA_XADD_ANY
     + """
-if ARGV[1] ~= '0' then return xadd_capped(KEYS[1], ARGV[1], ARGV, 2) end
-return xadd(KEYS[1], ARGV, 2)
+return xadd_any(KEYS[1], ARGV[1], ARGV, 2)
 """,
     name="stream_xadd",
 )
