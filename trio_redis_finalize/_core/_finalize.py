@@ -446,8 +446,9 @@ class FinalizeBatch:
         deferred = ""
         for cmd, r, own in zip(commands, replies, owners, strict=True):
             if len(own) > 1 and cmd[0] == b"EVALSHA" and cmd[1] in BATCHED:
-                # a batched script call: one element per delivery (plan), each
-                # settled as the reply to that plan's own script would be
+                # a batched script call: its short reply read back as one element
+                # per delivery (plan, ``batch_replies``), each settled as the
+                # reply to that plan's own script would be
                 elements = batch_replies(cmd, r, len(own))
                 if elements is None:
                     if not isinstance(r, Exception):
