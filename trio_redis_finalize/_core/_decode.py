@@ -72,9 +72,9 @@ class Foreign(Delivery):
     computed; once read it is an ordinary slot; a ``Delivery`` in every
     respect (``isinstance``, fields, copies, its repr and name).
 
-    The Pub/Sub reader (``_channel.payload_deliveries``) also leaves unset
-    the fields whose value every foreign delivery shares (:data:`_SHARED`:
-    ``fields``, empty; ``retries``, 0; ``corrupt``, ``error`` and ``flat``,
+    Every foreign delivery (:func:`foreign`, the list and Pub/Sub readers'
+    inline copies of it) also leaves unset the fields whose value all of
+    them share (:data:`_SHARED`: ``fields``, empty; ``retries``, 0; ``corrupt``, ``error`` and ``flat``,
     None): set when first read, as ``origin_id`` is (``fields`` a new empty
     map of its own), so a message handled without reading them costs five
     stores and a dict less.
@@ -131,25 +131,17 @@ with ``Delivery.__init__``)."""
 ForeignBuilder.__init__ = object.__init__  # type: ignore[assignment, method-assign]
 
 
-_new = object.__new__
-
-
 def foreign(source: str, raw: bytes, mount: str) -> Delivery:
     """The delivery of foreign bytes ``raw`` (no envelope: attempt 1, within any
     ``max_attempts``): a :class:`Foreign`, built on its twin."""
-    d: Any = _new(ForeignBuilder)
+    d: Any = object.__new__(ForeignBuilder)
     d.source = source
     d.id = None
-    d.fields = {}
     d.data = raw
     d.attempt = 1
     d.raw = raw
-    d.retries = 0
     d.mount = mount
-    d.corrupt = None
-    d.error = None
-    d.flat = None
-    d.__class__ = Foreign  # every field but origin_id set: frozen from here on
+    d.__class__ = Foreign  # the rest set when first read (_SHARED): frozen from here on
     out: Delivery = d
     return out
 
@@ -207,16 +199,11 @@ def list_deliveries(
             d: Any = twin()
             d.source = source
             d.id = None
-            d.fields = {}
             d.data = raw
             d.attempt = 1
             d.raw = raw
-            d.retries = 0
             d.mount = name
-            d.corrupt = None
-            d.error = None
-            d.flat = None
-            d.__class__ = cls
+            d.__class__ = cls  # the rest set when first read (_SHARED)
             append(d)
             continue
         try:
