@@ -351,8 +351,9 @@ async def lib_stream(url: str, client: Client, n: int, *, outcome: Outcome = ACK
         return outcome
 
     async with open_consumer(url, name="bench") as consumer, Meter(client) as m:
+        # batch= only when asked: an older checkout's mount() has none (TRF_BENCH_LIB)
         await consumer.mount(StreamSubscription(STREAM, group, count=COUNT), handle,
-                             concurrency=concurrency, batch=batch)
+                             concurrency=concurrency, **({"batch": True} if batch else {}))
         await _until(consumer, _name(STREAM, group), effect, n)
     assert await _pending(client, group) == 0
     return m.sample
@@ -676,7 +677,7 @@ async def lib_reliable(url: str, client: Client, n: int, *, batch: bool = False)
     async with open_consumer(url, name="bench") as consumer, Meter(client) as m:
         await consumer.mount(
             ReliableListSubscription(QUEUE, processing=PROCESSING, block=1.0), handle,
-            batch=batch,
+            **({"batch": True} if batch else {}),
         )
         await _until(consumer, name, "acked", n)
     assert await client.execute("LLEN", PROCESSING) == 0
