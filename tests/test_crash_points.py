@@ -542,7 +542,7 @@ async def run_case(url: str, path: Path, k: int | None, fault: str,
             case.names |= {str(c[0]).upper() for c in client.sent}
             case.list_copies += list_copies(client.applied)
             # (each delivery's element, as the core reads them)
-            case.batched += [batch_replies(c, r, len(batch_singles(c))) or r
+            case.batched += [batch_replies(r, len(batch_singles(c))) or r
                              for c, r in client.applied if is_batched(c)]
         # recovery: the restarted process, same consumer name
         async with open_fault_client(url) as client:

@@ -235,9 +235,8 @@ def copied(reply: Any, n: int) -> list[Any]:
     """The elements of a STREAM_COPY_ACK_BATCH reply for ``n`` deliveries, one
     each (``COPIED`` for a delivery copied and removed), as the core reads them."""
     from trio_redis_finalize._core._batch import batch_replies
-    from trio_redis_finalize._core._scripts import STREAM_COPY_ACK_BATCH
 
-    elements = batch_replies((b"EVALSHA", STREAM_COPY_ACK_BATCH.sha), reply, n)
+    elements = batch_replies(reply, n)
     assert elements is not None, reply
     return elements
 
@@ -431,7 +430,7 @@ async def test_zadd_batch_one_deliverys_error_is_its_element_only(client: Client
     async def call(key: str, ids: Sequence[str], delays: Sequence[int | str], how: str = "0"
                    ) -> list[Any]:
         reply = await client.evalsha(STREAM_ZADD_ACK_BATCH, (S, key), zadd_batch_args(ids, delays, how))
-        elements = batch_replies((b"EVALSHA", STREAM_ZADD_ACK_BATCH.sha), reply, len(ids))
+        elements = batch_replies(reply, len(ids))
         assert elements is not None, reply
         return elements
 
@@ -486,7 +485,7 @@ async def test_planner_batches_run_as_their_single_scripts(client: Client) -> No
     from trio_redis_finalize._core._batch import batch_replies
 
     assert replies == [[2], [2]]  # the delays and the copies: each finalized
-    assert [len(batch_replies(c, r, 2) or ()) for c, r in zip(commands, replies, strict=True)] == [
+    assert [len(batch_replies(r, 2) or ()) for r in replies] == [
         2, 2]
     assert await pending_count(client) == 0
     assert await client.execute("ZCARD", "{orders}:delayed") == 2

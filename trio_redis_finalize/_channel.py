@@ -118,7 +118,6 @@ _MAX_NAMES = 1000
 _MAGIC_BYTE = MAGIC[0]
 _MESSAGE = b"message"
 _PMESSAGE = b"pmessage"
-_new = object.__new__
 
 
 def payload_deliveries(
@@ -147,8 +146,7 @@ def payload_deliveries(
     pattern = target.form is Form.PATTERN
     kind = _PMESSAGE if pattern else _MESSAGE
     append = ready.append
-    new = _new
-    builder = ForeignBuilder
+    blank: Any = ForeignBuilder  # called: a blank twin (``_value.builder``)
     magic = _MAGIC_BYTE
     last: bytes | None = None
     name = ""
@@ -172,7 +170,7 @@ def payload_deliveries(
             # foreign(name, data, mount), inline; what every foreign delivery
             # shares (fields, retries, corrupt, error, flat) is set when first
             # read, as origin_id is (Foreign)
-            d: Any = new(builder)
+            d: Any = blank()
             d.source = name
             d.id = None
             d.data = data

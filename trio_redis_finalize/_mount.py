@@ -409,9 +409,7 @@ class Mount:
         because the shutdown cancelled their handler."""
         t = self.target
         cut = self.cut
-        shown = [d.id or d.origin_id for d in cut[:_CUT_SHOWN]]
-        names = ", ".join(shown) + (f" and {len(cut) - len(shown)} more" if len(cut) > len(shown)
-                                    else "")
+        names = _shown([d.id or d.origin_id for d in cut])
         if t.form is Form.STREAM:
             fate = (f"entries {names}: left pending in the PEL of group {t.group!r} (consumer "
                     f"{self.consumer.name!r}), delivered again later")

@@ -55,7 +55,7 @@ removed (the single script answers the new id or the due time; no
 settlement reads it)."""
 
 
-def batch_replies(cmd: Command, reply: object, n: int) -> list[Any] | None:
+def batch_replies(reply: object, n: int) -> list[Any] | None:
     """The elements of a batched call's ``reply``, one per delivery in order
     (what each delivery's single script would have answered), or None when
     ``reply`` is not a reply of ``n`` deliveries.

@@ -449,7 +449,7 @@ class FinalizeBatch:
                 # a batched script call: its short reply read back as one element
                 # per delivery (plan, ``batch_replies``), each settled as the
                 # reply to that plan's own script would be
-                elements = batch_replies(cmd, r, len(own))
+                elements = batch_replies(r, len(own))
                 if elements is None:
                     if not isinstance(r, Exception):
                         r = rexc.ResponseError(
@@ -698,10 +698,8 @@ class Settlement:
     def forget(self) -> list[str]:
         """The stream ids finalized (or failed: the own-PEL re-read delivers them again)."""
         b = self._batch
-        if b._core._stream:  # every stream delivery has its id
-            return b._ids + [d.id for d, _ in b._plans if d.id is not None]
-        return [d.id for d in b._removed if d.id is not None] + [
-            d.id for d, _ in b._plans if d.id is not None]
+        # the hot path's ids listed once (streams; other forms hold no ids)
+        return b._ids + [d.id for d, _ in b._plans if d.id is not None]
 
     def deliveries(self) -> list[tuple[Delivery, str]]:
         """Every delivery the batch finalized with its settled effect (the hot
