@@ -9,7 +9,10 @@ the machine is doing.  This module counts, per message:
 * **client**: the Python process of a floor of ``workloads`` and of the
   library doing the same work (stream ACK at concurrency 1, reliable list ACK,
   Pub/Sub receive), beside the floor that also awaits a no-op handler per
-  message (what the one call per message that no consumer can avoid costs).
+  message (what the one call per message that no consumer can avoid costs),
+  and the floor that also builds the library's deliveries of each batch it
+  reads (``floor + decode``: what any handler is given, the bound of a batch
+  handler).
   As in ``workloads``, the Pub/Sub contenders publish their messages from the
   same process (counted alike for all three).
   Each contender runs in a child process under callgrind, instrumented only
@@ -125,6 +128,7 @@ def _child(contender: str, url: str, n: int) -> None:
         "stream library + write": lambda c, p: w.lib_stream(
             url, c, n, outcome=ACK.with_writes(("HINCRBY", w.TOTALS, "n", 1))),
         "list floor": lambda c, p: w.ovl_reliable(c, n),
+        "list floor + decode": lambda c, p: w.ovl_reliable(c, n, decode=True),
         "list library": lambda c, p: w.lib_reliable(url, c, n),
         "list library batch": lambda c, p: w.lib_reliable(url, c, n, batch=True),
         "pubsub floor": lambda c, p: w.ovl_pubsub(c, p, n),
@@ -229,7 +233,8 @@ def _client_table(url: str, tmp: Path, n: int, only: list[str]) -> None:
                                        "stream library batch"]),
         ("stream ACK carrying one write (HINCRBY)", ["stream floor + write",
                                                     "stream library + write"]),
-        ("reliable list ACK", ["list floor", "list library", "list library batch"]),
+        ("reliable list ACK", ["list floor", "list floor + decode", "list library",
+                               "list library batch"]),
         ("Pub/Sub receive", ["pubsub floor", "pubsub floor + call", "pubsub library"]),
     ]
     print(f"client (this Python, its transport included): instructions per message, "

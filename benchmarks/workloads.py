@@ -648,14 +648,20 @@ async def seq_reliable(client: Client, n: int) -> Sample:
     return m.sample
 
 
-async def ovl_reliable(client: Client, n: int) -> Sample:
+async def ovl_reliable(client: Client, n: int, *, decode: bool = False) -> Sample:
+    """The overlapped floor of the reliable list; ``decode``: it also builds
+    the library's deliveries of each batch (``_core._decode.list_deliveries``:
+    what a batch handler is given), the bound of a batch handler's cost."""
     await _fill(client, n)
+    target = ReliableListSubscription(QUEUE, processing=PROCESSING).target("raw", cluster=False)
 
     async def reader(send: trio.MemorySendChannel[list[Any]]) -> None:
         got = 0
         while got < n:
             moved = await _move_some(conn)
             got += len(moved)
+            if decode:
+                internal("_decode").list_deliveries(target, QUEUE, moved)
             await send.send(moved)
 
     async def finalize(elements: list[Any]) -> int:

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import pickle
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,7 +26,7 @@ from trio_redis_finalize._core._decode import (
     stream_deliveries,
 )
 from trio_redis_finalize._core._plan import Effect, Target, _entry_fields, content_origin
-from trio_redis_finalize._delivery import Delivery, trace_fields
+from trio_redis_finalize._delivery import Delivery, record_error, trace_fields
 from trio_redis_finalize._envelope import MAGIC, wrap
 
 HEADERS = (RETRIES_FIELD, ORIGIN_FIELD, GROUP_FIELD)
@@ -129,7 +134,8 @@ def _against_the_reference(pairs: list[tuple[bytes, bytes]], count: int, plain_r
     counts = None if plain_read and count == 1 else {b"7-0": count}
     ready, direct = stream_deliveries(TARGET, [(b"7-0", flat)], counts)
     [d] = ready + [d for d, _ in direct]
-    assert type(d) is Delivery and d.id == "7-0" and d.source == TARGET.source
+    assert isinstance(d, Delivery) and type(d).__name__ == "Delivery"
+    assert d.id == "7-0" and d.source == TARGET.source
     assert (d.data, d.raw, d.mount) == (None, None, TARGET.name)
     body = [(n, v) for n, v in pairs if n not in HEADERS]  # what copies carry
     own = [(n, v) for n, v in body if n not in TRACE]  # what the handler sees
@@ -147,6 +153,48 @@ def _against_the_reference(pairs: list[tuple[bytes, bytes]], count: int, plain_r
     foreign = headers.get(GROUP_FIELD, b"g") != b"g"
     handled = not foreign and valid and d.attempt <= 3
     assert bool(ready) == handled
+
+
+def test_an_originals_field_map_is_made_when_read() -> None:
+    """An original read once leaves its field map (made from its field list)
+    unset until read; then an ordinary slot, frozen; the rest as any delivery."""
+    flat = [b"a", b"1", b"b", b"2"]
+    [d], _ = stream_deliveries(TARGET, [(b"5-1", flat)])
+    with pytest.raises(AttributeError):
+        Delivery.__dict__["fields"].__get__(d)  # the slot: not made yet
+    assert (d.data, d.raw, d.corrupt, d.error, d.retries) == (None, None, None, None, 0)
+    assert d.fields == {b"a": b"1", b"b": b"2"} and d.fields is d.fields
+    assert Delivery.__dict__["fields"].__get__(d) is d.fields  # now an ordinary slot
+    assert d.flat is flat and d.field_list == ((b"a", b"1"), (b"b", b"2"))
+    for name in ("fields", "data", "id", "not_a_field"):
+        with pytest.raises(dataclasses.FrozenInstanceError, match="Delivery is immutable"):
+            setattr(d, name, "x")
+        with pytest.raises(dataclasses.FrozenInstanceError, match="Delivery is immutable"):
+            delattr(d, name)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        d.nope  # type: ignore[attr-defined]  # noqa: B018
+    [e], _ = stream_deliveries(TARGET, [(b"5-2", flat)])
+    record_error(e, ValueError("boom"))
+    assert e.error == "ValueError: boom" and d.error is None
+    [f], _ = stream_deliveries(TARGET, [(b"5-3", [])])
+    assert f.fields == {} and f.field_list == ()
+
+
+def test_an_original_copies_and_pickles_as_a_delivery() -> None:
+    plain = Delivery("s", "5-1", {b"a": b"1"}, None, 1, "5-1", mount=TARGET.name,
+                     flat=[b"a", b"1"])
+    for c in (copy.copy, copy.deepcopy, lambda d: pickle.loads(pickle.dumps(d))):
+        [d], _ = stream_deliveries(TARGET, [(b"5-1", [b"a", b"1"])])
+        other = c(d)
+        assert type(other) is Delivery and repr(other) == repr(d) == repr(plain)
+        assert _same(other, plain) and other.error is None
+        record_error(d, ValueError("x"))
+        assert c(d).error == "ValueError: x"
+    [d], _ = stream_deliveries(TARGET, [(b"5-1", [b"a", b"1"])])
+    moved = dataclasses.replace(d, attempt=2)
+    assert (moved.attempt, moved.fields, moved.origin_id) == (2, {b"a": b"1"}, "5-1")
+    other = dataclasses.replace(d, fields={b"b": b"2"})
+    assert other.fields == {b"b": b"2"} and d.fields == {b"a": b"1"}
 
 
 # -- list elements ---------------------------------------------------------------

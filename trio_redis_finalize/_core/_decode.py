@@ -14,7 +14,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .._delivery import Delivery, DeliveryBuilder, _set_origin_id
+from .._delivery import Delivery, _set_origin_id
 from .._envelope import (
     GROUP_FIELD,
     MAGIC,
@@ -32,6 +32,7 @@ __all__ = [
     "Entry",
     "Foreign",
     "ForeignBuilder",
+    "Original",
     "as_str",
     "foreign",
     "id_key",
@@ -224,6 +225,45 @@ def list_deliveries(
 
 # -- streams ------------------------------------------------------------------
 
+class Original(Delivery):
+    """The delivery of a stream original read once (no header field, no trace
+    context: attempt 1, its own origin): its field map is made from ``flat``
+    when first read instead of for every entry read (an ACK or DROP never
+    reads it; a handler that does pays the same dict, once, and a property
+    call on each read).  As with :class:`Foreign`, nothing else differs:
+    ``fields`` is a function of ``flat`` (which nothing changes), the same
+    whenever it is made; a ``Delivery`` in every respect.
+
+    A property rather than ``__getattr__`` (as :class:`Foreign` has): a class
+    with a ``__getattr__`` makes every attribute read slower (the hook, no
+    specialised slot load), and the finalizer reads every entry's ``id``.
+    """
+
+    __slots__ = ()
+
+    @property
+    def fields(self) -> Mapping[bytes, bytes]:
+        try:
+            return _get_fields(self)  # type: ignore[no-any-return]
+        except AttributeError:  # not made yet
+            it = iter(self.flat)  # type: ignore[arg-type]  # always set on an Original
+            fields = dict(zip(it, it, strict=False))
+            _set_fields(self, fields)
+            return fields
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # pickled and copied as the Delivery it is (pickle finds no Original by its name)
+        return _as_delivery, (Delivery.__getstate__(self),)
+
+
+Original.__name__ = Original.__qualname__ = "Delivery"  # what a handler is told it got
+_get_fields = Delivery.__dict__["fields"].__get__
+_set_fields, = setters(Delivery, "fields")
+
+OriginalBuilder = builder(Original)
+"""An :class:`Original` is filled in on this twin (``_value.builder``)."""
+
+
 Entry = tuple[bytes, list[bytes] | None]
 """A stream entry as a read answers it: its id and flat field list (name,
 value, ...); ``None`` for an entry deleted while pending (``XCLAIM``)."""
@@ -311,7 +351,8 @@ def stream_deliveries(
     append = ready.append
     special = _SPECIAL
     plain = _SPECIAL.isdisjoint
-    blank: Any = DeliveryBuilder  # called: a blank twin (``_value.builder``)
+    blank: Any = OriginalBuilder  # called: a blank twin (``_value.builder``)
+    original = Original
     for eid, flat in entries:
         # the common case, first: an original (no header, no trace context)
         # read once (attempt 1, within any max_attempts); its field map built
@@ -320,28 +361,23 @@ def stream_deliveries(
         if flat is not None and (not counts or counts.get(eid, 1) == 1):
             n = len(flat)
             if n == 4:
-                a, x, b, y = flat
-                fields = None if a in special or b in special else {a: x, b: y}
+                plain_names = flat[0] not in special and flat[2] not in special
             elif n == 2:
-                fields = None if (a := flat[0]) in special else {a: flat[1]}
-            elif not n & 1 and plain(flat[::2]):
-                it = iter(flat)
-                fields = dict(zip(it, it, strict=False))
+                plain_names = flat[0] not in special
             else:
-                fields = None
-            if fields is not None:
-                # Delivery(source, entry_id, fields, None, 1, entry_id, None, 0,
-                # name, None, flat), inline: one per entry read
+                plain_names = not n & 1 and plain(flat[::2])
+            if plain_names:
+                # an Original (its field map made when first read), inline:
+                # one per entry read
                 d: Any = blank()
                 d.source = source
                 d.id = d.origin_id = eid.decode()
-                d.fields = fields
                 d.data = d.raw = d.corrupt = d.error = None
                 d.attempt = 1
                 d.retries = 0
                 d.mount = name
                 d.flat = flat
-                d.__class__ = Delivery  # every field set: frozen from here on
+                d.__class__ = original  # fields made when first read: frozen from here on
                 append(d)
                 continue
         entry_id = eid.decode()
