@@ -40,6 +40,22 @@ async def eventually(check: Callable[[], bool | Awaitable[bool]], timeout: float
     raise AssertionError(f"{what} not reached within {timeout} s")
 
 
+def assert_immutable(d: Delivery, names: tuple[str, ...]) -> None:
+    """Assigning or deleting each of ``names`` on ``d`` is refused (a frozen
+    ``Delivery``, whatever its lazy subclass), as is an unknown attribute."""
+    import dataclasses
+
+    import pytest
+
+    for name in names:
+        with pytest.raises(dataclasses.FrozenInstanceError, match="Delivery is immutable"):
+            setattr(d, name, "x")
+        with pytest.raises(dataclasses.FrozenInstanceError, match="Delivery is immutable"):
+            delattr(d, name)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        d.nope  # type: ignore[attr-defined]  # noqa: B018
+
+
 class Recorder:
     """A handler that records deliveries and answers with ``decide(delivery)``."""
 

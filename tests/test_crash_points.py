@@ -218,10 +218,16 @@ RETENTION_PATHS = [
          sub={**DEAD3, **DELETE, "dead_letter_maxlen": 1000}),
 ]
 # Exactly-once effects: the message's last outcome carries a write (one per
-# cell: the batched paths are left out, an outcome with writes goes alone)
+# cell; the batched copies are left out, a copy with writes goes alone), and
+# batches of ACKs and DROPs carrying writes: one STREAM_WRITES_ACK_BATCH call each
 WRITES_PATHS = [
-    dataclasses.replace(p, id=f"{p.form}{'-delete' if p.deletes else ''}-{p.id}-writes", writes=True)
-    for p in [*STREAM_PATHS, *RETENTION_PATHS, *LIST_PATHS] if p.n == 1
+    *[dataclasses.replace(p, id=f"{p.form}{'-delete' if p.deletes else ''}-{p.id}-writes",
+                          writes=True)
+      for p in [*STREAM_PATHS, *RETENTION_PATHS, *LIST_PATHS] if p.n == 1],
+    Path("stream-ack-batch-writes", "stream", ACK, "gone", n=3, writes=True),
+    Path("stream-ack-batch-half-closed-writes", "stream", ACK, "gone", n=3, raced=True,
+         writes=True),
+    Path("stream-delete-drop-batch-writes", "stream", DROP, "gone", n=3, writes=True, sub=DELETE),
 ]
 # The batch handler (mount(..., batch=True)): the same finalizations, the
 # outcomes of one call handed on together (a list of them; one for all when
@@ -232,7 +238,7 @@ BATCH_PATHS = [
     for p in [*STREAM_PATHS, *LIST_PATHS, *WRITES_PATHS]
     if p.id in ("ack", "retry", "retry-after-runtime", "dead-letter", "retry-batch",
                 "retry-batch-half-closed", "dead-letter-batch", "stream-ack-writes",
-                "stream-retry-writes", "list-ack-writes")
+                "stream-retry-writes", "list-ack-writes", "stream-ack-batch-half-closed-writes")
 ]
 BROKEN_STREAM = Path("broken-ack-then-copy", "stream", RETRY, "copy", gated=False,
                      planner=_remove_then_copy)

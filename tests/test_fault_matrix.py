@@ -239,6 +239,10 @@ WORKLOADS = [
     Workload("stream-delete-writes", "stream", ("EVALSHA:stream_writes",),
              _stream(retention=Retention.DELETE_ON_FINALIZE, **DURABLE), dead_letter=S_DEAD,
              writes=True),
+    # ACKs and DROPs carrying writes, one batch (concurrency 1): batched writes calls
+    Workload("stream-writes-batched", "stream", ("EVALSHA:stream_writes_ack_batch",),
+             _stream(), plans=("ack", "ack", "drop", "ack"), concurrency=1,
+             dead_letter=S_DEAD, writes=True),
     # the batch handler (mount(..., batch=True)): the same commands, one call per read
     Workload("stream-batch-handler", "stream",
              ("XREADGROUP>", "XACK", "EVALSHA:stream_copy_ack_batch", "EVALSHA:stream_copy_once"),

@@ -1128,7 +1128,7 @@ def _reference_first_round(plans: Sequence[Plan], cap: int, room: int) -> list[t
 # a copy with delete/cap arguments opens the next call of the plain copies' key
 @example(picks=[(0, 0), (0, 0), (2, 0), (0, 0)], cap=2, room=40)
 @given(
-    picks=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 4)), max_size=40),
+    picks=st.lists(st.tuples(st.integers(0, 8), st.integers(0, 4)), max_size=40),
     cap=st.integers(1, 5),
     room=st.integers(1, 40),
 )
@@ -1137,7 +1137,7 @@ def test_first_round_groups_as_the_rule_says(
 ) -> None:
     """Plain copies (keys as the same objects or as equal copies), copies with
     delete/cap arguments (``"0"``/``0``: the plain copies' key), other streams,
-    durable delays and single XACKs, mixed: the batched calls and their owners
+    durable delays, single XACKs and ACKs carrying writes, mixed: the batched calls and their owners
     are what the rule says, each call carrying its plans' own commands."""
     import pytest
 
@@ -1163,6 +1163,12 @@ def test_first_round_groups_as_the_rule_says(
         if kind == 6:  # not gated: its own command
             return Plan(Effect.COPIED, (_scripts.STREAM_COPY_ACK.command(
                 (src, src), (grp, eid, *fields)),), gated=False)
+        if kind in (7, 8):  # an ACK carrying writes (8: deleting): keys of its own
+            keys = ["{orders}t", f"{{orders}}k{n % 3}"][: 1 + n % 2]
+            writes = [("HINCRBY", k, "n", n) for k in keys]
+            encoded = [len(writes), *[x for w in writes for x in (4, "hash", *w)]]
+            return Plan(Effect.ACKED, (_scripts.STREAM_WRITES.command(
+                (src, src, *keys), (grp, eid, "ack", "0" if kind == 7 else "1", 0, *encoded)),))
         return Plan(Effect.COPIED, (_scripts.STREAM_COPY_ACK.command(
             (src, src), (grp, eid, *fields)),))
 

@@ -201,6 +201,29 @@ def test_on_redis_82_the_writes_script_removes_with_xackdel(
     assert cmd[3 + cmd[2] + 3] == "x"
 
 
+@pytest.mark.parametrize("retention", [None, Retention.DELETE_ON_FINALIZE])
+@pytest.mark.parametrize("caps", [None, NATIVE], ids=["scripts", "native"])
+@pytest.mark.parametrize("mode", [Mode.PLAIN, Mode.CLAIMING])
+@pytest.mark.parametrize("outcome", [ACK, DROP], ids=["ack", "drop"])
+def test_a_stream_ack_or_drop_with_writes_is_its_removal_in_the_writes_script(
+    retention: Retention | None, caps: Capabilities | None, mode: Mode, outcome: Outcome,
+) -> None:
+    """plan_writes' inline plan of an ACK or DROP is plan()'s removal as
+    _with_writes turns it into the writes script (the general way)."""
+    from trio_redis_finalize._core._writes import _with_writes
+
+    t = _stream_target(retention=retention, mode=mode)
+    if caps is not None:
+        t = dataclasses.replace(t, caps=caps)
+    d = _entry()
+    for writes in ([INCR], [INCR, ("SADD", "{o}seen", "x")], [("DEL", "{o}a", "{o}b"), INCR]):
+        o = outcome.with_writes(*writes)
+        base = plan(t, d, outcome)
+        checked = check_writes(writes)
+        expected = _with_writes(t, base.commands, encode_writes(checked), write_keys(checked))
+        assert plan_writes(t, d, o) == dataclasses.replace(base, commands=expected)
+
+
 LIST_CELLS = [
     ("ack", {}, ACK, 1, "remove", Effect.ACKED),
     ("drop", {}, DROP, 1, "remove", Effect.DROPPED),
@@ -340,6 +363,66 @@ async def test_stream_script_checks_key_types_before_writing(client: Client) -> 
     assert await client.execute("HGET", TOTALS, "n") is None  # the first write did not run
     assert int((await client.execute("XPENDING", S, G))[0]) == 1  # still pending
     assert await client.execute("XLEN", S) == 1  # no copy
+
+
+async def _pending_entries(client: Client, n: int) -> list[Delivery]:
+    await client.execute("XGROUP", "CREATE", S, G, "0", "MKSTREAM")
+    for _ in range(n):
+        await client.execute("XADD", S, "*", "f", "v")
+    reply = await client.execute("XREADGROUP", "GROUP", G, "c1", "COUNT", n, "STREAMS", S, ">")
+    return [Delivery(source=S, id=e[0].decode(), fields={b"f": b"v"}, data=None, attempt=1,
+                     origin_id=e[0].decode(), flat=(b"f", b"v")) for e in reply[0][1]]
+
+
+@pytest.mark.parametrize("retention", [None, Retention.DELETE_ON_FINALIZE])
+async def test_acks_with_writes_go_in_one_batched_call_each_as_its_single_script(
+    client: Client, retention: Retention | None
+) -> None:
+    """One STREAM_WRITES_ACK_BATCH call for the ACKs and DROPs carrying writes
+    of a batch: each delivery as its own script -- written and removed; its
+    gate closed (nothing written); a key of another type (nothing of it
+    written, still pending); a write refused at run time (the writes before
+    it applied, as its script leaves them; still pending) -- and the call
+    goes on past each; sent again, it applies nothing twice."""
+    from trio_redis_finalize._core._batch import batch_replies, batch_singles, first_round
+
+    a, b, c, d, e = await _pending_entries(client, 5)
+    await client.execute("XACK", S, G, b.id)  # b: finalized already
+    await client.execute("SET", "{o}str", "x")
+    await client.execute("HSET", "{o}h", "text", "abc")
+    t = _stream_target(retention=retention)
+    outcomes = [
+        ACK.with_writes(INCR, ("SADD", "{o}seen", "a")),
+        ACK.with_writes(INCR),
+        DROP.with_writes(INCR, ("SADD", "{o}str", "m")),  # WRONGTYPE: refused before writing
+        ACK.with_writes(INCR, ("HINCRBY", "{o}h", "text", 1)),  # refused at run time
+        ACK.with_writes(("SADD", "{o}seen", "e"), INCR),
+    ]
+    plans = [plan_writes(t, x, o) for x, o in zip((a, b, c, d, e), outcomes, strict=True)]
+    commands, owners, _ = first_round((), plans)
+    assert len(commands) == 1 and owners == [(0, 1, 2, 3, 4)]
+    (call,) = commands
+    assert call[1] == _scripts.STREAM_WRITES_ACK_BATCH.sha
+    assert batch_singles(call) == [p.commands[0] for p in plans]
+    assert set(call[4:call[2] + 3]) == {TOTALS, "{o}seen", "{o}str", "{o}h"}  # declared, once
+    elements = batch_replies(await run(client, call), 5)
+    assert elements is not None
+    assert elements[0] == 1 and elements[1] is None and elements[4] == 1
+    assert isinstance(elements[2], rexc.ResponseError) and "WRONGTYPE write 2" in str(elements[2])
+    assert isinstance(elements[3], rexc.ResponseError) and "not an integer" in str(elements[3])
+    # a: 1, d: 1 (its first write ran), e: 1
+    assert await client.execute("HGET", TOTALS, "n") == b"3"
+    assert sorted(await client.execute("SMEMBERS", "{o}seen")) == [b"a", b"e"]
+    assert await client.execute("HGET", "{o}h", "text") == b"abc"
+    pending = await client.execute("XPENDING", S, G, "-", "+", 10)
+    assert sorted(p[0].decode() for p in pending) == sorted([c.id, d.id])
+    kept = 5 if retention is None else 3  # a and e deleted
+    assert await client.execute("XLEN", S) == kept
+    # sent again (a lost reply): a and e find their gates closed; c and d as before
+    again = batch_replies(await run(client, call), 5)
+    assert again is not None and again[0] is None and again[4] is None
+    assert await client.execute("HGET", TOTALS, "n") == b"4"  # d's first write, once more
+    assert sorted(await client.execute("SMEMBERS", "{o}seen")) == [b"a", b"e"]
 
 
 @pytest.mark.parametrize("outcome", [RETRY, retry_after(5)], ids=["retry", "durable"])

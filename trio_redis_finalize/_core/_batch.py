@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from operator import itemgetter
 from typing import Any
 
+from .._writes import write_keys
 from . import _scripts
 from ._commands import Arg, Command
 from ._plan import Effect, Plan
@@ -36,6 +37,8 @@ _ZADD_DEL = _scripts.STREAM_ZADD_ACK_DEL.sha
 _ZADD_ACKDEL = _scripts.STREAM_ZADD_ACKDEL.sha
 _COPY_BATCH = _scripts.STREAM_COPY_ACK_BATCH.sha
 _ZADD_BATCH = _scripts.STREAM_ZADD_ACK_BATCH.sha
+_WRITES = _scripts.STREAM_WRITES.sha
+_WRITES_BATCH = _scripts.STREAM_WRITES_ACK_BATCH.sha
 _SINGLE = frozenset({_COPY, _COPY_EX, _ZADD, _ZADD_DEL, _ZADD_ACKDEL})
 # a durable delay's single script -> the batched call's ``how`` (see ``_scripts``), and back
 _ZADD_HOW = {_ZADD: "0", _ZADD_DEL: "1", _ZADD_ACKDEL: "x"}
@@ -43,7 +46,7 @@ _ZADD_BY_HOW = {
     "0": _scripts.STREAM_ZADD_ACK, "1": _scripts.STREAM_ZADD_ACK_DEL, "x": _scripts.STREAM_ZADD_ACKDEL,
 }
 
-BATCHED = frozenset({_COPY_BATCH, _ZADD_BATCH})
+BATCHED = frozenset({_COPY_BATCH, _ZADD_BATCH, _WRITES_BATCH})
 """The shas of the batched scripts: :func:`batch_replies` reads their reply
 as one element per owner."""
 
@@ -60,7 +63,7 @@ def batch_replies(reply: object, n: int) -> list[Any] | None:
     (what each delivery's single script would have answered), or None when
     ``reply`` is not a reply of ``n`` deliveries.
 
-    Both batched scripts answer ``[n, at, element, ...]``: only the
+    The batched scripts answer ``[n, at, element, ...]``: only the
     deliveries not finalized, by place (1-based), a closed gate's nil or an
     error; the others get :data:`COPIED`.
     """
@@ -85,6 +88,8 @@ def is_batched(cmd: Command) -> bool:
 def batch_singles(cmd: Command) -> list[Command]:
     """The single-script commands a batched call ``cmd`` carries, in the order
     of its reply's elements (what each delivery's plan would send alone)."""
+    if cmd[1] == _WRITES_BATCH:
+        return _writes_singles(cmd)
     sha, stream, dest, group = cmd[1], cmd[3], cmd[4], cmd[5]
     out: list[Command] = []
     if sha == _ZADD_BATCH:  # ... group how lo hi count (id delay member)...
@@ -106,6 +111,56 @@ def batch_singles(cmd: Command) -> list[Command]:
             out.append(_scripts.STREAM_COPY_ACK_EX.command(
                 (stream, dest), (group, eid, delete, cap, *fields)))
         i += 2 + n
+    return out
+
+
+def _writes_part(cmd: Command) -> tuple[tuple[Arg, ...], tuple[Arg, ...]] | None:
+    """:func:`batch_part` of a ``STREAM_WRITES`` call: those of op ``ack``
+    (an ACK or DROP with writes; ``EVALSHA sha nk stream stream keys... group
+    id ack how 0 nw writes...``) go in ``STREAM_WRITES_ACK_BATCH`` calls, keyed
+    by stream, group and how; the rest (a copy, a durable delay) go alone."""
+    nk = cmd[2]
+    if nk.__class__ is not int or nk < 2 or len(cmd) < 9 + nk:
+        return None
+    at = 3 + nk  # the group
+    if cmd[at + 2] != "ack" or cmd[3] != cmd[4] or cmd[at + 4] != 0:
+        return None
+    return (_WRITES_BATCH, cmd[3], cmd[at], cmd[at + 3]), (cmd[at + 1], *cmd[at + 5:])
+
+
+def _writes_batch(singles: Sequence[Command], args: Sequence[Arg]) -> Command:
+    """The ``STREAM_WRITES_ACK_BATCH`` call of ``singles`` (their parts: ``args``):
+    keys, the stream's and every delivery's writes' keys, each once."""
+    c = singles[0]
+    nk = c[2]
+    assert isinstance(nk, int)
+    keys = list(dict.fromkeys(k for s in singles for k in s[5:3 + int(s[2])]))
+    gates = gate_range([s[4 + int(s[2])] for s in singles])
+    return (b"EVALSHA", _WRITES_BATCH, 1 + len(keys), c[3], *keys, c[3 + nk], c[6 + nk],
+            *gates, *args)
+
+
+def _writes_singles(cmd: Command) -> list[Command]:
+    """:func:`batch_singles` of a ``STREAM_WRITES_ACK_BATCH`` call: each
+    delivery's ``STREAM_WRITES`` call, its keys those its writes name."""
+    nk = cmd[2]
+    assert isinstance(nk, int)
+    stream, at = cmd[3], 3 + nk
+    group, how = cmd[at], cmd[at + 1]
+    out: list[Command] = []
+    i = at + 5  # past group, how, lo, hi, count
+    while i < len(cmd):
+        eid, nw = cmd[i], int(cmd[i + 1])
+        writes: list[tuple[Arg, ...]] = []
+        j = i + 2
+        for _ in range(nw):
+            argc = int(cmd[j])
+            writes.append(tuple(cmd[j + 2:j + 2 + argc]))
+            j += 2 + argc
+        keys = write_keys(writes)  # type: ignore[arg-type]
+        out.append(_scripts.STREAM_WRITES.command(
+            (stream, stream, *keys), (group, eid, "ack", how, 0, *cmd[i + 1:j])))
+        i = j
     return out
 
 
@@ -152,6 +207,8 @@ def batch_part(cmd: Command) -> tuple[tuple[Arg, ...], tuple[Arg, ...]] | None:
     if cmd[0] != b"EVALSHA":
         return None
     sha = cmd[1]
+    if sha == _WRITES:
+        return _writes_part(cmd)
     if sha not in _SINGLE or cmd[2] != 2:
         return None
     if sha == _COPY:  # EVALSHA sha 2 stream dest group id fields...
@@ -177,7 +234,8 @@ def first_round(
     never into a hot-path removal: its own reply settles it (a short
     ``XACK`` count is ``gate_closed``).  Plans of one gated
     stream script that share its keys and fixed arguments (RETRY copies,
-    dead letters, durable delays of one subscription) go in batched script
+    dead letters, durable delays of one subscription; ACKs and DROPs carrying
+    writes, whose calls declare every delivery's write keys) go in batched script
     calls (:func:`batch_part`), at most ``STREAM_BATCH_MAX`` deliveries and
     about ``STREAM_BATCH_VALUES`` values each, at the place of their first
     plan; the owners of a batched call are its deliveries' plans, in the
@@ -269,6 +327,22 @@ def first_round(
                     args += c[6:9]
                 b[4] += size
                 continue
+            if sha == _WRITES and c[0] == b"EVALSHA" and p.gated:
+                bp = _writes_part(c)
+                if bp is not None:  # an ACK or DROP with writes: into its batched call
+                    key, part = bp
+                    b = batches.get(key)
+                    size = len(part)
+                    if b is None or len(b[1]) >= cap or b[4] + size > room:
+                        b = batches[key] = [len(out), [], [], [], 0]
+                        placed.append(b)
+                        out.append(None)
+                        owners.append([])
+                    b[1].append(j)
+                    b[2].append(c)
+                    b[3] += part
+                    b[4] += size
+                    continue
             out.append(c)
             owners.append([j])
             continue
@@ -280,6 +354,8 @@ def first_round(
         owners[at] = members
         if len(members) == 1:
             out[at] = singles[0]
+        elif singles[0][1] == _WRITES:
+            out[at] = _writes_batch(singles, args)
         else:
             c = singles[0]
             sha = c[1]

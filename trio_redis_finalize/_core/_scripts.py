@@ -34,6 +34,7 @@ __all__ = [
     "STREAM_COPY_ACK_EX",
     "STREAM_COPY_ONCE",
     "STREAM_WRITES",
+    "STREAM_WRITES_ACK_BATCH",
     "STREAM_XADD",
     "STREAM_ZADD_ACK",
     "STREAM_ZADD_ACKDEL",
@@ -783,6 +784,59 @@ remove_one(KEYS[1], group, id, ARGV[4])
 return r
 """,
     name="stream_writes",
+)
+
+# KEYS: stream, the writes' keys of every delivery (each once, declared for
+# Redis Cluster).  ARGV: group, how ('0', '1' or 'x', see _HOW), lo, hi,
+# count (the gates' range, see STREAM_COPY_ACK_BATCH), then per delivery:
+# id, nw, its writes (as STREAM_WRITES reads them).  Each delivery as
+# STREAM_WRITES with op 'ack' (the ACK or DROP of an outcome carrying
+# writes): its gate, its writes' key types checked (a refusal: nothing of
+# it written, its error), its writes run in order, its removal.  The
+# removals of the deliveries written go in one XACK (XDEL, XACKDEL) at the
+# end of the same script, so a crash finds each delivery written and
+# removed, or neither, as with its single script.  The writes run in a
+# ``pcall``: a write the server refuses at run time (HINCRBY on text) is
+# that delivery's error, the writes before it applied (as its single
+# script leaves them), not removed, and the call goes on with the next --
+# an error raised out of the loop would leave the deliveries before it
+# written and not removed (applied again when delivered again).  Its reply
+# as STREAM_COPY_ACK_BATCH's (a delivery not listed: written and removed,
+# the single script's 1).
+STREAM_WRITES_ACK_BATCH = Script(
+    _batch_head(3)
+    + _WRITES_LUA
+    + """
+local i, k, last = 6, 0, #argv
+while i <= last do
+  local id = argv[i]
+  local nw = tonumber(argv[i + 1])
+  local to = i + 2
+  for w = 1, nw do to = to + 2 + tonumber(argv[to]) end
+  k = k + 1
+"""
+    + _BATCH_GATE
+    + """
+  if open then
+    local ok, at, why = pcall(wcheck, i + 2, nw)
+    local r
+    if ok and at then
+      ok, r = pcall(wapply, i + 2, nw)
+    elseif ok then
+      ok, r = false, {err = why}
+    else
+      r = at
+    end
+    if not ok and type(r) ~= 'table' then r = {err = tostring(r)} end
+    local wrote = ok
+"""
+    + _BATCH_SETTLE
+    + """
+  i = to
+end
+"""
+    + _BATCH_TAIL,
+    name="stream_writes_ack_batch",
 )
 
 # KEYS: processing list, destination (the queue for 'copy', the dead letter

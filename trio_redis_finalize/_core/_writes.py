@@ -41,11 +41,11 @@ from .._delivery import Delivery
 from .._errors import AckUnsupported
 from .._keys import same_slot
 from .._outcome import ACK, DROP, RETRY, Outcome, OutcomeKind, WithWrites
-from .._subscription import Form, Mode
+from .._subscription import Form, Mode, Retention
 from .._writes import WRITE_COMMANDS, Write, write_keys
 from . import _scripts
 from ._commands import Arg, Command
-from ._plan import Plan, Target, plan
+from ._plan import _REMOVED, Plan, Target, plan
 
 __all__ = ["WRITES", "check_outcome", "encode_writes", "plan_outcome", "plan_writes"]
 
@@ -110,10 +110,19 @@ def plan_writes(t: Target, d: Delivery, outcome: Outcome) -> Plan:
         AckUnsupported: as :func:`~._plan.plan`.
     """
     check_outcome(t, d, outcome)
-    base = plan(t, d, _PLAIN[outcome.kind] if outcome.kind in _PLAIN
-                else Outcome(outcome.kind, outcome.delay))
+    kind = outcome.kind
     encoded = encode_writes(outcome.writes)
     keys = write_keys(outcome.writes)
+    if t.form is Form.STREAM and (removed := _REMOVED.get(kind)) is not None:
+        # an ACK or DROP, inline: plan()'s removal (XACK; XACK + XDEL; XACKDEL)
+        # as _with_writes() turns it into the writes script's 'ack'
+        assert d.id is not None
+        how = ("0" if t.retention is not Retention.DELETE_ON_FINALIZE
+               else "x" if t.xackdel else "1")
+        src = t.source
+        return Plan(removed, (STREAM_WRITES.command(
+            (src, src, *keys), (t.group, d.id, "ack", how, 0, *encoded)),))
+    base = plan(t, d, _PLAIN[kind] if kind in _PLAIN else Outcome(kind, outcome.delay))
     if base.commands:
         commands = _with_writes(t, base.commands, encoded, keys)
         return Plan(base.effect, commands, base.delay, base.later, base.gated, base.warning)
