@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import trio
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 from redis import exceptions as rexc
@@ -720,3 +720,82 @@ def test_racing_consumers_apply_each_write_once(redis_server: RedisServer) -> No
     run_state_machine_as_test(RacingWrites, settings=settings(
         max_examples=25, stateful_step_count=25, deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]))
+
+
+# -- a batched writes call against its singles ---------------------------------------------
+
+_BATCH_WRITES = st.sampled_from([
+    ("HINCRBY", "{o}t", "n", 1),
+    ("HSET", "{o}t", "last", "x"),
+    ("SADD", "{o}s", "m"),
+    ("HINCRBY", "{o}h", "text", 1),  # refused at run time: the field holds text
+    ("SADD", "{o}str", "m"),  # the key holds a string: refused before anything is written
+])
+
+
+@pytest.mark.timeout(300)
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(
+    picks=st.lists(st.tuples(st.integers(0, 5), st.booleans(),
+                             st.lists(_BATCH_WRITES, min_size=1, max_size=3)),
+                   min_size=2, max_size=8),
+    closed=st.sets(st.integers(0, 5)),
+    deletes=st.booleans(),
+)
+def test_a_batched_writes_call_does_what_its_singles_do_in_order(
+    redis_server: RedisServer, picks: list[tuple[int, bool, list[tuple[Any, ...]]]],
+    closed: set[int], deletes: bool,
+) -> None:
+    """ACKs and DROPs carrying writes -- entries pending or not (``closed``), one
+    entry finalized twice in the batch, writes applied, refused before writing
+    (WRONGTYPE) or at run time -- sent as the finalizer sends them (one
+    ``STREAM_WRITES_ACK_BATCH`` call) leave Redis as their single scripts sent
+    one after the other do, and answer each delivery as its single script does
+    (the same element, or an error of the same class and message)."""
+    from trio_redis_finalize._core._batch import batch_replies, first_round
+    from trio_redis_finalize._core._replies import classify
+
+    t = _stream_target(retention=Retention.DELETE_ON_FINALIZE if deletes else None)
+    plans = [plan_writes(t, _entry(eid=f"1-{k}"), (ACK if ack else DROP).with_writes(*ws))
+             for k, ack, ws in picks]
+
+    async def state(c: Client) -> list[Any]:
+        return [await c.execute("HGETALL", "{o}t"), sorted(await c.execute("SMEMBERS", "{o}s")),
+                await c.execute("HGETALL", "{o}h"),
+                [p[0] for p in await c.execute("XPENDING", S, G, "-", "+", 10)],
+                [e[0] for e in await c.execute("XRANGE", S, "-", "+")]]
+
+    async def go(batched: bool) -> tuple[list[Any], list[Any]]:
+        async with open_client(redis_server.url) as c:
+            await c.execute("FLUSHALL")
+            await c.execute("XGROUP", "CREATE", S, G, "0", "MKSTREAM")
+            for k in range(6):
+                await c.execute("XADD", S, f"1-{k}", "f", "v")
+            await c.execute("XREADGROUP", "GROUP", G, "c1", "STREAMS", S, ">")
+            for k in closed:
+                await c.execute("XACK", S, G, f"1-{k}")
+            await c.execute("SET", "{o}str", "x")
+            await c.execute("HSET", "{o}h", "text", "abc")
+            if batched:
+                commands, owners, _ = first_round((), plans)
+                assert len(commands) == 1 and owners == [tuple(range(len(plans)))]
+                (reply,) = await c.pipeline(commands, raise_on_error=False)
+                answers = batch_replies(reply, len(plans))
+                assert answers is not None
+            else:
+                answers = [(await c.pipeline(p.commands, raise_on_error=False))[0] for p in plans]
+            return answers, await state(c)
+
+    def same(a: Any, b: Any) -> bool:
+        if isinstance(a, Exception) or isinstance(b, Exception):
+            # (Redis 6.2 wraps a single script's error: "Error running script ...: ERR ...")
+            return (isinstance(a, Exception) and isinstance(b, Exception)
+                    and classify(a) is classify(b) and (str(a) in str(b) or str(b) in str(a)))
+        return bool(a == b)
+
+    (batch_answers, batch_state), (single_answers, single_state) = (
+        trio.run(go, True), trio.run(go, False))
+    assert batch_state == single_state
+    assert all(same(a, b) for a, b in zip(batch_answers, single_answers, strict=True)), (
+        [str(a) for a in batch_answers], [str(b) for b in single_answers])
