@@ -1207,6 +1207,11 @@ def test_error_messages_name_the_command_its_keys_and_the_librarys_script() -> N
     as_text = (batch[0], batch[1].decode(), *batch[2:])  # type: ignore[union-attr]
     assert describe(as_text) == "EVALSHA stream_copy_ack_batch on key 's', 'copies'"
     assert describe(("EVALSHA", "0" * 40, 1, "k")) == "EVALSHA on key 'k'"  # not ours
+    # a batched writes call declares every write's key: the first few, then how many more
+    from trio_redis_finalize._core._scripts import STREAM_WRITES_ACK_BATCH
+    wide = STREAM_WRITES_ACK_BATCH.command(("s", *[f"k{i}" for i in range(300)]), ("g", "0"))
+    assert describe(wide) == ("EVALSHA stream_writes_ack_batch on key 's', 'k0', 'k1', 'k2', "
+                              "'k3', 'k4', 'k5', 'k6' and 293 more")
 
 
 # -- Redis 8.2: XACKDEL's per-id answer ------------------------------------------------

@@ -122,4 +122,11 @@ def describe(command: Command) -> str:
     keys = command_keys(command)
     if not keys:
         return name
-    return f"{name} on key {', '.join(repr(_text(k)) for k in keys)}"
+    shown = ", ".join(repr(_text(k)) for k in keys[:DESCRIBED_KEYS])
+    if len(keys) > DESCRIBED_KEYS:  # a batched writes call declares every write's key
+        shown += f" and {len(keys) - DESCRIBED_KEYS} more"
+    return f"{name} on key {shown}"
+
+
+DESCRIBED_KEYS = 8
+"""How many of a command's keys :func:`describe` names (then how many more)."""
