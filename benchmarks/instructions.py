@@ -131,6 +131,9 @@ def _child(contender: str, url: str, n: int) -> None:
         "list floor + decode": lambda c, p: w.ovl_reliable(c, n, decode=True),
         "list library": lambda c, p: w.lib_reliable(url, c, n),
         "list library batch": lambda c, p: w.lib_reliable(url, c, n, batch=True),
+        "list floor + write": lambda c, p: w.ovl_reliable(c, n, writes=True),
+        "list library + write": lambda c, p: w.lib_reliable(
+            url, c, n, outcome=ACK.with_writes(("HINCRBY", w.TOTALS, "n", 1))),
         "pubsub floor": lambda c, p: w.ovl_pubsub(c, p, n),
         "pubsub floor + call": lambda c, p: w.ovl_pubsub(c, p, n, calls=True),
         "pubsub library": lambda c, p: w.lib_pubsub(url, c, p, n),
@@ -235,6 +238,8 @@ def _client_table(url: str, tmp: Path, n: int, only: list[str]) -> None:
                                                     "stream library + write"]),
         ("reliable list ACK", ["list floor", "list floor + decode", "list library",
                                "list library batch"]),
+        ("reliable list ACK carrying one write (HINCRBY)", ["list floor + write",
+                                                            "list library + write"]),
         ("Pub/Sub receive", ["pubsub floor", "pubsub floor + call", "pubsub library"]),
     ]
     print(f"client (this Python, its transport included): instructions per message, "

@@ -648,10 +648,13 @@ async def seq_reliable(client: Client, n: int) -> Sample:
     return m.sample
 
 
-async def ovl_reliable(client: Client, n: int, *, decode: bool = False) -> Sample:
+async def ovl_reliable(client: Client, n: int, *, decode: bool = False,
+                       writes: bool = False) -> Sample:
     """The overlapped floor of the reliable list; ``decode``: it also builds
     the library's deliveries of each batch (``_core._decode.list_deliveries``:
-    what a batch handler is given), the bound of a batch handler's cost."""
+    what a batch handler is given), the bound of a batch handler's cost;
+    ``writes``: one ``HINCRBY`` per element before its ``LREM``, in the same
+    pipeline (the raw client's way to a write per message: not exactly once)."""
     await _fill(client, n)
     target = ReliableListSubscription(QUEUE, processing=PROCESSING).target("raw", cluster=False)
 
@@ -665,6 +668,10 @@ async def ovl_reliable(client: Client, n: int, *, decode: bool = False) -> Sampl
             await send.send(moved)
 
     async def finalize(elements: list[Any]) -> int:
+        if writes:
+            replies = await client.pipeline([c for e in elements for c in (
+                ("HINCRBY", TOTALS, "n", 1), ("LREM", PROCESSING, -1, e))])
+            return sum(replies[1::2])
         return sum(await client.pipeline([("LREM", PROCESSING, -1, e) for e in elements]))
 
     async with await client.connect(name="bench-raw-reader") as conn, Meter(client) as m:
@@ -673,12 +680,15 @@ async def ovl_reliable(client: Client, n: int, *, decode: bool = False) -> Sampl
     return m.sample
 
 
-async def lib_reliable(url: str, client: Client, n: int, *, batch: bool = False) -> Sample:
+async def lib_reliable(url: str, client: Client, n: int, *, batch: bool = False,
+                       outcome: Outcome = ACK) -> Sample:
+    """Filled ``n`` elements, a handler returning ``outcome`` (ACK, or ACK
+    carrying writes); ``batch``: a batch handler returning it for all."""
     await _fill(client, n)
     name = f"reliable list {QUEUE!r}"
 
     async def handle(d: Delivery | list[Delivery]) -> Outcome:
-        return ACK
+        return outcome
 
     async with open_consumer(url, name="bench") as consumer, Meter(client) as m:
         await consumer.mount(

@@ -224,6 +224,27 @@ def test_a_stream_ack_or_drop_with_writes_is_its_removal_in_the_writes_script(
         assert plan_writes(t, d, o) == dataclasses.replace(base, commands=expected)
 
 
+@pytest.mark.parametrize("outcome", [ACK, DROP], ids=["ack", "drop"])
+@pytest.mark.parametrize("sub", [{}, {"max_attempts": 2, "dead_letter": "{o}dead"},
+                                 {"delayed_retry": DelayedRetry.DURABLE_ZSET}],
+                         ids=["plain", "dead-letter", "durable"])
+def test_a_list_ack_or_drop_with_writes_is_its_removal_in_the_writes_script(
+    outcome: Outcome, sub: dict[str, Any],
+) -> None:
+    """plan_writes' inline plan of a reliable list's ACK or DROP is plan()'s
+    LREM as _with_writes turns it into the writes script (the general way)."""
+    from trio_redis_finalize._core._writes import _with_writes
+
+    t = _list_target(**sub)
+    for d in (_element(), _element(2)):
+        for writes in ([INCR], [INCR, ("SADD", "{o}seen", "x")]):
+            base = plan(t, d, outcome)
+            checked = check_writes(writes)
+            expected = _with_writes(t, base.commands, encode_writes(checked), write_keys(checked))
+            assert plan_writes(t, d, outcome.with_writes(*writes)) == dataclasses.replace(
+                base, commands=expected)
+
+
 LIST_CELLS = [
     ("ack", {}, ACK, 1, "remove", Effect.ACKED),
     ("drop", {}, DROP, 1, "remove", Effect.DROPPED),

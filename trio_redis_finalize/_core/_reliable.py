@@ -137,7 +137,7 @@ def dec(counts: dict[bytes, int], e: bytes) -> int:
     if n > 1:
         counts[e] = n - 1
     elif n:
-        del counts[e]
+        counts.pop(e)  # (a Counter's ``del`` is Python code; its pop is the dict's)
     return n
 
 

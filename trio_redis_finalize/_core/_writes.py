@@ -113,15 +113,22 @@ def plan_writes(t: Target, d: Delivery, outcome: Outcome) -> Plan:
     kind = outcome.kind
     encoded = encode_writes(outcome.writes)
     keys = write_keys(outcome.writes)
-    if t.form is Form.STREAM and (removed := _REMOVED.get(kind)) is not None:
-        # an ACK or DROP, inline: plan()'s removal (XACK; XACK + XDEL; XACKDEL)
-        # as _with_writes() turns it into the writes script's 'ack'
-        assert d.id is not None
-        how = ("0" if t.retention is not Retention.DELETE_ON_FINALIZE
-               else "x" if t.xackdel else "1")
-        src = t.source
-        return Plan(removed, (STREAM_WRITES.command(
-            (src, src, *keys), (t.group, d.id, "ack", how, 0, *encoded)),))
+    removed = _REMOVED_BY_VALUE.get(kind._value_)  # (by value: an Enum's hash is Python code)
+    if removed is not None:
+        # an ACK or DROP, inline: plan()'s removal as _with_writes() turns it
+        # into the writes script's own removal
+        form = t.form
+        if form is Form.STREAM:  # XACK; XACK + XDEL; XACKDEL: the script's 'ack'
+            assert d.id is not None
+            how = ("0" if t.retention is not Retention.DELETE_ON_FINALIZE
+                   else "x" if t.xackdel else "1")
+            src = t.source
+            return Plan(removed, (STREAM_WRITES.command(
+                (src, src, *keys), (t.group, d.id, "ack", how, 0, *encoded)),))
+        if form is Form.RELIABLE_LIST and d.raw is not None:  # LREM: the script's 'remove'
+            p = t.processing
+            return Plan(removed, (LIST_WRITES.command((p, p, p, *keys),
+                                                      (d.raw, "remove", *encoded, 1)),))
     base = plan(t, d, _PLAIN[kind] if kind in _PLAIN else Outcome(kind, outcome.delay))
     if base.commands:
         commands = _with_writes(t, base.commands, encoded, keys)
@@ -132,6 +139,7 @@ def plan_writes(t: Target, d: Delivery, outcome: Outcome) -> Plan:
 
 
 _PLAIN = {o.kind: o for o in (ACK, DROP, RETRY)}
+_REMOVED_BY_VALUE = {k._value_: e for k, e in _REMOVED.items()}
 
 
 _COPY = _scripts.STREAM_COPY_ACK.sha
