@@ -39,6 +39,12 @@ class Delivery:
         attempt: 1 on the first delivery, one more on every retry (and on
             every crash-redelivery counted by the server).
         origin_id: the same for every copy of one message: an idempotency key.
+
+    The readers build some deliveries as private subclasses that compute a
+    field when it is first read (a stream entry's ``fields``, a foreign
+    element's ``origin_id``), named ``Delivery`` too and equal in every other
+    respect; copies and pickles of them are plain ``Delivery`` objects.  Test
+    with ``isinstance(d, Delivery)``, not ``type(d) is Delivery``.
     """
 
     source: str
