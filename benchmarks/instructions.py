@@ -128,6 +128,7 @@ def _child(contender: str, url: str, n: int) -> None:
         "stream library + write": lambda c, p: w.lib_stream(
             url, c, n, outcome=ACK.with_writes(("HINCRBY", w.TOTALS, "n", 1))),
         "list floor": lambda c, p: w.ovl_reliable(c, n),
+        "list floor + call": lambda c, p: w.ovl_reliable(c, n, calls=True),
         "list floor + decode": lambda c, p: w.ovl_reliable(c, n, decode=True),
         "list library": lambda c, p: w.lib_reliable(url, c, n),
         "list library batch": lambda c, p: w.lib_reliable(url, c, n, batch=True),
@@ -236,8 +237,8 @@ def _client_table(url: str, tmp: Path, n: int, only: list[str]) -> None:
                                        "stream library batch"]),
         ("stream ACK carrying one write (HINCRBY)", ["stream floor + write",
                                                     "stream library + write"]),
-        ("reliable list ACK", ["list floor", "list floor + decode", "list library",
-                               "list library batch"]),
+        ("reliable list ACK", ["list floor", "list floor + call", "list floor + decode",
+                               "list library", "list library batch"]),
         ("reliable list ACK carrying one write (HINCRBY)", ["list floor + write",
                                                             "list library + write"]),
         ("Pub/Sub receive", ["pubsub floor", "pubsub floor + call", "pubsub library"]),

@@ -649,10 +649,11 @@ async def seq_reliable(client: Client, n: int) -> Sample:
 
 
 async def ovl_reliable(client: Client, n: int, *, decode: bool = False,
-                       writes: bool = False) -> Sample:
+                       writes: bool = False, calls: bool = False) -> Sample:
     """The overlapped floor of the reliable list; ``decode``: it also builds
     the library's deliveries of each batch (``_core._decode.list_deliveries``:
     what a batch handler is given), the bound of a batch handler's cost;
+    ``calls``: it also awaits a no-op handler on each element (as ``ovl_ack``);
     ``writes``: one ``HINCRBY`` per element before its ``LREM``, in the same
     pipeline (the raw client's way to a write per message: not exactly once)."""
     await _fill(client, n)
@@ -668,6 +669,9 @@ async def ovl_reliable(client: Client, n: int, *, decode: bool = False,
             await send.send(moved)
 
     async def finalize(elements: list[Any]) -> int:
+        if calls:
+            for e in elements:
+                await _noop(e)
         if writes:
             replies = await client.pipeline([c for e in elements for c in (
                 ("HINCRBY", TOTALS, "n", 1), ("LREM", PROCESSING, -1, e))])
