@@ -578,6 +578,47 @@ async def test_a_reliable_list_commits_its_writes_once(url: str) -> None:
     assert stats["effects"]["writes"] == 2 * n
 
 
+@pytest.mark.parametrize("batch", [False, True], ids=["per-message", "batch-handler"])
+async def test_identical_elements_commit_their_writes_once_each_in_batched_calls(
+    url: str, batch: bool
+) -> None:
+    """Identical elements (the same bytes, several copies in the processing
+    list) each ACKed with a write: their removals go in batched calls, each
+    element's counted gate numbered as alone; every copy's write applies once
+    and the processing list ends empty."""
+    copies = 30
+    async with open_client(url) as c:
+        await c.execute("LPUSH", Q, *[b"same"] * copies, *[b"other"] * 5)
+        await c.execute("SCRIPT", "FLUSH")  # the batched script loaded by the finalizer
+
+    async def handle(d: Delivery) -> Outcome:
+        assert d.data is not None
+        return ACK.with_writes(("HINCRBY", TOTALS, d.data, 1))
+
+    async def handle_all(ds: list[Delivery]) -> list[Outcome]:
+        return [await handle(d) for d in ds]
+
+    sub = ReliableListSubscription(Q, block=0.05)
+    async with open_consumer(url) as consumer:
+        await consumer.mount(sub, handle_all if batch else handle, batch=batch)
+        async with open_client(url) as c:
+            with trio.fail_after(20):
+                while (await c.execute("HGET", TOTALS, "other")) != b"5" or (
+                        await c.execute("HGET", TOTALS, "same")) != str(copies).encode():
+                    await trio.sleep(0.05)
+            (mount,) = consumer.mounts
+            assert await c.execute("LLEN", mount.target.processing) == 0
+            await trio.sleep(0.2)  # nothing applied twice afterwards
+            totals = await c.execute("HGETALL", TOTALS)
+            assert dict(zip(totals[::2], totals[1::2], strict=True)) == {
+                b"same": str(copies).encode(), b"other": b"5"}
+            # the removals went in batched calls (the script was loaded to send them)
+            assert await c.execute("SCRIPT", "EXISTS",
+                                   _scripts.LIST_WRITES_REMOVE_BATCH.sha) == [1]
+        stats = consumer.stats()[sub.name]
+    assert stats["effects"]["writes"] == copies + 5 and stats["effects"]["acked"] == copies + 5
+
+
 async def test_writes_to_a_key_of_another_type_fail_the_finalization_whole(url: str) -> None:
     """WRONGTYPE is final: the outcome fails as a whole (nothing written, the
     entry stays pending), logged and counted ``failed``."""
@@ -811,6 +852,81 @@ def test_a_batched_writes_call_does_what_its_singles_do_in_order(
     def same(a: Any, b: Any) -> bool:
         if isinstance(a, Exception) or isinstance(b, Exception):
             # (Redis 6.2 wraps a single script's error: "Error running script ...: ERR ...")
+            return (isinstance(a, Exception) and isinstance(b, Exception)
+                    and classify(a) is classify(b) and (str(a) in str(b) or str(b) in str(a)))
+        return bool(a == b)
+
+    (batch_answers, batch_state), (single_answers, single_state) = (
+        trio.run(go, True), trio.run(go, False))
+    assert batch_state == single_state
+    assert all(same(a, b) for a, b in zip(batch_answers, single_answers, strict=True)), (
+        [str(a) for a in batch_answers], [str(b) for b in single_answers])
+
+
+_LIST_BATCH_WRITES = st.sampled_from([
+    ("HINCRBY", "{o}t", "n", 1),
+    ("SADD", "{o}s", "m"),
+    ("HINCRBY", "{o}h", "text", 1),  # refused at run time: the field holds text
+    ("SADD", "{o}str", "m"),  # the key holds a string: refused before anything is written
+])
+
+
+@pytest.mark.timeout(300)
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(
+    picks=st.lists(st.tuples(st.sampled_from([b"a", b"b", b"c"]), st.integers(1, 3),
+                             st.booleans(), st.lists(_LIST_BATCH_WRITES, min_size=1, max_size=3)),
+                   min_size=2, max_size=8),
+    present=st.lists(st.sampled_from([b"a", b"b", b"c", b"x"]), max_size=6),
+)
+def test_a_batched_list_writes_call_does_what_its_singles_do_in_order(
+    redis_server: RedisServer, picks: list[tuple[bytes, int, bool, list[tuple[Any, ...]]]],
+    present: list[bytes],
+) -> None:
+    """A reliable list's ACKs and DROPs carrying writes -- identical elements,
+    counted gates (``n``) open or closed, writes applied, refused before
+    writing or at run time -- sent as one ``LIST_WRITES_REMOVE_BATCH`` call
+    leave Redis as their single ``list_writes`` calls one after the other do,
+    and answer each element as they do."""
+    from trio_redis_finalize._core._batch import batch_of, batch_replies, batch_singles, first_round
+    from trio_redis_finalize._core._plan import list_counted
+    from trio_redis_finalize._core._replies import classify
+
+    t = _list_target()
+    plans = []
+    for raw, n, ack, ws in picks:
+        d = Delivery(source=Q, id=None, fields={}, data=raw, attempt=1, origin_id="o", raw=raw)
+        (single,) = plan_writes(t, d, (ACK if ack else DROP).with_writes(*ws)).commands
+        plans.append(dataclasses.replace(plan_writes(t, d, ACK.with_writes(*ws)),
+                                         commands=(list_counted(single, n),)))
+    commands, owners, _ = first_round((), plans)
+    assert len(commands) == 1 and owners == [tuple(range(len(plans)))]
+    (call,) = commands
+    assert call[1] == _scripts.LIST_WRITES_REMOVE_BATCH.sha
+    assert batch_singles(call) == [p.commands[0] for p in plans]
+    assert batch_of(call, batch_singles(call)) == call
+
+    async def go(batched: bool) -> tuple[list[Any], list[Any]]:
+        async with open_client(redis_server.url) as c:
+            await c.execute("FLUSHALL")
+            if present:
+                await c.execute("RPUSH", t.processing, *present)
+            await c.execute("SET", "{o}str", "x")
+            await c.execute("HSET", "{o}h", "text", "abc")
+            if batched:
+                (reply,) = await c.pipeline([call], raise_on_error=False)
+                answers = batch_replies(reply, len(plans))
+                assert answers is not None
+            else:
+                answers = [(await c.pipeline(p.commands, raise_on_error=False))[0] for p in plans]
+            state = [await c.execute("HGETALL", "{o}t"), sorted(await c.execute("SMEMBERS", "{o}s")),
+                     await c.execute("HGETALL", "{o}h"),
+                     await c.execute("LRANGE", t.processing, 0, -1)]
+            return answers, state
+
+    def same(a: Any, b: Any) -> bool:
+        if isinstance(a, Exception) or isinstance(b, Exception):
             return (isinstance(a, Exception) and isinstance(b, Exception)
                     and classify(a) is classify(b) and (str(a) in str(b) or str(b) in str(a)))
         return bool(a == b)

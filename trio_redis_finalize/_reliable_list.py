@@ -25,6 +25,7 @@ from ._context import (
     describe_error,
     log,
 )
+from ._core._batch import batch_replies, counted_removals, is_batched, with_counts
 from ._core._commands import Command
 from ._core._decode import list_deliveries, list_delivery
 from ._core._finalize import Gates
@@ -172,6 +173,17 @@ one finalized meanwhile before the processing list is looked at again."""
 _BYTES = {bytes}  # the types of a read's replies when none is an error
 _ELEMENT = operator.itemgetter(3)  # the element of a plain removal: ("LREM", processing, -1, e)
 _repeat = itertools.repeat
+
+
+def _batch_removals(cmd: Command, r: object) -> list[tuple[bytes, int, object]]:
+    """``(element, n, reply)`` of each element of a batched call of removals
+    with writes answered ``r`` (``_batch.batch_replies``; a reply to the whole
+    call, an error: each element's)."""
+    removals = counted_removals(cmd)
+    elements = batch_replies(r, len(removals))
+    if elements is None:
+        elements = [r] * len(removals)
+    return [(x, int(n), er) for (_, x, n), er in zip(removals, elements, strict=True)]
 
 
 class ReliableListReader:
@@ -460,16 +472,27 @@ class ReliableListReader:
                         out = list(commands)
                     out[i] = list_counted(cmd, k)
                 continue
-            e = list_removal(t, cmd)
-            if e is not None:
-                n = unsent.get(e, 0)
-                if n > 1:
-                    unsent[e] = n - 1
+            if is_batched(cmd):  # removals with writes: each element numbered as alone
+                counts = []
+                for at, x, _ in counted_removals(cmd):
+                    n = unsent.get(x, 0)
+                    if n > 1:
+                        unsent[x] = n - 1
+                        counts.append((at, n))
+                    elif n:
+                        del unsent[x]
+                if counts:
                     if out is None:
                         out = list(commands)
-                    out[i] = list_counted(cmd, n)
-                elif n:
-                    del unsent[e]
+                    out[i] = with_counts(cmd, counts)
+                continue
+            e = list_removal(t, cmd)
+            if e is not None:
+                numbered_cmd = self._numbered(t, cmd, e)
+                if numbered_cmd is not cmd:
+                    if out is None:
+                        out = list(commands)
+                    out[i] = numbered_cmd
             elif cmd[0] == b"EVALSHA" and cmd[1] == GIVE_BACK.sha and cmd[3] == processing:
                 args = list(cmd)
                 for j in range(5, len(args), 2):
@@ -480,6 +503,33 @@ class ReliableListReader:
                     out = list(commands)
                 out[i] = tuple(args)
         return commands if out is None else out
+
+    def _settled(self, element: bytes, copies: int, r: object) -> None:
+        """A removal of ``element`` gated on ``copies`` was answered ``r``: no
+        longer held; one that failed, or whose counted gate was closed, may have
+        left a copy that was handled (the next rescan delivers it again)."""
+        dec(self._in_hand, element)
+        failed = isinstance(r, rexc.RedisError)
+        if failed or (not r and copies > 1):
+            self._leftover[element] = self._leftover.get(element, 0) + 1
+            if not failed:
+                self._rescan_wanted = True
+
+    def _numbered(self, t: Target, cmd: Command, e: bytes | None = None) -> Command:
+        """``cmd``, a removal sent now, gated on the copies of its element held
+        and not yet sent (taken out of ``_unsent``); itself when that is one."""
+        if e is None:
+            e = list_removal(t, cmd)
+            if e is None:
+                return cmd
+        unsent = self._unsent
+        n = unsent.get(e, 0)
+        if n > 1:
+            unsent[e] = n - 1
+            return list_counted(cmd, n)
+        if n:
+            del unsent[e]
+        return cmd
 
     def resend(self, commands: Sequence[Command], answered: Sequence[Command],
                answers: Sequence[object]) -> list[Command]:
@@ -499,16 +549,29 @@ class ReliableListReader:
         held = self._in_hand
         done: dict[bytes, int] = {}  # removals this batch already made
         for cmd, r in zip(answered, answers, strict=True):
+            if is_batched(cmd):  # removals with writes: each element's own reply
+                for x, _, er in _batch_removals(cmd, r):
+                    if er and not isinstance(er, Exception):
+                        done[x] = done.get(x, 0) + 1
+                continue
             e = list_removal(t, cmd)
             if e is not None and r and not isinstance(r, Exception):
                 done[e] = done.get(e, 0) + 1
+
+        def copies_now(e: bytes) -> int:
+            k = done.get(e, 0)
+            done[e] = k + 1
+            return max(1, held.get(e, 0) - k)
+
         out = list(commands)
         for i, cmd in enumerate(out):
+            if is_batched(cmd):  # removals with writes: each element as alone
+                out[i] = with_counts(cmd, [(at, copies_now(x))
+                                           for at, x, _ in counted_removals(cmd)])
+                continue
             e = list_removal(t, cmd)
             if e is not None:
-                k = done.get(e, 0)
-                done[e] = k + 1
-                out[i] = list_counted(cmd, max(1, held.get(e, 0) - k))
+                out[i] = list_counted(cmd, copies_now(e))
             elif cmd[0] == b"EVALSHA" and cmd[1] == GIVE_BACK.sha and cmd[3] == t.processing:
                 args = list(cmd)
                 for j in range(5, len(args), 2):
@@ -551,6 +614,10 @@ class ReliableListReader:
                     held[x] = n
         processing = t.processing
         for cmd, r in zip(commands, replies, strict=True):
+            if is_batched(cmd):  # removals with writes: each element's own reply
+                for x, n, er in _batch_removals(cmd, r):
+                    self._settled(x, n, er)
+                continue
             if cmd[0] == "LREM" and cmd[1] == processing:  # the ACK / DROP fast path
                 e = cmd[3]
                 n = take(e, 0)
@@ -567,12 +634,7 @@ class ReliableListReader:
                         if isinstance(g, bytes):
                             dec(held, g)
                 continue
-            dec(held, element)
-            failed = isinstance(r, rexc.RedisError)
-            if failed or (not r and list_copies(cmd) > 1):
-                self._leftover[element] = self._leftover.get(element, 0) + 1
-                if not failed:
-                    self._rescan_wanted = True
+            self._settled(element, list_copies(cmd), r)
         if hot or t.delayed_retry is not DelayedRetry.RUNTIME:
             return  # hot: no plan, so no runtime retry_after
         limit = t.max_attempts

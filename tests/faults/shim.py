@@ -61,7 +61,7 @@ _FINALIZE_SCRIPTS = {
         _scripts.STREAM_COPY_ACK, _scripts.STREAM_ZADD_ACK,
         _scripts.STREAM_COPY_ACK_EX, _scripts.STREAM_ZADD_ACK_DEL, _scripts.STREAM_ZADD_ACKDEL,
         _scripts.STREAM_COPY_ACK_BATCH, _scripts.STREAM_ZADD_ACK_BATCH,
-        _scripts.STREAM_WRITES_ACK_BATCH,
+        _scripts.STREAM_WRITES_ACK_BATCH, _scripts.LIST_WRITES_REMOVE_BATCH,
         _scripts.LIST_COPY_REMOVE, _scripts.LIST_ZADD_REMOVE, _scripts.LIST_REMOVE,
         _scripts.LIST_DEAD_PUSH, _scripts.STREAM_WRITES, _scripts.LIST_WRITES,
         _scripts.STREAM_COPY_ONCE, _scripts.STREAM_XADD,

@@ -15,8 +15,9 @@ from ._commands import Arg, Command
 from ._plan import Effect, Plan
 
 __all__ = [
-    "BATCHED", "COPIED", "batch_part", "batch_replies", "batch_singles", "fast_index", "fast_owner",
-    "first_round", "gate_range", "is_batched", "merge_commands",
+    "BATCHED", "COPIED", "batch_of", "batch_part", "batch_replies", "batch_singles",
+    "counted_removals", "fast_index", "fast_owner",
+    "first_round", "gate_range", "is_batched", "merge_commands", "with_counts",
 ]
 
 
@@ -39,6 +40,8 @@ _COPY_BATCH = _scripts.STREAM_COPY_ACK_BATCH.sha
 _ZADD_BATCH = _scripts.STREAM_ZADD_ACK_BATCH.sha
 _WRITES = _scripts.STREAM_WRITES.sha
 _WRITES_BATCH = _scripts.STREAM_WRITES_ACK_BATCH.sha
+_LIST_WRITES = _scripts.LIST_WRITES.sha
+_LIST_WRITES_BATCH = _scripts.LIST_WRITES_REMOVE_BATCH.sha
 _SINGLE = frozenset({_COPY, _COPY_EX, _ZADD, _ZADD_DEL, _ZADD_ACKDEL})
 # a durable delay's single script -> the batched call's ``how`` (see ``_scripts``), and back
 _ZADD_HOW = {_ZADD: "0", _ZADD_DEL: "1", _ZADD_ACKDEL: "x"}
@@ -46,7 +49,7 @@ _ZADD_BY_HOW = {
     "0": _scripts.STREAM_ZADD_ACK, "1": _scripts.STREAM_ZADD_ACK_DEL, "x": _scripts.STREAM_ZADD_ACKDEL,
 }
 
-BATCHED = frozenset({_COPY_BATCH, _ZADD_BATCH, _WRITES_BATCH})
+BATCHED = frozenset({_COPY_BATCH, _ZADD_BATCH, _WRITES_BATCH, _LIST_WRITES_BATCH})
 """The shas of the batched scripts: :func:`batch_replies` reads their reply
 as one element per owner."""
 
@@ -90,6 +93,8 @@ def batch_singles(cmd: Command) -> list[Command]:
     of its reply's elements (what each delivery's plan would send alone)."""
     if cmd[1] == _WRITES_BATCH:
         return _writes_singles(cmd)
+    if cmd[1] == _LIST_WRITES_BATCH:
+        return _list_writes_singles(cmd)
     sha, stream, dest, group = cmd[1], cmd[3], cmd[4], cmd[5]
     out: list[Command] = []
     if sha == _ZADD_BATCH:  # ... group how lo hi count (id delay member)...
@@ -164,6 +169,93 @@ def _writes_singles(cmd: Command) -> list[Command]:
     return out
 
 
+def _list_writes_part(cmd: Command) -> tuple[tuple[Arg, ...], tuple[Arg, ...]] | None:
+    """:func:`batch_part` of a ``LIST_WRITES`` call: those of op ``remove``
+    (an ACK or DROP with writes; ``EVALSHA sha nk list list list keys...
+    element remove nw writes... n``) go in ``LIST_WRITES_REMOVE_BATCH`` calls,
+    keyed by the processing list; the rest (a copy, a dead letter, a durable
+    delay) go alone."""
+    nk = cmd[2]
+    if nk.__class__ is not int or nk < 3 or len(cmd) < 7 + nk:
+        return None
+    at = 3 + nk  # the element
+    if cmd[at + 1] != "remove" or not cmd[3] == cmd[4] == cmd[5]:
+        return None
+    return (_LIST_WRITES_BATCH, cmd[3]), (cmd[at], cmd[-1], *cmd[at + 2:-1])
+
+
+def _list_writes_batch(singles: Sequence[Command], args: Sequence[Arg]) -> Command:
+    """The ``LIST_WRITES_REMOVE_BATCH`` call of ``singles`` (their parts:
+    ``args``): keys, the processing list and every element's writes' keys, each once."""
+    keys = list(dict.fromkeys(k for s in singles for k in s[6:3 + int(s[2])]))
+    return (b"EVALSHA", _LIST_WRITES_BATCH, 1 + len(keys), singles[0][3], *keys, *args)
+
+
+def _list_writes_singles(cmd: Command) -> list[Command]:
+    """:func:`batch_singles` of a ``LIST_WRITES_REMOVE_BATCH`` call: each
+    element's ``LIST_WRITES`` call (with its ``n``), its keys those its writes name."""
+    nk = cmd[2]
+    assert isinstance(nk, int)
+    processing = cmd[3]
+    out: list[Command] = []
+    i = 3 + nk
+    while i < len(cmd):
+        e, n, nw = cmd[i], cmd[i + 1], int(cmd[i + 2])
+        writes: list[tuple[Arg, ...]] = []
+        j = i + 3
+        for _ in range(nw):
+            argc = int(cmd[j])
+            writes.append(tuple(cmd[j + 2:j + 2 + argc]))
+            j += 2 + argc
+        keys = write_keys(writes)  # type: ignore[arg-type]
+        out.append(_scripts.LIST_WRITES.command(
+            (processing, processing, processing, *keys), (e, "remove", *cmd[i + 2:j], n)))
+        i = j
+    return out
+
+
+def counted_removals(cmd: Command) -> list[tuple[int, Any, Any]]:
+    """``(at, element, n)`` of each element of a ``LIST_WRITES_REMOVE_BATCH``
+    call, in order: ``cmd[at]`` is its ``n`` (its counted gate), which
+    :func:`with_counts` rewrites; cheaper than :func:`batch_singles` (no
+    command built)."""
+    nk = cmd[2]
+    assert isinstance(nk, int)
+    out: list[tuple[int, Any, Any]] = []
+    i = 3 + nk
+    end = len(cmd)
+    while i < end:
+        out.append((i + 1, cmd[i], cmd[i + 1]))
+        j = i + 3
+        for _ in range(int(cmd[i + 2])):
+            j += 2 + int(cmd[j])
+        i = j
+    return out
+
+
+def with_counts(cmd: Command, counts: Sequence[tuple[int, int]]) -> Command:
+    """``cmd`` (a ``LIST_WRITES_REMOVE_BATCH`` call) with ``cmd[at] = n`` for
+    each ``(at, n)`` of ``counts`` (see :func:`counted_removals`)."""
+    out = list(cmd)
+    for at, n in counts:
+        out[at] = n
+    return tuple(out)
+
+
+def batch_of(cmd: Command, singles: Sequence[Command]) -> Command:
+    """The batched call ``cmd`` carrying ``singles`` instead of its own (the
+    same deliveries, renumbered: a reliable list's counted gates rewrite each
+    element's ``n`` before a send, see :func:`batch_singles`)."""
+    if cmd[1] != _LIST_WRITES_BATCH:
+        raise ValueError(f"not a batched call of counted removals: {cmd[:2]!r}")
+    args: list[Arg] = []
+    for single in singles:
+        bp = _list_writes_part(single)
+        assert bp is not None
+        args += bp[1]
+    return _list_writes_batch(singles, args)
+
+
 def _id_order(eid: Arg) -> tuple[int, str, int, str]:
     """A stream id's order (``ms-seq``, decimal digits without leading zeros:
     the longer number is the larger, equal lengths compare as text)."""
@@ -209,6 +301,8 @@ def batch_part(cmd: Command) -> tuple[tuple[Arg, ...], tuple[Arg, ...]] | None:
     sha = cmd[1]
     if sha == _WRITES:
         return _writes_part(cmd)
+    if sha == _LIST_WRITES:
+        return _list_writes_part(cmd)
     if sha not in _SINGLE or cmd[2] != 2:
         return None
     if sha == _COPY:  # EVALSHA sha 2 stream dest group id fields...
@@ -235,7 +329,8 @@ def first_round(
     ``XACK`` count is ``gate_closed``).  Plans of one gated
     stream script that share its keys and fixed arguments (RETRY copies,
     dead letters, durable delays of one subscription; ACKs and DROPs carrying
-    writes, whose calls declare every delivery's write keys) go in batched script
+    writes, a stream's or a reliable list's, whose calls declare every
+    delivery's write keys) go in batched script
     calls (:func:`batch_part`), at most ``STREAM_BATCH_MAX`` deliveries and
     about ``STREAM_BATCH_VALUES`` values each, at the place of their first
     plan; the owners of a batched call are its deliveries' plans, in the
@@ -327,8 +422,8 @@ def first_round(
                     args += c[6:9]
                 b[4] += size
                 continue
-            if sha == _WRITES and c[0] == b"EVALSHA" and p.gated:
-                bp = _writes_part(c)
+            if sha in (_WRITES, _LIST_WRITES) and c[0] == b"EVALSHA" and p.gated:
+                bp = _writes_part(c) if sha == _WRITES else _list_writes_part(c)
                 if bp is not None:  # an ACK or DROP with writes: into its batched call
                     key, part = bp
                     b = batches.get(key)
@@ -356,6 +451,8 @@ def first_round(
             out[at] = singles[0]
         elif singles[0][1] == _WRITES:
             out[at] = _writes_batch(singles, args)
+        elif singles[0][1] == _LIST_WRITES:
+            out[at] = _list_writes_batch(singles, args)
         else:
             c = singles[0]
             sha = c[1]

@@ -20,6 +20,7 @@ __all__ = [
     "LIST_DEAD_PUSH",
     "LIST_REMOVE",
     "LIST_WRITES",
+    "LIST_WRITES_REMOVE_BATCH",
     "LIST_ZADD_REMOVE",
     "LUA_XADD",
     "LUA_XADD_ANY",
@@ -870,6 +871,67 @@ redis.call('LREM', KEYS[1], -1, ARGV[1])
 return r
 """,
     name="list_writes",
+)
+
+
+# KEYS: processing list, the writes' keys of every element (each once,
+# declared for Redis Cluster).  ARGV: per element: element, n (its counted
+# gate, see ``_plan.list_counted``), nw, its writes.  Each element as
+# LIST_WRITES with op 'remove' (the ACK or DROP of an outcome carrying
+# writes), in order: its gate (at least n copies in the processing list),
+# its writes' key types checked (a refusal: nothing of it written, its
+# error), its writes run, then one copy removed -- at once, so that the
+# next element's gate counts what is left (identical elements).  The writes
+# run in a ``pcall``, as in STREAM_WRITES_ACK_BATCH: a write refused at run
+# time is that element's error (the writes before it applied, the element
+# not removed) and the call goes on.  Its reply as STREAM_COPY_ACK_BATCH's
+# (an element not listed: written and removed, the single script's 1).
+LIST_WRITES_REMOVE_BATCH = Script(
+    _WRITES_LUA
+    + """
+local argv, list = ARGV, KEYS[1]
+local rpcall, type, tonumber = redis.pcall, type, tonumber
+local bad = {}
+local i, k, last = 1, 0, #argv
+while i <= last do
+  local e = argv[i]
+  local n = tonumber(argv[i + 1])
+  local nw = tonumber(argv[i + 2])
+  local to = i + 3
+  for w = 1, nw do to = to + 2 + tonumber(argv[to]) end
+  k = k + 1
+  local ok, at = pcall(redis.call, 'LPOS', list, e, 'RANK', -n)
+  if not ok then  -- as the single script's error (the list of another type)
+    if type(at) ~= 'table' then at = {err = tostring(at)} end
+    bad[#bad + 1] = k
+    bad[#bad + 1] = at
+  elseif at then
+    local why
+    ok, at, why = pcall(wcheck, i + 3, nw)
+    local r
+    if ok and at then
+      ok, r = pcall(wapply, i + 3, nw)
+    elseif ok then
+      ok, r = false, {err = why}
+    else
+      r = at
+    end
+    if ok then
+      rpcall('LREM', list, -1, e)
+    else
+      if type(r) ~= 'table' then r = {err = tostring(r)} end
+      bad[#bad + 1] = k
+      bad[#bad + 1] = r
+    end
+  else
+    bad[#bad + 1] = k
+    bad[#bad + 1] = false
+  end
+  i = to
+end
+return {k, unpack(bad)}
+""",
+    name="list_writes_remove_batch",
 )
 
 
