@@ -786,6 +786,26 @@ def test_racing_consumers_apply_each_write_once(redis_server: RedisServer) -> No
 
 # -- a batched writes call against its singles ---------------------------------------------
 
+def _assert_batch_is_its_singles(go: Any) -> None:
+    """``go(batched)`` (answers, state): the batched call and its singles in
+    order leave the same state and answer each delivery alike (the same
+    element, or an error of the same class and message; Redis 6.2 wraps a
+    single script's error: "Error running script ...: ERR ...")."""
+    from trio_redis_finalize._core._replies import classify
+
+    def same(a: Any, b: Any) -> bool:
+        if isinstance(a, Exception) or isinstance(b, Exception):
+            return (isinstance(a, Exception) and isinstance(b, Exception)
+                    and classify(a) is classify(b) and (str(a) in str(b) or str(b) in str(a)))
+        return bool(a == b)
+
+    (batch_answers, batch_state), (single_answers, single_state) = (
+        trio.run(go, True), trio.run(go, False))
+    assert batch_state == single_state
+    assert all(same(a, b) for a, b in zip(batch_answers, single_answers, strict=True)), (
+        [str(a) for a in batch_answers], [str(b) for b in single_answers])
+
+
 _BATCH_WRITES = st.sampled_from([
     ("HINCRBY", "{o}t", "n", 1),
     ("HSET", "{o}t", "last", "x"),
@@ -795,9 +815,12 @@ _BATCH_WRITES = st.sampled_from([
 ])
 
 
+_BATCH_PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[
+    HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+
 @pytest.mark.timeout(300)
-@settings(max_examples=60, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@_BATCH_PROPERTY
 @given(
     picks=st.lists(st.tuples(st.integers(0, 5), st.booleans(),
                              st.lists(_BATCH_WRITES, min_size=1, max_size=3)),
@@ -816,7 +839,6 @@ def test_a_batched_writes_call_does_what_its_singles_do_in_order(
     one after the other do, and answer each delivery as its single script does
     (the same element, or an error of the same class and message)."""
     from trio_redis_finalize._core._batch import batch_replies, first_round
-    from trio_redis_finalize._core._replies import classify
 
     t = _stream_target(retention=Retention.DELETE_ON_FINALIZE if deletes else None)
     plans = [plan_writes(t, _entry(eid=f"1-{k}"), (ACK if ack else DROP).with_writes(*ws))
@@ -849,34 +871,14 @@ def test_a_batched_writes_call_does_what_its_singles_do_in_order(
                 answers = [(await c.pipeline(p.commands, raise_on_error=False))[0] for p in plans]
             return answers, await state(c)
 
-    def same(a: Any, b: Any) -> bool:
-        if isinstance(a, Exception) or isinstance(b, Exception):
-            # (Redis 6.2 wraps a single script's error: "Error running script ...: ERR ...")
-            return (isinstance(a, Exception) and isinstance(b, Exception)
-                    and classify(a) is classify(b) and (str(a) in str(b) or str(b) in str(a)))
-        return bool(a == b)
-
-    (batch_answers, batch_state), (single_answers, single_state) = (
-        trio.run(go, True), trio.run(go, False))
-    assert batch_state == single_state
-    assert all(same(a, b) for a, b in zip(batch_answers, single_answers, strict=True)), (
-        [str(a) for a in batch_answers], [str(b) for b in single_answers])
-
-
-_LIST_BATCH_WRITES = st.sampled_from([
-    ("HINCRBY", "{o}t", "n", 1),
-    ("SADD", "{o}s", "m"),
-    ("HINCRBY", "{o}h", "text", 1),  # refused at run time: the field holds text
-    ("SADD", "{o}str", "m"),  # the key holds a string: refused before anything is written
-])
+    _assert_batch_is_its_singles(go)
 
 
 @pytest.mark.timeout(300)
-@settings(max_examples=60, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@_BATCH_PROPERTY
 @given(
     picks=st.lists(st.tuples(st.sampled_from([b"a", b"b", b"c"]), st.integers(1, 3),
-                             st.booleans(), st.lists(_LIST_BATCH_WRITES, min_size=1, max_size=3)),
+                             st.booleans(), st.lists(_BATCH_WRITES, min_size=1, max_size=3)),
                    min_size=2, max_size=8),
     present=st.lists(st.sampled_from([b"a", b"b", b"c", b"x"]), max_size=6),
 )
@@ -891,7 +893,6 @@ def test_a_batched_list_writes_call_does_what_its_singles_do_in_order(
     and answer each element as they do."""
     from trio_redis_finalize._core._batch import batch_of, batch_replies, batch_singles, first_round
     from trio_redis_finalize._core._plan import list_counted
-    from trio_redis_finalize._core._replies import classify
 
     t = _list_target()
     plans = []
@@ -925,14 +926,4 @@ def test_a_batched_list_writes_call_does_what_its_singles_do_in_order(
                      await c.execute("LRANGE", t.processing, 0, -1)]
             return answers, state
 
-    def same(a: Any, b: Any) -> bool:
-        if isinstance(a, Exception) or isinstance(b, Exception):
-            return (isinstance(a, Exception) and isinstance(b, Exception)
-                    and classify(a) is classify(b) and (str(a) in str(b) or str(b) in str(a)))
-        return bool(a == b)
-
-    (batch_answers, batch_state), (single_answers, single_state) = (
-        trio.run(go, True), trio.run(go, False))
-    assert batch_state == single_state
-    assert all(same(a, b) for a, b in zip(batch_answers, single_answers, strict=True)), (
-        [str(a) for a in batch_answers], [str(b) for b in single_answers])
+    _assert_batch_is_its_singles(go)

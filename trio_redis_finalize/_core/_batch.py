@@ -155,18 +155,24 @@ def _writes_singles(cmd: Command) -> list[Command]:
     out: list[Command] = []
     i = at + 5  # past group, how, lo, hi, count
     while i < len(cmd):
-        eid, nw = cmd[i], int(cmd[i + 1])
-        writes: list[tuple[Arg, ...]] = []
-        j = i + 2
-        for _ in range(nw):
-            argc = int(cmd[j])
-            writes.append(tuple(cmd[j + 2:j + 2 + argc]))
-            j += 2 + argc
-        keys = write_keys(writes)  # type: ignore[arg-type]
+        eid = cmd[i]
+        keys, j = _writes_at(cmd, i + 1)
         out.append(_scripts.STREAM_WRITES.command(
             (stream, stream, *keys), (group, eid, "ack", how, 0, *cmd[i + 1:j])))
         i = j
     return out
+
+
+def _writes_at(cmd: Command, i: int) -> tuple[list[str | bytes], int]:
+    """The keys of the encoded writes at ``cmd[i]`` (``nw``, then each write's
+    count of values, key type and command), and the index after them."""
+    writes: list[tuple[Arg, ...]] = []
+    j = i + 1
+    for _ in range(int(cmd[i])):
+        argc = int(cmd[j])
+        writes.append(tuple(cmd[j + 2:j + 2 + argc]))
+        j += 2 + argc
+    return write_keys(writes), j  # type: ignore[arg-type]
 
 
 def _list_writes_part(cmd: Command) -> tuple[tuple[Arg, ...], tuple[Arg, ...]] | None:
@@ -200,14 +206,8 @@ def _list_writes_singles(cmd: Command) -> list[Command]:
     out: list[Command] = []
     i = 3 + nk
     while i < len(cmd):
-        e, n, nw = cmd[i], cmd[i + 1], int(cmd[i + 2])
-        writes: list[tuple[Arg, ...]] = []
-        j = i + 3
-        for _ in range(nw):
-            argc = int(cmd[j])
-            writes.append(tuple(cmd[j + 2:j + 2 + argc]))
-            j += 2 + argc
-        keys = write_keys(writes)  # type: ignore[arg-type]
+        e, n = cmd[i], cmd[i + 1]
+        keys, j = _writes_at(cmd, i + 2)
         out.append(_scripts.LIST_WRITES.command(
             (processing, processing, processing, *keys), (e, "remove", *cmd[i + 2:j], n)))
         i = j

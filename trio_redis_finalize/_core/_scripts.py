@@ -317,11 +317,7 @@ _BATCH_GATE = """
 # (``r``: its ``redis.pcall``'s answer, ``wrote``: whether it is a success):
 # its id goes to the removals, or its error to the reply; a closed gate's
 # delivery is listed as false (nil in the reply).
-_BATCH_SETTLE = """
-    if wrote then
-      pend[id] = false
-      nd = nd + 1
-      done[nd] = id
+_BATCH_LISTED = """
     else
       bad[#bad + 1] = k
       bad[#bad + 1] = r
@@ -331,6 +327,14 @@ _BATCH_SETTLE = """
     bad[#bad + 1] = false
   end
 """
+"""Lua, the end of a batched script's ``if open then ... if <written> then ...``:
+a delivery not written listed with its error ``r``, a closed gate's with false."""
+_BATCH_SETTLE = """
+    if wrote then
+      pend[id] = false
+      nd = nd + 1
+      done[nd] = id
+""" + _BATCH_LISTED
 
 # Lua, last in a batched script: the removals of the deliveries written (one
 # XACK, then one XDEL, or one XACKDEL, as ``how`` says), and the reply
@@ -787,6 +791,25 @@ return r
     name="stream_writes",
 )
 
+def _batch_writes(at: str) -> str:
+    """Lua, in a batched writes script's loop, for an open delivery whose
+    writes start at ``ARGV[at]`` (``nw`` of them): checked (``wcheck``), then
+    run (``wapply``), each in a ``pcall``; ``ok`` whether they all ran, else
+    ``r`` the error (a table, as ``redis.pcall`` answers it)."""
+    return f"""
+    local ok, at, why = pcall(wcheck, {at}, nw)
+    local r
+    if ok and at then
+      ok, r = pcall(wapply, {at}, nw)
+    elseif ok then
+      ok, r = false, {{err = why}}
+    else
+      r = at
+    end
+    if not ok and type(r) ~= 'table' then r = {{err = tostring(r)}} end
+"""
+
+
 # KEYS: stream, the writes' keys of every delivery (each once, declared for
 # Redis Cluster).  ARGV: group, how ('0', '1' or 'x', see _HOW), lo, hi,
 # count (the gates' range, see STREAM_COPY_ACK_BATCH), then per delivery:
@@ -819,16 +842,9 @@ while i <= last do
     + _BATCH_GATE
     + """
   if open then
-    local ok, at, why = pcall(wcheck, i + 2, nw)
-    local r
-    if ok and at then
-      ok, r = pcall(wapply, i + 2, nw)
-    elseif ok then
-      ok, r = false, {err = why}
-    else
-      r = at
-    end
-    if not ok and type(r) ~= 'table' then r = {err = tostring(r)} end
+"""
+    + _batch_writes("i + 2")
+    + """
     local wrote = ok
 """
     + _BATCH_SETTLE
@@ -906,27 +922,14 @@ while i <= last do
     bad[#bad + 1] = k
     bad[#bad + 1] = at
   elseif at then
-    local why
-    ok, at, why = pcall(wcheck, i + 3, nw)
-    local r
-    if ok and at then
-      ok, r = pcall(wapply, i + 3, nw)
-    elseif ok then
-      ok, r = false, {err = why}
-    else
-      r = at
-    end
+"""
+    + _batch_writes("i + 3")
+    + """
     if ok then
       rpcall('LREM', list, -1, e)
-    else
-      if type(r) ~= 'table' then r = {err = tostring(r)} end
-      bad[#bad + 1] = k
-      bad[#bad + 1] = r
-    end
-  else
-    bad[#bad + 1] = k
-    bad[#bad + 1] = false
-  end
+"""
+    + _BATCH_LISTED
+    + """
   i = to
 end
 return {k, unpack(bad)}
