@@ -891,7 +891,13 @@ def test_a_batched_list_writes_call_does_what_its_singles_do_in_order(
     writing or at run time -- sent as one ``LIST_WRITES_REMOVE_BATCH`` call
     leave Redis as their single ``list_writes`` calls one after the other do,
     and answer each element as they do."""
-    from trio_redis_finalize._core._batch import batch_of, batch_replies, batch_singles, first_round
+    from trio_redis_finalize._core._batch import (
+        batch_replies,
+        batch_singles,
+        counted_removals,
+        first_round,
+        with_counts,
+    )
     from trio_redis_finalize._core._plan import list_counted
 
     t = _list_target()
@@ -906,7 +912,7 @@ def test_a_batched_list_writes_call_does_what_its_singles_do_in_order(
     (call,) = commands
     assert call[1] == _scripts.LIST_WRITES_REMOVE_BATCH.sha
     assert batch_singles(call) == [p.commands[0] for p in plans]
-    assert batch_of(call, batch_singles(call)) == call
+    assert with_counts(call, [(at, n) for at, _, n in counted_removals(call)]) == call
 
     async def go(batched: bool) -> tuple[list[Any], list[Any]]:
         async with open_client(redis_server.url) as c:

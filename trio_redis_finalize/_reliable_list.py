@@ -473,14 +473,7 @@ class ReliableListReader:
                     out[i] = list_counted(cmd, k)
                 continue
             if is_batched(cmd):  # removals with writes: each element numbered as alone
-                counts = []
-                for at, x, _ in counted_removals(cmd):
-                    n = unsent.get(x, 0)
-                    if n > 1:
-                        unsent[x] = n - 1
-                        counts.append((at, n))
-                    elif n:
-                        del unsent[x]
+                counts = [(at, n) for at, x, _ in counted_removals(cmd) if (n := dec(unsent, x)) > 1]
                 if counts:
                     if out is None:
                         out = list(commands)
@@ -488,11 +481,11 @@ class ReliableListReader:
                 continue
             e = list_removal(t, cmd)
             if e is not None:
-                numbered_cmd = self._numbered(t, cmd, e)
-                if numbered_cmd is not cmd:
+                n = dec(unsent, e)
+                if n > 1:
                     if out is None:
                         out = list(commands)
-                    out[i] = numbered_cmd
+                    out[i] = list_counted(cmd, n)
             elif cmd[0] == b"EVALSHA" and cmd[1] == GIVE_BACK.sha and cmd[3] == processing:
                 args = list(cmd)
                 for j in range(5, len(args), 2):
@@ -514,22 +507,6 @@ class ReliableListReader:
             self._leftover[element] = self._leftover.get(element, 0) + 1
             if not failed:
                 self._rescan_wanted = True
-
-    def _numbered(self, t: Target, cmd: Command, e: bytes | None = None) -> Command:
-        """``cmd``, a removal sent now, gated on the copies of its element held
-        and not yet sent (taken out of ``_unsent``); itself when that is one."""
-        if e is None:
-            e = list_removal(t, cmd)
-            if e is None:
-                return cmd
-        unsent = self._unsent
-        n = unsent.get(e, 0)
-        if n > 1:
-            unsent[e] = n - 1
-            return list_counted(cmd, n)
-        if n:
-            del unsent[e]
-        return cmd
 
     def resend(self, commands: Sequence[Command], answered: Sequence[Command],
                answers: Sequence[object]) -> list[Command]:

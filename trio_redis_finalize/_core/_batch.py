@@ -15,7 +15,7 @@ from ._commands import Arg, Command
 from ._plan import Effect, Plan
 
 __all__ = [
-    "BATCHED", "COPIED", "batch_of", "batch_part", "batch_replies", "batch_singles",
+    "BATCHED", "COPIED", "batch_part", "batch_replies", "batch_singles",
     "counted_removals", "fast_index", "fast_owner",
     "first_round", "gate_range", "is_batched", "merge_commands", "with_counts",
 ]
@@ -217,8 +217,8 @@ def _list_writes_singles(cmd: Command) -> list[Command]:
 def counted_removals(cmd: Command) -> list[tuple[int, Any, Any]]:
     """``(at, element, n)`` of each element of a ``LIST_WRITES_REMOVE_BATCH``
     call, in order: ``cmd[at]`` is its ``n`` (its counted gate), which
-    :func:`with_counts` rewrites; cheaper than :func:`batch_singles` (no
-    command built)."""
+    :func:`with_counts` rewrites (the reliable list's counted gates, before
+    each send); cheaper than :func:`batch_singles` (no command built)."""
     nk = cmd[2]
     assert isinstance(nk, int)
     out: list[tuple[int, Any, Any]] = []
@@ -240,20 +240,6 @@ def with_counts(cmd: Command, counts: Sequence[tuple[int, int]]) -> Command:
     for at, n in counts:
         out[at] = n
     return tuple(out)
-
-
-def batch_of(cmd: Command, singles: Sequence[Command]) -> Command:
-    """The batched call ``cmd`` carrying ``singles`` instead of its own (the
-    same deliveries, renumbered: a reliable list's counted gates rewrite each
-    element's ``n`` before a send, see :func:`batch_singles`)."""
-    if cmd[1] != _LIST_WRITES_BATCH:
-        raise ValueError(f"not a batched call of counted removals: {cmd[:2]!r}")
-    args: list[Arg] = []
-    for single in singles:
-        bp = _list_writes_part(single)
-        assert bp is not None
-        args += bp[1]
-    return _list_writes_batch(singles, args)
 
 
 def _id_order(eid: Arg) -> tuple[int, str, int, str]:

@@ -41,11 +41,11 @@ from .._delivery import Delivery
 from .._errors import AckUnsupported
 from .._keys import same_slot
 from .._outcome import ACK, DROP, RETRY, Outcome, OutcomeKind, WithWrites
-from .._subscription import Form, Mode, Retention
+from .._subscription import Form, Mode
 from .._writes import WRITE_COMMANDS, Write, write_keys
 from . import _scripts
 from ._commands import Arg, Command
-from ._plan import _REMOVED, Plan, Target, plan
+from ._plan import _REMOVED, Plan, Target, copy_how, plan
 
 __all__ = ["WRITES", "check_outcome", "encode_writes", "plan_outcome", "plan_writes"]
 
@@ -120,11 +120,9 @@ def plan_writes(t: Target, d: Delivery, outcome: Outcome) -> Plan:
         form = t.form
         if form is Form.STREAM:  # XACK; XACK + XDEL; XACKDEL: the script's 'ack'
             assert d.id is not None
-            how = ("0" if t.retention is not Retention.DELETE_ON_FINALIZE
-                   else "x" if t.xackdel else "1")
             src = t.source
             return Plan(removed, (STREAM_WRITES.command(
-                (src, src, *keys), (t.group, d.id, "ack", how, 0, *encoded)),))
+                (src, src, *keys), (t.group, d.id, "ack", copy_how(t), 0, *encoded)),))
         if form is Form.RELIABLE_LIST and d.raw is not None:  # LREM: the script's 'remove'
             p = t.processing
             return Plan(removed, (LIST_WRITES.command((p, p, p, *keys),
