@@ -474,3 +474,56 @@ async def test_batched_retry_whose_xack_is_refused_leaves_copies_and_originals_p
     assert await client.execute("XLEN", "s") == 6  # no second copy
     for eid in ids:
         assert (eid, 1) in seen and (eid, 2) in seen  # delivered again: a duplicate
+
+
+@pytest.mark.parametrize("form", ["stream", "list"])
+async def test_batched_writes_under_oom_send_each_delivery_again_and_apply_once(
+    redis_url: str, client: Client, oom: Any, form: str
+) -> None:
+    """ACKs carrying a write, memory refused once the last is handled: each
+    delivery whose write was answered OOM (nothing of it written, not removed)
+    is sent again, alone, until memory is back; each write applies once, with
+    its finalization.  The stream's three go in one batched writes call (one
+    read); the reliable list's reads grow from one element, so its batches
+    vary (the fault matrix's ``list-writes-batched`` pins one batch)."""
+    from trio_redis_finalize._core._scripts import STREAM_WRITES_ACK_BATCH
+
+    if form == "stream":
+        n = 3
+        await client.execute("XGROUP", "CREATE", "s", "g", "0", "MKSTREAM")
+        for i in range(n):
+            await client.execute("XADD", "s", "*", "n", str(i))
+        sub: Any = StreamSubscription("s", "g", block=0.1, count=10)
+    else:
+        n = 10
+        await client.execute("LPUSH", "q", *[b"job"] * 6, *[b"other%d" % i for i in range(4)])
+        sub = ReliableListSubscription("q", block=0.1)
+    seen: list[int] = []
+    last_done = trio.Event()
+
+    async def handler(d: Delivery) -> Outcome:
+        seen.append(d.attempt)
+        if len(seen) == n:
+            oom.on()
+            last_done.set()
+        return ACK.with_writes(("HINCRBY", "totals", "n", 1))
+
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(sub, handler)
+        await last_done.wait()
+        name = consumer.mounts[0].name
+        await eventually(lambda: consumer.stats()[name]["finalize_errors"] >= 2,
+                         what="the OOM retried")
+        acked = consumer.stats()[name]["effects"].get("acked", 0)
+        assert acked < n
+        # committed only with a finalization
+        assert int(await client.execute("HGET", "totals", "n") or 0) == acked
+        oom.off()
+        await eventually(lambda: consumer.stats()[name]["effects"].get("acked", 0) == n,
+                         what="the writes committed")
+        effects = consumer.stats()[name]["effects"]
+        assert effects["writes"] == n and effects.get("failed", 0) == 0, effects
+    assert seen == [1] * n  # no delivery handled twice
+    assert await client.execute("HGET", "totals", "n") == str(n).encode()
+    if form == "stream":
+        assert (await client.execute("SCRIPT", "EXISTS", STREAM_WRITES_ACK_BATCH.sha)) == [1]
