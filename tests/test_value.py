@@ -4,6 +4,7 @@ refuse every assignment and deletion, copy and pickle."""
 from __future__ import annotations
 
 import copy
+import inspect
 import dataclasses
 import pickle
 
@@ -140,3 +141,46 @@ def test_builder_refuses_what_is_not_a_frozen_slotted_dataclass() -> None:
 
     with pytest.raises(TypeError, match="frozen=True, slots=True"):
         builder(Loose)
+
+
+def test_builder_init_keeps_the_dataclass_signature_and_fills_in_on_the_twin() -> None:
+    """``builder(cls, init=True)``: ``cls.__init__`` has the dataclass's own
+    signature (names, defaults, annotations), gives the ``init=False``
+    fields their default and an ordinary frozen instance; a field it cannot
+    fill (a ``default_factory``, an ``init=False`` field without default) is
+    refused when the class is made, naming the field."""
+
+    @immutable
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Point:
+        x: int
+        y: int = 2
+        tag: str = dataclasses.field(default="t", init=False)
+
+    expected = inspect.signature(Point.__init__)
+    twin = builder(Point, init=True)
+    assert inspect.signature(Point.__init__) == expected
+    assert Point.__init__.__qualname__.endswith("Point.__init__")
+    p = Point(1)
+    assert (type(p), p.x, p.y, p.tag) == (Point, 1, 2, "t") and not isinstance(p, twin)
+    assert Point(x=3, y=4) == Point(3, 4) != p
+    with pytest.raises(dataclasses.FrozenInstanceError, match="Point"):
+        p.x = 5  # type: ignore[misc]
+    with pytest.raises(TypeError, match="missing 1 required positional argument: 'x'"):
+        Point()  # type: ignore[call-arg]
+
+    @immutable
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Bag:
+        items: list[int] = dataclasses.field(default_factory=list)
+
+    with pytest.raises(TypeError, match=r"Bag\.items: .*default_factory"):
+        builder(Bag, init=True)
+
+    @immutable
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Hidden:
+        x: int = dataclasses.field(init=False)
+
+    with pytest.raises(TypeError, match=r"Hidden\.x: .*needs a default"):
+        builder(Hidden, init=True)

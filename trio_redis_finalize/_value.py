@@ -13,10 +13,11 @@ dataclass decorator, :func:`immutable` makes that refusal hold for every name
 The generated ``__init__`` (with ``__post_init__`` for validation) is used
 where it fits.  Where it does not -- validation that normalises the values
 (``Backoff``), a ``*channels`` signature (``ChannelSubscription``), or an
-object built for every message read (``Delivery``, ``Plan``), whose frozen
-``__init__`` would cost one ``object.__setattr__`` per field -- the class
-says ``init=False`` and its own ``__init__`` sets the fields with the slot
-setters :func:`setters` returns.
+object built for every message read (``Delivery``, ``Plan``: see
+:func:`builder` below), whose frozen ``__init__`` would cost one
+``object.__setattr__`` per field -- the class says ``init=False`` and its
+own ``__init__`` sets the fields with the slot setters :func:`setters`
+returns.
 
 Measured on CPython 3.11 (a ``Delivery`` of 11 arguments, ``timeit``): plain
 ``__slots__`` with ``self.x = v`` about 0.45-0.60 µs, the frozen dataclass's
@@ -31,7 +32,10 @@ interpreter's specialised slot stores), then its ``__class__`` set to the
 value class: from then on it is an ordinary frozen instance (same layout,
 same type, assignment refused).  About 0.3 µs for the 11 fields of a
 ``Delivery``; a ``Plan`` of 6 fields 0.27 µs through its ``__init__`` on
-the twin (0.36 with the setters).
+the twin (0.36 with the setters).  ``builder(cls, init=True)`` writes that
+``__init__`` for the class (generated from its fields, as ``dataclasses``
+generates its own; the signature stays the dataclass's), so no class spells
+its stores out by hand.
 """
 
 from __future__ import annotations
@@ -92,7 +96,7 @@ def setters(cls: type, *names: str) -> tuple[Callable[[Any, Any], None], ...]:
     return tuple(out)
 
 
-def builder(cls: _C) -> _C:
+def builder(cls: _C, *, init: bool = False) -> _C:
     """A private mutable twin of the frozen slotted class ``cls`` (see the
     module docstring): instances of the twin take plain assignments, and
     become instances of ``cls`` -- immutable -- once their ``__class__`` is
@@ -104,6 +108,11 @@ def builder(cls: _C) -> _C:
 
     The twin adds no slot, so the layouts match and ``__class__`` may be set.
     It is never to escape half-built: set every field, then the class.
+
+    ``init``: also replace the dataclass's generated ``__init__`` of ``cls``
+    (same signature: what type checkers see) with one that does this on the
+    new object itself (:func:`_twin_init`), for a class built for every
+    message.
 
     Raises:
         TypeError: ``cls`` is not an :func:`immutable` frozen slotted dataclass.
@@ -121,4 +130,42 @@ def builder(cls: _C) -> _C:
         "__module__": cls.__module__,
         "__qualname__": f"_{cls.__qualname__}Builder",
     })
+    if init:
+        _twin_init(cls, twin)
     return twin  # type: ignore[return-value]
+
+
+def _twin_init(cls: type, twin: type) -> None:
+    """Give ``cls`` an ``__init__`` of its dataclass signature that sets the
+    new object's class to ``twin``, stores every field plainly (the
+    ``init=False`` ones: their default) and sets the class back: frozen from
+    here on.  Generated as ``dataclasses`` generates its own (one
+    ``exec``), so that each class's stores are straight-line code.
+
+    Raises:
+        TypeError: a field has a ``default_factory`` (not supported here).
+    """
+    params: list[str] = []
+    body = ["    cls = self.__class__", "    _setattr(self, '__class__', _twin)"]
+    env: dict[str, Any] = {"_setattr": object.__setattr__, "_twin": twin}
+    for f in dataclasses.fields(cls):
+        if f.default_factory is not dataclasses.MISSING:
+            raise TypeError(f"{cls.__qualname__}.{f.name}: builder(init=True) takes no default_factory")
+        if f.default is not dataclasses.MISSING:
+            env[f"_d_{f.name}"] = f.default
+        elif not f.init:
+            raise TypeError(f"{cls.__qualname__}.{f.name}: builder(init=True) needs a default for init=False")
+        if f.init:
+            params.append(f.name if f.default is dataclasses.MISSING else f"{f.name}=_d_{f.name}")
+            body.append(f"    self.{f.name} = {f.name}")
+        else:
+            body.append(f"    self.{f.name} = _d_{f.name}")
+    body.append("    self.__class__ = cls")
+    src = f"def __init__(self, {', '.join(params)}):\n" + "\n".join(body) + "\n"
+    exec(src, env)  # generated from the class's own fields, as dataclasses does
+    fn = env["__init__"]
+    generated = cls.__dict__["__init__"]  # the dataclass's: its annotations, for the docs
+    fn.__annotations__ = dict(generated.__annotations__)
+    fn.__qualname__ = f"{cls.__qualname__}.__init__"
+    fn.__module__ = cls.__module__
+    cls.__init__ = fn  # type: ignore[misc]
