@@ -11,7 +11,7 @@ another group wrote, entries deleted while pending.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from .._delivery import Delivery, _set_origin_id
@@ -35,6 +35,7 @@ __all__ = [
     "Original",
     "as_str",
     "foreign",
+    "foreigns",
     "id_key",
     "list_deliveries",
     "list_delivery",
@@ -133,19 +134,30 @@ _blank: Any = ForeignBuilder
 of a delivery cheaper than ``object.__new__(ForeignBuilder)``)."""
 
 
-def foreign(source: str, raw: bytes, mount: str) -> Delivery:
-    """The delivery of foreign bytes ``raw`` (no envelope: attempt 1, within any
-    ``max_attempts``): a :class:`Foreign`, built on its twin."""
-    d: Any = _blank()
-    d.source = source
-    d.id = None
-    d.data = raw
-    d.attempt = 1
-    d.raw = raw
-    d.mount = mount
-    d.__class__ = Foreign  # the rest set when first read (_SHARED): frozen from here on
-    out: Delivery = d
+def foreigns(source: str, raws: Iterable[bytes], mount: str) -> list[Delivery]:
+    """The deliveries of foreign bytes ``raws`` (no envelope: attempt 1, within
+    any ``max_attempts``): :class:`Foreign` ones, each filled in on its twin
+    (the readers' hot path: a call per read, not per element)."""
+    out: list[Delivery] = []
+    append = out.append
+    blank = _blank
+    cls = Foreign
+    for raw in raws:
+        d = blank()
+        d.source = source
+        d.id = None
+        d.data = raw
+        d.attempt = 1
+        d.raw = raw
+        d.mount = mount
+        d.__class__ = cls  # the rest set when first read (_SHARED): frozen from here on
+        append(d)
     return out
+
+
+def foreign(source: str, raw: bytes, mount: str) -> Delivery:
+    """The delivery of foreign bytes ``raw``: :func:`foreigns` of one."""
+    return foreigns(source, (raw,), mount)[0]
 
 
 def list_delivery(target: Target, source: str, raw: bytes) -> tuple[Delivery, Plan | None]:
@@ -180,33 +192,23 @@ def list_deliveries(
     The hot path of a reader: an element that cannot be an envelope (a
     foreign producer's, the common case) is attempt 1 -- never past any
     ``max_attempts`` (>= 1) -- a :class:`Foreign`, the digest of its bytes
-    (its origin id) computed when first read; an envelope within
+    (its origin id) computed when first read (a read without any envelope:
+    :func:`foreigns` of it all, one call); an envelope within
     ``max_attempts`` (the library's copies) is unwrapped here; the rest
     (corrupt, past ``max_attempts``, foreign bytes starting with 0xff) goes
     through :func:`list_delivery`.
     """
-    ready: list[Delivery] = []
-    direct: list[tuple[Delivery, Plan]] = []
     name = target.name
-    limit = target.max_attempts
     head = _MAGIC_HEAD
-    append = ready.append
-    twin: Any = ForeignBuilder
-    cls = Foreign
+    direct: list[tuple[Delivery, Plan]] = []
     # none starts with the envelope's first byte (0xff): the largest is below it
-    foreign_only = not raws or max(raws) < head
+    if not raws or max(raws) < head:
+        return foreigns(source, raws, name), direct
+    ready: list[Delivery] = []
+    limit = target.max_attempts
     for raw in raws:
-        if foreign_only or raw[:1] != head:
-            # foreign(source, raw, name), inline: no call per element
-            d: Any = twin()
-            d.source = source
-            d.id = None
-            d.data = raw
-            d.attempt = 1
-            d.raw = raw
-            d.mount = name
-            d.__class__ = cls  # the rest set when first read (_SHARED)
-            append(d)
+        if raw[:1] != head:
+            ready += foreigns(source, (raw,), name)
             continue
         try:
             body, retries, origin = unwrap(raw)
