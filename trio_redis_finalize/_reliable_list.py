@@ -462,16 +462,6 @@ class ReliableListReader:
         out: list[Command] | None = None
         for i in range(start, len(commands)):
             cmd = commands[i]
-            if cmd[0] == "LREM" and cmd[1] == processing:  # the ACK / DROP fast path
-                x = cmd[3]
-                k = take(x, 0)
-                if k > 1:
-                    assert isinstance(x, bytes)
-                    unsent[x] = k - 1
-                    if out is None:
-                        out = list(commands)
-                    out[i] = list_counted(cmd, k)
-                continue
             if is_batched(cmd):  # removals with writes: each element numbered as alone
                 counts = [(at, n) for at, x, _ in counted_removals(cmd) if (n := dec(unsent, x)) > 1]
                 if counts:
@@ -594,15 +584,6 @@ class ReliableListReader:
             if is_batched(cmd):  # removals with writes: each element's own reply
                 for x, n, er in _batch_removals(cmd, r):
                     self._settled(x, n, er)
-                continue
-            if cmd[0] == "LREM" and cmd[1] == processing:  # the ACK / DROP fast path
-                e = cmd[3]
-                n = take(e, 0)
-                if n > 1:
-                    assert isinstance(e, bytes)
-                    held[e] = n - 1
-                if r.__class__ is not int and isinstance(r, rexc.RedisError) and isinstance(e, bytes):
-                    self._leftover[e] = self._leftover.get(e, 0) + 1
                 continue
             element = list_removal(t, cmd)
             if element is None:
