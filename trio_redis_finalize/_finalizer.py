@@ -12,6 +12,7 @@ returns: stats, log records, the scheduler's holds, the ids no longer held.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,7 @@ MAX_BATCH = 1000
 """At most this many outcomes go into one finalization batch."""
 
 
+@dataclasses.dataclass(eq=False, repr=False, kw_only=True)
 class Finalizer:
     """Sends a mount's batches (see the module docstring).
 
@@ -49,23 +51,21 @@ class Finalizer:
     (``failed`` and ``gate_closed`` included).
     """
 
-    def __init__(
-        self, *, name: str, target: Target, client: Client, stats: MountStats, in_hand: set[str],
-        scheduler: Scheduler, owner: Owner, wait_out: Callable[[Delivery, Backoff], None],
-        gates: Gates | None,
-        settled: Callable[[list[tuple[Delivery, str]]], None] | None,
-    ) -> None:
-        self.name = name
-        self.target = target
-        self.client = client
-        self.stats = stats
-        self.in_hand = in_hand
-        self.scheduler = scheduler
-        self.owner = owner
-        self.wait_out = wait_out
-        self.settled = settled
-        self.scope = anyio.CancelScope()
-        self.core = FinalizerCore(target, gates=gates)
+    name: str
+    target: Target
+    client: Client
+    stats: MountStats
+    in_hand: set[str]
+    scheduler: Scheduler
+    owner: Owner
+    wait_out: Callable[[Delivery, Backoff], None]
+    gates: dataclasses.InitVar[Gates | None]
+    settled: Callable[[list[tuple[Delivery, str]]], None] | None
+    scope: anyio.CancelScope = dataclasses.field(default_factory=anyio.CancelScope, init=False)
+    core: FinalizerCore = dataclasses.field(init=False)
+
+    def __post_init__(self, gates: Gates | None) -> None:
+        self.core = FinalizerCore(self.target, gates=gates)
 
     async def run(self, recv: Recv[list[Item]]) -> None:
         """Finalize every batch ``recv`` brings, until all its senders closed."""
