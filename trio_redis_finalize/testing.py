@@ -494,7 +494,23 @@ def _info(text: bytes) -> dict[str, str]:
     return out
 
 
-class RedisCluster(_Started):
+class _Topology(_Started):
+    """What the topologies of several servers share: the binary, the extra
+    ``redis-server`` arguments, the data servers started (:attr:`servers`)
+    and their :attr:`ports`."""
+
+    def __init__(self, binary: str | None, extra_args: Sequence[str]) -> None:
+        self.binary = binary or find_redis_server()
+        self.extra_args = tuple(extra_args)
+        self.servers: list[RedisServer] = []
+
+    @property
+    def ports(self) -> list[int]:
+        """The ports of :attr:`servers`, in order."""
+        return [s.port for s in self.servers]
+
+
+class RedisCluster(_Topology):
     """A local Redis Cluster of ``masters`` master nodes (no replicas).
 
     Each node is a :class:`RedisServer` run with ``--cluster-enabled yes`` on a
@@ -526,17 +542,11 @@ class RedisCluster(_Started):
     ) -> None:
         if masters < 1:
             raise ValueError(f"masters must be >= 1, got {masters}")
+        super().__init__(binary, extra_args)
         self.masters = masters
-        self.binary = binary or find_redis_server()
         self.node_timeout = node_timeout
-        self.extra_args = tuple(extra_args)
-        self.servers: list[RedisServer] = []
 
     # -- addresses --------------------------------------------------------------
-    @property
-    def ports(self) -> list[int]:
-        return [s.port for s in self.servers]
-
     @property
     def url(self) -> str:
         """``redis+cluster://127.0.0.1:p1,127.0.0.1:p2,...`` (every node a seed)."""
@@ -716,7 +726,7 @@ class _SentinelProcess(RedisServer):
         return [self.binary, str(conf), "--sentinel"]
 
 
-class RedisSentinel(_Started):
+class RedisSentinel(_Topology):
     """A Sentinel topology on loopback: a master, replicas and sentinels.
 
     ``servers[0]`` starts as the master, the others as its replicas; each
@@ -755,17 +765,15 @@ class RedisSentinel(_Started):
                 f"need replicas >= 1, sentinels >= 1, 1 <= quorum <= sentinels; got "
                 f"replicas={replicas}, sentinels={sentinels}, quorum={quorum}"
             )
+        super().__init__(binary, extra_args)
         self.service_name = service_name
         self.replica_count = replicas
         self.sentinel_count = sentinels
         self.quorum = quorum
         self.down_after = down_after
         self.failover_timeout = failover_timeout
-        self.binary = binary or find_redis_server()
         self.password = password
         self.sentinel_password = sentinel_password
-        self.extra_args = tuple(extra_args)
-        self.servers: list[RedisServer] = []
         self.sentinels: list[RedisServer] = []
 
     # -- addresses ---------------------------------------------------------------------
