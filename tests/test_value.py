@@ -4,8 +4,8 @@ refuse every assignment and deletion, copy and pickle."""
 from __future__ import annotations
 
 import copy
-import inspect
 import dataclasses
+import inspect
 import pickle
 
 import pytest
