@@ -33,6 +33,11 @@ finalization) and ACK for copies; a reliable-list handler returns the path's
 outcome on the first call for the message and ACK afterwards (a copy and a
 re-delivered original look alike there).
 
+Batches (``n > 1``): three messages produced at once and finalized in one
+batched script call (streams: copies, delays, dead letters, ACKs and DROPs
+carrying writes; a reliable list: ACKs and DROPs carrying writes, in one
+``LIST_WRITES_REMOVE_BATCH``); the checker judges each message of the batch.
+
 The negative control builds the forbidden order (XACK, then XADD the copy, as
 two commands; for lists LREM then LPUSH) and shows the same checker reports
 the loss.
@@ -63,6 +68,7 @@ from trio_redis_finalize import (
     StreamSubscription,
     _finalizer,
     _mount,
+    _reliable_list,
     _scheduler,
     _shutdown,
     open_consumer,
@@ -124,8 +130,9 @@ class Path:
     sub: dict[str, Any] = dataclasses.field(default_factory=dict)
     preset_retries: int = 0  # the original arrives carrying this retry counter
     planner: Planner | None = None  # replaces the planner (cluster split, broken order)
-    n: int = 1  # streams: messages produced (n > 1: finalized in one batched script call)
-    raced: bool = False  # n > 1: the second is finalized by another party just before
+    n: int = 1  # messages produced (n > 1: finalized in one batched script call; a list's
+    # n > 1 only for paths that leave no copy: its copies are counted, not told apart)
+    raced: bool = False  # streams, n > 1: the second is finalized by another party just before
     # its batch (a racing finalizer): the batched call is half gated-closed
     writes: bool = False  # the message's last outcome carries a write (exactly-once effects)
     batch: bool = False  # mounted with batch=True: the handler takes a read's deliveries at once
@@ -228,6 +235,9 @@ WRITES_PATHS = [
     Path("stream-ack-batch-half-closed-writes", "stream", ACK, "gone", n=3, raced=True,
          writes=True),
     Path("stream-delete-drop-batch-writes", "stream", DROP, "gone", n=3, writes=True, sub=DELETE),
+    # one LIST_WRITES_REMOVE_BATCH call each (three distinct elements)
+    Path("list-ack-batch-writes", "list", ACK, "gone", n=3, writes=True),
+    Path("list-drop-batch-writes", "list", DROP, "gone", n=3, writes=True),
 ]
 # The batch handler (mount(..., batch=True)): the same finalizations, the
 # outcomes of one call handed on together (a list of them; one for all when
@@ -238,7 +248,8 @@ BATCH_PATHS = [
     for p in [*STREAM_PATHS, *LIST_PATHS, *WRITES_PATHS]
     if p.id in ("ack", "retry", "retry-after-runtime", "dead-letter", "retry-batch",
                 "retry-batch-half-closed", "dead-letter-batch", "stream-ack-writes",
-                "stream-retry-writes", "list-ack-writes", "stream-ack-batch-half-closed-writes")
+                "stream-retry-writes", "list-ack-writes", "stream-ack-batch-half-closed-writes",
+                "list-ack-batch-writes")
 ]
 BROKEN_STREAM = Path("broken-ack-then-copy", "stream", RETRY, "copy", gated=False,
                      planner=_remove_then_copy)
@@ -284,6 +295,8 @@ class Case:
             if path.sub.get("mode") is Mode.CLAIMING:
                 return path.outcome if d.attempt == 1 else ACK
             return path.outcome if d.id in self.originals else ACK
+        if path.n > 1:  # each element's first delivery
+            return path.outcome if all(c.origin != d.origin_id for c in self.calls) else ACK
         return path.outcome if not self.calls else ACK
 
     def ends(self, d: Delivery, outcome: Outcome) -> bool:
@@ -379,6 +392,12 @@ async def _produce(client: Client, case: Case) -> None:
             case.originals.append((await client.execute("XADD", S, "*", *fields)).decode())
         case.original = case.origin = case.originals[0]
         return
+    if path.n > 1:  # distinct foreign elements, pushed at once: one read
+        elements = [f"job-{i + 1}".encode() for i in range(path.n)]
+        case.originals = [_plan.content_origin(e) for e in elements]
+        case.origin = case.originals[0]
+        await client.execute("LPUSH", Q, *elements)
+        return
     case.origin = "job-1"
     element = wrap(b"job", path.preset_retries, case.origin) if path.preset_retries else b"job"
     if not path.preset_retries:
@@ -402,8 +421,8 @@ class Report:
 
 def judge(case: Case, state: StreamState | ListState) -> Report:
     """The checker: what Redis holds after recovery, against what the path
-    promises, for each message (a stream path of n > 1: each of the batch)."""
-    if case.path.form != "stream" or case.path.n == 1:
+    promises, for each message (a path of n > 1: each of the batch)."""
+    if case.path.n == 1:
         return _judge_one(case, state, case.origin)
     problems: list[str] = []
     copies: list[int] = []
@@ -430,7 +449,8 @@ def _judge_one(case: Case, state: StreamState | ListState, origin: str) -> Repor
             problems.append(f"raced: {copies} copies, {dead} dead letters, "
                             f"{state.present()[origin]} tokens left (the gate was closed)")
         return Report(case, problems, copies, dead)
-    calls = [c for c in case.calls if c.origin == origin] if path.form == "stream" else case.calls
+    calls = ([c for c in case.calls if c.origin == origin] if path.form == "stream" or path.n > 1
+             else case.calls)
     if path.form == "stream":
         assert isinstance(state, StreamState)
         copies = state.copies()[origin]
@@ -534,6 +554,16 @@ async def run_case(url: str, path: Path, k: int | None, fault: str,
         # load) would otherwise hand the outcomes before it on at once
         monkeypatch.setattr(_mount, "_SLOW_CALL", 60.0)
         monkeypatch.setattr(_mount, "_FLUSH_EVERY", 60.0)
+        if path.form == "list":
+            # ... read at once: the reader's first read is of one element
+            # (its prefetch grows from 1), so it starts at n here
+            start = _reliable_list.ReliableListReader.__init__
+
+            def prefetch_n(self: Any, sub: Any) -> None:
+                start(self, sub)
+                self._batch = path.n
+
+            monkeypatch.setattr(_reliable_list.ReliableListReader, "__init__", prefetch_n)
     case = Case(path, k, fault)
     async with open_client(url) as admin:
         case.racer = admin
