@@ -38,6 +38,7 @@ from trio_redis_finalize import (
     open_consumer,
     retry_after,
 )
+from trio_redis_finalize._core._list_gates import ListGates
 from trio_redis_finalize._envelope import unwrap, wrap
 from trio_redis_finalize._transport import Client, Command, Connection, WrongTypeError, parse_url
 
@@ -597,18 +598,13 @@ async def test_many_identical_elements_with_lost_finalization_replies(
 # -- the hot path's counted gates, taken in C (issue 25) -----------------------------------------
 
 
-def _reader_with(held: dict[bytes, int]) -> Any:
-    """A reader holding ``held`` (none of their removals sent yet)."""
-    from collections import Counter
-
-    from trio_redis_finalize._reliable_list import ReliableListReader
-
-    s = sub()
-    r = ReliableListReader(s)
-    r._target = s.target("c1")
-    r._unsent = Counter(held)
-    r._in_hand = Counter(held)
-    return r
+def _gates_with(held: dict[bytes, int]) -> ListGates:
+    """A consumer's gates holding ``held`` (none of their removals sent yet)."""
+    g = ListGates(lambda: 0.0)
+    g.target = sub().target("c1")
+    g.unsent.update(held)
+    g.in_hand.update(held)
+    return g
 
 
 def _lrems(*elements: bytes) -> list[Command]:
@@ -626,31 +622,31 @@ def test_prepare_and_settle_in_c_number_as_one_by_one(batch: list[bytes]) -> Non
     ``hot``) leave the same commands and counts as one by one (``fast=0``,
     ``hot=False``): identical elements are put back and numbered."""
     held = {b"a": 1, b"b": 1, b"c": 1, b"X": 3}
-    one, fast = _reader_with(held), _reader_with(held)
+    one, fast = _gates_with(held), _gates_with(held)
     slow_cmds = one.prepare(_lrems(*batch))
     fast_cmds = fast.prepare(_lrems(*batch), len(batch))
-    assert fast_cmds == slow_cmds and fast._unsent == one._unsent
+    assert fast_cmds == slow_cmds and fast.unsent == one.unsent
     if batch.count(b"X") == 3:  # gated on 3, 2, 1 copies, in order
         counted = [c for c in fast_cmds if c[0] == b"EVALSHA"]
         assert [c[-1] for c in counted] == [3, 2] and fast_cmds[-1][0] == "LREM"
     replies = [1] * len(batch)
     one.settle([], slow_cmds, replies)
     fast.settle([], fast_cmds, replies, True)
-    assert fast._in_hand == one._in_hand and fast._leftover == one._leftover
+    assert fast.in_hand == one.in_hand and fast.leftover == one.leftover
 
 
 def test_settle_in_c_with_a_removal_that_removed_nothing_settles_one_by_one() -> None:
     """A hot batch whose replies are not all 1 (a closed gate, an error
     reply) is settled one by one: the error leaves a copy to look for."""
     held = {b"a": 1, b"b": 1}
-    one, fast = _reader_with(held), _reader_with(held)
+    one, fast = _gates_with(held), _gates_with(held)
     cmds = fast.prepare(_lrems(b"a", b"b"), 2)
     one.prepare(_lrems(b"a", b"b"))
     replies: list[object] = [rexc.ResponseError("OOM"), 1]
     one.settle([], cmds, replies)
     fast.settle([], cmds, replies, True)
-    assert fast._in_hand == one._in_hand == {}
-    assert fast._leftover == one._leftover == {b"a": 1}
+    assert fast.in_hand == one.in_hand == {}
+    assert fast.leftover == one.leftover == {b"a": 1}
 
 
 async def test_identical_elements_among_unique_ones_in_fast_batches(

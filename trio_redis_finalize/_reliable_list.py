@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import heapq
-import itertools
-import operator
 import random
-from collections import Counter
 from collections.abc import Callable, Coroutine, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Any, cast
+from typing import Any
 
 import anyio
 from redis import exceptions as rexc
@@ -25,11 +21,11 @@ from ._context import (
     describe_error,
     log,
 )
-from ._core._batch import batch_replies, counted_removals, is_batched, with_counts
 from ._core._commands import Command
 from ._core._decode import list_deliveries, list_delivery
 from ._core._finalize import Gates
-from ._core._plan import Effect, Plan, Target, list_copies, list_counted, list_removal
+from ._core._list_gates import ListGates
+from ._core._plan import Effect, Plan, Target
 from ._core._presence import HEARTBEAT_FLOOR
 from ._core._reliable import (
     BUMP,
@@ -47,7 +43,6 @@ from ._core._scripts import MOVE_DUE_TO_LIST
 from ._delay_set import move_due
 from ._delivery import Delivery
 from ._keys import derived, same_slot
-from ._outcome import Outcome, OutcomeKind
 from ._read_loop import Pending, check_type, reader_connection
 from ._shutdown import CLOSING_TIMEOUT, Budget, cleanup
 from ._subscription import (
@@ -157,7 +152,8 @@ class ReliableListSubscription(Subscription):
 # -- runtime ------------------------------------------------------------------
 #
 # The keys beside the queue (registry, heartbeats), the reader's scripts and
-# its multiset counting are in ``_core._reliable``.
+# its multiset counting are in ``_core._reliable``; its counted gates in
+# ``_core._list_gates``.
 
 _PREFETCH_MAX = 64
 """At most this many elements move into the processing list per round trip."""
@@ -165,25 +161,10 @@ _CHUNK_WORK = 0.01
 """Seconds of handler work one prefetch aims at (fast handlers: bigger batches)."""
 _REAP_PAGE = 100
 _REAP_ROUNDS = 1000
-_HELD_MARGIN = 0.5
-"""Seconds after its due time a runtime ``retry_after`` original counts as sent."""
 _RECHECK = 1.0
 """Seconds after a rescan that may have taken a stranded copy for an identical
 one finalized meanwhile before the processing list is looked at again."""
 _BYTES = {bytes}  # the types of a read's replies when none is an error
-_ELEMENT = operator.itemgetter(3)  # the element of a plain removal: ("LREM", processing, -1, e)
-_repeat = itertools.repeat
-
-
-def _batch_removals(cmd: Command, r: object) -> list[tuple[bytes, int, object]]:
-    """``(element, n, reply)`` of each element of a batched call of removals
-    with writes answered ``r`` (``_batch.batch_replies``; a reply to the whole
-    call, an error: each element's)."""
-    removals = counted_removals(cmd)
-    elements = batch_replies(r, len(removals))
-    if elements is None:
-        elements = [r] * len(removals)
-    return [(x, int(n), er) for (_, x, n), er in zip(removals, elements, strict=True)]
 
 
 class ReliableListReader:
@@ -205,12 +186,13 @@ class ReliableListReader:
       read of this process and no handler saw it: delivered as it is (not an
       attempt), unless a copy this reader handled may have been left by its
       removal (a closed gate, an error reply).
-    * Identical elements: the finalizer asks :meth:`prepare` for the
-      commands of each batch before it is first sent; a removal of an
-      element of which this reader holds several copies then carries ``n``
-      (see ``_plan.list_counted``), so that a resend after an unknown outcome
-      never removes a copy another handler still holds; :meth:`settle`
-      counts answered removals down.  What counting cannot tell apart: a
+    * Identical elements: the finalizer asks the reader's counted gates
+      (:attr:`gates`, a ``_core._list_gates.ListGates``) for the commands of
+      each batch before it is first sent; a removal of an element of which
+      this reader holds several copies then carries ``n`` (see
+      ``_plan.list_counted``), so that a resend after an unknown outcome
+      never removes a copy another handler still holds; the gates count
+      answered removals down.  What counting cannot tell apart: a
       removal of X resent after an unknown outcome while a read of another
       X also lost its reply and the rescan has not adopted it yet - "sent
       removal applied + one stranded X" and "removal not applied" leave the
@@ -245,13 +227,13 @@ class ReliableListReader:
     def __init__(self, sub: ReliableListSubscription) -> None:
         self.sub = sub
         # The multiset of elements this reader delivered, by bytes (identical
-        # elements are told apart by count only; Counter: a batch read is
-        # counted in by one ``update``, in C):
-        self._unsent: Counter[bytes] = Counter()  # delivered, removal not sent yet
-        self._in_hand: Counter[bytes] = Counter()  # delivered, removal not answered yet
-        self._leftover: dict[bytes, int] = {}  # handled; the removal may have left a copy
-        self._delayed: list[tuple[float, bytes]] = []  # runtime retry_after: (counts until, element)
-        self._rescan_wanted = False
+        # elements are told apart by count only), and the finalizer's gates
+        # on it; the reader's read path adds to the same counters directly
+        g = self._gates = ListGates(anyio.current_time)
+        self._unsent = g.unsent  # delivered, removal not sent yet
+        self._in_hand = g.in_hand  # delivered, removal not answered yet
+        self._leftover = g.leftover  # handled; the removal may have left a copy
+        self._delayed = g.delayed  # runtime retry_after: (counts until, element), a heap
         self._per_element = 0.0  # seconds of handler time per element (EMA)
         self._batch = 1
         self._next_move = 0.0
@@ -311,11 +293,11 @@ class ReliableListReader:
             back = [d.raw for d in ready if d.raw is not None] if sent else list(raws)
             plan = self._give_back_plan(back)
             if plan is not None:
-                commands = self.prepare(list(plan.commands))
+                commands = self._gates.prepare(list(plan.commands))
                 with cleanup(FINALIZE_TIMEOUT):
                     try:
                         replies = await ctx.client.pipeline(commands, timeout=FINALIZE_TIMEOUT)
-                        self.settle([], commands, replies)
+                        self._gates.settle([], commands, replies)
                     except (rexc.RedisError, OSError) as e:
                         log.warning("%s: could not give %d element(s) back to the queue (%s); "
                                     "they stay in the processing list", ctx.name, len(back), e)
@@ -370,7 +352,7 @@ class ReliableListReader:
                 if n is not None:
                     unsent[e] = unsent.get(e, 0) + 1
                     dec(held, n)
-            self._rescan_wanted = True
+            self._gates.rescan_wanted = True
             raise
         built: list[tuple[Delivery, Plan | None]] = []
         for d, e, n in zip(failed, old, new, strict=True):
@@ -395,220 +377,20 @@ class ReliableListReader:
         full): they stay in the processing list, not held, for the next rescan
         (after a read error, at a start), which delivers them again counted as
         an attempt."""
+        leave = self._gates.leave
         for d in deliveries:
-            if d.raw is not None and dec(self._in_hand, d.raw):
-                dec(self._unsent, d.raw)
-                self._leftover[d.raw] = self._leftover.get(d.raw, 0) + 1
+            if d.raw is not None:
+                leave(d.raw)
 
     # -- bookkeeping ----------------------------------------------------------
     def _hold(self, raw: bytes) -> None:
-        self._unsent[raw] = self._unsent.get(raw, 0) + 1
-        self._in_hand[raw] = self._in_hand.get(raw, 0) + 1
-
-    def _take(self, e: bytes) -> int:
-        """``n`` for the removal of one copy of ``e`` sent now (see ``_plan.list_counted``)."""
-        return max(1, dec(self._unsent, e))
-
-    def _expire(self) -> None:
-        """Runtime ``retry_after`` originals whose copy must have been sent: no longer held."""
-        delayed = self._delayed
-        if not delayed:
-            return
-        now = anyio.current_time()
-        while delayed and delayed[0][0] <= now:
-            _, e = heapq.heappop(delayed)
-            dec(self._unsent, e)
-            dec(self._in_hand, e)
-            if e in self._leftover:
-                self._rescan_wanted = True
+        self._gates.hold(raw)
 
     @property
     def gates(self) -> Gates:
         """The counted gates the finalizer's core uses for this reader's
-        removals (:meth:`prepare`, :meth:`resend`, :meth:`settle`)."""
-        return self
-
-    def prepare(self, commands: list[Command], fast: int = 0) -> list[Command]:
-        """The finalizer calls this once per batch before it is first sent (a
-        resend sends the same commands): each removal of an element of which
-        this reader holds several copies gets its ``n`` (unique elements: the
-        commands as they are).
-
-        ``fast``: the first ``fast`` commands are plain ``LREM`` s of the
-        processing list (the hot path's): their elements are taken out of
-        ``_unsent`` at once, in C; should one of them be held more than once
-        (or twice in the batch: its first take finds ``n >= 2``), they are put
-        back and numbered one by one as any other removal.
-        """
-        t = self._target
-        if t is None:
-            return commands
-        self._expire()
-        unsent = self._unsent
-        take = cast(Callable[[object, int], int], unsent.pop)  # 0: not held (not bytes: not a key)
-        start = 0
-        if fast:
-            xs = list(map(_ELEMENT, commands[:fast] if fast < len(commands) else commands))
-            ks = list(map(take, xs, _repeat(0)))
-            if ks.count(1) != len(ks):  # identical elements (or not held): put back, numbered below
-                for x, k in zip(xs, ks, strict=True):
-                    if k:
-                        unsent[x] = k
-            elif fast == len(commands):
-                return commands
-            else:
-                start = fast
-        processing = t.processing
-        out: list[Command] | None = None
-        for i in range(start, len(commands)):
-            cmd = commands[i]
-            if is_batched(cmd):  # removals with writes: each element numbered as alone
-                counts = [(at, n) for at, x, _ in counted_removals(cmd) if (n := dec(unsent, x)) > 1]
-                if counts:
-                    if out is None:
-                        out = list(commands)
-                    out[i] = with_counts(cmd, counts)
-                continue
-            e = list_removal(t, cmd)
-            if e is not None:
-                n = dec(unsent, e)
-                if n > 1:
-                    if out is None:
-                        out = list(commands)
-                    out[i] = list_counted(cmd, n)
-            elif cmd[0] == b"EVALSHA" and cmd[1] == GIVE_BACK.sha and cmd[3] == processing:
-                args = list(cmd)
-                for j in range(5, len(args), 2):
-                    g = args[j]
-                    if isinstance(g, bytes):
-                        args[j + 1] = self._take(g)
-                if out is None:
-                    out = list(commands)
-                out[i] = tuple(args)
-        return commands if out is None else out
-
-    def _settled(self, element: bytes, copies: int, r: object) -> None:
-        """A removal of ``element`` gated on ``copies`` was answered ``r``: no
-        longer held; one that failed, or whose counted gate was closed, may have
-        left a copy that was handled (the next rescan delivers it again)."""
-        dec(self._in_hand, element)
-        failed = isinstance(r, rexc.RedisError)
-        if failed or (not r and copies > 1):
-            self._leftover[element] = self._leftover.get(element, 0) + 1
-            if not failed:
-                self._rescan_wanted = True
-
-    def resend(self, commands: Sequence[Command], answered: Sequence[Command],
-               answers: Sequence[object]) -> list[Command]:
-        """The finalizer calls this before it sends ``commands`` again (their
-        outcome was unknown, or they did not run): every removal is gated on
-        the copies this reader holds *now*.
-
-        An identical element read since the first send (held by another
-        handler) raised the number of copies in the processing list: the
-        ``n`` taken at the first send would let a resend remove that copy.
-        ``answered``/``answers``: this batch's commands already answered
-        (their removals are discounted).
-        """
-        t = self._target
-        if t is None:
-            return list(commands)
-        held = self._in_hand
-        done: dict[bytes, int] = {}  # removals this batch already made
-        for cmd, r in zip(answered, answers, strict=True):
-            if is_batched(cmd):  # removals with writes: each element's own reply
-                for x, _, er in _batch_removals(cmd, r):
-                    if er and not isinstance(er, Exception):
-                        done[x] = done.get(x, 0) + 1
-                continue
-            e = list_removal(t, cmd)
-            if e is not None and r and not isinstance(r, Exception):
-                done[e] = done.get(e, 0) + 1
-
-        def copies_now(e: bytes) -> int:
-            k = done.get(e, 0)
-            done[e] = k + 1
-            return max(1, held.get(e, 0) - k)
-
-        out = list(commands)
-        for i, cmd in enumerate(out):
-            if is_batched(cmd):  # removals with writes: each element as alone
-                out[i] = with_counts(cmd, [(at, copies_now(x))
-                                           for at, x, _ in counted_removals(cmd)])
-                continue
-            e = list_removal(t, cmd)
-            if e is not None:
-                out[i] = list_counted(cmd, copies_now(e))
-            elif cmd[0] == b"EVALSHA" and cmd[1] == GIVE_BACK.sha and cmd[3] == t.processing:
-                args = list(cmd)
-                for j in range(5, len(args), 2):
-                    g = args[j]
-                    if isinstance(g, bytes):
-                        k = done.get(g, 0)
-                        done[g] = k + 1
-                        args[j + 1] = max(1, held.get(g, 0) - k)
-                out[i] = tuple(args)
-        return out
-
-    def settle(self, items: Sequence[Item], commands: Sequence[Command], replies: Sequence[object],
-               hot: bool = False) -> None:
-        """The finalizer calls this with the replies of a batch :meth:`prepare` saw.
-
-        Answered removals are no longer held; a removal whose ``n`` gate was
-        closed (or that failed) may have left a copy that was handled: the
-        next rescan delivers it again as an attempt.  Runtime ``retry_after``
-        originals stay held until their copy must have been sent.
-
-        ``hot``: only the hot path's removals (plain ``LREM`` s, or their
-        counted ``LIST_REMOVE`` calls), no plan: when each answered 1 (removed)
-        their elements are taken out of ``_in_hand`` at once, in C; should one
-        not have been held exactly once (identical elements, or a counted
-        call, whose element is not at index 3), they are put back and settled
-        one by one.
-        """
-        t = self._target
-        if t is None:
-            return
-        held = self._in_hand
-        take = cast(Callable[[object, int], int], held.pop)  # 0: not held (not bytes: not a key)
-        if hot and replies.count(1) == len(replies):
-            xs = list(map(_ELEMENT, commands))
-            ns = list(map(take, xs, _repeat(0)))
-            if ns.count(1) == len(ns):  # each held once (1: a small int, compared by identity)
-                return  # no plan: no runtime retry_after to hold either
-            for x, n in zip(xs, ns, strict=True):
-                if n:
-                    held[x] = n
-        processing = t.processing
-        for cmd, r in zip(commands, replies, strict=True):
-            if is_batched(cmd):  # removals with writes: each element's own reply
-                for x, n, er in _batch_removals(cmd, r):
-                    self._settled(x, n, er)
-                continue
-            element = list_removal(t, cmd)
-            if element is None:
-                if cmd[0] == b"EVALSHA" and cmd[1] == GIVE_BACK.sha and cmd[3] == processing:
-                    for g in cmd[5::2]:
-                        if isinstance(g, bytes):
-                            dec(held, g)
-                continue
-            self._settled(element, list_copies(cmd), r)
-        if hot or t.delayed_retry is not DelayedRetry.RUNTIME:
-            return  # hot: no plan, so no runtime retry_after
-        limit = t.max_attempts
-        retry_after = OutcomeKind.RETRY_AFTER
-        for d, o in items:
-            if o.__class__ is Outcome:
-                assert isinstance(o, Outcome)
-                if o.kind is not retry_after or (limit is not None and d.attempt >= limit):
-                    continue
-                delay = o.delay
-            elif isinstance(o, Plan) and o.effect is Effect.HELD and o.delay is not None:
-                delay = o.delay
-            else:
-                continue
-            if d.raw is not None:
-                heapq.heappush(self._delayed, (anyio.current_time() + delay + _HELD_MARGIN, d.raw))
+        removals (``_core._list_gates``)."""
+        return self._gates
 
     # -- recovery -------------------------------------------------------------
     async def _rescan(self, conn: Connection, ctx: Context, *, start: bool = True) -> None:
@@ -621,15 +403,15 @@ class ReliableListReader:
         but for copies this reader handled whose removal may have left them.
         """
         t = ctx.target
-        self._rescan_wanted = False
+        self._gates.rescan_wanted = False
         self._recheck_at = None
-        self._expire()
+        self._gates.expire()
         # what is held as the LRANGE is sent: a removal answered while it is on
         # its way may have run after it (see _core._reliable.stranded)
         before = dict(self._in_hand)
         items: list[bytes] = await conn.execute("LRANGE", t.processing, 0, -1,
                                                 timeout=FINALIZE_TIMEOUT)
-        self._expire()
+        self._gates.expire()
         held = self._in_hand
         lost = stranded(items, held, self._leftover, {e for _, e in self._delayed},
                         start=start, before=before)
@@ -754,7 +536,7 @@ class ReliableListReader:
     async def setup(self, ctx: Context) -> None:
         """The keys' types, then the first heartbeat (registered before the first read)."""
         sub = self.sub
-        t = self._target = ctx.target
+        t = self._target = self._gates.target = ctx.target
         client = ctx.client
         await check_type(client, sub.queue, "list", sub.name)
         if t.processing != sub.queue:
@@ -783,7 +565,7 @@ class ReliableListReader:
             wait = await self._move_due(ctx)
             self._next_move = anyio.current_time() + wait
         recheck = self._recheck_at
-        if (self._rescan_planned or self._rescan_wanted
+        if (self._rescan_planned or self._gates.rescan_wanted
                 or (recheck is not None and anyio.current_time() >= recheck)):
             await self._rescan(conn, ctx, start=not self._started)
             self._rescan_planned = False

@@ -1,0 +1,292 @@
+"""A reliable list's counted gates, sans-IO: which removal of an element is
+gated on how many copies, and what is held until its removal is answered.
+
+A reliable list may hold several copies of one element (identical bytes),
+told apart by count only.  :class:`ListGates` is a consumer's multiset
+bookkeeping of what it read and has not finalized yet, and the
+:class:`~._finalize.Gates` the finalizer's core calls for every batch: a
+removal of an element of which several copies are held carries ``n``
+(``_plan.list_counted``), so that a resend after an unknown outcome never
+removes a copy another handler still holds (:meth:`ListGates.prepare`,
+:meth:`ListGates.resend`); answered removals are counted down, and one
+whose gate was closed or that failed leaves a copy for the next rescan to
+look for (:meth:`ListGates.settle`).  The reader
+(``_reliable_list.ReliableListReader``) adds what it reads
+(:meth:`ListGates.hold`, or ``unsent`` / ``in_hand`` updated at once) and
+asks what to rescan for (``leftover``, ``rescan_wanted``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import operator
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import cast
+
+from redis import exceptions as rexc
+
+from .._outcome import Outcome, OutcomeKind
+from .._subscription import DelayedRetry
+from ._batch import batch_replies, counted_removals, is_batched, with_counts
+from ._commands import Command
+from ._finalize import Item
+from ._plan import Effect, Plan, Target, list_copies, list_counted, list_removal
+from ._reliable import GIVE_BACK, dec
+
+__all__ = ["HELD_MARGIN", "ListGates"]
+
+HELD_MARGIN = 0.5
+"""Seconds after its due time a runtime ``retry_after`` original counts as sent."""
+_ELEMENT = operator.itemgetter(3)  # the element of a plain removal: ("LREM", processing, -1, e)
+_repeat = itertools.repeat
+
+
+def _batch_removals(cmd: Command, r: object) -> list[tuple[bytes, int, object]]:
+    """``(element, n, reply)`` of each element of a batched call of removals
+    with writes answered ``r`` (``_batch.batch_replies``; a reply to the whole
+    call, an error: each element's)."""
+    removals = counted_removals(cmd)
+    elements = batch_replies(r, len(removals))
+    if elements is None:
+        elements = [r] * len(removals)
+    return [(x, int(n), er) for (_, x, n), er in zip(removals, elements, strict=True)]
+
+
+class ListGates:
+    """One consumer's counted gates on its processing list (see the module
+    docstring); ``clock``: the current time in seconds (the event loop's).
+
+    Attributes:
+        unsent: the elements delivered whose removal was not sent yet (a multiset).
+        in_hand: the elements delivered whose removal was not answered yet.
+        leftover: handled elements whose removal may have left a copy.
+        delayed: runtime ``retry_after`` originals, held until their copy
+            must have been sent: ``(time, element)``, a heap.
+        rescan_wanted: a removal's gate was closed (or a held original
+            expired with a leftover): the processing list is to be looked at.
+        target: the subscription resolved (None until the reader's setup:
+            the commands are then left as they are).
+    """
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        # Counter: a batch read is counted in by one ``update``, in C
+        self.unsent: Counter[bytes] = Counter()
+        self.in_hand: Counter[bytes] = Counter()
+        self.leftover: dict[bytes, int] = {}
+        self.delayed: list[tuple[float, bytes]] = []
+        self.rescan_wanted = False
+        self.target: Target | None = None
+        self.clock = clock
+
+    def hold(self, raw: bytes) -> None:
+        """One more copy of ``raw`` delivered."""
+        self.unsent[raw] = self.unsent.get(raw, 0) + 1
+        self.in_hand[raw] = self.in_hand.get(raw, 0) + 1
+
+    def take(self, e: bytes) -> int:
+        """``n`` for the removal of one copy of ``e`` sent now (see ``_plan.list_counted``)."""
+        return max(1, dec(self.unsent, e))
+
+    def leave(self, raw: bytes) -> None:
+        """Forget one held copy of ``raw`` without its removal (left in the
+        processing list for the next rescan, which delivers it again)."""
+        if dec(self.in_hand, raw):
+            dec(self.unsent, raw)
+            self.leftover[raw] = self.leftover.get(raw, 0) + 1
+
+    def expire(self) -> None:
+        """Runtime ``retry_after`` originals whose copy must have been sent: no longer held."""
+        delayed = self.delayed
+        if not delayed:
+            return
+        now = self.clock()
+        while delayed and delayed[0][0] <= now:
+            _, e = heapq.heappop(delayed)
+            dec(self.unsent, e)
+            dec(self.in_hand, e)
+            if e in self.leftover:
+                self.rescan_wanted = True
+
+    def prepare(self, commands: list[Command], fast: int = 0) -> list[Command]:
+        """The finalizer calls this once per batch before it is first sent (a
+        resend sends the same commands): each removal of an element of which
+        this consumer holds several copies gets its ``n`` (unique elements: the
+        commands as they are).
+
+        ``fast``: the first ``fast`` commands are plain ``LREM`` s of the
+        processing list (the hot path's): their elements are taken out of
+        ``_unsent`` at once, in C; should one of them be held more than once
+        (or twice in the batch: its first take finds ``n >= 2``), they are put
+        back and numbered one by one as any other removal.
+        """
+        t = self.target
+        if t is None:
+            return commands
+        self.expire()
+        unsent = self.unsent
+        take = cast(Callable[[object, int], int], unsent.pop)  # 0: not held (not bytes: not a key)
+        start = 0
+        if fast:
+            xs = list(map(_ELEMENT, commands[:fast] if fast < len(commands) else commands))
+            ks = list(map(take, xs, _repeat(0)))
+            if ks.count(1) != len(ks):  # identical elements (or not held): put back, numbered below
+                for x, k in zip(xs, ks, strict=True):
+                    if k:
+                        unsent[x] = k
+            elif fast == len(commands):
+                return commands
+            else:
+                start = fast
+        processing = t.processing
+        out: list[Command] | None = None
+        for i in range(start, len(commands)):
+            cmd = commands[i]
+            if is_batched(cmd):  # removals with writes: each element numbered as alone
+                counts = [(at, n) for at, x, _ in counted_removals(cmd) if (n := dec(unsent, x)) > 1]
+                if counts:
+                    if out is None:
+                        out = list(commands)
+                    out[i] = with_counts(cmd, counts)
+                continue
+            e = list_removal(t, cmd)
+            if e is not None:
+                n = dec(unsent, e)
+                if n > 1:
+                    if out is None:
+                        out = list(commands)
+                    out[i] = list_counted(cmd, n)
+            elif cmd[0] == b"EVALSHA" and cmd[1] == GIVE_BACK.sha and cmd[3] == processing:
+                args = list(cmd)
+                for j in range(5, len(args), 2):
+                    g = args[j]
+                    if isinstance(g, bytes):
+                        args[j + 1] = self.take(g)
+                if out is None:
+                    out = list(commands)
+                out[i] = tuple(args)
+        return commands if out is None else out
+
+    def _settled(self, element: bytes, copies: int, r: object) -> None:
+        """A removal of ``element`` gated on ``copies`` was answered ``r``: no
+        longer held; one that failed, or whose counted gate was closed, may have
+        left a copy that was handled (the next rescan delivers it again)."""
+        dec(self.in_hand, element)
+        failed = isinstance(r, rexc.RedisError)
+        if failed or (not r and copies > 1):
+            self.leftover[element] = self.leftover.get(element, 0) + 1
+            if not failed:
+                self.rescan_wanted = True
+
+    def resend(self, commands: Sequence[Command], answered: Sequence[Command],
+               answers: Sequence[object]) -> list[Command]:
+        """The finalizer calls this before it sends ``commands`` again (their
+        outcome was unknown, or they did not run): every removal is gated on
+        the copies this consumer holds *now*.
+
+        An identical element read since the first send (held by another
+        handler) raised the number of copies in the processing list: the
+        ``n`` taken at the first send would let a resend remove that copy.
+        ``answered``/``answers``: this batch's commands already answered
+        (their removals are discounted).
+        """
+        t = self.target
+        if t is None:
+            return list(commands)
+        held = self.in_hand
+        done: dict[bytes, int] = {}  # removals this batch already made
+        for cmd, r in zip(answered, answers, strict=True):
+            if is_batched(cmd):  # removals with writes: each element's own reply
+                for x, _, er in _batch_removals(cmd, r):
+                    if er and not isinstance(er, Exception):
+                        done[x] = done.get(x, 0) + 1
+                continue
+            e = list_removal(t, cmd)
+            if e is not None and r and not isinstance(r, Exception):
+                done[e] = done.get(e, 0) + 1
+
+        def copies_now(e: bytes) -> int:
+            k = done.get(e, 0)
+            done[e] = k + 1
+            return max(1, held.get(e, 0) - k)
+
+        out = list(commands)
+        for i, cmd in enumerate(out):
+            if is_batched(cmd):  # removals with writes: each element as alone
+                out[i] = with_counts(cmd, [(at, copies_now(x))
+                                           for at, x, _ in counted_removals(cmd)])
+                continue
+            e = list_removal(t, cmd)
+            if e is not None:
+                out[i] = list_counted(cmd, copies_now(e))
+            elif cmd[0] == b"EVALSHA" and cmd[1] == GIVE_BACK.sha and cmd[3] == t.processing:
+                args = list(cmd)
+                for j in range(5, len(args), 2):
+                    g = args[j]
+                    if isinstance(g, bytes):
+                        k = done.get(g, 0)
+                        done[g] = k + 1
+                        args[j + 1] = max(1, held.get(g, 0) - k)
+                out[i] = tuple(args)
+        return out
+
+    def settle(self, items: Sequence[Item], commands: Sequence[Command], replies: Sequence[object],
+               hot: bool = False) -> None:
+        """The finalizer calls this with the replies of a batch :meth:`prepare` saw.
+
+        Answered removals are no longer held; a removal whose ``n`` gate was
+        closed (or that failed) may have left a copy that was handled: the
+        next rescan delivers it again as an attempt.  Runtime ``retry_after``
+        originals stay held until their copy must have been sent.
+
+        ``hot``: only the hot path's removals (plain ``LREM`` s, or their
+        counted ``LIST_REMOVE`` calls), no plan: when each answered 1 (removed)
+        their elements are taken out of ``_in_hand`` at once, in C; should one
+        not have been held exactly once (identical elements, or a counted
+        call, whose element is not at index 3), they are put back and settled
+        one by one.
+        """
+        t = self.target
+        if t is None:
+            return
+        held = self.in_hand
+        take = cast(Callable[[object, int], int], held.pop)  # 0: not held (not bytes: not a key)
+        if hot and replies.count(1) == len(replies):
+            xs = list(map(_ELEMENT, commands))
+            ns = list(map(take, xs, _repeat(0)))
+            if ns.count(1) == len(ns):  # each held once (1: a small int, compared by identity)
+                return  # no plan: no runtime retry_after to hold either
+            for x, n in zip(xs, ns, strict=True):
+                if n:
+                    held[x] = n
+        processing = t.processing
+        for cmd, r in zip(commands, replies, strict=True):
+            if is_batched(cmd):  # removals with writes: each element's own reply
+                for x, n, er in _batch_removals(cmd, r):
+                    self._settled(x, n, er)
+                continue
+            element = list_removal(t, cmd)
+            if element is None:
+                if cmd[0] == b"EVALSHA" and cmd[1] == GIVE_BACK.sha and cmd[3] == processing:
+                    for g in cmd[5::2]:
+                        if isinstance(g, bytes):
+                            dec(held, g)
+                continue
+            self._settled(element, list_copies(cmd), r)
+        if hot or t.delayed_retry is not DelayedRetry.RUNTIME:
+            return  # hot: no plan, so no runtime retry_after
+        limit = t.max_attempts
+        retry_after = OutcomeKind.RETRY_AFTER
+        for d, o in items:
+            if o.__class__ is Outcome:
+                assert isinstance(o, Outcome)
+                if o.kind is not retry_after or (limit is not None and d.attempt >= limit):
+                    continue
+                delay = o.delay
+            elif isinstance(o, Plan) and o.effect is Effect.HELD and o.delay is not None:
+                delay = o.delay
+            else:
+                continue
+            if d.raw is not None:
+                heapq.heappush(self.delayed, (self.clock() + delay + HELD_MARGIN, d.raw))
