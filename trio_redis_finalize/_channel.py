@@ -167,7 +167,8 @@ def payload_deliveries(
             name = got
             last = channel
         if not data or data[0] != magic:  # cannot be an envelope: attempt 1, no plan
-            # foreign(name, data, mount), inline; what every foreign delivery
+            # foreigns(name, (data,), mount), inline (the call per message: about
+            # 2,200 instructions more, 1.18x the floor against 1.09x); what every foreign delivery
             # shares (fields, retries, corrupt, error, flat) is set when first
             # read, as origin_id is (Foreign)
             d: Any = blank()

@@ -74,8 +74,8 @@ class Foreign(Delivery):
     computed; once read it is an ordinary slot; a ``Delivery`` in every
     respect (``isinstance``, fields, copies, its repr and name).
 
-    Every foreign delivery (:func:`foreign`, the list and Pub/Sub readers'
-    inline copies of it) also leaves unset the fields whose value all of
+    Every foreign delivery (:func:`foreigns`, and the Pub/Sub reader's
+    inline copy of it) also leaves unset the fields whose value all of
     them share (:data:`_SHARED`: ``fields``, empty; ``retries``, 0; ``corrupt``, ``error`` and ``flat``,
     None): set when first read, as ``origin_id`` is (``fields`` a new empty
     map of its own), so a message handled without reading them costs five
