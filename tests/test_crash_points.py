@@ -36,7 +36,9 @@ re-delivered original look alike there).
 Batches (``n > 1``): three messages produced at once and finalized in one
 batched script call (streams: copies, delays, dead letters, ACKs and DROPs
 carrying writes; a reliable list: ACKs and DROPs carrying writes, in one
-``LIST_WRITES_REMOVE_BATCH``); the checker judges each message of the batch.
+``LIST_WRITES_REMOVE_BATCH``, also of three identical elements, gated on
+the copies left: each copy's write applied once); the checker judges each
+message of the batch.
 
 The negative control builds the forbidden order (XACK, then XADD the copy, as
 two commands; for lists LREM then LPUSH) and shows the same checker reports
@@ -132,6 +134,7 @@ class Path:
     planner: Planner | None = None  # replaces the planner (cluster split, broken order)
     n: int = 1  # messages produced (n > 1: finalized in one batched script call; a list's
     # n > 1 only for paths that leave no copy: its copies are counted, not told apart)
+    identical: bool = False  # a list's n > 1: the same bytes n times (counted gates n, ..., 1)
     raced: bool = False  # streams, n > 1: the second is finalized by another party just before
     # its batch (a racing finalizer): the batched call is half gated-closed
     writes: bool = False  # the message's last outcome carries a write (exactly-once effects)
@@ -238,6 +241,10 @@ WRITES_PATHS = [
     # one LIST_WRITES_REMOVE_BATCH call each (three distinct elements)
     Path("list-ack-batch-writes", "list", ACK, "gone", n=3, writes=True),
     Path("list-drop-batch-writes", "list", DROP, "gone", n=3, writes=True),
+    # ... three copies of one element: each gated on the copies left (3, 2, 1), its write
+    # applied once per copy
+    Path("list-ack-identical-batch-writes", "list", ACK, "gone", n=3, writes=True,
+         identical=True),
 ]
 # The batch handler (mount(..., batch=True)): the same finalizations, the
 # outcomes of one call handed on together (a list of them; one for all when
@@ -249,7 +256,7 @@ BATCH_PATHS = [
     if p.id in ("ack", "retry", "retry-after-runtime", "dead-letter", "retry-batch",
                 "retry-batch-half-closed", "dead-letter-batch", "stream-ack-writes",
                 "stream-retry-writes", "list-ack-writes", "stream-ack-batch-half-closed-writes",
-                "list-ack-batch-writes")
+                "list-ack-batch-writes", "list-ack-identical-batch-writes")
 ]
 BROKEN_STREAM = Path("broken-ack-then-copy", "stream", RETRY, "copy", gated=False,
                      planner=_remove_then_copy)
@@ -392,9 +399,10 @@ async def _produce(client: Client, case: Case) -> None:
             case.originals.append((await client.execute("XADD", S, "*", *fields)).decode())
         case.original = case.origin = case.originals[0]
         return
-    if path.n > 1:  # distinct foreign elements, pushed at once: one read
-        elements = [f"job-{i + 1}".encode() for i in range(path.n)]
-        case.originals = [_plan.content_origin(e) for e in elements]
+    if path.n > 1:  # foreign elements, pushed at once: one read
+        elements = ([b"job"] * path.n if path.identical
+                    else [f"job-{i + 1}".encode() for i in range(path.n)])
+        case.originals = list(dict.fromkeys(map(_plan.content_origin, elements)))
         case.origin = case.originals[0]
         await client.execute("LPUSH", Q, *elements)
         return
@@ -422,7 +430,7 @@ class Report:
 def judge(case: Case, state: StreamState | ListState) -> Report:
     """The checker: what Redis holds after recovery, against what the path
     promises, for each message (a path of n > 1: each of the batch)."""
-    if case.path.n == 1:
+    if case.path.n == 1 or case.path.identical:
         return _judge_one(case, state, case.origin)
     problems: list[str] = []
     copies: list[int] = []
@@ -507,20 +515,23 @@ def _judge_one(case: Case, state: StreamState | ListState, origin: str) -> Repor
 
 def _judge_writes(case: Case, origin: str, *, present: bool, lost: bool) -> list[str]:
     """Exactly-once effects: the message's write was committed exactly once
-    with its last finalization -- never twice, whatever was resent, crashed or
-    cancelled; none while it is still in Redis to be handled (or lost with a
-    runtime copy, as documented).  One exception, no double count: after a
-    crash or a cancelled shutdown, the restart counts the interrupted
-    attempt, and a message then past ``max_attempts`` is dead-lettered (or
-    dropped) without a handler call, so without the write."""
+    with its last finalization (identical elements: once per copy) -- never
+    twice, whatever was resent, crashed or cancelled; none while it is still
+    in Redis to be handled (or lost with a runtime copy, as documented).  One
+    exception, no double count: after a crash or a cancelled shutdown, the
+    restart counts the interrupted attempt, and a message then past
+    ``max_attempts`` is dead-lettered (or dropped) without a handler call, so
+    without the write."""
+    wanted = case.path.n if case.path.identical else 1
     applied = case.effects.get(origin, 0)
-    if applied > 1:
-        return [f"writes applied {applied} times (exactly once wanted)"]
+    if applied > wanted:
+        return [f"writes applied {applied} times (exactly {wanted} wanted)"]
     if present or lost:
         return [f"writes applied {applied} times to a message not finalized"] if applied else []
     interrupted = case.fault.startswith(("crash", "cancel"))
-    if applied == 0 and not (interrupted and case.path.max_attempts is not None):
-        return ["the message was finalized but its writes were not applied"]
+    if applied < wanted and not (interrupted and case.path.max_attempts is not None):
+        return [f"the message was finalized but its writes were applied {applied} of "
+                f"{wanted} times"]
     return []
 
 
