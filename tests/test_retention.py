@@ -47,7 +47,7 @@ from trio_redis_finalize import (
     Outcome,
     Retention,
     StreamSubscription,
-    _stream,
+    _stream_retention,
     open_consumer,
     retry_after,
 )
@@ -96,7 +96,7 @@ TRIM = Retention.TRIM_ACKED
 @pytest.fixture
 def quick_trim(monkeypatch: pytest.MonkeyPatch) -> None:
     """A trim step every 20 ms instead of every 5 s."""
-    monkeypatch.setattr(_stream, "_TRIM_EVERY", 0.02)
+    monkeypatch.setattr(_stream_retention, "_TRIM_EVERY", 0.02)
 
 
 def name_of(stream: str, group: str) -> str:

@@ -16,8 +16,7 @@ from ._context import FINALIZE_TIMEOUT, READ_MARGIN, Context, Item, log
 from ._core._decode import Entry, as_str, id_key, lost_entry, read_entries, stream_deliveries
 from ._core._plan import Effect, Plan, Target
 from ._core._presence import HEARTBEAT_FLOOR, lease_every
-from ._core._replies import FINAL, NOT_RUN, BusyGroupError, classify, error_code
-from ._core._retention import TRIM_LIMIT, delete_refusal, group_rows, parse_trim, trim_script
+from ._core._replies import NOT_RUN, BusyGroupError, classify, error_code
 from ._core._scripts import move_due_to_stream
 from ._delay_set import move_due
 from ._delivery import Delivery
@@ -25,6 +24,7 @@ from ._keys import derived, same_slot
 from ._presence import StreamPresence
 from ._read_loop import Pending, check_type, reader_connection, retry_not_run
 from ._shutdown import cleanup
+from ._stream_retention import check_retention, trim
 from ._subscription import (
     DelayedRetry,
     Form,
@@ -263,10 +263,6 @@ answers that it cannot serve now (OOM, BUSY ...): the claim cost an attempt
 already, a second claim would cost another."""
 _MOVE_RETRY = 5.0
 """Seconds before a move of due copies that Redis refused is tried again."""
-_TRIM_EVERY = 5.0
-"""Seconds between two retention trim steps (the contract: at least every 10 s)."""
-_TRIM_AGAIN = 0.01
-"""Seconds before the next step when a trim step says more may be left."""
 
 
 # KEYS: stream.  ARGV: group, consumer, id, count, id, count, ...
@@ -384,7 +380,7 @@ class StreamReader:
         await self._check_keys(ctx)
         await self._ensure_group(client)
         await self._presence.register(ctx)  # before the first read
-        await self._check_retention(ctx)
+        await check_retention(ctx, sub.retention, sub.stream, sub.group, sub.name)
         last = await self._group_last(client)
         if last is not None and (self._last is None or id_key(last) > id_key(self._last)):
             self._last = last
@@ -394,8 +390,9 @@ class StreamReader:
         tasks: list[Callable[[], Coroutine[Any, Any, None]]] = [
             partial(self._presence.beats, ctx), partial(self._lease, ctx),
         ]
-        if self.sub.retention is not None:
-            tasks.append(partial(self._trim, ctx))
+        sub = self.sub
+        if sub.retention is not None:
+            tasks.append(partial(trim, ctx, sub.retention, sub.stream, sub.group))
         return tasks
 
     def connection(self, ctx: Context) -> AbstractAsyncContextManager[Connection]:
@@ -570,65 +567,6 @@ class StreamReader:
             return True
         except BusyGroupError:
             return False
-
-    async def _check_retention(self, ctx: Context) -> None:
-        """``Retention.DELETE_ON_FINALIZE`` on a stream other groups read: refused.
-
-        Deleting an entry takes it from every group of the stream, so a
-        work-queue retention on a shared stream would lose the other groups'
-        unread entries.  A group created later is reported by the periodic
-        trim (it cannot be refused any more).  Not on a server whose
-        ``XACKDEL ... ACKED`` removes (``Target.xackdel``): it deletes an
-        entry only once no group references it.
-        """
-        sub = self.sub
-        if sub.retention is not Retention.DELETE_ON_FINALIZE or ctx.target.xackdel:
-            return
-        rows = await ctx.client.execute("XINFO", "GROUPS", sub.stream, timeout=FINALIZE_TIMEOUT)
-        why = delete_refusal(sub.stream, sub.group, [g.name for g in group_rows(rows)])
-        if why is not None:
-            raise ValueError(f"{why} (mounting {sub.name})")
-
-    async def _trim(self, ctx: Context) -> None:
-        """Retention: one bounded trim step (``_retention.TRIM_ACKED``) every
-        ``_TRIM_EVERY`` seconds, at once again while a step says more is left.
-
-        Errors are logged and the step is tried again next period; they
-        never end the reader.
-        """
-        sub = self.sub
-        client = ctx.client
-        t = ctx.target
-        script = trim_script(t.acked)
-        reported: tuple[str, ...] = ()
-        while True:
-            wait = _TRIM_EVERY
-            try:
-                reply = await client.evalsha(
-                    script, (sub.stream,), (TRIM_LIMIT,), timeout=FINALIZE_TIMEOUT
-                )
-            except (rexc.RedisError, OSError) as e:
-                kind = classify(e)
-                (log.error if kind is FINAL else log.warning)(
-                    "%s: retention trim of stream %r failed (%s: %s); trying again in %g s",
-                    ctx.name, sub.stream, kind.value, e, wait,
-                    extra={"subscription": ctx.name},
-                )
-            else:
-                result = parse_trim(reply)
-                if result.removed:
-                    ctx.stats.effects["trimmed"] += result.removed
-                    log.debug("%s: trimmed %d entries below %s", ctx.name, result.removed,
-                              result.threshold)
-                if result.more:
-                    wait = _TRIM_AGAIN
-                if sub.retention is Retention.DELETE_ON_FINALIZE and result.groups != reported:
-                    reported = result.groups
-                    why = delete_refusal(sub.stream, sub.group, result.groups, xackdel=t.xackdel)
-                    if why is not None:
-                        log.error("%s: %s -- they are losing entries now", ctx.name, why,
-                                  extra={"subscription": ctx.name})
-            await anyio.sleep(wait)
 
     async def _group_last(self, client: Client) -> bytes | None:
         """The group's last delivered id (``XINFO GROUPS``), None if unknown."""
