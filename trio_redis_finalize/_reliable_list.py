@@ -215,7 +215,7 @@ class ReliableListReader:
     * ``DelayedRetry.DURABLE_ZSET``: due copies are moved from the delay set
       before each read, and the read blocks no longer than the next is due.
     * ``on_error=Backoff()``: a failed element stays in the processing list,
-      held (counted in ``_in_hand`` / ``_unsent`` as before), while it waits;
+      held (counted in ``gates.in_hand`` / ``gates.unsent`` as before), while it waits;
       then :meth:`redeliver` bumps its retry counter in place (``LSET``)
       before handing it over, so the attempt counts before the handler runs
       (a crash during the wait or the handler is counted by the next
@@ -228,12 +228,8 @@ class ReliableListReader:
         self.sub = sub
         # The multiset of elements this reader delivered, by bytes (identical
         # elements are told apart by count only), and the finalizer's gates
-        # on it; the reader's read path adds to the same counters directly
-        g = self._gates = ListGates(anyio.current_time)
-        self._unsent = g.unsent  # delivered, removal not sent yet
-        self._in_hand = g.in_hand  # delivered, removal not answered yet
-        self._leftover = g.leftover  # handled; the removal may have left a copy
-        self._delayed = g.delayed  # runtime retry_after: (counts until, element), a heap
+        # on it; the read path adds to its counters directly
+        self._gates = ListGates(anyio.current_time)
         self._per_element = 0.0  # seconds of handler time per element (EMA)
         self._batch = 1
         self._next_move = 0.0
@@ -329,7 +325,7 @@ class ReliableListReader:
         delivers the new bytes should a bump have been applied after all.
         """
         t = ctx.target
-        held, unsent = self._in_hand, self._unsent
+        held, unsent = self._gates.in_hand, self._gates.unsent
         busy = {e for d in deliveries if (e := d.raw) is not None
                 and held.get(e, 0) > unsent.get(e, 0)}  # a removal of those bytes on the way
         later = [d for d in deliveries if d.raw in busy]
@@ -408,12 +404,13 @@ class ReliableListReader:
         self._gates.expire()
         # what is held as the LRANGE is sent: a removal answered while it is on
         # its way may have run after it (see _core._reliable.stranded)
-        before = dict(self._in_hand)
+        before = dict(self._gates.in_hand)
         items: list[bytes] = await conn.execute("LRANGE", t.processing, 0, -1,
                                                 timeout=FINALIZE_TIMEOUT)
         self._gates.expire()
-        held = self._in_hand
-        lost = stranded(items, held, self._leftover, {e for _, e in self._delayed},
+        gates = self._gates
+        held = gates.in_hand
+        lost = stranded(items, held, gates.leftover, {e for _, e in gates.delayed},
                         start=start, before=before)
         if doubtful(items, held, before):
             self._recheck_at = anyio.current_time() + _RECHECK
@@ -595,8 +592,9 @@ class ReliableListReader:
             await anyio.sleep(backoff(0))  # a little (the elements read are handed over)
         if not elements:
             return
-        self._unsent.update(elements)  # held (_hold), all at once
-        self._in_hand.update(elements)
+        gates = self._gates
+        gates.unsent.update(elements)  # held (_hold), all at once
+        gates.in_hand.update(elements)
         ready, direct = list_deliveries(ctx.target, self.sub.queue, elements)
         before = anyio.current_time()
         await self._hand_over(ctx, elements, ready, direct)

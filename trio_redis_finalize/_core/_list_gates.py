@@ -225,9 +225,7 @@ class ListGates:
                 for j in range(5, len(args), 2):
                     g = args[j]
                     if isinstance(g, bytes):
-                        k = done.get(g, 0)
-                        done[g] = k + 1
-                        args[j + 1] = max(1, held.get(g, 0) - k)
+                        args[j + 1] = copies_now(g)
                 out[i] = tuple(args)
         return out
 
