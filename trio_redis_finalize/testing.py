@@ -42,6 +42,14 @@ as a consumer would hand it to a handler, to unit-test the handler alone::
         assert await handle(make_delivery({"n": "poison"})) is DROP
         assert await handle(make_delivery({"n": "1"}, attempt=3)) is ACK
         assert await handle_job(make_delivery(data=b"job", source="jobs")) is ACK
+
+:func:`check_exactly_once` proves a handler exactly once against a real
+server: every fault (a lost request, a lost reply, a crash before or after)
+at every finalization command its messages cause, each case compared with
+the happy path::
+
+    report = await check_exactly_once(bill, [{"order": "1", "eur": "5"}],
+                                      subscription=StreamSubscription("orders", "billing"))
 """
 
 from __future__ import annotations
@@ -54,21 +62,32 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 from urllib.parse import quote
 
+import anyio
 import hiredis
 
+from . import _proof
 from ._delivery import Delivery
+from ._outcome import Outcome
+from ._proof import CaseReport, ExactlyOnceError, ExactlyOnceReport, MessageReport
+from ._reliable_list import ReliableListSubscription
+from ._stream import StreamSubscription
 
 __all__ = [
+    "CaseReport",
     "ClusterUnavailable",
+    "ExactlyOnceError",
+    "ExactlyOnceReport",
+    "MessageReport",
     "RedisCluster",
     "RedisSentinel",
     "RedisServer",
+    "check_exactly_once",
     "find_redis_server",
     "free_port",
     "make_delivery",
@@ -985,3 +1004,76 @@ def _pairs(reply: Any) -> dict[str, str]:
     """A flat ``[k1, v1, k2, v2 ...]`` reply (``SENTINEL master``) as a dict."""
     items = [x.decode() if isinstance(x, bytes) else str(x) for x in reply]
     return dict(zip(items[0::2], items[1::2], strict=False))
+
+
+async def check_exactly_once(
+    handler: Callable[[Delivery], Awaitable[Outcome]],
+    messages: Sequence[_proof.Message],
+    *,
+    subscription: StreamSubscription | ReliableListSubscription,
+    url: str | None = None,
+    faults: Sequence[str] = _proof.FAULTS,
+    timeout: float = 20.0,
+) -> ExactlyOnceReport:
+    """Prove a handler exactly once: every fault at every finalization command.
+
+    Runs ``handler`` on ``messages`` through ``subscription`` once without a
+    fault (the happy path), then once per finalization command the happy
+    path sent and per fault in ``faults``:
+
+    * ``before``: the command's request is lost, the consumer sends the
+      finalization again;
+    * ``after``: the command is applied and its reply lost (an unknown
+      outcome), the consumer sends it again;
+    * ``crash-before`` / ``crash-after``: the same, and the process dies
+      there; a consumer with the same name takes over.
+
+    Each case runs until nothing is pending, unread, delayed or held, and
+    must leave Redis as the happy path did: the same *user state* (every
+    key but the subscription's own -- the source, delay set, processing
+    lists, heartbeats, registries -- and the dead letter; stream entries
+    compared by their fields), as many dead letters, nothing left
+    unfinalized.  A write the handler makes outside
+    :meth:`Outcome.with_writes` is applied again when a crash makes the
+    message be handled again, and shows as a difference.
+
+    Args:
+        handler: ``async def handler(delivery) -> Outcome``, deterministic
+            given the message: what it writes may not depend on the time
+            or the entry id.
+        messages: a stream's messages as mappings of fields; a reliable
+            list's as ``bytes`` or ``str``.
+        subscription: a :class:`~trio_redis_finalize.StreamSubscription` or
+            :class:`~trio_redis_finalize.ReliableListSubscription` (its
+            ``block`` is shortened to 0.05 s).  A simple list or Pub/Sub
+            finalizes nothing to prove.
+        url: the server to use; its database is flushed (``FLUSHDB``)
+            before every case, so give a private one, such as the
+            ``redis_url`` fixture's.  Default: a :class:`RedisServer` started
+            for the check and stopped after it.
+        faults: a subset of ``("before", "after", "crash-before", "crash-after")``.
+        timeout: seconds one consumer life may take to settle.
+
+    Returns:
+        Every case's report, the happy path first: per message its handler
+        calls and how many times writes its outcomes carried were committed.
+
+    Raises:
+        ExactlyOnceError: (an ``AssertionError``) a case left Redis otherwise
+            than the happy path; its message lists each difference key by
+            key, and per message the handler calls and committed writes;
+            ``.report`` has every case.
+        ValueError: another form of subscription, an unknown fault, no
+            messages.
+    """
+    _proof.check_arguments(subscription, messages, faults, timeout)
+    if url is not None:
+        return await _proof.prove(url, handler, messages, subscription=subscription,
+                                  faults=faults, timeout=timeout)
+    server = RedisServer()
+    await anyio.to_thread.run_sync(server.start)
+    try:
+        return await _proof.prove(server.url, handler, messages, subscription=subscription,
+                                  faults=faults, timeout=timeout)
+    finally:
+        await anyio.to_thread.run_sync(server.stop)
