@@ -12,6 +12,11 @@ from now on (0-based, counted across pipelines) and what happens there:
 
 and what follows the fault:
 
+* ``then``: an async callable awaited at the fault point first (the
+  command's request unsent, or applied with its reply not yet read): a
+  racing finalization of the same delivery runs there, between the lost
+  attempt and its resend; its own commands go through unharmed;
+
 * by default ``ConnectionError`` (the caller may send again);
 * ``cancel=True``: the call waits until it is cancelled (a shutdown deadline,
   a cancel scope around the finalizer): the request unsent (``BEFORE``) or
@@ -34,7 +39,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -103,11 +108,14 @@ class FaultClient(Client):
         self.fired: Command | None = None
         """The command the fault hit, once it fired."""
         self.dead = False
+        self._then: Callable[[], Awaitable[None]] | None = None
 
-    def arm(self, k: int, mode: FaultMode, *, crash: bool = False, cancel: bool = False) -> None:
+    def arm(self, k: int, mode: FaultMode, *, crash: bool = False, cancel: bool = False,
+            then: Callable[[], Awaitable[None]] | None = None) -> None:
         """Fault at the k-th finalization command (0-based) sent from now on."""
         if crash and cancel:
             raise ValueError("crash and cancel exclude each other")
+        self._then = then
         self._at = k
         self._mode = mode
         self._crash = crash
@@ -149,6 +157,9 @@ class FaultClient(Client):
             replies = await super().pipeline(commands[:upto], raise_on_error=False, timeout=timeout)
             self._record(commands, positions, replies, upto)
         self.fired = commands[j]
+        if self._then is not None:
+            then, self._then = self._then, None
+            await then()
         if self._crash:
             self.dead = True
             raise Crash(f"crash {self._mode.value} finalization command #{at}: {_name(commands[j])!r}")
