@@ -39,7 +39,7 @@ from typing import Any
 
 import anyio
 import pytest
-from faults.shim import FaultClient, FaultMode, open_fault_client
+from faults.shim import FaultMode, open_fault_client
 
 from trio_redis_finalize import (
     ACK,
