@@ -229,7 +229,7 @@ class ReliableListReader:
         # The multiset of elements this reader delivered, by bytes (identical
         # elements are told apart by count only), and the finalizer's gates
         # on it; the read path adds to its counters directly
-        self._gates = ListGates(anyio.current_time)
+        self._gates = ListGates()
         self._per_element = 0.0  # seconds of handler time per element (EMA)
         self._batch = 1
         self._next_move = 0.0
@@ -401,16 +401,14 @@ class ReliableListReader:
         t = ctx.target
         self._gates.rescan_wanted = False
         self._recheck_at = None
-        self._gates.expire()
         # what is held as the LRANGE is sent: a removal answered while it is on
         # its way may have run after it (see _core._reliable.stranded)
         before = dict(self._gates.in_hand)
         items: list[bytes] = await conn.execute("LRANGE", t.processing, 0, -1,
                                                 timeout=FINALIZE_TIMEOUT)
-        self._gates.expire()
         gates = self._gates
         held = gates.in_hand
-        lost = stranded(items, held, gates.leftover, {e for _, e in gates.delayed},
+        lost = stranded(items, held, gates.leftover, gates.delayed,
                         start=start, before=before)
         if doubtful(items, held, before):
             self._recheck_at = anyio.current_time() + _RECHECK
