@@ -293,6 +293,7 @@ class ListGates:
         sha = cmd[1]
         keys = 3 + int(cmd[2])  # ARGV[1]
         writes: Sequence[Arg]
+        wkeys: Sequence[Arg]
         if sha == _COPY_REMOVE_SHA and cmd[2] == 2:  # processing, queue; element, copy[, n]
             element, copy = cmd[5], cmd[6]
             writes, wkeys = (0,), ()
