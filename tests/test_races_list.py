@@ -39,6 +39,7 @@ from trio_redis_finalize import (
     open_consumer,
     retry_after,
 )
+from trio_redis_finalize._core._reliable import receipts_key
 from trio_redis_finalize._transport import Client
 from trio_redis_finalize.testing import RedisServer
 
@@ -175,6 +176,7 @@ async def test_delayed_copy_resent_beside_an_identical_element(
     # the counts are what Redis holds
     assert stats.get("writes") == 3
     assert stats.get("released") == 1 and stats.get("acked") == 2 and "gate_closed" not in stats
+    assert await client.execute("EXISTS", receipts_key(PROC)) == 0  # deleted at the clean stop
 
 
 # -- point 5 and the same consumer finalizing twice -------------------------------------
@@ -239,3 +241,28 @@ async def test_same_consumer_finalizing_twice(
     assert await applied(client) == [0, 1, 0]
     assert stats.get("writes") == 1 and stats.get("acked") == 1 and "released" not in stats
     assert await lrange(client, PROC) == [] and await lrange(client, Q) == []
+
+
+async def test_a_reaped_consumers_receipts_are_deleted(redis_url: str, client: Client) -> None:
+    """A dead consumer (no heartbeat) resends nothing: once its processing list
+    was moved back onto the queue, its receipts go too."""
+    dead = "{jobs}:processing:gone"
+    await client.execute("HSET", "{jobs}:consumers", "gone", dead)
+    await client.execute("RPUSH", dead, b"y")
+    await client.execute("HSET", receipts_key(dead), b"t", 1)
+    seen: list[Delivery] = []
+
+    async def h(d: Delivery) -> Any:
+        seen.append(d)
+        return ACK
+
+    with trio.fail_after(30):
+        async with open_consumer(redis_url, name="c1") as consumer:
+            await consumer.mount(ReliableListSubscription(Q, block=0.1, heartbeat=0.3), h)
+            await eventually(lambda: len(seen) == 1, timeout=10, what="the dead one's element")
+            await eventually(lambda: _gone(client, receipts_key(dead)), what="its receipts deleted")
+    assert await lrange(client, dead) == []
+
+
+async def _gone(client: Client, key: str) -> bool:
+    return int(await client.execute("EXISTS", key)) == 0

@@ -36,6 +36,7 @@ from ._core._reliable import (
     dec,
     doubtful,
     heartbeat_key,
+    receipts_key,
     registry_key,
     stranded,
 )
@@ -503,6 +504,8 @@ class ReliableListReader:
                 break  # it came back
             total += n
             if not page:
+                # its delayed copies' receipts: a dead consumer resends none
+                await client.execute("DEL", receipts_key(processing), timeout=FINALIZE_TIMEOUT)
                 break
         if total:
             ctx.stats.effects["recovered"] += total
@@ -615,6 +618,8 @@ class ReliableListReader:
         live consumer moves what is left back onto the queue."""
         sub = self.sub
         me = ctx.consumer.name
+        # the receipts of its delayed copies: the scheduler has stopped, none is sent again
+        await ctx.client.execute("DEL", receipts_key(ctx.target.processing), timeout=CLOSING_TIMEOUT)
         keys = (ctx.target.processing, heartbeat_key(sub.queue, me), registry_key(sub.queue))
         if await ctx.client.evalsha(FORGET, keys, (me,), timeout=CLOSING_TIMEOUT):
             log.debug("%s: deregistered consumer %r (processing list empty)", ctx.name, me,
