@@ -229,7 +229,8 @@ def stranded(
     handled whose removal may have left them (``leftover``, counted down
     here) are; the others were stranded by a lost read reply, no handler saw
     them.  ``leftover`` entries not waiting for a runtime ``retry_after``
-    copy (``delayed``) are forgotten: their removal did remove it after all.
+    copy sent and not answered yet (``delayed``) are forgotten: their
+    removal did remove it after all.
 
     ``before``: what the reader held when it sent the ``LRANGE``.  A removal
     answered since then may have run after the ``LRANGE`` did, its element
