@@ -61,8 +61,9 @@ class Scheduler:
     copy-then-``LREM`` script, the original staying in the processing list
     meanwhile: the mount's ``later_gates`` number it when it is sent and give
     it a receipt, so a resend learns whether its first send committed, and
-    settle it from its reply -- its writes are counted then, once committed).  They wait in one heap, ordered by due time, served by one
-    task (not a task per copy); due copies go out in pipelined batches.
+    settle it from its reply -- its writes are counted then, once committed).
+    They wait in one heap, ordered by due time, served by one task (not a
+    task per copy); due copies go out in pipelined batches.
 
     * At most ``max_held`` copies wait in memory (``open_consumer(...,
       max_held_copies=...)``).  Past that, a new delayed retry goes out at
