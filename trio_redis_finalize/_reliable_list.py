@@ -618,10 +618,12 @@ class ReliableListReader:
         live consumer moves what is left back onto the queue."""
         sub = self.sub
         me = ctx.consumer.name
-        # the receipts of its delayed copies: the scheduler has stopped, none is sent again
-        await ctx.client.execute("DEL", receipts_key(ctx.target.processing), timeout=CLOSING_TIMEOUT)
         keys = (ctx.target.processing, heartbeat_key(sub.queue, me), registry_key(sub.queue))
-        if await ctx.client.evalsha(FORGET, keys, (me,), timeout=CLOSING_TIMEOUT):
+        # with the receipts of its delayed copies: the scheduler has stopped, none is sent again
+        _, forgot = await ctx.client.pipeline(
+            [("DEL", receipts_key(ctx.target.processing)), FORGET.command(keys, (me,))],
+            timeout=CLOSING_TIMEOUT)
+        if forgot:
             log.debug("%s: deregistered consumer %r (processing list empty)", ctx.name, me,
                       extra={"subscription": ctx.name})
         else:
