@@ -74,15 +74,12 @@ def test_a_copy_beyond_what_was_held_is_stranded_all_the_same() -> None:
     assert not doubtful([b"Z"], {}, {})
 
 
-def test_list_gates_hold_leave_and_expire_count_copies_without_io() -> None:
-    """The counted gates alone (sans-IO, a clock of our own): copies held are
-    counted; one left without its removal is forgotten and marked leftover;
-    a runtime ``retry_after`` original stays held until its time, then goes,
-    and asks for a rescan when a copy of it may have been left."""
-    from trio_redis_finalize._core._list_gates import HELD_MARGIN, ListGates
+def test_list_gates_hold_and_leave_count_copies_without_io() -> None:
+    """The counted gates alone (sans-IO): copies held are counted; one left
+    without its removal is forgotten and marked leftover."""
+    from trio_redis_finalize._core._list_gates import ListGates
 
-    now = [0.0]
-    g = ListGates(lambda: now[0])
+    g = ListGates()
     for raw in (b"x", b"x", b"y"):
         g.hold(raw)
     assert g.unsent == g.in_hand == {b"x": 2, b"y": 1}
@@ -91,14 +88,6 @@ def test_list_gates_hold_leave_and_expire_count_copies_without_io() -> None:
     g.leave(b"y")
     g.leave(b"never held")
     assert g.in_hand == {b"x": 2} and g.unsent == {b"x": 1} and g.leftover == {b"y": 1}
-    g.leftover[b"x"] = 1
-    g.delayed.append((1.0 + HELD_MARGIN, b"x"))
-    now[0] = 1.0
-    g.expire()
-    assert g.in_hand == {b"x": 2} and not g.rescan_wanted  # not yet
-    now[0] = 1.0 + HELD_MARGIN
-    g.expire()
-    assert g.in_hand == {b"x": 1} and g.unsent == {} and not g.delayed and g.rescan_wanted
     # no target yet (before the reader's setup): commands as they are
     cmds = [("LREM", "p", -1, b"x")]
     assert g.prepare(list(cmds)) == cmds and g.resend(cmds, [], []) == cmds

@@ -142,3 +142,107 @@ async def test_resending_any_subset_of_counted_retries_copies_each_once(client: 
                 await client.pipeline([c])
         assert await lrange(client, t.processing) == [], resent
         assert int(await client.execute("LLEN", t.source)) == k, resent
+
+
+# -- a runtime retry_after's delayed copy: numbered when sent, with a receipt -----------
+
+def _gates(*held: bytes) -> Any:
+    from trio_redis_finalize._core._list_gates import ListGates
+
+    g = ListGates()
+    g.target = _target()
+    for raw in held:
+        g.hold(raw)
+    return g
+
+
+def _argv(cmd: Any) -> Any:
+    """ARGV of a script command: element, copy, token, n, nf, forget..., nw, writes."""
+    return cmd[3 + int(cmd[2]):]
+
+
+def _later(outcome: Any, raw: bytes = b"X") -> Any:
+    from trio_redis_finalize._core._writes import plan_outcome
+
+    (cmd,) = plan_outcome(_target(), _delivery(raw), outcome).later
+    return cmd
+
+
+@pytest.mark.parametrize("writes", [0, 1, 2])
+def test_a_delayed_copy_is_numbered_when_sent_and_settled_by_its_reply(writes: int) -> None:
+    """Sans-IO: the plan's copy becomes ``DELAYED_COPY`` when the scheduler
+    sends it, gated on the copies held then (not when it was planned), with a
+    fresh token; a resend keeps its token and is numbered as if first sent now;
+    its reply settles it, with the writes to count only once committed (by it,
+    or -- its receipt says -- by an earlier send)."""
+    from trio_redis_finalize._core._reliable import delayed_parts, receipts_key
+
+    outcome = retry_after(1)
+    for i in range(writes):
+        outcome = outcome.with_writes(("INCR", f"{{q}}:w{i}"))
+    g = _gates(b"X", b"X", b"Y")
+    later = _later(outcome)
+    cmd = g.send_later(later)
+    assert delayed_parts(cmd) == (b"X", 2, writes)
+    assert cmd[3:6] == (P, "q", receipts_key(P))
+    assert g.unsent == {b"X": 1, b"Y": 1} and g.in_hand == {b"X": 2, b"Y": 1} and g.delayed == {b"X": 1}
+    again = g.send_later(cmd)  # not run, or its outcome unknown
+    assert delayed_parts(again) == (b"X", 2, writes) and _argv(again)[2] == _argv(cmd)[2]  # token
+    g.unsent[b"X"] -= 1  # the other X's removal sent meanwhile: a resend takes what is left
+    assert delayed_parts(g.send_later(cmd)) == (b"X", 1, writes)
+    # committed (1), or by the first send (2: the receipt): counted once, its token forgotten next
+    assert g.later_answered(again, 2) == ("released", writes)
+    token = _argv(cmd)[2]
+    assert g.in_hand == {b"X": 1, b"Y": 1} and g.delayed == {} and g.forget == [token]
+    nxt = _argv(g.send_later(_later(outcome, b"Y")))
+    assert g.forget == [] and nxt[2] != token and nxt[3:6] == (1, 1, token)  # n, nf, forget
+
+
+def test_a_delayed_copy_whose_gate_closed_or_failed_counts_no_writes() -> None:
+    from redis import exceptions as rexc
+
+    outcome = retry_after(1).with_writes(("INCR", "{q}:w"))
+    g = _gates(b"X", b"X")
+    cmd = g.send_later(_later(outcome))
+    assert g.later_answered(cmd, None) == ("gate_closed", 0)
+    # n = 2 closed: a copy this consumer handled may be left: the next rescan looks
+    assert g.leftover == {b"X": 1} and g.rescan_wanted and g.forget == []
+    cmd = g.send_later(_later(outcome))
+    assert g.later_answered(cmd, rexc.ResponseError("WRONGTYPE write 1")) == ("failed", 0)
+    assert g.in_hand == {} and g.unsent == {} and g.delayed == {}
+
+
+def test_other_commands_are_not_delayed_copies() -> None:
+    g = _gates(b"X")
+    for cmd in [("LREM", P, -1, b"X"), ("LPUSH", "other", b"X"),
+                LIST_COPY_REMOVE.command(("other", DEST), (b"X", b"c")),
+                ("PUBLISH", "c", b"X")]:
+        assert g.send_later(cmd) == cmd and g.later_answered(cmd, 1) is None
+    assert g.unsent == g.in_hand == {b"X": 1}
+    from trio_redis_finalize._core._list_gates import ListGates
+
+    later = _later(retry_after(1))
+    assert ListGates().send_later(later) == later  # no target yet: as it is
+
+
+async def test_delayed_copy_script_commits_once_per_token(client: Client) -> None:
+    """The script on a real server: the counted gate, the receipt a resend
+    finds (2: nothing again, beside another copy of the same bytes), the
+    writes in the same step, receipts deleted by the next copy."""
+    from trio_redis_finalize._core._reliable import delayed_copy, receipts_key
+    from trio_redis_finalize._core._writes import encode_writes
+
+    w = encode_writes((("INCR", "{q}:w"),))
+    await client.execute("RPUSH", P, b"X", b"X")
+    one = delayed_copy(P, DEST, b"X", b"c", b"t1", 2, (), w, ("{q}:w",))
+    assert await client.pipeline([one]) == [1]
+    assert await client.pipeline([one]) == [2]  # its reply lost, sent again: the receipt
+    assert await lrange(client, P) == [b"X"] and await lrange(client, DEST) == [b"c"]
+    assert await client.execute("GET", "{q}:w") == b"1"
+    # another token, gated on 2 copies: closed, nothing written
+    assert await client.pipeline([delayed_copy(P, DEST, b"X", b"c", b"t2", 2, (), w, ("{q}:w",))]) == [None]
+    assert await client.execute("GET", "{q}:w") == b"1"
+    # the next copy deletes the answered receipts it names, then does its own
+    assert await client.pipeline([delayed_copy(P, DEST, b"X", b"c", b"t3", 1, (b"t1",))]) == [1]
+    assert await client.execute("HKEYS", receipts_key(P)) == [b"t3"]
+    assert await lrange(client, P) == [] and await lrange(client, DEST) == [b"c", b"c"]

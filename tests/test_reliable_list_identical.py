@@ -600,7 +600,7 @@ async def test_many_identical_elements_with_lost_finalization_replies(
 
 def _gates_with(held: dict[bytes, int]) -> ListGates:
     """A consumer's gates holding ``held`` (none of their removals sent yet)."""
-    g = ListGates(lambda: 0.0)
+    g = ListGates()
     g.target = sub().target("c1")
     g.unsent.update(held)
     g.in_hand.update(held)

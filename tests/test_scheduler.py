@@ -36,6 +36,7 @@ class FakeMount:
     def __init__(self, name: str) -> None:
         self.name = name
         self.stats = MountStats(subscription=name)
+        self.later_gates = None
 
     def __repr__(self) -> str:
         return f"FakeMount({self.name!r})"

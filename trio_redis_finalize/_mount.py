@@ -87,6 +87,7 @@ from ._delivery import Delivery, record_error
 from ._finalizer import Finalizer
 from ._outcome import DROP, Backoff, Outcome, WithWrites
 from ._read_loop import Reader, drive, retry_not_run
+from ._scheduler import LaterGates
 from ._shutdown import CLOSE_MARGIN, CLOSING_TIMEOUT, FINALIZE_GRACE, Budget, cleanup, cleanup_until
 from ._stats import DURATION_BOUNDS, MountStats
 from ._subscription import Form, Subscription
@@ -186,6 +187,8 @@ class Mount:
         self.settled: Callable[[list[tuple[Delivery, str]]], None] | None = bind(self) if bind else None
         self.in_hand: set[str] = set()  # stream ids read and not yet finalized
         self._ids = target.form is Form.STREAM
+        gates = reader.gates  # a reliable list's: its delayed copies numbered when sent
+        self.later_gates = gates if isinstance(gates, LaterGates) else None
         self.finalizer = Finalizer(
             name=self.name, target=target, client=client, stats=self.stats, in_hand=self.in_hand,
             scheduler=scheduler, owner=self, wait_out=self._wait_out,

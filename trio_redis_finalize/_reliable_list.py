@@ -36,6 +36,7 @@ from ._core._reliable import (
     dec,
     doubtful,
     heartbeat_key,
+    receipts_key,
     registry_key,
     stranded,
 )
@@ -229,7 +230,7 @@ class ReliableListReader:
         # The multiset of elements this reader delivered, by bytes (identical
         # elements are told apart by count only), and the finalizer's gates
         # on it; the read path adds to its counters directly
-        self._gates = ListGates(anyio.current_time)
+        self._gates = ListGates()
         self._per_element = 0.0  # seconds of handler time per element (EMA)
         self._batch = 1
         self._next_move = 0.0
@@ -401,16 +402,14 @@ class ReliableListReader:
         t = ctx.target
         self._gates.rescan_wanted = False
         self._recheck_at = None
-        self._gates.expire()
         # what is held as the LRANGE is sent: a removal answered while it is on
         # its way may have run after it (see _core._reliable.stranded)
         before = dict(self._gates.in_hand)
         items: list[bytes] = await conn.execute("LRANGE", t.processing, 0, -1,
                                                 timeout=FINALIZE_TIMEOUT)
-        self._gates.expire()
         gates = self._gates
         held = gates.in_hand
-        lost = stranded(items, held, gates.leftover, {e for _, e in gates.delayed},
+        lost = stranded(items, held, gates.leftover, gates.delayed,
                         start=start, before=before)
         if doubtful(items, held, before):
             self._recheck_at = anyio.current_time() + _RECHECK
@@ -505,6 +504,8 @@ class ReliableListReader:
                 break  # it came back
             total += n
             if not page:
+                # its delayed copies' receipts: a dead consumer resends none
+                await client.execute("DEL", receipts_key(processing), timeout=FINALIZE_TIMEOUT)
                 break
         if total:
             ctx.stats.effects["recovered"] += total
@@ -618,7 +619,11 @@ class ReliableListReader:
         sub = self.sub
         me = ctx.consumer.name
         keys = (ctx.target.processing, heartbeat_key(sub.queue, me), registry_key(sub.queue))
-        if await ctx.client.evalsha(FORGET, keys, (me,), timeout=CLOSING_TIMEOUT):
+        # with the receipts of its delayed copies: the scheduler has stopped, none is sent again
+        _, forgot = await ctx.client.pipeline(
+            [("DEL", receipts_key(ctx.target.processing)), FORGET.command(keys, (me,))],
+            timeout=CLOSING_TIMEOUT)
+        if forgot:
             log.debug("%s: deregistered consumer %r (processing list empty)", ctx.name, me,
                       extra={"subscription": ctx.name})
         else:

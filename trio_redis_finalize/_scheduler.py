@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import anyio
 from anyio.abc import TaskStatus
@@ -14,23 +14,41 @@ from ._context import FINALIZE_TIMEOUT, backoff, describe_error, log
 from ._core._commands import Command
 from ._core._plan import FAILED, GATE_CLOSED
 from ._core._replies import FINAL, classify
+from ._core._writes import WRITES
 from ._shutdown import cleanup
 
 if TYPE_CHECKING:
     from ._stats import MountStats
     from ._transport import Client
 
-__all__ = ["Owner", "Scheduler"]
+__all__ = ["LaterGates", "Owner", "Scheduler"]
+
+
+@runtime_checkable
+class LaterGates(Protocol):
+    """A mount's say on its delayed copies' commands (a reliable list's
+    counted gates, ``_core._list_gates.ListGates``): each is numbered when
+    it is sent (``send_later``) and settled from its final reply
+    (``later_answered``: the effect and the writes to count, or None: the
+    scheduler's own reading)."""
+
+    def send_later(self, cmd: Command) -> Command: ...
+
+    def later_answered(self, cmd: Command, r: object) -> tuple[str, int] | None: ...
 
 
 class Owner(Protocol):
-    """Whose copies the scheduler holds (a mount): named in logs, counted in its stats."""
+    """Whose copies the scheduler holds (a mount): named in logs, counted in
+    its stats; ``later_gates``: its say on the commands, or None."""
 
     @property
     def name(self) -> str: ...
 
     @property
     def stats(self) -> MountStats: ...
+
+    @property
+    def later_gates(self) -> LaterGates | None: ...
 
 
 class Scheduler:
@@ -41,8 +59,11 @@ class Scheduler:
     ``DURABLE_ZSET``) hands the scheduler the commands that write the copy
     (``XADD``, ``LPUSH``, ``PUBLISH``; for a reliable list the gated
     copy-then-``LREM`` script, the original staying in the processing list
-    meanwhile).  They wait in one heap, ordered by due time, served by one
-    task (not a task per copy); due copies go out in pipelined batches.
+    meanwhile: the mount's ``later_gates`` number it when it is sent and give
+    it a receipt, so a resend learns whether its first send committed, and
+    settle it from its reply -- its writes are counted then, once committed).
+    They wait in one heap, ordered by due time, served by one task (not a
+    task per copy); due copies go out in pipelined batches.
 
     * At most ``max_held`` copies wait in memory (``open_consumer(...,
       max_held_copies=...)``).  Past that, a new delayed retry goes out at
@@ -290,7 +311,13 @@ class Scheduler:
         what is on its way: each entry's commands from its unconfirmed one on."""
         gate_closed: set[int] = set()
         while live:
-            commands = [chains[i][1][0] for i in live]
+            commands: list[Command] = []
+            for i in live:
+                mount, cmds = chains[i]
+                gates = mount.later_gates
+                if gates is not None:  # numbered now (kept so: a resend is renumbered)
+                    cmds[0] = gates.send_later(cmds[0])
+                commands.append(cmds[0])
             try:
                 replies: list[Any] = await self.client.pipeline(
                     commands, raise_on_error=False, timeout=FINALIZE_TIMEOUT
@@ -312,10 +339,19 @@ class Scheduler:
                         left.append((mount, tuple(cmds)))
                         continue
                     mount.stats.effects[FAILED] += 1
+                    if mount.later_gates is not None:
+                        mount.later_gates.later_answered(cmd, r)
                     log.error("%s: delayed copy failed: %s; it is not written", mount.name,
                               describe_error(r, cmd), extra={"subscription": mount.name})
                     continue
-                if r is None and cmd[0] == b"EVALSHA":
+                settled = (mount.later_gates.later_answered(cmd, r)
+                           if mount.later_gates is not None else None)
+                if settled is not None:  # counted as Redis answered: writes once committed
+                    if settled[0] == GATE_CLOSED:
+                        gate_closed.add(i)
+                    elif settled[1]:
+                        mount.stats.effects[WRITES] += settled[1]
+                elif r is None and cmd[0] == b"EVALSHA":
                     gate_closed.add(i)  # the original is gone: nothing copied
                 cmds.pop(0)
                 if cmds:

@@ -644,8 +644,10 @@ class FinalizeBatch:
                 settled = settle(p, rs, unsure=unsure)
             settled_effects.append(settled)
             effects[settled] = effects.get(settled, 0) + 1
-            if outcome.__class__ is WithWrites and settled != FAILED and settled != GATE_CLOSED:
-                # committed with the finalization (a closed gate or a failure: none)
+            if (outcome.__class__ is WithWrites and settled != FAILED and settled != GATE_CLOSED
+                    and p.commands):
+                # committed with the finalization (a closed gate or a failure: none; a
+                # reliable list's runtime retry_after: by its delayed copy, counted then)
                 effects[WRITES] = effects.get(WRITES, 0) + len(outcome.writes)
             if settled == FAILED:
                 records.append((_ERROR, "%s: finalization of %s (attempt %d, origin %s) failed; it "

@@ -14,31 +14,39 @@ look for (:meth:`ListGates.settle`).  The reader
 (``_reliable_list.ReliableListReader``) adds what it reads
 (:meth:`ListGates.hold`, or ``unsent`` / ``in_hand`` updated at once) and
 asks what to rescan for (``leftover``, ``rescan_wanted``).
+
+A runtime ``retry_after`` original stays in the processing list, held, until
+the scheduler sends its delayed copy: :meth:`ListGates.send_later` numbers
+that script then (its ``n`` taken from what is held at that moment, as any
+removal's) and gives it a receipt token (``_reliable.DELAYED_COPY``), so that
+a resend after a lost reply learns whether its own first send committed;
+:meth:`ListGates.later_answered` settles it from the reply, with the effect
+and the writes to count.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import operator
+import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import cast
 
 from redis import exceptions as rexc
 
-from .._outcome import Outcome, OutcomeKind
-from .._subscription import DelayedRetry
 from ._batch import batch_replies, counted_removals, is_batched, with_counts
-from ._commands import Command
+from ._commands import Arg, Command
 from ._finalize import Item
-from ._plan import Effect, Plan, Target, list_copies, list_counted, list_removal
-from ._reliable import GIVE_BACK, dec
+from ._plan import FAILED, GATE_CLOSED, Target, list_copies, list_counted, list_removal
+from ._reliable import GIVE_BACK, dec, delayed_copy, delayed_parts, renumbered
+from ._scripts import LIST_COPY_REMOVE, LIST_WRITES
 
-__all__ = ["HELD_MARGIN", "ListGates"]
+__all__ = ["FORGET_AT_ONCE", "ListGates"]
 
-HELD_MARGIN = 0.5
-"""Seconds after its due time a runtime ``retry_after`` original counts as sent."""
+FORGET_AT_ONCE = 100
+"""At most this many receipts of answered delayed copies are deleted by the next one."""
+_COPY_REMOVE_SHA, _WRITES_SHA = LIST_COPY_REMOVE.sha, LIST_WRITES.sha
 _ELEMENT = operator.itemgetter(3)  # the element of a plain removal: ("LREM", processing, -1, e)
 _repeat = itertools.repeat
 
@@ -55,30 +63,31 @@ def _batch_removals(cmd: Command, r: object) -> list[tuple[bytes, int, object]]:
 
 
 class ListGates:
-    """One consumer's counted gates on its processing list (see the module
-    docstring); ``clock``: the current time in seconds (the event loop's).
+    """One consumer's counted gates on its processing list (see the module docstring).
 
     Attributes:
         unsent: the elements delivered whose removal was not sent yet (a multiset).
         in_hand: the elements delivered whose removal was not answered yet.
         leftover: handled elements whose removal may have left a copy.
-        delayed: runtime ``retry_after`` originals, held until their copy
-            must have been sent: ``(time, element)``, a heap.
-        rescan_wanted: a removal's gate was closed (or a held original
-            expired with a leftover): the processing list is to be looked at.
+        delayed: runtime ``retry_after`` originals whose delayed copy was
+            sent and not answered yet (a multiset).
+        forget: receipt tokens of delayed copies answered since the last
+            one was sent (that one deletes them).
+        rescan_wanted: a removal's gate was closed: the processing list is
+            to be looked at.
         target: the subscription resolved (None until the reader's setup:
             the commands are then left as they are).
     """
 
-    def __init__(self, clock: Callable[[], float]) -> None:
+    def __init__(self) -> None:
         # Counter: a batch read is counted in by one ``update``, in C
         self.unsent: Counter[bytes] = Counter()
         self.in_hand: Counter[bytes] = Counter()
         self.leftover: dict[bytes, int] = {}
-        self.delayed: list[tuple[float, bytes]] = []
+        self.delayed: dict[bytes, int] = {}
+        self.forget: list[bytes] = []
         self.rescan_wanted = False
         self.target: Target | None = None
-        self.clock = clock
 
     def hold(self, raw: bytes) -> None:
         """One more copy of ``raw`` delivered."""
@@ -96,19 +105,6 @@ class ListGates:
             dec(self.unsent, raw)
             self.leftover[raw] = self.leftover.get(raw, 0) + 1
 
-    def expire(self) -> None:
-        """Runtime ``retry_after`` originals whose copy must have been sent: no longer held."""
-        delayed = self.delayed
-        if not delayed:
-            return
-        now = self.clock()
-        while delayed and delayed[0][0] <= now:
-            _, e = heapq.heappop(delayed)
-            dec(self.unsent, e)
-            dec(self.in_hand, e)
-            if e in self.leftover:
-                self.rescan_wanted = True
-
     def prepare(self, commands: list[Command], fast: int = 0) -> list[Command]:
         """The finalizer calls this once per batch before it is first sent (a
         resend sends the same commands): each removal of an element of which
@@ -124,7 +120,6 @@ class ListGates:
         t = self.target
         if t is None:
             return commands
-        self.expire()
         unsent = self.unsent
         take = cast(Callable[[object, int], int], unsent.pop)  # 0: not held (not bytes: not a key)
         start = 0
@@ -236,7 +231,8 @@ class ListGates:
         Answered removals are no longer held; a removal whose ``n`` gate was
         closed (or that failed) may have left a copy that was handled: the
         next rescan delivers it again as an attempt.  Runtime ``retry_after``
-        originals stay held until their copy must have been sent.
+        originals stay held until their delayed copy is answered
+        (:meth:`later_answered`).
 
         ``hot``: only the hot path's removals (plain ``LREM`` s, or their
         counted ``LIST_REMOVE`` calls), no plan: when each answered 1 (removed)
@@ -272,19 +268,69 @@ class ListGates:
                             dec(held, g)
                 continue
             self._settled(element, list_copies(cmd), r)
-        if hot or t.delayed_retry is not DelayedRetry.RUNTIME:
-            return  # hot: no plan, so no runtime retry_after
-        limit = t.max_attempts
-        retry_after = OutcomeKind.RETRY_AFTER
-        for d, o in items:
-            if o.__class__ is Outcome:
-                assert isinstance(o, Outcome)
-                if o.kind is not retry_after or (limit is not None and d.attempt >= limit):
-                    continue
-                delay = o.delay
-            elif isinstance(o, Plan) and o.effect is Effect.HELD and o.delay is not None:
-                delay = o.delay
-            else:
-                continue
-            if d.raw is not None:
-                heapq.heappush(self.delayed, (self.clock() + delay + HELD_MARGIN, d.raw))
+
+    # -- runtime retry_after copies (the scheduler's) ------------------------------
+    def send_later(self, cmd: Command) -> Command:
+        """The scheduler calls this before it sends ``cmd``, a step of a
+        runtime ``retry_after`` copy (each time: a resend too); the command
+        to send instead.
+
+        First send (the plan's ``LIST_COPY_REMOVE`` or ``LIST_WRITES`` copy
+        of an element of the processing list): a ``DELAYED_COPY`` with a
+        fresh receipt token, gated on the copies held now whose removal was
+        not sent (this one included, which is sent now), deleting the
+        receipts of the delayed copies answered since the last one.  A
+        resend (a ``DELAYED_COPY`` already; not run, or its outcome unknown):
+        its receipt says whether that first send committed, and its gate is
+        numbered again as if it were first sent now.  Anything else: as it is.
+        """
+        t = self.target
+        if t is None or cmd[0] != b"EVALSHA" or cmd[3] != t.processing:
+            return cmd
+        parts = delayed_parts(cmd)
+        if parts is not None:
+            return renumbered(cmd, self.unsent.get(parts[0], 0) + 1)
+        sha = cmd[1]
+        keys = 3 + int(cmd[2])  # ARGV[1]
+        writes: Sequence[Arg]
+        wkeys: Sequence[Arg]
+        if sha == _COPY_REMOVE_SHA and cmd[2] == 2:  # processing, queue; element, copy[, n]
+            element, copy = cmd[5], cmd[6]
+            writes, wkeys = (0,), ()
+        elif sha == _WRITES_SHA and cmd[keys + 1] in (b"copy", "copy"):
+            # processing, queue, processing, keys; element, 'copy', nw, writes, copy, n
+            element, copy = cmd[keys], cmd[-2]
+            writes, wkeys = cmd[keys + 2 : -2], cmd[6:keys]
+        else:
+            return cmd
+        if not isinstance(element, bytes) or not isinstance(copy, bytes):
+            return cmd
+        n = max(1, dec(self.unsent, element))
+        self.delayed[element] = self.delayed.get(element, 0) + 1
+        forget = self.forget[:FORGET_AT_ONCE]
+        del self.forget[:FORGET_AT_ONCE]
+        return delayed_copy(t.processing, cmd[4], element, copy, uuid.uuid4().bytes, n,
+                            forget, writes, wkeys)
+
+    def later_answered(self, cmd: Command, r: object) -> tuple[str, int] | None:
+        """The scheduler calls this with the reply to ``cmd`` (a command
+        :meth:`send_later` returned) when it is final: a value, or an error
+        reply that will not succeed if sent again.  The effect to count
+        (``released``: written, by this send or, its receipt says, an
+        earlier one; ``gate_closed``; ``failed``) and the writes committed;
+        None when ``cmd`` is not a delayed copy of this processing list."""
+        t = self.target
+        parts = delayed_parts(cmd)
+        if t is None or parts is None or cmd[3] != t.processing:
+            return None
+        element, n, writes = parts
+        dec(self.delayed, element)
+        self._settled(element, n, r)
+        if isinstance(r, Exception):
+            return FAILED, 0
+        if r is None or r is False:
+            return GATE_CLOSED, 0
+        token = cmd[3 + int(cmd[2]) + 2]
+        assert isinstance(token, bytes)
+        self.forget.append(token)
+        return "released", writes

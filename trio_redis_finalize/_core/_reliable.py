@@ -10,6 +10,10 @@ Keys beside the queue (all in the queue's hash slot):
   of ``heartbeat`` seconds, renewed every ``heartbeat / 3`` seconds while the
   consumer runs.
 
+Beside a consumer's processing list (its hash slot), ``<processing>:receipts``
+(:func:`receipts_key`): the receipts of its runtime ``retry_after`` copies
+(:data:`DELAYED_COPY`), a hash, token -> 1.
+
 A consumer whose heartbeat key is gone is dead: any live consumer moves its
 processing list back onto the queue (:data:`REAP`) and then forgets it.  A
 cleanly stopped consumer whose processing list is empty deregisters itself
@@ -27,12 +31,13 @@ from collections.abc import Collection, Mapping, Sequence
 
 from .._envelope import CorruptEnvelope, unwrap, wrap
 from .._keys import derived
-from ._commands import Script
+from ._commands import Arg, Command, Script
 from ._plan import content_origin
+from ._scripts import _WRITES_LUA
 
 __all__ = [
-    "BUMP", "FORGET", "GIVE_BACK", "REAP", "bumped", "dec", "doubtful", "heartbeat_key", "registry_key",
-    "stranded",
+    "BUMP", "DELAYED_COPY", "FORGET", "GIVE_BACK", "REAP", "bumped", "dec", "delayed_copy",
+    "doubtful", "heartbeat_key", "receipts_key", "registry_key", "stranded",
 ]
 
 
@@ -119,6 +124,76 @@ return n
 )
 
 
+def receipts_key(processing: str) -> str:
+    """The hash of the receipts of a consumer's runtime ``retry_after`` copies."""
+    return derived(processing, ":receipts")
+
+
+# A reliable list's runtime ``retry_after`` copy (the original waits in the
+# processing list until its delay is over), exactly once.
+#
+# KEYS: processing list, queue, receipts hash (:func:`receipts_key`), the
+# writes' keys.  ARGV: element, copy, token, n, nf, nf tokens to forget, nw,
+# the writes (as ``_writes.encode_writes`` puts them).
+#
+# The receipts of ``nf`` earlier copies, answered since, are deleted first.
+# Then, a receipt under this copy's ``token`` says an earlier send of this
+# very finalization committed (its reply was lost): 2, nothing done again.
+# Else the counted gate (at least ``n`` copies of the element in the
+# processing list, see ``_plan.list_counted``): closed, false; open: the
+# writes' key types checked (a refusal: an error reply, nothing written),
+# the writes run, the copy pushed onto the queue, one copy of the element
+# removed and the receipt written, in one step: 1.  The gate's ``n`` is
+# taken when the script is sent (``_list_gates.ListGates.send_later``),
+# never when the copy was planned: the copies held then and now differ.
+DELAYED_COPY = Script(
+    _WRITES_LUA
+    + """
+local nf = tonumber(ARGV[5])
+if nf > 0 then redis.call('HDEL', KEYS[3], unpack(ARGV, 6, 5 + nf)) end
+if redis.call('HEXISTS', KEYS[3], ARGV[3]) == 1 then return 2 end
+if not redis.call('LPOS', KEYS[1], ARGV[1], 'RANK', -tonumber(ARGV[4])) then return false end
+local at = 6 + nf
+local nw = tonumber(ARGV[at])
+local i, why = wcheck(at + 1, nw)
+if not i then return redis.error_reply(why) end
+wapply(at + 1, nw)
+redis.call('LPUSH', KEYS[2], ARGV[2])
+redis.call('LREM', KEYS[1], -1, ARGV[1])
+redis.call('HSET', KEYS[3], ARGV[3], 1)
+return 1
+""",
+    name="reliable_list_delayed_copy",
+)
+_DELAYED_SHA = DELAYED_COPY.sha
+
+
+def delayed_copy(processing: str, queue: Arg, element: bytes, copy: bytes, token: bytes, n: int,
+                 forget: Sequence[bytes] = (), writes: Sequence[Arg] = (0,),
+                 write_keys: Sequence[Arg] = ()) -> Command:
+    """A :data:`DELAYED_COPY` command (``writes``: ``nw`` then the writes)."""
+    return DELAYED_COPY.command(
+        (processing, queue, receipts_key(processing), *write_keys),
+        (element, copy, token, n, len(forget), *forget, *writes))
+
+
+def delayed_parts(cmd: Command) -> tuple[bytes, int, int] | None:
+    """``(element, n, writes)`` of a :data:`DELAYED_COPY` command (``writes``:
+    how many it carries), or None for another command."""
+    if cmd[0] != b"EVALSHA" or cmd[1] != _DELAYED_SHA:
+        return None
+    at = 3 + int(cmd[2])  # ARGV[1]
+    element, n, nf = cmd[at], cmd[at + 3], int(cmd[at + 4])
+    assert isinstance(element, bytes)
+    return element, int(n), int(cmd[at + 5 + nf])
+
+
+def renumbered(cmd: Command, n: int) -> Command:
+    """A :data:`DELAYED_COPY` command gated on ``n`` copies instead."""
+    at = 3 + int(cmd[2]) + 3
+    return (*cmd[:at], n, *cmd[at + 1:])
+
+
 def bumped(raw: bytes) -> bytes | None:
     """``raw`` with its retry counter one higher (a foreign element gets an
     envelope, retries 1, origin the digest of its bytes); None when corrupt."""
@@ -154,7 +229,8 @@ def stranded(
     handled whose removal may have left them (``leftover``, counted down
     here) are; the others were stranded by a lost read reply, no handler saw
     them.  ``leftover`` entries not waiting for a runtime ``retry_after``
-    copy (``delayed``) are forgotten: their removal did remove it after all.
+    copy sent and not answered yet (``delayed``) are forgotten: their
+    removal did remove it after all.
 
     ``before``: what the reader held when it sent the ``LRANGE``.  A removal
     answered since then may have run after the ``LRANGE`` did, its element
