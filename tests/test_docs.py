@@ -1,4 +1,4 @@
-"""The Sphinx site builds with warnings as errors, offline and quickly, and its
+"""The Sphinx site builds with warnings as errors and offline, and its
 API reference covers every public name."""
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import re
 import runpy
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,16 +23,13 @@ DOCS = ROOT / "docs"
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("html")
-    start = time.monotonic()
-    proc = subprocess.run(
+    proc = subprocess.run(  # about 10 s; the timeout is a bound a loaded machine keeps
         [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-E", "-q", "-b", "html",
          "-d", str(out / ".doctrees"), str(DOCS), str(out)],
-        capture_output=True, text=True, timeout=90, cwd=ROOT,
+        capture_output=True, text=True, timeout=110, cwd=ROOT,
     )
-    took = time.monotonic() - start
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stderr.strip() == "", proc.stderr  # -q: only warnings would print, and -W fails them
-    assert took < 60, f"the docs build took {took:.0f} s"
     return out
 
 
