@@ -354,7 +354,8 @@ async def test_a_waiting_entry_is_not_claimed_by_another_consumer(
 
     ``min_idle`` is 1 s, the lease renewed every third of it: a loaded machine
     that stalls consumer a's event loop for longer than ``min_idle`` lets b
-    take the entry, as documented (with ``min_idle=0.1`` a 70 ms stall did);
+    take the entry, as documented (at ``min_idle=0.1`` a stall of about 70 ms
+    could, and on a loaded machine one did);
     the waits (up to 3 s) still span several ``min_idle`` periods."""
     eid = (await client.execute("XADD", S, "*", "n", "1")).decode()
     a, b = Failing(), Failing(ok_at=1)
