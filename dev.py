@@ -62,7 +62,9 @@ def test_workers(args: list[str]) -> list[str]:
     if chosen:
         return []
     workers = os.environ.get("TRF_TEST_WORKERS") or str(min(8, max(4, os.cpu_count() or 4)))
-    return ["-n", workers]
+    # worksteal: a worker that runs out takes tests queued for another, so a
+    # few long tests (soaks, state machines) do not leave the run a long tail
+    return ["-n", workers, "--dist", "worksteal"]
 
 
 def main(argv: list[str]) -> int:
