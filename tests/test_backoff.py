@@ -350,18 +350,24 @@ async def test_a_waiting_entry_is_not_claimed_by_another_consumer(
 ) -> None:
     """While it waits for its backoff the entry stays leased by its consumer:
     a second consumer of the group, claiming entries idle min_idle, never
-    gets it, however many min_idle periods the waits last."""
+    gets it, however many min_idle periods the waits last.
+
+    ``min_idle`` is 1 s, the lease renewed every third of it: a loaded machine
+    that stalls consumer a's event loop for longer than ``min_idle`` lets b
+    take the entry, as documented (at ``min_idle=0.1`` a stall of about 70 ms
+    could, and on a loaded machine one did);
+    the waits (up to 3 s) still span several ``min_idle`` periods."""
     eid = (await client.execute("XADD", S, "*", "n", "1")).decode()
     a, b = Failing(), Failing(ok_at=1)
-    sub = StreamSubscription(S, G, mode=mode, min_idle=0.1, block=0.05)
+    sub = StreamSubscription(S, G, mode=mode, min_idle=1.0, block=0.05)
     owners: set[str] = set()
     async with open_consumer(redis_url, name="a") as ca:
-        await ca.mount(sub, a, on_error=Backoff(base=1.0, cap=1.0))
-        # ">= 1": a jittered wait (uniform in [0, 1] s) may end before the next poll
-        await eventually(lambda: len(a.calls) >= 1, what="a's first attempt")
+        await ca.mount(sub, a, on_error=Backoff(base=3.0, cap=3.0))
+        # ">= 1": a jittered wait (uniform in [0, 3] s) may end before the next poll
+        await eventually(lambda: len(a.calls) >= 1, timeout=30, what="a's first attempt")
         async with open_consumer(redis_url, name="b") as cb:
             await cb.mount(sub, b)
-            with trio.move_on_after(3.0):  # 30 min_idle periods
+            with trio.move_on_after(6.0):  # 6 min_idle periods, at least 2 of a's waits
                 while True:
                     owners.update(o for _, o, _ in await pel(client))
                     await trio.sleep(0.02)
@@ -378,7 +384,7 @@ async def test_shutdown_does_not_wait_for_backoff_timers(redis_url: str, client:
     hs, hl = Failing(), Failing()
     slow = Backoff(base=1000.0, cap=1000.0)
     stream, rlist = StreamSubscription(S, G, block=0.05), ReliableListSubscription(Q, block=0.05)
-    with trio.fail_after(5):  # far below shutdown_grace + the waits
+    with trio.fail_after(20):  # far below shutdown_grace (30 s) + the waits: a bound
         async with open_consumer(redis_url, name="c1", shutdown_grace=30.0) as consumer:
             await consumer.mount(stream, hs, on_error=slow)
             await consumer.mount(rlist, hl, on_error=slow)

@@ -268,13 +268,13 @@ def test_asyncio_backend(redis_url: str) -> None:
     anyio.run(main, backend="asyncio")
 
 
-README_TEXT = (Path(__file__).resolve().parent.parent / "README.rst").read_text()
+GUIDE_TEXT = (Path(__file__).resolve().parent.parent / "docs" / "guide.rst").read_text()
 
 
-async def test_readme_example_runs_as_written(redis_url: str, client: Client) -> None:
+async def test_the_guides_example_runs_as_written(redis_url: str, client: Client) -> None:
     import trio_redis_finalize as trf
 
-    text = README_TEXT
+    text = GUIDE_TEXT
     section = text.split("Batch handlers\n--------------\n", 1)[1]
     m = re.search(r"\.\. code-block:: python\n\n((?:    .*\n|\n)+)", section)
     assert m is not None

@@ -114,9 +114,7 @@ def check_demo_output(r: subprocess.CompletedProcess[str]) -> None:
 
 
 def test_demo_against_the_fixture_server(redis_url: str, redis_server: RedisServer) -> None:
-    started = time.monotonic()
-    r = cli("demo", "--url", redis_url, timeout=60)
-    assert time.monotonic() - started < 30
+    r = cli("demo", "--url", redis_url, timeout=100)  # a few seconds; a bound, not an expectation
     check_demo_output(r)
     check_names_the_server(r, redis_server)
     assert "started a private redis-server" not in r.stdout
@@ -125,9 +123,7 @@ def test_demo_against_the_fixture_server(redis_url: str, redis_server: RedisServ
 
 
 def test_demo_with_its_embedded_server() -> None:
-    started = time.monotonic()
-    r = cli("demo", timeout=60)
-    assert time.monotonic() - started < 30
+    r = cli("demo", timeout=100)  # a few seconds; a bound, not an expectation
     check_demo_output(r)
     assert "started a private redis-server" in r.stdout
     assert "stopped the private redis-server" in r.stdout

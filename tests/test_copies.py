@@ -426,7 +426,7 @@ _NAMES = st.one_of(st.sampled_from([b"item", b"", b"trf-", RETRIES_FIELD, GROUP_
 
 
 @settings(max_examples=60, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(st.lists(st.tuples(_NAMES, st.binary(max_size=10)), min_size=1, max_size=8),
        st.sampled_from(["retry", "durable", "runtime", "dead"]))
 def test_round_trip_keeps_any_field_list(redis_url: str, written: list[tuple[bytes, bytes]],

@@ -40,15 +40,49 @@ async def test_ack_is_sent_while_the_next_handler_call_is_slow(
     async with open_consumer(redis_url, name="c1") as consumer:
         await consumer.mount(StreamSubscription("s", "g", block=0.1), handler,
                              concurrency=concurrency)
-        await eventually(lambda: slow == concurrency, what="every slow handler running")
+        await eventually(lambda: slow == concurrency, timeout=30, what="every slow handler running")
         # the fast ones were acknowledged while the slow ones still run
         # (before: they waited in their task's list until its slow call returned)
-        await eventually(lambda: _pending_is(client, concurrency), timeout=3,
+        # (bounds, not expectations: the slow handlers block until released,
+        # so the fast ACKs can only have been sent beside them)
+        await eventually(lambda: _pending_is(client, concurrency), timeout=30,
                          what="the fast ACKs sent")
-        assert consumer.stats()["stream 's' group 'g'"]["effects"]["acked"] == 3
+        # Redis applied the XACK; the finalizer counts it once it has read the
+        # reply (reading stats() right after XPENDING raced that: KeyError)
+        await eventually(lambda: consumer.stats()["stream 's' group 'g'"]["effects"]["acked"] == 3,
+                         timeout=30, what="the fast ACKs counted")
+        assert slow == concurrency and not release.is_set()
         release.set()
-        await eventually(lambda: _pending_is(client, 0), what="all acknowledged")
+        await eventually(lambda: _pending_is(client, 0), timeout=30, what="all acknowledged")
 
 
 async def _pending_is(client: Client, n: int) -> bool:
     return await _pending(client) == n
+
+
+async def test_every_outcome_and_effect_reads_0_until_counted(redis_url: str, client: Client) -> None:
+    """``stats()`` from 0, as Prometheus: a test (or a dashboard) that reads
+    ``effects["acked"]`` before the first reply is settled reads 0, not a
+    KeyError; and the counts still compare equal to a dict of what was counted."""
+    from trio_redis_finalize._metrics import EFFECTS, OUTCOMES
+
+    done = trio.Event()
+
+    async def handler(d: Delivery) -> Outcome:
+        done.set()
+        return ACK
+
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(StreamSubscription("s", "g", block=0.1), handler)
+        before = consumer.stats()["stream 's' group 'g'"]
+        assert all(before["effects"][e] == 0 for e in EFFECTS), before
+        assert all(before["outcomes"][o] == 0 for o in OUTCOMES), before
+        assert before["effects"] == {} and before["outcomes"] == {}
+        await client.execute("XADD", "s", "*", "n", "1")
+        with trio.fail_after(30):  # a bound
+            await done.wait()
+        await eventually(lambda: consumer.stats()["stream 's' group 'g'"]["effects"]["acked"] == 1,
+                         timeout=30, what="the ACK counted")
+        after = consumer.stats()["stream 's' group 'g'"]
+        assert after["effects"] == {"acked": 1} and after["outcomes"] == {"ack": 1}
+        assert after["effects"]["dropped"] == 0

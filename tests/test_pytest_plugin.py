@@ -58,7 +58,7 @@ async def test_outcomes_are_finalized_when_it_returns(
         return len(seen) == 4 and await client.execute("LLEN", "jobs") == 0
 
     sub = ReliableListSubscription("jobs", block=0.05)
-    stats = await run_consumer(sub, handle, queue_empty, timeout=5, name="w1")
+    stats = await run_consumer(sub, handle, queue_empty, timeout=30, name="w1")
     assert sorted(seen) == [b"a", b"b", b"c", b"d"]
     assert stats["outcomes"] == {"ack": 3, "drop": 1}
     assert stats["effects"] == {"acked": 3, "dropped": 1}
@@ -77,8 +77,8 @@ async def test_predicate_is_checked_after_each_handler_call(redis_url: str, clie
 
     start = trio.current_time()
     stats = await consume_until(redis_url, ListSubscription("q", block=0.05), handle,
-                                lambda: bool(seen), timeout=30, poll=20)
-    assert trio.current_time() - start < 10
+                                lambda: bool(seen), timeout=90, poll=90)
+    assert trio.current_time() - start < 45  # well before the poll's 90 s (a bound under load)
     assert stats["received"] == 1 and len(seen) == 1
 
 
@@ -92,7 +92,7 @@ async def test_timeout_names_the_subscription_and_its_counters(redis_url: str, c
     t0 = time.monotonic()
     with pytest.raises(TimeoutError) as info:
         await consume_until(redis_url, sub, handle, lambda: False, timeout=0.5)
-    assert time.monotonic() - t0 < 5  # the consumer was shut down, not left running
+    assert time.monotonic() - t0 < 30  # the consumer was shut down, not left running (a bound)
     msg = str(info.value)
     assert sub.name in msg and "within 0.5 s" in msg and "'outcomes': {" in msg
     assert (await client.execute("XPENDING", "orders", "g"))[0] == 0  # finalized all the same

@@ -211,7 +211,7 @@ async def test_shutdown_finishes_in_flight_within_grace_and_leaves_the_rest_pend
                 raise AssertionError("not cancelled")
     took = trio.current_time() - t0
     assert how == "exit" or outer.cancelled_caught
-    assert grace * 0.8 <= took <= grace + 3.0
+    assert grace * 0.8 <= took <= grace + 15  # far below the slow handler's 30 s (a bound)
     assert sorted(started) == sorted([fast, medium, slow])  # nothing new was started
     assert sorted(returned) == sorted([fast, medium])
     # returned outcomes finalized: fast acked, medium copied then acked ...

@@ -165,7 +165,8 @@ async def test_mount_names_key_and_type_of_a_wrong_typed_key(
     assert key in msg and kind in msg, msg
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(start_id=st.one_of(
     st.integers(0, 2**65).map(str),
     st.tuples(st.integers(0, 2**65), st.integers(0, 2**65)).map(lambda t: f"{t[0]}-{t[1]}"),

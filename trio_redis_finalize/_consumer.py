@@ -205,9 +205,10 @@ class Consumer:
         original no longer pending -- finalized already -- or a removal
         removed nothing; ``failed`` when a step got a final error reply: the
         original stays pending, the error is logged with command and key;
-        ``released`` when a runtime delayed copy was written).  An outcome
-        or effect not counted yet is absent from its dict (Prometheus shows
-        every series from 0).
+        ``released`` when a runtime delayed copy was written).  Both are
+        ``collections.Counter`` s: an outcome or effect not counted yet
+        reads 0 (``stats()[name]["effects"]["acked"]`` before the first
+        ACK is settled), as Prometheus shows every series from 0.
         """
         out = {}
         for m in self._mounts:

@@ -64,7 +64,7 @@ class Outcome:
 
         Raises:
             ValueError: a command that is not a deterministic write on
-                declared keys (the README lists them), bad arguments, or
+                declared keys (the user guide lists them), bad arguments, or
                 more than the bounds allow (64 writes, 4,096 values, 1 MiB).
         """
         checked = check_writes(writes)
@@ -91,7 +91,7 @@ class WithWrites(Outcome):
 
 
 def retry_after(delay: float) -> Outcome:
-    """Handle again after ``delay`` seconds (see the README for the three ways).
+    """Handle again after ``delay`` seconds (the user guide's "Delayed retry" gives the three ways).
 
     Raises:
         ValueError: ``delay`` is negative, NaN or infinite.

@@ -6,7 +6,7 @@ import dataclasses
 from bisect import bisect_left
 from collections import Counter
 
-__all__ = ["DURATION_BOUNDS", "Durations", "MountStats"]
+__all__ = ["DURATION_BOUNDS", "Counts", "Durations", "MountStats"]
 
 DURATION_BOUNDS: tuple[float, ...] = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -27,6 +27,17 @@ class Durations:
         # Mount._handler_loop does the same inline (a call per delivery less)
         self.counts[bisect_left(DURATION_BOUNDS, seconds)] += 1
         self.sum += seconds
+
+
+class Counts(Counter[str]):
+    """What ``stats()`` gives for outcomes and effects: one not counted yet
+    reads 0 (from 0, as Prometheus), equal to a dict of those counted, shown
+    as that dict."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return dict.__repr__(self)
 
 
 @dataclasses.dataclass(slots=True)
@@ -82,6 +93,6 @@ class MountStats:
             "in_flight": self.in_flight,
             "delay_lag": self.delay_lag,
             "stranded": self.stranded,
-            "outcomes": dict(self.outcomes),
-            "effects": dict(self.effects),
+            "outcomes": Counts(self.outcomes),
+            "effects": Counts(self.effects),
         }

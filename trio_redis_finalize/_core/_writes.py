@@ -26,7 +26,7 @@ One script is one atomic step on the server, so
 A script error after a write ran (a value the command refuses: ``HINCRBY``
 on a field holding text, an overflow) leaves the writes before it applied:
 Redis scripts do not roll back.  The type check covers what can be known
-before writing; the README says the rest.
+before writing; the user guide (docs/guide.rst) says the rest.
 
 Where a plan is two ungated commands (a dead letter in another Redis Cluster
 slot: the copy, then the removal), the writes go with the removal, which
