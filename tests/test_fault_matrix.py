@@ -86,6 +86,8 @@ from trio_redis_finalize import (
     open_consumer,
     retry_after,
 )
+from trio_redis_finalize._core import _presence as presence
+from trio_redis_finalize._core import _reliable as reliable
 from trio_redis_finalize._core._caps import Capabilities
 from trio_redis_finalize._core._plan import content_origin
 from trio_redis_finalize._transport import Client, open_client
@@ -358,7 +360,7 @@ async def _produce(admin: Client, case: Case) -> None:
             await admin.execute("XREADGROUP", "GROUP", G, owner, "COUNT", 1, "STREAMS", S, ">")
             await admin.execute("XCLAIM", S, G, owner, 0, ids[0], "IDLE", 600_000, "JUSTID")
             if w.seed == "registered":  # as the library registers it; no heartbeat key
-                await admin.execute("HSET", "{orders}:consumers:" + G, DEAD_NAME, "1500 plain")
+                await admin.execute("HSET", presence.registry_key(S, G), DEAD_NAME, "1500 plain")
             case.seeded.add(ids[0])
         return
     if w.form == "list":
@@ -373,7 +375,7 @@ async def _produce(admin: Client, case: Case) -> None:
             case.seeded |= {content_origin(own), content_origin(dead)}
             await admin.execute("LPUSH", Q_PROC, own)
             await admin.execute("LPUSH", Q_PROC_DEAD, dead)
-            await admin.execute("HSET", "{jobs}:consumers", DEAD_NAME, Q_PROC_DEAD)
+            await admin.execute("HSET", reliable.registry_key(Q), DEAD_NAME, Q_PROC_DEAD)
         return
     if w.form == "simple":
         for i, plan in enumerate(w.plans):

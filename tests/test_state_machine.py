@@ -69,7 +69,7 @@ from trio_redis_finalize import (
 from trio_redis_finalize._core._batch import batch_singles, is_batched, merge_commands
 from trio_redis_finalize._core._decode import list_delivery
 from trio_redis_finalize._core._plan import Effect, Plan, Target, plan
-from trio_redis_finalize._core._reliable import bumped
+from trio_redis_finalize._core._reliable import bumped, heartbeat_key
 from trio_redis_finalize._core._scripts import (
     LIST_COPY_REMOVE,
     LIST_ZADD_REMOVE,
@@ -125,7 +125,8 @@ class Stub:
         self.name = target.name
         self.target = target
         self.client = client
-        self.consumer = SimpleNamespace(name=consumer, shutdown_grace=0.0)
+        self.consumer = SimpleNamespace(name=consumer, shutdown_grace=0.0, token=f"sm/0/{consumer}")
+        self.takeover = False
         self.in_hand: set[str] = set()
         self.stats = MountStats(subscription=target.name)
         self.concurrency = 1
@@ -869,7 +870,7 @@ class ListMachine(Base):
 
         async def go(client: FaultClient) -> int:
             for o in dead:
-                await client.execute("DEL", f"{{{Q}}}:heartbeat:{o}")
+                await client.execute("DEL", heartbeat_key(Q, o))
             return await self.readers[c].reap(self.stub(c, client))
 
         moved = self.run(go)
@@ -922,7 +923,7 @@ class ListMachine(Base):
                 cmds = [cmd for _, later in self.held[c] for cmd in later]
                 if cmds:
                     await client.pipeline(cmds)
-                await client.execute("DEL", f"{{{Q}}}:heartbeat:{c}")
+                await client.execute("DEL", heartbeat_key(Q, c))
             drained: set[str] = set()
 
             async def ack(d: Delivery) -> Outcome:
