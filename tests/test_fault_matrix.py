@@ -203,8 +203,8 @@ WORKLOADS = [
     # the heartbeat, the registry, the reaper (a registered dead consumer's
     # entry taken over, the consumer deleted), the deregistration at shutdown
     Workload("stream-reap", "stream",
-             ("SET", "HSET", "XINFO CONSUMERS", "HGETALL", "PTTL", "XPENDING IDLE",
-              "EVALSHA:stream_reap", "EVALSHA:stream_forget"),
+             ("EVALSHA:heartbeat_claim", "EVALSHA:heartbeat_renew", "XINFO CONSUMERS", "HGETALL",
+              "PTTL", "XPENDING IDLE", "EVALSHA:stream_reap", "EVALSHA:stream_forget"),
              _stream(), seed="registered", dead_letter=S_DEAD),
     Workload("stream-reclaim", "stream", ("XAUTOCLAIM", "XCLAIM"),
              _stream(mode=Mode.RECLAIM, min_idle=0.6), seed="dead", dead_letter=S_DEAD),
@@ -254,7 +254,8 @@ WORKLOADS = [
     Workload("list-batch-handler", "list", ("BLMOVE", "LREM", "EVALSHA:list_copy_remove"),
              _rlist(), seed="dead", dead_letter=Q_DEAD, batch=True),
     Workload("list", "list",
-             ("TYPE", "SET", "HSET", "HGETALL", "EXISTS", "LRANGE", "EVALSHA:reliable_list_reap",
+             ("TYPE", "EVALSHA:heartbeat_claim", "EVALSHA:heartbeat_renew", "HGETALL", "EXISTS",
+              "LRANGE", "EVALSHA:reliable_list_reap",
               "EVALSHA:reliable_list_bump", "BLMOVE", "LMOVE", "LREM", "EVALSHA:list_copy_remove"),
              _rlist(), seed="dead", dead_letter=Q_DEAD),
     Workload("list-writes", "list", ("EVALSHA:list_writes", "BLMOVE"),
@@ -271,7 +272,8 @@ WORKLOADS = [
              lambda: ChannelSubscription(CHAN), plans=("ack", "later"), concurrency=1),
 ]
 
-PERIODIC_KINDS = {"SET", "HSET", "HGETALL", "EXISTS", "EVALSHA:reliable_list_reap", "XCLAIM"}
+PERIODIC_KINDS = {"EVALSHA:heartbeat_renew", "HGETALL", "EXISTS", "EVALSHA:reliable_list_reap",
+                  "XCLAIM"}
 """Kinds a periodic task sends (heartbeat, reaper, lease): it meets one error per period."""
 ERRORS = [c for c in TRANSIENT_ERRORS if c != "NOSCRIPT"]
 FAULT_GROUPS = ["lost", "blackhole", "errors"]

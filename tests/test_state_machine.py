@@ -696,7 +696,7 @@ class ListMachine(Base):
     async def _flush(self, client: FaultClient) -> None:
         await client.execute("FLUSHALL")
         for c in CONSUMERS:
-            await client.pipeline(self.readers[c]._beat(self.stub(c, client), 3600.0))
+            await client.pipeline([self.readers[c]._beat(self.stub(c, client), 3600.0)])
 
     def target(self, c: str, way: DelayedRetry = DelayedRetry.DURABLE_ZSET) -> Target:
         return _list_sub(way).target(c)
@@ -845,7 +845,7 @@ class ListMachine(Base):
 
         async def go(client: FaultClient) -> None:
             stub = self.stub(c, client)
-            await client.pipeline(reader._beat(stub, 3600.0))
+            await client.pipeline([reader._beat(stub, 3600.0)])
             async with await client.connect() as conn:
                 await reader._rescan(conn, stub)
             got = Counter(d.raw for d in [*stub.got, *(d for d, _ in stub.direct)])
