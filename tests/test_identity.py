@@ -47,6 +47,13 @@ from trio_redis_finalize import (
 )
 from trio_redis_finalize._core import _presence as presence
 from trio_redis_finalize._core import _reliable as reliable
+from trio_redis_finalize._core._identity import (
+    Claimed,
+    gone,
+    heartbeat_value,
+    make_token,
+    refusal,
+)
 from trio_redis_finalize._transport import Client
 
 pytestmark = pytest.mark.timeout(90)
@@ -368,6 +375,81 @@ async def test_a_live_heartbeat_of_the_old_naming_refuses_the_name(
         await eventually(lambda: _gone(client, old_key), timeout=10, what="the old heartbeat lapsed")
         await consumer.mount(sub, Seen())
         assert await client.execute("HEXISTS", old_registry, "w1") == 0
+
+
+# -- the decisions, sans-IO ----------------------------------------------------------
+
+def test_which_holder_is_known_gone() -> None:
+    """Only a token of this host and pid namespace whose process no longer
+    runs (or is a closed consumer of this process) is taken without waiting
+    for the lapse; anything unknown is alive."""
+    me = make_token("h", 10, "n0", "77", "500")
+    starts = {10: "500", 20: "600", 30: "700"}
+    start_of = starts.get
+
+    def is_gone(token: str, live: set[str] = set(), pidns: str = "77") -> bool:  # noqa: B006
+        return gone(heartbeat_value(token, 30.0), "h", pidns, 10, start_of, live)
+
+    assert is_gone(make_token("h", 40, "n1", "77", "800"))  # no such pid: crashed
+    assert is_gone(make_token("h", 20, "n1", "77", "599"))  # pid reused by another process
+    assert not is_gone(make_token("h", 20, "n1", "77", "600"))  # runs: alive
+    assert is_gone(make_token("h", 10, "n1", "77", "500"))  # this process, a closed consumer
+    assert not is_gone(me, live={me})  # this process, an open consumer
+    assert not is_gone(make_token("other", 40, "n1", "77", "800"))  # another host: unknown
+    assert not is_gone(make_token("h", 40, "n1", "78", "800"))  # another pid namespace
+    assert not is_gone(make_token("h", 40, "n1", "", ""), pidns="")  # no /proc: unknown
+    assert not is_gone(make_token("h", 40, "n1", "77", "800"), pidns="")
+    assert not is_gone("w1")  # the old naming's value, or anything unreadable
+    assert not is_gone("h/x/n/77/800")
+    assert make_token("a/b c", 1, "n", "2", "3") == "a_b_c/1/n/2/3"
+
+
+def test_the_refusal_names_consumer_key_holder_and_age() -> None:
+    got = Claimed(False, heartbeat_value(make_token("box", 4242, "n", "1", "2"), 30.0), 26.5)
+    msg = str(refusal("stream 'orders' group 'billing'", "w1", "K", got, "OLD"))
+    assert msg.startswith("stream 'orders' group 'billing': consumer name 'w1' is in use: ")
+    assert "a live heartbeat 'K' held by process 4242 on host box, renewed 3.5 s ago " in msg
+    assert "(it lapses in 26.5 s unless renewed)" in msg and "takeover=True" in msg
+    old = str(refusal("x", "w1", "K", Claimed(False, "", 0.8, old_naming=True), "OLD"))
+    assert "'OLD' of the old key naming" in old and "lapses in 0.8 s" in old
+
+
+# -- the CLI -------------------------------------------------------------------------
+
+SETUP = """
+from trio_redis_finalize import ACK, StreamSubscription
+
+async def setup(consumer):
+    async def handle(d):
+        return ACK
+    await consumer.mount(StreamSubscription("orders", "billing", block=0.05), handle)
+"""
+
+
+async def test_run_refuses_a_name_in_use_and_takes_it_with_takeover(
+        redis_url: str, client: Client, tmp_path: Path) -> None:
+    await client.execute("XGROUP", "CREATE", "orders", "billing", "0", "MKSTREAM")
+    (tmp_path / "idmod.py").write_text(SETUP)
+    cli = [sys.executable, "-m", "trio_redis_finalize", "run", "idmod:setup", "--url", redis_url,
+           "--name", "w1"]
+    p = await child("stream", redis_url, "orders", "billing", "w1", "30")
+    try:
+        with trio.fail_after(60):
+            r = await trio.run_process(cli, cwd=str(tmp_path), capture_stdout=True,
+                                       capture_stderr=True, check=False)
+        assert r.returncode != 0
+        assert b"consumer name 'w1' is in use" in r.stderr, r.stderr
+        run = await anyio.open_process([*cli, "--takeover"], cwd=str(tmp_path),
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        took = Child(run)
+        try:
+            err = await took.stderr_until("running 1 subscription(s)", timeout=60)
+            assert "took consumer name 'w1' over from process" in err, err
+            await p.stderr_until("was taken over by", timeout=30)
+        finally:
+            await took.kill()
+    finally:
+        await p.kill()
 
 
 # -- the consumer process ------------------------------------------------------------
