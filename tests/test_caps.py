@@ -2,6 +2,7 @@
 
 * ``parse`` against the replies to ``DETECT`` recorded from each real server
   (``tests/data/caps/*.resp``: Redis 6.2.14, 7.0.15, 8.2.3, Valkey 9.1.2),
+  and the version gate of ``xackdel`` (CVE-2025-62507: Redis 8.2.0-8.2.2),
   and against replies made up for the later capabilities (8.4 ``CLAIM``,
   8.6 ``IDMP``, 8.8 ``XNACK``) that no server here has;
 * the transport: every connection detects in its handshake, the client
@@ -25,7 +26,15 @@ from hypothesis import strategies as st
 from redis import exceptions as rexc
 
 from trio_redis_finalize import ACK, Delivery, Outcome, Retention, StreamSubscription, open_consumer
-from trio_redis_finalize._core._caps import DETECT, NO_CAPABILITIES, Capabilities, parse, tokens
+from trio_redis_finalize._core._caps import (
+    DETECT,
+    NO_CAPABILITIES,
+    XACKDEL_SAFE,
+    Capabilities,
+    parse,
+    server_version,
+    tokens,
+)
 from trio_redis_finalize._transport import Client, open_client, open_connection, parse_url
 from trio_redis_finalize._transport._client import FALLBACK_ENV, native_default
 from trio_redis_finalize.testing import RedisServer, redis_server_version
@@ -56,14 +65,63 @@ def test_parse_the_replies_each_real_server_gave(server: str, expected: Capabili
 
 
 def test_redis_6_2_has_no_command_docs_and_that_is_no_error() -> None:
-    info, docs = recorded("redis-6.2")
+    info, docs, hello = recorded("redis-6.2")
     assert isinstance(docs, rexc.ResponseError)  # recorded as it was: 6.2 has no COMMAND DOCS
     assert info == [None, None]
-    assert parse([info, docs]) == NO_CAPABILITIES
+    assert parse([info, docs, hello]) == NO_CAPABILITIES
+
+
+@pytest.mark.parametrize(("server", "expected"), [
+    ("redis-6.2", ("redis", (6, 2, 14))),
+    ("redis-7.0", ("redis", (7, 0, 15))),
+    ("redis-8.2", ("redis", (8, 2, 3))),
+    ("valkey-9.1", ("valkey", (9, 1, 2))),
+])
+def test_the_server_version_from_hello(server: str, expected: tuple[str, tuple[int, int, int]]) -> None:
+    assert server_version(recorded(server)[2]) == expected
+
+
+def _hello(server: bytes, version: bytes) -> list[Any]:
+    """A ``HELLO 2`` reply (the 8.2.3 one recorded) with another server name and version."""
+    hello = copy.deepcopy(recorded("redis-8.2")[2])
+    hello[hello.index(b"server") + 1] = server
+    hello[hello.index(b"version") + 1] = version
+    return hello
+
+
+@pytest.mark.parametrize(("server", "version", "xackdel"), [
+    (b"redis", b"8.2.0", False),  # CVE-2025-62507: XACKDEL overflows its stack
+    (b"redis", b"8.2.1", False),
+    (b"redis", b"8.2.2", False),
+    (b"redis", b"8.2.3", True),  # fixed
+    (b"redis", b"8.4.0", True),
+    (b"redis", b"10.0.0", True),
+    (b"redis", b"255.255.255", True),  # an unstable build
+    (b"redis", b"8.2.3-rc1", True),
+    (b"redis", b"eight", False),  # unreadable: unknown, never taken for safe
+    (b"valkey", b"9.2.0", True),  # Valkey's own XACKDEL: the Redis CVE is not its
+])
+def test_xackdel_needs_8_2_3_on_redis(server: bytes, version: bytes, xackdel: bool) -> None:
+    """The command alone is not enough: on Redis 8.2.0-8.2.2 it has a stack
+    overflow (CVE-2025-62507); the plans keep XACK + XDEL there."""
+    info, docs, _ = recorded("redis-8.2")
+    assert parse([info, docs, _hello(server, version)]) == Capabilities(
+        xackdel=xackdel, acked_trim=True)
+    assert XACKDEL_SAFE == (8, 2, 3)
+
+
+def test_a_refused_hello_leaves_xackdel_out() -> None:
+    """An unknown version (HELLO refused by an ACL, or answered by a proxy
+    that has none) is never taken for a safe one; the rest still counts."""
+    info, docs, _ = recorded("redis-8.2")
+    denied = rexc.ResponseError("NOPERM this user has no permissions to run the 'hello' command")
+    assert parse([info, docs, denied]) == Capabilities(acked_trim=True)
+    assert parse([info, docs, [b"server", b"redis"]]) == Capabilities(acked_trim=True)
+    assert server_version(denied) is None and server_version([b"version", [b"8"]]) is None
 
 
 def test_tokens_of_the_8_2_docs() -> None:
-    _, docs = recorded("redis-8.2")
+    _, docs, _ = recorded("redis-8.2")
     by_name = {n.decode().upper(): tokens(d) for n, d in zip(docs[::2], docs[1::2], strict=True)}
     assert {"MAXLEN", "MINID", "LIMIT", "ACKED", "KEEPREF", "DELREF"} <= by_name["XTRIM"]
     assert "ACKED" in by_name["XADD"] and "NOMKSTREAM" in by_name["XADD"]
@@ -83,16 +141,17 @@ def _with_token(docs: list[Any], command: bytes, token: bytes) -> list[Any]:
 def test_the_later_capabilities_have_their_detection_point() -> None:
     """Made-up 8.4 / 8.6 / 8.8 replies (the 8.2 ones, an option or a command
     more): each sets its own flag only."""
-    info, docs = recorded("redis-8.2")
-    claim = parse([info, _with_token(docs, b"xreadgroup", b"CLAIM")])
+    info, docs, hello = recorded("redis-8.2")
+    claim = parse([info, _with_token(docs, b"xreadgroup", b"CLAIM"), hello])
     assert claim == Capabilities(xackdel=True, acked_trim=True, claim_read=True)
-    idmp = parse([info, _with_token(docs, b"xadd", b"IDMP")])
+    idmp = parse([info, _with_token(docs, b"xadd", b"IDMP"), hello])
     assert idmp == Capabilities(xackdel=True, acked_trim=True, idmp=True)
     xnack_info = [info[0], [b"xnack", -4, [b"write", b"fast"], 1, 1, 1, [], [], [], []]]
-    assert parse([xnack_info, docs]) == Capabilities(xackdel=True, acked_trim=True, xnack=True)
+    assert parse([xnack_info, docs, hello]) == Capabilities(xackdel=True, acked_trim=True, xnack=True)
     # ACKED on XTRIM alone is not enough: the caps' XADD needs it too
-    _, old_docs = recorded("redis-7.0")
-    assert parse([info, _with_token(old_docs, b"xtrim", b"ACKED")]) == Capabilities(xackdel=True)
+    _, old_docs, _ = recorded("redis-7.0")
+    assert parse([info, _with_token(old_docs, b"xtrim", b"ACKED"), hello]) == Capabilities(
+        xackdel=True)
 
 
 _resp = st.recursive(
@@ -102,11 +161,12 @@ _resp = st.recursive(
 
 
 @given(st.one_of(_resp, st.just(rexc.ResponseError("ERR"))),
+       st.one_of(_resp, st.just(rexc.ResponseError("ERR"))),
        st.one_of(_resp, st.just(rexc.ResponseError("ERR"))))
-def test_parse_never_fails_on_any_reply(info: Any, docs: Any) -> None:
+def test_parse_never_fails_on_any_reply(info: Any, docs: Any, hello: Any) -> None:
     """Whatever a server (or a proxy) answers, detection gives a value or
     unknown, never an exception: a connection is never refused over it."""
-    caps = parse([info, docs])
+    caps = parse([info, docs, hello])
     assert caps is None or isinstance(caps, Capabilities)
     if not isinstance(info, list) or len(info) != 2:
         assert caps is None
@@ -114,9 +174,9 @@ def test_parse_never_fails_on_any_reply(info: Any, docs: Any) -> None:
 
 def test_a_refused_detection_is_unknown() -> None:
     denied = rexc.ResponseError("NOPERM this user has no permissions to run the 'command' command")
-    assert parse([denied, denied]) is None
+    assert parse([denied, denied, denied]) is None
     assert parse([rexc.ResponseError("LOADING Redis is loading the dataset in memory"),
-                  recorded("redis-8.2")[1]]) is None
+                  *recorded("redis-8.2")[1:]]) is None
     with pytest.raises(ValueError, match="replies"):
         parse([None])
 
@@ -146,10 +206,10 @@ def test_the_fallback_switch_is_read_in_one_place(monkeypatch: pytest.MonkeyPatc
 # -- on the real servers -----------------------------------------------------------
 
 def expected_for(server: RedisServer) -> Capabilities:
-    """What a server of this version has: 8.2's commands on Redis 8.2+ (not Valkey)."""
+    """What a server of this version has: 8.2's commands on Redis 8.2.3+ (not Valkey 9.1)."""
     version = redis_server_version(server.binary)
     valkey = "valkey" in Path(server.binary).name
-    return NATIVE if version[:2] >= (8, 2) and not valkey else NO_CAPABILITIES
+    return NATIVE if version >= (8, 2, 3) and not valkey else NO_CAPABILITIES
 
 
 async def test_each_new_connection_detects_in_its_handshake(redis_server: RedisServer) -> None:

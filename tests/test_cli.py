@@ -34,6 +34,7 @@ from trio_redis_finalize import (
     StreamSubscription,
     open_consumer,
 )
+from trio_redis_finalize._core import _presence as presence
 from trio_redis_finalize._demo import parse_monitor_line
 from trio_redis_finalize._envelope import unwrap
 from trio_redis_finalize._transport import open_client
@@ -235,7 +236,8 @@ def test_run_consumes_then_stops_gracefully_on_sigterm(
     (group,) = [pairs(g) for g in cmd(redis_server, "XINFO", "GROUPS", "jobs")]
     assert group[b"last-delivered-id"].decode() == ids[-1]
     assert cmd(redis_server, "XINFO", "CONSUMERS", "jobs", "workers") == []
-    assert cmd(redis_server, "EXISTS", "{jobs}:heartbeat:workers:w1", "{jobs}:consumers:workers") == 0
+    assert cmd(redis_server, "EXISTS", presence.heartbeat_key("jobs", "workers", "w1"),
+               presence.registry_key("jobs", "workers")) == 0
 
 
 def test_run_second_signal_exits_at_once(
@@ -342,8 +344,10 @@ def test_inspect_stream_shows_heartbeats_and_marks_stranded_consumers(
     for who in ("alive", "dead", "foreign"):
         cmd(redis_server, "XREADGROUP", "GROUP", "billing", who, "COUNT", "1", "STREAMS", "orders", ">")
     cmd(redis_server, "XGROUP", "CREATECONSUMER", "orders", "billing", "idle")
-    cmd(redis_server, "HSET", "{orders}:consumers:billing", "alive", "30000 plain", "dead", "500 reclaim")
-    cmd(redis_server, "SET", "{orders}:heartbeat:billing:alive", "alive", "PX", "60000")
+    cmd(redis_server, "HSET", presence.registry_key("orders", "billing"), "alive", "30000 plain",
+        "dead", "500 reclaim")
+    cmd(redis_server, "SET", presence.heartbeat_key("orders", "billing", "alive"), "alive", "PX",
+        "60000")
 
     r = cli("inspect", "orders", "--group", "billing", "--url", redis_url, "--json")
     assert r.returncode == 0, r.stderr

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+from trio_redis_finalize._core._identity import RENEW
 from trio_redis_finalize._core._presence import (
     Heartbeat,
     Registration,
@@ -29,18 +30,18 @@ PLAIN, RECLAIM, CLAIMING = Mode.PLAIN, Mode.RECLAIM, Mode.CLAIMING
 
 
 def test_keys_share_the_streams_slot() -> None:
-    assert registry_key("orders", "billing") == "{orders}:consumers:billing"
-    assert heartbeat_key("orders", "billing", "c1") == "{orders}:heartbeat:billing:c1"
-    assert heartbeat_key("{app}.orders", "g", "c") == "{app}.orders:heartbeat:g:c"
+    assert registry_key("orders", "billing") == "{orders}:stream-consumers:orders,billing"
+    assert heartbeat_key("orders", "billing", "c1") == "{orders}:stream-heartbeat:orders,billing,c1"
+    assert heartbeat_key("{app}.orders", "g", "c") == (
+        "{app}.orders:stream-heartbeat:%7Bapp%7D.orders,g,c")
     for stream in ("orders", "{app}.orders", "a}b", ""):
         assert same_slot(stream, registry_key(stream, "g"), heartbeat_key(stream, "g", "c"))
 
 
 def test_a_beat_sets_the_key_with_its_ttl_and_registers() -> None:
-    assert beat("orders", "billing", "c1", 30.0, PLAIN, 41.5) == [
-        ("SET", "{orders}:heartbeat:billing:c1", "c1", "PX", 41500),
-        ("HSET", "{orders}:consumers:billing", "c1", "30000 plain"),
-    ]
+    assert beat("orders", "billing", "c1", "h/1/ab", 30.0, PLAIN, 41.5) == RENEW.command(
+        ("{orders}:stream-heartbeat:orders,billing,c1", "{orders}:stream-consumers:orders,billing"),
+        ("h/1/ab 30000", 41500, "c1", "30000 plain"))
 
 
 def test_registration_values_read_back_and_unknown_parts_are_none() -> None:

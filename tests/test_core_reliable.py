@@ -14,8 +14,8 @@ from trio_redis_finalize._envelope import unwrap
 
 
 def test_keys_share_the_queues_slot() -> None:
-    assert registry_key("jobs") == "{jobs}:consumers"
-    assert heartbeat_key("jobs", "c1") == "{jobs}:heartbeat:c1"
+    assert registry_key("jobs") == "{jobs}:list-consumers:jobs"
+    assert heartbeat_key("jobs", "c1") == "{jobs}:list-heartbeat:jobs,c1"
 
 
 def test_dec_counts_down_to_nothing() -> None:

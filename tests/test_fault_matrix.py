@@ -86,6 +86,8 @@ from trio_redis_finalize import (
     open_consumer,
     retry_after,
 )
+from trio_redis_finalize._core import _presence as presence
+from trio_redis_finalize._core import _reliable as reliable
 from trio_redis_finalize._core._caps import Capabilities
 from trio_redis_finalize._core._plan import content_origin
 from trio_redis_finalize._transport import Client, open_client
@@ -201,8 +203,8 @@ WORKLOADS = [
     # the heartbeat, the registry, the reaper (a registered dead consumer's
     # entry taken over, the consumer deleted), the deregistration at shutdown
     Workload("stream-reap", "stream",
-             ("SET", "HSET", "XINFO CONSUMERS", "HGETALL", "PTTL", "XPENDING IDLE",
-              "EVALSHA:stream_reap", "EVALSHA:stream_forget"),
+             ("EVALSHA:heartbeat_claim", "EVALSHA:heartbeat_renew", "XINFO CONSUMERS", "HGETALL",
+              "PTTL", "XPENDING IDLE", "EVALSHA:stream_reap", "EVALSHA:stream_forget"),
              _stream(), seed="registered", dead_letter=S_DEAD),
     Workload("stream-reclaim", "stream", ("XAUTOCLAIM", "XCLAIM"),
              _stream(mode=Mode.RECLAIM, min_idle=0.6), seed="dead", dead_letter=S_DEAD),
@@ -252,7 +254,8 @@ WORKLOADS = [
     Workload("list-batch-handler", "list", ("BLMOVE", "LREM", "EVALSHA:list_copy_remove"),
              _rlist(), seed="dead", dead_letter=Q_DEAD, batch=True),
     Workload("list", "list",
-             ("TYPE", "SET", "HSET", "HGETALL", "EXISTS", "LRANGE", "EVALSHA:reliable_list_reap",
+             ("TYPE", "EVALSHA:heartbeat_claim", "EVALSHA:heartbeat_renew", "HGETALL", "EXISTS",
+              "LRANGE", "EVALSHA:reliable_list_reap",
               "EVALSHA:reliable_list_bump", "BLMOVE", "LMOVE", "LREM", "EVALSHA:list_copy_remove"),
              _rlist(), seed="dead", dead_letter=Q_DEAD),
     Workload("list-writes", "list", ("EVALSHA:list_writes", "BLMOVE"),
@@ -269,7 +272,8 @@ WORKLOADS = [
              lambda: ChannelSubscription(CHAN), plans=("ack", "later"), concurrency=1),
 ]
 
-PERIODIC_KINDS = {"SET", "HSET", "HGETALL", "EXISTS", "EVALSHA:reliable_list_reap", "XCLAIM"}
+PERIODIC_KINDS = {"EVALSHA:heartbeat_renew", "HGETALL", "EXISTS", "EVALSHA:reliable_list_reap",
+                  "XCLAIM"}
 """Kinds a periodic task sends (heartbeat, reaper, lease): it meets one error per period."""
 ERRORS = [c for c in TRANSIENT_ERRORS if c != "NOSCRIPT"]
 FAULT_GROUPS = ["lost", "blackhole", "errors"]
@@ -358,7 +362,7 @@ async def _produce(admin: Client, case: Case) -> None:
             await admin.execute("XREADGROUP", "GROUP", G, owner, "COUNT", 1, "STREAMS", S, ">")
             await admin.execute("XCLAIM", S, G, owner, 0, ids[0], "IDLE", 600_000, "JUSTID")
             if w.seed == "registered":  # as the library registers it; no heartbeat key
-                await admin.execute("HSET", "{orders}:consumers:" + G, DEAD_NAME, "1500 plain")
+                await admin.execute("HSET", presence.registry_key(S, G), DEAD_NAME, "1500 plain")
             case.seeded.add(ids[0])
         return
     if w.form == "list":
@@ -373,7 +377,7 @@ async def _produce(admin: Client, case: Case) -> None:
             case.seeded |= {content_origin(own), content_origin(dead)}
             await admin.execute("LPUSH", Q_PROC, own)
             await admin.execute("LPUSH", Q_PROC_DEAD, dead)
-            await admin.execute("HSET", "{jobs}:consumers", DEAD_NAME, Q_PROC_DEAD)
+            await admin.execute("HSET", reliable.registry_key(Q), DEAD_NAME, Q_PROC_DEAD)
         return
     if w.form == "simple":
         for i, plan in enumerate(w.plans):

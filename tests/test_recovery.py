@@ -36,16 +36,17 @@ from trio_redis_finalize import (
     StreamSubscription,
     open_consumer,
 )
+from trio_redis_finalize._core import _presence as presence
 from trio_redis_finalize._core._replies import BusyGroupError
 from trio_redis_finalize._transport import Client
 
 S, G = "orders", "billing"
 NAME = f"stream {S!r} group {G!r}"
-REGISTRY = "{orders}:consumers:billing"
+REGISTRY = presence.registry_key(S, G)
 
 
 def heartbeat_key(consumer: str) -> str:
-    return f"{{orders}}:heartbeat:billing:{consumer}"
+    return presence.heartbeat_key(S, G, consumer)
 
 
 def sub(**kw: Any) -> StreamSubscription:
@@ -197,7 +198,7 @@ def test_sigkill_then_a_restart_with_the_defaults_finishes_every_entry(
     # the dead consumer was deleted once its PEL was empty; the restart
     # deregistered as it stopped: no consumer names pile up
     assert r.xinfo_consumers("jobs", "workers") == []
-    assert r.exists("{jobs}:consumers:workers") == 0
+    assert r.exists(presence.registry_key("jobs", "workers")) == 0
 
 
 # -- the reaper ---------------------------------------------------------------------

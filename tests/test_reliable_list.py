@@ -25,6 +25,7 @@ from trio_redis_finalize import (
     retry_after,
 )
 from trio_redis_finalize._core._plan import content_origin
+from trio_redis_finalize._core._reliable import heartbeat_key, registry_key
 from trio_redis_finalize._envelope import MAGIC, unwrap, wrap
 from trio_redis_finalize._transport import Client, WrongTypeError, open_client
 
@@ -269,7 +270,7 @@ async def test_dead_consumers_processing_list_is_recovered_by_another(
         assert effects(consumer).get("recovered") == 1
     assert [(d.data, d.attempt) for d in h.seen] == [(b"orphan", 2)]
     assert await lrange(client, proc("dies")) == []
-    assert await client.execute("HEXISTS", f"{{{Q}}}:consumers", "dies") == 0
+    assert await client.execute("HEXISTS", registry_key(Q), "dies") == 0
 
 
 async def test_slow_but_alive_consumer_keeps_its_element(redis_url: str, client: Client) -> None:
@@ -330,8 +331,8 @@ async def test_an_ack_that_removed_nothing_is_counted_gate_closed(
 async def test_a_returning_consumer_is_not_reaped(redis_url: str, client: Client) -> None:
     """The reaper's script is gated on the heartbeat key: present -> untouched."""
     await client.execute("RPUSH", proc("back"), b"e")
-    await client.execute("HSET", f"{{{Q}}}:consumers", "back", proc("back"))
-    await client.execute("SET", f"{{{Q}}}:heartbeat:back", "back", "PX", 5000)
+    await client.execute("HSET", registry_key(Q), "back", proc("back"))
+    await client.execute("SET", heartbeat_key(Q, "back"), "back", "PX", 5000)
     h = Recorder(lambda d: ACK)
     async with open_consumer(redis_url, name="reaper") as consumer:
         await consumer.mount(sub(heartbeat=0.2), h)
@@ -347,10 +348,10 @@ async def test_a_clean_stop_deregisters(redis_url: str, client: Client) -> None:
     async with open_consumer(redis_url, name="c1") as consumer:
         await consumer.mount(sub(heartbeat=2), Recorder(lambda d: ACK))
         await eventually(lambda: effects(consumer).get("acked") == 1, what="acked")
-        assert await client.execute("HGET", f"{{{Q}}}:consumers", "c1") == proc("c1").encode()
-        assert await client.execute("EXISTS", f"{{{Q}}}:heartbeat:c1") == 1
-    assert await client.execute("HEXISTS", f"{{{Q}}}:consumers", "c1") == 0
-    assert await client.execute("EXISTS", f"{{{Q}}}:heartbeat:c1") == 0
+        assert await client.execute("HGET", registry_key(Q), "c1") == proc("c1").encode()
+        assert await client.execute("EXISTS", heartbeat_key(Q, "c1")) == 1
+    assert await client.execute("HEXISTS", registry_key(Q), "c1") == 0
+    assert await client.execute("EXISTS", heartbeat_key(Q, "c1")) == 0
 
 
 async def test_a_stop_that_leaves_an_element_keeps_the_registration(
@@ -370,8 +371,8 @@ async def test_a_stop_that_leaves_an_element_keeps_the_registration(
         await consumer.mount(sub(heartbeat=0.5), hang)
         await started.wait()
     assert await lrange(client, proc("c1")) == [b"job"]
-    assert await client.execute("HGET", f"{{{Q}}}:consumers", "c1") == proc("c1").encode()
-    assert int(await client.execute("PTTL", f"{{{Q}}}:heartbeat:c1")) > 5000  # grace + 11 s
+    assert await client.execute("HGET", registry_key(Q), "c1") == proc("c1").encode()
+    assert int(await client.execute("PTTL", heartbeat_key(Q, "c1"))) > 5000  # grace + 11 s
 
 
 # -- max_attempts and the dead letter --------------------------------------------

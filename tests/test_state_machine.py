@@ -69,7 +69,7 @@ from trio_redis_finalize import (
 from trio_redis_finalize._core._batch import batch_singles, is_batched, merge_commands
 from trio_redis_finalize._core._decode import list_delivery
 from trio_redis_finalize._core._plan import Effect, Plan, Target, plan
-from trio_redis_finalize._core._reliable import bumped
+from trio_redis_finalize._core._reliable import bumped, heartbeat_key
 from trio_redis_finalize._core._scripts import (
     LIST_COPY_REMOVE,
     LIST_ZADD_REMOVE,
@@ -125,7 +125,8 @@ class Stub:
         self.name = target.name
         self.target = target
         self.client = client
-        self.consumer = SimpleNamespace(name=consumer, shutdown_grace=0.0)
+        self.consumer = SimpleNamespace(name=consumer, shutdown_grace=0.0, token=f"sm/0/{consumer}")
+        self.takeover = False
         self.in_hand: set[str] = set()
         self.stats = MountStats(subscription=target.name)
         self.concurrency = 1
@@ -695,7 +696,7 @@ class ListMachine(Base):
     async def _flush(self, client: FaultClient) -> None:
         await client.execute("FLUSHALL")
         for c in CONSUMERS:
-            await client.pipeline(self.readers[c]._beat(self.stub(c, client), 3600.0))
+            await client.pipeline([self.readers[c]._beat(self.stub(c, client), 3600.0)])
 
     def target(self, c: str, way: DelayedRetry = DelayedRetry.DURABLE_ZSET) -> Target:
         return _list_sub(way).target(c)
@@ -844,7 +845,7 @@ class ListMachine(Base):
 
         async def go(client: FaultClient) -> None:
             stub = self.stub(c, client)
-            await client.pipeline(reader._beat(stub, 3600.0))
+            await client.pipeline([reader._beat(stub, 3600.0)])
             async with await client.connect() as conn:
                 await reader._rescan(conn, stub)
             got = Counter(d.raw for d in [*stub.got, *(d for d, _ in stub.direct)])
@@ -869,7 +870,7 @@ class ListMachine(Base):
 
         async def go(client: FaultClient) -> int:
             for o in dead:
-                await client.execute("DEL", f"{{{Q}}}:heartbeat:{o}")
+                await client.execute("DEL", heartbeat_key(Q, o))
             return await self.readers[c].reap(self.stub(c, client))
 
         moved = self.run(go)
@@ -922,7 +923,7 @@ class ListMachine(Base):
                 cmds = [cmd for _, later in self.held[c] for cmd in later]
                 if cmds:
                     await client.pipeline(cmds)
-                await client.execute("DEL", f"{{{Q}}}:heartbeat:{c}")
+                await client.execute("DEL", heartbeat_key(Q, c))
             drained: set[str] = set()
 
             async def ack(d: Delivery) -> Outcome:

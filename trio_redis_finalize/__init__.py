@@ -19,6 +19,7 @@ from ._envelope import ORIGIN_FIELD as ORIGIN_FIELD
 from ._envelope import RETRIES_FIELD as RETRIES_FIELD
 from ._errors import AckError as AckError
 from ._errors import AckUnsupported as AckUnsupported
+from ._errors import ConsumerNameInUse as ConsumerNameInUse
 from ._list import ListSubscription as ListSubscription
 from ._outcome import ACK as ACK
 from ._outcome import DROP as DROP
@@ -53,6 +54,7 @@ __all__ = [
     "Client",
     "ConnectionParams",
     "Consumer",
+    "ConsumerNameInUse",
     "DelayedRetry",
     "Delivery",
     "ListSubscription",

@@ -182,7 +182,7 @@ async def _watch_signals(signals: Any, stop: anyio.CancelScope) -> None:
 
 async def _run(url: str, factory: Callable[[Any], Awaitable[None]], spec: str, name: str | None,
                grace: float, metrics_port: int | None, metrics_prefix: str,
-               metrics_host: str = "127.0.0.1") -> int:
+               metrics_host: str = "127.0.0.1", takeover: bool = False) -> int:
     from ._consumer import open_consumer
 
     failure: str | None = None
@@ -193,7 +193,8 @@ async def _run(url: str, factory: Callable[[Any], Awaitable[None]], spec: str, n
             stop = anyio.CancelScope()
             outer.start_soon(_watch_signals, signals, stop)
             with stop:
-                async with open_consumer(url, name=name, shutdown_grace=grace) as consumer:
+                async with open_consumer(url, name=name, shutdown_grace=grace,
+                                         takeover=takeover) as consumer:
                     running = consumer
                     if metrics_port is not None:  # before the factory: serves from the first mount
                         await outer.start(_serve_metrics, consumer, metrics_host, metrics_port,
@@ -250,7 +251,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     factory = load_factory(args.factory)
     code: int = anyio.run(_run, url, factory, args.factory, args.name, args.shutdown_grace,
                           args.metrics_port, args.metrics_prefix, args.metrics_host,
-                          backend=args.backend)
+                          args.takeover, backend=args.backend)
     return code
 
 
@@ -367,7 +368,7 @@ async def inspect_stream(client: Client, key: str, group: str | None) -> dict[st
 async def _consumers(client: Client, key: str, group: str, rows: Sequence[Any]
                      ) -> tuple[list[dict[str, Any]], int]:
     """The group's consumers (``XINFO CONSUMERS`` ``rows``, and those in the
-    library's registry ``{KEY}:consumers:<group>``), each with its heartbeat
+    library's registry ``{KEY}:stream-consumers:<KEY>,<group>``), each with its heartbeat
     (``alive``, ``lapsed``: dead, ``none``: never kept one) and whether its
     pending entries are stranded (no live heartbeat); and how many entries are."""
     reg_key = presence.registry_key(key, group)
@@ -422,7 +423,7 @@ def _glob_escape(text: str) -> str:
 
 
 async def _heartbeat(client: Client, queue: str, owner: str, period: float) -> dict[str, Any]:
-    """The owner's heartbeat key ``{queue}:heartbeat:<owner>`` (a key with a TTL of
+    """The owner's heartbeat key ``{queue}:list-heartbeat:<queue>,<owner>`` (a key with a TTL of
     ``heartbeat`` seconds, renewed every ``heartbeat / 3``): time left, and the
     age of the last beat estimated as ``period`` minus the time left."""
     key = heartbeat_key(queue, owner)
@@ -1034,6 +1035,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default=None,
                    help="consumer name (stable names let a restart recover pending work; "
                         "default: host-pid-random)")
+    p.add_argument("--takeover", action="store_true",
+                   help="mount even when another live process holds this consumer name "
+                        "(default: refused; it would handle the same pending entries)")
     p.add_argument("--shutdown-grace", type=_non_negative, default=10.0, metavar="SECONDS",
                    help="seconds in-flight handlers get to finish on shutdown (default 10)")
     p.add_argument("--backend", default="trio", choices=["trio", "asyncio"],
@@ -1057,7 +1061,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "oldest needed entry, lag, oldest idle pending entry), consumers, the oldest "
                     "entry any group still needs and how many entries below it a trim "
                     "(Retention.TRIM_ACKED) would remove. For a list: length and the "
-                    "processing lists ({KEY}:processing:* and those registered in {KEY}:consumers) "
+                    "processing lists ({KEY}:processing:* and those registered in "
+                    "{KEY}:list-consumers:<KEY>) "
                     "with their owners' heartbeat age. "
                     "For both: the delay set ({KEY}:delayed unless --delay-key) and, with "
                     "--dead-letter, the dead letter's length.",

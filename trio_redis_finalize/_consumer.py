@@ -17,6 +17,7 @@ from ._channel import PubSubReader
 from ._context import BatchHandler, Handler, log, sole
 from ._core._writes import plan_outcome
 from ._delivery import Delivery
+from ._identity import LIVE, new_token
 from ._list import ListReader
 from ._mount import Mount
 from ._outcome import Backoff, Outcome
@@ -49,11 +50,15 @@ class Consumer:
 
     def __init__(
         self, client: Client, name: str, tg: TaskGroup, shutdown_grace: float,
-        *, max_held_copies: int = 10_000,
+        *, max_held_copies: int = 10_000, takeover: bool = False,
     ) -> None:
         self.client = client
         self.name = name
         self.shutdown_grace = shutdown_grace
+        self.takeover = takeover
+        self.token = new_token()
+        """What this consumer's heartbeats hold: one live process per consumer
+        name (``_core._identity``)."""
         self.scheduler = Scheduler(client, max_held_copies)
         self._tg = tg
         self._mounts: list[Mount] = []
@@ -67,6 +72,7 @@ class Consumer:
         concurrency: int = 1,
         on_error: Outcome | Backoff = DEFAULT_BACKOFF,
         batch: bool = False,
+        takeover: bool | None = None,
     ) -> None:
         """Start reading ``subscription``; returns once it is reading.
 
@@ -108,14 +114,30 @@ class Consumer:
                 dropped with a warning).  On simple lists and Pub/Sub, which have
                 nothing to leave pending, a ``Backoff`` logs the error and
                 drops the message.
+            takeover: streams and reliable lists: mount even when another
+                live process holds this consumer name's heartbeat (it
+                handles the same pending entries: stop it).  Default: the
+                consumer's (``open_consumer(takeover=...)``, False).
+
+        One live process per consumer name: a stream or reliable-list mount
+        claims the name's heartbeat key (one script: two processes mounting
+        at once cannot both win) and is refused with
+        :class:`ConsumerNameInUse` while another process's heartbeat is
+        alive.  A process killed without a clean stop leaves its heartbeat
+        for at most the subscription's ``heartbeat`` (30 s by default); then
+        its name mounts again.
 
         The set-up (type checks, group creation, first reads) honours the
         caller's cancellation, and fails within ``MOUNT_TIMEOUT`` (15 s)
         when the server does not answer.
 
         Raises:
-            ValueError: bad ``concurrency`` / ``on_error`` / ``handler``; the
-                same subscription mounted already on this consumer.
+            ValueError: bad ``concurrency`` / ``on_error`` / ``handler`` /
+                ``takeover``; the same subscription mounted already on this
+                consumer.
+            ConsumerNameInUse: another live process holds this consumer
+                name's heartbeat (streams and reliable lists; the message
+                names the key, the process and the heartbeat's age).
             redis.exceptions.ResponseError: the key holds another type (the
                 message names key and type).
             redis.exceptions.TimeoutError: a set-up command got no answer
@@ -132,6 +154,8 @@ class Consumer:
             raise ValueError(f"handler must be an async callable, got {handler!r}")
         if not isinstance(batch, bool):
             raise ValueError(f"batch must be True or False, got {batch!r}")
+        if takeover is not None and not isinstance(takeover, bool):
+            raise ValueError(f"takeover must be True, False or None, got {takeover!r}")
         if batch and getattr(handler, "trf_bind", None) is not None:
             raise ValueError("handler: otel.instrument_handler wraps a handler of one delivery; "
                              "it cannot be mounted with batch=True")
@@ -153,7 +177,8 @@ class Consumer:
                          target.retention, caps, extra={"subscription": target.name})
         reader = _reader_for(subscription)
         mount = Mount(self, self.client, self.scheduler, subscription, handler, reader, target,
-                      concurrency=concurrency, on_error=on_error, batch=batch)
+                      concurrency=concurrency, on_error=on_error, batch=batch,
+                      takeover=self.takeover if takeover is None else takeover)
         # Set-up runs in the caller's cancel scope (a move_on_after around
         # mount() is honoured).  No overall deadline (re-reading a long PEL
         # may take long, at the handlers' pace); every set-up command has its
@@ -265,6 +290,7 @@ async def open_consumer(
     name: str | None = None,
     shutdown_grace: float = 10.0,
     max_held_copies: int = 10_000,
+    takeover: bool = False,
 ) -> AsyncIterator[Consumer]:
     """A consumer whose subscriptions run while the ``async with`` block runs.
 
@@ -275,7 +301,8 @@ async def open_consumer(
             :class:`Client` of :func:`open_client` to share.
         name: the consumer name in stream groups and processing-list keys;
             give a stable one so a restart recovers this consumer's pending
-            work.  Default: unique per process.
+            work.  Default: unique per process.  One live process per name:
+            a second one is refused at mount (``ConsumerNameInUse``).
         shutdown_grace: seconds in-flight handlers get to finish on exit.
         max_held_copies: how many runtime ``retry_after`` copies may wait in
             process memory at once (all subscriptions together; shown per
@@ -283,6 +310,8 @@ async def open_consumer(
             held, a new delayed retry is written at once, with a warning,
             instead of growing memory.  ``0`` writes every runtime delayed
             retry at once.
+        takeover: mount streams and reliable lists even when another live
+            process holds this consumer name (``Consumer.mount``).
 
     Leaving the block (normally, by an exception or by cancellation) stops
     reading, lets in-flight handlers finish within ``shutdown_grace``,
@@ -302,6 +331,8 @@ async def open_consumer(
         raise ValueError(f"name must be a non-empty string, got {name!r}")
     if isinstance(max_held_copies, bool) or not isinstance(max_held_copies, int) or max_held_copies < 0:
         raise ValueError(f"max_held_copies must be an int >= 0, got {max_held_copies!r}")
+    if not isinstance(takeover, bool):
+        raise ValueError(f"takeover must be True or False, got {takeover!r}")
     consumer_name = name or _default_name()
     async with AsyncExitStack() as stack:
         if isinstance(url_or_client, Client):
@@ -316,7 +347,8 @@ async def open_consumer(
         try:
             async with anyio.create_task_group() as tg:
                 consumer = Consumer(
-                    client, consumer_name, tg, float(shutdown_grace), max_held_copies=max_held_copies
+                    client, consumer_name, tg, float(shutdown_grace), max_held_copies=max_held_copies,
+                    takeover=takeover,
                 )
                 sched = consumer.scheduler
                 sched_scope = anyio.CancelScope(shield=True)
@@ -338,4 +370,5 @@ async def open_consumer(
         finally:  # the scheduler has stopped: what it still holds is counted and logged
             if sched is not None:
                 sched.abandon()
+                LIVE.discard(consumer.token)  # closed: a restart in this process may take it
 

@@ -84,6 +84,11 @@ class ConsumerInfo(Protocol):
     @property
     def shutdown_grace(self) -> float: ...
 
+    @property
+    def token(self) -> str:
+        """This process's token in the heartbeats it holds (``_core._identity``)."""
+        ...
+
 
 class Context(Protocol):
     """What a reader needs of the mounted subscription it reads for.
@@ -92,7 +97,8 @@ class Context(Protocol):
     subscription), ``client`` (the pool: set-up and side commands; the
     reader's blocking reads go on a connection of its own), ``consumer``
     (its name and ``shutdown_grace``), ``in_hand`` (stream ids read and not
-    finalized yet), ``stats``; and the hand-over calls.
+    finalized yet), ``stats``, ``takeover`` (take the consumer name over
+    from another live process, ``_core._identity``); and the hand-over calls.
     """
 
     name: str
@@ -101,6 +107,7 @@ class Context(Protocol):
     consumer: ConsumerInfo
     in_hand: set[str]
     stats: MountStats
+    takeover: bool
 
     async def deliver(self, deliveries: Sequence[Delivery]) -> None:
         """Hand deliveries to the handlers (waits while they are busy; all or nothing)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["AckError", "AckUnsupported"]
+__all__ = ["AckError", "AckUnsupported", "ConsumerNameInUse"]
 
 
 class AckError(Exception):
@@ -15,4 +15,15 @@ class AckUnsupported(AckError):
     Simple lists and Pub/Sub have nothing to acknowledge: ACK, RETRY and DROP
     are refused there (``retry_after`` works through a runtime copy).  A
     pattern subscription without ``retry_channel`` refuses ``retry_after``.
+    """
+
+
+class ConsumerNameInUse(RuntimeError):
+    """Another live process holds the heartbeat of this consumer name.
+
+    Two processes with one consumer name re-read one pending-entries list
+    (or processing list) and handle each other's deliveries twice: the
+    second is refused at mount.  Pass ``takeover=True`` (``open_consumer``
+    or ``Consumer.mount``; ``run --takeover``) to take the name over
+    deliberately.
     """

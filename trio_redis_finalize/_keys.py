@@ -9,13 +9,18 @@ wrapped in a tag that covers the whole key; its derived name is the key, the
 suffix (braces replaced by parentheses) and a short ``~<hex>`` counter chosen
 so that the name hashes to the key's slot (``a}b:delayed~1c2f``); so is the
 derived name of the empty key.
+
+:func:`named` gives the keys the library keeps about its consumers (heartbeats,
+registries) names that are one-to-one with what they describe: ``derived``
+alone is not (``a`` + ``:b:c`` and ``a:b`` + ``:c``; a source ``s`` and a
+source ``{s}``).
 """
 
 from __future__ import annotations
 
 from redis.crc import key_slot
 
-__all__ = ["derived", "has_hash_tag", "same_slot", "slot"]
+__all__ = ["derived", "escape", "has_hash_tag", "named", "same_slot", "slot"]
 
 
 def has_hash_tag(key: str) -> bool:
@@ -48,6 +53,32 @@ def derived(key: str, suffix: str) -> str:
         if slot(candidate) == want:
             return candidate
         n += 1
+
+
+_ESCAPED = {c: f"%{ord(c):02X}" for c in "%:,{}~"}
+
+
+def escape(part: str) -> str:
+    """``part`` with ``%``, ``:``, ``,``, braces and ``~`` percent-escaped
+    (``%25``, ``%3A``, ``%2C``, ``%7B``, ``%7D``, ``%7E``): one-to-one, and
+    none of those characters left."""
+    return "".join(_ESCAPED.get(c, c) for c in part)
+
+
+def named(source: str, kind: str, *parts: str) -> str:
+    """The key of ``kind`` about ``source`` and ``parts``, in ``source``'s slot:
+    ``derived(source, ":<kind>:<source>,<part>,...")``, each name escaped
+    (:func:`escape`): ``named("orders", "stream-heartbeat", "billing", "w1")``
+    is ``{orders}:stream-heartbeat:orders,billing,w1``.
+
+    One-to-one in (``kind``, ``source``, ``parts``) for kinds made of
+    letters and ``-``: the name ends with ``:<kind>:<escaped names>``
+    (``derived``'s ``~<hex>`` after it, for a source it cannot tag), the
+    escaped names have no ``:``, ``,`` or ``~``, so the last two fields read
+    back as the kind and the names, the source among them; and what is before
+    them is ``derived``'s prefix of that source.
+    """
+    return derived(source, f":{kind}:" + ",".join(escape(p) for p in (source, *parts)))
 
 
 def slot(key: str | bytes) -> int:

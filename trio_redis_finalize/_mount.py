@@ -143,8 +143,10 @@ class Mount:
         concurrency: int,
         on_error: Outcome | Backoff,
         batch: bool = False,
+        takeover: bool = False,
     ) -> None:
         self.consumer = consumer
+        self.takeover = takeover
         self.client = client
         self.scheduler = scheduler
         self.subscription = subscription

@@ -7,7 +7,9 @@ and keeps the times:
 
 * **heartbeat** (a task beside the reader): ``SET`` the heartbeat key with a
   TTL of ``heartbeat`` seconds and ``HSET`` the registration, at set-up (before
-  the first read) and every ``heartbeat / 3``; the last one, as the reader
+  the first read: the claim of the consumer name, refused while another live
+  process holds it, see ``_core._identity``) and every ``heartbeat / 3``
+  (only while the key is this process's); the last one, as the reader
   stops, lives until the shutdown's handlers and finalizer must have ended
   (``_shutdown.Budget.heartbeat_ttl``), so nobody takes over what they still
   finish;
@@ -33,13 +35,17 @@ from redis import exceptions as rexc
 from ._context import FINALIZE_TIMEOUT, Context, log
 from ._core._commands import Command
 from ._core._decode import Entry
+from ._core._identity import heartbeat_value
 from ._core._presence import (
     FORGET,
     REAP,
     Survey,
     beat,
+    claim_name,
     consumer_rows,
     heartbeat_key,
+    legacy_heartbeat_key,
+    legacy_registry_key,
     parse_reap,
     peers,
     registry,
@@ -48,6 +54,7 @@ from ._core._presence import (
     warnings,
 )
 from ._core._replies import FINAL, classify, error_code
+from ._identity import NameHold
 from ._shutdown import CLOSING_TIMEOUT, Budget
 
 if TYPE_CHECKING:
@@ -86,15 +93,29 @@ class StreamPresence:
         self._adopt = adopt
         self._next = 0.0  # the next look (0: at once; the first is at mount)
         self._warned: set[str] = set()
+        self._legacy: set[str] = set()  # consumers registered under the old naming only
+        self._hold = NameHold()
         self.more = False
         """A look left entries it can take at once (the next read should not block)."""
 
-    def _beat(self, ctx: Context, ttl: float) -> list[Command]:
-        return beat(self.stream, self.group, ctx.consumer.name, self.heartbeat, self.mode, ttl)
+    def _beat(self, ctx: Context, ttl: float) -> Command:
+        return beat(self.stream, self.group, ctx.consumer.name, ctx.consumer.token, self.heartbeat,
+                    self.mode, ttl)
 
     async def register(self, ctx: Context) -> None:
-        """The first heartbeat (set-up: before the first read)."""
-        await ctx.client.pipeline(self._beat(ctx, self.heartbeat), timeout=FINALIZE_TIMEOUT)
+        """The first heartbeat (set-up: before the first read): the claim of
+        the consumer name.
+
+        Raises:
+            ConsumerNameInUse: another live process holds this consumer's
+                heartbeat (and the mount is no ``takeover``).
+        """
+        me = ctx.consumer.name
+        await self._hold.claim(
+            ctx, lambda takeover: claim_name(self.stream, self.group, me, ctx.consumer.token,
+                                             self.heartbeat, self.mode, takeover),
+            heartbeat_key(self.stream, self.group, me),
+            legacy_heartbeat_key(self.stream, self.group, me), FINALIZE_TIMEOUT)
 
     async def beats(self, ctx: Context) -> None:
         """Renew the heartbeat every ``heartbeat / 3`` (a task beside the reader)."""
@@ -102,7 +123,7 @@ class StreamPresence:
         while True:
             await anyio.sleep(every)
             try:
-                await ctx.client.pipeline(self._beat(ctx, self.heartbeat), timeout=FINALIZE_TIMEOUT)
+                await self._hold.renew(ctx, self._beat(ctx, self.heartbeat), FINALIZE_TIMEOUT)
             except (rexc.RedisError, OSError) as e:
                 log.warning("%s: heartbeat failed (%s); after %g s without one other consumers "
                             "take over this consumer's pending entries idle that long (those "
@@ -113,7 +134,7 @@ class StreamPresence:
         """The heartbeat as the reader stops: it lives until the handlers and
         the finalizer must have ended (``_shutdown.Budget``)."""
         ttl = max(self.heartbeat, Budget.heartbeat_ttl(ctx.consumer.shutdown_grace))
-        await ctx.client.pipeline(self._beat(ctx, ttl), timeout=CLOSING_TIMEOUT)
+        await self._hold.renew(ctx, self._beat(ctx, ttl), CLOSING_TIMEOUT)
 
     # -- the reaper ---------------------------------------------------------------
     def due(self) -> bool:
@@ -148,11 +169,16 @@ class StreamPresence:
         """
         client = ctx.client
         me = ctx.consumer.name
-        rows, flat = await client.pipeline(
-            [("XINFO", "CONSUMERS", self.stream, self.group), ("HGETALL", self._registry)],
+        rows, flat, old = await client.pipeline(
+            [("XINFO", "CONSUMERS", self.stream, self.group), ("HGETALL", self._registry),
+             ("HGETALL", legacy_registry_key(self.stream, self.group))],
             timeout=FINALIZE_TIMEOUT,
         )
         registered = registry(flat)
+        # consumers of an earlier version (the old key naming): their own keys
+        legacy = {n: r for n, r in registry(old).items() if n not in registered}
+        self._legacy = set(legacy)
+        registered.update(legacy)
         others = [n for n in registered if n != me]
         ttls: dict[str, int] = {}
         if others:
@@ -178,7 +204,8 @@ class StreamPresence:
                 ids = [row[0] for row in candidates]
                 self._claiming(ids)  # a reply lost now may leave them in the own PEL unseen
             got = parse_reap(await client.evalsha(
-                REAP, (self.stream, self._heartbeat_of(r.peer.name), self._registry),
+                REAP, (self.stream, self._heartbeat_of(r.peer.name),
+                       self._registry_of(r.peer.name)),
                 r.args(self.group, me, ids), timeout=FINALIZE_TIMEOUT,
             ))
             if got is None:  # its heartbeat came back: nothing taken
@@ -215,8 +242,9 @@ class StreamPresence:
         heartbeat lapses, then a live consumer takes over)."""
         me = ctx.consumer.name
         done = await ctx.client.evalsha(
-            FORGET, (self.stream, self._heartbeat_of(me), self._registry),
-            (self.group, me), timeout=CLOSING_TIMEOUT,
+            FORGET, (self.stream, heartbeat_key(self.stream, self.group, me), self._registry),
+            (self.group, me, heartbeat_value(ctx.consumer.token, self.heartbeat)),
+            timeout=CLOSING_TIMEOUT,
         )
         if done:
             log.debug("%s: deregistered consumer %r (nothing pending for it)", ctx.name, me,
@@ -231,5 +259,12 @@ class StreamPresence:
     def _registry(self) -> str:
         return registry_key(self.stream, self.group)
 
+    def _registry_of(self, consumer: str) -> str:
+        if consumer in self._legacy:
+            return legacy_registry_key(self.stream, self.group)
+        return self._registry
+
     def _heartbeat_of(self, consumer: str) -> str:
+        if consumer in self._legacy:
+            return legacy_heartbeat_key(self.stream, self.group, consumer)
         return heartbeat_key(self.stream, self.group, consumer)

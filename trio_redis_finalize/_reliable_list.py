@@ -24,6 +24,7 @@ from ._context import (
 from ._core._commands import Command
 from ._core._decode import list_deliveries, list_delivery
 from ._core._finalize import Gates
+from ._core._identity import claim, heartbeat_value, renew
 from ._core._list_gates import ListGates
 from ._core._plan import Effect, Plan, Target
 from ._core._presence import HEARTBEAT_FLOOR
@@ -36,6 +37,8 @@ from ._core._reliable import (
     dec,
     doubtful,
     heartbeat_key,
+    legacy_heartbeat_key,
+    legacy_registry_key,
     receipts_key,
     registry_key,
     stranded,
@@ -43,6 +46,7 @@ from ._core._reliable import (
 from ._core._scripts import MOVE_DUE_TO_LIST
 from ._delay_set import move_due
 from ._delivery import Delivery
+from ._identity import NameHold
 from ._keys import derived, same_slot
 from ._read_loop import Pending, check_type, reader_connection
 from ._shutdown import CLOSING_TIMEOUT, Budget, cleanup
@@ -241,6 +245,7 @@ class ReliableListReader:
         self._previous = 0  # elements the previous turn handed over
         self._blmove: Command = ()
         self._lmove: Command = ()
+        self._name_hold = NameHold()  # this consumer name's heartbeat (_identity)
 
     @property
     def pending(self) -> Pending:
@@ -439,21 +444,20 @@ class ReliableListReader:
         await self._built(ctx, built)
 
     # -- heartbeat and reaper -----------------------------------------------------
-    def _beat(self, ctx: Context, ttl: float) -> list[Command]:
+    def _beat(self, ctx: Context, ttl: float) -> Command:
+        """A heartbeat, only while the key is this process's (``_core._identity``)."""
         sub = self.sub
         me = ctx.consumer.name
-        return [
-            ("SET", heartbeat_key(sub.queue, me), me, "PX", max(1, round(ttl * 1000))),
-            ("HSET", registry_key(sub.queue), me, ctx.target.processing),
-        ]
+        return renew(heartbeat_key(sub.queue, me), registry_key(sub.queue),
+                     heartbeat_value(ctx.consumer.token, sub.heartbeat), ttl, me,
+                     ctx.target.processing)
 
     async def _heartbeat(self, ctx: Context) -> None:
         every = self.sub.heartbeat / 3
         while True:
             await anyio.sleep(every)
             try:
-                await ctx.client.pipeline(self._beat(ctx, self.sub.heartbeat),
-                                            timeout=FINALIZE_TIMEOUT)
+                await self._name_hold.renew(ctx, self._beat(ctx, self.sub.heartbeat), FINALIZE_TIMEOUT)
             except (rexc.ConnectionError, rexc.TimeoutError, rexc.ResponseError, OSError) as e:
                 log.warning("%s: heartbeat failed (%s); other consumers may take over this "
                             "consumer's processing list after %.1f s without one",
@@ -473,25 +477,39 @@ class ReliableListReader:
         sub = self.sub
         client = ctx.client
         me = ctx.consumer.name.encode()
-        flat = await client.execute("HGETALL", registry_key(sub.queue), timeout=FINALIZE_TIMEOUT)
-        others = [(n, p) for n, p in zip(flat[::2], flat[1::2], strict=True) if n != me]
+        flat, old = await client.pipeline(
+            [("HGETALL", registry_key(sub.queue)), ("HGETALL", legacy_registry_key(sub.queue))],
+            timeout=FINALIZE_TIMEOUT)
+        found = dict(zip(flat[::2], flat[1::2], strict=True))
+        # consumers of an earlier version (the old key naming): their own keys
+        legacy = {n: p for n, p in zip(old[::2], old[1::2], strict=True) if n not in found}
+        others = [(n, p, False) for n, p in found.items() if n != me]
+        others += [(n, p, True) for n, p in legacy.items() if n != me]
         if not others:
             return 0
         alive = await client.pipeline(
-            [("EXISTS", heartbeat_key(sub.queue, n.decode())) for n, _ in others],
+            [("EXISTS", self._keys_of(n.decode(), old_naming)[0]) for n, _, old_naming in others],
             timeout=FINALIZE_TIMEOUT,
         )
         moved = 0
-        for (name, proc), live in zip(others, alive, strict=True):
+        for (name, proc, old_naming), live in zip(others, alive, strict=True):
             if live:
                 continue
-            moved += await self._reap_one(ctx, name.decode(), proc.decode())
+            moved += await self._reap_one(ctx, name.decode(), proc.decode(), old_naming)
         return moved
 
-    async def _reap_one(self, ctx: Context, name: str, processing: str) -> int:
+    def _keys_of(self, name: str, old_naming: bool) -> tuple[str, str]:
+        """A consumer's heartbeat key and registry, in the naming it registered with."""
+        q = self.sub.queue
+        if old_naming:
+            return legacy_heartbeat_key(q, name), legacy_registry_key(q)
+        return heartbeat_key(q, name), registry_key(q)
+
+    async def _reap_one(self, ctx: Context, name: str, processing: str,
+                        old_naming: bool = False) -> int:
         sub = self.sub
         client = ctx.client
-        keys = (processing, sub.queue, heartbeat_key(sub.queue, name), registry_key(sub.queue))
+        keys = (processing, sub.queue, *self._keys_of(name, old_naming))
         total = 0
         for _ in range(_REAP_ROUNDS):
             page: list[bytes] = await client.execute("LRANGE", processing, 0, _REAP_PAGE - 1,
@@ -543,7 +561,13 @@ class ReliableListReader:
             await check_type(client, t.dead_letter, "list", sub.name)
         if t.delayed_retry is DelayedRetry.DURABLE_ZSET:
             await check_type(client, t.delay_key, "zset", sub.name)
-        await client.pipeline(self._beat(ctx, sub.heartbeat))
+        me = ctx.consumer.name
+        keys = (heartbeat_key(sub.queue, me), registry_key(sub.queue),
+                legacy_heartbeat_key(sub.queue, me), legacy_registry_key(sub.queue))
+        value = heartbeat_value(ctx.consumer.token, sub.heartbeat)
+        await self._name_hold.claim(  # the first heartbeat: the claim of the consumer name
+            ctx, lambda takeover: claim(keys, value, sub.heartbeat, takeover, me, t.processing),
+            heartbeat_key(sub.queue, me), legacy_heartbeat_key(sub.queue, me), FINALIZE_TIMEOUT)
         self._blmove = ("BLMOVE", sub.queue, t.processing, "RIGHT", "LEFT")
         self._lmove = ("LMOVE", sub.queue, t.processing, "RIGHT", "LEFT")
 
@@ -610,7 +634,7 @@ class ReliableListReader:
         """The last heartbeat: the handlers and the finalizer may still finish what
         they hold, so it lasts until they must have ended (``_shutdown.Budget``)."""
         ttl = max(self.sub.heartbeat, Budget.heartbeat_ttl(ctx.consumer.shutdown_grace))
-        await ctx.client.pipeline(self._beat(ctx, ttl), timeout=CLOSING_TIMEOUT)
+        await self._name_hold.renew(ctx, self._beat(ctx, ttl), CLOSING_TIMEOUT)
 
     async def closed(self, ctx: Context) -> None:
         """After the shutdown: deregister (heartbeat key, registry entry) when the
@@ -619,9 +643,10 @@ class ReliableListReader:
         sub = self.sub
         me = ctx.consumer.name
         keys = (ctx.target.processing, heartbeat_key(sub.queue, me), registry_key(sub.queue))
+        value = heartbeat_value(ctx.consumer.token, sub.heartbeat)
         # with the receipts of its delayed copies: the scheduler has stopped, none is sent again
         _, forgot = await ctx.client.pipeline(
-            [("DEL", receipts_key(ctx.target.processing)), FORGET.command(keys, (me,))],
+            [("DEL", receipts_key(ctx.target.processing)), FORGET.command(keys, (me, value))],
             timeout=CLOSING_TIMEOUT)
         if forgot:
             log.debug("%s: deregistered consumer %r (processing list empty)", ctx.name, me,

@@ -108,9 +108,9 @@ class StreamSubscription(Subscription):
         heartbeat: seconds after which a consumer of the group that stopped
             without a clean shutdown (a crash, SIGKILL) counts as dead (at
             least 0.01).  Each mount keeps a heartbeat key
-            ``{stream}:heartbeat:<group>:<consumer>`` with this TTL, renewed
-            every ``heartbeat / 3``, and registers in
-            ``{stream}:consumers:<group>``.  In PLAIN and RECLAIM mode a live
+            ``{stream}:stream-heartbeat:<stream>,<group>,<consumer>`` with
+            this TTL, renewed every ``heartbeat / 3``, and registers in
+            ``{stream}:stream-consumers:<stream>,<group>``.  In PLAIN and RECLAIM mode a live
             consumer takes over a dead consumer's pending entries once they
             have been idle ``heartbeat`` (entries being handled have their
             lease renewed every ``heartbeat / 3``, so a live consumer whose

@@ -1,8 +1,9 @@
 """What the server can do beyond Redis 6.2, as a value (sans-IO).
 
 The transport asks every connection it opens, in the handshake's round trip,
-``COMMAND INFO`` of the commands that may be missing and ``COMMAND DOCS`` of
-the commands whose options may be missing (:data:`DETECT`), and turns the
+``COMMAND INFO`` of the commands that may be missing, ``COMMAND DOCS`` of
+the commands whose options may be missing and ``HELLO 2`` (the server's name
+and version; the connection stays RESP2) (:data:`DETECT`), and turns the
 replies into :class:`Capabilities` with :func:`parse` -- once per connection.
 A mount resolves its :class:`~._plan.Target` with the capabilities the client
 reports at that moment; from there the plans choose the native commands or
@@ -11,9 +12,16 @@ today's scripts, the fallback (Redis 6.2, 7.0, Valkey 9.1).
 One flag per capability, and one place in the core that consumes each (the
 ``Target`` properties named below; the later ones are detected, not used yet):
 
-``xackdel`` (Redis 8.2): ``XACKDEL key group ACKED IDS n id ...``
+``xackdel`` (Redis 8.2.3): ``XACKDEL key group ACKED IDS n id ...``
     Consumed by ``Target.xackdel``: it replaces the XACK + XDEL of
     ``Retention.DELETE_ON_FINALIZE`` (plans, gated and batched scripts).
+    Redis 8.2.0 to 8.2.2 have the command with a stack overflow in it
+    (CVE-2025-62507, fixed in 8.2.3): on Redis the flag needs the command
+    *and* a version 8.2.3 or later (:data:`XACKDEL_SAFE`); an unknown
+    version (``HELLO`` refused) leaves it unset.  Valkey has no XACKDEL in
+    9.1 (it comes with a later release, an implementation of its own that
+    the Redis CVE does not concern): there the command's presence is
+    enough.
 ``acked_trim`` (Redis 8.2): the ``ACKED`` option of ``XADD`` and ``XTRIM``
     Consumed by ``Target.acked``: ``_retention.TRIM_ACKED_NATIVE`` for the
     retention trim (``XTRIM ... = id ACKED``).  Not by the ``*_maxlen`` caps:
@@ -42,12 +50,14 @@ never taken for a server that lost a capability.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 from typing import Any
 
 from ._commands import Command
 
-__all__ = ["DETECT", "NO_CAPABILITIES", "Capabilities", "parse", "tokens"]
+__all__ = ["DETECT", "NO_CAPABILITIES", "XACKDEL_SAFE", "Capabilities", "parse", "server_version",
+           "tokens"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -98,12 +108,48 @@ _DOCUMENTED = ("XADD", "XTRIM", "XREADGROUP")
 DETECT: tuple[Command, ...] = (
     ("COMMAND", "INFO", *_COMMANDS),
     ("COMMAND", "DOCS", *_DOCUMENTED),
+    ("HELLO", "2"),
 )
 """The detection commands; their replies, in order, go to :func:`parse`."""
 
 
+XACKDEL_SAFE = (8, 2, 3)
+"""The first Redis version whose XACKDEL the library uses (CVE-2025-62507 in 8.2.0-8.2.2)."""
+
+_VERSION = re.compile(r"(\d+)\.(\d+)\.(\d+)")
+
+
 def _text(value: Any) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def server_version(hello: Any) -> tuple[str, tuple[int, int, int]] | None:
+    """The server's name (``redis``, ``valkey``) and version from a ``HELLO``
+    reply (RESP2: a flat list of names and values); None when refused or
+    unreadable."""
+    if not isinstance(hello, list):
+        return None
+    fields = {_text(k).lower(): v for k, v in zip(hello[::2], hello[1::2], strict=False)
+              if not isinstance(k, list | dict)}
+    version = fields.get("version")
+    if not isinstance(version, bytes | str):
+        return None
+    m = _VERSION.match(_text(version))
+    if m is None:
+        return None
+    name = fields.get("server")
+    return (_text(name).lower() if isinstance(name, bytes | str) else "",
+            (int(m[1]), int(m[2]), int(m[3])))
+
+
+def _xackdel_safe(hello: Any) -> bool:
+    """XACKDEL may be used on this server (it has the command): Redis 8.2.3 or
+    later, or a server that is not Redis (Valkey's XACKDEL is its own)."""
+    found = server_version(hello)
+    if found is None:
+        return False
+    name, version = found
+    return name not in ("", "redis") or version >= XACKDEL_SAFE
 
 
 def tokens(doc: Any) -> set[str]:
@@ -137,16 +183,17 @@ def parse(replies: Sequence[Any]) -> Capabilities | None:
     """:class:`Capabilities` from the replies to :data:`DETECT`, in order
     (error replies as exception values); ``None`` when ``COMMAND INFO`` was
     refused (unknown).  ``COMMAND DOCS`` refused (Redis 6.2 has none) leaves
-    the options out."""
+    the options out; ``HELLO`` refused leaves ``xackdel`` out (the version
+    that makes it safe is unknown)."""
     if len(replies) != len(DETECT):
         raise ValueError(f"parse(): {len(replies)} replies to {len(DETECT)} detection commands")
-    info, docs = replies
+    info, docs, hello = replies
     if not isinstance(info, list) or len(info) != len(_COMMANDS):
         return None
     has = {name: bool(row) for name, row in zip(_COMMANDS, info, strict=True)}
     options = _docs(docs) if not isinstance(docs, Exception) else {}
     return Capabilities(
-        xackdel=has["XACKDEL"],
+        xackdel=has["XACKDEL"] and _xackdel_safe(hello),
         acked_trim="ACKED" in options.get("XTRIM", set()) and "ACKED" in options.get("XADD", set()),
         claim_read="CLAIM" in options.get("XREADGROUP", set()),
         idmp="IDMP" in options.get("XADD", set()),

@@ -3,13 +3,24 @@ the reaper's script and what a look at the group decides.
 
 A stream mount keeps two keys beside its stream (in its hash slot):
 
-* ``{stream}:consumers:<group>`` (:func:`registry_key`): a hash, consumer
-  name -> its registration (``"<heartbeat ms> <mode>"``,
+* ``{stream}:stream-consumers:<stream>,<group>`` (:func:`registry_key`): a
+  hash, consumer name -> its registration (``"<heartbeat ms> <mode>"``,
   :func:`registration`); every live consumer of the library registers itself
   there with each heartbeat;
-* ``{stream}:heartbeat:<group>:<consumer>`` (:func:`heartbeat_key`): a key
-  with a TTL of ``heartbeat`` seconds, renewed every ``heartbeat / 3``
-  while the consumer runs (:func:`beat`).
+* ``{stream}:stream-heartbeat:<stream>,<group>,<consumer>``
+  (:func:`heartbeat_key`): a key with a TTL of ``heartbeat`` seconds,
+  renewed every ``heartbeat / 3`` while the consumer runs (:func:`beat`);
+  it holds the owning process's token, claimed at mount: one live process
+  per consumer name (``_identity``).
+
+Each name is escaped (``_keys.named``), so that no two (stream, group,
+consumer) share a key.  The naming before (``{stream}:consumers:<group>``,
+``{stream}:heartbeat:<group>:<consumer>``: :func:`legacy_registry_key`,
+:func:`legacy_heartbeat_key`) is still read: a look takes over a dead
+consumer registered there (an earlier version's), and a claim at mount is
+refused while this name's old heartbeat key is alive.  Old heartbeat keys
+expire with their TTL; an old registry is emptied as its consumers are
+reaped or mount again under the new naming.
 
 A look at the group (:func:`survey`: ``XINFO CONSUMERS``, the registry, the
 ``PTTL`` of each registered consumer's heartbeat key) sorts its consumers:
@@ -44,16 +55,18 @@ import logging
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-from .._keys import derived
+from .._keys import derived, named
 from .._subscription import Mode
 from ._commands import Command, Script
 from ._decode import Entry
 from ._finalize import Record
+from ._identity import claim, heartbeat_value, renew
 
 __all__ = [
     "FORGET", "HEARTBEAT_FLOOR", "REAP", "Heartbeat", "Peer", "Reap", "Reaped", "Registration",
-    "Survey", "beat", "consumer_rows", "heartbeat_key", "lease_every", "parse_reap", "peers",
-    "registration", "registration_value", "registry", "registry_key", "survey", "warnings",
+    "Survey", "beat", "claim_name", "consumer_rows", "heartbeat_key", "lease_every", "legacy_heartbeat_key",
+    "legacy_registry_key", "parse_reap", "peers", "registration", "registration_value", "registry",
+    "registry_key", "survey", "warnings",
 ]
 
 HEARTBEAT_FLOOR = 0.01
@@ -63,12 +76,24 @@ HEARTBEAT_FLOOR = 0.01
 @functools.lru_cache(maxsize=4096)
 def registry_key(stream: str, group: str) -> str:
     """The hash of the library's consumers of ``group`` (name -> registration)."""
-    return derived(stream, f":consumers:{group}")
+    return named(stream, "stream-consumers", group)
 
 
 @functools.lru_cache(maxsize=4096)
 def heartbeat_key(stream: str, group: str, consumer: str) -> str:
     """The key whose TTL says ``consumer`` of ``group`` is alive."""
+    return named(stream, "stream-heartbeat", group, consumer)
+
+
+@functools.lru_cache(maxsize=4096)
+def legacy_registry_key(stream: str, group: str) -> str:
+    """:func:`registry_key` of the naming before (not one-to-one; read only)."""
+    return derived(stream, f":consumers:{group}")
+
+
+@functools.lru_cache(maxsize=4096)
+def legacy_heartbeat_key(stream: str, group: str, consumer: str) -> str:
+    """:func:`heartbeat_key` of the naming before (not one-to-one; read only)."""
     return derived(stream, f":heartbeat:{group}:{consumer}")
 
 
@@ -114,13 +139,24 @@ def registration(value: bytes | str) -> Registration:
     return Registration(hb, m)
 
 
-def beat(stream: str, group: str, consumer: str, heartbeat: float, mode: Mode,
-         ttl: float) -> list[Command]:
-    """A heartbeat: the key with a TTL of ``ttl`` seconds, and the registration."""
-    return [
-        ("SET", heartbeat_key(stream, group, consumer), consumer, "PX", max(1, round(ttl * 1000))),
-        ("HSET", registry_key(stream, group), consumer, registration_value(heartbeat, mode)),
-    ]
+def beat(stream: str, group: str, consumer: str, token: str, heartbeat: float, mode: Mode,
+         ttl: float) -> Command:
+    """A heartbeat: the key with a TTL of ``ttl`` seconds, and the
+    registration; only while the key is this process's (``token``) or absent
+    (:data:`~._identity.RENEW`)."""
+    return renew(heartbeat_key(stream, group, consumer), registry_key(stream, group),
+                 heartbeat_value(token, heartbeat), ttl, consumer,
+                 registration_value(heartbeat, mode))
+
+
+def claim_name(stream: str, group: str, consumer: str, token: str, heartbeat: float, mode: Mode,
+               takeover: bool | str) -> Command:
+    """The first heartbeat, at mount: the claim of the consumer name
+    (:data:`~._identity.CLAIM`)."""
+    return claim((heartbeat_key(stream, group, consumer), registry_key(stream, group),
+                  legacy_heartbeat_key(stream, group, consumer), legacy_registry_key(stream, group)),
+                 heartbeat_value(token, heartbeat), heartbeat, takeover, consumer,
+                 registration_value(heartbeat, mode))
 
 
 # KEYS: stream, the dead consumer's heartbeat key, registry.
@@ -170,13 +206,16 @@ return {taken, gone, wait, 0}
     name="stream_reap",
 )
 
-# KEYS: stream, own heartbeat key, registry.  ARGV: group, consumer.
+# KEYS: stream, own heartbeat key, registry.  ARGV: group, consumer, heartbeat value.
 # A cleanly stopped consumer deregisters itself -- its heartbeat key, its
 # registration, the consumer in the group -- only when nothing is pending for
 # it (XGROUP DELCONSUMER would drop its pending entries); 0 otherwise.  A
-# group that is gone leaves nothing to delete in it.
+# group that is gone leaves nothing to delete in it.  Nothing either when
+# another process holds the heartbeat (it took the name over).
 FORGET = Script(
     """
+local hb = redis.call('GET', KEYS[2])
+if hb and hb ~= ARGV[3] then return 0 end
 local ok, p = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2])
 if ok and #p > 0 then return 0 end
 if ok then redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2]) end

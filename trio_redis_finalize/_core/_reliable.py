@@ -3,12 +3,22 @@ retry-counter bumps and the multiset counting of identical elements.
 
 Keys beside the queue (all in the queue's hash slot):
 
-* ``{queue}:consumers`` (:func:`registry_key`): a hash, consumer name -> its
-  processing list; every live consumer (re)registers itself there with each
-  heartbeat;
-* ``{queue}:heartbeat:<consumer>`` (:func:`heartbeat_key`): a key with a TTL
-  of ``heartbeat`` seconds, renewed every ``heartbeat / 3`` seconds while the
-  consumer runs.
+* ``{queue}:list-consumers:<queue>`` (:func:`registry_key`): a hash,
+  consumer name -> its processing list; every live consumer (re)registers
+  itself there with each heartbeat;
+* ``{queue}:list-heartbeat:<queue>,<consumer>`` (:func:`heartbeat_key`): a
+  key with a TTL of ``heartbeat`` seconds, renewed every ``heartbeat / 3``
+  seconds while the consumer runs; it holds the owning process's token,
+  claimed at mount: one live process per consumer name (``_identity``).
+
+Each name is escaped (``_keys.named``): no two (queue, consumer) share a key,
+nor does a list's key a stream's.  The naming before (``{queue}:consumers``,
+``{queue}:heartbeat:<consumer>``: :func:`legacy_registry_key`,
+:func:`legacy_heartbeat_key`) is still read: the reaper moves back the
+processing list of a dead consumer registered there (an earlier version's),
+and a claim at mount is refused while this name's old heartbeat key is
+alive.  Old heartbeat keys expire with their TTL; an old registry is emptied
+as its consumers are reaped or mount again under the new naming.
 
 Beside a consumer's processing list (its hash slot), ``<processing>:receipts``
 (:func:`receipts_key`): the receipts of its runtime ``retry_after`` copies
@@ -30,24 +40,35 @@ from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 
 from .._envelope import CorruptEnvelope, unwrap, wrap
-from .._keys import derived
+from .._keys import derived, named
 from ._commands import Arg, Command, Script
 from ._plan import content_origin
 from ._scripts import _WRITES_LUA
 
 __all__ = [
     "BUMP", "DELAYED_COPY", "FORGET", "GIVE_BACK", "REAP", "bumped", "dec", "delayed_copy",
-    "doubtful", "heartbeat_key", "receipts_key", "registry_key", "stranded",
+    "doubtful", "heartbeat_key", "legacy_heartbeat_key", "legacy_registry_key", "receipts_key",
+    "registry_key", "stranded",
 ]
 
 
 def registry_key(queue: str) -> str:
     """The hash of the queue's consumers (name -> processing list)."""
-    return derived(queue, ":consumers")
+    return named(queue, "list-consumers")
 
 
 def heartbeat_key(queue: str, consumer: str) -> str:
     """The key whose TTL says ``consumer`` of ``queue`` is alive."""
+    return named(queue, "list-heartbeat", consumer)
+
+
+def legacy_registry_key(queue: str) -> str:
+    """:func:`registry_key` of the naming before (not one-to-one; read only)."""
+    return derived(queue, ":consumers")
+
+
+def legacy_heartbeat_key(queue: str, consumer: str) -> str:
+    """:func:`heartbeat_key` of the naming before (not one-to-one; read only)."""
     return derived(queue, f":heartbeat:{consumer}")
 
 
@@ -89,12 +110,16 @@ return n
     name="reliable_list_reap",
 )
 
-# KEYS: processing list, own heartbeat key, registry.  ARGV: consumer name.
+# KEYS: processing list, own heartbeat key, registry.  ARGV: consumer name,
+# heartbeat value.
 # A cleanly stopped consumer deregisters itself -- its heartbeat key and its
 # registration -- only when its processing list is empty; 0 otherwise (what
-# is left there is reaped once the heartbeat lapses).
+# is left there is reaped once the heartbeat lapses).  Nothing either when
+# another process holds the heartbeat (it took the name over).
 FORGET = Script(
     """
+local hb = redis.call('GET', KEYS[2])
+if hb and hb ~= ARGV[2] then return 0 end
 if redis.call('LLEN', KEYS[1]) > 0 then return 0 end
 redis.call('HDEL', KEYS[3], ARGV[1])
 redis.call('DEL', KEYS[2])
