@@ -584,7 +584,7 @@ def test_plan_dead_and_lost() -> None:
 
 
 def test_exhaustion_boundary() -> None:
-    t = StreamSubscription(STREAM, GROUP, max_attempts=3).target(CONSUMER)
+    t = StreamSubscription(STREAM, GROUP, max_attempts=3, dead_letter=None).target(CONSUMER)
     for attempt, effect in [(1, Effect.COPIED), (2, Effect.COPIED), (3, Effect.EXHAUSTED),
                             (4, Effect.EXHAUSTED)]:
         d = make_delivery(FORMS[0], attempt=attempt, retries=attempt - 1, fields={b"f": b"v"},

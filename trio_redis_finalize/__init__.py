@@ -3,7 +3,7 @@ every delivery with the commands proper to its form and outcome.
 
 Streams (consumer groups: plain, reclaim, claiming), reliable lists, simple
 lists and Pub/Sub channels and patterns; handlers return ``ACK``, ``RETRY``,
-``DROP`` or ``retry_after(delay)``; a handler that raises backs off
+``DROP``, ``retry_after(delay)`` or ``reject(reason)``; a handler that raises backs off
 (:class:`Backoff`: the delivery stays pending and comes back later).  Copies
 are written before originals are removed: a crash leaves a duplicate, never
 a loss.
@@ -22,9 +22,12 @@ from ._errors import AckUnsupported as AckUnsupported
 from ._list import ListSubscription as ListSubscription
 from ._outcome import ACK as ACK
 from ._outcome import DROP as DROP
+from ._outcome import REJECT as REJECT
 from ._outcome import RETRY as RETRY
 from ._outcome import Backoff as Backoff
 from ._outcome import Outcome as Outcome
+from ._outcome import Rejected as Rejected
+from ._outcome import reject as reject
 from ._outcome import retry_after as retry_after
 from ._publisher import Publisher as Publisher
 from ._publisher import open_publisher as open_publisher
@@ -44,6 +47,7 @@ __all__ = [
     "DROP",
     "GROUP_FIELD",
     "ORIGIN_FIELD",
+    "REJECT",
     "RETRIES_FIELD",
     "RETRY",
     "AckError",
@@ -60,12 +64,14 @@ __all__ = [
     "Outcome",
     "PatternSubscription",
     "Publisher",
+    "Rejected",
     "ReliableListSubscription",
     "Retention",
     "StreamSubscription",
     "open_client",
     "open_consumer",
     "open_publisher",
+    "reject",
     "retry_after",
     "sentinel_params",
 ]

@@ -6,9 +6,38 @@ import enum
 import math
 
 __all__ = [
-    "DelayedRetry", "Form", "Mode", "Retention", "check_key", "check_limits", "check_maxlen",
-    "check_positive",
+    "DEAD_SUFFIX", "DEFAULT_DEAD_LETTER", "DEFAULT_MAX_ATTEMPTS", "DelayedRetry", "Form", "Mode",
+    "Retention", "check_key", "check_limits", "check_maxlen", "check_positive",
+    "default_dead_letter", "resolve_dead_letter",
 ]
+
+DEFAULT_MAX_ATTEMPTS = 10
+"""``max_attempts`` of a stream or reliable list subscription unless given:
+a message that keeps failing ends in the dead letter at its 10th attempt
+(with the default ``Backoff()``, at least its ``window`` of 30 s after the
+first failure).  ``max_attempts=None`` retries forever (and has no dead letter)."""
+DEAD_SUFFIX = ":dead"
+"""The default dead letter of a stream or reliable list: the source key with
+this suffix, in its hash slot (``orders`` -> ``{orders}:dead``)."""
+DEFAULT_DEAD_LETTER = "\x00default dead letter"
+"""The default of ``dead_letter`` (a marker no key is named): with
+``max_attempts`` set, :func:`default_dead_letter` of the source; without, none."""
+
+
+def default_dead_letter(source: str) -> str:
+    """The dead letter a stream or reliable list ``source`` gets by default:
+    ``{source}:dead`` (``_keys.derived``: same hash slot)."""
+    from ._keys import derived  # noqa: PLC0415  # _keys imports nothing of ours; kept local
+
+    return derived(source, DEAD_SUFFIX)
+
+
+def resolve_dead_letter(source: str, max_attempts: int | None, dead_letter: str | None) -> str | None:
+    """``dead_letter`` as given, or for the default (:data:`DEFAULT_DEAD_LETTER`)
+    :func:`default_dead_letter` of ``source`` when ``max_attempts`` is set, else None."""
+    if dead_letter != DEFAULT_DEAD_LETTER:
+        return dead_letter
+    return None if max_attempts is None else default_dead_letter(source)
 
 
 class Form(enum.Enum):
