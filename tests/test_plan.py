@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 from trio_redis_finalize import (
     ACK,
     DROP,
-    REJECT,
     ORIGIN_FIELD,
+    REJECT,
     RETRIES_FIELD,
     RETRY,
     AckError,
@@ -36,14 +36,13 @@ from trio_redis_finalize import (
     Mode,
     Outcome,
     PatternSubscription,
-    ReliableListSubscription,
     Rejected,
+    ReliableListSubscription,
     StreamSubscription,
     reject,
     retry_after,
 )
 from trio_redis_finalize._core import _scripts
-from trio_redis_finalize._core._writes import plan_writes
 from trio_redis_finalize._core._plan import (
     DEAD_ATTEMPT,
     DEAD_GROUP,
@@ -62,6 +61,7 @@ from trio_redis_finalize._core._plan import (
     plan_lost,
     why_key,
 )
+from trio_redis_finalize._core._writes import plan_writes
 from trio_redis_finalize._envelope import GROUP_FIELD, unpack_parts, unwrap, wrap
 from trio_redis_finalize._keys import same_slot
 from trio_redis_finalize._outcome import OutcomeKind
@@ -873,7 +873,7 @@ def test_reject_refused_with_dead_letter_none(f: Form_, max_attempts: int | None
 
 def test_reject_values() -> None:
     assert reject("x") == reject("x") != reject("y")
-    assert REJECT != reject("x") and REJECT.kind is reject("x").kind is OutcomeKind.REJECT
+    assert reject("x") != REJECT and REJECT.kind is reject("x").kind is OutcomeKind.REJECT
     assert repr(REJECT) == "REJECT" and repr(reject("bad")) == "reject('bad')"
     assert not REJECT.is_retry
     with pytest.raises(ValueError, match="reason"):

@@ -199,7 +199,8 @@ def test_delete_on_finalize_plans_delete_every_original() -> None:
     p = plan(t, d, retry_after(1.0))
     assert p.commands == (xack, xdel) and runtime_copy(p) == (S, 0)
     # exhausted without a dead letter
-    assert plan_dead(target(retention=DELETE, max_attempts=1, dead_letter=None), d, "x").commands == (xack, xdel)
+    assert plan_dead(target(retention=DELETE, max_attempts=1, dead_letter=None),
+                     d, "x").commands == (xack, xdel)
 
 
 def test_default_and_trim_acked_plans_are_unchanged() -> None:
@@ -724,7 +725,8 @@ def test_native_delete_on_finalize_plans_use_xackdel() -> None:
     p = plan(t, d, retry_after(1.0))
     assert p.commands == (xackdel,)
     assert runtime_copy(p) == (S, 1000)
-    assert plan_dead(native_target(retention=DELETE, max_attempts=1, dead_letter=None), d, "x").commands == (xackdel,)
+    assert plan_dead(native_target(retention=DELETE, max_attempts=1, dead_letter=None),
+                     d, "x").commands == (xackdel,)
     # Redis Cluster, dead letter on another slot: the capped copy, then the XACKDEL
     tc = dataclasses.replace(StreamSubscription(
         S, G, retention=DELETE, max_attempts=1, dead_letter="elsewhere", dead_letter_maxlen=7,

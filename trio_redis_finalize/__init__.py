@@ -12,6 +12,7 @@ a loss.
 from ._channel import ChannelSubscription as ChannelSubscription
 from ._channel import PatternSubscription as PatternSubscription
 from ._consumer import Consumer as Consumer
+from ._consumer import Mounted as Mounted
 from ._consumer import open_consumer as open_consumer
 from ._delivery import Delivery as Delivery
 from ._envelope import GROUP_FIELD as GROUP_FIELD
@@ -61,6 +62,7 @@ __all__ = [
     "Delivery",
     "ListSubscription",
     "Mode",
+    "Mounted",
     "Outcome",
     "PatternSubscription",
     "Publisher",

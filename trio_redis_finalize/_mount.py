@@ -687,8 +687,8 @@ class Mount:
         record_error(d, exc)  # for the dead-letter entry
         if self._traceback(d):
             log.error(
-                "%s: handler raised on %s (attempt %d); %s",
-                self.name, d.id or d.origin_id, d.attempt, self._error_text(d),
+                "%s: handler raised on %s (attempt %d); %s%s",
+                self.name, d.id or d.origin_id, d.attempt, self._error_text(d), backend_hint(exc),
                 exc_info=exc, extra=log_extra(self.name, d, self._on_error),
             )
         else:  # between the first and the last attempt: one line
@@ -752,6 +752,23 @@ class Mount:
             extra=log_extra(self.name, d, self._on_error),
         )
 
+
+
+def backend_hint(exc: BaseException | None) -> str:
+    """For an asyncio-only handler under trio ("no running event loop"): how to
+    run it under asyncio; else ""."""
+    if not isinstance(exc, RuntimeError) or "no running event loop" not in str(exc):
+        return ""
+    try:
+        import sniffio  # anyio's dependency; only on this error
+
+        if sniffio.current_async_library() != "trio":
+            return ""
+    except Exception:  # no library detected: say nothing
+        return ""
+    return ("; the handler needs asyncio but runs under trio: run the consumer under asyncio "
+            "(trio-redis-finalize run ... --backend asyncio, or anyio.run(main, "
+            "backend='asyncio'))")
 
 
 def _what(result: object) -> str:

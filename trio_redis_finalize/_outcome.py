@@ -113,7 +113,7 @@ def reject(reason: str) -> Outcome:
     return Outcome(OutcomeKind.REJECT, 0.0, reason)
 
 
-class Rejected(Exception):  # noqa: N818  # an outcome raised, not an error: like Celery's Reject
+class Rejected(Exception):  # an outcome raised, not an error: like Celery's Reject
     """Raised by a handler (or code it calls): dead-letter the delivery now.
 
     ``raise Rejected("malformed order")`` is ``return reject("malformed

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 import math
 
+from ._keys import derived
+
 __all__ = [
     "DEAD_SUFFIX", "DEFAULT_DEAD_LETTER", "DEFAULT_MAX_ATTEMPTS", "DelayedRetry", "Form", "Mode",
     "Retention", "check_key", "check_limits", "check_maxlen", "check_positive",
@@ -27,8 +29,6 @@ DEFAULT_DEAD_LETTER = "\x00default dead letter"
 def default_dead_letter(source: str) -> str:
     """The dead letter a stream or reliable list ``source`` gets by default:
     ``{source}:dead`` (``_keys.derived``: same hash slot)."""
-    from ._keys import derived  # noqa: PLC0415  # _keys imports nothing of ours; kept local
-
     return derived(source, DEAD_SUFFIX)
 
 
