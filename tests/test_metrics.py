@@ -409,7 +409,7 @@ def test_prometheus_module_without_the_extra_names_it() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert "pip install 'trio_redis_finalize[prometheus]'" in out.stdout
+    assert "pip install '.[prometheus]' in a checkout" in out.stdout
 
 
 # -- OpenTelemetry ---------------------------------------------------------------------

@@ -393,6 +393,9 @@ async def open_consumer(
     Raises:
         ValueError: bad URL or argument (the message names it).
         redis.exceptions.ConnectionError: the server cannot be reached.
+
+    An exception raised inside the ``async with`` block comes out as itself
+    (``except ValueError:`` catches it), not wrapped in an ``ExceptionGroup``.
     """
     if isinstance(shutdown_grace, bool) or not isinstance(shutdown_grace, (int, float)) or shutdown_grace < 0:
         raise ValueError(f"shutdown_grace must be a number of seconds >= 0, got {shutdown_grace!r}")
@@ -411,6 +414,7 @@ async def open_consumer(
         else:
             raise ValueError(f"url_or_client must be a URL string or a client, got {url_or_client!r}")
         sched: Scheduler | None = None
+        raised: BaseException | None = None  # the block's own exception, raised as itself
         try:
             async with anyio.create_task_group() as tg:
                 consumer = Consumer(
@@ -428,6 +432,8 @@ async def open_consumer(
                 await tg.start(scheduler)
                 try:
                     yield consumer
+                except BaseException as e:  # re-raised below, outside the task group
+                    raised = e
                 finally:
                     try:
                         await consumer.aclose()  # shielded and bounded inside (_shutdown)
@@ -436,4 +442,8 @@ async def open_consumer(
         finally:  # the scheduler has stopped: what it still holds is counted and logged
             if sched is not None:
                 sched.abandon()
+        if raised is not None:
+            # what the block raised comes out as it is, not in an ExceptionGroup
+            # (the task group would wrap it), on trio and asyncio alike
+            raise raised
 
