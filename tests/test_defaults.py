@@ -16,10 +16,12 @@
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 import anyio
 import pytest
+import trio
 from _procs import eventually
 
 from trio_redis_finalize import (
@@ -257,3 +259,29 @@ async def test_noeviction_and_a_refused_config_say_nothing(
     with RedisServer(extra_args=("--rename-command", "CONFIG", "")) as server:
         await _mount_once(server.url)  # CONFIG refused: the mount goes on
     assert not [r for r in caplog.records if "maxmemory-policy" in r.getMessage()]
+
+
+# -- the default dead letter, known to inspect and requeue -----------------------
+
+async def test_requeue_knows_the_default_dead_letters_source(redis_url: str) -> None:
+    cli = [sys.executable, "-m", "trio_redis_finalize"]
+    async with open_client(redis_url) as client:
+        await client.execute("XADD", "s", "*", "order", "1")
+        with anyio.fail_after(30):
+            async with open_consumer(client, name="c1") as consumer:
+                h = await consumer.mount(StreamSubscription("s", "g"), _how("return", "later"))
+                await eventually(lambda: h.stats()["effects"].get("dead_lettered") == 1,
+                                 timeout=20, what="dead-lettered")
+            shown = await trio.run_process([*cli, "inspect", "s", "--url", redis_url],
+                                           capture_stdout=True, capture_stderr=True, check=False)
+            assert b"{s}:dead: 1" in shown.stdout, shown.stdout + shown.stderr
+            moved = await trio.run_process([*cli, "requeue", "{s}:dead", "--url", redis_url],
+                                           capture_stdout=True, capture_stderr=True, check=False)
+            assert moved.returncode == 0, moved.stderr
+            assert b"requeued 1 message from {s}:dead to s" in moved.stdout
+            refused = await trio.run_process([*cli, "requeue", "elsewhere", "--url", redis_url],
+                                             capture_stdout=True, capture_stderr=True, check=False)
+            assert refused.returncode == 2 and b"--to KEY is needed" in refused.stderr
+        assert await client.execute("XLEN", "{s}:dead") == 0
+        entries = await client.execute("XRANGE", "s", "-", "+")
+        assert len(entries) == 2 and entries[-1][1][:2] == [b"order", b"1"]

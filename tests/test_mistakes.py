@@ -42,7 +42,7 @@ from trio_redis_finalize import (
 from trio_redis_finalize._cli import build_parser, shutdown_summary
 from trio_redis_finalize._transport import open_client, parse_url
 from trio_redis_finalize.pytest_plugin import sync_command
-from trio_redis_finalize.testing import RedisServer, free_port
+from trio_redis_finalize.testing import free_port
 
 pytestmark = pytest.mark.timeout(90)
 

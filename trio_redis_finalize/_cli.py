@@ -7,7 +7,7 @@ Commands (``--help`` on each)::
                                                     run a consumer defined in your code
     inspect KEY [--group G] [--entries N] [--url URL] [--json]
                                                     a queue's state (table, or --json)
-    requeue DEAD_LETTER --to KEY [--limit N] [--force] [--url URL]
+    requeue DEAD_LETTER [--to KEY] [--limit N] [--force] [--url URL]
                                                     move dead-lettered messages back
 
 ``--url`` defaults to ``redis://127.0.0.1:6379/0`` (``demo`` without
@@ -46,7 +46,7 @@ from ._core._retention import GroupNeed, group_rows, oldest_needed
 from ._core._scripts import LUA_XADD, why_pop
 from ._envelope import ORIGIN_FIELD, RETRIES_FIELD, CorruptEnvelope, unwrap, wrap
 from ._keys import derived, has_hash_tag, same_slot
-from ._subscription import DEAD_SUFFIX, Form, default_dead_letter
+from ._subscription import DEAD_SUFFIX, Form, default_dead_letter, source_of_dead_letter
 from ._table import CliError, print_table
 from ._transport import Client, Script, open_client, parse_url
 
@@ -975,6 +975,11 @@ async def _requeue(url: str, dead: str, dest: str, limit: int | None, force: boo
 
 def cmd_requeue(args: argparse.Namespace) -> int:
     url = check_url(args.url)
+    if args.to is None:  # a default dead letter names its source
+        args.to = source_of_dead_letter(args.dead_letter)
+        if args.to is None:
+            raise CliError(f"--to KEY is needed: {args.dead_letter!r} is not a default dead "
+                           "letter ('{SOURCE}:dead')")
     moved = anyio.run(_requeue, url, args.dead_letter, args.to, args.limit, args.force, backend="trio")
     print(f"requeued {moved} message{'s' if moved != 1 else ''} from {args.dead_letter} to {args.to}")
     return 0
@@ -1145,7 +1150,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "consumers are reading.",
     )
     p.add_argument("dead_letter", metavar="DEAD_LETTER", help="the dead-letter stream or list")
-    p.add_argument("--to", required=True, metavar="KEY", help="where the messages go")
+    p.add_argument("--to", default=None, metavar="KEY",
+                   help="where the messages go (default: the source of a default dead letter, "
+                        "{KEY}:dead -> KEY)")
     p.add_argument("--limit", type=_positive_int, default=None, metavar="N",
                    help="move at most N messages (default: all)")
     p.add_argument("--force", action="store_true",

@@ -10,7 +10,7 @@ from ._keys import derived
 __all__ = [
     "DEAD_SUFFIX", "DEFAULT_DEAD_LETTER", "DEFAULT_MAX_ATTEMPTS", "DelayedRetry", "Form", "Mode",
     "Retention", "check_key", "check_limits", "check_maxlen", "check_positive",
-    "default_dead_letter", "resolve_dead_letter",
+    "default_dead_letter", "resolve_dead_letter", "source_of_dead_letter",
 ]
 
 DEFAULT_MAX_ATTEMPTS = 10
@@ -30,6 +30,19 @@ def default_dead_letter(source: str) -> str:
     """The dead letter a stream or reliable list ``source`` gets by default:
     ``{source}:dead`` (``_keys.derived``: same hash slot)."""
     return derived(source, DEAD_SUFFIX)
+
+
+def source_of_dead_letter(key: str) -> str | None:
+    """The source whose default dead letter is ``key`` (``{orders}:dead`` ->
+    ``orders``, ``{app}.orders:dead`` -> ``{app}.orders``), or None."""
+    if not key.endswith(DEAD_SUFFIX):
+        return None
+    base = key[: -len(DEAD_SUFFIX)]
+    inner = base[1:-1] if base.startswith("{") and base.endswith("}") else None
+    for source in (inner, base):
+        if source and default_dead_letter(source) == key:
+            return source
+    return None
 
 
 def resolve_dead_letter(source: str, max_attempts: int | None, dead_letter: str | None) -> str | None:
