@@ -46,8 +46,8 @@ from ._keys import derived, same_slot
 from ._read_loop import Pending, check_type, reader_connection
 from ._shutdown import CLOSING_TIMEOUT, Budget, cleanup
 from ._subscription import (
-    DEFAULT_DEAD_LETTER,
     DEFAULT_MAX_ATTEMPTS,
+    QUEUE_DEAD_LETTER,
     DelayedRetry,
     Form,
     Subscription,
@@ -89,7 +89,7 @@ class ReliableListSubscription(Subscription):
     processing: str | None = None
     delayed_retry: DelayedRetry | None = None
     max_attempts: int | None = DEFAULT_MAX_ATTEMPTS
-    dead_letter: str | None = DEFAULT_DEAD_LETTER
+    dead_letter: str | None = QUEUE_DEAD_LETTER
     block: float = 1.0
     delay_key: str | None = None
     heartbeat: float = 30.0

@@ -26,8 +26,8 @@ from ._read_loop import Pending, check_type, reader_connection, retry_not_run
 from ._shutdown import cleanup
 from ._stream_retention import check_retention, trim
 from ._subscription import (
-    DEFAULT_DEAD_LETTER,
     DEFAULT_MAX_ATTEMPTS,
+    STREAM_DEAD_LETTER,
     DelayedRetry,
     Form,
     Mode,
@@ -161,7 +161,7 @@ class StreamSubscription(Subscription):
     delayed_retry: DelayedRetry | None = None
     delay_key: str | None = None
     max_attempts: int | None = DEFAULT_MAX_ATTEMPTS
-    dead_letter: str | None = DEFAULT_DEAD_LETTER
+    dead_letter: str | None = STREAM_DEAD_LETTER
     block: float = 1.0
     count: int = 100
     start_id: str = "0"

@@ -8,8 +8,8 @@ import math
 from ._keys import derived
 
 __all__ = [
-    "DEAD_SUFFIX", "DEFAULT_DEAD_LETTER", "DEFAULT_MAX_ATTEMPTS", "DelayedRetry", "Form", "Mode",
-    "Retention", "check_key", "check_limits", "check_maxlen", "check_positive",
+    "DEAD_SUFFIX", "DEFAULT_MAX_ATTEMPTS", "QUEUE_DEAD_LETTER", "STREAM_DEAD_LETTER",
+    "DelayedRetry", "DerivedKey", "Form", "Mode", "Retention", "check_key", "check_limits", "check_maxlen", "check_positive",
     "default_dead_letter", "resolve_dead_letter", "source_of_dead_letter",
 ]
 
@@ -21,9 +21,19 @@ first failure).  ``max_attempts=None`` retries forever (and has no dead letter).
 DEAD_SUFFIX = ":dead"
 """The default dead letter of a stream or reliable list: the source key with
 this suffix, in its hash slot (``orders`` -> ``{orders}:dead``)."""
-DEFAULT_DEAD_LETTER = "\x00default dead letter"
-"""The default of ``dead_letter`` (a marker no key is named): with
-``max_attempts`` set, :func:`default_dead_letter` of the source; without, none."""
+
+
+class DerivedKey(str):
+    """The default of ``dead_letter``, shown as what it stands for
+    (``"{stream}:dead"``): with ``max_attempts`` set, :func:`default_dead_letter`
+    of the source; without, none.  Told apart by its class (a plain string
+    ``"{stream}:dead"`` given by a user is that key)."""
+
+    __slots__ = ()
+
+
+STREAM_DEAD_LETTER = DerivedKey("{stream}:dead")
+QUEUE_DEAD_LETTER = DerivedKey("{queue}:dead")
 
 
 def default_dead_letter(source: str) -> str:
@@ -46,9 +56,9 @@ def source_of_dead_letter(key: str) -> str | None:
 
 
 def resolve_dead_letter(source: str, max_attempts: int | None, dead_letter: str | None) -> str | None:
-    """``dead_letter`` as given, or for the default (:data:`DEFAULT_DEAD_LETTER`)
+    """``dead_letter`` as given, or for the default (a :class:`DerivedKey`)
     :func:`default_dead_letter` of ``source`` when ``max_attempts`` is set, else None."""
-    if dead_letter != DEFAULT_DEAD_LETTER:
+    if not isinstance(dead_letter, DerivedKey):
         return dead_letter
     return None if max_attempts is None else default_dead_letter(source)
 
