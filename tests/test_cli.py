@@ -34,6 +34,7 @@ from trio_redis_finalize import (
     StreamSubscription,
     open_consumer,
 )
+from trio_redis_finalize._cli import SIGNAL_DEBOUNCE
 from trio_redis_finalize._demo import parse_monitor_line
 from trio_redis_finalize._envelope import unwrap
 from trio_redis_finalize._transport import open_client
@@ -254,7 +255,13 @@ def test_run_second_signal_exits_at_once(
     try:
         _wait_for(lambda: _handled(tmp_path) == ["0"])
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
+        assert proc.stderr is not None
+        seen = ""
+        while "shutting down gracefully" not in seen:  # the first signal taken
+            line = proc.stderr.readline()
+            assert line, seen
+            seen += line
+        time.sleep(SIGNAL_DEBOUNCE + 0.5)  # a second signal within the debounce is ignored
         assert proc.poll() is None  # graceful: waits for the slow handler
         proc.send_signal(signal.SIGTERM)
         started = time.monotonic()
@@ -583,7 +590,7 @@ def test_an_endpoint_that_is_not_redis_one_line_exit_2(command: list[str]) -> No
         (["inspect", "k", "--heartbeat", "soon"], "argument --heartbeat: 'soon' is not a number"),
         (["requeue", "d", "--to", "k", "--limit", "0"], "argument --limit: '0' must be >= 1"),
         (["demo", "--messages", "x"], "argument --messages: 'x' is not an integer"),
-        (["requeue", "d"], "the following arguments are required: --to"),
+        (["requeue", "d"], "--to KEY is needed: 'd' is not a default dead letter"),
         (["nosuchcommand"], "argument COMMAND: invalid choice: 'nosuchcommand'"),
     ],
 )

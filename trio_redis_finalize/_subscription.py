@@ -9,7 +9,8 @@ from ._keys import derived
 
 __all__ = [
     "DEAD_SUFFIX", "DEFAULT_MAX_ATTEMPTS", "QUEUE_DEAD_LETTER", "STREAM_DEAD_LETTER",
-    "DelayedRetry", "DerivedKey", "Form", "Mode", "Retention", "check_key", "check_limits", "check_maxlen", "check_positive",
+    "DelayedRetry", "DerivedKey", "Form", "Mode", "Retention", "check_key", "check_limits",
+    "check_maxlen", "check_positive",
     "default_dead_letter", "resolve_dead_letter", "source_of_dead_letter",
 ]
 
