@@ -285,3 +285,21 @@ async def test_requeue_knows_the_default_dead_letters_source(redis_url: str) -> 
         assert await client.execute("XLEN", "{s}:dead") == 0
         entries = await client.execute("XRANGE", "s", "-", "+")
         assert len(entries) == 2 and entries[-1][1][:2] == [b"order", b"1"]
+
+
+async def test_a_batch_handler_raising_rejected_dead_letters_its_batch(redis_url: str) -> None:
+    async def handler(ds: list[Delivery]) -> Outcome:
+        raise Rejected("bad batch")
+
+    async with open_client(redis_url) as client:
+        for n in range(3):
+            await client.execute("XADD", "s", "*", "n", str(n))
+        with anyio.fail_after(30):
+            async with open_consumer(client, name="c1") as consumer:
+                h = await consumer.mount(StreamSubscription("s", "g"), handler, batch=True)
+                await eventually(lambda: h.stats()["effects"].get("dead_lettered") == 3,
+                                 timeout=20, what="the batch dead-lettered")
+                assert h.stats()["handler_errors"] == 0
+        dead = await client.execute("XRANGE", "{s}:dead", "-", "+")
+        assert [e[1][:2] for e in dead] == [[b"n", str(n).encode()] for n in range(3)]
+        assert all(b"rejected: bad batch" in e[1] for e in dead)

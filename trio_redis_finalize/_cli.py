@@ -979,7 +979,7 @@ def cmd_requeue(args: argparse.Namespace) -> int:
         args.to = source_of_dead_letter(args.dead_letter)
         if args.to is None:
             raise CliError(f"--to KEY is needed: {args.dead_letter!r} is not a default dead "
-                           "letter ('{SOURCE}:dead')")
+                           f"letter ('{{SOURCE}}:dead') (see {PROG} requeue --help)")
     moved = anyio.run(_requeue, url, args.dead_letter, args.to, args.limit, args.force, backend="trio")
     print(f"requeued {moved} message{'s' if moved != 1 else ''} from {args.dead_letter} to {args.to}")
     return 0
