@@ -220,7 +220,7 @@ def test_prometheus_families_add_up_equal_labels() -> None:
     assert fams["trf_deliveries_read"].samples == [(k, 8.0)]
     assert dict(fams["trf_handler_outcomes"].samples) == {
         (*k, "ack"): 8.0, (*k, "retry"): 0.0, (*k, "drop"): 0.0, (*k, "retry_after"): 0.0,
-        (*k, "backoff"): 0.0}
+        (*k, "reject"): 0.0, (*k, "backoff"): 0.0}
     assert fams["trf_in_flight"].samples == [(k, 3.0)]
     assert fams["trf_held_copies"].samples == [(k, 6.0)]
     assert fams["trf_delay_lag_seconds"].samples == [(k, 2.0)]
