@@ -219,9 +219,6 @@ class Consumer:
             if target.retention is not None and (target.xackdel or target.acked):
                 log.info("%s: %s with the server's own commands (%s)", target.name,
                          target.retention, caps, extra={"subscription": target.name})
-        if not self._policy_checked and target.form in (Form.STREAM, Form.RELIABLE_LIST, Form.LIST):
-            self._policy_checked = True
-            await self._check_eviction(target.name)
         reader = _reader_for(subscription)
         mount = Mount(self, self.client, self.scheduler, subscription, handler, reader, target,
                       concurrency=concurrency, on_error=on_error, batch=batch)
@@ -238,6 +235,10 @@ class Consumer:
             # raise the error itself, as documented
             raise sole(eg) from None
         self._mounts.append(mount)
+        if not self._policy_checked and target.form in (Form.STREAM, Form.RELIABLE_LIST, Form.LIST):
+            # once the mount is reading: the check can neither fail nor hold up its set-up
+            self._policy_checked = True
+            await self._check_eviction(target.name)
         return Mounted(self, mount, subscription)
 
     async def _check_eviction(self, name: str) -> None:
