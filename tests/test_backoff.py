@@ -295,7 +295,7 @@ async def test_stream_max_attempts_without_dead_letter_drops_with_a_warning(
 ) -> None:
     eid = (await client.execute("XADD", S, "*", "n", "1")).decode()
     h = Failing()
-    sub = StreamSubscription(S, G, block=0.05, max_attempts=2)
+    sub = StreamSubscription(S, G, block=0.05, max_attempts=2, dead_letter=None)
     caplog.set_level(logging.INFO, logger="trio_redis_finalize")
     async with open_consumer(redis_url, name="c1") as consumer:
         await consumer.mount(sub, h, on_error=FAST)
@@ -403,7 +403,7 @@ async def test_a_subscription_without_max_attempts_warns_when_it_keeps_failing(
 ) -> None:
     eid = (await client.execute("XADD", S, "*", "n", "1")).decode()
     h = Failing(ok_at=12)
-    sub = StreamSubscription(S, G, block=0.05)
+    sub = StreamSubscription(S, G, block=0.05, max_attempts=None)
     caplog.set_level(logging.INFO, logger="trio_redis_finalize")
     async with open_consumer(redis_url, name="c1") as consumer:
         await consumer.mount(sub, h, on_error=Backoff(base=0.001, cap=0.002))

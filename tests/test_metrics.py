@@ -220,7 +220,7 @@ def test_prometheus_families_add_up_equal_labels() -> None:
     assert fams["trf_deliveries_read"].samples == [(k, 8.0)]
     assert dict(fams["trf_handler_outcomes"].samples) == {
         (*k, "ack"): 8.0, (*k, "retry"): 0.0, (*k, "drop"): 0.0, (*k, "retry_after"): 0.0,
-        (*k, "backoff"): 0.0}
+        (*k, "reject"): 0.0, (*k, "backoff"): 0.0}
     assert fams["trf_in_flight"].samples == [(k, 3.0)]
     assert fams["trf_held_copies"].samples == [(k, 6.0)]
     assert fams["trf_delay_lag_seconds"].samples == [(k, 2.0)]
@@ -295,7 +295,7 @@ async def test_serve_exposes_the_process_metrics(redis_url: str) -> None:
 
     port = free_port()
     async with open_consumer(redis_url, name="c1") as consumer, trio.open_nursery() as n:
-        await consumer.mount(SUB, lambda d: _ack())
+        await consumer.mount(SUB, _ack_one)
         await n.start(lambda task_status: serve(consumer, port, host="127.0.0.1",
                                                 task_status=task_status))
         body = await trio.to_thread.run_sync(
@@ -328,6 +328,10 @@ async def test_serve_on_a_port_in_use_names_it(redis_url: str) -> None:
 
 
 async def _ack() -> Outcome:
+    return ACK
+
+
+async def _ack_one(d: Delivery) -> Outcome:  # mount() refuses a lambda: an async def
     return ACK
 
 
@@ -409,7 +413,7 @@ def test_prometheus_module_without_the_extra_names_it() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert "pip install 'trio_redis_finalize[prometheus]'" in out.stdout
+    assert "pip install '.[prometheus]' in a checkout" in out.stdout
 
 
 # -- OpenTelemetry ---------------------------------------------------------------------
@@ -494,7 +498,7 @@ async def test_log_records_carry_subscription_id_attempt_outcome(
         return ACK
 
     caplog.set_level(logging.DEBUG, logger="trio_redis_finalize")
-    sub = StreamSubscription(S, G, block=0.05, max_attempts=2)
+    sub = StreamSubscription(S, G, block=0.05, max_attempts=2, dead_letter=None)
     async with open_consumer(redis_url, name="c1") as consumer:
         await consumer.mount(sub, handle, on_error=on_error)
         await eventually(lambda: consumer.stats()[sub.name]["effects"].get("exhausted") == 1)

@@ -137,7 +137,7 @@ def test_the_wheel_imports_with_only_its_declared_dependencies(wheel: Path, tmp_
         "        importlib.import_module(name)\n"
         "    except ImportError as e:\n"
         "        assert name == 'trio_redis_finalize.prometheus', (name, e)\n"
-        "        assert \"pip install 'trio_redis_finalize[prometheus]'\" in str(e), e\n"
+        "        assert \"pip install '.[prometheus]' in a checkout\" in str(e), e\n"
         "try:\n"
         "    import prometheus_client\n"
         "except ImportError:\n"

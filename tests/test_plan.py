@@ -24,6 +24,7 @@ from trio_redis_finalize import (
     ACK,
     DROP,
     ORIGIN_FIELD,
+    REJECT,
     RETRIES_FIELD,
     RETRY,
     AckError,
@@ -35,8 +36,10 @@ from trio_redis_finalize import (
     Mode,
     Outcome,
     PatternSubscription,
+    Rejected,
     ReliableListSubscription,
     StreamSubscription,
+    reject,
     retry_after,
 )
 from trio_redis_finalize._core import _scripts
@@ -58,6 +61,7 @@ from trio_redis_finalize._core._plan import (
     plan_lost,
     why_key,
 )
+from trio_redis_finalize._core._writes import plan_writes
 from trio_redis_finalize._envelope import GROUP_FIELD, unpack_parts, unwrap, wrap
 from trio_redis_finalize._keys import same_slot
 from trio_redis_finalize._outcome import OutcomeKind
@@ -584,7 +588,7 @@ def test_plan_dead_and_lost() -> None:
 
 
 def test_exhaustion_boundary() -> None:
-    t = StreamSubscription(STREAM, GROUP, max_attempts=3).target(CONSUMER)
+    t = StreamSubscription(STREAM, GROUP, max_attempts=3, dead_letter=None).target(CONSUMER)
     for attempt, effect in [(1, Effect.COPIED), (2, Effect.COPIED), (3, Effect.EXHAUSTED),
                             (4, Effect.EXHAUSTED)]:
         d = make_delivery(FORMS[0], attempt=attempt, retries=attempt - 1, fields={b"f": b"v"},
@@ -794,3 +798,86 @@ def test_stream_retry_is_the_general_copy(
         assert got == Plan(Effect.LEFT_PENDING)
     else:
         assert got == expected
+
+
+# -- REJECT / reject(reason): the dead letter now ---------------------------------
+
+REJECTS = [REJECT, reject("malformed order")]
+
+
+@pytest.mark.parametrize("f", [f for f in FORMS if f.kind in ("stream", "rlist")], ids=repr)
+@pytest.mark.parametrize("outcome", REJECTS, ids=repr)
+@pytest.mark.parametrize("dead", ["same", "other"])
+@pytest.mark.parametrize("cluster", [False, True])
+@pytest.mark.parametrize("max_attempts", [None, 1, 5])
+def test_reject_dead_letters_at_any_attempt(f: Form_, outcome: Outcome, dead: str,
+                                            cluster: bool, max_attempts: int | None) -> None:
+    """REJECT is the dead letter's gated copy-then-remove at attempt 1 already
+    (whatever max_attempts: even None, the dead letter given), the reason in it."""
+    src = STREAM if f.kind == "stream" else QUEUE
+    dl = (DEAD_SAME if dead == "same" else DEAD_OTHER)[src]
+    if max_attempts is None:  # a dead letter needs max_attempts: given through the Target
+        t = dataclasses.replace(make_target(f, 3, dl, cluster), max_attempts=None)
+    else:
+        t = make_target(f, max_attempts, dl, cluster)
+    d = make_delivery(f, attempt=1, retries=0, fields={b"a": b"1"}, body=b"x")
+    p = plan(t, d, outcome)
+    reason = f"rejected: {outcome.reason}" if outcome.reason else "rejected"
+    assert p == plan_dead(t, d, reason)
+    assert p.effect is Effect.DEAD_LETTERED
+    assert p.gated is (not cluster or same_slot(t.processing or t.source, dl))
+    flat = [a for c in p.commands for a in c if isinstance(a, bytes)]
+    if f.kind == "stream":
+        assert DEAD_REASON in flat and reason.encode() in flat
+    else:
+        assert any(isinstance(a, bytes) and reason.encode() in a for a in flat)
+
+
+@pytest.mark.parametrize("f", [f for f in FORMS if f.kind in ("stream", "rlist")], ids=repr)
+@pytest.mark.parametrize("outcome", REJECTS, ids=repr)
+def test_reject_carries_writes_in_its_gated_step(f: Form_, outcome: Outcome) -> None:
+    src = STREAM if f.kind == "stream" else QUEUE
+    t = make_target(f, 3, DEAD_SAME[src], False)
+    d = make_delivery(f, attempt=1, retries=0, fields={b"a": b"1"}, body=b"x")
+    w = outcome.with_writes(("HINCRBY", "{orders}:totals", "eur", 5))
+    assert w.kind is OutcomeKind.REJECT and w.reason == outcome.reason
+    p = plan_writes(t, d, w)
+    assert p.effect is Effect.DEAD_LETTERED and p.gated and len(p.commands) == 1
+    script = _scripts.STREAM_WRITES if f.kind == "stream" else _scripts.LIST_WRITES
+    assert p.commands[0][:2] == (b"EVALSHA", script.sha)
+    assert DEAD_SAME[src] in p.commands[0] and "{orders}:totals" in p.commands[0]
+    assert "HINCRBY" in p.commands[0]
+
+
+@pytest.mark.parametrize("f", [f for f in FORMS if f.kind not in ("stream", "rlist")], ids=repr)
+@pytest.mark.parametrize("outcome", REJECTS, ids=repr)
+def test_reject_refused_without_a_dead_letter_no_ack_forms(f: Form_, outcome: Outcome) -> None:
+    t = make_target(f, 3, None, False)
+    d = make_delivery(f, attempt=1, retries=0, fields={}, body=b"p")
+    with pytest.raises(AckUnsupported, match="no dead letter") as info:
+        plan(t, d, outcome)
+    assert t.name in str(info.value)
+
+
+@pytest.mark.parametrize("f", [f for f in FORMS if f.kind in ("stream", "rlist")], ids=repr)
+@pytest.mark.parametrize("max_attempts", [None, 3])
+def test_reject_refused_with_dead_letter_none(f: Form_, max_attempts: int | None) -> None:
+    t = make_target(f, max_attempts, None, False)
+    assert t.dead_letter is None
+    d = make_delivery(f, attempt=1, retries=0, fields={b"a": b"1"}, body=b"x")
+    with pytest.raises(AckUnsupported, match="dead_letter=None"):
+        plan(t, d, reject("bad"))
+    with pytest.raises(AckUnsupported, match="dead_letter=None"):
+        plan_writes(t, d, reject("bad").with_writes(("SET", "k", "v")))
+
+
+def test_reject_values() -> None:
+    assert reject("x") == reject("x") != reject("y")
+    assert reject("x") != REJECT and REJECT.kind is reject("x").kind is OutcomeKind.REJECT
+    assert repr(REJECT) == "REJECT" and repr(reject("bad")) == "reject('bad')"
+    assert not REJECT.is_retry
+    with pytest.raises(ValueError, match="reason"):
+        reject(3)  # type: ignore[arg-type]
+    assert issubclass(Rejected, Exception) and str(Rejected("why")) == "why"
+    w = reject("bad").with_writes(("SET", "k", "v"))
+    assert w.reason == "bad" and repr(w).startswith("reject('bad').with_writes(")

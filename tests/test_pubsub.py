@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import itertools
 import logging
 import pickle
@@ -98,7 +99,7 @@ async def test_finalizing_directly_raises_ack_unsupported(redis_url: str, client
     got: list[Delivery] = []
     async with open_consumer(redis_url, name="c1") as consumer:
         await consumer.mount(ChannelSubscription("ch"), Recorder(lambda d: ACK))
-        await consumer.mount(PatternSubscription("p.*"), lambda d: _keep(got, d))
+        await consumer.mount(PatternSubscription("p.*"), functools.partial(_keep, got))
         await publish(client, "p.1", b"x")
         await eventually(lambda: len(got) == 1, what="delivery")
         for outcome in (RETRY, ACK, DROP):

@@ -194,7 +194,7 @@ def test_sigkill_then_a_restart_with_the_defaults_finishes_every_entry(
     assert took < 30 + 10, f"recovered {took:.1f} s after the kill"
     assert "stopped its heartbeat; took over 3 of its pending entries" in err, err
     [line] = [ln for ln in err.splitlines() if ln.startswith("trio-redis-finalize run: stopped")]
-    assert "left pending 0 by this consumer" in line and "stranded" not in line
+    assert "handed back 0 (pending in Redis" in line and "stranded" not in line
     # the dead consumer was deleted once its PEL was empty; the restart
     # deregistered as it stopped: no consumer names pile up
     assert r.xinfo_consumers("jobs", "workers") == []

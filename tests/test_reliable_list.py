@@ -98,7 +98,7 @@ async def test_retry_copy_sits_on_the_queue_once(redis_url: str, client: Client)
     await client.execute("LPUSH", Q, b"x")
     h = Recorder(lambda d: RETRY)
     async with open_consumer(redis_url, name="c1") as consumer:
-        await consumer.mount(sub(), h)
+        await consumer.mount(sub(max_attempts=None), h)  # retried without end
         await eventually(lambda: effects(consumer).get("copied", 0) >= 3, what="retries")
         await consumer.aclose()
     left = await lrange(client, Q) + await lrange(client, proc("c1"))
@@ -401,7 +401,7 @@ async def test_max_attempts_without_dead_letter_removes_with_a_warning(
     h = Recorder(lambda d: RETRY)
     with caplog.at_level(logging.WARNING, logger="trio_redis_finalize"):
         async with open_consumer(redis_url, name="c1") as consumer:
-            await consumer.mount(sub(max_attempts=2), h)
+            await consumer.mount(sub(max_attempts=2, dead_letter=None), h)
             await eventually(lambda: effects(consumer).get("exhausted") == 1, what="exhausted")
     assert [d.attempt for d in h.seen] == [1, 2]
     assert "max_attempts=2" in caplog.text
@@ -494,7 +494,7 @@ async def test_corrupt_envelope_without_dead_letter_is_dropped_with_an_error_log
     h = Recorder(lambda d: ACK)
     with caplog.at_level(logging.WARNING, logger="trio_redis_finalize"):
         async with open_consumer(redis_url, name="c1") as consumer:
-            await consumer.mount(sub(), h)
+            await consumer.mount(sub(max_attempts=None), h)  # no dead letter
             await eventually(lambda: effects(consumer).get("exhausted") == 1, what="dropped")
     assert h.seen == []
     assert any(r.levelno == logging.ERROR and "corrupt envelope" in r.getMessage()
@@ -525,7 +525,7 @@ async def test_many_elements_each_handled_once(redis_url: str, client: Client) -
         ({"queue": Q, "processing": ""}, "processing"),
         ({"queue": Q, "block": 0}, "block"),
         ({"queue": Q, "heartbeat": -1}, "heartbeat"),
-        ({"queue": Q, "dead_letter": "d"}, "dead_letter"),
+        ({"queue": Q, "max_attempts": None, "dead_letter": "d"}, "dead_letter"),
         ({"queue": Q, "max_attempts": 0}, "max_attempts"),
     ],
 )

@@ -199,7 +199,8 @@ def test_delete_on_finalize_plans_delete_every_original() -> None:
     p = plan(t, d, retry_after(1.0))
     assert p.commands == (xack, xdel) and runtime_copy(p) == (S, 0)
     # exhausted without a dead letter
-    assert plan_dead(target(retention=DELETE, max_attempts=1), d, "x").commands == (xack, xdel)
+    assert plan_dead(target(retention=DELETE, max_attempts=1, dead_letter=None),
+                     d, "x").commands == (xack, xdel)
 
 
 def test_default_and_trim_acked_plans_are_unchanged() -> None:
@@ -242,7 +243,7 @@ def test_bad_retention_configuration() -> None:
     with pytest.raises(ValueError, match="retention"):
         StreamSubscription(S, G, retention="delete")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="dead_letter_maxlen"):
-        StreamSubscription(S, G, dead_letter_maxlen=10)
+        StreamSubscription(S, G, dead_letter=None, dead_letter_maxlen=10)
     s = StreamSubscription(S, G, retention=TRIM, copy_maxlen=10)
     assert s.target("c").retention is TRIM and s.target("c").copy_maxlen == 10
 
@@ -724,7 +725,8 @@ def test_native_delete_on_finalize_plans_use_xackdel() -> None:
     p = plan(t, d, retry_after(1.0))
     assert p.commands == (xackdel,)
     assert runtime_copy(p) == (S, 1000)
-    assert plan_dead(native_target(retention=DELETE, max_attempts=1), d, "x").commands == (xackdel,)
+    assert plan_dead(native_target(retention=DELETE, max_attempts=1, dead_letter=None),
+                     d, "x").commands == (xackdel,)
     # Redis Cluster, dead letter on another slot: the capped copy, then the XACKDEL
     tc = dataclasses.replace(StreamSubscription(
         S, G, retention=DELETE, max_attempts=1, dead_letter="elsewhere", dead_letter_maxlen=7,

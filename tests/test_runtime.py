@@ -129,7 +129,8 @@ async def test_handler_timing_out_in_its_own_scope_counts_as_an_error(
 
     async with open_consumer(redis_url, name="c1") as consumer:
         # no window (the default spreads the two attempts over 30 s)
-        await consumer.mount(StreamSubscription(S, G, block=0.05, max_attempts=2), handler,
+        await consumer.mount(StreamSubscription(S, G, block=0.05, max_attempts=2, dead_letter=None),
+                             handler,
                              on_error=Backoff(base=0.01, cap=0.01, window=0))
         await eventually(lambda: effects(consumer).get("exhausted") == 1, what="two failed attempts")
         assert stats(consumer)["handler_errors"] == 2

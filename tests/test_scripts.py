@@ -706,9 +706,9 @@ LIMITS = ["free", "dead", "dead-split", "exhausted"]
 
 def limit_args(limit: str, dead: str) -> dict[str, Any]:
     if limit == "free":
-        return {}
+        return {"max_attempts": None}
     if limit == "exhausted":
-        return {"max_attempts": 1}
+        return {"max_attempts": 1, "dead_letter": None}
     return {"max_attempts": 1, "dead_letter": dead}
 
 

@@ -330,7 +330,7 @@ async def test_max_attempts_without_dead_letter_acknowledges_with_a_warning(
     await xadd(client, payload="x")
     h = Recorder(lambda d: RETRY)
     async with open_consumer(redis_url, name="c1") as consumer:
-        await consumer.mount(StreamSubscription(S, G, block=0.05, max_attempts=2), h)
+        await consumer.mount(StreamSubscription(S, G, block=0.05, max_attempts=2, dead_letter=None), h)
         await eventually(lambda: effects(consumer).get("exhausted") == 1, what="exhausted")
     assert [d.attempt for d in h.seen] == [1, 2]
     assert await pending(client) == 0
@@ -372,7 +372,7 @@ async def test_poison_entry_reclaimed_past_the_limit_is_dead_lettered_unhandled(
         ({"min_idle": -1.0}, "min_idle"),
         ({"block": 0}, "block"),
         ({"block": -0.5}, "block"),
-        ({"dead_letter": "dead"}, "dead_letter"),
+        ({"max_attempts": None, "dead_letter": "dead"}, "dead_letter"),
         ({"count": 0}, "count"),
     ],
 )

@@ -141,7 +141,7 @@ STREAM_CELLS = [
     ("drop", {}, DROP, 1, "ack", Effect.DROPPED),
     ("retry", {}, RETRY, 1, "copy", Effect.COPIED),
     ("dead", {"max_attempts": 2, "dead_letter": "{o}dead"}, RETRY, 2, "copy", Effect.DEAD_LETTERED),
-    ("exhausted", {"max_attempts": 1}, RETRY, 1, "ack", Effect.EXHAUSTED),
+    ("exhausted", {"max_attempts": 1, "dead_letter": None}, RETRY, 1, "ack", Effect.EXHAUSTED),
     ("durable", {"delayed_retry": DelayedRetry.DURABLE_ZSET}, retry_after(3), 1, "zadd",
      Effect.DELAYED),
     ("runtime", {}, retry_after(3), 1, "ack", Effect.HELD),
@@ -149,7 +149,7 @@ STREAM_CELLS = [
     ("delete-retry", {"retention": Retention.DELETE_ON_FINALIZE, "copy_maxlen": 9}, RETRY, 1,
      "copy", Effect.COPIED),
     ("claiming-ack", {"mode": Mode.CLAIMING}, ACK, 1, "ack", Effect.ACKED),
-    ("claiming-dead", {"mode": Mode.CLAIMING, "max_attempts": 1}, RETRY, 1, "ack",
+    ("claiming-dead", {"mode": Mode.CLAIMING, "max_attempts": 1, "dead_letter": None}, RETRY, 1, "ack",
      Effect.EXHAUSTED),
 ]
 

@@ -3,7 +3,7 @@ every delivery with the commands proper to its form and outcome.
 
 Streams (consumer groups: plain, reclaim, claiming), reliable lists, simple
 lists and Pub/Sub channels and patterns; handlers return ``ACK``, ``RETRY``,
-``DROP`` or ``retry_after(delay)``; a handler that raises backs off
+``DROP``, ``retry_after(delay)`` or ``reject(reason)``; a handler that raises backs off
 (:class:`Backoff`: the delivery stays pending and comes back later).  Copies
 are written before originals are removed: a crash leaves a duplicate, never
 a loss.
@@ -12,6 +12,7 @@ a loss.
 from ._channel import ChannelSubscription as ChannelSubscription
 from ._channel import PatternSubscription as PatternSubscription
 from ._consumer import Consumer as Consumer
+from ._consumer import Mounted as Mounted
 from ._consumer import open_consumer as open_consumer
 from ._delivery import Delivery as Delivery
 from ._envelope import GROUP_FIELD as GROUP_FIELD
@@ -23,9 +24,12 @@ from ._errors import ConsumerNameInUse as ConsumerNameInUse
 from ._list import ListSubscription as ListSubscription
 from ._outcome import ACK as ACK
 from ._outcome import DROP as DROP
+from ._outcome import REJECT as REJECT
 from ._outcome import RETRY as RETRY
 from ._outcome import Backoff as Backoff
 from ._outcome import Outcome as Outcome
+from ._outcome import Rejected as Rejected
+from ._outcome import reject as reject
 from ._outcome import retry_after as retry_after
 from ._publisher import Publisher as Publisher
 from ._publisher import open_publisher as open_publisher
@@ -45,6 +49,7 @@ __all__ = [
     "DROP",
     "GROUP_FIELD",
     "ORIGIN_FIELD",
+    "REJECT",
     "RETRIES_FIELD",
     "RETRY",
     "AckError",
@@ -59,15 +64,18 @@ __all__ = [
     "Delivery",
     "ListSubscription",
     "Mode",
+    "Mounted",
     "Outcome",
     "PatternSubscription",
     "Publisher",
+    "Rejected",
     "ReliableListSubscription",
     "Retention",
     "StreamSubscription",
     "open_client",
     "open_consumer",
     "open_publisher",
+    "reject",
     "retry_after",
     "sentinel_params",
 ]

@@ -7,7 +7,7 @@ Commands (``--help`` on each)::
                                                     run a consumer defined in your code
     inspect KEY [--group G] [--entries N] [--url URL] [--json]
                                                     a queue's state (table, or --json)
-    requeue DEAD_LETTER --to KEY [--limit N] [--force] [--url URL]
+    requeue DEAD_LETTER [--to KEY] [--limit N] [--force] [--url URL]
                                                     move dead-lettered messages back
 
 ``--url`` defaults to ``redis://127.0.0.1:6379/0`` (``demo`` without
@@ -46,6 +46,7 @@ from ._core._retention import GroupNeed, group_rows, oldest_needed
 from ._core._scripts import LUA_XADD, why_pop
 from ._envelope import ORIGIN_FIELD, RETRIES_FIELD, CorruptEnvelope, unwrap, wrap
 from ._keys import derived, has_hash_tag, same_slot
+from ._subscription import DEAD_SUFFIX, Form, default_dead_letter, source_of_dead_letter
 from ._table import CliError, print_table
 from ._transport import Client, Script, open_client, parse_url
 
@@ -121,6 +122,7 @@ def load_factory(spec: str) -> Callable[[Any], Awaitable[None]]:
             raise CliError(f"factory {spec!r}: no module named {e.name!r}") from None
         raise CliError(f"factory {spec!r}: importing {module_name!r} failed: {_describe(e)}") from None
     except Exception as e:
+        log.debug("factory %r: importing %r raised", spec, module_name, exc_info=e)
         raise CliError(f"factory {spec!r}: importing {module_name!r} failed: {_describe(e)}") from None
     obj: Any = module
     for part in attr.split("."):
@@ -142,38 +144,56 @@ def _describe(exc: BaseException) -> str:
     return f"{type(first).__name__}: {text}" if text else type(first).__name__
 
 
-def shutdown_summary(stats: dict[str, dict[str, Any]]) -> str:
-    """One line: what the consumer finalized and what it left pending."""
+def shutdown_summary(stats: dict[str, dict[str, Any]], held: int | None = None) -> str:
+    """One line: what the consumer finalized and what it handed back.
+
+    ``held``: what Redis holds for this consumer after the stop (its pending
+    entries, its processing lists: :func:`_held_in_redis`), counted as
+    "handed back"; ``None`` (Redis not asked): estimated from the stats."""
     effects: dict[str, int] = {}
     received = handled = 0
-    for s in stats.values():
+    for name, s in stats.items():
         received += int(s.get("received", 0))
         handled += sum(int(n) for n in s.get("outcomes", {}).values())
         for effect, n in s.get("effects", {}).items():
+            if effect == Effect.NOTHING.value and name.startswith(("stream ", "reliable list ")):
+                continue  # there: a give-back at the stop, not a finalization
             effects[effect] = effects.get(effect, 0) + int(n)
     # effects of finalizing a delivery (not: recovered lists, moves out of the delay set, ...)
     kinds = {e.value for e in Effect} - {Effect.LEFT_PENDING.value}
     finalized = sum(n for e, n in effects.items() if e in kinds)
     detail = ", ".join(f"{e} {n}" for e, n in sorted(effects.items()) if n and e in kinds)
-    left = max(0, received - handled) + effects.get("left_pending", 0)
+    back = held if held is not None else (
+        max(0, received - handled) + effects.get("left_pending", 0) + effects.get("backed_off", 0))
     stranded = [f"{n} in {name}" for name, s in stats.items() if (n := s.get("stranded"))]
     return (f"stopped: finalized {finalized} deliver{'y' if finalized == 1 else 'ies'}"
-            f"{f' ({detail})' if detail else ''}; left pending {left} by this consumer "
-            "(redelivered later)" + (
+            f"{f' ({detail})' if detail else ''}; handed back {back} (pending in Redis, "
+            "delivered again)" + (
                 f"; stranded: {', '.join(stranded)} (entries pending for other consumers of the "
                 "group with no live heartbeat, as last seen: dead ones are taken over by the "
                 "next live consumer, those that never kept one are not -- see inspect KEY "
                 "--group G)" if stranded else ""))
 
 
+SIGNAL_DEBOUNCE = 1.0
+"""Seconds after the first SIGINT/SIGTERM during which another one is ignored
+(a wrapper and its process group often send two at once): only a signal
+after it exits at once."""
+
+
 async def _watch_signals(signals: Any, stop: anyio.CancelScope) -> None:
-    count = 0
+    first: float | None = None
     async for signum in signals:
-        count += 1
         name = signal.Signals(signum).name
-        if count == 1:
-            log.warning("%s: shutting down gracefully (send it again to exit at once)", name)
+        now = anyio.current_time()
+        if first is None:
+            first = now
+            log.warning("%s: shutting down gracefully (send it again, %g s later or more, to "
+                        "exit at once)", name, SIGNAL_DEBOUNCE)
             stop.cancel()
+        elif now - first < SIGNAL_DEBOUNCE:
+            log.info("%s %.3f s after the first: ignored (a second signal counts after %g s)",
+                     name, now - first, SIGNAL_DEBOUNCE)
         else:
             log.warning("%s again: exiting now", name)
             logging.shutdown()
@@ -212,6 +232,7 @@ async def _run(url: str, factory: Callable[[Any], Awaitable[None]], spec: str, n
                             await result
                     except Exception as e:
                         failure = f"factory {spec!r} failed: {_describe(e)}"
+                        log.debug("factory %r raised", spec, exc_info=e)  # --log-level DEBUG
                     if failure is None and not consumer.mounts:
                         failure = (f"factory {spec!r} mounted nothing "
                                    "(call await consumer.mount(subscription, handler))")
@@ -220,13 +241,35 @@ async def _run(url: str, factory: Callable[[Any], Awaitable[None]], spec: str, n
                                  len(consumer.mounts))
                         await anyio.sleep_forever()
             if failure is None and running is not None:
-                summary = shutdown_summary(running.stats())
+                held = await _held_in_redis(url, running)
+                summary = shutdown_summary(running.stats(), held)
             outer.cancel_scope.cancel()
     if failure is not None:
         raise CliError(failure)
     log.info("stopped")
     print(f"{PROG} run: {summary}", file=sys.stderr, flush=True)
     return 0
+
+
+async def _held_in_redis(url: str, consumer: Any) -> int | None:
+    """What Redis holds for ``consumer`` after its stop: its entries pending in
+    each stream group (XPENDING), its processing lists' lengths; ``None`` when
+    Redis does not answer within 2 s."""
+    try:
+        with anyio.fail_after(2.0):
+            async with open_client(url, name="trf-cli:run", max_connections=1) as client:
+                held = 0
+                for m in consumer.mounts:
+                    t = m.target
+                    if t.form is Form.STREAM:
+                        rows = (await client.execute("XPENDING", t.source, t.group))[3] or []
+                        held += sum(int(n) for c, n in rows if _str(c) == consumer.name)
+                    elif t.form is Form.RELIABLE_LIST:
+                        held += int(await client.execute("LLEN", t.processing))
+                return held
+    except (rexc.RedisError, OSError, TimeoutError) as e:
+        log.debug("counting what Redis holds for the consumer failed: %s", e)
+        return None
 
 
 async def _serve_metrics(consumer: Any, host: str, port: int, prefix: str, *,
@@ -628,7 +671,14 @@ async def _inspect(url: str, key: str, group: str | None, delay_key: str | None,
             if group is not None:
                 raise CliError(f"--group: key {key!r} is a list, not a stream")
             info = await inspect_list(client, key, heartbeat)
-        info["delay_set"] = await _delay_set(client, delay_key or derived(key, ":delayed"))
+        # a dead letter (what this library wrote, no group reading it) has no
+        # delay set nor a dead letter of its own: no rows for them
+        info["is_dead_letter"] = is_dead = (
+            (int(info["length"]) > 0 or key.endswith(DEAD_SUFFIX))
+            and await refusal(client, key, kind) is None)
+        info["delay_set"] = (await _delay_set(client, delay_key or derived(key, ":delayed"))
+                             if delay_key or not is_dead else None)
+        dead_letter = dead_letter or (None if is_dead else default_dead_letter(key))
         info["dead_letter"] = await _dead_letter(client, dead_letter) if dead_letter else None
         if entries is not None:
             info["entries"] = await _entries(client, key, kind, entries)
@@ -658,12 +708,15 @@ def print_inspect(info: dict[str, Any]) -> None:
             rows.append(["oldest needed", f"{ret['oldest_needed_id']} (over all groups)"])
             more = "+" if ret["trimmable_capped"] else ""
             rows.append(["trim would remove", f"{ret['trimmable']}{more} entries"])
+    if info.get("is_dead_letter"):
+        rows.append(["dead letter", "yes (written by trio_redis_finalize; requeue moves it back)"])
     ds = info["delay_set"]
-    due = ds["oldest_due_in"]
-    due_text = "" if due is None else (f", oldest due in {due:.3f} s" if due >= 0
-                                       else f", oldest overdue by {-due:.3f} s")
-    rows.append(["delay set", f"{ds['key']}: {ds['size']}{due_text}" + (
-        f" ({ds['error']})" if "error" in ds else "")])
+    if ds is not None:
+        due = ds["oldest_due_in"]
+        due_text = "" if due is None else (f", oldest due in {due:.3f} s" if due >= 0
+                                           else f", oldest overdue by {-due:.3f} s")
+        rows.append(["delay set", f"{ds['key']}: {ds['size']}{due_text}" + (
+            f" ({ds['error']})" if "error" in ds else "")])
     dl = info["dead_letter"]
     if dl is not None:
         rows.append(["dead letter", f"{dl['key']}: {dl['length']}" + (
@@ -923,6 +976,11 @@ async def _requeue(url: str, dead: str, dest: str, limit: int | None, force: boo
 
 def cmd_requeue(args: argparse.Namespace) -> int:
     url = check_url(args.url)
+    if args.to is None:  # a default dead letter names its source
+        args.to = source_of_dead_letter(args.dead_letter)
+        if args.to is None:
+            raise CliError(f"--to KEY is needed: {args.dead_letter!r} is not a default dead "
+                           f"letter ('{{SOURCE}}:dead') (see {PROG} requeue --help)")
     moved = anyio.run(_requeue, url, args.dead_letter, args.to, args.limit, args.force, backend="trio")
     print(f"requeued {moved} message{'s' if moved != 1 else ''} from {args.dead_letter} to {args.to}")
     return 0
@@ -977,8 +1035,10 @@ _non_negative = _checked(float, "a number", lambda v: v >= 0, "must be >= 0")  #
 def _url_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--url", default=DEFAULT_URL,
-        help=f"Redis URL: redis://[user:password@]host:port/db, rediss://, unix://path "
-             f"(default: {DEFAULT_URL})",
+        help=f"Redis URL: redis://[user:password@]host:port/db, rediss://... (TLS), "
+             f"unix://path, redis+cluster://host:port[,host:port...] (Redis Cluster), "
+             f"redis+sentinel://[user:password@]host:port[,host:port...]/service_name[/db] "
+             f"(Sentinel) (default: {DEFAULT_URL})",
     )
 
 
@@ -1095,7 +1155,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "consumers are reading.",
     )
     p.add_argument("dead_letter", metavar="DEAD_LETTER", help="the dead-letter stream or list")
-    p.add_argument("--to", required=True, metavar="KEY", help="where the messages go")
+    p.add_argument("--to", default=None, metavar="KEY",
+                   help="where the messages go (default: the source of a default dead letter, "
+                        "{KEY}:dead -> KEY)")
     p.add_argument("--limit", type=_positive_int, default=None, metavar="N",
                    help="move at most N messages (default: all)")
     p.add_argument("--force", action="store_true",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import os
 import socket
 import uuid
@@ -12,6 +14,7 @@ from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
+from redis import exceptions as rexc
 
 from ._channel import PubSubReader
 from ._context import BatchHandler, Handler, log, sole
@@ -29,7 +32,7 @@ from ._stream import StreamReader
 from ._subscription import Form, Subscription
 from ._transport import Client, ClusterClient, open_client
 
-__all__ = ["Consumer", "open_consumer"]
+__all__ = ["Consumer", "Mounted", "check_async", "evicting_policy", "open_consumer"]
 
 
 MOUNT_TIMEOUT = 15.0
@@ -41,8 +44,67 @@ DEFAULT_BACKOFF = Backoff()
 """``Consumer.mount``'s default ``on_error``: ``Backoff(base=0.1, cap=30.0, window=30.0)``."""
 
 
+_POLICY_TIMEOUT = 2.0
+"""Seconds the ``CONFIG GET maxmemory-policy`` of the first mount may take."""
+
+
+def evicting_policy(reply: object) -> str | None:
+    """The ``maxmemory-policy`` a ``CONFIG GET maxmemory-policy`` reply names
+    when it evicts keys (anything but ``noeviction``), else None (``noeviction``,
+    an empty or unexpected reply)."""
+    if isinstance(reply, dict):  # RESP3
+        reply = [x for kv in reply.items() for x in kv]
+    if not isinstance(reply, (list, tuple)) or len(reply) < 2:
+        return None
+    value = reply[1]
+    policy = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+    return None if policy.lower() == "noeviction" else policy
+
+
 def _default_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+def check_async(handler: object) -> None:
+    """Refuse a handler that is a plain ``def`` function or a lambda (not a
+    coroutine function): awaiting what it returns fails every delivery.
+
+    Raises:
+        TypeError: naming the handler.
+    """
+    fn = handler
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if (inspect.isfunction(fn) or inspect.ismethod(fn)) and not (
+            inspect.iscoroutinefunction(fn) or getattr(handler, "trf_bind", None) is not None):
+        what = getattr(fn, "__qualname__", repr(fn))
+        raise TypeError(
+            f"handler {what!r} is a plain function (def or lambda), not 'async def': every "
+            "delivery would fail awaiting its result; write 'async def handler(delivery): ...' "
+            "(blocking code inside it: 'await anyio.to_thread.run_sync(work, delivery)')")
+
+
+class Mounted:
+    """A mounted subscription, as :meth:`Consumer.mount` returns it.
+
+    ``name``: the subscription's name, its key in :meth:`Consumer.stats`;
+    ``subscription``: what was mounted; :meth:`stats`: its counters.
+    """
+
+    __slots__ = ("_consumer", "_mount", "name", "subscription")
+
+    def __init__(self, consumer: Consumer, mount: Mount, subscription: Subscription) -> None:
+        self._consumer = consumer
+        self._mount = mount
+        self.name = mount.name
+        self.subscription = subscription
+
+    def stats(self) -> dict[str, Any]:
+        """This subscription's counters (see :meth:`Consumer.stats`)."""
+        return self._consumer._stats_of(self._mount)
+
+    def __repr__(self) -> str:
+        return f"<Mounted {self.name}>"
 
 
 class Consumer:
@@ -63,6 +125,7 @@ class Consumer:
         self._tg = tg
         self._mounts: list[Mount] = []
         self._closing = False
+        self._policy_checked = False  # maxmemory-policy, once per consumer (at its first mount)
 
     async def mount(
         self,
@@ -73,8 +136,9 @@ class Consumer:
         on_error: Outcome | Backoff = DEFAULT_BACKOFF,
         batch: bool = False,
         takeover: bool | None = None,
-    ) -> None:
-        """Start reading ``subscription``; returns once it is reading.
+    ) -> Mounted:
+        """Start reading ``subscription``; returns once it is reading, with a
+        :class:`Mounted` handle (``.name``: its key in :meth:`stats`, ``.stats()``).
 
         Args:
             subscription: a ``StreamSubscription``, ``ReliableListSubscription``,
@@ -135,6 +199,9 @@ class Consumer:
             ValueError: bad ``concurrency`` / ``on_error`` / ``handler`` /
                 ``takeover``; the same subscription mounted already on this
                 consumer.
+            TypeError: ``handler`` is a plain ``def`` function or a lambda
+                (not ``async def``): each delivery would fail; the message
+                names it.
             ConsumerNameInUse: another live process holds this consumer
                 name's heartbeat (streams and reliable lists; the message
                 names the key, the process and the heartbeat's age).
@@ -156,6 +223,7 @@ class Consumer:
             raise ValueError(f"batch must be True or False, got {batch!r}")
         if takeover is not None and not isinstance(takeover, bool):
             raise ValueError(f"takeover must be True, False or None, got {takeover!r}")
+        check_async(handler)
         if batch and getattr(handler, "trf_bind", None) is not None:
             raise ValueError("handler: otel.instrument_handler wraps a handler of one delivery; "
                              "it cannot be mounted with batch=True")
@@ -192,6 +260,32 @@ class Consumer:
             # raise the error itself, as documented
             raise sole(eg) from None
         self._mounts.append(mount)
+        if not self._policy_checked and target.form in (Form.STREAM, Form.RELIABLE_LIST, Form.LIST):
+            # once the mount is reading: the check can neither fail nor hold up its set-up
+            self._policy_checked = True
+            await self._check_eviction(target.name)
+        return Mounted(self, mount, subscription)
+
+    async def _check_eviction(self, name: str) -> None:
+        """Warn when the server may evict keys (``maxmemory-policy`` other than
+        ``noeviction``): a queue, its PEL or a dead letter could vanish.  A
+        server that refuses ``CONFIG`` (managed services, ACLs, a renamed
+        command) or does not answer in time is left alone (logged at DEBUG)."""
+        try:
+            reply = await self.client.execute("CONFIG", "GET", "maxmemory-policy",
+                                              timeout=_POLICY_TIMEOUT)
+        except (rexc.RedisError, OSError) as e:
+            log.debug("%s: CONFIG GET maxmemory-policy refused (%s); eviction not checked",
+                      name, e, extra={"subscription": name})
+            return
+        policy = evicting_policy(reply)
+        if policy is not None:
+            log.warning(
+                "%s: the server's maxmemory-policy is %r: under memory pressure Redis evicts "
+                "keys, and a queue, a stream with its pending entries, a delay set or a dead "
+                "letter can vanish with everything in it; set maxmemory-policy noeviction "
+                "(writes are then refused with OOM, which this library sends again)",
+                name, policy, extra={"subscription": name, "maxmemory_policy": policy})
 
     async def finalize(self, delivery: Delivery, outcome: Outcome) -> None:
         """Finalize ``delivery`` now with ``outcome`` (outside a handler's return).
@@ -212,6 +306,12 @@ class Consumer:
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Counters per subscription: ``{subscription name: counters}``, plain dicts.
+
+        The key is the subscription's ``name`` (``stream 'orders' group
+        'billing'``, ``reliable list 'jobs'``, ``list 'inbox'``, ``channels
+        'a', 'b'`` ...), which :meth:`mount`'s handle carries too:
+        ``handle = await consumer.mount(...)``; ``handle.stats()`` is
+        ``consumer.stats()[handle.name]``.
 
         Each subscription's counters: ``received`` (deliveries read, before
         any handler call), ``handler_errors``, ``refused`` (outcomes the
@@ -235,12 +335,12 @@ class Consumer:
         reads 0 (``stats()[name]["effects"]["acked"]`` before the first
         ACK is settled), as Prometheus shows every series from 0.
         """
-        out = {}
-        for m in self._mounts:
-            snap = m.stats.snapshot()
-            snap["held"] = self.scheduler.held_by(m)
-            out[m.name] = snap
-        return out
+        return {m.name: self._stats_of(m) for m in self._mounts}
+
+    def _stats_of(self, m: Mount) -> dict[str, Any]:
+        snap = m.stats.snapshot()
+        snap["held"] = self.scheduler.held_by(m)
+        return snap
 
     @property
     def mounts(self) -> list[Mount]:
@@ -324,6 +424,9 @@ async def open_consumer(
     Raises:
         ValueError: bad URL or argument (the message names it).
         redis.exceptions.ConnectionError: the server cannot be reached.
+
+    An exception raised inside the ``async with`` block comes out as itself
+    (``except ValueError:`` catches it), not wrapped in an ``ExceptionGroup``.
     """
     if isinstance(shutdown_grace, bool) or not isinstance(shutdown_grace, (int, float)) or shutdown_grace < 0:
         raise ValueError(f"shutdown_grace must be a number of seconds >= 0, got {shutdown_grace!r}")
@@ -344,6 +447,7 @@ async def open_consumer(
         else:
             raise ValueError(f"url_or_client must be a URL string or a client, got {url_or_client!r}")
         sched: Scheduler | None = None
+        raised: BaseException | None = None  # the block's own exception, raised as itself
         try:
             async with anyio.create_task_group() as tg:
                 consumer = Consumer(
@@ -362,6 +466,8 @@ async def open_consumer(
                 await tg.start(scheduler)
                 try:
                     yield consumer
+                except BaseException as e:  # re-raised below, outside the task group
+                    raised = e
                 finally:
                     try:
                         await consumer.aclose()  # shielded and bounded inside (_shutdown)
@@ -371,4 +477,8 @@ async def open_consumer(
             if sched is not None:
                 sched.abandon()
                 LIVE.discard(consumer.token)  # closed: a restart in this process may take it
+        if raised is not None:
+            # what the block raised comes out as it is, not in an ExceptionGroup
+            # (the task group would wrap it), on trio and asyncio alike
+            raise raised
 

@@ -56,7 +56,7 @@ _ERROR_KINDS = (
     ("read", "read_errors"),
     ("group_recreated", "group_recreated"),
 )
-OUTCOMES = ("ack", "retry", "drop", "retry_after", "backoff")
+OUTCOMES = ("ack", "retry", "drop", "retry_after", "reject", "backoff")
 """Every outcome counted (``backoff``: a handler error under ``on_error=Backoff``);
 each series is exported from zero."""
 EFFECTS = (

@@ -85,7 +85,7 @@ from ._core._plan import Effect, Target
 from ._core._writes import check_outcome
 from ._delivery import Delivery, record_error
 from ._finalizer import Finalizer
-from ._outcome import DROP, Backoff, Outcome, WithWrites
+from ._outcome import DROP, REJECT, Backoff, Outcome, Rejected, WithWrites, reject
 from ._read_loop import Reader, drive, retry_not_run
 from ._scheduler import LaterGates
 from ._shutdown import CLOSE_MARGIN, CLOSING_TIMEOUT, FINALIZE_GRACE, Budget, cleanup, cleanup_until
@@ -602,6 +602,8 @@ class Mount:
         """The batch handler raised (called inside the ``except``): every
         delivery of the call failed; one log line for all."""
         exc = sys.exc_info()[1]
+        if isinstance(exc, Rejected):
+            return [self._rejected(d, exc) for d in batch]
         for d in batch:
             record_error(d, exc)  # for the dead-letter entries
         self._batch_failed(batch, "raised", exc)
@@ -621,6 +623,9 @@ class Mount:
             if self._warn_repeats:
                 self._keeps_failing(d)
         text = "; ".join(f"{_shown(ids)}: {fate}" for fate, ids in fates.items())
+        if exc is not None and not any(map(self._traceback, batch)):  # one line in between
+            what = f"{what} ({type(exc).__name__}: {exc})"
+            exc = None
         log.error("%s: batch handler %s on %d deliveries: %s", self.name, what, len(batch), text,
                   exc_info=exc, extra={"subscription": self.name,
                                        "entry_ids": [d.id for d in batch],
@@ -662,15 +667,42 @@ class Mount:
         # a cancelled scope around this task: the effective deadline is -inf
         return anyio.current_effective_deadline() == -math.inf
 
+    def _traceback(self, d: Delivery) -> bool:
+        """Whether a failure of ``d`` is logged with its full traceback: at its
+        first attempt and at its last (``max_attempts``, or an ``on_error``
+        that does not try again); one line in between."""
+        again = self._on_error
+        if d.attempt <= 1 or not (isinstance(again, Backoff) or again.is_retry):
+            return True
+        m = self.target.max_attempts
+        return m is not None and d.attempt >= m
+
+    def _rejected(self, d: Delivery, exc: Rejected) -> Outcome:
+        """The handler raised :class:`Rejected`: the outcome ``reject(reason)``."""
+        log.warning("%s: handler rejected %s (attempt %d): %s", self.name, d.id or d.origin_id,
+                    d.attempt, exc, extra=log_extra(self.name, d, REJECT))
+        return reject(str(exc))
+
     def _raised(self, d: Delivery) -> Outcome | Backoff:
         """The handler raised (called inside the ``except``): count, log, ``on_error``."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, Rejected):
+            return self._rejected(d, exc)
         self.stats.handler_errors += 1
-        record_error(d, sys.exc_info()[1])  # for the dead-letter entry
-        log.exception(
-            "%s: handler raised on %s (attempt %d); %s",
-            self.name, d.id or d.origin_id, d.attempt, self._error_text(d),
-            extra=log_extra(self.name, d, self._on_error),
-        )
+        record_error(d, exc)  # for the dead-letter entry
+        if self._traceback(d):
+            log.error(
+                "%s: handler raised on %s (attempt %d); %s%s",
+                self.name, d.id or d.origin_id, d.attempt, self._error_text(d), backend_hint(exc),
+                exc_info=exc, extra=log_extra(self.name, d, self._on_error),
+            )
+        else:  # between the first and the last attempt: one line
+            log.error(
+                "%s: handler raised on %s (attempt %d): %s: %s; %s (traceback logged at the "
+                "first and the last attempt)",
+                self.name, d.id or d.origin_id, d.attempt, type(exc).__name__, exc,
+                self._error_text(d), extra=log_extra(self.name, d, self._on_error),
+            )
         if self._warn_repeats:
             self._keeps_failing(d)
         return self._on_error
@@ -725,6 +757,23 @@ class Mount:
             extra=log_extra(self.name, d, self._on_error),
         )
 
+
+
+def backend_hint(exc: BaseException | None) -> str:
+    """For an asyncio-only handler under trio ("no running event loop"): how to
+    run it under asyncio; else ""."""
+    if not isinstance(exc, RuntimeError) or "no running event loop" not in str(exc):
+        return ""
+    try:
+        import sniffio  # anyio's dependency; only on this error
+
+        if sniffio.current_async_library() != "trio":
+            return ""
+    except Exception:  # no library detected: say nothing
+        return ""
+    return ("; the handler needs asyncio but runs under trio: run the consumer under asyncio "
+            "(trio-redis-finalize run ... --backend asyncio, or anyio.run(main, "
+            "backend='asyncio'))")
 
 
 def _what(result: object) -> str:

@@ -1,5 +1,6 @@
-"""Outcomes a handler returns: ``ACK``, ``RETRY``, ``DROP``, ``retry_after(delay)``;
-and :class:`Backoff`, the default ``on_error`` of a mount."""
+"""Outcomes a handler returns: ``ACK``, ``RETRY``, ``DROP``, ``retry_after(delay)``,
+``REJECT`` / ``reject(reason)`` (or :class:`Rejected` raised); and
+:class:`Backoff`, the default ``on_error`` of a mount."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ from typing import ClassVar, Final
 from ._value import immutable, setters
 from ._writes import Write, check_writes
 
-__all__ = ["ACK", "DROP", "RETRY", "Backoff", "Outcome", "OutcomeKind", "WithWrites", "retry_after"]
+__all__ = [
+    "ACK", "DROP", "REJECT", "RETRY", "Backoff", "Outcome", "OutcomeKind", "Rejected", "WithWrites",
+    "reject", "retry_after",
+]
 
 
 class OutcomeKind(enum.Enum):
@@ -21,6 +25,7 @@ class OutcomeKind(enum.Enum):
     RETRY = "retry"
     DROP = "drop"
     RETRY_AFTER = "retry_after"
+    REJECT = "reject"
 
 
 @immutable
@@ -28,16 +33,21 @@ class OutcomeKind(enum.Enum):
 class Outcome:
     """What to do with a delivery once its handler is done (immutable).
 
-    Use the constants :data:`ACK`, :data:`RETRY`, :data:`DROP` or
-    :func:`retry_after`; equal outcomes compare equal.
+    Use the constants :data:`ACK`, :data:`RETRY`, :data:`DROP`,
+    :data:`REJECT` or :func:`retry_after`, :func:`reject`; equal outcomes
+    compare equal.
     """
 
     kind: OutcomeKind
     delay: float = 0.0
+    reason: str = ""
+    """Why a :func:`reject` dead-letters the delivery ("" for every other outcome)."""
 
     def __repr__(self) -> str:
         if self.kind is OutcomeKind.RETRY_AFTER:
             return f"retry_after({self.delay!r})"
+        if self.kind is OutcomeKind.REJECT and self.reason:
+            return f"reject({self.reason!r})"
         return self.kind.name
 
     @property
@@ -58,8 +68,8 @@ class Outcome:
         are applied once per finalized delivery, whatever is lost, refused,
         resent or raced (see the README, "Exactly-once effects").  Streams
         (every mode but a claiming RETRY, which finalizes nothing) and
-        reliable lists; ACK, DROP, RETRY, ``retry_after`` and the dead
-        letter a RETRY turns into at the last attempt.  Called on an
+        reliable lists; ACK, DROP, RETRY, ``retry_after``, REJECT and the
+        dead letter a RETRY turns into at the last attempt.  Called on an
         outcome that carries writes already, adds to them.
 
         Raises:
@@ -68,7 +78,7 @@ class Outcome:
                 more than the bounds allow (64 writes, 4,096 values, 1 MiB).
         """
         checked = check_writes(writes)
-        return WithWrites(self.kind, self.delay, (*self.writes, *checked))
+        return WithWrites(self.kind, self.delay, self.reason, (*self.writes, *checked))
 
 
 ACK: Final = Outcome(OutcomeKind.ACK)
@@ -77,6 +87,39 @@ RETRY: Final = Outcome(OutcomeKind.RETRY)
 """Handle again as soon as possible (a copy with the retry counter one higher)."""
 DROP: Final = Outcome(OutcomeKind.DROP)
 """Give up on the delivery without handling it: removed like ACK, counted apart."""
+REJECT: Final = Outcome(OutcomeKind.REJECT)
+"""It can never succeed: dead-letter it now, whatever the attempt (see :func:`reject`)."""
+
+
+def reject(reason: str) -> Outcome:
+    """Dead-letter the delivery now, with ``reason``: it can never succeed.
+
+    Like BullMQ's ``UnrecoverableError`` or Celery's ``Reject``: no further
+    attempt, whatever ``max_attempts``.  The delivery is copied to the
+    subscription's dead letter (the reason in its ``trf-dead-reason`` field,
+    or in the reliable list's reason record: ``rejected: <reason>``), then
+    removed -- one gated step, like a dead letter at the last attempt.  A
+    handler may also raise :class:`Rejected`.  Streams (every mode) and
+    reliable lists with a dead letter (the default); refused with
+    :class:`~trio_redis_finalize.AckUnsupported` where there is none (simple
+    lists, Pub/Sub, ``dead_letter=None``): the delivery then stays where it
+    is.  Carries writes like the others (``reject("bad").with_writes(...)``).
+
+    Raises:
+        ValueError: ``reason`` is not a string.
+    """
+    if not isinstance(reason, str):
+        raise ValueError(f"reason must be a string, got {reason!r}")
+    return Outcome(OutcomeKind.REJECT, 0.0, reason)
+
+
+class Rejected(Exception):  # an outcome raised, not an error: like Celery's Reject
+    """Raised by a handler (or code it calls): dead-letter the delivery now.
+
+    ``raise Rejected("malformed order")`` is ``return reject("malformed
+    order")``: logged at WARNING (one line, no traceback), not a handler
+    error, not retried.  The reason is ``str(exc)``.
+    """
 
 
 @immutable

@@ -51,6 +51,8 @@ from ._keys import derived, same_slot
 from ._read_loop import Pending, check_type, reader_connection
 from ._shutdown import CLOSING_TIMEOUT, Budget, cleanup
 from ._subscription import (
+    DEFAULT_MAX_ATTEMPTS,
+    QUEUE_DEAD_LETTER,
     DelayedRetry,
     Form,
     Subscription,
@@ -58,6 +60,7 @@ from ._subscription import (
     check_key,
     check_limits,
     check_positive,
+    resolve_dead_letter,
 )
 from ._transport import Connection
 
@@ -73,8 +76,13 @@ class ReliableListSubscription(Subscription):
         processing: this consumer's processing list (default
             ``{queue}:processing:<consumer name>``).
         delayed_retry: RUNTIME (default) or DURABLE_ZSET for ``retry_after``.
-        max_attempts: attempts before a RETRY goes to ``dead_letter``.
-        dead_letter: list that receives exhausted elements (LPUSH).
+        max_attempts: attempts before a RETRY (or a failure under
+            ``Backoff``) goes to ``dead_letter``; default 10
+            (``DEFAULT_MAX_ATTEMPTS``); ``None``: retried forever, no dead letter.
+        dead_letter: list that receives exhausted and rejected elements
+            (LPUSH); default ``{queue}:dead`` (same hash slot; none when
+            ``max_attempts=None``); ``None``: exhausted elements are dropped
+            with a warning and ``reject`` is refused.
         block: seconds one BLMOVE blocks.
         delay_key: the durable delay set (default ``{queue}:delayed``).
         heartbeat: seconds after which a silent consumer counts as dead and
@@ -85,8 +93,8 @@ class ReliableListSubscription(Subscription):
     _: dataclasses.KW_ONLY  # the rest keyword-only, as documented
     processing: str | None = None
     delayed_retry: DelayedRetry | None = None
-    max_attempts: int | None = None
-    dead_letter: str | None = None
+    max_attempts: int | None = DEFAULT_MAX_ATTEMPTS
+    dead_letter: str | None = QUEUE_DEAD_LETTER
     block: float = 1.0
     delay_key: str | None = None
     heartbeat: float = 30.0
@@ -100,6 +108,9 @@ class ReliableListSubscription(Subscription):
             if self.processing == self.queue:
                 raise ValueError("processing must differ from queue")
         check_delay(self.delayed_retry, self.delay_key)
+        # the default dead letter ({queue}:dead), named now (None without max_attempts)
+        object.__setattr__(self, "dead_letter", resolve_dead_letter(
+            self.queue if isinstance(self.queue, str) else "", self.max_attempts, self.dead_letter))
         check_limits(self.max_attempts, self.dead_letter)
         if self.dead_letter is not None and self.dead_letter in (self.queue, self.processing):
             raise ValueError("dead_letter must differ from queue and processing")

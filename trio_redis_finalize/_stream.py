@@ -26,6 +26,8 @@ from ._read_loop import Pending, check_type, reader_connection, retry_not_run
 from ._shutdown import cleanup
 from ._stream_retention import check_retention, trim
 from ._subscription import (
+    DEFAULT_MAX_ATTEMPTS,
+    STREAM_DEAD_LETTER,
     DelayedRetry,
     Form,
     Mode,
@@ -36,6 +38,7 @@ from ._subscription import (
     check_limits,
     check_maxlen,
     check_positive,
+    resolve_dead_letter,
 )
 from ._transport import Client, Connection, Script
 
@@ -74,8 +77,13 @@ class StreamSubscription(Subscription):
             ``min_idle`` (a warning is logged once per subscription); give
             DURABLE_ZSET to a claiming subscription to honour longer delays.
         delay_key: the durable delay set (default ``{stream}:delayed``).
-        max_attempts: attempts before a RETRY goes to ``dead_letter``.
-        dead_letter: stream that receives exhausted entries.
+        max_attempts: attempts before a RETRY (or a failure under
+            ``Backoff``) goes to ``dead_letter``; default 10
+            (``DEFAULT_MAX_ATTEMPTS``); ``None``: retried forever, no dead letter.
+        dead_letter: stream that receives exhausted and rejected entries;
+            default ``{stream}:dead`` (same hash slot; none when
+            ``max_attempts=None``); ``None``: exhausted entries are dropped
+            with a warning and ``reject`` is refused.
         block: seconds one XREADGROUP blocks.
         count: entries per read.
         start_id: where a new group starts: ``"0"`` (everything in the
@@ -152,8 +160,8 @@ class StreamSubscription(Subscription):
     min_idle: float = 60.0
     delayed_retry: DelayedRetry | None = None
     delay_key: str | None = None
-    max_attempts: int | None = None
-    dead_letter: str | None = None
+    max_attempts: int | None = DEFAULT_MAX_ATTEMPTS
+    dead_letter: str | None = STREAM_DEAD_LETTER
     block: float = 1.0
     count: int = 100
     start_id: str = "0"
@@ -181,6 +189,9 @@ class StreamSubscription(Subscription):
             raise ValueError(f"heartbeat must be >= {HEARTBEAT_FLOOR} s (too short to renew a "
                              f"consumer's heartbeat and lease), got {self.heartbeat!r}")
         check_delay(self.delayed_retry, self.delay_key)
+        # the default dead letter ({stream}:dead), named now (None without max_attempts)
+        object.__setattr__(self, "dead_letter", resolve_dead_letter(
+            self.stream if isinstance(self.stream, str) else "", self.max_attempts, self.dead_letter))
         check_limits(self.max_attempts, self.dead_letter)
         if self.dead_letter == self.stream:
             raise ValueError("dead_letter must differ from stream (dead entries would loop)")

@@ -5,10 +5,63 @@ from __future__ import annotations
 import enum
 import math
 
+from ._keys import derived
+
 __all__ = [
-    "DelayedRetry", "Form", "Mode", "Retention", "check_key", "check_limits", "check_maxlen",
-    "check_positive",
+    "DEAD_SUFFIX", "DEFAULT_MAX_ATTEMPTS", "QUEUE_DEAD_LETTER", "STREAM_DEAD_LETTER",
+    "DelayedRetry", "DerivedKey", "Form", "Mode", "Retention", "check_key", "check_limits",
+    "check_maxlen", "check_positive",
+    "default_dead_letter", "resolve_dead_letter", "source_of_dead_letter",
 ]
+
+DEFAULT_MAX_ATTEMPTS = 10
+"""``max_attempts`` of a stream or reliable list subscription unless given:
+a message that keeps failing ends in the dead letter at its 10th attempt
+(with the default ``Backoff()``, at least its ``window`` of 30 s after the
+first failure).  ``max_attempts=None`` retries forever (and has no dead letter)."""
+DEAD_SUFFIX = ":dead"
+"""The default dead letter of a stream or reliable list: the source key with
+this suffix, in its hash slot (``orders`` -> ``{orders}:dead``)."""
+
+
+class DerivedKey(str):
+    """The default of ``dead_letter``, shown as what it stands for
+    (``"{stream}:dead"``): with ``max_attempts`` set, :func:`default_dead_letter`
+    of the source; without, none.  Told apart by its class (a plain string
+    ``"{stream}:dead"`` given by a user is that key)."""
+
+    __slots__ = ()
+
+
+STREAM_DEAD_LETTER = DerivedKey("{stream}:dead")
+QUEUE_DEAD_LETTER = DerivedKey("{queue}:dead")
+
+
+def default_dead_letter(source: str) -> str:
+    """The dead letter a stream or reliable list ``source`` gets by default:
+    ``{source}:dead`` (``_keys.derived``: same hash slot)."""
+    return derived(source, DEAD_SUFFIX)
+
+
+def source_of_dead_letter(key: str) -> str | None:
+    """The source whose default dead letter is ``key`` (``{orders}:dead`` ->
+    ``orders``, ``{app}.orders:dead`` -> ``{app}.orders``), or None."""
+    if not key.endswith(DEAD_SUFFIX):
+        return None
+    base = key[: -len(DEAD_SUFFIX)]
+    inner = base[1:-1] if base.startswith("{") and base.endswith("}") else None
+    for source in (inner, base):
+        if source and default_dead_letter(source) == key:
+            return source
+    return None
+
+
+def resolve_dead_letter(source: str, max_attempts: int | None, dead_letter: str | None) -> str | None:
+    """``dead_letter`` as given, or for the default (a :class:`DerivedKey`)
+    :func:`default_dead_letter` of ``source`` when ``max_attempts`` is set, else None."""
+    if not isinstance(dead_letter, DerivedKey):
+        return dead_letter
+    return None if max_attempts is None else default_dead_letter(source)
 
 
 class Form(enum.Enum):

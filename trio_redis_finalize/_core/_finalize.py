@@ -112,6 +112,7 @@ _OUTCOME = operator.itemgetter(1)
 _RETRY_KEY = _RETRY._value_  # what _plan_for counts
 _RETRY_AFTER = OutcomeKind.RETRY_AFTER
 _LEFT_PENDING = Effect.LEFT_PENDING
+_HELD = Effect.HELD
 _COUNTED_IDS = frozenset((id(ACK), id(DROP)))
 """The constants ``ACK`` and ``DROP`` by identity (module constants: alive
 as long as the process): a batch of only those is told apart in C."""
@@ -179,7 +180,7 @@ class FinalizerCore:
     ``gates``: the reader's counted gates (reliable lists), or None.
     """
 
-    __slots__ = ("_counted", "_cut_warned", "_kinds", "_lists", "_names", "_stream", "gates",
+    __slots__ = ("_counted", "_cut_warned", "_held_warned", "_kinds", "_lists", "_names", "_stream", "gates",
                  "name", "removals", "target")
 
     def __init__(self, target: Target, *, gates: Gates | None = None) -> None:
@@ -190,6 +191,7 @@ class FinalizerCore:
         self._kinds = tuple(self.removals)  # a tuple: `in` by identity, no Enum.__hash__ call
         self._names = tuple((k, k._value_, e._value_) for k, e in self.removals.items())
         self._cut_warned = False  # claiming: a retry_after longer than min_idle was logged
+        self._held_warned = False  # a runtime retry_after's copy in memory was logged
         self._stream = target.form is Form.STREAM
         self._lists = target.form is Form.RELIABLE_LIST  # the hot path: one LREM per element
         # nothing to remove (Pub/Sub, simple lists): ACK and DROP are counted only
@@ -223,6 +225,9 @@ class FinalizerCore:
             b.records.append((_ERROR, "%s (message %s, attempt %d)", (e, d.origin_id, d.attempt),
                               log_extra(self.name, d, outcome)))
             return None
+        if p.effect is _HELD and not self._held_warned:
+            self._held_warned = True
+            b.records.append((_WARNING, *held_warning(t, d, outcome)))
         if (p.effect is _LEFT_PENDING and kind is _RETRY_AFTER
                 and outcome.delay > t.min_idle and not self._cut_warned):
             # claiming: the PEL is the delay, and XAUTOCLAIM takes the entry
@@ -237,6 +242,22 @@ class FinalizerCore:
                 log_extra(self.name, d, outcome),
             ))
         return p
+
+
+def held_warning(t: Target, d: Delivery, outcome: Outcome) -> tuple[str, tuple[object, ...],
+                                                                   dict[str, Any]]:
+    """The line logged once per subscription at its first runtime
+    ``retry_after``: the copy waits in process memory, a crash before the
+    delay ends loses it, and what keeps it in Redis."""
+    if t.form is Form.STREAM or t.form is Form.RELIABLE_LIST:
+        keep = ("delayed_retry=DelayedRetry.DURABLE_ZSET keeps it in Redis (the delay set "
+                f"{t.delay_key!r})")
+    else:
+        keep = (f"a {t.form.value} has no durable delay (a StreamSubscription or "
+                "ReliableListSubscription with delayed_retry=DelayedRetry.DURABLE_ZSET has)")
+    return ("%s: %r keeps its copy in process memory (DelayedRetry.RUNTIME, the default): a "
+            "crash before the delay ends loses it; %s (logged once per subscription)",
+            (t.name, outcome, keep), log_extra(t.name, d, outcome))
 
 
 class FinalizeBatch:

@@ -18,6 +18,11 @@ simple list        refused     refused                refused     runtime LPUSH 
 channel / pattern  refused     refused                refused     runtime PUBLISH copy
 =================  ==========  =====================  ==========  ====================
 
+REJECT (``reject(reason)``) is the dead letter now, at any attempt
+(:func:`plan_reject`): a stream's or reliable list's gated copy-then-remove to
+``dead_letter`` (claiming streams too); refused where there is no dead letter
+(simple lists, Pub/Sub, ``dead_letter=None``).
+
 Two-step cells run as one gated script (see ``_scripts``) unless the keys
 live on different Redis Cluster slots, where they become two commands in
 the listed order (duplicate, never loss).  On a stream the finalizer sends
@@ -88,6 +93,8 @@ __all__ = [
     "plan_dead",
     "plan_foreign",
     "plan_lost",
+    "plan_reject",
+    "reject_reason",
     "removal_commands",
     "settle",
     "stream_removals",
@@ -389,6 +396,7 @@ def list_counted(cmd: Command, n: int) -> Command:
 # load, not an attribute load on the enum class)
 _STREAM, _LIST, _CHANNEL, _PATTERN = Form.STREAM, Form.LIST, Form.CHANNEL, Form.PATTERN
 _RETRY, _CLAIMING = OutcomeKind.RETRY, Mode.CLAIMING
+_REJECT = OutcomeKind.REJECT
 _COPIED, _LEFT_PENDING = Effect.COPIED, Effect.LEFT_PENDING
 _COPY_ACK_SHA = _scripts.STREAM_COPY_ACK.sha
 
@@ -520,6 +528,28 @@ def plan_dead(t: Target, d: Delivery, reason: str) -> Plan:
     return Plan(Effect.EXHAUSTED, (), warning=warning + "message dropped")
 
 
+def reject_reason(outcome: Outcome) -> str:
+    """The dead letter's reason for a REJECT: ``rejected: <reason>`` (``rejected``)."""
+    return f"rejected: {outcome.reason}" if outcome.reason else "rejected"
+
+
+def plan_reject(t: Target, d: Delivery, outcome: Outcome) -> Plan:
+    """REJECT / ``reject(reason)``: the dead letter now, whatever the attempt
+    (copy, then remove: :func:`plan_dead`'s gated step).
+
+    Raises:
+        AckUnsupported: no dead letter to send it to (simple lists, Pub/Sub,
+            a stream or reliable list with ``dead_letter=None``).
+    """
+    if (t.form is not Form.STREAM and t.form is not Form.RELIABLE_LIST) or t.dead_letter is None:
+        where = (f"a {t.form.value} has no dead letter"
+                 if t.form is not Form.STREAM and t.form is not Form.RELIABLE_LIST
+                 else "it has dead_letter=None (give it a dead_letter=, or leave the default)")
+        raise AckUnsupported(f"{t.name}: {outcome!r} is refused: {where}; return DROP to give "
+                             "the message up instead")
+    return plan_dead(t, d, reject_reason(outcome))
+
+
 def plan_lost(t: Target, d: Delivery) -> Plan:
     """An entry deleted from the stream while pending: acknowledge, count it."""
     return _stream_remove(t, d, Effect.LOST_BEFORE_HANDLING)
@@ -626,6 +656,8 @@ def plan(t: Target, d: Delivery, outcome: Outcome) -> Plan:
             return Plan(_LEFT_PENDING)
         return _stream_copy(t, d, t.source, _stream_copy_fields(d, t.group), _COPIED,
                             t.copy_maxlen)
+    if kind is _REJECT:
+        return plan_reject(t, d, outcome)
     no_ack = form is _LIST or form is _CHANNEL or form is _PATTERN
     if no_ack and kind is not OutcomeKind.RETRY_AFTER:
         raise AckUnsupported(

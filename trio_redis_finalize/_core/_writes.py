@@ -127,7 +127,7 @@ def plan_writes(t: Target, d: Delivery, outcome: Outcome) -> Plan:
             p = t.processing
             return Plan(removed, (LIST_WRITES.command((p, p, p, *keys),
                                                       (d.raw, "remove", *encoded, 1)),))
-    base = plan(t, d, _PLAIN[kind] if kind in _PLAIN else Outcome(kind, outcome.delay))
+    base = plan(t, d, _PLAIN[kind] if kind in _PLAIN else Outcome(kind, outcome.delay, outcome.reason))
     if base.commands:
         commands = _with_writes(t, base.commands, encoded, keys)
         return Plan(base.effect, commands, base.delay, base.later, base.gated, base.warning)

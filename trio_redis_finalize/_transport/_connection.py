@@ -258,9 +258,15 @@ async def _connect_stream(params: ConnectionParams) -> anyio.abc.ByteStream:
 def why_not_connected(e: BaseException, params: ConnectionParams) -> str:
     """Why a connection attempt failed, in words (``connection refused``, ...)."""
     if isinstance(e, TimeoutError):
-        return f"no connection within {params.connect_timeout} s"
+        return f"no connection within {params.connect_timeout} s" + (
+            " (TCP connect or TLS handshake: is it a TLS port?)" if params.tls else "")
     # anyio's connect_tcp: "All connection attempts failed", the attempt's error as the cause
     cause = e.__cause__ if isinstance(e.__cause__, OSError) else e
+    if params.tls and isinstance(cause, (ssl.SSLError, anyio.BrokenResourceError)):
+        why = getattr(cause, "verify_message", None) or getattr(cause, "reason", None) or (
+            str(cause) or "the server closed the connection")
+        return (f"TLS handshake failed ({why}): a plain (non-TLS) port, an unknown CA "
+                "(?ssl_ca_certs=), or a server that wants a client certificate")
     if isinstance(cause, ConnectionRefusedError):
         return "connection refused (is a Redis server running there?)"
     if isinstance(cause, FileNotFoundError):

@@ -377,8 +377,11 @@ class SentinelClient(Client):
                 try:
                     await self._follow_one(addr, subscribed)
                 except (rexc.RedisError, OSError, TimeoutError) as e:
-                    log.info("+switch-master subscription on sentinel %s:%d: %s",
-                             addr[0], addr[1], e)
+                    # the first round at DEBUG: when no sentinel answers, the
+                    # client's own check says so once (not this line too)
+                    log.log(logging.INFO if reported else logging.DEBUG,
+                            "+switch-master subscription on sentinel %s:%d: %s",
+                            addr[0], addr[1], e)
                 except Exception:  # a bug here must not end the client: log it, go on
                     log.exception("+switch-master subscription on sentinel %s:%d failed",
                                   addr[0], addr[1])

@@ -105,6 +105,14 @@ def _nodes(netloc: str, url: str, what: str, default_port: int) -> tuple[tuple[s
     return tuple(nodes)
 
 
+_OPTIONS = frozenset((
+    "db", "username", "password", "timeout", "health_check_interval", "keepalive",
+    "ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile",
+    "sentinel_username", "sentinel_password", "sentinel_timeout",
+))
+"""The query options a URL may give (anything else is refused, naming it)."""
+
+
 def parse_url(url: str) -> ConnectionParams:
     """Parse ``redis://``, ``rediss://``, ``unix://``, ``redis+cluster://`` and
     ``redis+sentinel://`` URLs.
@@ -130,8 +138,9 @@ def parse_url(url: str) -> ConnectionParams:
     ``?keepalive=`` (seconds, 15; 0 turns it off): TCP keepalive idle time.
 
     Raises:
-        ValueError: naming ``url`` when the scheme or a part is not understood
-            (the password is never echoed).
+        ValueError: naming ``url`` when the scheme or a part is not understood,
+            or a query option is unknown (named; the ``sentinel_*`` ones only
+            on ``redis+sentinel://``); the password is never echoed.
     """
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
@@ -141,6 +150,12 @@ def parse_url(url: str) -> ConnectionParams:
             f"(expected one of {', '.join(s + '://' for s in _SCHEMES)})"
         )
     query = parse_qs(parts.query, keep_blank_values=True)
+    for name in query:
+        if name not in _OPTIONS or (name.startswith("sentinel_") and not scheme.endswith("+sentinel")):
+            where = "" if name not in _OPTIONS else " (only for redis+sentinel:// URLs)"
+            raise ValueError(
+                f"url: unknown query option {name!r}{where} in {_redact(url)!r} (known: "
+                f"{', '.join(sorted(_OPTIONS))})")
 
     def opt(name: str) -> str | None:
         return query[name][0] if name in query else None
