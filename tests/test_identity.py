@@ -67,6 +67,7 @@ class Child:
     def __init__(self, proc: anyio.abc.Process) -> None:
         self.proc = proc
         self._buf = b""
+        self._lines: list[str] = []  # read and not expected yet (its handler may print before "R")
         self.err = b""
 
     async def expect(self, prefix: str, timeout: float = 20.0) -> str:
@@ -75,8 +76,11 @@ class Child:
             while True:
                 while b"\n" in self._buf:
                     line, self._buf = self._buf.split(b"\n", 1)
-                    if line.decode().startswith(prefix):
-                        return line.decode()
+                    self._lines.append(line.decode())
+                for i, line in enumerate(self._lines):
+                    if line.startswith(prefix):
+                        del self._lines[i]
+                        return line
                 self._buf += await self.proc.stdout.receive()
 
     async def stderr_until(self, text: str, timeout: float = 20.0) -> str:

@@ -1035,7 +1035,7 @@ async def check_exactly_once(
     lists, heartbeats, registries -- and the dead letter; stream entries
     compared by their fields), as many dead letters, nothing left
     unfinalized.  A write the handler makes outside
-    :meth:`Outcome.with_writes` is applied again when a crash makes the
+    :meth:`~trio_redis_finalize.Outcome.with_writes` is applied again when a crash makes the
     message be handled again, and shows as a difference.
 
     Args:
