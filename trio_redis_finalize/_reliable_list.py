@@ -29,14 +29,15 @@ from ._core._plan import Effect, Plan, Target
 from ._core._presence import HEARTBEAT_FLOOR
 from ._core._reliable import (
     BUMP,
-    FORGET,
     GIVE_BACK,
     REAP,
+    STOP,
     bumped,
     dec,
     doubtful,
     heartbeat_key,
     registry_key,
+    stop_args,
     stranded,
 )
 from ._core._scripts import MOVE_DUE_TO_LIST
@@ -240,6 +241,7 @@ class ReliableListReader:
         self._previous = 0  # elements the previous turn handed over
         self._blmove: Command = ()
         self._lmove: Command = ()
+        self._abandoned = 0  # elements given back unstarted at the shutdown (abandon)
 
     @property
     def pending(self) -> Pending:
@@ -253,7 +255,9 @@ class ReliableListReader:
         (by any consumer), and their attempt is not counted; should that fail
         they stay in the processing list, recovered later as after a crash.
         """
-        return self._give_back_plan([d.raw for d in deliveries if d.raw is not None])
+        raws = [d.raw for d in deliveries if d.raw is not None]
+        self._abandoned += len(raws)
+        return self._give_back_plan(raws)
 
     def _give_back_plan(self, raws: Sequence[bytes]) -> Plan | None:
         if not raws or self._target is None:
@@ -612,18 +616,37 @@ class ReliableListReader:
         await ctx.client.pipeline(self._beat(ctx, ttl), timeout=CLOSING_TIMEOUT)
 
     async def closed(self, ctx: Context) -> None:
-        """After the shutdown: deregister (heartbeat key, registry entry) when the
-        processing list is empty; else they stay, the heartbeat lapses and a
-        live consumer moves what is left back onto the queue."""
+        """After the shutdown: hand back onto the queue what is left in the
+        processing list (cut by the grace, waiting for a backoff: counted as
+        an attempt, as the reaper would, but at once; stranded by a read cut
+        at the stop: as it is), then deregister (heartbeat key, registry
+        entry) once it is empty."""
         sub = self.sub
         me = ctx.consumer.name
-        keys = (ctx.target.processing, heartbeat_key(sub.queue, me), registry_key(sub.queue))
-        if await ctx.client.evalsha(FORGET, keys, (me,), timeout=CLOSING_TIMEOUT):
+        t = ctx.target
+        keys = (t.processing, sub.queue, heartbeat_key(sub.queue, me), registry_key(sub.queue))
+        moved = 0
+        left = 1
+        held = dict(self._gates.in_hand)  # counted down as the pages go
+        for _ in range(_REAP_ROUNDS):
+            page: list[bytes] = await ctx.client.execute("LRANGE", t.processing, 0, _REAP_PAGE - 1,
+                                                         timeout=CLOSING_TIMEOUT)
+            args: list[bytes | str] = [me, *stop_args(page, held)]  # newest first (see STOP)
+            n, left = await ctx.client.evalsha(STOP, keys, args, timeout=CLOSING_TIMEOUT)
+            moved += int(n)
+            if not page or not int(left):
+                break
+        if moved or self._abandoned:
+            ctx.stats.effects["handed_back"] += moved
+            log.info("%s: consumer %r handed back %d element(s) onto the queue: %d read and not "
+                     "started (their attempt not counted), %d left by handlers cut by the grace "
+                     "or held for a backoff (counted)", ctx.name, me, self._abandoned + moved,
+                     self._abandoned, moved, extra={"subscription": ctx.name})
+        if int(left):
+            log.warning("%s: consumer %r stopped with elements left in processing list %r; a "
+                        "live consumer moves them back onto the queue once its heartbeat "
+                        "lapses (or this name started again delivers them)", ctx.name, me,
+                        t.processing, extra={"subscription": ctx.name})
+        else:
             log.debug("%s: deregistered consumer %r (processing list empty)", ctx.name, me,
                       extra={"subscription": ctx.name})
-        else:
-            log.info("%s: consumer %r stopped with elements in processing list %r; a live "
-                     "consumer moves them back onto the queue once its heartbeat lapses (or "
-                     "this name started again delivers them)", ctx.name, me,
-                     ctx.target.processing, extra={"subscription": ctx.name})
-
