@@ -40,7 +40,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import anyio
 
@@ -92,7 +92,7 @@ class _Supervisor:
         self.bad_input = False
         self.signal_code: int | None = None
 
-    def _send(self, slot: _Slot, sig: int) -> None:
+    def _send(self, slot: _Slot, sig: signal.Signals) -> None:
         proc = slot.proc
         if proc is not None and proc.returncode is None:
             try:
@@ -108,9 +108,9 @@ class _Supervisor:
                 slot.signalled = True
                 self._send(slot, signal.SIGTERM)
 
-    async def watch(self, signals: anyio.abc.AsyncResource) -> None:
+    async def watch(self, signals: AsyncIterator[signal.Signals]) -> None:
         count = 0
-        async for signum in signals:  # type: ignore[attr-defined]
+        async for signum in signals:
             count += 1
             name = signal.Signals(signum).name
             if count == 1:

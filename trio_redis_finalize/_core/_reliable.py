@@ -32,8 +32,8 @@ from ._commands import Script
 from ._plan import content_origin
 
 __all__ = [
-    "BUMP", "FORGET", "GIVE_BACK", "REAP", "STOP", "bumped", "dec", "stop_args", "doubtful", "heartbeat_key", "registry_key",
-    "stranded",
+    "BUMP", "FORGET", "GIVE_BACK", "REAP", "STOP", "bumped", "dec", "doubtful", "heartbeat_key",
+    "registry_key", "stop_args", "stranded",
 ]
 
 
