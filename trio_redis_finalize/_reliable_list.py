@@ -161,6 +161,8 @@ _PREFETCH_MAX = 64
 _CHUNK_WORK = 0.01
 """Seconds of handler work one prefetch aims at (fast handlers: bigger batches)."""
 _REAP_PAGE = 100
+_LAPSE_MARGIN = 0.005
+"""Seconds after a peer's heartbeat key's TTL ends before the look that finds it gone."""
 _REAP_ROUNDS = 1000
 _RECHECK = 1.0
 """Seconds after a rescan that may have taken a stranded copy for an identical
@@ -201,7 +203,8 @@ class ReliableListReader:
       (RETRY, dead letter, delay) the stranded X lives on as the second copy;
       for ACK / DROP it is gone (two lost replies on identical bytes).
     * Dead consumers: a heartbeat key with a TTL of ``heartbeat`` seconds,
-      renewed every ``heartbeat / 3``; every ``heartbeat / 2`` each consumer
+      renewed every ``heartbeat / 3``; every ``heartbeat / 2``, and as soon as
+      a live one's key would lapse, each consumer
       looks in the registry for consumers whose heartbeat key is gone and
       moves their processing lists back onto the queue (gated script,
       element by element, counter bumped, to the consumer end in their
@@ -211,7 +214,8 @@ class ReliableListReader:
       queue (consumer end, not counted as an attempt); those being handled
       when ``shutdown_grace`` ran out stay in the processing list, and the
       heartbeat is extended to cover the grace.  Once the shutdown is over
-      (:meth:`closed`), a consumer whose processing list is empty
+      (:meth:`closed`), what is left in the processing list goes back onto
+      the queue at once (counted when a handler ran), and the consumer
       deregisters (its heartbeat key and registry entry deleted).
     * ``DelayedRetry.DURABLE_ZSET``: due copies are moved from the delay set
       before each read, and the read blocks no longer than the next is due.
@@ -242,6 +246,7 @@ class ReliableListReader:
         self._blmove: Command = ()
         self._lmove: Command = ()
         self._abandoned = 0  # elements given back unstarted at the shutdown (abandon)
+        self._lapse: float | None = None  # seconds until the first live peer's heartbeat lapses
 
     @property
     def pending(self) -> Pending:
@@ -465,30 +470,41 @@ class ReliableListReader:
                             ctx.name, e, self.sub.heartbeat)
 
     async def _reaper(self, ctx: Context) -> None:
+        """Look for dead consumers every ``heartbeat / 2`` (jittered), and as
+        soon as a live one's heartbeat key would lapse (its ``PTTL``): a
+        killed consumer's processing list is back on the queue about
+        ``heartbeat`` after the kill."""
         every = self.sub.heartbeat / 2
         while True:
+            wait = every * random.uniform(0.8, 1.2)
             try:
                 await self.reap(ctx)
+                if self._lapse is not None:
+                    wait = min(wait, self._lapse + _LAPSE_MARGIN)
             except (rexc.ConnectionError, rexc.TimeoutError, rexc.ResponseError, OSError) as e:
                 log.warning("%s: looking for dead consumers failed: %s", ctx.name, e)
-            await anyio.sleep(every * random.uniform(0.8, 1.2))
+            await anyio.sleep(wait)
 
     async def reap(self, ctx: Context) -> int:
         """Move the processing lists of dead consumers back onto the queue."""
         sub = self.sub
         client = ctx.client
         me = ctx.consumer.name.encode()
+        self._lapse = None
         flat = await client.execute("HGETALL", registry_key(sub.queue), timeout=FINALIZE_TIMEOUT)
         others = [(n, p) for n, p in zip(flat[::2], flat[1::2], strict=True) if n != me]
         if not others:
             return 0
-        alive = await client.pipeline(
-            [("EXISTS", heartbeat_key(sub.queue, n.decode())) for n, _ in others],
+        ttls = await client.pipeline(
+            [("PTTL", heartbeat_key(sub.queue, n.decode())) for n, _ in others],
             timeout=FINALIZE_TIMEOUT,
         )
         moved = 0
-        for (name, proc), live in zip(others, alive, strict=True):
-            if live:
+        for (name, proc), ttl in zip(others, ttls, strict=True):
+            if int(ttl) != -2:  # alive (-1: no expiry)
+                if int(ttl) >= 0:
+                    lapse = int(ttl) / 1000
+                    self._lapse = lapse if self._lapse is None else min(self._lapse, lapse)
                 continue
             moved += await self._reap_one(ctx, name.decode(), proc.decode())
         return moved

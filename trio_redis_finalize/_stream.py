@@ -121,6 +121,10 @@ class StreamSubscription(Subscription):
             XAUTOCLAIM (its PEL holds delayed retries).  A dead consumer with
             nothing pending is deleted from the group (``XGROUP
             DELCONSUMER``); so is a cleanly stopped one whose PEL is empty.
+            A graceful stop waits for no heartbeat: what the consumer read
+            and did not finish is handed back (made idle at once, the
+            consumer marked stopped in the registry) and the group's live
+            consumers take it within about a second, at the attempt it had.
             Entries pending for a consumer that never kept a heartbeat
             (another client) are not taken in PLAIN mode: ``mount()`` warns
             about them (name, count, idle time, how to recover them), and
