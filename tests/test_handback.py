@@ -121,6 +121,7 @@ class Peer:
 
 
 def _took(peer: Peer, ids: set[str], since: float) -> float:
+    assert ids <= peer.ids(), f"not handed back: {sorted(ids - peer.ids())}"
     return max(t for t, i, _ in peer.seen if i in ids) - since
 
 

@@ -56,6 +56,12 @@ RESTART_MAX = 10.0
 """Seconds: the longest wait before a restart."""
 BAD_INPUT = 2
 """A worker's exit status for bad input (``run``'s): not restarted."""
+RESTART_OPTIONS: tuple[str, ...] = ()
+"""Options a worker started again after it died gets on top of its own: the
+supervisor reaped the previous process, so it knows that the heartbeat its
+name still has in Redis (up to ``heartbeat`` s after a SIGKILL) is a dead
+one's.  A mount-time refusal of a live duplicate consumer name needs its
+takeover opt-in here, so that the slot mounts at once."""
 
 
 def worker_names(base: str | None, n: int) -> list[str]:
@@ -128,8 +134,9 @@ class _Supervisor:
         env = {**os.environ, "TRF_WORKER_SLOT": str(slot.index), "TRF_WORKERS": str(len(self.slots))}
         while not self.stopping:
             started = anyio.current_time()
+            argv = [*slot.argv, *RESTART_OPTIONS] if slot.restarts else slot.argv
             proc = slot.proc = await anyio.open_process(
-                slot.argv, stdin=subprocess.DEVNULL, stdout=None, stderr=None, env=env,
+                argv, stdin=subprocess.DEVNULL, stdout=None, stderr=None, env=env,
                 start_new_session=True)
             log.info("worker %d started: pid %d, consumer name %r", slot.index, proc.pid, slot.name)
             if self.stopping:  # a signal came while it was starting
