@@ -23,6 +23,7 @@ from trio_redis_finalize._core._presence import (
     stopped_value,
     survey,
     warnings,
+    watch_notes,
 )
 from trio_redis_finalize._keys import same_slot
 from trio_redis_finalize._subscription import Mode
@@ -195,3 +196,16 @@ def test_a_dead_consumer_not_idle_long_enough_is_taken_over_later() -> None:
     [(level, msg, args, _)] = warnings("sub", PLAIN, 60.0, survey("me", PLAIN, 30.0, 10, found), ())
     assert level == logging.WARNING
     assert "in about 0.6 s (once idle heartbeat=1 s)" in msg % args
+
+
+def test_at_mount_a_live_consumer_holding_entries_is_noted_with_its_lapse() -> None:
+    """A consumer killed moments ago still looks alive: the note at mount says
+    when its entries would be taken over should it be dead."""
+    found = peers([("busy", 3, 100), ("idle", 0, 100)],
+                  {"busy": Registration(30.0, PLAIN), "idle": Registration(30.0, PLAIN)},
+                  {"busy": 12_500, "idle": 20_000})
+    [(level, msg, args, _)] = watch_notes("sub", survey("me", PLAIN, 30.0, 10, found), 1000.0)
+    assert level == logging.INFO
+    assert msg % args == ("sub: 3 entries of consumer 'busy', heartbeat alive until "
+                          "00:16:52.500 UTC: should it be dead (killed just now), taken over "
+                          "in about 12.5 s")

@@ -174,3 +174,49 @@ def test_workers_is_validated() -> None:
     done = subprocess.run([sys.executable, "-m", "trio_redis_finalize", "run", "x:y",
                            "--workers", "0"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--workers" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("form", ["stream", "rlist"])
+async def test_at_mount_the_work_of_a_just_killed_consumer_is_announced_with_when(
+    redis_url: str, client: Client, form: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A consumer killed moments ago still looks alive (its heartbeat key lives
+    up to 30 s): a consumer mounting then says what it holds and when it is
+    taken over should it be dead, instead of 30 s of silence."""
+    import logging
+
+    from test_handback import RunProc
+
+    from trio_redis_finalize import ReliableListSubscription, StreamSubscription, open_consumer
+
+    key = "orders" if form == "stream" else "jobs"
+    if form == "stream":
+        for i in range(3):
+            await client.execute("XADD", key, "*", "n", str(i))
+    else:
+        await client.execute("LPUSH", key, b"x")
+    a = RunProc(redis_url, form, key, sleep=3600)
+    async with trio.open_nursery() as n:
+        await n.start(a.run)
+        await a.wait_for("H ")
+        name = a.seen("H ")[0].split()[1]
+        a.signal(signal.SIGKILL)
+        await a.exited()
+    caplog.set_level(logging.INFO, logger="trio_redis_finalize")
+
+    async def ack(d: object) -> object:
+        from trio_redis_finalize import ACK
+        return ACK
+
+    sub = StreamSubscription(key, "g") if form == "stream" else ReliableListSubscription(key)
+    async with open_consumer(redis_url, name="later") as consumer:
+        await consumer.mount(sub, ack)  # type: ignore[arg-type]
+        with trio.fail_after(10):
+            while not [r for r in caplog.records if "killed just now" in r.getMessage()]:
+                await trio.sleep(0.02)
+    [note] = [r.getMessage() for r in caplog.records if "killed just now" in r.getMessage()]
+    held = "3 entries of consumer" if form == "stream" else "1 element(s) in processing list"
+    print("\n" + note)
+    assert held in note and repr(name) in note and "heartbeat alive until" in note, note
+    seconds = float(note.rsplit("in about ", 1)[1].split()[0])
+    assert 0 < seconds <= 30.0, note

@@ -57,6 +57,7 @@ from ._core._presence import (
     stopped_value,
     survey,
     warnings,
+    watch_notes,
 )
 from ._core._replies import FINAL, classify, error_code
 from ._shutdown import CLOSING_TIMEOUT, Budget
@@ -97,6 +98,7 @@ class StreamPresence:
         self._adopt = adopt
         self._next = 0.0  # the next look (0: at once; the first is at mount)
         self._probe = 0.0  # the next stop probe
+        self._looked = False  # the first look (at mount) was made
         self._stops: set[tuple[str, float | None]] = set()  # stopped marks seen
         self._warned: set[str] = set()
         self.more = False
@@ -187,8 +189,11 @@ class StreamPresence:
             ttls = {n: int(t) for n, t in zip(others, replies, strict=True)}
         found = survey(me, self.mode, self.heartbeat, self.page,
                        peers(consumer_rows(rows), registered, ttls))
-        for level, msg, args, extra in warnings(ctx.name, self.mode, self.min_idle, found,
-                                                self._warned):
+        notes = warnings(ctx.name, self.mode, self.min_idle, found, self._warned)
+        if not self._looked:  # at mount: also the live ones that hold entries
+            self._looked = True
+            notes += watch_notes(ctx.name, found, time.time())
+        for level, msg, args, extra in notes:
             log.log(level, msg, *args, extra=extra)
         self._warned.update(p.name for p in found.peers if p.stranded)
         wake = [self.heartbeat / 2 * random.uniform(0.8, 1.0)]

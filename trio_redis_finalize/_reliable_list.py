@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import random
+import time
 from collections.abc import Callable, Coroutine, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
@@ -247,6 +248,7 @@ class ReliableListReader:
         self._lmove: Command = ()
         self._abandoned = 0  # elements given back unstarted at the shutdown (abandon)
         self._lapse: float | None = None  # seconds until the first live peer's heartbeat lapses
+        self._looked = False  # the first look for dead consumers (at mount) was made
 
     @property
     def pending(self) -> Pending:
@@ -500,14 +502,35 @@ class ReliableListReader:
             timeout=FINALIZE_TIMEOUT,
         )
         moved = 0
+        watch: list[tuple[str, str, float]] = []
         for (name, proc), ttl in zip(others, ttls, strict=True):
             if int(ttl) != -2:  # alive (-1: no expiry)
                 if int(ttl) >= 0:
                     lapse = int(ttl) / 1000
                     self._lapse = lapse if self._lapse is None else min(self._lapse, lapse)
+                    watch.append((name.decode(), proc.decode(), lapse))
                 continue
             moved += await self._reap_one(ctx, name.decode(), proc.decode())
+        if not self._looked:  # at mount: the live ones holding elements, and when
+            self._looked = True
+            await self._watch_notes(ctx, watch)
         return moved
+
+    async def _watch_notes(self, ctx: Context, watch: list[tuple[str, str, float]]) -> None:
+        """At mount: a consumer killed moments ago still looks alive; say when
+        the elements it holds go back onto the queue should it be dead."""
+        if not watch:
+            return
+        sizes = await ctx.client.pipeline([("LLEN", proc) for _, proc, _ in watch],
+                                          timeout=FINALIZE_TIMEOUT)
+        now = time.time()
+        for (name, proc, lapse), n in zip(watch, sizes, strict=True):
+            if int(n):
+                log.info("%s: %d element(s) in processing list %r of consumer %r, heartbeat alive "
+                         "until %s: should it be dead (killed just now), moved back onto the "
+                         "queue in about %.1f s", ctx.name, int(n), proc, name,
+                         time.strftime("%H:%M:%S", time.gmtime(now + lapse)) + " UTC", lapse,
+                         extra={"subscription": ctx.name})
 
     async def _reap_one(self, ctx: Context, name: str, processing: str) -> int:
         sub = self.sub

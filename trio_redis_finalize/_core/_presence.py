@@ -67,7 +67,7 @@ __all__ = [
     "FORGET", "HANDED_BACK_IDLE_MS", "HEARTBEAT_FLOOR", "REAP", "STOP", "STOP_PROBE", "Heartbeat",
     "Peer", "Reap", "Reaped", "Registration", "Survey", "beat", "consumer_rows", "heartbeat_key",
     "lease_every", "parse_reap", "peers", "registration", "registration_value", "registry",
-    "registry_key", "stop_probe", "stopped_value", "survey", "warnings",
+    "registry_key", "stop_probe", "stopped_value", "survey", "warnings", "watch_notes",
 ]
 
 STOP_PROBE = 0.5
@@ -542,4 +542,21 @@ def warnings(name: str, mode: Mode, min_idle: float, found: Survey,
                         "%s: %s of consumer %r (Mode.CLAIMING)%s (idle %s s); a CLAIMING "
                         "subscription claims them back once idle min_idle",
                         (name, _n(p.pending), p.name, lapsed, idle), extra))
+    return out
+
+
+def watch_notes(name: str, found: Survey, now: float) -> list[Record]:
+    """At mount (the first look): one note per other consumer that holds
+    entries and whose heartbeat is still alive -- a consumer killed moments
+    ago looks alive until its key lapses, so say when its entries would be
+    taken over should it be dead (``now``: the unix time)."""
+    out: list[Record] = []
+    for p in found.peers:
+        if p.heartbeat is not Heartbeat.ALIVE or not p.pending or p.ttl is None:
+            continue
+        out.append((logging.INFO,
+                    "%s: %s of consumer %r, heartbeat alive until %s: should it be dead (killed "
+                    "just now), taken over in about %.1f s",
+                    (name, _n(p.pending), p.name, _utc(now + p.ttl), p.ttl),
+                    {"subscription": name}))
     return out
