@@ -20,8 +20,11 @@ from trio_redis_finalize._core._presence import (
     registration,
     registry,
     registry_key,
+    stop_probe,
+    stopped_value,
     survey,
     warnings,
+    watch_notes,
 )
 from trio_redis_finalize._keys import same_slot
 from trio_redis_finalize._subscription import Mode
@@ -49,6 +52,37 @@ def test_registration_values_read_back_and_unknown_parts_are_none() -> None:
     assert registration("250 claiming") == Registration(0.25, CLAIMING)
     assert registration(b"{jobs}:processing:x") == Registration(None, None)
     assert registration(b"100") == Registration(0.1, None)
+    assert registration(b"30000 plain 1733360000123") == Registration(30.0, PLAIN, 1733360000.123)
+    assert registration(b"30000 plain 1733360000123 stopped") == Registration(
+        30.0, PLAIN, 1733360000.123, stopped=True)
+    assert registration(stopped_value(0.5, RECLAIM, 12.0)) == Registration(0.5, RECLAIM, 12.0, True)
+
+
+def test_a_stopped_consumer_is_told_from_a_lapsed_one_and_taken_over_at_once() -> None:
+    """The stopped mark (a clean stop handed its entries back): STOPPED, not
+    LAPSED; the reaper takes its entries at the next look, logged as a hand-back
+    (INFO, no crash), a dead one's with the time its heartbeat lapsed."""
+    reg = {"gone": Registration(30.0, PLAIN, 1000.0, stopped=True),
+           "dead": Registration(30.0, PLAIN, 1000.0)}
+    found = peers([("gone", 3, 10), ("dead", 2, 5000)], reg, {"gone": -2, "dead": -2})
+    by = {p.name: p.heartbeat for p in found}
+    assert by == {"gone": Heartbeat.STOPPED, "dead": Heartbeat.LAPSED}
+    s = survey("me", PLAIN, 30.0, 100, found)
+    assert {r.peer.name: r.page for r in s.reap} == {"gone": 100, "dead": 100}
+    texts = {msg % args: level for level, msg, args, _ in warnings("sub", PLAIN, 60.0, s, ())}
+    [(stopped, lvl)] = [(t, lvl) for t, lvl in texts.items() if "'gone'" in t]
+    assert lvl == logging.INFO and "stopped cleanly at 00:16:40.000 UTC" in stopped
+    assert "taking them over now" in stopped
+    [(dead, lvl)] = [(t, lvl) for t, lvl in texts.items() if "'dead'" in t]
+    assert lvl == logging.WARNING
+    assert "2 entries of consumer 'dead', heartbeat lapsed at 00:17:10.000 UTC" in dead
+    assert "taken over in about 25.0 s" in dead
+
+
+def test_the_stop_probe_names_new_stopped_marks_only() -> None:
+    flat = [b"me", b"30000 plain 5 stopped", b"a", b"30000 plain 7 stopped", b"b", b"30000 plain 7"]
+    assert stop_probe(flat, "me", set()) == [("a", 0.007)]
+    assert stop_probe(flat, "me", {("a", 0.007)}) == []
 
 
 def test_the_lease_is_a_third_of_the_shortest_takeover_idle() -> None:
@@ -145,7 +179,7 @@ def test_warnings_name_the_stranded_and_say_how_to_recover() -> None:
     assert "4 entries pending for consumer 'foreign' (idle 90.0 s)" in text
     assert "Mode.RECLAIM" in text and "XCLAIM" in text and "name=" in text
     level, text = texts["dead"]
-    assert level == logging.WARNING and "taking them over now" in text  # idle 40 s >= 1 s
+    assert level == logging.WARNING and "taken over now" in text  # idle 40 s >= 1 s
     assert all(extra == {"subscription": "sub"} for *_, extra in records)
     # once per consumer
     assert warnings("sub", PLAIN, 60.0, s, warned={"dead", "foreign"}) == []
@@ -162,4 +196,17 @@ def test_a_dead_consumer_not_idle_long_enough_is_taken_over_later() -> None:
     found = peers([("dead", 2, 400)], {"dead": Registration(1.0, PLAIN)}, {"dead": -2})
     [(level, msg, args, _)] = warnings("sub", PLAIN, 60.0, survey("me", PLAIN, 30.0, 10, found), ())
     assert level == logging.WARNING
-    assert "within 0.6 s (once idle heartbeat=1 s)" in msg % args
+    assert "in about 0.6 s (once idle heartbeat=1 s)" in msg % args
+
+
+def test_at_mount_a_live_consumer_holding_entries_is_noted_with_its_lapse() -> None:
+    """A consumer killed moments ago still looks alive: the note at mount says
+    when its entries would be taken over should it be dead."""
+    found = peers([("busy", 3, 100), ("idle", 0, 100)],
+                  {"busy": Registration(30.0, PLAIN), "idle": Registration(30.0, PLAIN)},
+                  {"busy": 12_500, "idle": 20_000})
+    [(level, msg, args, _)] = watch_notes("sub", survey("me", PLAIN, 30.0, 10, found), 1000.0)
+    assert level == logging.INFO
+    assert msg % args == ("sub: 3 entries of consumer 'busy', heartbeat alive until "
+                          "00:16:52.500 UTC: should it be dead (killed just now), taken over "
+                          "in about 12.5 s")

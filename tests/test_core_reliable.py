@@ -91,3 +91,15 @@ def test_list_gates_hold_and_leave_count_copies_without_io() -> None:
     # no target yet (before the reader's setup): commands as they are
     cmds = [("LREM", "p", -1, b"x")]
     assert g.prepare(list(cmds)) == cmds and g.resend(cmds, [], []) == cmds
+
+
+def test_a_stop_counts_only_what_a_handler_held() -> None:
+    """:func:`stop_args`: an element the reader holds (cut by the grace, waiting
+    for a backoff) goes back bumped; a copy it does not hold (a read cut at
+    the stop stranded it, no handler saw it) as it is."""
+    from trio_redis_finalize._core._reliable import bumped, stop_args
+
+    held = {b"a": 1}
+    assert stop_args([b"a", b"a", b"b"], held) == [
+        b"a", bumped(b"a"), b"a", b"a", b"b", b"b"]
+    assert held == {}

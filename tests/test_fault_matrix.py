@@ -201,10 +201,10 @@ WORKLOADS = [
               "EVALSHA:stream_copy_ack", "EVALSHA:stream_copy_once"),
              _stream(), seed="own", dead_letter=S_DEAD),
     # the heartbeat, the registry, the reaper (a registered dead consumer's
-    # entry taken over, the consumer deleted), the deregistration at shutdown
+    # entry taken over, the consumer deleted), the hand-back at shutdown
     Workload("stream-reap", "stream",
              ("EVALSHA:heartbeat_claim", "EVALSHA:heartbeat_renew", "XINFO CONSUMERS", "HGETALL",
-              "PTTL", "XPENDING IDLE", "EVALSHA:stream_reap", "EVALSHA:stream_forget"),
+              "PTTL", "XPENDING IDLE", "EVALSHA:stream_reap", "EVALSHA:stream_stop"),
              _stream(), seed="registered", dead_letter=S_DEAD),
     Workload("stream-reclaim", "stream", ("XAUTOCLAIM", "XCLAIM"),
              _stream(mode=Mode.RECLAIM, min_idle=0.6), seed="dead", dead_letter=S_DEAD),
@@ -254,9 +254,10 @@ WORKLOADS = [
     Workload("list-batch-handler", "list", ("BLMOVE", "LREM", "EVALSHA:list_copy_remove"),
              _rlist(), seed="dead", dead_letter=Q_DEAD, batch=True),
     Workload("list", "list",
-             ("TYPE", "EVALSHA:heartbeat_claim", "EVALSHA:heartbeat_renew", "HGETALL", "EXISTS",
+             ("TYPE", "EVALSHA:heartbeat_claim", "EVALSHA:heartbeat_renew", "HGETALL", "PTTL",
               "LRANGE", "EVALSHA:reliable_list_reap",
-              "EVALSHA:reliable_list_bump", "BLMOVE", "LMOVE", "LREM", "EVALSHA:list_copy_remove"),
+              "EVALSHA:reliable_list_bump", "BLMOVE", "LMOVE", "LREM", "EVALSHA:list_copy_remove",
+              "EVALSHA:reliable_list_stop"),
              _rlist(), seed="dead", dead_letter=Q_DEAD),
     Workload("list-writes", "list", ("EVALSHA:list_writes", "BLMOVE"),
              _rlist(), seed="dead", dead_letter=Q_DEAD, writes=True),
@@ -272,7 +273,7 @@ WORKLOADS = [
              lambda: ChannelSubscription(CHAN), plans=("ack", "later"), concurrency=1),
 ]
 
-PERIODIC_KINDS = {"EVALSHA:heartbeat_renew", "HGETALL", "EXISTS", "EVALSHA:reliable_list_reap",
+PERIODIC_KINDS = {"EVALSHA:heartbeat_renew", "HGETALL", "PTTL", "EVALSHA:reliable_list_reap",
                   "XCLAIM"}
 """Kinds a periodic task sends (heartbeat, reaper, lease): it meets one error per period."""
 ERRORS = [c for c in TRANSIENT_ERRORS if c != "NOSCRIPT"]

@@ -25,7 +25,7 @@ from trio_redis_finalize import (
     retry_after,
 )
 from trio_redis_finalize._core._plan import content_origin
-from trio_redis_finalize._core._reliable import heartbeat_key, registry_key
+from trio_redis_finalize._core._reliable import bumped, heartbeat_key, registry_key
 from trio_redis_finalize._envelope import MAGIC, unwrap, wrap
 from trio_redis_finalize._transport import Client, WrongTypeError, open_client
 
@@ -180,7 +180,8 @@ async def test_read_but_never_handed_over_goes_back_to_the_queue_at_shutdown(
 ) -> None:
     """The handler hangs on A past shutdown_grace while the reader holds B and C
     (moved into the processing list, waiting to be handed over): shutdown puts
-    B and C back onto the queue, uncounted; A, unfinished, stays for recovery."""
+    B and C back onto the queue, uncounted; A, unfinished, is handed back
+    at the stop, counted, read first (oldest)."""
     await client.execute("LPUSH", Q, b"A", b"B", b"C")
     started = trio.Event()
 
@@ -192,8 +193,8 @@ async def test_read_but_never_handed_over_goes_back_to_the_queue_at_shutdown(
         await consumer.mount(sub(), hang)
         await started.wait()
         await eventually(lambda: _len(client, Q, 0), what="B and C read")
-    assert await lrange(client, proc("c1")) == [b"A"]
-    assert await lrange(client, Q) == [b"C", b"B"]  # B is read next
+    assert await lrange(client, proc("c1")) == []
+    assert await lrange(client, Q) == [b"C", b"B", bumped(b"A")]  # A is read next
     h = Recorder(lambda d: ACK)
     async with open_consumer(redis_url, name="c1") as consumer:
         await consumer.mount(sub(), h)
@@ -354,12 +355,12 @@ async def test_a_clean_stop_deregisters(redis_url: str, client: Client) -> None:
     assert await client.execute("EXISTS", heartbeat_key(Q, "c1")) == 0
 
 
-async def test_a_stop_that_leaves_an_element_keeps_the_registration(
+async def test_a_stop_that_leaves_an_element_hands_it_back_and_deregisters(
     redis_url: str, client: Client
 ) -> None:
-    """A handler cut at the grace leaves its element in the processing list:
-    the consumer stays registered, its heartbeat extended over the shutdown,
-    for the reaper once it lapses."""
+    """A handler cut at the grace leaves its element in the processing list
+    until the stop, which hands it back onto the queue (counted: the handler
+    ran) and deregisters (no heartbeat to wait out)."""
     await client.execute("LPUSH", Q, b"job")
     started = trio.Event()
 
@@ -370,9 +371,10 @@ async def test_a_stop_that_leaves_an_element_keeps_the_registration(
     async with open_consumer(redis_url, name="c1", shutdown_grace=0.1) as consumer:
         await consumer.mount(sub(heartbeat=0.5), hang)
         await started.wait()
-    assert await lrange(client, proc("c1")) == [b"job"]
-    assert await client.execute("HGET", registry_key(Q), "c1") == proc("c1").encode()
-    assert int(await client.execute("PTTL", heartbeat_key(Q, "c1"))) > 5000  # grace + 11 s
+    assert await lrange(client, proc("c1")) == []
+    assert await lrange(client, Q) == [bumped(b"job")]
+    assert await client.execute("HEXISTS", registry_key(Q), "c1") == 0
+    assert await client.execute("EXISTS", heartbeat_key(Q, "c1")) == 0
 
 
 # -- max_attempts and the dead letter --------------------------------------------

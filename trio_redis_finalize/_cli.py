@@ -291,10 +291,31 @@ def cmd_run(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     url = check_url(args.url)
+    if args.workers is not None:
+        return _run_workers(args, url)
     factory = load_factory(args.factory)
     code: int = anyio.run(_run, url, factory, args.factory, args.name, args.shutdown_grace,
                           args.metrics_port, args.metrics_prefix, args.metrics_host,
                           args.takeover, backend=args.backend)
+    return code
+
+
+def _run_workers(args: argparse.Namespace, url: str) -> int:
+    """``run --workers N``: the supervisor of N ``run`` processes (``_workers``)."""
+    from . import _workers
+
+    load_factory(args.factory)  # bad input is told here, once, not by N workers
+    names = _workers.worker_names(args.name, args.workers)
+    argvs = []
+    for k, name in enumerate(names):
+        options = ["--url", url, "--shutdown-grace", str(args.shutdown_grace),
+                   "--backend", args.backend, "--log-level", args.log_level,
+                   "--metrics-prefix", args.metrics_prefix, "--metrics-host", args.metrics_host]
+        if args.metrics_port is not None:
+            options += ["--metrics-port", str(args.metrics_port + k)]
+        argvs.append(_workers.worker_argv(args.factory, name, options))
+    log.info("starting %d workers of %s: %s", args.workers, args.factory, ", ".join(names))
+    code: int = anyio.run(_workers.supervise, argvs, names)
     return code
 
 
@@ -412,7 +433,8 @@ async def _consumers(client: Client, key: str, group: str, rows: Sequence[Any]
                      ) -> tuple[list[dict[str, Any]], int]:
     """The group's consumers (``XINFO CONSUMERS`` ``rows``, and those in the
     library's registry ``{KEY}:stream-consumers:<KEY>,<group>``), each with its heartbeat
-    (``alive``, ``lapsed``: dead, ``none``: never kept one) and whether its
+    (``alive``, ``stopped``: stopped cleanly, its entries handed back,
+    ``lapsed``: dead, ``none``: never kept one) and whether its
     pending entries are stranded (no live heartbeat); and how many entries are."""
     reg_key = presence.registry_key(key, group)
     registered = (presence.registry(await client.execute("HGETALL", reg_key))
@@ -442,12 +464,16 @@ def _heartbeat_text(c: dict[str, Any]) -> str:
         return "alive" + ("" if c["heartbeat_ttl"] is None else f" (expires in {c['heartbeat_ttl']:.3f} s)")
     if c["heartbeat"] == "lapsed":
         return "lapsed (dead)"
+    if c["heartbeat"] == "stopped":
+        return "stopped (cleanly)"
     return "none"
 
 
 def _stranded_text(c: dict[str, Any]) -> str:
     if not c["stranded"]:
         return "-"
+    if c["heartbeat"] == "stopped":
+        return "handed back: a live mount takes them at once"
     if c["heartbeat"] == "lapsed":
         if c["mode"] == "claiming":
             return "yes: a CLAIMING mount claims them back once idle min_idle"
@@ -1094,7 +1120,14 @@ def build_parser() -> argparse.ArgumentParser:
     _url_arg(p)
     p.add_argument("--name", default=None,
                    help="consumer name (stable names let a restart recover pending work; "
-                        "default: host-pid-random)")
+                        "default: host-pid-random); with --workers N: the base of the workers' "
+                        "names NAME-1 ... NAME-N (default: the host name)")
+    p.add_argument("--workers", type=_positive_int, default=None, metavar="N",
+                   help="run N worker processes of FACTORY under a supervisor, consumer names "
+                        "NAME-1 ... NAME-N (NAME: --name, default the host name); a worker that "
+                        "dies is started again under its name (its own pending work re-read at "
+                        "once); SIGTERM/SIGINT is forwarded once to each; exit status 1 when a "
+                        "worker died or failed its stop")
     p.add_argument("--takeover", action="store_true",
                    help="mount even when another live process holds this consumer name "
                         "(default: refused; it would handle the same pending entries)")

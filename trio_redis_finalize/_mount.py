@@ -417,10 +417,12 @@ class Mount:
         names = _shown([d.id or d.origin_id for d in cut])
         if t.form is Form.STREAM:
             fate = (f"entries {names}: left pending in the PEL of group {t.group!r} (consumer "
-                    f"{self.consumer.name!r}), delivered again later")
+                    f"{self.consumer.name!r}), handed back at the stop (the group's live "
+                    "consumers take them at once; this attempt counts)")
         elif t.form is Form.RELIABLE_LIST:
             fate = (f"elements {names} (origin ids): left in the processing list "
-                    f"{t.processing!r}, delivered again later")
+                    f"{t.processing!r}, handed back onto the queue at the stop (this attempt "
+                    "counts)")
         else:
             fate = f"messages {names} (origin ids): gone (a {t.form.value} is at-most-once)"
         grace = self.consumer.shutdown_grace

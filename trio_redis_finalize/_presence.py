@@ -18,15 +18,21 @@ and keeps the times:
   claims): at mount, every ``heartbeat / 2`` (jittered), as soon as a live
   consumer's heartbeat key would lapse (its ``PTTL``) and as soon as a dead
   one's next entry is idle enough;
-* **deregistration** (:meth:`StreamPresence.deregister`, phase 6 of the
-  shutdown): one gated script, only when nothing is pending for this
-  consumer.
+* **stop probe** (also a step of the read loop): every ``STOP_PROBE`` s an
+  ``HGETALL`` of the registry; a new stopped mark makes the next look now,
+  so what a peer handed back at its stop is taken within about a second;
+* **hand-back** (:meth:`StreamPresence.deregister`, phase 6 of the
+  shutdown): one script (:data:`~._core._presence.STOP`) makes what is
+  still pending for this consumer idle at once (owner and count unchanged),
+  deletes the heartbeat key and leaves the stopped mark; a consumer with
+  nothing pending is deleted from the group.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
 import anyio
@@ -37,8 +43,11 @@ from ._core._commands import Command
 from ._core._decode import Entry
 from ._core._identity import heartbeat_value
 from ._core._presence import (
-    FORGET,
+    HANDED_BACK_IDLE_MS,
     REAP,
+    STOP,
+    STOP_PROBE,
+    Heartbeat,
     Survey,
     beat,
     claim_name,
@@ -50,8 +59,11 @@ from ._core._presence import (
     peers,
     registry,
     registry_key,
+    stop_probe,
+    stopped_value,
     survey,
     warnings,
+    watch_notes,
 )
 from ._core._replies import FINAL, classify, error_code
 from ._identity import NameHold
@@ -92,6 +104,9 @@ class StreamPresence:
         self._claiming = claiming
         self._adopt = adopt
         self._next = 0.0  # the next look (0: at once; the first is at mount)
+        self._probe = 0.0  # the next stop probe
+        self._looked = False  # the first look (at mount) was made
+        self._stops: set[tuple[str, float | None]] = set()  # stopped marks seen
         self._warned: set[str] = set()
         self._legacy: set[str] = set()  # consumers registered under the old naming only
         self._hold = NameHold()
@@ -100,7 +115,7 @@ class StreamPresence:
 
     def _beat(self, ctx: Context, ttl: float) -> Command:
         return beat(self.stream, self.group, ctx.consumer.name, ctx.consumer.token, self.heartbeat,
-                    self.mode, ttl)
+                    self.mode, ttl, time.time())
 
     async def register(self, ctx: Context) -> None:
         """The first heartbeat (set-up: before the first read): the claim of
@@ -113,7 +128,7 @@ class StreamPresence:
         me = ctx.consumer.name
         await self._hold.claim(
             ctx, lambda takeover: claim_name(self.stream, self.group, me, ctx.consumer.token,
-                                             self.heartbeat, self.mode, takeover),
+                                             self.heartbeat, self.mode, takeover, time.time()),
             heartbeat_key(self.stream, self.group, me),
             legacy_heartbeat_key(self.stream, self.group, me), FINALIZE_TIMEOUT)
 
@@ -138,7 +153,15 @@ class StreamPresence:
 
     # -- the reaper ---------------------------------------------------------------
     def due(self) -> bool:
-        return anyio.current_time() >= self._next
+        now = anyio.current_time()
+        return now >= self._next or now >= self._probe
+
+    async def probe(self, ctx: Context) -> bool:
+        """Whether the registry holds a stopped mark not seen yet (a peer
+        handed its entries back): then a look is due now."""
+        self._probe = anyio.current_time() + STOP_PROBE
+        flat = await ctx.client.execute("HGETALL", self._registry, timeout=FINALIZE_TIMEOUT)
+        return bool(stop_probe(flat, ctx.consumer.name, self._stops))
 
     async def step(self, ctx: Context) -> None:
         """:meth:`look`, as a step of the read loop: what the loop handles
@@ -147,6 +170,8 @@ class StreamPresence:
         say) is logged and the look tried again ``heartbeat / 2`` later, so it
         never stops the reading."""
         try:
+            if anyio.current_time() < self._next and not await self.probe(ctx):
+                return
             await self.look(ctx)
         except rexc.ResponseError as e:
             if classify(e) is not FINAL or error_code(e) in ("NOGROUP", "UNBLOCKED"):
@@ -174,11 +199,13 @@ class StreamPresence:
              ("HGETALL", legacy_registry_key(self.stream, self.group))],
             timeout=FINALIZE_TIMEOUT,
         )
+        self._probe = anyio.current_time() + STOP_PROBE
         registered = registry(flat)
         # consumers of an earlier version (the old key naming): their own keys
         legacy = {n: r for n, r in registry(old).items() if n not in registered}
         self._legacy = set(legacy)
         registered.update(legacy)
+        self._stops = {(n, r.at) for n, r in registered.items() if r.stopped}
         others = [n for n in registered if n != me]
         ttls: dict[str, int] = {}
         if others:
@@ -187,8 +214,11 @@ class StreamPresence:
             ttls = {n: int(t) for n, t in zip(others, replies, strict=True)}
         found = survey(me, self.mode, self.heartbeat, self.page,
                        peers(consumer_rows(rows), registered, ttls))
-        for level, msg, args, extra in warnings(ctx.name, self.mode, self.min_idle, found,
-                                                self._warned):
+        notes = warnings(ctx.name, self.mode, self.min_idle, found, self._warned)
+        if not self._looked:  # at mount: also the live ones that hold entries
+            self._looked = True
+            notes += watch_notes(ctx.name, found, time.time())
+        for level, msg, args, extra in notes:
             log.log(level, msg, *args, extra=extra)
         self._warned.update(p.name for p in found.peers if p.stranded)
         wake = [self.heartbeat / 2 * random.uniform(0.8, 1.0)]
@@ -218,7 +248,13 @@ class StreamPresence:
                 wake.append(got.wait + _LAPSE_MARGIN)
                 more = more or got.wait == 0
             if r.page:
-                if taken:
+                if taken and r.peer.heartbeat is Heartbeat.STOPPED:
+                    ctx.stats.effects["recovered"] += len(got.entries)
+                    log.info("%s: took over %d entries consumer %r handed back at its stop%s",
+                             ctx.name, len(got.entries), r.peer.name,
+                             f"; {len(got.gone)} more were deleted while pending"
+                             if got.gone else "", extra={"subscription": ctx.name})
+                elif taken:
                     ctx.stats.effects["recovered"] += len(got.entries)
                     log.warning("%s: consumer %r stopped its heartbeat; took over %d of its "
                                 "pending entries (their attempt counts the crash)%s", ctx.name,
@@ -236,24 +272,36 @@ class StreamPresence:
         return found
 
     # -- a clean stop ---------------------------------------------------------------
-    async def deregister(self, ctx: Context) -> bool:
-        """Delete the heartbeat key, the registration and the consumer in the
-        group, when nothing is pending for it (else leave all as it is: the
-        heartbeat lapses, then a live consumer takes over)."""
+    async def deregister(self, ctx: Context, ids: Sequence[str], *, whole: bool) -> int:
+        """Hand back what is still pending for this consumer, and leave the
+        stopped mark (:data:`~._core._presence.STOP`): ``whole``: the whole
+        own PEL; else only ``ids`` (CLAIMING: its PEL holds delayed retries,
+        which keep their delay).  Returns how many entries were handed back."""
         me = ctx.consumer.name
-        done = await ctx.client.evalsha(
-            FORGET, (self.stream, heartbeat_key(self.stream, self.group, me), self._registry),
-            (self.group, me, heartbeat_value(ctx.consumer.token, self.heartbeat)),
+        args: list[str | int] = [self.group, me,
+                                 stopped_value(self.heartbeat, self.mode, time.time()),
+                                 HANDED_BACK_IDLE_MS, 1 if whole else 0,
+                                 heartbeat_value(ctx.consumer.token, self.heartbeat)]
+        if not whole:
+            args += sorted(ids)
+        n, left = await ctx.client.evalsha(
+            STOP, (self.stream, self._heartbeat_of(me), self._registry), args,
             timeout=CLOSING_TIMEOUT,
         )
-        if done:
-            log.debug("%s: deregistered consumer %r (nothing pending for it)", ctx.name, me,
-                      extra={"subscription": ctx.name})
+        n = int(n)
+        if n:
+            ctx.stats.effects["handed_back"] += n
+            log.info("%s: consumer %r handed back %d entr%s: the group's live consumers take "
+                     "them at once, at the attempt they had (or this name started again)",
+                     ctx.name, me, n, "y" if n == 1 else "ies", extra={"subscription": ctx.name})
+        elif left:
+            log.info("%s: consumer %r stopped with entries pending (delayed retries of "
+                     "Mode.CLAIMING): claimed back once idle min_idle", ctx.name, me,
+                     extra={"subscription": ctx.name})
         else:
-            log.info("%s: consumer %r stopped with entries pending; they are taken over by a "
-                     "live consumer of the group once its heartbeat lapses (or by this name "
-                     "started again)", ctx.name, me, extra={"subscription": ctx.name})
-        return bool(done)
+            log.debug("%s: consumer %r stopped (nothing pending for it)", ctx.name, me,
+                      extra={"subscription": ctx.name})
+        return n
 
     @property
     def _registry(self) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import random
+import time
 from collections.abc import Callable, Coroutine, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
@@ -30,9 +31,9 @@ from ._core._plan import Effect, Plan, Target
 from ._core._presence import HEARTBEAT_FLOOR
 from ._core._reliable import (
     BUMP,
-    FORGET,
     GIVE_BACK,
     REAP,
+    STOP,
     bumped,
     dec,
     doubtful,
@@ -41,6 +42,7 @@ from ._core._reliable import (
     legacy_registry_key,
     receipts_key,
     registry_key,
+    stop_args,
     stranded,
 )
 from ._core._scripts import MOVE_DUE_TO_LIST
@@ -176,6 +178,8 @@ _PREFETCH_MAX = 64
 _CHUNK_WORK = 0.01
 """Seconds of handler work one prefetch aims at (fast handlers: bigger batches)."""
 _REAP_PAGE = 100
+_LAPSE_MARGIN = 0.005
+"""Seconds after a peer's heartbeat key's TTL ends before the look that finds it gone."""
 _REAP_ROUNDS = 1000
 _RECHECK = 1.0
 """Seconds after a rescan that may have taken a stranded copy for an identical
@@ -216,7 +220,8 @@ class ReliableListReader:
       (RETRY, dead letter, delay) the stranded X lives on as the second copy;
       for ACK / DROP it is gone (two lost replies on identical bytes).
     * Dead consumers: a heartbeat key with a TTL of ``heartbeat`` seconds,
-      renewed every ``heartbeat / 3``; every ``heartbeat / 2`` each consumer
+      renewed every ``heartbeat / 3``; every ``heartbeat / 2``, and as soon as
+      a live one's key would lapse, each consumer
       looks in the registry for consumers whose heartbeat key is gone and
       moves their processing lists back onto the queue (gated script,
       element by element, counter bumped, to the consumer end in their
@@ -226,7 +231,8 @@ class ReliableListReader:
       queue (consumer end, not counted as an attempt); those being handled
       when ``shutdown_grace`` ran out stay in the processing list, and the
       heartbeat is extended to cover the grace.  Once the shutdown is over
-      (:meth:`closed`), a consumer whose processing list is empty
+      (:meth:`closed`), what is left in the processing list goes back onto
+      the queue at once (counted when a handler ran), and the consumer
       deregisters (its heartbeat key and registry entry deleted).
     * ``DelayedRetry.DURABLE_ZSET``: due copies are moved from the delay set
       before each read, and the read blocks no longer than the next is due.
@@ -257,6 +263,9 @@ class ReliableListReader:
         self._blmove: Command = ()
         self._lmove: Command = ()
         self._name_hold = NameHold()  # this consumer name's heartbeat (_identity)
+        self._abandoned = 0  # elements given back unstarted at the shutdown (abandon)
+        self._lapse: float | None = None  # seconds until the first live peer's heartbeat lapses
+        self._looked = False  # the first look for dead consumers (at mount) was made
 
     @property
     def pending(self) -> Pending:
@@ -270,7 +279,9 @@ class ReliableListReader:
         (by any consumer), and their attempt is not counted; should that fail
         they stay in the processing list, recovered later as after a crash.
         """
-        return self._give_back_plan([d.raw for d in deliveries if d.raw is not None])
+        raws = [d.raw for d in deliveries if d.raw is not None]
+        self._abandoned += len(raws)
+        return self._give_back_plan(raws)
 
     def _give_back_plan(self, raws: Sequence[bytes]) -> Plan | None:
         if not raws or self._target is None:
@@ -475,19 +486,27 @@ class ReliableListReader:
                             ctx.name, e, self.sub.heartbeat)
 
     async def _reaper(self, ctx: Context) -> None:
+        """Look for dead consumers every ``heartbeat / 2`` (jittered), and as
+        soon as a live one's heartbeat key would lapse (its ``PTTL``): a
+        killed consumer's processing list is back on the queue about
+        ``heartbeat`` after the kill."""
         every = self.sub.heartbeat / 2
         while True:
+            wait = every * random.uniform(0.8, 1.2)
             try:
                 await self.reap(ctx)
+                if self._lapse is not None:
+                    wait = min(wait, self._lapse + _LAPSE_MARGIN)
             except (rexc.ConnectionError, rexc.TimeoutError, rexc.ResponseError, OSError) as e:
                 log.warning("%s: looking for dead consumers failed: %s", ctx.name, e)
-            await anyio.sleep(every * random.uniform(0.8, 1.2))
+            await anyio.sleep(wait)
 
     async def reap(self, ctx: Context) -> int:
         """Move the processing lists of dead consumers back onto the queue."""
         sub = self.sub
         client = ctx.client
         me = ctx.consumer.name.encode()
+        self._lapse = None
         flat, old = await client.pipeline(
             [("HGETALL", registry_key(sub.queue)), ("HGETALL", legacy_registry_key(sub.queue))],
             timeout=FINALIZE_TIMEOUT)
@@ -498,15 +517,23 @@ class ReliableListReader:
         others += [(n, p, True) for n, p in legacy.items() if n != me]
         if not others:
             return 0
-        alive = await client.pipeline(
-            [("EXISTS", self._keys_of(n.decode(), old_naming)[0]) for n, _, old_naming in others],
+        ttls = await client.pipeline(
+            [("PTTL", self._keys_of(n.decode(), old_naming)[0]) for n, _, old_naming in others],
             timeout=FINALIZE_TIMEOUT,
         )
         moved = 0
-        for (name, proc, old_naming), live in zip(others, alive, strict=True):
-            if live:
+        watch: list[tuple[str, str, float]] = []
+        for (name, proc, old_naming), ttl in zip(others, ttls, strict=True):
+            if int(ttl) != -2:  # alive (-1: no expiry)
+                if int(ttl) >= 0:
+                    lapse = int(ttl) / 1000
+                    self._lapse = lapse if self._lapse is None else min(self._lapse, lapse)
+                    watch.append((name.decode(), proc.decode(), lapse))
                 continue
             moved += await self._reap_one(ctx, name.decode(), proc.decode(), old_naming)
+        if not self._looked:  # at mount: the live ones holding elements, and when
+            self._looked = True
+            await self._watch_notes(ctx, watch)
         return moved
 
     def _keys_of(self, name: str, old_naming: bool) -> tuple[str, str]:
@@ -515,6 +542,22 @@ class ReliableListReader:
         if old_naming:
             return legacy_heartbeat_key(q, name), legacy_registry_key(q)
         return heartbeat_key(q, name), registry_key(q)
+
+    async def _watch_notes(self, ctx: Context, watch: list[tuple[str, str, float]]) -> None:
+        """At mount: a consumer killed moments ago still looks alive; say when
+        the elements it holds go back onto the queue should it be dead."""
+        if not watch:
+            return
+        sizes = await ctx.client.pipeline([("LLEN", proc) for _, proc, _ in watch],
+                                          timeout=FINALIZE_TIMEOUT)
+        now = time.time()
+        for (name, proc, lapse), n in zip(watch, sizes, strict=True):
+            if int(n):
+                log.info("%s: %d element(s) in processing list %r of consumer %r, heartbeat alive "
+                         "until %s: should it be dead (killed just now), moved back onto the "
+                         "queue in about %.1f s", ctx.name, int(n), proc, name,
+                         time.strftime("%H:%M:%S", time.gmtime(now + lapse)) + " UTC", lapse,
+                         extra={"subscription": ctx.name})
 
     async def _reap_one(self, ctx: Context, name: str, processing: str,
                         old_naming: bool = False) -> int:
@@ -648,23 +691,43 @@ class ReliableListReader:
         await self._name_hold.renew(ctx, self._beat(ctx, ttl), CLOSING_TIMEOUT)
 
     async def closed(self, ctx: Context) -> None:
-        """After the shutdown: deregister (heartbeat key, registry entry) when the
-        processing list is empty; else they stay, the heartbeat lapses and a
-        live consumer moves what is left back onto the queue."""
+        """After the shutdown: hand back onto the queue what is left in the
+        processing list (cut by the grace, waiting for a backoff: counted as
+        an attempt, as the reaper would, but at once; stranded by a read cut
+        at the stop: as it is), then deregister (heartbeat key, registry
+        entry) once it is empty."""
         sub = self.sub
         me = ctx.consumer.name
-        keys = (ctx.target.processing, heartbeat_key(sub.queue, me), registry_key(sub.queue))
+        t = ctx.target
+        keys = (t.processing, sub.queue, heartbeat_key(sub.queue, me), registry_key(sub.queue),
+                receipts_key(t.processing))
         value = heartbeat_value(ctx.consumer.token, sub.heartbeat)
-        # with the receipts of its delayed copies: the scheduler has stopped, none is sent again
-        _, forgot = await ctx.client.pipeline(
-            [("DEL", receipts_key(ctx.target.processing)), FORGET.command(keys, (me, value))],
-            timeout=CLOSING_TIMEOUT)
-        if forgot:
+        moved = 0
+        left = 1
+        held = dict(self._gates.in_hand)  # counted down as the pages go
+        for _ in range(_REAP_ROUNDS):
+            page: list[bytes] = await ctx.client.execute("LRANGE", t.processing, 0, _REAP_PAGE - 1,
+                                                         timeout=CLOSING_TIMEOUT)
+            args: list[bytes | str] = [me, value, *stop_args(page, held)]  # newest first (see STOP)
+            n, left = await ctx.client.evalsha(STOP, keys, args, timeout=CLOSING_TIMEOUT)
+            moved += int(n)
+            if not page or int(left) <= 0:
+                break
+        if int(left) < 0:
+            log.info("%s: consumer name %r is another process's now (taken over): its processing "
+                     "list is left to it", ctx.name, me, extra={"subscription": ctx.name})
+            return
+        if moved or self._abandoned:
+            ctx.stats.effects["handed_back"] += moved
+            log.info("%s: consumer %r handed back %d element(s) onto the queue: %d read and not "
+                     "started (their attempt not counted), %d left by handlers cut by the grace "
+                     "or held for a backoff (counted)", ctx.name, me, self._abandoned + moved,
+                     self._abandoned, moved, extra={"subscription": ctx.name})
+        if int(left):
+            log.warning("%s: consumer %r stopped with elements left in processing list %r; a "
+                        "live consumer moves them back onto the queue once its heartbeat "
+                        "lapses (or this name started again delivers them)", ctx.name, me,
+                        t.processing, extra={"subscription": ctx.name})
+        else:
             log.debug("%s: deregistered consumer %r (processing list empty)", ctx.name, me,
                       extra={"subscription": ctx.name})
-        else:
-            log.info("%s: consumer %r stopped with elements in processing list %r; a live "
-                     "consumer moves them back onto the queue once its heartbeat lapses (or "
-                     "this name started again delivers them)", ctx.name, me,
-                     ctx.target.processing, extra={"subscription": ctx.name})
-

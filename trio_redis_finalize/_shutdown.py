@@ -38,13 +38,24 @@ below) when shutdown begins (``t0``), times every phase.
    memory is sent at once (early rather than lost), until
    :attr:`Budget.flush` (``+ FLUSH_GRACE``); from then on the scheduler's
    own task sends nothing.
-6. **Deregistration**: each mount's reader gets its ``closed`` step
-   (``CLOSING_TIMEOUT``, all at once): a stream consumer with nothing left
-   pending in the group deletes its heartbeat key, its registration and
-   itself from the group (one gated script); a reliable-list consumer with an
-   empty processing list deletes its heartbeat key and registration.  One
-   that leaves work pending keeps them: its last heartbeat (phase 1) lapses,
-   then a live consumer takes the work over.
+6. **Hand-back** (the stop is graceful: nothing waits for a heartbeat to
+   lapse): each mount's reader gets its ``closed`` step (``CLOSING_TIMEOUT``,
+   all at once).  A stream consumer runs one script
+   (``_core._presence.STOP``): what is still pending for it -- read and not
+   started (its count set back by phase 3), cut by the grace, waiting for a
+   backoff -- is made idle at once (``XCLAIM ... IDLE``, owner and delivery
+   count unchanged), its heartbeat key is deleted and its registration
+   becomes the stopped mark, which the group's live consumers honour at their
+   next look (they probe the registry every ``STOP_PROBE`` = 0.5 s): they
+   take those entries within about a second, at the attempt each had (a cut
+   handler's attempt counts; CLAIMING keeps its delayed retries pending with
+   their delay).  With nothing pending it is deleted from the group and the
+   registry.  A reliable-list consumer moves what is left in its processing
+   list back onto the queue (a cut or waiting element counted, as the reaper
+   would), then deletes its heartbeat key and registration.  "handed back N"
+   is logged once per mount.  Should this step fail (the server silent), the
+   last heartbeat (phase 1) lapses and a live consumer takes the work over,
+   as after a crash.
 7. **Close**: the client's connections (the pool's and each reader's own)
    are closed (``open_consumer``'s exit).  Once the scheduler's task has
    ended, each copy it still holds (the server refused it or did not answer

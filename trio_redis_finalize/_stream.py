@@ -129,6 +129,10 @@ class StreamSubscription(Subscription):
             XAUTOCLAIM (its PEL holds delayed retries).  A dead consumer with
             nothing pending is deleted from the group (``XGROUP
             DELCONSUMER``); so is a cleanly stopped one whose PEL is empty.
+            A graceful stop waits for no heartbeat: what the consumer read
+            and did not finish is handed back (made idle at once, the
+            consumer marked stopped in the registry) and the group's live
+            consumers take it within about a second, at the attempt it had.
             Entries pending for a consumer that never kept a heartbeat
             (another client) are not taken in PLAIN mode: ``mount()`` warns
             about them (name, count, idle time, how to recover them), and
@@ -345,7 +349,9 @@ class StreamReader:
         # count (None: the server count as it is), until handed over: a
         # recovery after a failure in between counts them alike (no bump twice).
         self._taking: dict[bytes, int | None] = {}
-        # the heartbeat, the reaper of dead consumers, the deregistration
+        # Ids given back unstarted at shutdown (abandon): handed back at the stop.
+        self._abandoned: set[str] = set()
+        # the heartbeat, the reaper of dead consumers, the hand-back at a stop
         self._presence = StreamPresence(sub.stream, sub.group, sub.mode, sub.min_idle,
                                         sub.heartbeat, sub.count, self._claiming, self._adopt)
 
@@ -364,9 +370,9 @@ class StreamReader:
         one with ``XCLAIM ... RETRYCOUNT`` so the next delivery does not count
         a handler call that never happened.
         """
-        return self._give_back(
-            [(d.id, self._given.get(d.id, 1)) for d in deliveries if d.id is not None]
-        )
+        given = [(d.id, self._given.get(d.id, 1)) for d in deliveries if d.id is not None]
+        self._abandoned.update(eid for eid, _ in given)
+        return self._give_back(given)
 
     def _give_back(self, items: Sequence[tuple[str | bytes, int]]) -> Plan | None:
         by_count: dict[int, list[str | bytes]] = {}
@@ -496,8 +502,13 @@ class StreamReader:
         await self._presence.last_beat(ctx)
 
     async def closed(self, ctx: Context) -> None:
-        """After the shutdown: deregister when nothing is pending for this consumer."""
-        await self._presence.deregister(ctx)
+        """After the shutdown: hand back what is still pending for this consumer
+        (made idle at once, so a live consumer of the group takes it within a
+        look; CLAIMING: only what it read and did not finalize, its delayed
+        retries keep their delay), leave the stopped mark; nothing pending:
+        the consumer is deleted from the group."""
+        await self._presence.deregister(ctx, [*ctx.in_hand, *self._abandoned],
+                                        whole=self.sub.mode is not Mode.CLAIMING)
 
     def _plan_recovery(self) -> None:
         """Look at the own PEL before the next read (CLAIMING: its claims do)."""

@@ -36,8 +36,15 @@ One flag per capability, and one place in the core that consumes each (the
     Would make the copies written before an acknowledgement idempotent (a
     resent cross-slot copy, a runtime copy sent again after a lost reply).
 ``xnack`` (Redis 8.8): ``XNACK``
-    Would replace the give-backs' ``XCLAIM ... RETRYCOUNT`` (a delivery given
-    back unstarted, or waiting out a ``Backoff``, spends no attempt).
+    The native hand-back at a graceful stop: ``XNACK key group SILENT IDS n
+    id ...`` for the deliveries read and not started (their count set back
+    by one), ``FAIL`` for those a grace cut, would replace the stop's ``XCLAIM
+    ... RETRYCOUNT`` (the give-back) + ``XCLAIM ... IDLE`` + the stopped mark
+    (``_core._presence.STOP``) and the peers' registry probe.  Not used yet:
+    an XNACKed entry has no owner in the PEL, so the reaper (which reads the
+    stopped consumer's PEL) never sees it; only ``XREADGROUP ... CLAIM``
+    (``claim_read``) or ``XAUTOCLAIM`` serves it, which PLAIN mounts do not
+    run.  It is to be consumed together with ``claim_read``, at this flag.
 
 A command is there when ``COMMAND INFO`` names it (a missing one answers
 nil); an option when ``COMMAND DOCS`` lists its token among the command's

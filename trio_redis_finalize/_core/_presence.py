@@ -27,6 +27,11 @@ A look at the group (:func:`survey`: ``XINFO CONSUMERS``, the registry, the
 
 * **alive**: registered, heartbeat key present -- nothing to do (the look
   after its key would lapse is planned: :attr:`Survey.wake`);
+* **stopped**: registered with the stopped mark (:func:`stopped_value`, set by
+  :data:`STOP` at a clean stop), heartbeat key gone -- its entries were
+  handed back (made idle at once), so :data:`REAP` takes them at the next
+  look, as for a lapsed one; a live mount looks as soon as a
+  :func:`stop_probe` finds a new mark (every ``STOP_PROBE`` seconds);
 * **lapsed**: registered, heartbeat key gone -- dead.  :data:`REAP` (one
   gated script) takes the entries it holds that have been idle its
   ``heartbeat`` (so an entry a live consumer whose key vanished still
@@ -41,9 +46,16 @@ A look at the group (:func:`survey`: ``XINFO CONSUMERS``, the registry, the
   warned about (:func:`warnings`), counted (:attr:`Survey.stranded`), never
   taken; RECLAIM and CLAIMING claim them once idle ``min_idle``.
 
-A cleanly stopping mount whose PEL is empty deregisters itself
-(:data:`FORGET`); one that leaves entries pending keeps its last heartbeat,
-whose TTL covers the shutdown, and is reaped once it lapses.
+A cleanly stopping mount hands back what it read and did not finalize
+(:data:`STOP`): its heartbeat key deleted, its registration replaced by the
+stopped mark, every entry still pending for it made idle at once (``XCLAIM
+... IDLE``, owner and delivery count unchanged), so a live consumer of the
+group takes them within a look (:data:`REAP`, RECLAIM's and CLAIMING's
+``XAUTOCLAIM``), or the same name started again re-reads them at once.  The
+stopped mark stays in the registry (``inspect`` shows it) until a look finds
+nothing pending for it and removes it with the consumer; a consumer that
+stops with nothing pending is deleted from the group and the registry at
+once.
 """
 
 from __future__ import annotations
@@ -52,6 +64,7 @@ import dataclasses
 import enum
 import functools
 import logging
+import time
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
@@ -63,11 +76,23 @@ from ._finalize import Record
 from ._identity import claim, heartbeat_value, renew
 
 __all__ = [
-    "FORGET", "HEARTBEAT_FLOOR", "REAP", "Heartbeat", "Peer", "Reap", "Reaped", "Registration",
-    "Survey", "beat", "claim_name", "consumer_rows", "heartbeat_key", "lease_every", "legacy_heartbeat_key",
-    "legacy_registry_key", "parse_reap", "peers", "registration", "registration_value", "registry",
-    "registry_key", "survey", "warnings",
+    "FORGET", "HANDED_BACK_IDLE_MS", "HEARTBEAT_FLOOR", "REAP", "STOP", "STOP_PROBE", "Heartbeat",
+    "Peer", "Reap", "Reaped", "Registration", "Survey", "beat", "claim_name", "consumer_rows",
+    "heartbeat_key", "lease_every", "legacy_heartbeat_key", "legacy_registry_key", "parse_reap",
+    "peers", "registration", "registration_value", "registry", "registry_key", "stop_probe",
+    "stopped_value", "survey", "warnings", "watch_notes",
 ]
+
+STOP_PROBE = 0.5
+"""Seconds between two looks of a live mount at the registry for a new
+stopped mark (one ``HGETALL``): a peer's hand-back is taken over within
+about this, or the read's ``block`` when longer (the probe runs between two
+reads)."""
+
+HANDED_BACK_IDLE_MS = 10**12
+"""The idle time (ms, about 31 years) :data:`STOP` gives the entries it hands
+back: past every ``heartbeat`` and ``min_idle``, below the server's clock
+(``XCLAIM ... IDLE`` must not reach before the epoch)."""
 
 HEARTBEAT_FLOOR = 0.01
 """Seconds: a shorter heartbeat cannot be renewed (every ``heartbeat / 3``) in time."""
@@ -118,45 +143,79 @@ class Registration:
     heartbeat: float | None
     """Its heartbeat in seconds (None: unreadable)."""
     mode: Mode | None
+    at: float | None = None
+    """Unix time of its last beat, or of its stop (None: not written)."""
+    stopped: bool = False
+    """The stopped mark: it stopped cleanly and handed its entries back (:data:`STOP`)."""
 
 
-def registration_value(heartbeat: float, mode: Mode) -> str:
-    return f"{max(1, round(heartbeat * 1000))} {mode.value}"
+def registration_value(heartbeat: float, mode: Mode, at: float | None = None, *,
+                       stopped: bool = False) -> str:
+    """``"<heartbeat ms> <mode>[ <unix ms>[ stopped]]"``."""
+    value = f"{max(1, round(heartbeat * 1000))} {mode.value}"
+    if at is not None:
+        value += f" {round(at * 1000)}"
+        if stopped:
+            value += " stopped"
+    return value
+
+
+def stopped_value(heartbeat: float, mode: Mode, at: float) -> str:
+    """The stopped mark :data:`STOP` writes in the registry."""
+    return registration_value(heartbeat, mode, at, stopped=True)
 
 
 def registration(value: bytes | str) -> Registration:
     """A registry value as :class:`Registration` (unknown parts None)."""
     text = value.decode(errors="replace") if isinstance(value, bytes) else value
-    ms, _, mode = text.partition(" ")
+    parts = text.split(" ")
     try:
-        hb: float | None = int(ms) / 1000
+        hb: float | None = int(parts[0]) / 1000
     except ValueError:
         hb = None
     try:
-        m: Mode | None = Mode(mode)
+        m: Mode | None = Mode(parts[1]) if len(parts) > 1 else None
     except ValueError:
         m = None
-    return Registration(hb, m)
+    at: float | None = None
+    if len(parts) > 2:
+        try:
+            at = int(parts[2]) / 1000
+        except ValueError:
+            at = None
+    return Registration(hb, m, at, len(parts) > 3 and parts[3] == "stopped")
 
 
 def beat(stream: str, group: str, consumer: str, token: str, heartbeat: float, mode: Mode,
-         ttl: float) -> Command:
+         ttl: float, at: float | None = None) -> Command:
     """A heartbeat: the key with a TTL of ``ttl`` seconds, and the
-    registration; only while the key is this process's (``token``) or absent
+    registration (with ``at``, the unix time of the beat: a look tells when
+    it lapsed); only while the key is this process's (``token``) or absent
     (:data:`~._identity.RENEW`)."""
     return renew(heartbeat_key(stream, group, consumer), registry_key(stream, group),
                  heartbeat_value(token, heartbeat), ttl, consumer,
-                 registration_value(heartbeat, mode))
+                 registration_value(heartbeat, mode, at))
 
 
 def claim_name(stream: str, group: str, consumer: str, token: str, heartbeat: float, mode: Mode,
-               takeover: bool | str) -> Command:
+               takeover: bool | str, at: float | None = None) -> Command:
     """The first heartbeat, at mount: the claim of the consumer name
     (:data:`~._identity.CLAIM`)."""
     return claim((heartbeat_key(stream, group, consumer), registry_key(stream, group),
                   legacy_heartbeat_key(stream, group, consumer), legacy_registry_key(stream, group)),
                  heartbeat_value(token, heartbeat), heartbeat, takeover, consumer,
-                 registration_value(heartbeat, mode))
+                 registration_value(heartbeat, mode, at))
+
+
+def stop_probe(flat: Sequence[bytes], me: str, seen: Collection[tuple[str, float | None]]
+               ) -> list[tuple[str, float | None]]:
+    """The stopped marks in a registry (``HGETALL``) of consumers other than
+    ``me`` not in ``seen``: (name, stop time) each; a look is due when any."""
+    out: list[tuple[str, float | None]] = []
+    for name, reg in registry(flat).items():
+        if name != me and reg.stopped and (name, reg.at) not in seen:
+            out.append((name, reg.at))
+    return out
 
 
 # KEYS: stream, the dead consumer's heartbeat key, registry.
@@ -226,6 +285,73 @@ return 1
     name="stream_forget",
 )
 
+# KEYS: stream, own heartbeat key, registry.
+# ARGV: group, consumer, stopped mark, idle ms, all (1: the whole own PEL;
+# 0: only the ids that follow, each while still pending for it), own
+# heartbeat value, id, id, ...
+# Nothing is done while another process holds the name's heartbeat (it took
+# the name over: what is pending is its own now).
+# A consumer's clean stop, after its handlers and finalizer ended: what is
+# still pending for it (read and not finalized: unstarted and given back with
+# its count set back, cut by the grace, waiting for a backoff) is handed back:
+# made idle `idle ms` with ``XCLAIM ... IDLE n JUSTID`` (owner and delivery
+# count unchanged), so a live consumer takes it at once (the reaper, which
+# honours the stopped mark, counts one more as for every taking: the given
+# back ones come back at the attempt they had), and the registration is
+# replaced by the stopped mark.  Nothing pending: the consumer is deleted from
+# the group and the registry.  Either way the heartbeat key is deleted.  A
+# group that is gone: the registration and key deleted.
+# Returns {handed back, 1 when entries are left pending for it}.
+STOP = Script(
+    """
+local group, me = ARGV[1], ARGV[2]
+local hb = redis.call('GET', KEYS[2])
+if hb and hb ~= ARGV[6] then return {0, 0} end
+local ok, p = pcall(redis.call, 'XPENDING', KEYS[1], group, '-', '+', 1, me)
+if not ok then
+  redis.call('HDEL', KEYS[3], me)
+  redis.call('DEL', KEYS[2])
+  return {0, 0}
+end
+local n = 0
+if #p == 0 then
+  redis.call('XGROUP', 'DELCONSUMER', KEYS[1], group, me)
+elseif ARGV[5] == '1' then
+  local lo = '-'
+  while true do
+    local rows = redis.call('XPENDING', KEYS[1], group, lo, '+', 500, me)
+    if #rows == 0 then break end
+    local args = {KEYS[1], group, me, 0}
+    for _, r in ipairs(rows) do args[#args + 1] = r[1] end
+    args[#args + 1] = 'IDLE'
+    args[#args + 1] = ARGV[4]
+    args[#args + 1] = 'JUSTID'
+    redis.call('XCLAIM', unpack(args))
+    local ids = rows
+    n = n + #ids
+    if #rows < 500 then break end
+    lo = '(' .. rows[#rows][1]
+  end
+else
+  for i = 7, #ARGV do
+    if #redis.call('XPENDING', KEYS[1], group, ARGV[i], ARGV[i], 1, me) > 0 then
+      redis.call('XCLAIM', KEYS[1], group, me, 0, ARGV[i], 'IDLE', ARGV[4], 'JUSTID')
+      n = n + 1
+    end
+  end
+end
+if #p == 0 then
+  redis.call('HDEL', KEYS[3], me)
+else
+  redis.call('HSET', KEYS[3], me, ARGV[3])
+end
+redis.call('DEL', KEYS[2])
+if #p == 0 then return {0, 0} end
+return {n, 1}
+""",
+    name="stream_stop",
+)
+
 
 # -- a look at the group --------------------------------------------------------
 
@@ -236,6 +362,9 @@ class Heartbeat(enum.Enum):
     """Registered; its heartbeat key is there."""
     LAPSED = "lapsed"
     """Registered; its heartbeat key is gone: dead."""
+    STOPPED = "stopped"
+    """Registered with the stopped mark, its heartbeat key gone: it stopped
+    cleanly and handed its entries back (:data:`STOP`)."""
     NONE = "none"
     """Never registered: another client, or a consumer without heartbeats."""
 
@@ -301,7 +430,7 @@ def peers(rows: Sequence[tuple[str, int, int | None]], registered: Mapping[str, 
         if reg is None:
             hb = Heartbeat.NONE
         elif ttl == -2:
-            hb = Heartbeat.LAPSED
+            hb = Heartbeat.STOPPED if reg.stopped else Heartbeat.LAPSED
         else:
             hb = Heartbeat.ALIVE
         out.append(Peer(name, pending, None if idle is None else idle / 1000, hb,
@@ -356,7 +485,7 @@ def survey(me: str, mode: Mode, heartbeat: float, page: int, found: Sequence[Pee
     others = tuple(p for p in found if p.name != me)
     reap: list[Reap] = []
     for p in others:
-        if p.heartbeat is not Heartbeat.LAPSED:
+        if p.heartbeat not in (Heartbeat.LAPSED, Heartbeat.STOPPED):
             continue
         reg = p.registration
         takes = mode is not Mode.CLAIMING and (reg is None or reg.mode is not Mode.CLAIMING)
@@ -389,6 +518,11 @@ def parse_reap(reply: Any) -> Reaped | None:
     counts = {t[0]: int(t[2]) for t in taken}
     return Reaped(entries, counts, list(gone), None if int(wait) < 0 else int(wait) / 1000,
                   bool(forgotten))
+
+
+def _utc(t: float) -> str:
+    """A unix time as ``HH:MM:SS.mmm UTC`` (the day left out: a log line has it)."""
+    return time.strftime("%H:%M:%S", time.gmtime(t)) + f".{int(t * 1000) % 1000:03d} UTC"
 
 
 def _n(n: int) -> str:
@@ -428,16 +562,45 @@ def warnings(name: str, mode: Mode, min_idle: float, found: Survey,
                             (name, _n(p.pending), p.name, idle, min_idle), extra))
             continue
         r = reaped[p.name]
+        reg = p.registration
+        if p.heartbeat is Heartbeat.STOPPED:
+            at = "" if reg is None or reg.at is None else f" at {_utc(reg.at)}"
+            out.append((logging.INFO,
+                        "%s: %s of consumer %r, which stopped cleanly%s and handed them back; "
+                        "%s",
+                        (name, _n(p.pending), p.name, at,
+                         "taking them over now" if r.page else
+                         "a CLAIMING subscription claims them (idle at once)"), extra))
+            continue
+        lapsed = ("" if reg is None or reg.at is None or reg.heartbeat is None
+                  else f", heartbeat lapsed at {_utc(reg.at + reg.heartbeat)}")
         if r.page:
             left = max(0.0, r.min_idle - (p.idle or 0.0))
-            when = "now" if left == 0 else f"within {left:.1f} s (once idle heartbeat={r.min_idle:g} s)"
+            when = "now" if left == 0 else f"in about {left:.1f} s (once idle heartbeat={r.min_idle:g} s)"
             out.append((logging.WARNING,
-                        "%s: consumer %r stopped its heartbeat with %s pending (idle %s s); "
-                        "taking them over %s",
-                        (name, p.name, _n(p.pending), idle, when), extra))
+                        "%s: %s of consumer %r%s (idle %s s), taken over %s; their attempt "
+                        "counts the crash",
+                        (name, _n(p.pending), p.name, lapsed, idle, when), extra))
         else:
             out.append((logging.INFO,
-                        "%s: consumer %r (Mode.CLAIMING) stopped its heartbeat with %s pending "
-                        "(idle %s s); a CLAIMING subscription claims them back once idle min_idle",
-                        (name, p.name, _n(p.pending), idle), extra))
+                        "%s: %s of consumer %r (Mode.CLAIMING)%s (idle %s s); a CLAIMING "
+                        "subscription claims them back once idle min_idle",
+                        (name, _n(p.pending), p.name, lapsed, idle), extra))
+    return out
+
+
+def watch_notes(name: str, found: Survey, now: float) -> list[Record]:
+    """At mount (the first look): one note per other consumer that holds
+    entries and whose heartbeat is still alive -- a consumer killed moments
+    ago looks alive until its key lapses, so say when its entries would be
+    taken over should it be dead (``now``: the unix time)."""
+    out: list[Record] = []
+    for p in found.peers:
+        if p.heartbeat is not Heartbeat.ALIVE or not p.pending or p.ttl is None:
+            continue
+        out.append((logging.INFO,
+                    "%s: %s of consumer %r, heartbeat alive until %s: should it be dead (killed "
+                    "just now), taken over in about %.1f s",
+                    (name, _n(p.pending), p.name, _utc(now + p.ttl), p.ttl),
+                    {"subscription": name}))
     return out

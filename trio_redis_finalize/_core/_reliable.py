@@ -27,8 +27,9 @@ Beside a consumer's processing list (its hash slot), ``<processing>:receipts``
 A consumer whose heartbeat key is gone is dead: any live consumer moves its
 processing list back onto the queue (:data:`REAP`) and then forgets it.  A
 cleanly stopped consumer whose processing list is empty deregisters itself
-(:data:`FORGET`); one that leaves elements there keeps its last heartbeat,
-whose TTL covers the shutdown, and is reaped once it lapses.
+(:data:`FORGET`); one that leaves elements there (cut by the grace, waiting
+for a backoff) hands them back onto the queue itself (:data:`STOP`: as the
+reaper would, counted, but at once), then deregisters.
 
 The reader tells identical elements apart by count only: its bookkeeping is
 a multiset of bytes, ``dict[bytes, int]``, counted down with :func:`dec`.
@@ -46,9 +47,9 @@ from ._plan import content_origin
 from ._scripts import _WRITES_LUA
 
 __all__ = [
-    "BUMP", "DELAYED_COPY", "FORGET", "GIVE_BACK", "REAP", "bumped", "dec", "delayed_copy",
+    "BUMP", "DELAYED_COPY", "FORGET", "GIVE_BACK", "REAP", "STOP", "bumped", "dec", "delayed_copy",
     "doubtful", "heartbeat_key", "legacy_heartbeat_key", "legacy_registry_key", "receipts_key",
-    "registry_key", "stranded",
+    "registry_key", "stop_args", "stranded",
 ]
 
 
@@ -108,6 +109,40 @@ if redis.call('LLEN', KEYS[1]) == 0 then redis.call('HDEL', KEYS[4], ARGV[1]) en
 return n
 """,
     name="reliable_list_reap",
+)
+
+# KEYS: own processing list, queue, own heartbeat key, registry, own receipts.
+# ARGV: consumer name, own heartbeat value, element, rewritten element, ...
+# (newest first).
+# A clean stop, after the handlers and the finalizer ended: what is left in the
+# processing list (handlers cut by the grace, elements waiting for a backoff)
+# goes back onto the consumer end of the queue as :data:`REAP` moves a dead
+# consumer's (counter bumped when a handler ran: :func:`stop_args`; oldest
+# rightmost), at once instead of once the heartbeat lapsed.  When the list is
+# empty then, the consumer deregisters (heartbeat key, registration) and its
+# delayed copies' receipts go (the scheduler has stopped: none is sent again).
+# Nothing is done while another process holds the name's heartbeat (it took
+# the name over: the processing list is its own now).
+# Returns {moved, left in the processing list}; {0, -1}: the name is another's.
+STOP = Script(
+    """
+local hb = redis.call('GET', KEYS[3])
+if hb and hb ~= ARGV[2] then return {0, -1} end
+local n = 0
+for i = 3, #ARGV, 2 do
+  if redis.call('LREM', KEYS[1], 1, ARGV[i]) == 1 then
+    redis.call('RPUSH', KEYS[2], ARGV[i + 1])
+    n = n + 1
+  end
+end
+local left = redis.call('LLEN', KEYS[1])
+if left == 0 then
+  redis.call('HDEL', KEYS[4], ARGV[1])
+  redis.call('DEL', KEYS[3], KEYS[5])
+end
+return {n, left}
+""",
+    name="reliable_list_stop",
 )
 
 # KEYS: processing list, own heartbeat key, registry.  ARGV: consumer name,
@@ -229,6 +264,22 @@ def bumped(raw: bytes) -> bytes | None:
     if retries >= 0xFFFFFFFF:
         return None
     return wrap(body, retries + 1, origin if origin is not None else content_origin(raw))
+
+
+def stop_args(page: Sequence[bytes], held: dict[bytes, int]) -> list[bytes]:
+    """:data:`STOP`'s element pairs for one page of the processing list
+    (``LRANGE`` order, newest first): an element the reader holds (a handler
+    cut by the grace, one waiting for a backoff: ``held``, a multiset counted
+    down here) goes back counted (:func:`bumped`: the attempt ran); one it
+    does not hold was stranded by a read cut at the stop, which no handler
+    saw: as it is."""
+    out: list[bytes] = []
+    for e in page:
+        if dec(held, e):
+            out += [e, bumped(e) or e]
+        else:
+            out += [e, e]
+    return out
 
 
 def dec(counts: dict[bytes, int], e: bytes) -> int:
