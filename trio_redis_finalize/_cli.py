@@ -9,6 +9,8 @@ Commands (``--help`` on each)::
                                                     a queue's state (table, or --json)
     requeue DEAD_LETTER --to KEY [--limit N] [--force] [--url URL]
                                                     move dead-lettered messages back
+    dashboard [--url URL] [--host H] [--port N] [--token T | --basic-auth U:P] [--read-only]
+                                                    serve the web dashboard (_dashboard)
 
 ``--url`` defaults to ``redis://127.0.0.1:6379/0`` (``demo`` without
 ``--url`` starts a private redis-server instead).
@@ -1099,6 +1101,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "pending, or from a list that consumers are reading (processing lists "
                         "exist)")
     _url_arg(p)
+
+    from ._dashboard._command import add_command
+
+    add_command(sub, _command, _url_arg, _port)
     return parser
 
 
