@@ -24,6 +24,7 @@ dashboard page for the pages and the commands each refresh sends.
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +50,9 @@ if TYPE_CHECKING:
     from ._transport import Client
 
 __all__ = ["app", "serve"]
+
+STOP_TIMEOUT = 5.0
+"""Seconds :func:`serve` gives open requests to finish once cancelled."""
 
 
 def app(url_or_client: str | Client, *, token: str | None = None,
@@ -95,7 +99,7 @@ async def serve(url_or_client: str | Client, port: int = 8000, *, host: str = "1
         sock.listen(128)
         sock.setblocking(False)
         config = Config()
-        config.bind = [f"fd://{sock.fileno()}"]
+        config.bind = [f"fd://{os.dup(sock.fileno())}"]  # Hypercorn closes the one it is given
         config.accesslog = None
         config.errorlog = None
         config.graceful_timeout = 1.0
@@ -104,7 +108,22 @@ async def serve(url_or_client: str | Client, port: int = 8000, *, host: str = "1
             from hypercorn.trio import serve as hserve
         else:
             from hypercorn.asyncio import serve as hserve  # type: ignore[assignment]
-        task_status.started(bound)
-        await hserve(application, config, shutdown_trigger=anyio.sleep_forever)  # type: ignore[arg-type]
+        stop = anyio.Event()
+        shield = anyio.CancelScope(shield=True)
+
+        async def server() -> None:
+            # shielded: a cancellation stops it through its trigger (a clean lifespan
+            # shutdown), within STOP_TIMEOUT
+            with shield:
+                await hserve(application, config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(server)
+            task_status.started(bound)
+            try:
+                await anyio.sleep_forever()
+            finally:
+                stop.set()
+                shield.deadline = anyio.current_time() + STOP_TIMEOUT
     finally:
         sock.close()

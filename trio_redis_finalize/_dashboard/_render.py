@@ -56,7 +56,7 @@ def layout(title: str, body: str, *, root: str, read_only: bool, who: str | None
 <nav><a href="{root}/">Overview</a></nav>{mode}</header>
 {f'<p class="note" id="note">{e(note)}</p>' if note else ''}
 <main id="live"{live}>{body}</main>
-<footer>rendered on the server; refreshes itself every {refresh or 0:g} s</footer></body></html>"""
+<footer>rendered on the server{f'; refreshes itself every {refresh:g} s' if refresh else ''}</footer></body></html>"""
 
 
 def chart(history: Mapping[str, Sequence[int]], width: int = 180, height: int = 36) -> str:
