@@ -86,3 +86,26 @@ async def make_trouble(url: str, client: Client, stream: str = STREAM, *, lag: i
     # a delayed copy two minutes overdue (scores: server ms)
     secs, _ = await client.execute("TIME")
     await client.execute("ZADD", "{" + stream + "}:delayed", (int(secs) - 120) * 1000, b"copy")
+
+
+async def make_healthy(url: str, client: Client, stream: str = "payments", group: str = "ledger",
+                       n: int = 40) -> None:
+    """A stream whose consumer acknowledged everything (its history written), now stopped."""
+    from trio_redis_finalize import _history
+
+    await client.pipeline([("XADD", stream, "*", "n", str(i)) for i in range(n)])
+
+    async def handle(d: Delivery) -> Outcome:
+        return RETRY if d.attempt == 1 and int(d.fields[b"n"]) % 7 == 0 else ACK
+
+    every = _history.EVERY
+    _history.EVERY = 0.05
+    try:
+        async with open_consumer(url, name="ledger-1", shutdown_grace=1.0) as consumer:
+            await consumer.mount(StreamSubscription(stream, group=group, block=0.1), handle)
+            with anyio.fail_after(20):
+                while totals(await client.execute("HGETALL", _history.history_key(stream, group))
+                             ).get("ack") != n:
+                    await anyio.sleep(0.02)
+    finally:
+        _history.EVERY = every

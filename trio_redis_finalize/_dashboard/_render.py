@@ -59,27 +59,33 @@ def layout(title: str, body: str, *, root: str, read_only: bool, who: str | None
 <footer>rendered on the server{f'; refreshes itself every {refresh:g} s' if refresh else ''}</footer></body></html>"""
 
 
-def chart(history: Mapping[str, Sequence[int]], width: int = 180, height: int = 36) -> str:
-    """A per-minute chart of the last hour: acked, retried, dropped, dead-lettered (SVG polylines)."""
-    series = [(c, history.get(c, [])) for c in ("ack", "retry", "drop", "dead")]
-    top = max([1, *(v for _, s in series for v in s)])
-    n = max((len(s) for _, s in series), default=0)
-    if n < 2:
+def chart(history: Mapping[str, Sequence[int]], width: int = 182, height: int = 36) -> str:
+    """The last hour, per minute: stacked bars of acked, retried, dropped and
+    dead-lettered messages (SVG), the newest minute on the right."""
+    names = ("ack", "retry", "drop", "dead")
+    n = max((len(history.get(c, [])) for c in names), default=0)
+    if n == 0:
         return "<svg class='chart' width='0' height='0'></svg>"
-    lines = []
-    total = {c: sum(s) for c, s in series}
-    for c, s in series:
-        if not any(s):
-            continue
-        pts = " ".join(f"{i * (width - 2) / (n - 1) + 1:.1f},{height - 1 - v * (height - 4) / top:.1f}"
-                       for i, v in enumerate(s))
-        lines.append(f"<polyline fill='none' stroke='{COLORS[c]}' stroke-width='1.5' points='{pts}'/>")
-    label = ", ".join(f"{c} {total[c]}" for c, _ in series)
+    stacks = [[history.get(c, [0] * n)[i] for c in names] for i in range(n)]
+    top = max([1, *(sum(s) for s in stacks)])
+    step = (width - 2) / n
+    bars = []
+    for i, stack in enumerate(stacks):
+        y = height - 1.0
+        for c, v in zip(names, stack, strict=True):
+            if not v:
+                continue
+            h = max(1.0, v * (height - 4) / top)
+            y -= h
+            bars.append(f"<rect x='{1 + i * step:.1f}' y='{y:.1f}' width='{max(1.0, step - 1):.1f}' "
+                        f"height='{h:.1f}' fill='{COLORS[c]}'/>")
+    total = {c: sum(history.get(c, [])) for c in names}
+    label = ", ".join(f"{c} {total[c]}" for c in names)
     return (f"<svg class='chart' role='img' width='{width}' height='{height}' "
             f"viewBox='0 0 {width} {height}'><title>last hour, per minute: {e(label)}</title>"
             f"<rect x='0' y='0' width='{width}' height='{height}' fill='#fafafa' stroke='#ddd'/>"
-            + "".join(lines) + "</svg>"
-            + f"<div class='legend'>{' '.join(_dot(c, total[c]) for c, _ in series if total[c])}</div>")
+            + "".join(bars) + "</svg>"
+            + f"<div class='legend'>{' '.join(_dot(c, total[c]) for c in names if total[c])}</div>")
 
 
 def _dot(c: str, n: int) -> str:
@@ -95,7 +101,7 @@ def histogram(reasons: Mapping[str, int], link: Any = None, width: int = 360) ->
     h = 22 * len(items)
     bars = []
     for i, (r, n) in enumerate(items):
-        w = max(2, int((width - 170) * n / top))
+        w = max(2, int((width - 210) * n / top))
         y = i * 22
         label = e(r if len(r) <= 22 else r[:21] + "...")
         bar = (f"<text x='0' y='{y + 15}'>{label}</text>"
