@@ -18,7 +18,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from .. import _cli as cli
+from .. import _inspect as inspect
+from .. import _requeue as requeue
 from .._core._plan import why_key
 from .._keys import same_slot
 from .._transport import Client
@@ -75,7 +76,7 @@ async def plan(client: Client, key: str, action: str, scope: str, ids: Sequence[
         raise ActionError("no message selected")
     if scope == "reason" and not reason:
         raise ActionError("no reason given")
-    kind = await cli.key_type(client, key)
+    kind = await inspect.key_type(client, key)
     if kind == "none":
         raise ActionError(f"dead letter {key!r} does not exist (empty, or deleted)")
     if kind not in ("stream", "list"):
@@ -104,7 +105,7 @@ async def plan(client: Client, key: str, action: str, scope: str, ids: Sequence[
         count = int(await client.execute("LLEN", key))
         if action == "requeue":
             oldest = await client.execute("LRANGE", key, -1, -1)
-            record = (await cli._list_records(client, key, oldest))[0] if oldest else None
+            record = (await inspect._list_records(client, key, oldest))[0] if oldest else None
             source = (record or {}).get("source")
             if not source:
                 raise ActionError(f"dead letter {key!r}: its oldest element has no reason record "
@@ -112,14 +113,14 @@ async def plan(client: Client, key: str, action: str, scope: str, ids: Sequence[
             targets[str(source)] = count
     why = None
     if action == "requeue" and not force:
-        why = await cli.refusal(client, key, kind)
+        why = await requeue.refusal(client, key, kind)
     return Plan(action, key, kind, scope, list(ids), reason, count, targets, why, capped)
 
 
 async def apply(client: Client, p: Plan, force: bool = False) -> int:
     """Do what ``p`` planned (checked again: the refusal, the entries still there); how many moved."""
     if p.action == "requeue" and not force:
-        why = await cli.refusal(client, p.key, p.kind)
+        why = await requeue.refusal(client, p.key, p.kind)
         if why is not None:
             raise ActionError(f"{why}; nothing moved (tick 'force' to move anyway)")
     if p.kind == "list":
@@ -128,7 +129,7 @@ async def apply(client: Client, p: Plan, force: bool = False) -> int:
             return int(replies[0])
         (dest,) = p.targets
         split = bool(client.params.cluster_seeds) and not same_slot(p.key, dest)
-        return await cli._requeue_list(client, p.key, dest, None, split)
+        return await requeue._requeue_list(client, p.key, dest, None, split)
     if p.action == "delete" and p.scope == "all":
         replies = await client.pipeline([("XLEN", p.key), ("DEL", p.key)])
         return int(replies[0])
@@ -141,7 +142,7 @@ async def apply(client: Client, p: Plan, force: bool = False) -> int:
     moved = 0
     for e in entries:
         dest = e["dead"]["source"]
-        dest_kind = await cli.key_type(client, dest)
+        dest_kind = await inspect.key_type(client, dest)
         if dest_kind not in ("none", "stream"):
             raise ActionError(f"source {dest!r} is a {dest_kind}, not a stream; {moved} moved")
         if await move_stream_entry(client, p.key, dest, e["id"], e["raw"]):
@@ -152,7 +153,7 @@ async def apply(client: Client, p: Plan, force: bool = False) -> int:
 async def move_stream_entry(client: Client, dead: str, dest: str, eid: str,
                             flat: Sequence[bytes]) -> bool:
     """One dead entry back to ``dest``, as ``requeue`` moves it; False when it was gone."""
-    fields = cli.requeued_fields(flat)
+    fields = requeue.requeued_fields(flat)
     if not fields:
         return False
     if bool(client.params.cluster_seeds) and not same_slot(dead, dest):
@@ -162,7 +163,7 @@ async def move_stream_entry(client: Client, dead: str, dest: str, eid: str,
         await client.execute("XADD", dest, "*", *fields)
         await client.execute("XDEL", dead, eid)
         return True
-    return await client.evalsha(cli.REQUEUE_STREAM, (dead, dest), (eid, *fields)) is not None
+    return await client.evalsha(requeue.REQUEUE_STREAM, (dead, dest), (eid, *fields)) is not None
 
 
 def text(value: Any) -> str:

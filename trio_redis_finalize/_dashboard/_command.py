@@ -50,11 +50,16 @@ def add_command(sub: Any, command: Any, url_arg: Any, port: Any) -> None:
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
-    from .._cli import CliError, check_url
+    from .._table import CliError
+    from .._transport import parse_url
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    url = check_url(args.url)
+    url = args.url
+    try:
+        parse_url(url)
+    except ValueError as e:
+        raise CliError(str(e)) from None
     try:
         from .. import dashboard
     except ImportError as e:

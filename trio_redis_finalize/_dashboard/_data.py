@@ -35,7 +35,7 @@ from typing import Any
 
 from redis import exceptions as rexc
 
-from .. import _cli as cli
+from .. import _inspect as cli
 from .._core import _presence as presence
 from .._core._plan import DEAD_GROUP, DEAD_REASON, DEAD_SOURCE, why_key
 from .._core._reliable import heartbeat_key, registry_key
