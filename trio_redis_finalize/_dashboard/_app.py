@@ -15,6 +15,12 @@ from urllib.parse import parse_qs
 
 import anyio
 from redis import exceptions as rexc
+
+try:
+    import starlette  # noqa: F401
+except ImportError as _e:  # pragma: no cover - the extra is missing
+    raise ImportError("the dashboard needs the dashboard extra: "
+                      "pip install 'trio_redis_finalize[dashboard]'") from _e
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
