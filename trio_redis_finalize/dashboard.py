@@ -84,11 +84,18 @@ def app(url_or_client: str | Client, *, token: str | None = None,
 
 async def serve(url_or_client: str | Client, port: int = 8000, *, host: str = "127.0.0.1",
                 task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED, **options: Any) -> None:
-    """Serve :func:`app` (``options`` are its keyword arguments) with Hypercorn
-    on ``host``:``port`` until cancelled, on trio or asyncio.
+    """Serve :func:`app` with Hypercorn until cancelled, on trio or asyncio.
 
-    ``task_status.started(port)`` once listening (the port bound: useful with
-    ``port=0``).  Binds 127.0.0.1 (this host only) by default.
+    Args:
+        url_or_client: as :func:`app` takes it.
+        port: the port to listen on (0: any free one).
+        host: the address to listen on (default 127.0.0.1: this host only).
+        task_status: ``started(port)`` once listening (the port bound).
+        options: :func:`app`'s keyword arguments (``token``, ``basic_auth``,
+            ``read_only``, ``keys``, ``refresh`` ...).
+
+    Cancelled, it stops accepting, gives open requests ``STOP_TIMEOUT`` (5)
+    seconds and returns.
     """
     application = app(url_or_client, **options)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
