@@ -216,3 +216,56 @@ def test_fifty_subscriptions_of_ten_consumers(redis_url: str, backend: str) -> N
     assert commands in (1 + 50 * 7 + 500, 1 + 50 * 7 + 500 + 50)
     print(f"\noverview of 50 subscriptions x 10 consumers ({backend}): {took * 1000:.0f} ms, "
           f"{commands} commands in 2 round trips")
+
+
+async def test_a_reliable_list_in_trouble(redis_url: str) -> None:
+    """A reliable list: its dead letter (a list and its reason hash, found by SCAN) and the
+    processing list of a lapsed owner (stranded); requeued whole through the safe requeue."""
+    from _dashboard_scenario import totals
+
+    from trio_redis_finalize import ACK, RETRY, Delivery, Outcome, ReliableListSubscription, open_consumer
+    from trio_redis_finalize._core._reliable import registry_key
+    from trio_redis_finalize._dashboard._actions import apply, plan
+
+    async def handle(d: Delivery) -> Outcome:
+        return RETRY if d.data == b"bad" else ACK
+
+    async with open_client(redis_url) as client:
+        await client.execute("LPUSH", "jobs", b"ok", b"bad", b"ok", b"bad")
+        every = _history.EVERY
+        _history.EVERY = 0.05
+        try:
+            with anyio.fail_after(20):
+                async with open_consumer(redis_url, name="w-live", shutdown_grace=1.0) as consumer:
+                    await consumer.mount(ReliableListSubscription(
+                        "jobs", max_attempts=1, dead_letter="{jobs}:dead", block=0.1), handle)
+                    while totals(await client.execute("HGETALL", _history.history_key("jobs"))
+                                 ).get("dead") != 2 or totals(await client.execute(
+                                     "HGETALL", _history.history_key("jobs"))).get("ack") != 2:
+                        await anyio.sleep(0.02)
+                    # a second owner, dead, with an element in its processing list
+                    await client.execute("HSET", registry_key("jobs"), "w-dead", "{jobs}:processing:w-dead")
+                    await client.execute("LPUSH", "{jobs}:processing:w-dead", b"held")
+                    await client.execute("LPUSH", "jobs", *[b"wait"] * 3)
+                    found = await discover(client)
+                    (sub,) = found.subs
+                    assert (sub.form, sub.key, sub.dead_letter) == ("list", "jobs", "{jobs}:dead")
+                    ov = await overview(client, found)
+        finally:
+            _history.EVERY = every
+        (row,) = ov.rows
+        assert row.stranded == 1 and row.stranded_consumers == ["w-dead"]
+        assert (row.alive, row.lapsed) == (1, 1) and row.pending == 1
+        assert row.lag is not None and row.lag <= 3 and row.dead_depth == 2
+        assert sum(row.history["dead"]) == 2 and row.problems[0][0] == "bad"
+        info = await dead_letter(client, "{jobs}:dead")
+        (reason,) = info["reasons"]
+        assert info["reasons"][reason] == 2 and info["entries"][0]["data"] == "bad"
+        # requeued whole, to the queue its reason records name (no consumers left: not refused)
+        await client.execute("DEL", registry_key("jobs"), "{jobs}:processing:w-dead")
+        p = await plan(client, "{jobs}:dead", "requeue", "all")
+        assert (p.count, p.targets, p.refusal) == (2, {"jobs": 2}, None)
+        before = int(await client.execute("LLEN", "jobs"))
+        assert await apply(client, p) == 2
+        assert int(await client.execute("LLEN", "jobs")) == before + 2
+        assert not await client.execute("EXISTS", "{jobs}:dead")
