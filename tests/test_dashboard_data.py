@@ -261,6 +261,11 @@ async def test_a_reliable_list_in_trouble(redis_url: str) -> None:
         info = await dead_letter(client, "{jobs}:dead")
         (reason,) = info["reasons"]
         assert info["reasons"][reason] == 2 and info["entries"][0]["data"] == "bad"
+        page = await subscription(client, sub)
+        dead_owner = next(p for p in page["processing"] if p["owner"] == "w-dead")
+        assert not dead_owner["alive"] and dead_owner["length"] == 1
+        held = [e for e in page["pending_page"] if e["owner"] == "w-dead"]
+        assert [(e["data"], e["attempt"]) for e in held] == [("held", 1)]
         # requeued whole, to the queue its reason records name (no consumers left: not refused)
         await client.execute("DEL", registry_key("jobs"), "{jobs}:processing:w-dead")
         p = await plan(client, "{jobs}:dead", "requeue", "all")
