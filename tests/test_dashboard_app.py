@@ -329,3 +329,30 @@ def test_the_command_line(redis_url: str) -> None:
     bad = subprocess.run([sys.executable, "-m", "trio_redis_finalize", "dashboard", "--url", "nope://x"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "error" in bad.stderr and bad.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("topology", ["sentinel", "cluster"])
+def test_the_app_from_a_sentinel_or_cluster_url(request: pytest.FixtureRequest, topology: str) -> None:
+    """Given only the URL (mounted elsewhere: no lifespan), it makes its own client of the kind."""
+    url = (request.getfixturevalue("redis_sentinel").url if topology == "sentinel"
+           else request.getfixturevalue("redis_cluster_url"))
+
+    async def main() -> None:
+        with anyio.fail_after(60):
+            async with open_client(url) as client:
+                await make_trouble(url, client)
+            app = dashboard.app(url, token="t")
+            b = Browser(app, {"authorization": "Bearer t"})
+            status, _, html = await b.get("/")
+            assert status == 200 and "stranded 3: worker-dead" in html
+            status, _, html = await b.post(DEAD_PATH + "/requeue", {"scope": "all"})
+            assert f"This will requeue {BAD} messages from {DEAD} ({BAD} to {STREAM})" in html
+            status, _, _ = await b.post(DEAD_PATH + "/requeue", {"scope": "all", "confirm": "yes"})
+            assert status == 303
+            async with open_client(url) as client:
+                assert int(await client.execute("XLEN", DEAD)) == 0
+                entries = await client.execute("XRANGE", STREAM, "-", "+")
+                assert sum(f[f.index(b"bad") + 1] == b"yes" for _, f in entries if b"bad" in f) == 2 * BAD
+            await close(app)
+
+    anyio.run(main)
