@@ -247,6 +247,10 @@ def test_requeue_by_reason_and_the_safe_requeues_refusal(redis_url: str, backend
             reason = re.search(r"<td class='reason'>([^<]+)</td>", html)
             assert reason is not None
             why = reason.group(1).replace("&#x27;", "'").replace("&amp;", "&").replace("&quot;", '"')
+            # the selected ones (the checkboxes' form): both, in the dry run
+            status, _, html = await b.post(DEAD_PATH + "/requeue", {"scope": "ids",
+                                                                    "id": await dead_ids(client)})
+            assert f"This will requeue {BAD} messages from {DEAD} ({BAD} to {STREAM})" in html
             status, _, html = await b.post(DEAD_PATH + "/requeue", {"scope": "reason", "reason": why})
             assert f"requeue {BAD} messages" in html
             # a consumer group reading the dead letter with entries pending: refused unless forced

@@ -55,9 +55,10 @@ def check_trouble(row: Row, stream: str = STREAM, *, lag: int = LAG) -> None:
     levels = [lvl for lvl, _ in row.problems]
     assert levels[:3] == ["bad", "bad", "bad"] and row.level == 0
     assert "3 stranded under worker-dead" in row.problems[0][1]
+    assert row.path == "fallback" or row.path.startswith("native: xackdel")  # Redis 8.2+: native
 
 
-async def test_a_queue_in_trouble_on_the_overview(redis_url: str) -> None:
+async def test_a_queue_in_trouble_on_the_overview(redis_url: str, server_caps: Any) -> None:
     async with open_client(redis_url) as client:
         await make_trouble(redis_url, client)
         await client.execute("XADD", "quiet", "*", "n", "1")
@@ -72,6 +73,8 @@ async def test_a_queue_in_trouble_on_the_overview(redis_url: str) -> None:
         assert [r.sub.key for r in ov.rows] == ["orders", "quiet"]
         check_trouble(ov.rows[0])
         assert ov.rows[1].problems == [] and ov.rows[1].lag == 0
+        native = client.native and server_caps.names
+        assert ov.rows[0].path == (f"native: {', '.join(server_caps.names)}" if native else "fallback")
         # what the docs state: 1 + per stream 1 + per group 4 + per delay set 2 + per dead letter 1,
         # then a PTTL per registered consumer (+ an XRANGE per group on 6.2): two round trips
         first = 1 + 2 * 1 + 2 * 4 + 2 * 2 + 1

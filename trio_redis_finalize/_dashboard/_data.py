@@ -224,6 +224,9 @@ class Row:
     problems: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     """(level, text): level ``bad`` or ``warn``."""
     error: str | None = None
+    path: str = ""
+    """The server path its consumers plan with: ``native: <what the server adds
+    beyond Redis 6.2>`` or ``fallback`` (Redis 6.2 commands)."""
 
     @property
     def level(self) -> int:
@@ -288,6 +291,8 @@ async def overview(client: Client, found: Found) -> Overview:
     for sub in found.subs:
         row = Row(sub)
         rows.append(row)
+        caps = await client.capabilities_for(sub.key)  # known from the connection's handshake
+        row.path = f"native: {', '.join(caps.names)}" if caps.names else "fallback"
         reg_flat = reply("registry", sub.key, sub.group) or []
         registered = presence.registry(reg_flat) if sub.form == "stream" else _pairs(reg_flat)
         if sub.form == "stream":
