@@ -261,6 +261,8 @@ def test_requeue_by_reason_and_the_safe_requeues_refusal(redis_url: str, backend
             status, _, html = await b.post(DEAD_PATH + "/requeue",
                                            {"scope": "reason", "reason": why, "confirm": "yes"})
             assert status == 409 and len(await dead_ids(client)) == BAD
+            status, _, _ = await b.post(DEAD_PATH + "/delete", {"scope": "all", "confirm": "yes"})
+            assert status == 409 and len(await dead_ids(client)) == BAD  # delete: refused alike
             status, _, _ = await b.post(DEAD_PATH + "/requeue", {"scope": "reason", "reason": why,
                                                                  "confirm": "yes", "force": "yes"})
             assert status == 303 and await dead_ids(client) == []

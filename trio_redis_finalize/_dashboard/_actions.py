@@ -15,7 +15,7 @@ record names.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from .. import _inspect as inspect
@@ -89,6 +89,9 @@ async def plan(client: Client, key: str, action: str, scope: str, ids: Sequence[
             count = length
             entries = await read_stream(client, key, HISTOGRAM_CAP) if action == "requeue" else []
             capped = length > HISTOGRAM_CAP and action == "requeue"
+        elif scope == "ids":
+            entries = await by_ids(client, key, ids)
+            count = len(entries)
         else:
             entries = _select(await read_stream(client, key, HISTOGRAM_CAP), scope, ids, reason)
             count = len(entries)
@@ -111,43 +114,70 @@ async def plan(client: Client, key: str, action: str, scope: str, ids: Sequence[
                 raise ActionError(f"dead letter {key!r}: its oldest element has no reason record "
                                   "naming its source queue")
             targets[str(source)] = count
-    why = None
-    if action == "requeue" and not force:
-        why = await requeue.refusal(client, key, kind)
+    # a live queue (a group with entries pending, consumers reading a list), or a key whose
+    # entries this library did not write: refused for delete as for requeue, unless forced
+    why = None if force else await requeue.refusal(client, key, kind)
     return Plan(action, key, kind, scope, list(ids), reason, count, targets, why, capped)
 
 
 async def apply(client: Client, p: Plan, force: bool = False) -> int:
     """Do what ``p`` planned (checked again: the refusal, the entries still there); how many moved."""
-    if p.action == "requeue" and not force:
+    if not force:
         why = await requeue.refusal(client, p.key, p.kind)
         if why is not None:
-            raise ActionError(f"{why}; nothing moved (tick 'force' to move anyway)")
+            raise ActionError(f"{why}; nothing done (tick 'force' to {p.action} anyway)")
     if p.kind == "list":
         if p.action == "delete":
-            replies = await client.pipeline([("LLEN", p.key), ("DEL", p.key), ("DEL", why_key(p.key))])
+            replies = await client.transaction([("LLEN", p.key), ("DEL", p.key), ("DEL", why_key(p.key))])
             return int(replies[0])
         (dest,) = p.targets
         split = bool(client.params.cluster_seeds) and not same_slot(p.key, dest)
         return await requeue._requeue_list(client, p.key, dest, None, split)
     if p.action == "delete" and p.scope == "all":
-        replies = await client.pipeline([("XLEN", p.key), ("DEL", p.key)])
+        replies = await client.transaction([("XLEN", p.key), ("DEL", p.key)])
         return int(replies[0])
-    entries = _select(await read_stream(client, p.key, HISTOGRAM_CAP), p.scope, p.ids, p.reason)
-    if p.action == "delete":
-        n = 0
-        for i in range(0, len(entries), 500):
-            n += int(await client.execute("XDEL", p.key, *[e["id"] for e in entries[i:i + 500]]))
-        return n
-    moved = 0
-    for e in entries:
-        dest = e["dead"]["source"]
-        dest_kind = await inspect.key_type(client, dest)
-        if dest_kind not in ("none", "stream"):
-            raise ActionError(f"source {dest!r} is a {dest_kind}, not a stream; {moved} moved")
-        if await move_stream_entry(client, p.key, dest, e["id"], e["raw"]):
-            moved += 1
-    return moved
+    done = 0
+    kinds: dict[str, str] = {}
+    async for page in _pages(client, p):
+        entries = _select(page, p.scope, p.ids, p.reason)
+        if p.action == "delete":
+            if entries:
+                done += int(await client.execute("XDEL", p.key, *[e["id"] for e in entries]))
+            continue
+        for e in entries:
+            to = (e["dead"] or {}).get("source")
+            if not to:
+                continue  # nowhere to requeue it (the dry run said so)
+            if to not in kinds:
+                kinds[to] = await inspect.key_type(client, to)
+            if kinds[to] not in ("none", "stream"):
+                raise ActionError(f"source {to!r} is a {kinds[to]}, not a stream; {done} moved")
+            if await move_stream_entry(client, p.key, to, e["id"], e["raw"]):
+                done += 1
+    return done
+
+
+async def _pages(client: Client, p: Plan) -> AsyncIterator[list[dict[str, Any]]]:
+    """The entries ``p`` may act on, a page at a time: the named ones, or the whole stream."""
+    if p.scope == "ids":
+        yield await by_ids(client, p.key, p.ids)
+        return
+    start = "-"
+    while True:
+        rows = await client.execute("XRANGE", p.key, start, "+", "COUNT", 500)
+        if not rows:
+            return
+        yield [inspect.stream_entry(eid, flat) | {"raw": flat} for eid, flat in rows]
+        start = "(" + _s(rows[-1][0])
+
+
+async def by_ids(client: Client, key: str, ids: Sequence[str]) -> list[dict[str, Any]]:
+    """The entries of ``key`` with these ids that are still there (one pipeline)."""
+    if not ids:
+        return []
+    replies = await client.pipeline([("XRANGE", key, i, i) for i in ids], raise_on_error=False)
+    return [inspect.stream_entry(rows[0][0], rows[0][1]) | {"raw": rows[0][1]}
+            for rows in replies if rows and not isinstance(rows, Exception)]
 
 
 async def move_stream_entry(client: Client, dead: str, dest: str, eid: str,
