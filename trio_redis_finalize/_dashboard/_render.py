@@ -134,7 +134,7 @@ def overview_body(ov: Overview, root: str, render_ms: float | None = None) -> st
         rows.append(f"""<tr class="{_level_class(r)}" data-sub="{e(s.name)}">
 <td><span class="dot {_level_class(r)}"></span><a href="{e(sub_url(root, s))}">{e(s.key)}</a>
 <div class="sub">{e(s.form)}{' group ' + e(s.group) if s.group else ''}</div>
-<div class="sub path" title="the server path">{e(r.path)}</div></td>
+<div class="sub path" title="the server path">path: {e(r.path)}</div></td>
 <td>{chart(r.history)}</td><td class="num lag">{e(lag)}</td><td class="num">{r.pending}</td>
 <td class="num">{_secs(r.oldest_pending_idle)}</td>
 <td class="num">{r.delay_size}<div class="sub">{e(overdue)}</div></td><td class="num">{dead}</td>
