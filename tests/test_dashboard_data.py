@@ -277,3 +277,34 @@ async def test_a_reliable_list_in_trouble(redis_url: str) -> None:
         assert await apply(client, p) == 2
         assert int(await client.execute("LLEN", "jobs")) == before + 2
         assert not await client.execute("EXISTS", "{jobs}:dead")
+
+
+@pytest.mark.parametrize("fault", ["lost", "BUSY", "READONLY"])
+async def test_a_history_write_on_the_wire(redis_server: Any, redis_url: str, fault: str) -> None:
+    """Through the command proxy: a write whose reply is lost (it ran) is not sent
+    again (counted once, never twice); one refused without running (BUSY, READONLY)
+    is carried into the next write (counted once, not lost)."""
+    from faults.cmdproxy import LOST, CommandProxy, error
+
+    from trio_redis_finalize._stats import MountStats
+
+    async with open_client(redis_url) as admin:
+        flavour = "valkey" if b"valkey" in (await admin.execute("INFO", "server")).lower() else "redis"
+        proxy = CommandProxy(redis_server.port, flavour=flavour)
+        async with anyio.create_task_group() as tg:
+            await tg.start(proxy.serve)
+            with anyio.fail_after(30):
+                async with open_client(proxy.url) as client:
+                    stats = MountStats("s")
+                    h = _history.History(_history.history_key("s", "g"), stats)
+                    stats.outcomes["ack"] += 5
+                    proxy.arm("EVALSHA:history_record", LOST if fault == "lost" else error(fault))
+                    wrote = await h.write(client)
+                    assert len(proxy.fired) == 1
+                    assert wrote == (fault == "lost")
+                    stats.outcomes["ack"] += 2
+                    assert await h.write(client)
+            tg.cancel_scope.cancel()
+        secs, _ = await admin.execute("TIME")
+        counts = _history.buckets(await admin.execute("HGETALL", h.key), int(secs) // 60, 2)
+        assert sum(counts["ack"]) == 7  # lost reply: 5 (ran) + 2; refused: 7 in the second write
