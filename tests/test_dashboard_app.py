@@ -146,6 +146,8 @@ def test_token_and_basic_auth(redis_url: str, backend: str) -> None:
             b = Browser(app)
             status, headers, _ = await b.get("/")
             assert status == 303 and headers["location"] == "/login"
+            status, _, _ = await b.get("/", headers={"x-partial": "1"})  # a refresh, logged out
+            assert status == 401
             status, _, html = await b.get("/login")
             assert status == 200 and "token" in html
             status, _, _ = await b.post("/login", {"token": "wrong"})

@@ -150,6 +150,8 @@ def build(settings: Settings, root_path: str = "") -> Starlette:
         async def wrapped(request: Request) -> Response:
             request.state.csrf = csrf_of(request)
             if settings.auth and who(request) is None:
+                if request.headers.get("x-partial"):  # the page's refresh: no login page inside it
+                    return Response("authentication required\n", status_code=401)
                 if settings.token is not None and settings.basic_auth is None:
                     return RedirectResponse(f"{root}/login", status_code=303)
                 return Response("authentication required\n", status_code=401,
