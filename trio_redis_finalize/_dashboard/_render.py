@@ -161,8 +161,9 @@ def overview_body(ov: Overview, root: str, render_ms: float | None = None) -> st
 
 def _table(head: Sequence[str], rows: Iterable[Sequence[str]], cls: str = "") -> str:
     th = "".join(f"<th>{e(h)}</th>" for h in head)
+    thead = f"<thead><tr>{th}</tr></thead>" if any(head) else ""
     body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in rows)
-    return f"<table class='{cls}'><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>"
+    return f"<table class='{cls}'>{thead}<tbody>{body}</tbody></table>"
 
 
 def sub_page(sub: Sub, info: dict[str, Any], root: str, path: str) -> str:
