@@ -1,7 +1,7 @@
 """What the dashboard's pages show, read from Redis (pipelined, no ``KEYS``).
 
 Subscriptions are found (:func:`discover`) with ``SCAN ... TYPE stream``
-and ``SCAN ... TYPE hash`` (the registries ``...:consumers`` of reliable
+and ``SCAN ... TYPE hash`` (the registries ``...:list-consumers:...`` of reliable
 lists, the reason hashes ``...:why`` of list dead letters), on every master
 of a Redis Cluster, at most every ``rediscover`` seconds; or named
 (``keys``: no ``SCAN`` at all).  A stream with groups is one subscription
@@ -32,6 +32,7 @@ import dataclasses
 import json
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import unquote
 
 from redis import exceptions as rexc
 
@@ -114,6 +115,16 @@ def underived(name: str, suffix: str) -> str | None:
     return None
 
 
+def _list_of_registry(name: str) -> str | None:
+    """The queue whose reliable-list registry ``name`` is (``registry_key``;
+    or ``{queue}:consumers``, the naming before), when it is one."""
+    _, kind, rest = name.rpartition(":list-consumers:")
+    if kind:
+        queue = unquote(rest.split("~", 1)[0])  # escaped names have no "~" (derived's counter)
+        return queue if registry_key(queue) == name else None
+    return underived(name, ":consumers")
+
+
 async def _scan(client: Client, *args: Any) -> list[str]:
     """Every key of ``SCAN 0 <args>`` (on each master of a cluster)."""
     pools: list[Client] = [client]
@@ -149,7 +160,7 @@ async def discover(client: Client, keys: Sequence[str] = ()) -> Found:
         for h in await _scan(client, "TYPE", "hash"):
             if h.endswith(":why"):
                 why_hashes.append(h)
-            elif (q := underived(h, ":consumers")) is not None:
+            elif (q := _list_of_registry(h)) is not None:
                 lists.append(q)
     found = Found([], [])
     if streams:
