@@ -27,6 +27,7 @@ from ._core._finalize import Gates
 from ._core._list_gates import ListGates
 from ._core._plan import Effect, Plan, Target
 from ._core._presence import HEARTBEAT_FLOOR
+from ._core._recovery import SCHEDULE_LEFT, schedule_key, schedule_left, schedule_member
 from ._core._reliable import (
     BUMP,
     FORGET,
@@ -378,7 +379,49 @@ class ReliableListReader:
             if d.raw is not None:
                 leave(d.raw)
 
+    def hold_again(self, ctx: Context, d: Delivery) -> None:
+        """An element whose finalization Redis refused for good, still in the
+        processing list: held again (its gates counted it out, and left it for
+        a rescan) until :meth:`redeliver` bumps it and hands it over."""
+        raw = d.raw
+        if raw is None:
+            return
+        gates = self._gates
+        dec(gates.leftover, raw)
+        gates.hold(raw)
+
+    async def _waits(self, ctx: Context, elements: list[tuple[bytes, bool]]) -> set[int]:
+        """Of elements a rescan found (``stranded``), the indexes of those whose
+        Backoff is not due yet (``_core._recovery``'s schedule, by the
+        server's clock: a restart while they waited): held, they wait out the
+        rest and come back as their next attempt (the mount's redeliverer)."""
+        t = ctx.target
+        members = [schedule_member(t, None, e) or b"" for e, _ in elements]
+        reply = await ctx.client.evalsha(SCHEDULE_LEFT, (schedule_key(t),), members,
+                                         timeout=FINALIZE_TIMEOUT)
+        out: set[int] = set()
+        for i, ((e, _), left) in enumerate(zip(elements, schedule_left(reply), strict=True)):
+            if left <= 0:
+                continue
+            d, plan = list_delivery(t, self.sub.queue, e)
+            if plan is not None:
+                continue  # dead-lettered now (corrupt, past max_attempts)
+            self._hold(e)
+            if ctx.defer(d, left):
+                out.add(i)
+            else:
+                self._unhold(e)
+        if out:
+            log.info("%s: %d element(s) in processing list %r wait out the rest of their "
+                     "Backoff (kept in %r) before they are delivered again", ctx.name, len(out),
+                     t.processing, schedule_key(t), extra={"subscription": ctx.name})
+        return out
+
     # -- bookkeeping ----------------------------------------------------------
+    def _unhold(self, raw: bytes) -> None:
+        dec(self._gates.unsent, raw)
+        dec(self._gates.in_hand, raw)
+
     def _hold(self, raw: bytes) -> None:
         self._gates.hold(raw)
 
@@ -416,6 +459,11 @@ class ReliableListReader:
             self._recheck_at = anyio.current_time() + _RECHECK
         if not lost:
             return
+        waits = await self._waits(ctx, lost)
+        if waits:
+            lost = [x for i, x in enumerate(lost) if i not in waits]
+            if not lost:
+                return
         log.warning("%s: %d element(s) in processing list %r were not finalized; "
                     "delivering them again", ctx.name, len(lost), t.processing)
         for i in range(0, len(lost), 500):

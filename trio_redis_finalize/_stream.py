@@ -16,6 +16,7 @@ from ._context import FINALIZE_TIMEOUT, READ_MARGIN, Context, Item, log
 from ._core._decode import Entry, as_str, id_key, lost_entry, read_entries, stream_deliveries
 from ._core._plan import Effect, Plan, Target
 from ._core._presence import HEARTBEAT_FLOOR, lease_every
+from ._core._recovery import LEASE, SCHEDULE_LEFT, lease_lost, schedule_key, schedule_left
 from ._core._replies import NOT_RUN, BusyGroupError, classify, error_code
 from ._core._scripts import move_due_to_stream
 from ._delay_set import move_due
@@ -549,6 +550,44 @@ class StreamReader:
         in RECLAIM and CLAIMING, for a claim once idle ``min_idle``."""
         ctx.in_hand.difference_update([d.id for d in deliveries if d.id is not None])
 
+    def hold_again(self, ctx: Context, d: Delivery) -> None:
+        """A delivery whose finalization Redis refused for good, still in the
+        PEL: held (leased) again until :meth:`redeliver` takes it back."""
+        if d.id is not None:
+            ctx.in_hand.add(d.id)
+
+    async def _scheduled(self, ctx: Context, ids: Sequence[bytes]) -> dict[bytes, float]:
+        """Ids among ``ids`` whose Backoff is not due yet (``_core._recovery``'s
+        schedule, by the server's clock): id -> seconds left."""
+        if not ids:
+            return {}
+        t = ctx.target
+        reply = await ctx.client.evalsha(SCHEDULE_LEFT, (schedule_key(t),), list(ids),
+                                         timeout=FINALIZE_TIMEOUT)
+        return {eid: left for eid, left in zip(ids, schedule_left(reply), strict=True) if left > 0}
+
+    def _defer(self, ctx: Context, entries: Sequence[Entry], counts: dict[bytes, int],
+               left: dict[bytes, float]) -> set[bytes]:
+        """Entries taken into the own PEL whose Backoff is not due yet (``left``):
+        they wait, held, and come back as their next attempt when due (the
+        mount's redeliverer, :meth:`redeliver`).  ``counts``: the attempt each
+        failed at.  Returns the ids that wait (the others: deliver now)."""
+        if not left:
+            return set()
+        ready, _direct = stream_deliveries(ctx.target, [e for e in entries if e[0] in left], counts)
+        waiting: set[bytes] = set()
+        for d in ready:
+            assert d.id is not None
+            eid = d.id.encode()
+            if ctx.defer(d, left[eid]):
+                waiting.add(eid)
+        if waiting:
+            log.info("%s: %d recovered entries wait out the rest of their Backoff (kept in %r) "
+                     "before they are delivered again: %s", ctx.name, len(waiting),
+                     schedule_key(ctx.target), ", ".join(sorted(e.decode() for e in waiting)[:20]),
+                     extra={"subscription": ctx.name})
+        return waiting
+
     # -- set-up ---------------------------------------------------------------
     async def _check_keys(self, ctx: Context) -> None:
         """The dead letter must be a stream, the durable delay set a sorted set."""
@@ -727,8 +766,11 @@ class StreamReader:
             wanted: dict[int, list[tuple[bytes, int]]] = {}  # attempt -> (id, idle ms)
             held = ctx.in_hand
             taking = self._taking
+            # failed under a Backoff and not due yet (a restart while they waited)
+            waits = await self._waits(ctx, [r for r in rows if r[0].decode() not in held
+                                            and r[0] not in taking])
             for eid, _owner, idle, count in rows:
-                if eid.decode() in held:
+                if eid.decode() in held or eid in waits:
                     continue
                 n = int(count)
                 if eid in taking:
@@ -745,6 +787,21 @@ class StreamReader:
             if len(rows) < sub.count:
                 self._taking.clear()
                 return
+
+    async def _waits(self, ctx: Context, rows: list[list[Any]]) -> set[bytes]:
+        """Of own pending entries (``XPENDING`` rows, none held), those whose
+        Backoff is not due yet, set waiting (:meth:`_defer`) with the attempt
+        they failed at (their server count: it counts the attempt that failed,
+        and the redelivery sets it one higher)."""
+        left = await self._scheduled(ctx, [r[0] for r in rows])
+        if not left:
+            return set()
+        ids = list(left)
+        found = await ctx.client.pipeline([("XRANGE", self.sub.stream, eid, eid) for eid in ids],
+                                          timeout=FINALIZE_TIMEOUT)
+        entries: list[Entry] = [(hit[0][0], hit[0][1]) for hit in found if hit]
+        counts = {r[0]: int(r[3]) for r in rows if r[0] in left}
+        return self._defer(ctx, entries, counts, left)
 
     async def _take(self, conn: Connection, ctx: Context, taken: list[tuple[bytes, int]], n: int) -> None:
         """XCLAIM own pending entries with their count set to ``n``; hand them over."""
@@ -820,6 +877,14 @@ class StreamReader:
                 if p is not None:
                     await ctx.client.pipeline(p.commands, timeout=FINALIZE_TIMEOUT)
                 live = [e for e in live if e[0].decode() not in held]
+            # failed under a Backoff and not due yet (their consumer stopped, or
+            # this one restarted): they wait out the rest, as the attempt they
+            # failed at (the claim counted one more)
+            left = await self._scheduled(ctx, [e[0] for e in live])
+            if left:
+                failed_at = {eid: max(1, counts.get(eid, 2) - 1) for eid in left}
+                waiting = self._defer(ctx, live, failed_at, left)
+                live = [e for e in live if e[0] not in waiting]
             await self._deliver_taken(ctx, live, counts, [])
         for e in claimed:
             self._taking.pop(e[0], None)
@@ -880,6 +945,15 @@ class StreamReader:
         it while the process runs -- even should this consumer's heartbeat
         key vanish (evicted, flushed); should one lapse all the same, the
         claim that finds it keeps it with its handler (see :meth:`_claim`).
+
+        Only entries still pending for this consumer are renewed, checked in
+        the same script (``_core._recovery.LEASE``): after a stall longer
+        than ``min_idle`` (a stopped process, a blocked event loop) another
+        consumer may rightly have claimed some; they stay with it.  Those,
+        and those pending for nobody any more, are dropped
+        (:meth:`~._context.Context.disown`): the ones no handler started
+        never start here; a running handler finishes, its finalization finds
+        the gate as the other consumer left it.
         """
         sub = self.sub
         interval = lease_every(sub.mode, sub.min_idle, sub.heartbeat)
@@ -887,14 +961,38 @@ class StreamReader:
             await anyio.sleep(interval)
             ids = sorted(ctx.in_hand)
             for i in range(0, len(ids), 500):
+                part = ids[i : i + 500]
                 try:
-                    await ctx.client.execute(
-                        "XCLAIM", self.sub.stream, self.sub.group, ctx.consumer.name, 0,
-                        *ids[i : i + 500], "JUSTID", timeout=FINALIZE_TIMEOUT,
+                    replies = await ctx.client.evalsha(
+                        LEASE, (sub.stream,), (sub.group, ctx.consumer.name, *part),
+                        timeout=FINALIZE_TIMEOUT,
                     )
                 except (rexc.ConnectionError, rexc.TimeoutError, rexc.ResponseError) as e:
                     log.warning("%s: lease renewal failed: %s", ctx.name, e,
                                 extra={"subscription": ctx.name})
+                    continue
+                others = lease_lost(part, replies)
+                if others:
+                    self._disown(ctx, others)
+
+    def _disown(self, ctx: Context, others: dict[str, str]) -> None:
+        """Entries the lease found pending for another consumer: dropped, the
+        unstarted ones never started; logged.  (One pending for nobody is left
+        as it is: finalized meanwhile -- its finalization is on the way --, or
+        its group recreated at the last id read, where a queued entry must
+        still be handled, not skipped.)"""
+        dropped = ctx.disown(others)
+        owners = sorted(set(others.values()))
+        log.warning("%s: %d entries held by this consumer are now pending for %s (claimed "
+                    "while this consumer stalled past the lease); left with them, dropped "
+                    "from this consumer's lease: %s", ctx.name, len(others),
+                    ", ".join(repr(o) for o in owners), ", ".join(sorted(others)[:20]),
+                    extra={"subscription": ctx.name, "entry_ids": sorted(others)})
+        if dropped:
+            log.warning("%s: %d entries read and not started are another consumer's now; "
+                        "not started here: %s",
+                        ctx.name, len(dropped), ", ".join(str(d.id) for d in dropped[:20]),
+                        extra={"subscription": ctx.name, "entry_ids": [d.id for d in dropped]})
 
     def _resume_at(self) -> str:
         """Where a group destroyed mid-run is recreated: the last id handed over."""
