@@ -400,7 +400,7 @@ class ReliableListReader:
         reply = await ctx.client.evalsha(SCHEDULE_LEFT, (schedule_key(t),), members,
                                          timeout=FINALIZE_TIMEOUT)
         out: set[int] = set()
-        for i, ((e, _), left) in enumerate(zip(elements, schedule_left(reply), strict=True)):
+        for i, ((e, _), (left, _a)) in enumerate(zip(elements, schedule_left(reply), strict=True)):
             if left <= 0:
                 continue
             d, plan = list_delivery(t, self.sub.queue, e)

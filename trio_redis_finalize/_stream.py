@@ -556,30 +556,32 @@ class StreamReader:
         if d.id is not None:
             ctx.in_hand.add(d.id)
 
-    async def _scheduled(self, ctx: Context, ids: Sequence[bytes]) -> dict[bytes, float]:
+    async def _scheduled(self, ctx: Context, ids: Sequence[bytes]) -> dict[bytes, tuple[float, int]]:
         """Ids among ``ids`` whose Backoff is not due yet (``_core._recovery``'s
-        schedule, by the server's clock): id -> seconds left."""
+        schedule, by the server's clock): id -> (seconds left, the attempt
+        that failed)."""
         if not ids:
             return {}
         t = ctx.target
         reply = await ctx.client.evalsha(SCHEDULE_LEFT, (schedule_key(t),), list(ids),
                                          timeout=FINALIZE_TIMEOUT)
-        return {eid: left for eid, left in zip(ids, schedule_left(reply), strict=True) if left > 0}
+        return {eid: got for eid, got in zip(ids, schedule_left(reply), strict=True) if got[0] > 0}
 
-    def _defer(self, ctx: Context, entries: Sequence[Entry], counts: dict[bytes, int],
-               left: dict[bytes, float]) -> set[bytes]:
-        """Entries taken into the own PEL whose Backoff is not due yet (``left``):
-        they wait, held, and come back as their next attempt when due (the
-        mount's redeliverer, :meth:`redeliver`).  ``counts``: the attempt each
-        failed at.  Returns the ids that wait (the others: deliver now)."""
+    def _defer(self, ctx: Context, entries: Sequence[Entry],
+               left: dict[bytes, tuple[float, int]]) -> set[bytes]:
+        """Entries in the own PEL whose Backoff is not due yet (``left``: seconds
+        left, the attempt that failed): they wait, held, and come back as
+        their next attempt when due (the mount's redeliverer,
+        :meth:`redeliver`).  Returns the ids that wait (the others: deliver now)."""
         if not left:
             return set()
+        counts = {eid: max(a, 1) for eid, (_, a) in left.items()}
         ready, _direct = stream_deliveries(ctx.target, [e for e in entries if e[0] in left], counts)
         waiting: set[bytes] = set()
         for d in ready:
             assert d.id is not None
             eid = d.id.encode()
-            if ctx.defer(d, left[eid]):
+            if ctx.defer(d, left[eid][0]):
                 waiting.add(eid)
         if waiting:
             log.info("%s: %d recovered entries wait out the rest of their Backoff (kept in %r) "
@@ -587,6 +589,23 @@ class StreamReader:
                      schedule_key(ctx.target), ", ".join(sorted(e.decode() for e in waiting)[:20]),
                      extra={"subscription": ctx.name})
         return waiting
+
+    async def _claimed_waits(self, ctx: Context, live: list[Entry]) -> list[Entry]:
+        """Of entries just claimed, those whose Backoff is not due yet (their
+        consumer stopped while they waited, or this one restarted) wait out the
+        rest (:meth:`_defer`), their server count set back to the attempt that
+        failed (the claim counted a delivery that did not happen); returns the
+        others.  Shielded (bounded): a stop in between would leave the count
+        one higher for each claim it cut."""
+        with cleanup(FINALIZE_TIMEOUT):
+            left = await self._scheduled(ctx, [e[0] for e in live])
+            if not left:
+                return live
+            waiting = self._defer(ctx, live, left)
+            p = self._give_back([(eid, left[eid][1] + 1) for eid in waiting])
+            if p is not None:
+                await ctx.client.pipeline(p.commands, timeout=FINALIZE_TIMEOUT)
+        return [e for e in live if e[0] not in waiting]
 
     # -- set-up ---------------------------------------------------------------
     async def _check_keys(self, ctx: Context) -> None:
@@ -790,9 +809,9 @@ class StreamReader:
 
     async def _waits(self, ctx: Context, rows: list[list[Any]]) -> set[bytes]:
         """Of own pending entries (``XPENDING`` rows, none held), those whose
-        Backoff is not due yet, set waiting (:meth:`_defer`) with the attempt
-        they failed at (their server count: it counts the attempt that failed,
-        and the redelivery sets it one higher)."""
+        Backoff is not due yet, set waiting (:meth:`_defer`) as the attempt
+        they failed at (the schedule's; the redelivery sets the server count
+        one higher)."""
         left = await self._scheduled(ctx, [r[0] for r in rows])
         if not left:
             return set()
@@ -800,8 +819,7 @@ class StreamReader:
         found = await ctx.client.pipeline([("XRANGE", self.sub.stream, eid, eid) for eid in ids],
                                           timeout=FINALIZE_TIMEOUT)
         entries: list[Entry] = [(hit[0][0], hit[0][1]) for hit in found if hit]
-        counts = {r[0]: int(r[3]) for r in rows if r[0] in left}
-        return self._defer(ctx, entries, counts, left)
+        return self._defer(ctx, entries, left)
 
     async def _take(self, conn: Connection, ctx: Context, taken: list[tuple[bytes, int]], n: int) -> None:
         """XCLAIM own pending entries with their count set to ``n``; hand them over."""
@@ -880,11 +898,7 @@ class StreamReader:
             # failed under a Backoff and not due yet (their consumer stopped, or
             # this one restarted): they wait out the rest, as the attempt they
             # failed at (the claim counted one more)
-            left = await self._scheduled(ctx, [e[0] for e in live])
-            if left:
-                failed_at = {eid: max(1, counts.get(eid, 2) - 1) for eid in left}
-                waiting = self._defer(ctx, live, failed_at, left)
-                live = [e for e in live if e[0] not in waiting]
+            live = await self._claimed_waits(ctx, live)
             await self._deliver_taken(ctx, live, counts, [])
         for e in claimed:
             self._taking.pop(e[0], None)

@@ -34,6 +34,7 @@ from ._commands import Command, Script
 from ._plan import Target
 
 __all__ = [
+    "ATTEMPTS",
     "LEASE",
     "REFUSED_BASE",
     "REFUSED_CAP",
@@ -78,6 +79,12 @@ def schedule_member(t: Target, entry_id: str | None, raw: bytes | None) -> bytes
     return hashlib.sha1(raw).hexdigest().encode() if raw is not None else None
 
 
+_NOW_MS = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
+
 def schedule_command(t: Target, waits: Sequence[tuple[Delivery, float]]) -> Command | None:
     """The :data:`SCHEDULE` call that writes the due times of ``waits``
     (deliveries, seconds until due) to :func:`schedule_key`; None when none
@@ -86,49 +93,66 @@ def schedule_command(t: Target, waits: Sequence[tuple[Delivery, float]]) -> Comm
     for d, delay in waits:
         m = schedule_member(t, d.id, d.raw)
         if m is not None:
-            args += [m, max(0, round(delay * 1000))]
+            args += [m, max(0, round(delay * 1000)), d.attempt]
     return SCHEDULE.command((schedule_key(t),), args) if args else None
 
 
-def schedule_left(replies: Sequence[object]) -> list[float]:
-    """:data:`SCHEDULE_LEFT`'s reply: seconds until each member is due (0: due)."""
-    return [int(r) / 1000 if isinstance(r, int) else 0.0 for r in replies]
+def schedule_left(replies: Sequence[object]) -> list[tuple[float, int]]:
+    """:data:`SCHEDULE_LEFT`'s reply: for each member, seconds until it is due
+    and the attempt that failed (``(0.0, 0)``: due, or not scheduled)."""
+    out: list[tuple[float, int]] = []
+    for r in replies:
+        if isinstance(r, list) and len(r) == 2 and r[0] > 0:
+            out.append((int(r[0]) / 1000, int(r[1])))
+        else:
+            out.append((0.0, 0))
+    return out
 
 
-_NOW_MS = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-"""
+ATTEMPTS = 1024
+"""A member's score is ``due ms * ATTEMPTS + attempt``: its due time by the
+server's clock, and the attempt that failed (at most ``ATTEMPTS - 1``) --
+what a claim, which counts one more delivery, cannot tell by itself.  Both
+fit a double exactly (about 51 bits)."""
 
-# KEYS: the schedule.  ARGV: member, delay ms, member, delay ms, ...
+# KEYS: the schedule.  ARGV: member, delay ms, attempt, member, delay ms, attempt ...
 # Each member due ``delay`` ms from the server's now (GT: an identical list
 # element keeps the later one); members already due are removed; the key
 # expires a minute after its last due time.  Returns the number written.
 SCHEDULE = Script(
     _NOW_MS + """
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local slots = """ + str(ATTEMPTS) + """
+local function int(x) return string.format('%.0f', x) end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', int(now * slots + slots - 1))
 local n = 0
-for i = 1, #ARGV, 2 do
-  redis.call('ZADD', KEYS[1], 'GT', now + tonumber(ARGV[i + 1]), ARGV[i])
+for i = 1, #ARGV, 3 do
+  local a = math.min(math.max(tonumber(ARGV[i + 2]), 0), slots - 1)
+  redis.call('ZADD', KEYS[1], 'GT', int((now + tonumber(ARGV[i + 1])) * slots + a), ARGV[i])
   n = n + 1
 end
 local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
-if last[2] then redis.call('PEXPIREAT', KEYS[1], tonumber(last[2]) + 60000) end
+if last[2] then redis.call('PEXPIREAT', KEYS[1], int(math.floor(tonumber(last[2]) / slots) + 60000)) end
 return n
 """,
     name="backoff_schedule",
 )
 
-# KEYS: the schedule.  ARGV: members.  For each, the ms until it is due by
-# the server's clock (0: due, or not scheduled).
+# KEYS: the schedule.  ARGV: members.  For each, {ms until it is due by the
+# server's clock, the attempt that failed}: {0, 0} when due or not scheduled.
 SCHEDULE_LEFT = Script(
     _NOW_MS + """
+local slots = """ + str(ATTEMPTS) + """
 local out = {}
 for i = 1, #ARGV do
   local s = redis.call('ZSCORE', KEYS[1], ARGV[i])
-  local left = 0
-  if s then left = math.max(0, math.floor(tonumber(s) - now)) end
-  out[i] = left
+  local left, a = 0, 0
+  if s then
+    s = tonumber(s)
+    a = s % slots
+    left = math.floor((s - a) / slots) - now
+    if left <= 0 then left, a = 0, 0 end
+  end
+  out[i] = {left, a}
 end
 return out
 """,
