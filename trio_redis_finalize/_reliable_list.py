@@ -222,7 +222,13 @@ class ReliableListReader:
       (a crash during the wait or the handler is counted by the next
       start's bump as usual).  A redelivery cut by shutdown between the
       bump and the hand-over gives the bumped element back to the queue:
-      one attempt too many, never one too few.
+      one attempt too many, never one too few.  Its due time is kept in
+      Redis (``<processing list>:backoff``, by the element's digest): the
+      rescan after a restart lets it wait out the rest.
+    * A finalization Redis refuses for good leaves the element in the
+      processing list: it is held again and delivered again (bumped), as its
+      next attempt, 1 s after the refusal (doubling with each attempt, at
+      most 30 s), while the consumer runs (no rescan needed).
     """
 
     def __init__(self, sub: ReliableListSubscription) -> None:

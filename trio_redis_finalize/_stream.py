@@ -143,7 +143,14 @@ class StreamSubscription(Subscription):
     A failed entry under ``on_error=Backoff()`` stays in the PEL and is taken
     again by this consumer with ``XCLAIM ... RETRYCOUNT <next attempt>``
     before its handler runs, so the count is the attempt being made: a crash
-    during the wait or the handler counts exactly as above.
+    during the wait or the handler counts exactly as above.  Its due time is
+    kept in Redis (``{stream}:backoff:<group>``, see
+    :class:`~trio_redis_finalize.Backoff`): the own-PEL recovery after a
+    restart, and a claim, let it wait out the rest.  A finalization Redis
+    refuses for good (a write's key of another type ...) leaves the entry
+    pending; it is held again and delivered again, as its next attempt, 1 s
+    after the refusal (doubling with each attempt, at most 30 s), in every
+    mode and under any traffic.
     """
 
     stream: str
