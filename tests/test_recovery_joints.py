@@ -52,6 +52,7 @@ from trio_redis_finalize._core._recovery import (
 )
 from trio_redis_finalize._subscription import Form
 from trio_redis_finalize._transport import Client
+from trio_redis_finalize._work_queue import WorkQueue
 
 S, G, Q = "jobs", "workers", "tasks"
 BAD = "{o}refused"
@@ -96,6 +97,16 @@ def test_schedule_command_writes_each_due_time_in_ms() -> None:
 def test_schedule_left_and_lease_lost_read_the_scripts_replies() -> None:
     assert schedule_left([[0, 0], [1500, 2], [12, 1]]) == [(0.0, 0), (1.5, 2), (0.012, 1)]
     assert lease_lost(["1-1", "2-1", "3-1"], [1, 0, b"other"]) == {"3-1": "other"}
+
+
+def test_work_queue_remove_takes_out_only_the_named_unstarted_deliveries() -> None:
+    q = WorkQueue()
+    ds = [Delivery("s", f"{i}-0", {}, None, 1, f"{i}-0") for i in range(4)]
+    q.items.extend(ds)
+    assert q.remove({"1-0", "3-0", "9-0"}) == [ds[1], ds[3]]
+    assert list(q.items) == [ds[0], ds[2]]
+    assert q.remove({"0-0", "2-0"}) == [ds[0], ds[2]] and not q.items
+    assert q.remove({"0-0"}) == []
 
 
 # -- the scripts on the server ----------------------------------------------------------------

@@ -243,11 +243,16 @@ class Mount:
     def disown(self, others: dict[str, str]) -> list[Delivery]:
         """Stream entries this consumer no longer owns (its lease found them pending
         for another consumer; id -> that consumer): those no handler started are
-        taken out of the work queue, never started (returned); all leave the
-        lease (``in_hand``) whatever their state (one being handled finishes; its
-        finalization finds its gate as the other consumer left it)."""
+        taken out of the work queue, never started (returned), and those waiting
+        for a Backoff stop waiting; all leave the lease (``in_hand``) whatever
+        their state (one being handled finishes; its finalization finds its
+        gate as the other consumer left it)."""
         dropped = self._queue.remove(set(others))
         self.in_hand.difference_update(others)
+        waiting = self._waiting
+        if any(d.id in others for _, _, d in waiting):  # waiting for a Backoff: theirs now
+            waiting[:] = [w for w in waiting if w[2].id not in others]  # in place: the redeliverer's
+            heapq.heapify(waiting)
         return dropped
 
     # -- backoff ------------------------------------------------------------------
