@@ -35,6 +35,8 @@ from trio_redis_finalize import (
     Outcome,
     ReliableListSubscription,
     StreamSubscription,
+    _mount,
+    _stream,
     open_consumer,
 )
 from trio_redis_finalize._core._plan import Target
@@ -355,3 +357,43 @@ async def test_a_stalled_consumer_leaves_claimed_entries_with_their_new_owner(
         with trio.fail_after(5):
             await proc.wait()
 
+
+
+async def test_the_own_pel_re_read_runs_under_traffic(
+    redis_url: str, client: Client, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A failed entry left pending without a timer (the waiting set full:
+    ``MAX_WAITING`` 0 here) is recovered by the periodic look at the own PEL
+    (``_RECOVER_EVERY``, 1 s here) although traffic keeps entries in hand at
+    every read."""
+    monkeypatch.setattr(_stream, "_RECOVER_EVERY", 1.0)
+    monkeypatch.setattr(_mount, "MAX_WAITING", 0)
+    calls: list[int] = []
+    others = 0
+
+    async def handle(d: Delivery) -> Outcome:
+        nonlocal others
+        if d.fields.get(b"p") == b"1":
+            calls.append(d.attempt)
+            if d.attempt == 1:
+                raise RuntimeError("fails once")
+            return ACK
+        others += 1
+        return ACK
+
+    async def traffic() -> None:
+        while True:
+            await client.execute("XADD", S, "*", "n", "1")
+            await trio.sleep(0.01)
+
+    await client.execute("XADD", S, "*", "p", "1")
+    sub = StreamSubscription(S, G, block=1.0)
+    async with open_consumer(redis_url, name="w", shutdown_grace=1.0) as consumer, \
+            trio.open_nursery() as nursery:
+        await consumer.mount(sub, handle)
+        nursery.start_soon(traffic)
+        with trio.fail_after(10):  # a bound: 1 s, plus the machine's load
+            while len(calls) < 2:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    assert calls == [1, 2] and others > 50

@@ -264,6 +264,7 @@ class StreamSubscription(Subscription):
 # -- runtime ------------------------------------------------------------------
 
 _RECOVER_EVERY = 60.0
+"""Seconds between two looks at the own PEL (PLAIN, RECLAIM), whatever the traffic."""
 _CLAIM_EVERY_MAX = 30.0
 _CLAIMED_TIMEOUT = 5.0
 """Seconds the counts of entries just claimed are asked again while the server
@@ -465,8 +466,10 @@ class StreamReader:
         now = anyio.current_time()
         if sub.mode is not Mode.CLAIMING and now >= self._next_recover:
             self._next_recover = now + _RECOVER_EVERY
-            # entries waiting for a backoff are held, not in hand
-            self._recover_due = not ctx.handling()
+            # under traffic too: what is held (read, handled, waiting for a
+            # Backoff or a refused finalization's retry) is skipped; what is
+            # pending and not held was stranded (a full waiting set ...)
+            self._recover_due = True
 
     def failed(self, ctx: Context, err: Exception) -> float | None:
         """The group destroyed (NOGROUP; UNBLOCKED: the key was deleted while
