@@ -397,3 +397,33 @@ async def test_the_own_pel_re_read_runs_under_traffic(
                 await trio.sleep(0.01)
         nursery.cancel_scope.cancel()
     assert calls == [1, 2] and others > 50
+
+
+@pytest.mark.parametrize("form", ["stream", "reliable-list"])
+async def test_a_schedule_key_of_another_type_does_not_stop_the_recovery(
+    redis_url: str, client: Client, form: str,
+) -> None:
+    """The schedule's key holds a string (a user's key): the recovery after a
+    restart logs it and delivers what is pending at once, as before."""
+    got: list[int] = []
+
+    async def handle(d: Delivery) -> Outcome:
+        got.append(d.attempt)
+        return ACK
+
+    if form == "stream":
+        sub: Any = StreamSubscription(S, G, block=0.05)
+        await client.execute("SET", "{jobs}:backoff:workers", "mine")
+        await client.execute("XGROUP", "CREATE", S, G, "0", "MKSTREAM")
+        await client.execute("XADD", S, "*", "n", "1")
+        await client.execute("XREADGROUP", "GROUP", G, "w", "STREAMS", S, ">")  # pending for w
+    else:
+        sub = ReliableListSubscription(Q, block=0.05)
+        await client.execute("SET", "{tasks}:processing:w:backoff", "mine")
+        await client.execute("LPUSH", "{tasks}:processing:w", "job")  # left by a previous w
+    async with open_consumer(redis_url, name="w", shutdown_grace=0.5) as consumer:
+        await consumer.mount(sub, handle)
+        with trio.fail_after(10):  # a bound
+            while not got:
+                await trio.sleep(0.01)
+    assert got == [2]  # the restart counts the attempt that may have crashed

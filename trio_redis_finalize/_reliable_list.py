@@ -40,6 +40,7 @@ from ._core._reliable import (
     registry_key,
     stranded,
 )
+from ._core._replies import NOT_RUN, classify
 from ._core._scripts import MOVE_DUE_TO_LIST
 from ._delay_set import move_due
 from ._delivery import Delivery
@@ -403,8 +404,16 @@ class ReliableListReader:
         rest and come back as their next attempt (the mount's redeliverer)."""
         t = ctx.target
         members = [schedule_member(t, None, e) or b"" for e, _ in elements]
-        reply = await ctx.client.evalsha(SCHEDULE_LEFT, (schedule_key(t),), members,
-                                         timeout=FINALIZE_TIMEOUT)
+        try:
+            reply = await ctx.client.evalsha(SCHEDULE_LEFT, (schedule_key(t),), members,
+                                             timeout=FINALIZE_TIMEOUT)
+        except rexc.ResponseError as err:
+            if classify(err) is NOT_RUN:
+                raise
+            # final (the key is of another type ...): the rescan goes on without it
+            log.warning("%s: reading the Backoff schedule %r failed (%s); %d element(s) are "
+                        "delivered now", ctx.name, schedule_key(t), err, len(elements))
+            return set()
         out: set[int] = set()
         for i, ((e, _), (left, _a)) in enumerate(zip(elements, schedule_left(reply), strict=True)):
             if left <= 0:

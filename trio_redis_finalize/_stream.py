@@ -573,8 +573,17 @@ class StreamReader:
         if not ids:
             return {}
         t = ctx.target
-        reply = await ctx.client.evalsha(SCHEDULE_LEFT, (schedule_key(t),), list(ids),
-                                         timeout=FINALIZE_TIMEOUT)
+        try:
+            reply = await ctx.client.evalsha(SCHEDULE_LEFT, (schedule_key(t),), list(ids),
+                                             timeout=FINALIZE_TIMEOUT)
+        except rexc.ResponseError as e:
+            if classify(e) is NOT_RUN:
+                raise
+            # final (the key is of another type ...): recovery goes on without it
+            log.warning("%s: reading the Backoff schedule %r failed (%s); %d recovered entries "
+                        "are delivered now", ctx.name, schedule_key(t), e, len(ids),
+                        extra={"subscription": ctx.name})
+            return {}
         return {eid: got for eid, got in zip(ids, schedule_left(reply), strict=True) if got[0] > 0}
 
     def _defer(self, ctx: Context, entries: Sequence[Entry],
