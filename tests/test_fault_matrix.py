@@ -206,9 +206,10 @@ WORKLOADS = [
              ("EVALSHA:heartbeat_claim", "EVALSHA:heartbeat_renew", "XINFO CONSUMERS", "HGETALL",
               "PTTL", "XPENDING IDLE", "EVALSHA:stream_reap", "EVALSHA:stream_stop"),
              _stream(), seed="registered", dead_letter=S_DEAD),
-    Workload("stream-reclaim", "stream", ("XAUTOCLAIM", "XCLAIM"),
+    # the lease: one owner-checked script (EVALSHA:stream_lease)
+    Workload("stream-reclaim", "stream", ("XAUTOCLAIM", "EVALSHA:stream_lease"),
              _stream(mode=Mode.RECLAIM, min_idle=0.6), seed="dead", dead_letter=S_DEAD),
-    Workload("stream-claiming", "stream", ("XPENDING", "XAUTOCLAIM", "XCLAIM"),
+    Workload("stream-claiming", "stream", ("XPENDING", "XAUTOCLAIM", "EVALSHA:stream_lease"),
              _stream(mode=Mode.CLAIMING, min_idle=0.6), plans=("ack", "retry", "drop"),
              seed="dead", dead_letter=S_DEAD),
     Workload("stream-delete", "stream",
@@ -274,7 +275,7 @@ WORKLOADS = [
 ]
 
 PERIODIC_KINDS = {"EVALSHA:heartbeat_renew", "HGETALL", "PTTL", "EVALSHA:reliable_list_reap",
-                  "XCLAIM"}
+                  "XCLAIM", "EVALSHA:stream_lease"}
 """Kinds a periodic task sends (heartbeat, reaper, lease): it meets one error per period."""
 ERRORS = [c for c in TRANSIENT_ERRORS if c != "NOSCRIPT"]
 FAULT_GROUPS = ["lost", "blackhole", "errors"]

@@ -139,6 +139,13 @@ class Stub:
     async def send_plans(self, items: list[tuple[Delivery, Plan]]) -> None:
         self.direct.extend(items)
 
+    def defer(self, d: Delivery, delay: float) -> bool:
+        return False  # no Backoff waits here: recovered deliveries go out now
+
+    def disown(self, others: dict[str, str]) -> list[Delivery]:
+        self.in_hand.difference_update(others)
+        return []
+
 
 class Violation(AssertionError):
     pass

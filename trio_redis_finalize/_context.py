@@ -117,6 +117,17 @@ class Context(Protocol):
         """Send precomputed plans (dead letter, lost entry) to the finalizer."""
         ...
 
+    def disown(self, others: dict[str, str]) -> list[Delivery]:
+        """Stream entries now pending for another consumer (id -> its name): the
+        unstarted ones taken out of the work queue (returned), all out of ``in_hand``."""
+        ...
+
+    def defer(self, d: Delivery, delay: float) -> bool:
+        """A recovered delivery whose Backoff is due ``delay`` seconds from now:
+        held, and delivered again as its next attempt then (the reader's
+        ``redeliver``); False when it cannot wait (deliver it now)."""
+        ...
+
     def handling(self) -> bool:
         """Whether a delivery read is in hand (neither finalized nor waiting for a backoff)."""
         ...

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -23,7 +23,7 @@ from redis import exceptions as rexc
 
 from ._context import FINALIZE_TIMEOUT, Item, backoff, log
 from ._core._finalize import GO, FinalizeBatch, FinalizerCore, Gates, Record
-from ._core._plan import Target
+from ._core._plan import FAILED, Target
 from ._delivery import Delivery
 from ._outcome import Backoff
 
@@ -58,9 +58,16 @@ class Finalizer:
     in_hand: set[str]
     scheduler: Scheduler
     owner: Owner
-    wait_out: Callable[[Delivery, Backoff], None]
+    wait_out: Callable[[Delivery, Backoff], float | None]
     gates: dataclasses.InitVar[Gates | None]
     settled: Callable[[list[tuple[Delivery, str]]], None] | None
+    refused: Callable[[list[Delivery]], None] | None = None
+    """Deliveries whose finalization Redis refused for good (effect ``failed``,
+    still pending): the mount holds them again and delivers them again later
+    (``_core._recovery.refused_delay``)."""
+    schedule: Callable[[list[tuple[Delivery, float]]], Awaitable[None]] | None = None
+    """Writes the Backoff due times of deliveries that started waiting (the
+    delays ``wait_out`` answered) to Redis, so that a restart keeps them."""
     scope: anyio.CancelScope = dataclasses.field(default_factory=anyio.CancelScope, init=False)
     core: FinalizerCore = dataclasses.field(init=False)
 
@@ -108,8 +115,11 @@ class Finalizer:
             stats.effects["refused"] += batch.refused
         if batch.records:
             _emit(batch.records)
+        waits: list[tuple[Delivery, float]] = []
         for d, b in batch.backoffs:
-            self.wait_out(d, b)
+            delay = self.wait_out(d, b)
+            if delay is not None:
+                waits.append((d, delay))
         pipeline = self.client.pipeline
         try:
             while commands := batch.commands():
@@ -137,14 +147,18 @@ class Finalizer:
         for effect, n in done.effects.items():
             effects[effect] += n
         if self.in_hand:
-            # forgotten even when failed: the own-PEL re-read delivers it again
+            # forgotten even when failed: held again below (refused)
             self.in_hand.difference_update(done.forget())
+        if self.refused is not None and done.effects.get(FAILED):
+            self.refused([d for d, e in done.deliveries() if e == FAILED])
         if done.records:
             _emit(done.records)
         for delay, later in done.later:
             self.scheduler.hold(self.owner, delay, later)
         if self.settled is not None:  # instrumentation: each delivery and the effect Redis confirmed
             self.settled(done.deliveries())
+        if waits and self.schedule is not None:
+            await self.schedule(waits)
 
 
 def _drain(recv: Recv[list[Item]]) -> int:

@@ -82,6 +82,7 @@ from ._context import (
     log_extra,
 )
 from ._core._plan import Effect, Target
+from ._core._recovery import refused_delay, schedule_command, schedule_key
 from ._core._writes import check_outcome
 from ._delivery import Delivery, record_error
 from ._finalizer import Finalizer
@@ -176,8 +177,10 @@ class Mount:
             isinstance(again, Backoff) or again.is_retry)
         # Backoff: failed deliveries waiting to be delivered again (due, seq, delivery)
         hooks = reader.pending
+        # (whatever on_error is: a finalization Redis refused waits here too)
         self._redeliver: Callable[[Mount, list[Delivery]], Awaitable[list[Delivery]]] | None = (
-            hooks.redeliver if hooks is not None and isinstance(self._on_error, Backoff) else None)
+            hooks.redeliver if hooks is not None else None)
+        self._backs_off = hooks is not None and isinstance(self._on_error, Backoff)
         self._leave: Callable[[Mount, list[Delivery]], None] | None = (
             hooks.leave_pending if hooks is not None else None)
         self._waiting: list[tuple[float, int, Delivery]] = []
@@ -196,6 +199,8 @@ class Mount:
             name=self.name, target=target, client=client, stats=self.stats, in_hand=self.in_hand,
             scheduler=scheduler, owner=self, wait_out=self._wait_out,
             gates=reader.gates, settled=self.settled,
+            refused=self._refused if hooks is not None else None,
+            schedule=self._schedule if self._backs_off else None,
         )
         self.stopping = False
         self.cut: list[Delivery] = []
@@ -244,6 +249,21 @@ class Mount:
         for its backoff (waiting entries are held too)."""
         return len(self.in_hand) > len(self._waiting)
 
+    def disown(self, others: dict[str, str]) -> list[Delivery]:
+        """Stream entries this consumer no longer owns (its lease found them pending
+        for another consumer; id -> that consumer): those no handler started are
+        taken out of the work queue, never started (returned), and those waiting
+        for a Backoff stop waiting; all leave the lease (``in_hand``) whatever
+        their state (one being handled finishes; its finalization finds its
+        gate as the other consumer left it)."""
+        dropped = self._queue.remove(set(others))
+        self.in_hand.difference_update(others)
+        waiting = self._waiting
+        if any(d.id in others for _, _, d in waiting):  # waiting for a Backoff: theirs now
+            waiting[:] = [w for w in waiting if w[2].id not in others]  # in place: the redeliverer's
+            heapq.heapify(waiting)
+        return dropped
+
     # -- backoff ------------------------------------------------------------------
     def _park(self, d: Delivery, delay: float) -> None:
         waiting = self._waiting
@@ -251,12 +271,14 @@ class Mount:
         if waiting[0][2] is d:  # the next due: the redeliverer's timer changes
             self._waiting_wake.set()
 
-    def _wait_out(self, d: Delivery, b: Backoff) -> None:
+    def _wait_out(self, d: Delivery, b: Backoff) -> float | None:
         """A failed delivery under ``on_error=Backoff`` before its last attempt
-        (the finalizer's core dead-letters that one): it waits for its delay,
-        or, with no room, is left pending for the ordinary recovery."""
+        (the finalizer's core dead-letters that one): it waits for its delay
+        (returned: the finalizer has it written to Redis, :meth:`_schedule`),
+        or, with no room, is left pending for the ordinary recovery (None)."""
         stats = self.stats
         extra = log_extra(self.name, d, b)
+        delay: float | None = None
         if self._redeliver is None or len(self._waiting) >= MAX_WAITING:
             # no room (memory): pending all the same, for the ordinary recovery
             if self._leave is not None:
@@ -283,6 +305,56 @@ class Mount:
                           d.id or d.origin_id, d.attempt, delay, extra={**extra, "effect": effect})
         if self.settled is not None:
             self.settled([(d, effect)])
+        return delay
+
+    async def _schedule(self, waits: list[tuple[Delivery, float]]) -> None:
+        """Write the due times of deliveries that started waiting for their
+        Backoff to Redis (``_core._recovery.SCHEDULE``): a restart meanwhile
+        lets them wait out the rest.  Shielded and bounded (a graceful stop
+        keeps it); should it fail, a restart before they are due delivers
+        them at once, as before (logged)."""
+        cmd = schedule_command(self.target, waits)
+        if cmd is None:
+            return
+        with cleanup(CLOSING_TIMEOUT):
+            try:
+                await self.client.pipeline([cmd], timeout=CLOSING_TIMEOUT)
+            except (rexc.RedisError, OSError) as e:
+                log.warning("%s: writing the Backoff due times of %d deliveries to %r failed (%s); "
+                            "a restart before they are due delivers them at once", self.name,
+                            len(waits), schedule_key(self.target), e,
+                            extra={"subscription": self.name})
+
+    def _refused(self, deliveries: list[Delivery]) -> None:
+        """Deliveries whose finalization Redis refused for good (they stay
+        pending): held again and delivered again, as their next attempt,
+        ``_core._recovery.refused_delay`` seconds later (1 s at attempt 1,
+        doubling, at most 30 s); with no room (:data:`MAX_WAITING`) left to the
+        ordinary recovery."""
+        hooks = self.reader.pending
+        if hooks is None or self._redeliver is None:
+            return
+        for d in deliveries:
+            if len(self._waiting) >= MAX_WAITING:
+                return
+            hooks.hold_again(self, d)
+            delay = refused_delay(d.attempt)
+            self._park(d, delay)
+            log.warning("%s: %s (attempt %d): its finalization was refused; delivered again in "
+                        "%.1f s", self.name, d.id or d.origin_id, d.attempt, delay,
+                        extra=log_extra(self.name, d, None, "failed"))
+
+    def defer(self, d: Delivery, delay: float) -> bool:
+        """A delivery recovered (a restart, a claim) whose Backoff due time is
+        ``delay`` seconds ahead: it waits (held) and is then delivered again as
+        its next attempt; False when it cannot wait here (on_error is not a
+        Backoff now, or no room): the caller delivers it now."""
+        if not self._backs_off or self._redeliver is None or len(self._waiting) >= MAX_WAITING:
+            return False
+        if d.id is not None:
+            self.in_hand.add(d.id)
+        self._park(d, delay)
+        return True
 
     async def _redeliverer(
         self, redeliver: Callable[[Mount, list[Delivery]], Awaitable[list[Delivery]]]

@@ -189,8 +189,17 @@ class Backoff:
     20 s, with ``m = 2`` one of 30 s; with a large ``m`` the first retries
     stay short (``m = 10``: 0.06 s, 0.12 s, ..., 15 s).  Without
     ``max_attempts`` there is no floor (nothing ends the retries anyway);
-    ``window=0`` turns the floor off.  The window counts within one
-    consumer's run: a consumer that restarts recovers what is pending at once.
+    ``window=0`` turns the floor off.
+
+    The schedule outlives the process: when a delivery starts waiting, its
+    due time (by the server's clock) and the attempt that failed are written
+    to a sorted set beside the source (``{stream}:backoff:<group>``, or
+    ``<processing list>:backoff``; each expires a minute after its last due
+    time).  A consumer that restarts (gracefully or after a crash) -- or
+    that claims the entry of a stopped consumer -- lets a delivery still
+    waiting wait out the rest, then delivers it as its next attempt; only a
+    stop between the failure and that write (one round trip) loses the
+    schedule, and the delivery is then recovered at once, as before.
 
     No copy is written, a crash loses nothing (the delivery is still
     pending), and a message that always fails is handled a handful of times

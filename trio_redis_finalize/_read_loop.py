@@ -91,6 +91,12 @@ class Pending(Protocol):
         """Forget ``deliveries``: they stay pending for the ordinary recovery."""
         ...
 
+    def hold_again(self, ctx: Context, d: Delivery) -> None:
+        """Hold ``d`` again, whose finalization Redis refused for good (it is
+        still pending): it waits, then ``redeliver`` takes it as if it had
+        failed under a Backoff."""
+        ...
+
 
 class Reader(Steps[Any], Protocol):
     """What a subscription form provides: its read loop's steps, give-backs,

@@ -29,6 +29,7 @@ from ._core._identity import claim, heartbeat_value, renew
 from ._core._list_gates import ListGates
 from ._core._plan import Effect, Plan, Target
 from ._core._presence import HEARTBEAT_FLOOR
+from ._core._recovery import SCHEDULE_LEFT, schedule_key, schedule_left, schedule_member
 from ._core._reliable import (
     BUMP,
     GIVE_BACK,
@@ -45,6 +46,7 @@ from ._core._reliable import (
     stop_args,
     stranded,
 )
+from ._core._replies import NOT_RUN, classify
 from ._core._scripts import MOVE_DUE_TO_LIST
 from ._delay_set import move_due
 from ._delivery import Delivery
@@ -243,7 +245,13 @@ class ReliableListReader:
       (a crash during the wait or the handler is counted by the next
       start's bump as usual).  A redelivery cut by shutdown between the
       bump and the hand-over gives the bumped element back to the queue:
-      one attempt too many, never one too few.
+      one attempt too many, never one too few.  Its due time is kept in
+      Redis (``<processing list>:backoff``, by the element's digest): the
+      rescan after a restart lets it wait out the rest.
+    * A finalization Redis refuses for good leaves the element in the
+      processing list: it is held again and delivered again (bumped), as its
+      next attempt, 1 s after the refusal (doubling with each attempt, at
+      most 30 s), while the consumer runs (no rescan needed).
     """
 
     def __init__(self, sub: ReliableListSubscription) -> None:
@@ -406,7 +414,57 @@ class ReliableListReader:
             if d.raw is not None:
                 leave(d.raw)
 
+    def hold_again(self, ctx: Context, d: Delivery) -> None:
+        """An element whose finalization Redis refused for good, still in the
+        processing list: held again (its gates counted it out, and left it for
+        a rescan) until :meth:`redeliver` bumps it and hands it over."""
+        raw = d.raw
+        if raw is None:
+            return
+        gates = self._gates
+        dec(gates.leftover, raw)
+        gates.hold(raw)
+
+    async def _waits(self, ctx: Context, elements: list[tuple[bytes, bool]]) -> set[int]:
+        """Of elements a rescan found (``stranded``), the indexes of those whose
+        Backoff is not due yet (``_core._recovery``'s schedule, by the
+        server's clock: a restart while they waited): held, they wait out the
+        rest and come back as their next attempt (the mount's redeliverer)."""
+        t = ctx.target
+        members = [schedule_member(t, None, e) or b"" for e, _ in elements]
+        try:
+            reply = await ctx.client.evalsha(SCHEDULE_LEFT, (schedule_key(t),), members,
+                                             timeout=FINALIZE_TIMEOUT)
+        except rexc.ResponseError as err:
+            if classify(err) is NOT_RUN:
+                raise
+            # final (the key is of another type ...): the rescan goes on without it
+            log.warning("%s: reading the Backoff schedule %r failed (%s); %d element(s) are "
+                        "delivered now", ctx.name, schedule_key(t), err, len(elements))
+            return set()
+        out: set[int] = set()
+        for i, ((e, _), (left, _a)) in enumerate(zip(elements, schedule_left(reply), strict=True)):
+            if left <= 0:
+                continue
+            d, plan = list_delivery(t, self.sub.queue, e)
+            if plan is not None:
+                continue  # dead-lettered now (corrupt, past max_attempts)
+            self._hold(e)
+            if ctx.defer(d, left):
+                out.add(i)
+            else:
+                self._unhold(e)
+        if out:
+            log.info("%s: %d element(s) in processing list %r wait out the rest of their "
+                     "Backoff (kept in %r) before they are delivered again", ctx.name, len(out),
+                     t.processing, schedule_key(t), extra={"subscription": ctx.name})
+        return out
+
     # -- bookkeeping ----------------------------------------------------------
+    def _unhold(self, raw: bytes) -> None:
+        dec(self._gates.unsent, raw)
+        dec(self._gates.in_hand, raw)
+
     def _hold(self, raw: bytes) -> None:
         self._gates.hold(raw)
 
@@ -442,6 +500,11 @@ class ReliableListReader:
             self._recheck_at = anyio.current_time() + _RECHECK
         if not lost:
             return
+        waits = await self._waits(ctx, lost)
+        if waits:
+            lost = [x for i, x in enumerate(lost) if i not in waits]
+            if not lost:
+                return
         log.warning("%s: %d element(s) in processing list %r were not finalized; "
                     "delivering them again", ctx.name, len(lost), t.processing)
         for i in range(0, len(lost), 500):

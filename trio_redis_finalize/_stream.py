@@ -16,6 +16,7 @@ from ._context import FINALIZE_TIMEOUT, READ_MARGIN, Context, Item, log
 from ._core._decode import Entry, as_str, id_key, lost_entry, read_entries, stream_deliveries
 from ._core._plan import Effect, Plan, Target
 from ._core._presence import HEARTBEAT_FLOOR, lease_every
+from ._core._recovery import LEASE, SCHEDULE_LEFT, lease_lost, schedule_key, schedule_left
 from ._core._replies import NOT_RUN, BusyGroupError, classify, error_code
 from ._core._scripts import move_due_to_stream
 from ._delay_set import move_due
@@ -154,7 +155,14 @@ class StreamSubscription(Subscription):
     A failed entry under ``on_error=Backoff()`` stays in the PEL and is taken
     again by this consumer with ``XCLAIM ... RETRYCOUNT <next attempt>``
     before its handler runs, so the count is the attempt being made: a crash
-    during the wait or the handler counts exactly as above.
+    during the wait or the handler counts exactly as above.  Its due time is
+    kept in Redis (``{stream}:backoff:<group>``, see
+    :class:`~trio_redis_finalize.Backoff`): the own-PEL recovery after a
+    restart, and a claim, let it wait out the rest.  A finalization Redis
+    refuses for good (a write's key of another type ...) leaves the entry
+    pending; it is held again and delivered again, as its next attempt, 1 s
+    after the refusal (doubling with each attempt, at most 30 s), in every
+    mode and under any traffic.
     """
 
     stream: str
@@ -271,6 +279,7 @@ class StreamSubscription(Subscription):
 # -- runtime ------------------------------------------------------------------
 
 _RECOVER_EVERY = 60.0
+"""Seconds between two looks at the own PEL (PLAIN, RECLAIM), whatever the traffic."""
 _CLAIM_EVERY_MAX = 30.0
 _CLAIMED_TIMEOUT = 5.0
 """Seconds the counts of entries just claimed are asked again while the server
@@ -474,8 +483,10 @@ class StreamReader:
         now = anyio.current_time()
         if sub.mode is not Mode.CLAIMING and now >= self._next_recover:
             self._next_recover = now + _RECOVER_EVERY
-            # entries waiting for a backoff are held, not in hand
-            self._recover_due = not ctx.handling()
+            # under traffic too: what is held (read, handled, waiting for a
+            # Backoff or a refused finalization's retry) is skipped; what is
+            # pending and not held was stranded (a full waiting set ...)
+            self._recover_due = True
 
     def failed(self, ctx: Context, err: Exception) -> float | None:
         """The group destroyed (NOGROUP; UNBLOCKED: the key was deleted while
@@ -570,6 +581,72 @@ class StreamReader:
         error, at a start, and every minute while no entry is in hand) and,
         in RECLAIM and CLAIMING, for a claim once idle ``min_idle``."""
         ctx.in_hand.difference_update([d.id for d in deliveries if d.id is not None])
+
+    def hold_again(self, ctx: Context, d: Delivery) -> None:
+        """A delivery whose finalization Redis refused for good, still in the
+        PEL: held (leased) again until :meth:`redeliver` takes it back."""
+        if d.id is not None:
+            ctx.in_hand.add(d.id)
+
+    async def _scheduled(self, ctx: Context, ids: Sequence[bytes]) -> dict[bytes, tuple[float, int]]:
+        """Ids among ``ids`` whose Backoff is not due yet (``_core._recovery``'s
+        schedule, by the server's clock): id -> (seconds left, the attempt
+        that failed)."""
+        if not ids:
+            return {}
+        t = ctx.target
+        try:
+            reply = await ctx.client.evalsha(SCHEDULE_LEFT, (schedule_key(t),), list(ids),
+                                             timeout=FINALIZE_TIMEOUT)
+        except rexc.ResponseError as e:
+            if classify(e) is NOT_RUN:
+                raise
+            # final (the key is of another type ...): recovery goes on without it
+            log.warning("%s: reading the Backoff schedule %r failed (%s); %d recovered entries "
+                        "are delivered now", ctx.name, schedule_key(t), e, len(ids),
+                        extra={"subscription": ctx.name})
+            return {}
+        return {eid: got for eid, got in zip(ids, schedule_left(reply), strict=True) if got[0] > 0}
+
+    def _defer(self, ctx: Context, entries: Sequence[Entry],
+               left: dict[bytes, tuple[float, int]]) -> set[bytes]:
+        """Entries in the own PEL whose Backoff is not due yet (``left``: seconds
+        left, the attempt that failed): they wait, held, and come back as
+        their next attempt when due (the mount's redeliverer,
+        :meth:`redeliver`).  Returns the ids that wait (the others: deliver now)."""
+        if not left:
+            return set()
+        counts = {eid: max(a, 1) for eid, (_, a) in left.items()}
+        ready, _direct = stream_deliveries(ctx.target, [e for e in entries if e[0] in left], counts)
+        waiting: set[bytes] = set()
+        for d in ready:
+            assert d.id is not None
+            eid = d.id.encode()
+            if ctx.defer(d, left[eid][0]):
+                waiting.add(eid)
+        if waiting:
+            log.info("%s: %d recovered entries wait out the rest of their Backoff (kept in %r) "
+                     "before they are delivered again: %s", ctx.name, len(waiting),
+                     schedule_key(ctx.target), ", ".join(sorted(e.decode() for e in waiting)[:20]),
+                     extra={"subscription": ctx.name})
+        return waiting
+
+    async def _claimed_waits(self, ctx: Context, live: list[Entry]) -> list[Entry]:
+        """Of entries just claimed, those whose Backoff is not due yet (their
+        consumer stopped while they waited, or this one restarted) wait out the
+        rest (:meth:`_defer`), their server count set back to the attempt that
+        failed (the claim counted a delivery that did not happen); returns the
+        others.  Shielded (bounded): a stop in between would leave the count
+        one higher for each claim it cut."""
+        with cleanup(FINALIZE_TIMEOUT):
+            left = await self._scheduled(ctx, [e[0] for e in live])
+            if not left:
+                return live
+            waiting = self._defer(ctx, live, left)
+            p = self._give_back([(eid, left[eid][1] + 1) for eid in waiting])
+            if p is not None:
+                await ctx.client.pipeline(p.commands, timeout=FINALIZE_TIMEOUT)
+        return [e for e in live if e[0] not in waiting]
 
     # -- set-up ---------------------------------------------------------------
     async def _check_keys(self, ctx: Context) -> None:
@@ -749,8 +826,11 @@ class StreamReader:
             wanted: dict[int, list[tuple[bytes, int]]] = {}  # attempt -> (id, idle ms)
             held = ctx.in_hand
             taking = self._taking
+            # failed under a Backoff and not due yet (a restart while they waited)
+            waits = await self._waits(ctx, [r for r in rows if r[0].decode() not in held
+                                            and r[0] not in taking])
             for eid, _owner, idle, count in rows:
-                if eid.decode() in held:
+                if eid.decode() in held or eid in waits:
                     continue
                 n = int(count)
                 if eid in taking:
@@ -767,6 +847,20 @@ class StreamReader:
             if len(rows) < sub.count:
                 self._taking.clear()
                 return
+
+    async def _waits(self, ctx: Context, rows: list[list[Any]]) -> set[bytes]:
+        """Of own pending entries (``XPENDING`` rows, none held), those whose
+        Backoff is not due yet, set waiting (:meth:`_defer`) as the attempt
+        they failed at (the schedule's; the redelivery sets the server count
+        one higher)."""
+        left = await self._scheduled(ctx, [r[0] for r in rows])
+        if not left:
+            return set()
+        ids = list(left)
+        found = await ctx.client.pipeline([("XRANGE", self.sub.stream, eid, eid) for eid in ids],
+                                          timeout=FINALIZE_TIMEOUT)
+        entries: list[Entry] = [(hit[0][0], hit[0][1]) for hit in found if hit]
+        return self._defer(ctx, entries, left)
 
     async def _take(self, conn: Connection, ctx: Context, taken: list[tuple[bytes, int]], n: int) -> None:
         """XCLAIM own pending entries with their count set to ``n``; hand them over."""
@@ -842,6 +936,10 @@ class StreamReader:
                 if p is not None:
                     await ctx.client.pipeline(p.commands, timeout=FINALIZE_TIMEOUT)
                 live = [e for e in live if e[0].decode() not in held]
+            # failed under a Backoff and not due yet (their consumer stopped, or
+            # this one restarted): they wait out the rest, as the attempt they
+            # failed at (the claim counted one more)
+            live = await self._claimed_waits(ctx, live)
             await self._deliver_taken(ctx, live, counts, [])
         for e in claimed:
             self._taking.pop(e[0], None)
@@ -902,6 +1000,15 @@ class StreamReader:
         it while the process runs -- even should this consumer's heartbeat
         key vanish (evicted, flushed); should one lapse all the same, the
         claim that finds it keeps it with its handler (see :meth:`_claim`).
+
+        Only entries still pending for this consumer are renewed, checked in
+        the same script (``_core._recovery.LEASE``): after a stall longer
+        than ``min_idle`` (a stopped process, a blocked event loop) another
+        consumer may rightly have claimed some; they stay with it.  Those,
+        and those pending for nobody any more, are dropped
+        (:meth:`~._context.Context.disown`): the ones no handler started
+        never start here; a running handler finishes, its finalization finds
+        the gate as the other consumer left it.
         """
         sub = self.sub
         interval = lease_every(sub.mode, sub.min_idle, sub.heartbeat)
@@ -909,14 +1016,38 @@ class StreamReader:
             await anyio.sleep(interval)
             ids = sorted(ctx.in_hand)
             for i in range(0, len(ids), 500):
+                part = ids[i : i + 500]
                 try:
-                    await ctx.client.execute(
-                        "XCLAIM", self.sub.stream, self.sub.group, ctx.consumer.name, 0,
-                        *ids[i : i + 500], "JUSTID", timeout=FINALIZE_TIMEOUT,
+                    replies = await ctx.client.evalsha(
+                        LEASE, (sub.stream,), (sub.group, ctx.consumer.name, *part),
+                        timeout=FINALIZE_TIMEOUT,
                     )
                 except (rexc.ConnectionError, rexc.TimeoutError, rexc.ResponseError) as e:
                     log.warning("%s: lease renewal failed: %s", ctx.name, e,
                                 extra={"subscription": ctx.name})
+                    continue
+                others = lease_lost(part, replies)
+                if others:
+                    self._disown(ctx, others)
+
+    def _disown(self, ctx: Context, others: dict[str, str]) -> None:
+        """Entries the lease found pending for another consumer: dropped, the
+        unstarted ones never started; logged.  (One pending for nobody is left
+        as it is: finalized meanwhile -- its finalization is on the way --, or
+        its group recreated at the last id read, where a queued entry must
+        still be handled, not skipped.)"""
+        dropped = ctx.disown(others)
+        owners = sorted(set(others.values()))
+        log.warning("%s: %d entries held by this consumer are now pending for %s (claimed "
+                    "while this consumer stalled past the lease); left with them, dropped "
+                    "from this consumer's lease: %s", ctx.name, len(others),
+                    ", ".join(repr(o) for o in owners), ", ".join(sorted(others)[:20]),
+                    extra={"subscription": ctx.name, "entry_ids": sorted(others)})
+        if dropped:
+            log.warning("%s: %d entries read and not started are another consumer's now; "
+                        "not started here: %s",
+                        ctx.name, len(dropped), ", ".join(str(d.id) for d in dropped[:20]),
+                        extra={"subscription": ctx.name, "entry_ids": [d.id for d in dropped]})
 
     def _resume_at(self) -> str:
         """Where a group destroyed mid-run is recreated: the last id handed over."""

@@ -99,6 +99,18 @@ class WorkQueue:
             self.waking += 1
             self.idle.popleft().set()
 
+    def remove(self, ids: set[str]) -> list[Delivery]:
+        """Take out the deliveries no handler started whose stream id is in ``ids``."""
+        items = self.items
+        out = [d for d in items if d.id in ids]
+        if out:
+            keep = [d for d in items if d.id not in ids]
+            items.clear()
+            items.extend(keep)
+            if not items:
+                self.emptied()
+        return out
+
     def drain(self) -> list[Delivery]:
         """Take out every delivery no handler started."""
         items = list(self.items)
