@@ -178,7 +178,7 @@ SCRIPT_NAMES: dict[Any, str] = {
     s.sha: s.name for s in (
         _scripts.STREAM_COPY_ACK, _scripts.STREAM_ZADD_ACK, _scripts.LIST_COPY_REMOVE,
         _scripts.LIST_DEAD_PUSH, _scripts.LIST_ZADD_REMOVE, _scripts.MOVE_DUE_TO_STREAM,
-        _scripts.MOVE_DUE_TO_LIST, _scripts.STREAM_XADD,
+        _scripts.MOVE_DUE_TO_LIST, _scripts.STREAM_XADD, _scripts.STREAM_REMOVE_RECEIPT,
     )
 }
 
@@ -291,7 +291,6 @@ def check_cell(f: Form_, t: Target, d: Delivery, outcome: Outcome) -> None:
         assert p.delay is None and p.later == ()
     assert p.warning is None
     if f.kind == "stream":
-        xack = [("XACK", STREAM)]
         if kind is OutcomeKind.ACK or kind is OutcomeKind.DROP:
             assert p.effect is (Effect.ACKED if kind is OutcomeKind.ACK else Effect.DROPPED)
             assert p.commands == (("XACK", STREAM, GROUP, d.id),)
@@ -319,17 +318,22 @@ def check_cell(f: Form_, t: Target, d: Delivery, outcome: Outcome) -> None:
             check_stream_copy(check_member(args[3]), d, next_retries)
         else:
             assert p.effect is Effect.HELD
-            assert shape(p) == xack
-            assert p.commands == (("XACK", STREAM, GROUP, d.id),)
+            # the removal: gated, leaving this finalization's receipt (a key of
+            # its own, in the stream's slot), never the bare XACK
+            (removal,) = p.commands
+            sha, keys, args = evalsha(removal)
+            assert sha == _scripts.STREAM_REMOVE_RECEIPT.sha and keys[0] == STREAM
+            receipt = keys[1]
+            assert receipt.startswith("{orders}:receipt:") and same_slot(STREAM, receipt)
+            assert args == [GROUP, d.id, "0", 0]  # XACK, no writes
             assert p.delay == outcome.delay
-            # the later copy: written once (a marker of its own, in the stream's slot)
+            # the later copy: written once, only while the same receipt is there
             (later,) = p.later
             sha, keys, args = evalsha(later)
-            assert sha == _scripts.STREAM_COPY_ONCE.sha and keys[0] == STREAM
-            assert keys[1].startswith("{orders}:copy:") and same_slot(keys[0], keys[1])
+            assert sha == _scripts.STREAM_COPY_ONCE.sha and keys == [STREAM, receipt]
             assert args[:2] == [_scripts.COPY_MARK_TTL, 0]
             check_stream_copy(args[2:], d, next_retries)
-            assert p.gated  # safe to send again: the marker answers a resend
+            assert p.gated  # safe to send again: the receipt answers a resend
         return
 
     if f.kind == "rlist":

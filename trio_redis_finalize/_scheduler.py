@@ -11,8 +11,8 @@ from anyio.abc import TaskStatus
 from redis import exceptions as rexc
 
 from ._context import FINALIZE_TIMEOUT, backoff, describe_error, log
-from ._core._commands import Command
-from ._core._plan import FAILED, GATE_CLOSED
+from ._core._commands import Command, describe
+from ._core._plan import FAILED, GATE_CLOSED, chain_stops
 from ._core._replies import FINAL, classify
 from ._shutdown import cleanup
 
@@ -288,7 +288,6 @@ class Scheduler:
     ) -> None:
         """The round trips of :meth:`_send`.  ``live`` (updated in place) is
         what is on its way: each entry's commands from its unconfirmed one on."""
-        gate_closed: set[int] = set()
         while live:
             commands = [chains[i][1][0] for i in live]
             try:
@@ -315,13 +314,20 @@ class Scheduler:
                     log.error("%s: delayed copy failed: %s; it is not written", mount.name,
                               describe_error(r, cmd), extra={"subscription": mount.name})
                     continue
-                if r is None and cmd[0] == b"EVALSHA":
-                    gate_closed.add(i)  # the original is gone: nothing copied
+                if chain_stops(cmd, r):
+                    # the original was not removed by this finalization (or its
+                    # copy's receipt is gone): nothing copied, nothing more sent
+                    mount.stats.effects[GATE_CLOSED] += 1
+                    log.info("%s: a held delayed copy was not written: its gated step found "
+                             "the original finalized by another finalization (or the copy "
+                             "written by an earlier send): %s", mount.name,
+                             describe(cmd), extra={"subscription": mount.name})
+                    continue
                 cmds.pop(0)
                 if cmds:
                     step.append(i)
                 else:
-                    mount.stats.effects[GATE_CLOSED if i in gate_closed else "released"] += 1
+                    mount.stats.effects["released"] += 1
             if deferred is not None:
                 log.warning("sending delayed copies deferred by the server (%s); sending "
                             "them again", deferred)

@@ -64,7 +64,7 @@ _FINALIZE_SCRIPTS = {
         _scripts.STREAM_WRITES_ACK_BATCH, _scripts.LIST_WRITES_REMOVE_BATCH,
         _scripts.LIST_COPY_REMOVE, _scripts.LIST_ZADD_REMOVE, _scripts.LIST_REMOVE,
         _scripts.LIST_DEAD_PUSH, _scripts.STREAM_WRITES, _scripts.LIST_WRITES,
-        _scripts.STREAM_COPY_ONCE, _scripts.STREAM_XADD,
+        _scripts.STREAM_COPY_ONCE, _scripts.STREAM_XADD, _scripts.STREAM_REMOVE_RECEIPT,
     )
 }
 

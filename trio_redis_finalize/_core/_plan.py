@@ -76,7 +76,10 @@ __all__ = [
     "Effect",
     "Plan",
     "Target",
+    "RECEIPTED",
+    "RECEIPT_SUFFIX",
     "attempt_of",
+    "chain_stops",
     "content_origin",
     "copy_how",
     "dead_record",
@@ -88,6 +91,7 @@ __all__ = [
     "plan_dead",
     "plan_foreign",
     "plan_lost",
+    "receipt_key",
     "removal_commands",
     "settle",
     "stream_removals",
@@ -414,12 +418,23 @@ def _stream_copy(
     return Plan(effect, ((b"EVALSHA", _COPY_ACK_SHA, 2, t.source, dest, t.group, d.id, *fields),))
 
 
-def _runtime_copy(t: Target, d: Delivery) -> Command:
-    """The command that writes a runtime ``retry_after`` copy to the stream
-    once (``_scripts.STREAM_COPY_ONCE``, with a fresh marker key)."""
-    marker = derived(t.source, f":copy:{uuid.uuid4().hex}")
+RECEIPT_SUFFIX = ":receipt:"
+"""A runtime ``retry_after``'s receipt on a stream ``s`` is
+``derived(s, RECEIPT_SUFFIX + <32 hex digits>)``, a name of its own per
+finalization (:func:`receipt_key`)."""
+
+
+def receipt_key(t: Target) -> str:
+    """A fresh receipt key for one finalization of ``t``'s stream, in its hash slot."""
+    return derived(t.source, RECEIPT_SUFFIX + uuid.uuid4().hex)
+
+
+def _runtime_copy(t: Target, d: Delivery, receipt: str) -> Command:
+    """The command that writes a runtime ``retry_after`` copy to the stream,
+    once, and only while ``receipt`` says this finalization removed the
+    original (``_scripts.STREAM_COPY_ONCE``)."""
     return _scripts.STREAM_COPY_ONCE.command(
-        (t.source, marker),
+        (t.source, receipt),
         (_scripts.COPY_MARK_TTL, t.copy_maxlen or 0, *_stream_copy_fields(d, t.group)))
 
 
@@ -672,13 +687,16 @@ def plan(t: Target, d: Delivery, outcome: Outcome) -> Plan:
                     ),
                 ),
             )
-        # runtime: acknowledge now, XADD the copy when the timer fires, once
-        # (its marker makes a resend after a lost reply write nothing more)
+        # runtime: remove now, leaving this finalization's receipt; XADD the
+        # copy when the timer fires, only while the receipt says "removed by
+        # me", once (see ``_scripts.STREAM_REMOVE_RECEIPT``)
+        receipt = receipt_key(t)
         return Plan(
             Effect.HELD,
-            _stream_remove(t, d, Effect.HELD).commands,
+            (_scripts.STREAM_REMOVE_RECEIPT.command(
+                (t.source, receipt), (t.group, d.id, copy_how(t), 0)),),
             delay=outcome.delay,
-            later=(_runtime_copy(t, d),),
+            later=(_runtime_copy(t, d, receipt),),
         )
 
     if form is Form.RELIABLE_LIST:
@@ -719,6 +737,20 @@ def xackdel_closed(reply: object) -> bool:
     return isinstance(reply, list) and bool(reply) and all(c == -1 for c in reply)
 
 
+RECEIPTED = frozenset({_scripts.STREAM_REMOVE_RECEIPT.sha})
+"""Shas of the gated scripts that read their finalization's own receipt when
+the gate is closed: their answer is exact even after an unknown outcome."""
+
+
+def chain_stops(cmd: Command, reply: object) -> bool:
+    """Whether a held runtime copy's commands end at ``cmd`` answered ``reply``
+    (the scheduler sends them in order, each once the one before succeeded):
+    a gated script answered nil -- the removal of the original was not this
+    finalization's (``STREAM_REMOVE_RECEIPT``: a shutdown sends it again with
+    the copy), or the copy's receipt is gone -- so nothing after it is sent."""
+    return reply is None and cmd[0] == b"EVALSHA"
+
+
 GATE_CLOSED = "gate_closed"
 """The effect of a gated script whose gate was closed: the original was no
 longer pending (finalized already, by this or a racing finalizer), nothing written."""
@@ -742,7 +774,10 @@ def settle(p: Plan, replies: Sequence[object], *, unsure: bool = False) -> str:
 
     ``unsure``: an earlier send of these commands had an unknown outcome (a
     lost reply, a cut connection).  A closed gate then answers that this
-    earlier send did the work: the plan's own effect is counted, once.
+    earlier send did the work: the plan's own effect is counted, once --
+    except for a script that reads its own receipt (:data:`RECEIPTED`: a
+    runtime ``retry_after``'s removal), whose closed gate means another
+    finalization removed the original, whatever was sent before.
     """
     commands = p.commands
     if len(replies) < len(commands):
@@ -753,6 +788,8 @@ def settle(p: Plan, replies: Sequence[object], *, unsure: bool = False) -> str:
             return FAILED
         if (r is None or r is False) and p.gated and cmd[0] == b"EVALSHA":
             gate_closed = True
+            if cmd[1] in RECEIPTED:  # its receipt answered for this very finalization
+                return GATE_CLOSED
         # XACKDEL first (nothing written before it) acknowledged nothing
         gate_closed = gate_closed or (i == 0 and cmd[0] == "XACKDEL" and xackdel_closed(r))
     return GATE_CLOSED if gate_closed and not unsure else p.effect._value_

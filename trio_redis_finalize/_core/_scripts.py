@@ -27,6 +27,7 @@ __all__ = [
     "LUA_XADD_CAPPED",
     "MOVE_DUE_TO_LIST",
     "MOVE_DUE_TO_STREAM",
+    "RECEIPT_HELD",
     "SERVER_TIME",
     "STREAM_BATCH_MAX",
     "STREAM_BATCH_VALUES",
@@ -34,6 +35,7 @@ __all__ = [
     "STREAM_COPY_ACK_BATCH",
     "STREAM_COPY_ACK_EX",
     "STREAM_COPY_ONCE",
+    "STREAM_REMOVE_RECEIPT",
     "STREAM_WRITES",
     "STREAM_WRITES_ACK_BATCH",
     "STREAM_XADD",
@@ -938,26 +940,73 @@ return {k, unpack(bad)}
 )
 
 
-# -- a runtime delayed copy, written once ------------------------------------------------
+# -- a runtime delayed copy: removed with a receipt, written once -------------------------
 #
-# The scheduler writes a runtime ``retry_after`` copy when its delay is over and
-# sends it again when the reply was lost: a plain XADD would then write it
-# twice (two deliveries of one message).  The copy goes through this script
-# with a marker key of its own (a fresh name per copy, in the stream's slot):
-# the first run writes the copy and keeps its id under the marker for
-# COPY_MARK_TTL; a resend meanwhile finds the marker and answers the same id,
-# writing nothing.  (Redis 8.6's ``XADD ... IDMP`` would do this natively.)
+# A runtime ``retry_after`` on a stream removes the original now and writes
+# its copy when the delay is over (the scheduler holds it meanwhile).  Two
+# finalizations of one delivery may meet (the same consumer finalizing twice,
+# a blocked consumer against the one that took its entries over), and either
+# may be sent again after an unknown outcome (lost reply, lost request,
+# timeout): the copy must exist only when *this* finalization's removal
+# removed the original.  So the removal is a gated script that leaves a
+# *receipt*, a key of that finalization's own (a fresh name per plan,
+# ``{stream}:receipt:<hex>``, in the stream's slot), and the copy is written
+# only while that receipt says "removed by me":
+#
+# * STREAM_REMOVE_RECEIPT: gate (the entry pending in the group), the
+#   writes the outcome carries, the removal, then the receipt (``r``, no
+#   expiry: a resend may come as long as the finalization is held in
+#   memory); 1.  A closed gate answers 1 when the receipt is there (an
+#   earlier send of this very finalization removed it: its reply was lost),
+#   else false (another finalization did: nothing written, no copy).
+# * STREAM_COPY_ONCE (when the delay is over): writes the copy only while
+#   the receipt holds ``r``, and turns it into the copy's id, kept
+#   COPY_MARK_TTL for a resend after a lost reply to answer that id again.
+#   Once it has expired, a resend finds no receipt and writes nothing
+#   (false): no clock can reopen the gate, it closes it.  (Redis 8.6's
+#   ``XADD ... IDMP`` would do the copy's part natively.)
 
 COPY_MARK_TTL = 600_000
-"""Milliseconds a runtime copy's marker lives: how late a resend of it is
-still recognised (the scheduler resends within seconds)."""
+"""Milliseconds a runtime copy's receipt lives once the copy is written (it
+then holds the copy's id): how late a resend of the copy still gets that id
+back; later, the resend writes nothing and answers nil."""
 
-# KEYS: stream, marker.  ARGV: marker ttl ms, cap ('0': none), field, value, ...
+RECEIPT_HELD = b"r"
+"""A receipt's value between the removal and the copy: removed by this
+finalization, its copy not written yet."""
+
+# KEYS: stream, receipt, the writes' keys (declared for Redis Cluster).
+# ARGV: group, id, how ('0', '1' or 'x', see _HOW), nw, the writes.
+# Returns 1 (removed by this finalization, now or by an earlier send of it)
+# or false (the gate closed by another finalization: nothing written).
+STREAM_REMOVE_RECEIPT = Script(
+    _HOW
+    + _WRITES_LUA
+    + """
+local group, id = ARGV[1], ARGV[2]
+local ok, p = pcall(redis.call, 'XPENDING', KEYS[1], group, id, id, 1)
+if not ok or #p == 0 then
+  if redis.call('EXISTS', KEYS[2]) == 1 then return 1 end
+  return false
+end
+"""
+    + _run_writes(4)
+    + """
+remove_one(KEYS[1], group, id, ARGV[3])
+redis.call('SET', KEYS[2], 'r')
+return 1
+""",
+    name="stream_remove_receipt",
+)
+
+# KEYS: stream, receipt.  ARGV: receipt ttl ms once written, cap ('0': none),
+# field, value, ...  Returns the copy's id, or false (no receipt: nothing written).
 STREAM_COPY_ONCE = Script(
     LUA_XADD_ANY
     + """
 local done = redis.call('GET', KEYS[2])
-if done then return done end
+if not done then return false end
+if done ~= 'r' then return done end
 local id = xadd_any(KEYS[1], ARGV[2], ARGV, 3)
 redis.call('SET', KEYS[2], id, 'PX', ARGV[1])
 return id

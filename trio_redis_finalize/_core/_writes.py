@@ -147,6 +147,9 @@ _STREAM_CELLS = {  # the stream's gated cell scripts (for a durable delay: how i
     _scripts.STREAM_ZADD_ACK.sha: "0", _scripts.STREAM_ZADD_ACK_DEL.sha: "1",
     _scripts.STREAM_ZADD_ACKDEL.sha: "x",
 }
+_REMOVE_RECEIPT = _scripts.STREAM_REMOVE_RECEIPT.sha
+_CARRIERS = (STREAM_WRITES.sha, LIST_WRITES.sha, _REMOVE_RECEIPT)
+"""The scripts that carry an outcome's writes."""
 _LIST_COPY = _scripts.LIST_COPY_REMOVE.sha
 _LIST_ZADD = _scripts.LIST_ZADD_REMOVE.sha
 
@@ -171,6 +174,11 @@ def _with_writes(t: Target, commands: tuple[Command, ...], writes: list[Arg],
         if stream and head == "XACKDEL":  # Redis 8.2: XACKDEL key group ACKED IDS 1 id
             src, group, eid = cmd[1], cmd[2], cmd[6]
             out.append(STREAM_WRITES.command((src, src, *keys), (group, eid, "ack", "x", 0, *writes)))
+        elif stream and head == b"EVALSHA" and cmd[1] == _REMOVE_RECEIPT:
+            # a runtime retry_after: the writes in its removal, before its receipt
+            src, receipt, group, eid, how = cmd[3], cmd[4], cmd[5], cmd[6], cmd[7]
+            out.append(_scripts.STREAM_REMOVE_RECEIPT.command(
+                (src, receipt, *keys), (group, eid, how, *writes)))
         elif stream and head == b"EVALSHA" and cmd[1] in _STREAM_CELLS:
             sha, src, dest, group, eid = cmd[1], cmd[3], cmd[4], cmd[5], cmd[6]
             if sha == _COPY:
@@ -198,6 +206,6 @@ def _with_writes(t: Target, commands: tuple[Command, ...], writes: list[Arg],
         else:  # a step before the removal (a copy to another Cluster slot): as it is
             out.append(cmd)
         i += 1
-    if not any(c[0] == b"EVALSHA" and c[1] in (STREAM_WRITES.sha, LIST_WRITES.sha) for c in out):
+    if not any(c[0] == b"EVALSHA" and c[1] in _CARRIERS for c in out):
         raise AckUnsupported(f"{t.name}: no step of this finalization can carry writes: {commands!r}")
     return tuple(out)
