@@ -710,20 +710,75 @@ MOVE_DUE_TO_LIST = Script(
 # Lua: the writes at ARGV[i] ..: for each, its count of values, the type its
 # key must have ('' for any), then the command (name, arguments).
 # ``wcheck(i, nw)``: an error reply naming the write and the key when a key
-# holds another type; else the index after the writes.  ``wapply(i, nw)``
+# holds another type, or a value the write would certainly be refused on
+# when run (see below); else the index after the writes.  ``wapply(i, nw)``
 # runs them.
+#
+# A write that passes the type check may still fail when run, after the
+# writes before it were applied (scripts do not roll back): those would be
+# applied again at every redelivery.  What Redis will certainly refuse is
+# refused here first, before anything is written: ``INCR``, ``DECR``,
+# ``INCRBY``, ``DECRBY`` on a value, or by an increment, that is no integer
+# as Redis reads one (digits, an optional ``-``, no leading zero: its
+# ``string2ll``), ``HINCRBY`` likewise on the field's value, and ``PFADD``
+# on a string that is not a HyperLogLog (no ``HYLL`` header).  A value is
+# judged only where no earlier write of the same outcome touched its key
+# (which could change it).  What stays unchecked (an overflow, floats, a
+# damaged HyperLogLog body) is the README's "a write refused at run time".
 _WRITES_LUA = """
+local function wnotint(v)
+  return not string.find(v, '^%-?%d+$') or string.find(v, '^%-?0.') ~= nil or v == '-0'
+end
+-- each: (index of the write, whether its key's value is as it finds it: no
+-- earlier write of the outcome touched it) -> why it would fail, or nil
+local wvalue = {
+  INCR = function(i, fresh)
+    if fresh then
+      local v = redis.call('GET', ARGV[i + 3])
+      if v and wnotint(v) then return 'the value is not an integer' end
+    end end,
+  INCRBY = function(i, fresh)
+    if wnotint(ARGV[i + 4]) then return 'the increment is not an integer' end
+    if fresh then
+      local v = redis.call('GET', ARGV[i + 3])
+      if v and wnotint(v) then return 'the value is not an integer' end
+    end end,
+  HINCRBY = function(i, fresh)
+    if wnotint(ARGV[i + 5]) then return 'the increment is not an integer' end
+    if fresh then
+      local v = redis.call('HGET', ARGV[i + 3], ARGV[i + 4])
+      if v and wnotint(v) then return 'the field ' .. ARGV[i + 4] .. ' holds no integer' end
+    end end,
+  PFADD = function(i, fresh)
+    if fresh and redis.call('EXISTS', ARGV[i + 3]) == 1 and
+       redis.call('GETRANGE', ARGV[i + 3], 0, 3) ~= 'HYLL' then
+      return 'the key holds a string that is not a HyperLogLog'
+    end end,
+}
+wvalue.DECR, wvalue.DECRBY = wvalue.INCR, wvalue.INCRBY
 local function wcheck(i, nw)
+  local touched = {}
   for w = 1, nw do
     local argc = tonumber(ARGV[i])
     local want = ARGV[i + 1]
+    local key = ARGV[i + 3]
     if want ~= '' then
-      local t = redis.call('TYPE', ARGV[i + 3])['ok']
+      local t = redis.call('TYPE', key)['ok']
       if t ~= 'none' and t ~= want then
         return nil, 'WRONGTYPE write ' .. w .. ' of the outcome (' .. ARGV[i + 2] .. ' ' ..
-          ARGV[i + 3] .. '): the key holds a ' .. t .. ', not a ' .. want .. '; nothing written'
+          key .. '): the key holds a ' .. t .. ', not a ' .. want .. '; nothing written'
+      end
+      local check = wvalue[ARGV[i + 2]]
+      if check then
+        local why = check(i, not touched[key])
+        if why then
+          return nil, 'ERR write ' .. w .. ' of the outcome (' .. ARGV[i + 2] .. ' ' .. key ..
+            ') would fail: ' .. why .. '; nothing written'
+        end
       end
     end
+    -- (every argument: a DEL names many keys; one more marked only spares a check)
+    for a = i + 3, i + 1 + argc do touched[ARGV[a]] = true end
     i = i + 2 + argc
   end
   return i
