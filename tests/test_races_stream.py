@@ -185,23 +185,23 @@ async def _race(url: str, admin: Client, race: Race, mode: str,
         handled.append(d)
         return ACK.with_writes(write("copy"))  # a copy's own finalization
 
-    async with open_race_client(url) as client:
-        async with open_consumer(client, name=NAME, shutdown_grace=1.0) as consumer:
+    async with (open_race_client(url) as client,
+                open_consumer(client, name=NAME, shutdown_grace=1.0) as consumer):
 
-            async def second() -> None:
-                if racer is not None:
-                    await racer(consumer, seen[original])
-                else:
-                    await consumer.finalize(seen[original], race.second)
+        async def second() -> None:
+            if racer is not None:
+                await racer(consumer, seen[original])
+            else:
+                await consumer.finalize(seen[original], race.second)
 
-            client.on_fire = second
-            client.arm(race.k, FaultMode.AFTER if mode == "after" else FaultMode.BEFORE)
-            await consumer.mount(StreamSubscription(S, G, block=0.05, **race.sub), handle)
-            with anyio.fail_after(10):
-                while client.fired is None:
-                    await anyio.sleep(0.02)
-            await until_settled(admin, consumer)
-            stats = consumer.stats()[SUB]
+        client.on_fire = second
+        client.arm(race.k, FaultMode.AFTER if mode == "after" else FaultMode.BEFORE)
+        await consumer.mount(StreamSubscription(S, G, block=0.05, **race.sub), handle)
+        with anyio.fail_after(10):
+            while client.fired is None:
+                await anyio.sleep(0.02)
+        await until_settled(admin, consumer)
+        stats = consumer.stats()[SUB]
     if race.sub.get("retention") is not Retention.DELETE_ON_FINALIZE:  # (else deleted once ACKed)
         assert await copies(admin, original) == len(handled)
     return len(handled), await effects(admin), stats

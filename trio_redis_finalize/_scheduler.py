@@ -53,8 +53,12 @@ class Scheduler:
       into the heap and is sent again after a backoff: a copy is never
       dropped while the consumer runs.  A final error reply (WRONGTYPE ...)
       is logged with its key and command and counted, not "released".  A
-      send whose reply was lost may be repeated, so a fault can duplicate a
-      copy, never lose it.
+      send whose reply was lost may be repeated: a stream's copy is written
+      once (its receipt, ``_scripts.STREAM_COPY_ONCE``), other forms' may be
+      duplicated by a fault, never lost.
+    * A copy's commands run in order; a gated script answered nil ends them
+      (``_plan.chain_stops``): the original was not removed by this
+      finalization (a racing one did), nothing is copied (``gate_closed``).
     * :meth:`flush` (graceful shutdown) sends every held copy at once: early
       rather than lost.  Only a crash of the process, or a server that
       refuses or does not answer until the shutdown's deadline, loses held

@@ -20,7 +20,12 @@ channel / pattern  refused     refused                refused     runtime PUBLIS
 
 Two-step cells run as one gated script (see ``_scripts``) unless the keys
 live on different Redis Cluster slots, where they become two commands in
-the listed order (duplicate, never loss).  On a stream the finalizer sends
+the listed order (duplicate, never loss).  A stream's runtime
+``retry_after`` removes the original with a gated script that leaves a
+*receipt* of that finalization (``_scripts.STREAM_REMOVE_RECEIPT``, key
+:func:`receipt_key`); its copy is written later only while the receipt says
+"removed by me", and a resend after an unknown outcome answers from it
+(:data:`RECEIPTED`).  On a stream the finalizer sends
 the gated scripts of one batch that share their keys as one batched call
 (``_batch.first_round``), settled per delivery as these plans' own.  A RETRY or ``retry_after`` at the
 last allowed attempt goes to the dead letter (or is dropped with a warning).
@@ -72,12 +77,12 @@ __all__ = [
     "DEAD_TIME",
     "FAILED",
     "GATE_CLOSED",
+    "RECEIPTED",
+    "RECEIPT_SUFFIX",
     "WHY_SUFFIX",
     "Effect",
     "Plan",
     "Target",
-    "RECEIPTED",
-    "RECEIPT_SUFFIX",
     "attempt_of",
     "chain_stops",
     "content_origin",
@@ -690,6 +695,7 @@ def plan(t: Target, d: Delivery, outcome: Outcome) -> Plan:
         # runtime: remove now, leaving this finalization's receipt; XADD the
         # copy when the timer fires, only while the receipt says "removed by
         # me", once (see ``_scripts.STREAM_REMOVE_RECEIPT``)
+        assert d.id is not None
         receipt = receipt_key(t)
         return Plan(
             Effect.HELD,

@@ -23,10 +23,17 @@ One script is one atomic step on the server, so
 * racing finalizers (a reclaimed entry, a claiming subscription): only the
   first passes the gate.
 
-A script error after a write ran (a value the command refuses: ``HINCRBY``
-on a field holding text, an overflow) leaves the writes before it applied:
-Redis scripts do not roll back.  The type check covers what can be known
-before writing; the README says the rest.
+A script error after a write ran (a value the command refuses: an
+overflow, ``HINCRBYFLOAT`` on text) leaves the writes before it applied:
+Redis scripts do not roll back.  The checks before writing cover what can be
+known there: every key's type, and the values Redis would certainly refuse
+(``INCR`` family and ``HINCRBY`` on a value or by an increment that is no
+integer, ``PFADD`` on a string that is no HyperLogLog; see
+``_scripts._WRITES_LUA``); the README says the rest.
+
+A runtime ``retry_after`` on a stream carries its writes in the removal that
+leaves its receipt (``_scripts.STREAM_REMOVE_RECEIPT``): a resend after an
+unknown outcome applies and counts them only when its own first send did.
 
 Where a plan is two ungated commands (a dead letter in another Redis Cluster
 slot: the copy, then the removal), the writes go with the removal, which
