@@ -27,7 +27,6 @@ __all__ = [
     "LUA_XADD_CAPPED",
     "MOVE_DUE_TO_LIST",
     "MOVE_DUE_TO_STREAM",
-    "RECEIPT_HELD",
     "SERVER_TIME",
     "STREAM_BATCH_MAX",
     "STREAM_BATCH_VALUES",
@@ -1025,10 +1024,6 @@ COPY_MARK_TTL = 600_000
 """Milliseconds a runtime copy's receipt lives once the copy is written (it
 then holds the copy's id): how late a resend of the copy still gets that id
 back; later, the resend writes nothing and answers nil."""
-
-RECEIPT_HELD = b"r"
-"""A receipt's value between the removal and the copy: removed by this
-finalization, its copy not written yet."""
 
 # KEYS: stream, receipt, the writes' keys (declared for Redis Cluster).
 # ARGV: group, id, how ('0', '1' or 'x', see _HOW), nw, the writes.
