@@ -47,6 +47,8 @@ from trio_redis_finalize._core._plan import (
     DEAD_REASON,
     DEAD_SOURCE,
     DEAD_TIME,
+    RECEIPT_SUFFIX,
+    RECEIPTED,
     Effect,
     Plan,
     Target,
@@ -798,3 +800,26 @@ def test_stream_retry_is_the_general_copy(
         assert got == Plan(Effect.LEFT_PENDING)
     else:
         assert got == expected
+
+
+@pytest.mark.parametrize("source", ["orders", "{app}.orders", "a}b", ""])
+def test_a_runtime_retry_after_s_receipt_is_its_own_key_in_the_stream_s_slot(source: str) -> None:
+    """Every runtime ``retry_after`` finalization gets a receipt key of its
+    own (two plans of one delivery never share one: a racing finalization
+    cannot read the other's), in the source's hash slot (one script holds
+    both); its removal and its copy name the same one."""
+    t = StreamSubscription(source, "g").target("c1") if source else dataclasses.replace(
+        StreamSubscription("x", "g").target("c1"), source="")
+    d = Delivery(source=source, id="1-0", fields={b"k": b"v"}, data=None, attempt=1,
+                 origin_id="1-0")
+    receipts = set()
+    for _ in range(3):
+        p = plan(t, d, retry_after(1.0))
+        (removal,) = p.commands
+        (copy,) = p.later
+        assert removal[1] == _scripts.STREAM_REMOVE_RECEIPT.sha
+        assert copy[1] == _scripts.STREAM_COPY_ONCE.sha and copy[4] == removal[4]
+        assert RECEIPT_SUFFIX.strip(":") in removal[4] and same_slot(source, removal[4])
+        receipts.add(removal[4])
+        assert {removal[1]} == RECEIPTED
+    assert len(receipts) == 3
