@@ -715,8 +715,10 @@ MOVE_DUE_TO_LIST = Script(
 #
 # A write that passes the type check may still fail when run, after the
 # writes before it were applied (scripts do not roll back): those would be
-# applied again at every redelivery.  What Redis will certainly refuse is
-# refused here first, before anything is written: ``INCR``, ``DECR``,
+# applied again at every redelivery.  So for every write after the first
+# (the first failing applies nothing: no check, no cost for the common
+# outcome of one write), what Redis will certainly refuse is refused here
+# first, before anything is written: ``INCR``, ``DECR``,
 # ``INCRBY``, ``DECRBY`` on a value, or by an increment, that is no integer
 # as Redis reads one (digits, an optional ``-``, no leading zero: its
 # ``string2ll``), ``HINCRBY`` likewise on the field's value, and ``PFADD``
@@ -756,7 +758,7 @@ local wvalue = {
 }
 wvalue.DECR, wvalue.DECRBY = wvalue.INCR, wvalue.INCRBY
 local function wcheck(i, nw)
-  local touched = {}
+  local touched = nw > 1 and {} or nil
   for w = 1, nw do
     local argc = tonumber(ARGV[i])
     local want = ARGV[i + 1]
@@ -767,7 +769,7 @@ local function wcheck(i, nw)
         return nil, 'WRONGTYPE write ' .. w .. ' of the outcome (' .. ARGV[i + 2] .. ' ' ..
           key .. '): the key holds a ' .. t .. ', not a ' .. want .. '; nothing written'
       end
-      local check = wvalue[ARGV[i + 2]]
+      local check = w > 1 and wvalue[ARGV[i + 2]]
       if check then
         local why = check(i, not touched[key])
         if why then
@@ -777,7 +779,9 @@ local function wcheck(i, nw)
       end
     end
     -- (every argument: a DEL names many keys; one more marked only spares a check)
-    for a = i + 3, i + 1 + argc do touched[ARGV[a]] = true end
+    if touched then
+      for a = i + 3, i + 1 + argc do touched[ARGV[a]] = true end
+    end
     i = i + 2 + argc
   end
   return i
