@@ -727,43 +727,51 @@ MOVE_DUE_TO_LIST = Script(
 # (which could change it).  What stays unchecked (an overflow, floats, a
 # damaged HyperLogLog body) is the README's "a write refused at run time".
 _WRITES_LUA = """
-local function wnotint(v)
-  return not string.find(v, '^%-?%d+$') or string.find(v, '^%-?0.') ~= nil or v == '-0'
+local wvalue
+local function wchecks()
+  local function wnotint(v)
+    return not string.find(v, '^%-?%d+$') or string.find(v, '^%-?0.') ~= nil or v == '-0'
+  end
+  -- each: (index of the write, whether its key's value is as it finds it: no
+  -- earlier write of the outcome touched it) -> why it would fail, or nil
+  local t = {
+    INCR = function(i, fresh)
+      if fresh then
+        local v = redis.call('GET', ARGV[i + 3])
+        if v and wnotint(v) then return 'the value is not an integer' end
+      end end,
+    INCRBY = function(i, fresh)
+      if wnotint(ARGV[i + 4]) then return 'the increment is not an integer' end
+      if fresh then
+        local v = redis.call('GET', ARGV[i + 3])
+        if v and wnotint(v) then return 'the value is not an integer' end
+      end end,
+    HINCRBY = function(i, fresh)
+      if wnotint(ARGV[i + 5]) then return 'the increment is not an integer' end
+      if fresh then
+        local v = redis.call('HGET', ARGV[i + 3], ARGV[i + 4])
+        if v and wnotint(v) then return 'the field ' .. ARGV[i + 4] .. ' holds no integer' end
+      end end,
+    PFADD = function(i, fresh)
+      if fresh and redis.call('EXISTS', ARGV[i + 3]) == 1 and
+         redis.call('GETRANGE', ARGV[i + 3], 0, 3) ~= 'HYLL' then
+        return 'the key holds a string that is not a HyperLogLog'
+      end end,
+  }
+  t.DECR, t.DECRBY = t.INCR, t.INCRBY
+  return t
 end
--- each: (index of the write, whether its key's value is as it finds it: no
--- earlier write of the outcome touched it) -> why it would fail, or nil
-local wvalue = {
-  INCR = function(i, fresh)
-    if fresh then
-      local v = redis.call('GET', ARGV[i + 3])
-      if v and wnotint(v) then return 'the value is not an integer' end
-    end end,
-  INCRBY = function(i, fresh)
-    if wnotint(ARGV[i + 4]) then return 'the increment is not an integer' end
-    if fresh then
-      local v = redis.call('GET', ARGV[i + 3])
-      if v and wnotint(v) then return 'the value is not an integer' end
-    end end,
-  HINCRBY = function(i, fresh)
-    if wnotint(ARGV[i + 5]) then return 'the increment is not an integer' end
-    if fresh then
-      local v = redis.call('HGET', ARGV[i + 3], ARGV[i + 4])
-      if v and wnotint(v) then return 'the field ' .. ARGV[i + 4] .. ' holds no integer' end
-    end end,
-  PFADD = function(i, fresh)
-    if fresh and redis.call('EXISTS', ARGV[i + 3]) == 1 and
-       redis.call('GETRANGE', ARGV[i + 3], 0, 3) ~= 'HYLL' then
-      return 'the key holds a string that is not a HyperLogLog'
-    end end,
-}
-wvalue.DECR, wvalue.DECRBY = wvalue.INCR, wvalue.INCRBY
 local function wcheck(i, nw)
-  local touched = nw > 1 and {} or nil
+  local touched
+  if nw > 1 then
+    touched = {}
+    wvalue = wvalue or wchecks()
+  end
   for w = 1, nw do
     local argc = tonumber(ARGV[i])
     local want = ARGV[i + 1]
-    local key = ARGV[i + 3]
     if want ~= '' then
+      local key = ARGV[i + 3]
       local t = redis.call('TYPE', key)['ok']
       if t ~= 'none' and t ~= want then
         return nil, 'WRONGTYPE write ' .. w .. ' of the outcome (' .. ARGV[i + 2] .. ' ' ..
