@@ -198,7 +198,8 @@ DURABLE = {"delayed_retry": DelayedRetry.DURABLE_ZSET}
 WORKLOADS = [
     Workload("stream-plain", "stream",
              ("TYPE", "XGROUP CREATE", "XINFO GROUPS", "XPENDING", "XCLAIM", "XREADGROUP>", "XACK",
-              "EVALSHA:stream_copy_ack", "EVALSHA:stream_copy_once"),
+              "EVALSHA:stream_copy_ack", "EVALSHA:stream_remove_receipt",
+              "EVALSHA:stream_copy_once"),
              _stream(), seed="own", dead_letter=S_DEAD),
     # the heartbeat, the registry, the reaper (a registered dead consumer's
     # entry taken over, the consumer deleted), the hand-back at shutdown
@@ -237,7 +238,8 @@ WORKLOADS = [
              plans=("retry", "retry", "dead", "dead"), concurrency=1, dead_letter=S_DEAD),
     # exactly-once effects: the finalizations carry a write, each message's counted once
     Workload("stream-writes", "stream",
-             ("EVALSHA:stream_writes", "EVALSHA:stream_copy_once", "XREADGROUP>"),
+             ("EVALSHA:stream_writes", "EVALSHA:stream_remove_receipt", "EVALSHA:stream_copy_once",
+              "XREADGROUP>"),
              _stream(), seed="own", dead_letter=S_DEAD, writes=True),
     Workload("stream-delete-writes", "stream", ("EVALSHA:stream_writes",),
              _stream(retention=Retention.DELETE_ON_FINALIZE, **DURABLE), dead_letter=S_DEAD,

@@ -25,6 +25,7 @@ from trio_redis_finalize import (
     ListSubscription,
     Outcome,
     ReliableListSubscription,
+    Retention,
     StreamSubscription,
     retry_after,
 )
@@ -32,7 +33,15 @@ from trio_redis_finalize._core import _scripts
 from trio_redis_finalize._core._batch import batch_singles, is_batched
 from trio_redis_finalize._core._commands import describe
 from trio_redis_finalize._core._finalize import GO, FinalizeBatch, FinalizerCore, Item
-from trio_redis_finalize._core._plan import FAILED, GATE_CLOSED, Effect, Plan, Target, plan_lost
+from trio_redis_finalize._core._plan import (
+    FAILED,
+    GATE_CLOSED,
+    Effect,
+    Plan,
+    Target,
+    chain_stops,
+    plan_lost,
+)
 from trio_redis_finalize._core._replies import NotRunError
 from trio_redis_finalize._subscription import DelayedRetry, Mode
 
@@ -576,13 +585,76 @@ def test_two_step_copy_lost_sends_only_the_copy_again() -> None:
 
 def test_runtime_retry_after_hands_its_copy_to_the_scheduler_once_removed() -> None:
     b = core(stream()).batch([(entry(1), retry_after(2.5))])
-    (xack,) = b.commands()
-    assert xack == ("XACK", "orders", "billing", "1-0")
+    (removal,) = b.commands()
+    # its gated removal leaves a receipt; the copy is gated on the same receipt
+    assert removal[:3] == (b"EVALSHA", _scripts.STREAM_REMOVE_RECEIPT.sha, 2)
+    receipt = removal[4]
+    assert removal[3] == "orders" and receipt.startswith("{orders}:receipt:")
+    assert removal[5:] == ("billing", "1-0", "0", 0)
     assert b.receive([1]) is GO
     s = b.result()
     assert s.effects == {"held": 1}
     [(delay, later)] = s.later
     assert delay == 2.5 and later[0][:2] == (b"EVALSHA", _scripts.STREAM_COPY_ONCE.sha)
+    assert later[0][3:5] == ("orders", receipt)
+
+
+def test_runtime_retry_after_after_a_closed_gate_holds_no_copy() -> None:
+    """Issue 33, point 1: the delivery was finalized already (ACKed with
+    writes, or taken over and ACKed by another consumer): its removal finds
+    the gate closed and no receipt of its own -- no copy, counted gate_closed."""
+    b = core(stream()).batch([(entry(1), retry_after(0.1))])
+    b.commands()
+    assert b.receive([None]) is GO
+    s = b.result()
+    assert s.effects == {GATE_CLOSED: 1} and s.later == []
+    assert [e for _, e in s.deliveries()] == [GATE_CLOSED]
+
+
+def test_runtime_retry_after_resent_after_an_unknown_outcome_acts_on_its_receipt() -> None:
+    """Issue 33, point 2: sent again after a lost reply or a lost request, the
+    removal answers from its own receipt: 1 (the first send removed it: the
+    copy is held, the writes counted once) or nil (another finalization did:
+    no copy, no writes counted) -- never "a closed gate is my success"."""
+    out = retry_after(0.2).with_writes(("HINCRBY", "{orders}:n", "a", 1))
+    for answer, effects, copies in (
+        (1, {"held": 1, "writes": 1}, 1),
+        (None, {GATE_CLOSED: 1}, 0),
+    ):
+        b = core(stream()).batch([(entry(1), out)])
+        (first,) = b.commands()
+        assert first[1] == _scripts.STREAM_REMOVE_RECEIPT.sha
+        assert b.failed(LOST).pause == 1
+        (again,) = b.commands()
+        assert again == first  # the same receipt: the same finalization
+        b.receive([answer])
+        s = b.result()
+        assert s.effects == effects and len(s.later) == copies
+
+
+def test_runtime_retry_after_with_writes_carries_them_in_its_receipt_removal() -> None:
+    out = retry_after(0.2).with_writes(("HINCRBY", "{orders}:n", "a", 1))
+    for t, how in ((stream(), "0"), (stream(retention=Retention.DELETE_ON_FINALIZE), "1")):
+        b = core(t).batch([(entry(1), out)])
+        (cmd,) = b.commands()
+        assert cmd[:6] == (b"EVALSHA", _scripts.STREAM_REMOVE_RECEIPT.sha, 3, "orders",
+                           cmd[4], "{orders}:n")
+        assert cmd[6:] == ("billing", "1-0", how, 1, 4, "hash", "HINCRBY", "{orders}:n", "a", "1")
+        b.receive([1])
+        s = b.result()
+        assert s.effects == {"held": 1, "writes": 1}
+        assert s.later[0][1][0][4] == cmd[4]  # the copy is gated on that receipt
+
+
+def test_chain_of_a_held_copy_stops_at_a_gated_nil() -> None:
+    """A held copy's commands (a shutdown: the removal again, then the copy)
+    end at a gated script answered nil: nothing after it is sent."""
+    b = core(stream()).batch([(entry(1), retry_after(2.5))])
+    b.failed(LOST)
+    [(_, (removal, copy))] = b.cancelled()
+    assert chain_stops(removal, None) and chain_stops(copy, None)
+    assert not chain_stops(removal, 1) and not chain_stops(copy, b"9-0")
+    assert not chain_stops(("LPUSH", "q", b"x"), 1)
 
 
 def test_runtime_retry_after_whose_removal_failed_holds_nothing() -> None:
@@ -596,10 +668,13 @@ def test_cancelled_hands_over_every_runtime_copy() -> None:
     b = core(stream()).batch([(entry(1), retry_after(2.5)), (entry(2), ACK), (entry(3), RETRY)])
     b.failed(LOST)
     [(delay, later)] = b.cancelled()
-    # its XACK first again (it may never have been sent: the original must not
-    # come back beside its copy), then the copy
-    assert delay == 2.5 and later[0] == ("XACK", "orders", "billing", entry(1).id)
+    # its gated removal first again (it may never have been sent: the original
+    # must not come back beside its copy; its receipt tells whether it was
+    # this finalization's), then the copy
+    assert delay == 2.5 and later[0][:2] == (b"EVALSHA", _scripts.STREAM_REMOVE_RECEIPT.sha)
+    assert later[0][5:7] == ("billing", entry(1).id)
     assert later[1][:2] == (b"EVALSHA", _scripts.STREAM_COPY_ONCE.sha) and len(later) == 2
+    assert later[1][4] == later[0][4]  # one receipt
 
 
 def test_list_runtime_retry_after_sends_nothing_now() -> None:
@@ -1261,22 +1336,22 @@ def test_native_hot_path_refused_fails_every_removal() -> None:
 
 
 def test_native_plan_xackdel_answered_minus_one_is_a_closed_gate() -> None:
-    """A plan's own XACKDEL (an entry lost before handling, a runtime
-    retry_after's removal) answered -1: nothing was pending -- gate_closed,
-    and the runtime copy is not handed to the scheduler; sent again after a
-    lost reply, the same answer counts as planned and the copy goes out."""
+    """A plan's own XACKDEL (an entry lost before handling) answered -1:
+    nothing was pending -- gate_closed.  A runtime retry_after removes with
+    its receipt script (XACKDEL inside, ``how`` x): a nil is a closed gate
+    whether or not an earlier send's outcome was unknown."""
     t = native()
     b = core(t).batch([(entry(1), retry_after(5.0))])
     [cmd] = b.commands()
-    assert cmd == ("XACKDEL", "orders", "billing", "ACKED", "IDS", 1, "1-0")
-    b.receive([[-1]])
+    assert cmd[1] == _scripts.STREAM_REMOVE_RECEIPT.sha and cmd[5:] == ("billing", "1-0", "x", 0)
+    b.receive([None])
     s = b.result()
     assert s.effects == {GATE_CLOSED: 1} and s.later == []
     b = core(t).batch([(entry(1), retry_after(5.0))])
     b.failed(rexc.TimeoutError("no reply"))
-    b.receive([[-1]])
+    b.receive([None])
     s = b.result()
-    assert s.effects == {"held": 1} and len(s.later) == 1
+    assert s.effects == {GATE_CLOSED: 1} and s.later == []
     b = core(t).batch([(entry(2), plan_lost(t, entry(2)))])
     b.receive([[1]])
     assert b.result().effects == {"lost_before_handling": 1}

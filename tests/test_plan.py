@@ -50,6 +50,8 @@ from trio_redis_finalize._core._plan import (
     DEAD_REASON,
     DEAD_SOURCE,
     DEAD_TIME,
+    RECEIPT_SUFFIX,
+    RECEIPTED,
     Effect,
     Plan,
     Target,
@@ -182,7 +184,7 @@ SCRIPT_NAMES: dict[Any, str] = {
     s.sha: s.name for s in (
         _scripts.STREAM_COPY_ACK, _scripts.STREAM_ZADD_ACK, _scripts.LIST_COPY_REMOVE,
         _scripts.LIST_DEAD_PUSH, _scripts.LIST_ZADD_REMOVE, _scripts.MOVE_DUE_TO_STREAM,
-        _scripts.MOVE_DUE_TO_LIST, _scripts.STREAM_XADD,
+        _scripts.MOVE_DUE_TO_LIST, _scripts.STREAM_XADD, _scripts.STREAM_REMOVE_RECEIPT,
     )
 }
 
@@ -295,7 +297,6 @@ def check_cell(f: Form_, t: Target, d: Delivery, outcome: Outcome) -> None:
         assert p.delay is None and p.later == ()
     assert p.warning is None
     if f.kind == "stream":
-        xack = [("XACK", STREAM)]
         if kind is OutcomeKind.ACK or kind is OutcomeKind.DROP:
             assert p.effect is (Effect.ACKED if kind is OutcomeKind.ACK else Effect.DROPPED)
             assert p.commands == (("XACK", STREAM, GROUP, d.id),)
@@ -323,17 +324,22 @@ def check_cell(f: Form_, t: Target, d: Delivery, outcome: Outcome) -> None:
             check_stream_copy(check_member(args[3]), d, next_retries)
         else:
             assert p.effect is Effect.HELD
-            assert shape(p) == xack
-            assert p.commands == (("XACK", STREAM, GROUP, d.id),)
+            # the removal: gated, leaving this finalization's receipt (a key of
+            # its own, in the stream's slot), never the bare XACK
+            (removal,) = p.commands
+            sha, keys, args = evalsha(removal)
+            assert sha == _scripts.STREAM_REMOVE_RECEIPT.sha and keys[0] == STREAM
+            receipt = keys[1]
+            assert receipt.startswith("{orders}:receipt:") and same_slot(STREAM, receipt)
+            assert args == [GROUP, d.id, "0", 0]  # XACK, no writes
             assert p.delay == outcome.delay
-            # the later copy: written once (a marker of its own, in the stream's slot)
+            # the later copy: written once, only while the same receipt is there
             (later,) = p.later
             sha, keys, args = evalsha(later)
-            assert sha == _scripts.STREAM_COPY_ONCE.sha and keys[0] == STREAM
-            assert keys[1].startswith("{orders}:copy:") and same_slot(keys[0], keys[1])
+            assert sha == _scripts.STREAM_COPY_ONCE.sha and keys == [STREAM, receipt]
             assert args[:2] == [_scripts.COPY_MARK_TTL, 0]
             check_stream_copy(args[2:], d, next_retries)
-            assert p.gated  # safe to send again: the marker answers a resend
+            assert p.gated  # safe to send again: the receipt answers a resend
         return
 
     if f.kind == "rlist":
@@ -881,3 +887,25 @@ def test_reject_values() -> None:
     assert issubclass(Rejected, Exception) and str(Rejected("why")) == "why"
     w = reject("bad").with_writes(("SET", "k", "v"))
     assert w.reason == "bad" and repr(w).startswith("reject('bad').with_writes(")
+
+@pytest.mark.parametrize("source", ["orders", "{app}.orders", "a}b", ""])
+def test_a_runtime_retry_after_s_receipt_is_its_own_key_in_the_stream_s_slot(source: str) -> None:
+    """Every runtime ``retry_after`` finalization gets a receipt key of its
+    own (two plans of one delivery never share one: a racing finalization
+    cannot read the other's), in the source's hash slot (one script holds
+    both); its removal and its copy name the same one."""
+    t = StreamSubscription(source, "g").target("c1") if source else dataclasses.replace(
+        StreamSubscription("x", "g").target("c1"), source="")
+    d = Delivery(source=source, id="1-0", fields={b"k": b"v"}, data=None, attempt=1,
+                 origin_id="1-0")
+    receipts = set()
+    for _ in range(3):
+        p = plan(t, d, retry_after(1.0))
+        (removal,) = p.commands
+        (copy,) = p.later
+        assert removal[1] == _scripts.STREAM_REMOVE_RECEIPT.sha
+        assert copy[1] == _scripts.STREAM_COPY_ONCE.sha and copy[4] == removal[4]
+        assert RECEIPT_SUFFIX.strip(":") in removal[4] and same_slot(source, removal[4])
+        receipts.add(removal[4])
+        assert {removal[1]} == RECEIPTED
+    assert len(receipts) == 3

@@ -75,6 +75,7 @@ from trio_redis_finalize._core._scripts import (
     LIST_ZADD_REMOVE,
     STREAM_COPY_ACK,
     STREAM_COPY_ONCE,
+    STREAM_REMOVE_RECEIPT,
     STREAM_ZADD_ACK,
 )
 from trio_redis_finalize._envelope import unpack_parts
@@ -422,7 +423,8 @@ class StreamMachine(Base):
         self.pending: dict[str, tuple[str, int, str, int]] = {}  # id -> consumer, count, origin, retries
         self.delayed: Counter[tuple[str, int]] = Counter()
         self.dead: Counter[str] = Counter()
-        self.copy_marks: set[str] = set()  # runtime copies' markers (written once)
+        self.copy_marks: set[str] = set()  # runtime copies' receipts, once copied (written once)
+        self.receipts: set[str] = set()  # runtime retry_afters' receipts: removed by that one
         self.readers = {c: StreamReader(_stream_sub(DelayedRetry.DURABLE_ZSET)) for c in CONSUMERS}
         super().__init__()
 
@@ -467,10 +469,17 @@ class StreamMachine(Base):
                 self.apply(single)
         elif name == "EVALSHA" and cmd[1] == STREAM_COPY_ONCE.sha:
             # a runtime copy, written once: its marker makes a resend write nothing
+            # (only while its receipt says its removal removed the original)
             keys, argv = [_s(k) for k in cmd[3:5]], list(cmd[5:])
-            if keys[1] not in self.copy_marks:
+            if keys[1] in self.receipts and keys[1] not in self.copy_marks:
                 self.copy_marks.add(keys[1])
                 self._add(keys[0], _pairs(argv[2:]))
+        elif name == "EVALSHA" and cmd[1] == STREAM_REMOVE_RECEIPT.sha:
+            # a runtime retry_after's removal: gated, leaves its receipt
+            receipt, eid = _s(cmd[4]), _s(cmd[6])
+            if eid in self.pending:
+                del self.pending[eid]
+                self.receipts.add(receipt)
         elif name == "EVALSHA":
             n = int(cmd[2])
             keys, argv = [_s(k) for k in cmd[3:3 + n]], list(cmd[3 + n:])

@@ -46,7 +46,7 @@ from typing import Any
 import anyio
 from redis import exceptions as rexc
 
-from ._core import _scripts
+from ._core import _reliable, _scripts
 from ._transport import Client, Command, Connection, parse_url, with_context
 
 __all__ = ["Crash", "FaultClient", "FaultMode", "is_finalization", "open_fault_client"]
@@ -70,7 +70,8 @@ _FINALIZE_SCRIPTS = {
         _scripts.STREAM_WRITES_ACK_BATCH, _scripts.LIST_WRITES_REMOVE_BATCH,
         _scripts.LIST_COPY_REMOVE, _scripts.LIST_ZADD_REMOVE, _scripts.LIST_REMOVE,
         _scripts.LIST_DEAD_PUSH, _scripts.STREAM_WRITES, _scripts.LIST_WRITES,
-        _scripts.STREAM_COPY_ONCE, _scripts.STREAM_XADD,
+        _scripts.STREAM_COPY_ONCE, _scripts.STREAM_XADD, _scripts.STREAM_REMOVE_RECEIPT,
+        _reliable.DELAYED_COPY,
     )
 }
 

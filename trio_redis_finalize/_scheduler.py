@@ -11,8 +11,8 @@ from anyio.abc import TaskStatus
 from redis import exceptions as rexc
 
 from ._context import FINALIZE_TIMEOUT, backoff, describe_error, log
-from ._core._commands import Command
-from ._core._plan import FAILED, GATE_CLOSED
+from ._core._commands import Command, describe
+from ._core._plan import FAILED, GATE_CLOSED, chain_stops
 from ._core._replies import FINAL, classify
 from ._core._writes import WRITES
 from ._shutdown import cleanup
@@ -74,8 +74,12 @@ class Scheduler:
       into the heap and is sent again after a backoff: a copy is never
       dropped while the consumer runs.  A final error reply (WRONGTYPE ...)
       is logged with its key and command and counted, not "released".  A
-      send whose reply was lost may be repeated, so a fault can duplicate a
-      copy, never lose it.
+      send whose reply was lost may be repeated: a stream's copy is written
+      once (its receipt, ``_scripts.STREAM_COPY_ONCE``), other forms' may be
+      duplicated by a fault, never lost.
+    * A copy's commands run in order; a gated script answered nil ends them
+      (``_plan.chain_stops``): the original was not removed by this
+      finalization (a racing one did), nothing is copied (``gate_closed``).
     * :meth:`flush` (graceful shutdown) sends every held copy at once: early
       rather than lost.  Only a crash of the process, or a server that
       refuses or does not answer until the shutdown's deadline, loses held
@@ -309,7 +313,7 @@ class Scheduler:
     ) -> None:
         """The round trips of :meth:`_send`.  ``live`` (updated in place) is
         what is on its way: each entry's commands from its unconfirmed one on."""
-        gate_closed: set[int] = set()
+        gate_closed: set[int] = set()  # reliable lists' delayed copies (later_gates)
         while live:
             commands: list[Command] = []
             for i in live:
@@ -351,13 +355,20 @@ class Scheduler:
                         gate_closed.add(i)
                     elif settled[1]:
                         mount.stats.effects[WRITES] += settled[1]
-                elif r is None and cmd[0] == b"EVALSHA":
-                    gate_closed.add(i)  # the original is gone: nothing copied
+                elif chain_stops(cmd, r):
+                    # the original was not removed by this finalization (or its
+                    # copy's receipt is gone): nothing copied, nothing more sent
+                    mount.stats.effects[GATE_CLOSED] += 1
+                    log.info("%s: a held delayed copy was not written: its gated step found "
+                             "the original finalized by another finalization (or the copy "
+                             "written by an earlier send): %s", mount.name,
+                             describe(cmd), extra={"subscription": mount.name})
+                    continue
                 cmds.pop(0)
                 if cmds:
                     step.append(i)
                 else:
-                    mount.stats.effects[GATE_CLOSED if i in gate_closed else "released"] += 1
+                    mount.stats.effects["released"] += 1
             if deferred is not None:
                 log.warning("sending delayed copies deferred by the server (%s); sending "
                             "them again", deferred)

@@ -540,9 +540,12 @@ class FinalizeBatch:
         ``retry_after``'s removal may have been applied, so its copy must
         still go out -- every plan's ``(delay, removal + later)``.
 
-        The removal (idempotent: ``XACK``, ``XDEL``) goes first again, so the
-        original cannot come back beside its copy (the removal may never have
-        been sent): one line of descent, no duplicate; should the removal
+        The removal goes first again, so the original cannot come back beside
+        its copy (the removal may never have been sent): on a stream it is
+        the gated script that answers from this finalization's own receipt
+        (``STREAM_REMOVE_RECEIPT``), so the copy follows only when this
+        finalization removed the original -- a racing finalization that got
+        there first closes it (``_plan.chain_stops``); should the removal
         fail, the copy is not sent either and the original stays pending."""
         return [(p.delay, (*p.commands, *p.later))
                 for _, p in self._plans if p.delay is not None and p.later]

@@ -25,7 +25,12 @@ REJECT (``reject(reason)``) is the dead letter now, at any attempt
 
 Two-step cells run as one gated script (see ``_scripts``) unless the keys
 live on different Redis Cluster slots, where they become two commands in
-the listed order (duplicate, never loss).  On a stream the finalizer sends
+the listed order (duplicate, never loss).  A stream's runtime
+``retry_after`` removes the original with a gated script that leaves a
+*receipt* of that finalization (``_scripts.STREAM_REMOVE_RECEIPT``, key
+:func:`receipt_key`); its copy is written later only while the receipt says
+"removed by me", and a resend after an unknown outcome answers from it
+(:data:`RECEIPTED`).  On a stream the finalizer sends
 the gated scripts of one batch that share their keys as one batched call
 (``_batch.first_round``), settled per delivery as these plans' own.  A RETRY or ``retry_after`` at the
 last allowed attempt goes to the dead letter (or is dropped with a warning).
@@ -77,11 +82,14 @@ __all__ = [
     "DEAD_TIME",
     "FAILED",
     "GATE_CLOSED",
+    "RECEIPTED",
+    "RECEIPT_SUFFIX",
     "WHY_SUFFIX",
     "Effect",
     "Plan",
     "Target",
     "attempt_of",
+    "chain_stops",
     "content_origin",
     "copy_how",
     "dead_record",
@@ -94,6 +102,7 @@ __all__ = [
     "plan_foreign",
     "plan_lost",
     "plan_reject",
+    "receipt_key",
     "reject_reason",
     "removal_commands",
     "settle",
@@ -422,12 +431,23 @@ def _stream_copy(
     return Plan(effect, ((b"EVALSHA", _COPY_ACK_SHA, 2, t.source, dest, t.group, d.id, *fields),))
 
 
-def _runtime_copy(t: Target, d: Delivery) -> Command:
-    """The command that writes a runtime ``retry_after`` copy to the stream
-    once (``_scripts.STREAM_COPY_ONCE``, with a fresh marker key)."""
-    marker = derived(t.source, f":copy:{uuid.uuid4().hex}")
+RECEIPT_SUFFIX = ":receipt:"
+"""A runtime ``retry_after``'s receipt on a stream ``s`` is
+``derived(s, RECEIPT_SUFFIX + <32 hex digits>)``, a name of its own per
+finalization (:func:`receipt_key`)."""
+
+
+def receipt_key(t: Target) -> str:
+    """A fresh receipt key for one finalization of ``t``'s stream, in its hash slot."""
+    return derived(t.source, RECEIPT_SUFFIX + uuid.uuid4().hex)
+
+
+def _runtime_copy(t: Target, d: Delivery, receipt: str) -> Command:
+    """The command that writes a runtime ``retry_after`` copy to the stream,
+    once, and only while ``receipt`` says this finalization removed the
+    original (``_scripts.STREAM_COPY_ONCE``)."""
     return _scripts.STREAM_COPY_ONCE.command(
-        (t.source, marker),
+        (t.source, receipt),
         (_scripts.COPY_MARK_TTL, t.copy_maxlen or 0, *_stream_copy_fields(d, t.group)))
 
 
@@ -704,13 +724,17 @@ def plan(t: Target, d: Delivery, outcome: Outcome) -> Plan:
                     ),
                 ),
             )
-        # runtime: acknowledge now, XADD the copy when the timer fires, once
-        # (its marker makes a resend after a lost reply write nothing more)
+        # runtime: remove now, leaving this finalization's receipt; XADD the
+        # copy when the timer fires, only while the receipt says "removed by
+        # me", once (see ``_scripts.STREAM_REMOVE_RECEIPT``)
+        assert d.id is not None
+        receipt = receipt_key(t)
         return Plan(
             Effect.HELD,
-            _stream_remove(t, d, Effect.HELD).commands,
+            (_scripts.STREAM_REMOVE_RECEIPT.command(
+                (t.source, receipt), (t.group, d.id, copy_how(t), 0)),),
             delay=outcome.delay,
-            later=(_runtime_copy(t, d),),
+            later=(_runtime_copy(t, d, receipt),),
         )
 
     if form is Form.RELIABLE_LIST:
@@ -751,6 +775,20 @@ def xackdel_closed(reply: object) -> bool:
     return isinstance(reply, list) and bool(reply) and all(c == -1 for c in reply)
 
 
+RECEIPTED = frozenset({_scripts.STREAM_REMOVE_RECEIPT.sha})
+"""Shas of the gated scripts that read their finalization's own receipt when
+the gate is closed: their answer is exact even after an unknown outcome."""
+
+
+def chain_stops(cmd: Command, reply: object) -> bool:
+    """Whether a held runtime copy's commands end at ``cmd`` answered ``reply``
+    (the scheduler sends them in order, each once the one before succeeded):
+    a gated script answered nil -- the removal of the original was not this
+    finalization's (``STREAM_REMOVE_RECEIPT``: a shutdown sends it again with
+    the copy), or the copy's receipt is gone -- so nothing after it is sent."""
+    return reply is None and cmd[0] == b"EVALSHA"
+
+
 GATE_CLOSED = "gate_closed"
 """The effect of a gated script whose gate was closed: the original was no
 longer pending (finalized already, by this or a racing finalizer), nothing written."""
@@ -774,7 +812,10 @@ def settle(p: Plan, replies: Sequence[object], *, unsure: bool = False) -> str:
 
     ``unsure``: an earlier send of these commands had an unknown outcome (a
     lost reply, a cut connection).  A closed gate then answers that this
-    earlier send did the work: the plan's own effect is counted, once.
+    earlier send did the work: the plan's own effect is counted, once --
+    except for a script that reads its own receipt (:data:`RECEIPTED`: a
+    runtime ``retry_after``'s removal), whose closed gate means another
+    finalization removed the original, whatever was sent before.
     """
     commands = p.commands
     if len(replies) < len(commands):
@@ -785,6 +826,8 @@ def settle(p: Plan, replies: Sequence[object], *, unsure: bool = False) -> str:
             return FAILED
         if (r is None or r is False) and p.gated and cmd[0] == b"EVALSHA":
             gate_closed = True
+            if cmd[1] in RECEIPTED:  # its receipt answered for this very finalization
+                return GATE_CLOSED
         # XACKDEL first (nothing written before it) acknowledged nothing
         gate_closed = gate_closed or (i == 0 and cmd[0] == "XACKDEL" and xackdel_closed(r))
     return GATE_CLOSED if gate_closed and not unsure else p.effect._value_

@@ -34,6 +34,7 @@ __all__ = [
     "STREAM_COPY_ACK_BATCH",
     "STREAM_COPY_ACK_EX",
     "STREAM_COPY_ONCE",
+    "STREAM_REMOVE_RECEIPT",
     "STREAM_WRITES",
     "STREAM_WRITES_ACK_BATCH",
     "STREAM_XADD",
@@ -708,19 +709,86 @@ MOVE_DUE_TO_LIST = Script(
 # Lua: the writes at ARGV[i] ..: for each, its count of values, the type its
 # key must have ('' for any), then the command (name, arguments).
 # ``wcheck(i, nw)``: an error reply naming the write and the key when a key
-# holds another type; else the index after the writes.  ``wapply(i, nw)``
+# holds another type, or a value the write would certainly be refused on
+# when run (see below); else the index after the writes.  ``wapply(i, nw)``
 # runs them.
+#
+# A write that passes the type check may still fail when run, after the
+# writes before it were applied (scripts do not roll back): those would be
+# applied again at every redelivery.  So for every write after the first
+# (the first failing applies nothing: no check, no cost for the common
+# outcome of one write), what Redis will certainly refuse is refused here
+# first, before anything is written: ``INCR``, ``DECR``,
+# ``INCRBY``, ``DECRBY`` on a value, or by an increment, that is no integer
+# as Redis reads one (digits, an optional ``-``, no leading zero: its
+# ``string2ll``), ``HINCRBY`` likewise on the field's value, and ``PFADD``
+# on a string that is not a HyperLogLog (no ``HYLL`` header).  A value is
+# judged only where no earlier write of the same outcome touched its key
+# (which could change it).  What stays unchecked (an overflow, floats, a
+# damaged HyperLogLog body) is the README's "a write refused at run time".
 _WRITES_LUA = """
+local wvalue
+local function wchecks()
+  local function wnotint(v)
+    return not string.find(v, '^%-?%d+$') or string.find(v, '^%-?0.') ~= nil or v == '-0'
+  end
+  -- each: (index of the write, whether its key's value is as it finds it: no
+  -- earlier write of the outcome touched it) -> why it would fail, or nil
+  local t = {
+    INCR = function(i, fresh)
+      if fresh then
+        local v = redis.call('GET', ARGV[i + 3])
+        if v and wnotint(v) then return 'the value is not an integer' end
+      end end,
+    INCRBY = function(i, fresh)
+      if wnotint(ARGV[i + 4]) then return 'the increment is not an integer' end
+      if fresh then
+        local v = redis.call('GET', ARGV[i + 3])
+        if v and wnotint(v) then return 'the value is not an integer' end
+      end end,
+    HINCRBY = function(i, fresh)
+      if wnotint(ARGV[i + 5]) then return 'the increment is not an integer' end
+      if fresh then
+        local v = redis.call('HGET', ARGV[i + 3], ARGV[i + 4])
+        if v and wnotint(v) then return 'the field ' .. ARGV[i + 4] .. ' holds no integer' end
+      end end,
+    PFADD = function(i, fresh)
+      if fresh and redis.call('EXISTS', ARGV[i + 3]) == 1 and
+         redis.call('GETRANGE', ARGV[i + 3], 0, 3) ~= 'HYLL' then
+        return 'the key holds a string that is not a HyperLogLog'
+      end end,
+  }
+  t.DECR, t.DECRBY = t.INCR, t.INCRBY
+  return t
+end
 local function wcheck(i, nw)
+  local touched
+  if nw > 1 then
+    touched = {}
+    wvalue = wvalue or wchecks()
+  end
   for w = 1, nw do
     local argc = tonumber(ARGV[i])
     local want = ARGV[i + 1]
     if want ~= '' then
-      local t = redis.call('TYPE', ARGV[i + 3])['ok']
+      local key = ARGV[i + 3]
+      local t = redis.call('TYPE', key)['ok']
       if t ~= 'none' and t ~= want then
         return nil, 'WRONGTYPE write ' .. w .. ' of the outcome (' .. ARGV[i + 2] .. ' ' ..
-          ARGV[i + 3] .. '): the key holds a ' .. t .. ', not a ' .. want .. '; nothing written'
+          key .. '): the key holds a ' .. t .. ', not a ' .. want .. '; nothing written'
       end
+      local check = w > 1 and wvalue[ARGV[i + 2]]
+      if check then
+        local why = check(i, not touched[key])
+        if why then
+          return nil, 'ERR write ' .. w .. ' of the outcome (' .. ARGV[i + 2] .. ' ' .. key ..
+            ') would fail: ' .. why .. '; nothing written'
+        end
+      end
+    end
+    -- (every argument: a DEL names many keys; one more marked only spares a check)
+    if touched then
+      for a = i + 3, i + 1 + argc do touched[ARGV[a]] = true end
     end
     i = i + 2 + argc
   end
@@ -938,26 +1006,69 @@ return {k, unpack(bad)}
 )
 
 
-# -- a runtime delayed copy, written once ------------------------------------------------
+# -- a runtime delayed copy: removed with a receipt, written once -------------------------
 #
-# The scheduler writes a runtime ``retry_after`` copy when its delay is over and
-# sends it again when the reply was lost: a plain XADD would then write it
-# twice (two deliveries of one message).  The copy goes through this script
-# with a marker key of its own (a fresh name per copy, in the stream's slot):
-# the first run writes the copy and keeps its id under the marker for
-# COPY_MARK_TTL; a resend meanwhile finds the marker and answers the same id,
-# writing nothing.  (Redis 8.6's ``XADD ... IDMP`` would do this natively.)
+# A runtime ``retry_after`` on a stream removes the original now and writes
+# its copy when the delay is over (the scheduler holds it meanwhile).  Two
+# finalizations of one delivery may meet (the same consumer finalizing twice,
+# a blocked consumer against the one that took its entries over), and either
+# may be sent again after an unknown outcome (lost reply, lost request,
+# timeout): the copy must exist only when *this* finalization's removal
+# removed the original.  So the removal is a gated script that leaves a
+# *receipt*, a key of that finalization's own (a fresh name per plan,
+# ``{stream}:receipt:<hex>``, in the stream's slot), and the copy is written
+# only while that receipt says "removed by me":
+#
+# * STREAM_REMOVE_RECEIPT: gate (the entry pending in the group), the
+#   writes the outcome carries, the removal, then the receipt (``r``, no
+#   expiry: a resend may come as long as the finalization is held in
+#   memory); 1.  A closed gate answers 1 when the receipt is there (an
+#   earlier send of this very finalization removed it: its reply was lost),
+#   else false (another finalization did: nothing written, no copy).
+# * STREAM_COPY_ONCE (when the delay is over): writes the copy only while
+#   the receipt holds ``r``, and turns it into the copy's id, kept
+#   COPY_MARK_TTL for a resend after a lost reply to answer that id again.
+#   Once it has expired, a resend finds no receipt and writes nothing
+#   (false): no clock can reopen the gate, it closes it.  (Redis 8.6's
+#   ``XADD ... IDMP`` would do the copy's part natively.)
 
 COPY_MARK_TTL = 600_000
-"""Milliseconds a runtime copy's marker lives: how late a resend of it is
-still recognised (the scheduler resends within seconds)."""
+"""Milliseconds a runtime copy's receipt lives once the copy is written (it
+then holds the copy's id): how late a resend of the copy still gets that id
+back; later, the resend writes nothing and answers nil."""
 
-# KEYS: stream, marker.  ARGV: marker ttl ms, cap ('0': none), field, value, ...
+# KEYS: stream, receipt, the writes' keys (declared for Redis Cluster).
+# ARGV: group, id, how ('0', '1' or 'x', see _HOW), nw, the writes.
+# Returns 1 (removed by this finalization, now or by an earlier send of it)
+# or false (the gate closed by another finalization: nothing written).
+STREAM_REMOVE_RECEIPT = Script(
+    _HOW
+    + _WRITES_LUA
+    + """
+local group, id = ARGV[1], ARGV[2]
+local ok, p = pcall(redis.call, 'XPENDING', KEYS[1], group, id, id, 1)
+if not ok or #p == 0 then
+  if redis.call('EXISTS', KEYS[2]) == 1 then return 1 end
+  return false
+end
+"""
+    + _run_writes(4)
+    + """
+remove_one(KEYS[1], group, id, ARGV[3])
+redis.call('SET', KEYS[2], 'r')
+return 1
+""",
+    name="stream_remove_receipt",
+)
+
+# KEYS: stream, receipt.  ARGV: receipt ttl ms once written, cap ('0': none),
+# field, value, ...  Returns the copy's id, or false (no receipt: nothing written).
 STREAM_COPY_ONCE = Script(
     LUA_XADD_ANY
     + """
 local done = redis.call('GET', KEYS[2])
-if done then return done end
+if not done then return false end
+if done ~= 'r' then return done end
 local id = xadd_any(KEYS[1], ARGV[2], ARGV, 3)
 redis.call('SET', KEYS[2], id, 'PX', ARGV[1])
 return id

@@ -23,10 +23,17 @@ One script is one atomic step on the server, so
 * racing finalizers (a reclaimed entry, a claiming subscription): only the
   first passes the gate.
 
-A script error after a write ran (a value the command refuses: ``HINCRBY``
-on a field holding text, an overflow) leaves the writes before it applied:
-Redis scripts do not roll back.  The type check covers what can be known
-before writing; the user guide (docs/guide.rst) says the rest.
+A script error after a write ran (a value the command refuses: an
+overflow, ``HINCRBYFLOAT`` on text) leaves the writes before it applied:
+Redis scripts do not roll back.  The checks before writing cover what can be
+known there: every key's type, and the values Redis would certainly refuse
+(``INCR`` family and ``HINCRBY`` on a value or by an increment that is no
+integer, ``PFADD`` on a string that is no HyperLogLog; see
+``_scripts._WRITES_LUA``); the user guide (docs/guide.rst) says the rest.
+
+A runtime ``retry_after`` on a stream carries its writes in the removal that
+leaves its receipt (``_scripts.STREAM_REMOVE_RECEIPT``): a resend after an
+unknown outcome applies and counts them only when its own first send did.
 
 Where a plan is two ungated commands (a dead letter in another Redis Cluster
 slot: the copy, then the removal), the writes go with the removal, which
@@ -147,6 +154,9 @@ _STREAM_CELLS = {  # the stream's gated cell scripts (for a durable delay: how i
     _scripts.STREAM_ZADD_ACK.sha: "0", _scripts.STREAM_ZADD_ACK_DEL.sha: "1",
     _scripts.STREAM_ZADD_ACKDEL.sha: "x",
 }
+_REMOVE_RECEIPT = _scripts.STREAM_REMOVE_RECEIPT.sha
+_CARRIERS = (STREAM_WRITES.sha, LIST_WRITES.sha, _REMOVE_RECEIPT)
+"""The scripts that carry an outcome's writes."""
 _LIST_COPY = _scripts.LIST_COPY_REMOVE.sha
 _LIST_ZADD = _scripts.LIST_ZADD_REMOVE.sha
 
@@ -171,6 +181,11 @@ def _with_writes(t: Target, commands: tuple[Command, ...], writes: list[Arg],
         if stream and head == "XACKDEL":  # Redis 8.2: XACKDEL key group ACKED IDS 1 id
             src, group, eid = cmd[1], cmd[2], cmd[6]
             out.append(STREAM_WRITES.command((src, src, *keys), (group, eid, "ack", "x", 0, *writes)))
+        elif stream and head == b"EVALSHA" and cmd[1] == _REMOVE_RECEIPT:
+            # a runtime retry_after: the writes in its removal, before its receipt
+            src, receipt, group, eid, how = cmd[3], cmd[4], cmd[5], cmd[6], cmd[7]
+            out.append(_scripts.STREAM_REMOVE_RECEIPT.command(
+                (src, receipt, *keys), (group, eid, how, *writes)))
         elif stream and head == b"EVALSHA" and cmd[1] in _STREAM_CELLS:
             sha, src, dest, group, eid = cmd[1], cmd[3], cmd[4], cmd[5], cmd[6]
             if sha == _COPY:
@@ -198,6 +213,6 @@ def _with_writes(t: Target, commands: tuple[Command, ...], writes: list[Arg],
         else:  # a step before the removal (a copy to another Cluster slot): as it is
             out.append(cmd)
         i += 1
-    if not any(c[0] == b"EVALSHA" and c[1] in (STREAM_WRITES.sha, LIST_WRITES.sha) for c in out):
+    if not any(c[0] == b"EVALSHA" and c[1] in _CARRIERS for c in out):
         raise AckUnsupported(f"{t.name}: no step of this finalization can carry writes: {commands!r}")
     return tuple(out)
