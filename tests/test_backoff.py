@@ -440,7 +440,9 @@ async def test_reliable_list_past_the_waiting_bound_stays_in_the_processing_list
     redis_url: str, client: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Past the bound a failed element is left in the processing list, no
-    longer held: the next rescan (here the restart's) delivers it, counted."""
+    longer held, not delivered again by a timer; the stop hands it back onto
+    the queue, counted (its handler ran): the next consumer delivers it as
+    attempt 2."""
     monkeypatch.setattr(_mount, "MAX_WAITING", 0)
     await client.execute("LPUSH", Q, b"job")
     h = Failing()
@@ -451,7 +453,7 @@ async def test_reliable_list_past_the_waiting_bound_stays_in_the_processing_list
         await trio.sleep(0.3)  # not delivered again meanwhile (no timer)
         assert consumer.mounts[0].waiting == 0
     assert h.attempts == [1]
-    assert await llen(client, processing("c1")) == 1 and await llen(client, Q) == 0
+    assert await llen(client, processing("c1")) == 0 and await llen(client, Q) == 1
     again = Failing(ok_at=1)
     async with open_consumer(redis_url, name="c1") as consumer:
         await consumer.mount(sub, again)

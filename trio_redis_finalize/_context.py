@@ -132,6 +132,11 @@ class Context(Protocol):
         """Whether a delivery read is in hand (neither finalized nor waiting for a backoff)."""
         ...
 
+    def backing_off(self) -> list[Delivery]:
+        """The deliveries waiting for their Backoff now (their schedule is in
+        Redis: a stop leaves them pending, not handed back)."""
+        ...
+
 
 async def hand_over(ctx: Context, built: Sequence[tuple[Delivery, Plan | None]]) -> None:
     """Plans first (dead letters, foreign copies), then the deliveries for the handlers."""

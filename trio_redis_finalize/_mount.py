@@ -249,6 +249,10 @@ class Mount:
         for its backoff (waiting entries are held too)."""
         return len(self.in_hand) > len(self._waiting)
 
+    def backing_off(self) -> list[Delivery]:
+        """The deliveries waiting for their Backoff (see ``Context.backing_off``)."""
+        return [d for _, _, d in self._waiting]
+
     def disown(self, others: dict[str, str]) -> list[Delivery]:
         """Stream entries this consumer no longer owns (its lease found them pending
         for another consumer; id -> that consumer): those no handler started are

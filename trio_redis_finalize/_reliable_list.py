@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Coroutine, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
@@ -767,14 +768,22 @@ class ReliableListReader:
         value = heartbeat_value(ctx.consumer.token, sub.heartbeat)
         moved = 0
         left = 1
-        held = dict(self._gates.in_hand)  # counted down as the pages go
+        # what a handler ran on (held, or left pending after a failure): counted down
+        # as the pages go
+        held = dict(Counter(self._gates.in_hand) + Counter(self._gates.leftover))
+        # waiting for a Backoff: left in the processing list with its schedule (the
+        # rescan of a restart honours it; a live consumer's reaper once the heartbeat lapsed)
+        waiting = Counter(d.raw for d in ctx.backing_off() if d.raw is not None)
+        kept = sum(waiting.values())
         for _ in range(_REAP_ROUNDS):
             page: list[bytes] = await ctx.client.execute("LRANGE", t.processing, 0, _REAP_PAGE - 1,
                                                          timeout=CLOSING_TIMEOUT)
+            wait = Counter(waiting)  # each page is read from the head again
+            page = [e for e in page if not dec(wait, e)]
             args: list[bytes | str] = [me, value, *stop_args(page, held)]  # newest first (see STOP)
             n, left = await ctx.client.evalsha(STOP, keys, args, timeout=CLOSING_TIMEOUT)
             moved += int(n)
-            if not page or int(left) <= 0:
+            if not page or int(left) <= kept or not int(n):
                 break
         if int(left) < 0:
             log.info("%s: consumer name %r is another process's now (taken over): its processing "
@@ -786,7 +795,12 @@ class ReliableListReader:
                      "started (their attempt not counted), %d left by handlers cut by the grace "
                      "or held for a backoff (counted)", ctx.name, me, self._abandoned + moved,
                      self._abandoned, moved, extra={"subscription": ctx.name})
-        if int(left):
+        if kept and int(left) <= kept:
+            log.info("%s: consumer %r stopped with %d element(s) waiting for their Backoff in "
+                     "processing list %r: delivered when due by this name started again, or by "
+                     "a live consumer once its heartbeat lapses", ctx.name, me, int(left),
+                     t.processing, extra={"subscription": ctx.name})
+        elif int(left):
             log.warning("%s: consumer %r stopped with elements left in processing list %r; a "
                         "live consumer moves them back onto the queue once its heartbeat "
                         "lapses (or this name started again delivers them)", ctx.name, me,

@@ -368,7 +368,7 @@ class Scheduler:
                 if cmds:
                     step.append(i)
                 else:
-                    mount.stats.effects["released"] += 1
+                    mount.stats.effects[GATE_CLOSED if i in gate_closed else "released"] += 1
             if deferred is not None:
                 log.warning("sending delayed copies deferred by the server (%s); sending "
                             "them again", deferred)

@@ -517,9 +517,14 @@ class StreamReader:
         (made idle at once, so a live consumer of the group takes it within a
         look; CLAIMING: only what it read and did not finalize, its delayed
         retries keep their delay), leave the stopped mark; nothing pending:
-        the consumer is deleted from the group."""
-        await self._presence.deregister(ctx, [*ctx.in_hand, *self._abandoned],
-                                        whole=self.sub.mode is not Mode.CLAIMING)
+        the consumer is deleted from the group.  An entry waiting for its
+        Backoff stays pending as it is (its schedule is kept in Redis: a
+        restart of this name delivers it when due; a live consumer takes it
+        once idle ``heartbeat``)."""
+        waiting = {d.id for d in ctx.backing_off()}
+        ids = [i for i in (*ctx.in_hand, *self._abandoned) if i not in waiting]
+        await self._presence.deregister(
+            ctx, ids, whole=self.sub.mode is not Mode.CLAIMING and not waiting)
 
     def _plan_recovery(self) -> None:
         """Look at the own PEL before the next read (CLAIMING: its claims do)."""
