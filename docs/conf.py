@@ -52,6 +52,15 @@ def _list_other_pages(app: object, docname: str, source: list[str]) -> None:
         source[0] = source[0].replace("\n   api\n", "".join(f"\n   {n}" for n in extra) + "\n   api\n", 1)
 
 
+def _readme_paths(app: object, relative_path: Path, parent_docname: str, content: list[str]) -> None:
+    """The README, included by the index, names its images from the project's
+    root (``docs/_static/...``, as a repository page shows them); here they are
+    relative to ``docs/``."""
+    if relative_path.name == "README.rst":
+        content[0] = content[0].replace(".. image:: docs/_static/", ".. image:: _static/")
+
+
 def setup(app: object) -> dict[str, object]:
     app.connect("source-read", _list_other_pages)  # type: ignore[attr-defined]
+    app.connect("include-read", _readme_paths)  # type: ignore[attr-defined]
     return {"parallel_read_safe": True}

@@ -48,7 +48,7 @@ def test_every_python_block_is_run_by_a_test() -> None:
         "Exactly-once effects", "Testing your own code")}
     assert counted == {"Quick start": 1, "Quick start with asyncio": 1,
                        "Handler errors and dead letters": 1, "Exactly-once effects": 1,
-                       "Testing your own code": 2}, counted
+                       "Testing your own code": 3}, counted
     assert len(BLOCK.findall(README.read_text())) == sum(counted.values())
 
 
@@ -120,3 +120,13 @@ async def test_the_handler_unit_test_passes_as_written() -> None:
     tests = [v for k, v in scope.items() if k.startswith("test_")]
     assert len(tests) == 1
     await tests[0]()
+
+
+async def test_the_exactly_once_check_passes_as_written() -> None:
+    """The README's ``check_exactly_once`` example: its own server, every fault."""
+    scope: dict[str, Any] = {}
+    exec(_blocks("Testing your own code")[2], scope)
+    tests = [v for k, v in scope.items() if k.startswith("test_")]
+    assert len(tests) == 1
+    with anyio.fail_after(240):  # a bound: a few seconds
+        await tests[0]()
