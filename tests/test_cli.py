@@ -84,7 +84,7 @@ def test_help_of_every_command(command: list[str]) -> None:
 # -- demo ---------------------------------------------------------------------
 
 EXPECTED_ROWS = {
-    "stream": ["XACK", "EVALSHA(XADD, XACK)", "XACK", "XACK then EVALSHA(XADD)",
+    "stream": ["XACK", "EVALSHA(XADD, XACK)", "XACK", "EVALSHA(XACK) then EVALSHA(XADD)",
                "EVALSHA(XADD, XACK)"],
     "claiming stream": ["XACK", "none: same id re-read from the PEL", "XACK",
                         "none: same id re-read from the PEL", "EVALSHA(XADD, XACK)"],

@@ -527,3 +527,37 @@ async def test_batched_writes_under_oom_send_each_delivery_again_and_apply_once(
     assert await client.execute("HGET", "totals", "n") == str(n).encode()
     if form == "stream":
         assert (await client.execute("SCRIPT", "EXISTS", STREAM_WRITES_ACK_BATCH.sha)) == [1]
+
+
+@pytest.mark.parametrize("script", ["reap", "stop"])
+async def test_moving_a_processing_list_back_under_oom_loses_nothing(
+    redis_url: str, client: Client, oom: Any, script: str
+) -> None:
+    """The reaper's move of a dead consumer's processing list (REAP) and a clean
+    stop's hand-back (STOP) copy each element onto the queue before they remove
+    it: refused for memory at the copy, the element stays where it was (before:
+    removed, then the push refused -- lost)."""
+    from redis import exceptions as rexc
+
+    from trio_redis_finalize._core import _reliable
+
+    proc = "{q}:processing:dead"
+    await client.execute("LPUSH", proc, b"job")
+    await client.execute("HSET", _reliable.registry_key("q"), "dead", proc)
+    keys: tuple[str, ...] = (proc, "q", _reliable.heartbeat_key("q", "dead"),
+                             _reliable.registry_key("q"))
+    args: list[str | bytes] = ["dead"]
+    if script == "stop":
+        keys += (_reliable.receipts_key(proc),)
+        args.append("")  # no heartbeat value held: the key is absent
+    args += [b"job", b"job"]
+    oom.on()
+    with pytest.raises(rexc.ResponseError, match="OOM|maxmemory"):
+        await client.evalsha(_reliable.REAP if script == "reap" else _reliable.STOP, keys, args)
+    oom.off()
+    assert await client.execute("LRANGE", proc, 0, -1) == [b"job"]
+    assert await client.execute("LLEN", "q") == 0
+    # once memory is back, the move goes through: the element on the queue, once
+    await client.evalsha(_reliable.REAP if script == "reap" else _reliable.STOP, keys, args)
+    assert await client.execute("LRANGE", "q", 0, -1) == [b"job"]
+    assert await client.execute("LLEN", proc) == 0

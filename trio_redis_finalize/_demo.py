@@ -61,7 +61,7 @@ _FINAL_COMMANDS = {b"XACK", b"XADD", b"EVALSHA", b"LREM", b"LPUSH", b"ZADD", b"P
 PEL = "none: same id re-read from the PEL"
 EXPECTED: dict[str, dict[str, str]] = {
     "stream": {"ack": "XACK", "retry": "EVALSHA(XADD, XACK)", "drop": "XACK",
-               "retry_after": "XACK then EVALSHA(XADD)", "dead": "EVALSHA(XADD, XACK)"},
+               "retry_after": "EVALSHA(XACK) then EVALSHA(XADD)", "dead": "EVALSHA(XADD, XACK)"},
     "claiming stream": {"ack": "XACK", "retry": PEL, "drop": "XACK", "retry_after": PEL,
                         "dead": "EVALSHA(XADD, XACK)"},
     "stream (durable delay)": {"ack": "XACK", "retry": "EVALSHA(XADD, XACK)", "drop": "XACK",

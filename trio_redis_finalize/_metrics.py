@@ -64,7 +64,7 @@ EFFECTS = (
     GATE_CLOSED, FAILED,  # what Redis answered instead
     # counted by the runtime itself
     "backed_off", "refused", "recovered", "moved_from_delay_set", "held_lost", "released",
-    "gaps", "trimmed",
+    "gaps", "trimmed", "handed_back",
 )
 """Every effect the runtime counts; each series is exported from zero
 (``tests/test_metrics.py`` checks the package counts no other)."""

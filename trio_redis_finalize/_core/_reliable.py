@@ -100,9 +100,13 @@ REAP = Script(
 if redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
 local n = 0
 for i = 2, #ARGV, 2 do
+  -- the copy first (a refusal there, OOM, leaves the element where it is),
+  -- then the removal; an element no longer there takes its copy back
+  redis.call('RPUSH', KEYS[2], ARGV[i + 1])
   if redis.call('LREM', KEYS[1], 1, ARGV[i]) == 1 then
-    redis.call('RPUSH', KEYS[2], ARGV[i + 1])
     n = n + 1
+  else
+    redis.call('RPOP', KEYS[2])
   end
 end
 if redis.call('LLEN', KEYS[1]) == 0 then redis.call('HDEL', KEYS[4], ARGV[1]) end
@@ -116,7 +120,8 @@ return n
 # (newest first).
 # A clean stop, after the handlers and the finalizer ended: what is left in the
 # processing list (handlers cut by the grace, elements waiting for a backoff)
-# goes back onto the consumer end of the queue as :data:`REAP` moves a dead
+# goes back onto the consumer end of the queue (pushed first, then removed:
+# copies before originals) as :data:`REAP` moves a dead
 # consumer's (counter bumped when a handler ran: :func:`stop_args`; oldest
 # rightmost), at once instead of once the heartbeat lapsed.  When the list is
 # empty then, the consumer deregisters (heartbeat key, registration) and its
@@ -130,9 +135,13 @@ local hb = redis.call('GET', KEYS[3])
 if hb and hb ~= ARGV[2] then return {0, -1} end
 local n = 0
 for i = 3, #ARGV, 2 do
+  -- the copy first (a refusal there, OOM, leaves the element where it is),
+  -- then the removal; an element no longer there takes its copy back
+  redis.call('RPUSH', KEYS[2], ARGV[i + 1])
   if redis.call('LREM', KEYS[1], 1, ARGV[i]) == 1 then
-    redis.call('RPUSH', KEYS[2], ARGV[i + 1])
     n = n + 1
+  else
+    redis.call('RPOP', KEYS[2])
   end
 end
 local left = redis.call('LLEN', KEYS[1])
