@@ -552,7 +552,7 @@ async def test_moving_a_processing_list_back_under_oom_loses_nothing(
         args.append("")  # no heartbeat value held: the key is absent
     args += [b"job", b"job"]
     oom.on()
-    with pytest.raises(rexc.ResponseError, match="OOM|maxmemory"):
+    with pytest.raises(rexc.ResponseError, match=r"OOM|maxmemory"):
         await client.evalsha(_reliable.REAP if script == "reap" else _reliable.STOP, keys, args)
     oom.off()
     assert await client.execute("LRANGE", proc, 0, -1) == [b"job"]
