@@ -87,28 +87,35 @@ return 1
     name="reliable_list_bump",
 )
 
-# KEYS: dead consumer's processing list, queue, its heartbeat key, registry.
-# ARGV: consumer name, element, rewritten element, element, rewritten, ...
-# Gated on the heartbeat key being absent (the consumer may have come back);
-# each element is removed from the processing list and pushed onto the
-# consumer end (RIGHT) of the queue only when it was still there, so racing
-# reapers move every element once.  Elements come newest first, so the
-# oldest ends up rightmost: recovered elements are consumed first, in their
-# original order.  Returns the number moved, or -1 when the consumer is alive.
-REAP = Script(
-    """
-if redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
-local n = 0
-for i = 2, #ARGV, 2 do
-  -- the copy first (a refusal there, OOM, leaves the element where it is),
-  -- then the removal; an element no longer there takes its copy back
+def _move_back(first: int) -> str:
+    """Lua: move the element pairs of ``ARGV[first:]`` (element, what goes
+    back) from the processing list ``KEYS[1]`` onto the queue ``KEYS[2]``,
+    counting them in ``n``: the copy first (a refusal there, OOM, leaves the
+    element where it is), then the removal; an element no longer there takes
+    its copy back.  Copies before originals, as every finalization."""
+    return f"""local n = 0
+for i = {first}, #ARGV, 2 do
   redis.call('RPUSH', KEYS[2], ARGV[i + 1])
   if redis.call('LREM', KEYS[1], 1, ARGV[i]) == 1 then
     n = n + 1
   else
     redis.call('RPOP', KEYS[2])
   end
-end
+end"""
+
+
+# KEYS: dead consumer's processing list, queue, its heartbeat key, registry.
+# ARGV: consumer name, element, rewritten element, element, rewritten, ...
+# Gated on the heartbeat key being absent (the consumer may have come back);
+# each element is pushed onto the consumer end (RIGHT) of the queue, then
+# removed from the processing list (the push taken back when it was no longer there), so racing
+# reapers move every element once.  Elements come newest first, so the
+# oldest ends up rightmost: recovered elements are consumed first, in their
+# original order.  Returns the number moved, or -1 when the consumer is alive.
+REAP = Script(
+    """
+if redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
+""" + _move_back(2) + """
 if redis.call('LLEN', KEYS[1]) == 0 then redis.call('HDEL', KEYS[4], ARGV[1]) end
 return n
 """,
@@ -133,17 +140,7 @@ STOP = Script(
     """
 local hb = redis.call('GET', KEYS[3])
 if hb and hb ~= ARGV[2] then return {0, -1} end
-local n = 0
-for i = 3, #ARGV, 2 do
-  -- the copy first (a refusal there, OOM, leaves the element where it is),
-  -- then the removal; an element no longer there takes its copy back
-  redis.call('RPUSH', KEYS[2], ARGV[i + 1])
-  if redis.call('LREM', KEYS[1], 1, ARGV[i]) == 1 then
-    n = n + 1
-  else
-    redis.call('RPOP', KEYS[2])
-  end
-end
+""" + _move_back(3) + """
 local left = redis.call('LLEN', KEYS[1])
 if left == 0 then
   redis.call('HDEL', KEYS[4], ARGV[1])
