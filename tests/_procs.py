@@ -12,6 +12,7 @@ once ``mount()`` returned.
 from __future__ import annotations
 
 import inspect
+import os
 import re
 import subprocess
 import sys
@@ -20,7 +21,17 @@ from pathlib import Path
 
 import trio
 
-from trio_redis_finalize import ACK, Delivery, Outcome, ReliableListSubscription, open_consumer
+from trio_redis_finalize import (
+    ACK,
+    Delivery,
+    Outcome,
+    ReliableListSubscription,
+    _finalizer,
+    _mount,
+    _scheduler,
+    _shutdown,
+    open_consumer,
+)
 from trio_redis_finalize._transport import Client
 
 # -- helpers for the tests ------------------------------------------------------------
@@ -167,3 +178,55 @@ async def main(url: str, queue: str, name: str, heartbeat: float) -> None:
 
 if __name__ == "__main__":
     trio.run(main, sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]))
+
+
+def quick_finalize_timers(monkeypatch: object) -> None:
+    """The enumerations' short deadlines: a cancelled finalizer gives up after
+    0.2 s instead of 10 s at shutdown, a stalled (never cancelled) request
+    times out after 0.3 s instead of 5 s."""
+    setattr_ = monkeypatch.setattr  # type: ignore[attr-defined]
+    setattr_(_mount, "FINALIZE_GRACE", 0.2)
+    setattr_(_shutdown, "FINALIZE_GRACE", 0.2)
+    setattr_(_finalizer, "FINALIZE_TIMEOUT", 0.3)
+    setattr_(_scheduler, "FINALIZE_TIMEOUT", 0.3)
+
+
+TESTS = Path(__file__).parent
+
+
+class AppProc:
+    """``trio-redis-finalize run _handback_app:FACTORY ...`` as a process (run
+    from tests/): its stdout lines with the time each arrived (``timed``;
+    ``lines``: the texts) and its stderr."""
+
+    def __init__(self, url: str, factory: str, key: str, *extra: str, sleep: float) -> None:
+        self.args = [sys.executable, "-m", "trio_redis_finalize", "run", f"_handback_app:{factory}",
+                     "--url", url, *extra]
+        self.env = {**os.environ, "TRF_T_KEY": key, "TRF_T_SLEEP": str(sleep)}
+        self.timed: list[tuple[float, str]] = []
+        self.proc: trio.Process | None = None
+        self.stderr = b""
+
+    @property
+    def lines(self) -> list[str]:
+        return [line for _, line in self.timed]
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        proc = self.proc = await trio.lowlevel.open_process(
+            self.args, cwd=TESTS, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        task_status.started()
+        assert proc.stdout is not None and proc.stderr is not None
+        err = proc.stderr
+
+        async def errors() -> None:
+            async for chunk in err:
+                self.stderr += chunk
+
+        async with trio.open_nursery() as n:
+            n.start_soon(errors)
+            buf = b""
+            async for chunk in proc.stdout:
+                buf += chunk
+                *done, buf = buf.split(b"\n")
+                self.timed += [(trio.current_time(), line.decode()) for line in done]
+            await proc.wait()

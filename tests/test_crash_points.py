@@ -53,6 +53,7 @@ from typing import Any
 
 import anyio
 import pytest
+from _procs import quick_finalize_timers
 from faults.checks import ListState, StreamState, list_state, stream_state
 from faults.shim import Crash, FaultClient, FaultMode, open_fault_client
 
@@ -68,11 +69,8 @@ from trio_redis_finalize import (
     ReliableListSubscription,
     Retention,
     StreamSubscription,
-    _finalizer,
     _mount,
     _reliable_list,
-    _scheduler,
-    _shutdown,
     open_consumer,
     retry_after,
 )
@@ -107,12 +105,7 @@ def effects_key(path: Path) -> str:
 
 @pytest.fixture(autouse=True)
 def _quick_timers(monkeypatch: pytest.MonkeyPatch) -> None:
-    # a cancelled finalizer gives up after 0.2 s instead of 10 s at shutdown
-    monkeypatch.setattr(_mount, "FINALIZE_GRACE", 0.2)
-    monkeypatch.setattr(_shutdown, "FINALIZE_GRACE", 0.2)
-    # a stalled (never cancelled) request times out after 0.3 s instead of 5 s
-    monkeypatch.setattr(_finalizer, "FINALIZE_TIMEOUT", 0.3)
-    monkeypatch.setattr(_scheduler, "FINALIZE_TIMEOUT", 0.3)
+    quick_finalize_timers(monkeypatch)
 
 
 # -- paths --------------------------------------------------------------------

@@ -17,14 +17,12 @@ loaded machine; the figures measured are printed (``-s``).
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import trio
+from _procs import AppProc
 
 from trio_redis_finalize import (
     ACK,
@@ -41,43 +39,17 @@ BOUND = 2.0
 """Seconds after the stop within which the work is another consumer's (the promise)."""
 LOAD_MARGIN = 2.0
 """Seconds more a loaded machine may take (a bound, not an expectation)."""
-TESTS = Path(__file__).parent
 
 
-class RunProc:
+class RunProc(AppProc):
     """``trio-redis-finalize run _handback_app:FACTORY`` as a process; its
     stdout lines (with the time each arrived) and its stderr."""
 
     def __init__(self, url: str, factory: str, key: str, *extra: str, sleep: float = 1.0) -> None:
-        self.args = [sys.executable, "-m", "trio_redis_finalize", "run", f"_handback_app:{factory}",
-                     "--url", url, *extra]
-        self.env = {**os.environ, "TRF_T_KEY": key, "TRF_T_SLEEP": str(sleep)}
-        self.lines: list[tuple[float, str]] = []
-        self.proc: trio.Process | None = None
-        self.stderr = b""
-
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        proc = self.proc = await trio.lowlevel.open_process(
-            self.args, cwd=TESTS, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        task_status.started()
-        assert proc.stdout is not None and proc.stderr is not None
-        err = proc.stderr
-
-        async def errors() -> None:
-            async for chunk in err:
-                self.stderr += chunk
-
-        async with trio.open_nursery() as n:
-            n.start_soon(errors)
-            buf = b""
-            async for chunk in proc.stdout:
-                buf += chunk
-                *done, buf = buf.split(b"\n")
-                self.lines += [(trio.current_time(), line.decode()) for line in done]
-            await proc.wait()
+        super().__init__(url, factory, key, *extra, sleep=sleep)
 
     def seen(self, prefix: str) -> list[str]:
-        return [line for _, line in self.lines if line.startswith(prefix)]
+        return [line for line in self.lines if line.startswith(prefix)]
 
     async def wait_for(self, prefix: str, n: int = 1, timeout: float = 30.0) -> None:
         with trio.fail_after(timeout):

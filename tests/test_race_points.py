@@ -39,6 +39,7 @@ from typing import Any
 
 import anyio
 import pytest
+from _procs import quick_finalize_timers
 from faults.shim import FaultMode, open_fault_client
 
 from trio_redis_finalize import (
@@ -52,10 +53,6 @@ from trio_redis_finalize import (
     ReliableListSubscription,
     Retention,
     StreamSubscription,
-    _finalizer,
-    _mount,
-    _scheduler,
-    _shutdown,
     open_consumer,
     retry_after,
 )
@@ -70,10 +67,7 @@ EFFECTS = {"stream": "{orders}:effects", "list": "{jobs}:effects"}
 
 @pytest.fixture(autouse=True)
 def _quick_timers(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_mount, "FINALIZE_GRACE", 0.2)
-    monkeypatch.setattr(_shutdown, "FINALIZE_GRACE", 0.2)
-    monkeypatch.setattr(_finalizer, "FINALIZE_TIMEOUT", 0.3)
-    monkeypatch.setattr(_scheduler, "FINALIZE_TIMEOUT", 0.3)
+    quick_finalize_timers(monkeypatch)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,49 +15,20 @@ import signal
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import trio
+from _procs import AppProc
 
 from trio_redis_finalize._transport import Client
 
 RESTART_BOUND = 10.0
 """Seconds from a SIGKILL of one worker to nothing pending (the promise; a bound)."""
-TESTS = Path(__file__).parent
 
 
-class Supervisor:
+class Supervisor(AppProc):
     """``run _handback_app:FACTORY --workers N`` as a process: the workers'
     stdout lines, and the stderr of all (the workers inherit it)."""
-
-    def __init__(self, url: str, factory: str, key: str, *extra: str, sleep: float) -> None:
-        self.args = [sys.executable, "-m", "trio_redis_finalize", "run", f"_handback_app:{factory}",
-                     "--url", url, *extra]
-        self.env = {**os.environ, "TRF_T_KEY": key, "TRF_T_SLEEP": str(sleep)}
-        self.lines: list[str] = []
-        self.stderr = b""
-        self.proc: trio.Process | None = None
-
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        proc = self.proc = await trio.lowlevel.open_process(
-            self.args, cwd=TESTS, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        task_status.started()
-        assert proc.stdout is not None and proc.stderr is not None
-        err = proc.stderr
-
-        async def errors() -> None:
-            async for chunk in err:
-                self.stderr += chunk
-
-        async with trio.open_nursery() as n:
-            n.start_soon(errors)
-            buf = b""
-            async for chunk in proc.stdout:
-                buf += chunk
-                *done, buf = buf.split(b"\n")
-                self.lines += [line.decode() for line in done]
-            await proc.wait()
 
     def mounted(self) -> dict[str, int]:
         """Consumer name -> pid of its latest mount."""
