@@ -76,7 +76,7 @@ from ._finalize import Record
 from ._identity import claim, heartbeat_value, renew
 
 __all__ = [
-    "FORGET", "HANDED_BACK_IDLE_MS", "HEARTBEAT_FLOOR", "REAP", "STOP", "STOP_PROBE", "Heartbeat",
+    "HANDED_BACK_IDLE_MS", "HEARTBEAT_FLOOR", "REAP", "STOP", "STOP_PROBE", "Heartbeat",
     "Peer", "Reap", "Reaped", "Registration", "Survey", "beat", "claim_name", "consumer_rows",
     "heartbeat_key", "lease_every", "legacy_heartbeat_key", "legacy_registry_key", "parse_reap",
     "peers", "registration", "registration_value", "registry", "registry_key", "stop_probe",
@@ -263,26 +263,6 @@ end
 return {taken, gone, wait, 0}
 """,
     name="stream_reap",
-)
-
-# KEYS: stream, own heartbeat key, registry.  ARGV: group, consumer, heartbeat value.
-# A cleanly stopped consumer deregisters itself -- its heartbeat key, its
-# registration, the consumer in the group -- only when nothing is pending for
-# it (XGROUP DELCONSUMER would drop its pending entries); 0 otherwise.  A
-# group that is gone leaves nothing to delete in it.  Nothing either when
-# another process holds the heartbeat (it took the name over).
-FORGET = Script(
-    """
-local hb = redis.call('GET', KEYS[2])
-if hb and hb ~= ARGV[3] then return 0 end
-local ok, p = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2])
-if ok and #p > 0 then return 0 end
-if ok then redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2]) end
-redis.call('HDEL', KEYS[3], ARGV[2])
-redis.call('DEL', KEYS[2])
-return 1
-""",
-    name="stream_forget",
 )
 
 # KEYS: stream, own heartbeat key, registry.

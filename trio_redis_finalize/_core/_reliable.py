@@ -26,10 +26,10 @@ Beside a consumer's processing list (its hash slot), ``<processing>:receipts``
 
 A consumer whose heartbeat key is gone is dead: any live consumer moves its
 processing list back onto the queue (:data:`REAP`) and then forgets it.  A
-cleanly stopped consumer whose processing list is empty deregisters itself
-(:data:`FORGET`); one that leaves elements there (cut by the grace, waiting
-for a backoff) hands them back onto the queue itself (:data:`STOP`: as the
-reaper would, counted, but at once), then deregisters.
+cleanly stopped consumer hands what is left in its processing list (cut by
+the grace) back onto the queue itself (:data:`STOP`: as the reaper would,
+counted, but at once) and deregisters once the list is empty; elements
+waiting for a Backoff stay, with their schedule.
 
 The reader tells identical elements apart by count only: its bookkeeping is
 a multiset of bytes, ``dict[bytes, int]``, counted down with :func:`dec`.
@@ -47,7 +47,7 @@ from ._plan import content_origin
 from ._scripts import _WRITES_LUA
 
 __all__ = [
-    "BUMP", "DELAYED_COPY", "FORGET", "GIVE_BACK", "REAP", "STOP", "bumped", "dec", "delayed_copy",
+    "BUMP", "DELAYED_COPY", "GIVE_BACK", "REAP", "STOP", "bumped", "dec", "delayed_copy",
     "doubtful", "heartbeat_key", "legacy_heartbeat_key", "legacy_registry_key", "receipts_key",
     "registry_key", "stop_args", "stranded",
 ]
@@ -149,24 +149,6 @@ end
 return {n, left}
 """,
     name="reliable_list_stop",
-)
-
-# KEYS: processing list, own heartbeat key, registry.  ARGV: consumer name,
-# heartbeat value.
-# A cleanly stopped consumer deregisters itself -- its heartbeat key and its
-# registration -- only when its processing list is empty; 0 otherwise (what
-# is left there is reaped once the heartbeat lapses).  Nothing either when
-# another process holds the heartbeat (it took the name over).
-FORGET = Script(
-    """
-local hb = redis.call('GET', KEYS[2])
-if hb and hb ~= ARGV[2] then return 0 end
-if redis.call('LLEN', KEYS[1]) > 0 then return 0 end
-redis.call('HDEL', KEYS[3], ARGV[1])
-redis.call('DEL', KEYS[2])
-return 1
-""",
-    name="reliable_list_forget",
 )
 
 # KEYS: processing list, queue.  ARGV: element, n, element, n, ..., newest first.
