@@ -23,7 +23,7 @@ server and through ``redis+cluster://`` on a local 3-master cluster
 
     python -m benchmarks.scale_out [N]
 
-The same module is the consumer process (used by ``tests/test_scale_out.py``
+The same module is the consumer process (used by ``tests/runtime/test_scale_out.py``
 too)::
 
     python -m benchmarks.scale_out worker URL STREAM GROUP NAME MIN_IDLE WORK PRINT_IDS

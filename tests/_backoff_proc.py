@@ -1,5 +1,5 @@
 """A consumer process whose handler always raises, for the SIGKILL tests of
-``on_error=Backoff()`` (``tests/test_backoff.py``).
+``on_error=Backoff()`` (``tests/runtime/test_backoff.py``).
 
 Usage::
 

@@ -22,7 +22,7 @@ from trio_redis_finalize import (
     StreamSubscription,
     open_consumer,
 )
-from trio_redis_finalize._core import _presence as presence
+from trio_redis_finalize._core.stream import liveness as presence
 from trio_redis_finalize._transport import Client
 
 STREAM = "orders"

@@ -1,5 +1,5 @@
 """Factories for ``trio-redis-finalize run`` in the hand-back and ``--workers``
-tests (``tests/test_handback.py``, ``tests/test_workers.py``).
+tests (``tests/runtime/test_handback.py``, ``tests/runtime/test_workers.py``).
 
 Usage: ``python -m trio_redis_finalize run _handback_app:stream`` (or
 ``:rlist``) with ``tests/`` as the current directory, and in the

@@ -1,4 +1,4 @@
-"""The consumer process of the soak tests (``tests/test_soak.py``), killed at will.
+"""The consumer process of the soak tests (``tests/faults/test_soak.py``), killed at will.
 
     python tests/_soak_proc.py URL FORM NAME LOG [CONCURRENCY]
 

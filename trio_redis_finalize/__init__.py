@@ -9,8 +9,6 @@ are written before originals are removed: a crash leaves a duplicate, never
 a loss.
 """
 
-from ._channel import ChannelSubscription as ChannelSubscription
-from ._channel import PatternSubscription as PatternSubscription
 from ._consumer import Consumer as Consumer
 from ._consumer import Mounted as Mounted
 from ._consumer import open_consumer as open_consumer
@@ -21,7 +19,11 @@ from ._envelope import RETRIES_FIELD as RETRIES_FIELD
 from ._errors import AckError as AckError
 from ._errors import AckUnsupported as AckUnsupported
 from ._errors import ConsumerNameInUse as ConsumerNameInUse
-from ._list import ListSubscription as ListSubscription
+from ._forms.pubsub import ChannelSubscription as ChannelSubscription
+from ._forms.pubsub import PatternSubscription as PatternSubscription
+from ._forms.reliable_list.reader import ReliableListSubscription as ReliableListSubscription
+from ._forms.simple_list import ListSubscription as ListSubscription
+from ._forms.stream.reader import StreamSubscription as StreamSubscription
 from ._outcome import ACK as ACK
 from ._outcome import DROP as DROP
 from ._outcome import REJECT as REJECT
@@ -33,8 +35,6 @@ from ._outcome import reject as reject
 from ._outcome import retry_after as retry_after
 from ._publisher import Publisher as Publisher
 from ._publisher import open_publisher as open_publisher
-from ._reliable_list import ReliableListSubscription as ReliableListSubscription
-from ._stream import StreamSubscription as StreamSubscription
 from ._subscription import DelayedRetry as DelayedRetry
 from ._subscription import Mode as Mode
 from ._subscription import Retention as Retention

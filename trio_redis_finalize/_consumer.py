@@ -16,19 +16,19 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 from redis import exceptions as rexc
 
-from ._channel import PubSubReader
 from ._context import BatchHandler, Handler, log, sole
 from ._core._writes import plan_outcome
 from ._delivery import Delivery
+from ._forms._read_loop import Reader
+from ._forms.pubsub import PubSubReader
+from ._forms.reliable_list.reader import ReliableListReader
+from ._forms.simple_list import ListReader
+from ._forms.stream.reader import StreamReader
 from ._identity import LIVE, new_token
-from ._list import ListReader
 from ._mount import Mount
 from ._outcome import Backoff, Outcome
-from ._read_loop import Reader
-from ._reliable_list import ReliableListReader
 from ._scheduler import Scheduler
 from ._shutdown import CLOSE_MARGIN, Budget, cleanup_until
-from ._stream import StreamReader
 from ._subscription import Form, Subscription
 from ._transport import Client, ClusterClient, open_client
 

@@ -46,7 +46,8 @@ from typing import Any
 import anyio
 from redis import exceptions as rexc
 
-from ._core import _reliable, _scripts
+from ._core import _scripts
+from ._core.reliable_list import liveness as _reliable
 from ._transport import Client, Command, Connection, parse_url, with_context
 
 __all__ = ["Crash", "FaultClient", "FaultMode", "is_finalization", "open_fault_client"]

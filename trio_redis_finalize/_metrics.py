@@ -67,7 +67,7 @@ EFFECTS = (
     "gaps", "trimmed", "handed_back",
 )
 """Every effect the runtime counts; each series is exported from zero
-(``tests/test_metrics.py`` checks the package counts no other)."""
+(``tests/api/test_metrics.py`` checks the package counts no other)."""
 LABELS = ("form", "key", "group")
 
 

@@ -86,9 +86,9 @@ from ._core._recovery import refused_delay, schedule_command, schedule_key
 from ._core._writes import check_outcome
 from ._delivery import Delivery, record_error
 from ._finalizer import Finalizer
+from ._forms._read_loop import Reader, drive, retry_not_run
 from ._history import History
 from ._outcome import DROP, REJECT, Backoff, Outcome, Rejected, WithWrites, reject
-from ._read_loop import Reader, drive, retry_not_run
 from ._scheduler import LaterGates
 from ._shutdown import CLOSE_MARGIN, CLOSING_TIMEOUT, FINALIZE_GRACE, Budget, cleanup, cleanup_until
 from ._stats import DURATION_BOUNDS, MountStats

@@ -1,7 +1,7 @@
 """The sans-IO core: every command the consumer sends is decided here.
 
 Nothing in this package does I/O or imports anyio, trio or the transport
-(``tests/test_architecture.py`` checks it).  The shell (the mount, the
+(``tests/project/test_architecture.py`` checks it).  The shell (the mount, the
 readers, the scheduler) reads, runs handlers and sends what the core
 decided; the replies come back here to be settled into effects and counts.
 

@@ -655,8 +655,10 @@ def stream_removals(t: Target, ids: Sequence[str]) -> list[Command]:
     return [("XACK", t.source, t.group, *ids)]
 
 
-def _exhausted(t: Target, d: Delivery) -> bool:
-    return t.max_attempts is not None and d.attempt >= t.max_attempts
+def exhausted(t: Target, attempt: int) -> bool:
+    """Whether ``attempt`` is the last one ``t.max_attempts`` allows (or past it): a retry
+    then dead-letters (or drops, without ``dead_letter``).  The one place this rule is written."""
+    return t.max_attempts is not None and attempt >= t.max_attempts
 
 
 def plan(t: Target, d: Delivery, outcome: Outcome) -> Plan:
@@ -670,7 +672,7 @@ def plan(t: Target, d: Delivery, outcome: Outcome) -> Plan:
     kind = outcome.kind
     form = t.form
     if form is _STREAM and kind is _RETRY:  # the common case first (Enum class lookups are slow)
-        if t.max_attempts is not None and d.attempt >= t.max_attempts:
+        if exhausted(t, d.attempt):
             return plan_dead(t, d, f"max_attempts={t.max_attempts} reached at attempt {d.attempt}")
         if t.mode is _CLAIMING:
             return Plan(_LEFT_PENDING)
@@ -694,7 +696,7 @@ def plan(t: Target, d: Delivery, outcome: Outcome) -> Plan:
             f"{t.name}: a pattern subscription needs retry_channel= to publish "
             "retry_after copies (the pattern names no single channel)"
         )
-    if (kind is OutcomeKind.RETRY or kind is OutcomeKind.RETRY_AFTER) and _exhausted(t, d):
+    if (kind is OutcomeKind.RETRY or kind is OutcomeKind.RETRY_AFTER) and exhausted(t, d.attempt):
         return plan_dead(t, d, f"max_attempts={t.max_attempts} reached at attempt {d.attempt}")
     removed = _REMOVED.get(kind)
     if removed is not None:  # ACK, DROP: only a stream or a reliable list gets here

@@ -18,8 +18,7 @@ import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from .. import _inspect as inspect
-from .. import _requeue as requeue
+from .._cli import inspect, requeue
 from .._core._plan import why_key
 from .._keys import same_slot
 from .._transport import Client

@@ -36,10 +36,10 @@ from urllib.parse import unquote
 
 from redis import exceptions as rexc
 
-from .. import _inspect as cli
-from .._core import _presence as presence
+from .._cli import inspect as cli
 from .._core._plan import DEAD_GROUP, DEAD_REASON, DEAD_SOURCE, why_key
-from .._core._reliable import heartbeat_key, registry_key
+from .._core.reliable_list.liveness import heartbeat_key, registry_key
+from .._core.stream import liveness as presence
 from .._history import buckets, history_key
 from .._keys import derived
 from .._transport import Client, ClusterClient

@@ -1,0 +1,1 @@
+"""trio_redis_finalize._core.stream."""

@@ -1,0 +1,1 @@
+"""trio_redis_finalize._forms.reliable_list."""

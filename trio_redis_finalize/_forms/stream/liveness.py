@@ -1,0 +1,318 @@
+"""A stream mount's presence at run time: its heartbeat, the reaper of dead
+consumers of its group, and its deregistration at a clean stop.
+
+The keys, the scripts and every decision (who is dead, what to take, what to
+warn about) are in :mod:`._core._presence`; this module sends the commands
+and keeps the times:
+
+* **heartbeat** (a task beside the reader): ``SET`` the heartbeat key with a
+  TTL of ``heartbeat`` seconds and ``HSET`` the registration, at set-up (before
+  the first read: the claim of the consumer name, refused while another live
+  process holds it, see ``_core._identity``) and every ``heartbeat / 3``
+  (only while the key is this process's); the last one, as the reader
+  stops, lives until the shutdown's handlers and finalizer must have ended
+  (``_shutdown.Budget.heartbeat_ttl``), so nobody takes over what they still
+  finish;
+* **reaper** (a step of the read loop, :meth:`StreamPresence.look`, so that
+  what it takes is handed over in turn with the own-PEL recovery and the
+  claims): at mount, every ``heartbeat / 2`` (jittered), as soon as a live
+  consumer's heartbeat key would lapse (its ``PTTL``) and as soon as a dead
+  one's next entry is idle enough;
+* **stop probe** (also a step of the read loop): every ``STOP_PROBE`` s an
+  ``HGETALL`` of the registry; a new stopped mark makes the next look now,
+  so what a peer handed back at its stop is taken within about a second;
+* **hand-back** (:meth:`StreamPresence.deregister`, phase 6 of the
+  shutdown): one script (:data:`~._core._presence.STOP`) makes what is
+  still pending for this consumer idle at once (owner and count unchanged),
+  deletes the heartbeat key and leaves the stopped mark; a consumer with
+  nothing pending is deleted from the group.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
+
+import anyio
+from redis import exceptions as rexc
+
+from ..._context import FINALIZE_TIMEOUT, Context, log
+from ..._core._commands import Command
+from ..._core._decode import Entry
+from ..._core._identity import heartbeat_value
+from ..._core._replies import FINAL, classify, error_code
+from ..._core.stream.liveness import (
+    HANDED_BACK_IDLE_MS,
+    REAP,
+    STOP,
+    STOP_PROBE,
+    Heartbeat,
+    Survey,
+    beat,
+    claim_name,
+    consumer_rows,
+    heartbeat_key,
+    legacy_heartbeat_key,
+    legacy_registry_key,
+    parse_reap,
+    peers,
+    registry,
+    registry_key,
+    stop_probe,
+    stopped_value,
+    survey,
+    warnings,
+    watch_notes,
+)
+from ..._identity import NameHold
+from ..._shutdown import CLOSING_TIMEOUT, Budget
+
+if TYPE_CHECKING:
+    from ..._subscription import Mode
+
+__all__ = ["Adopt", "StreamPresence"]
+
+_LAPSE_MARGIN = 0.005
+"""Seconds after a heartbeat key's TTL ends before the look that finds it gone."""
+
+Adopt = Callable[[Context, list[bytes], list[Entry], dict[bytes, int], list[bytes]],
+                 Awaitable[None]]
+"""The reader's hand-over of what a :data:`~._core._presence.REAP` of the
+candidate ids took into its PEL (the entries, the delivery count each has
+now) and of the ids the stream no longer has."""
+
+
+class StreamPresence:
+    """The heartbeat, reaper and deregistration of one stream mount (see the module docstring).
+
+    ``claiming(ids)``: called before a :data:`~._core._presence.REAP` that
+    may take ``ids`` is sent (a reply lost then may have moved them into the
+    own PEL unseen, their count raised already); ``adopt``: called with what
+    it took.
+    """
+
+    def __init__(self, stream: str, group: str, mode: Mode, min_idle: float, heartbeat: float,
+                 page: int, claiming: Callable[[list[bytes]], None], adopt: Adopt) -> None:
+        self.stream = stream
+        self.group = group
+        self.mode = mode
+        self.min_idle = min_idle
+        self.heartbeat = heartbeat
+        self.page = page
+        self._claiming = claiming
+        self._adopt = adopt
+        self._next = 0.0  # the next look (0: at once; the first is at mount)
+        self._probe = 0.0  # the next stop probe
+        self._looked = False  # the first look (at mount) was made
+        self._stops: set[tuple[str, float | None]] = set()  # stopped marks seen
+        self._warned: set[str] = set()
+        self._legacy: set[str] = set()  # consumers registered under the old naming only
+        self._hold = NameHold()
+        self.more = False
+        """A look left entries it can take at once (the next read should not block)."""
+
+    def _beat(self, ctx: Context, ttl: float) -> Command:
+        return beat(self.stream, self.group, ctx.consumer.name, ctx.consumer.token, self.heartbeat,
+                    self.mode, ttl, time.time())
+
+    async def register(self, ctx: Context) -> None:
+        """The first heartbeat (set-up: before the first read): the claim of
+        the consumer name.
+
+        Raises:
+            ConsumerNameInUse: another live process holds this consumer's
+                heartbeat (and the mount is no ``takeover``).
+        """
+        me = ctx.consumer.name
+        await self._hold.claim(
+            ctx, lambda takeover: claim_name(self.stream, self.group, me, ctx.consumer.token,
+                                             self.heartbeat, self.mode, takeover, time.time()),
+            heartbeat_key(self.stream, self.group, me),
+            legacy_heartbeat_key(self.stream, self.group, me), FINALIZE_TIMEOUT)
+
+    async def beats(self, ctx: Context) -> None:
+        """Renew the heartbeat every ``heartbeat / 3`` (a task beside the reader)."""
+        every = self.heartbeat / 3
+        while True:
+            await anyio.sleep(every)
+            try:
+                await self._hold.renew(ctx, self._beat(ctx, self.heartbeat), FINALIZE_TIMEOUT)
+            except (rexc.RedisError, OSError) as e:
+                log.warning("%s: heartbeat failed (%s); after %g s without one other consumers "
+                            "take over this consumer's pending entries idle that long (those "
+                            "being handled keep their lease)", ctx.name, e, self.heartbeat,
+                            extra={"subscription": ctx.name})
+
+    async def last_beat(self, ctx: Context) -> None:
+        """The heartbeat as the reader stops: it lives until the handlers and
+        the finalizer must have ended (``_shutdown.Budget``)."""
+        ttl = max(self.heartbeat, Budget.heartbeat_ttl(ctx.consumer.shutdown_grace))
+        await self._hold.renew(ctx, self._beat(ctx, ttl), CLOSING_TIMEOUT)
+
+    # -- the reaper ---------------------------------------------------------------
+    def due(self) -> bool:
+        now = anyio.current_time()
+        return now >= self._next or now >= self._probe
+
+    async def probe(self, ctx: Context) -> bool:
+        """Whether the registry holds a stopped mark not seen yet (a peer
+        handed its entries back): then a look is due now."""
+        self._probe = anyio.current_time() + STOP_PROBE
+        flat = await ctx.client.execute("HGETALL", self._registry, timeout=FINALIZE_TIMEOUT)
+        return bool(stop_probe(flat, ctx.consumer.name, self._stops))
+
+    async def step(self, ctx: Context) -> None:
+        """:meth:`look`, as a step of the read loop: what the loop handles
+        (connection errors, refusals for now, a group gone) propagates; an
+        error reply that can never succeed (a registry key of another type,
+        say) is logged and the look tried again ``heartbeat / 2`` later, so it
+        never stops the reading."""
+        try:
+            if anyio.current_time() < self._next and not await self.probe(ctx):
+                return
+            await self.look(ctx)
+        except rexc.ResponseError as e:
+            if classify(e) is not FINAL or error_code(e) in ("NOGROUP", "UNBLOCKED"):
+                raise
+            ctx.stats.read_errors += 1
+            wait = self.heartbeat / 2
+            self._next = anyio.current_time() + wait
+            log.error("%s: looking for dead consumers of the group failed: %s; trying again in "
+                      "%g s", ctx.name, e, wait, extra={"subscription": ctx.name})
+
+    async def look(self, ctx: Context) -> Survey:
+        """Look at the group, take over dead consumers, warn about stranded work.
+
+        Per dead consumer whose entries are to be taken: an ``XPENDING ...
+        IDLE`` of one page of candidates, then :data:`~._core._presence.REAP`
+        (which takes each only while still pending for it and idle enough).
+
+        Errors propagate (a step of the read loop: logged, backed off, tried
+        again; a reply lost while taking plans the own-PEL recovery).
+        """
+        client = ctx.client
+        me = ctx.consumer.name
+        rows, flat, old = await client.pipeline(
+            [("XINFO", "CONSUMERS", self.stream, self.group), ("HGETALL", self._registry),
+             ("HGETALL", legacy_registry_key(self.stream, self.group))],
+            timeout=FINALIZE_TIMEOUT,
+        )
+        self._probe = anyio.current_time() + STOP_PROBE
+        registered = registry(flat)
+        # consumers of an earlier version (the old key naming): their own keys
+        legacy = {n: r for n, r in registry(old).items() if n not in registered}
+        self._legacy = set(legacy)
+        registered.update(legacy)
+        self._stops = {(n, r.at) for n, r in registered.items() if r.stopped}
+        others = [n for n in registered if n != me]
+        ttls: dict[str, int] = {}
+        if others:
+            replies = await client.pipeline(
+                [("PTTL", self._heartbeat_of(n)) for n in others], timeout=FINALIZE_TIMEOUT)
+            ttls = {n: int(t) for n, t in zip(others, replies, strict=True)}
+        found = survey(me, self.mode, self.heartbeat, self.page,
+                       peers(consumer_rows(rows), registered, ttls))
+        notes = warnings(ctx.name, self.mode, self.min_idle, found, self._warned)
+        if not self._looked:  # at mount: also the live ones that hold entries
+            self._looked = True
+            notes += watch_notes(ctx.name, found, time.time())
+        for level, msg, args, extra in notes:
+            log.log(level, msg, *args, extra=extra)
+        self._warned.update(p.name for p in found.peers if p.stranded)
+        wake = [self.heartbeat / 2 * random.uniform(0.8, 1.0)]
+        if found.wake is not None:
+            wake.append(found.wake + _LAPSE_MARGIN)
+        more = False
+        left = found.stranded
+        for r in found.reap:
+            ids: list[bytes] = []
+            if r.page:
+                candidates = await client.execute(*r.candidates(self.stream, self.group),
+                                                  timeout=FINALIZE_TIMEOUT)
+                ids = [row[0] for row in candidates]
+                self._claiming(ids)  # a reply lost now may leave them in the own PEL unseen
+            got = parse_reap(await client.evalsha(
+                REAP, (self.stream, self._heartbeat_of(r.peer.name),
+                       self._registry_of(r.peer.name)),
+                r.args(self.group, me, ids), timeout=FINALIZE_TIMEOUT,
+            ))
+            if got is None:  # its heartbeat came back: nothing taken
+                if r.page:
+                    await self._adopt(ctx, ids, [], {}, [])
+                continue
+            taken = len(got.entries) + len(got.gone)
+            left -= min(taken, r.peer.pending)
+            if got.wait is not None:
+                wake.append(got.wait + _LAPSE_MARGIN)
+                more = more or got.wait == 0
+            if r.page:
+                if taken and r.peer.heartbeat is Heartbeat.STOPPED:
+                    ctx.stats.effects["recovered"] += len(got.entries)
+                    log.info("%s: took over %d entries consumer %r handed back at its stop%s",
+                             ctx.name, len(got.entries), r.peer.name,
+                             f"; {len(got.gone)} more were deleted while pending"
+                             if got.gone else "", extra={"subscription": ctx.name})
+                elif taken:
+                    ctx.stats.effects["recovered"] += len(got.entries)
+                    log.warning("%s: consumer %r stopped its heartbeat; took over %d of its "
+                                "pending entries (their attempt counts the crash)%s", ctx.name,
+                                r.peer.name, len(got.entries),
+                                f"; {len(got.gone)} more were deleted while pending"
+                                if got.gone else "", extra={"subscription": ctx.name})
+                await self._adopt(ctx, ids, got.entries, got.counts, got.gone)
+            if got.forgotten:
+                self._warned.discard(r.peer.name)
+                log.info("%s: removed dead consumer %r from the group (nothing pending for it)",
+                         ctx.name, r.peer.name, extra={"subscription": ctx.name})
+        ctx.stats.stranded = max(0, left)
+        self.more = more
+        self._next = anyio.current_time() + min(wake)
+        return found
+
+    # -- a clean stop ---------------------------------------------------------------
+    async def deregister(self, ctx: Context, ids: Sequence[str], *, whole: bool) -> int:
+        """Hand back what is still pending for this consumer, and leave the
+        stopped mark (:data:`~._core._presence.STOP`): ``whole``: the whole
+        own PEL; else only ``ids`` (CLAIMING: its PEL holds delayed retries,
+        which keep their delay).  Returns how many entries were handed back."""
+        me = ctx.consumer.name
+        args: list[str | int] = [self.group, me,
+                                 stopped_value(self.heartbeat, self.mode, time.time()),
+                                 HANDED_BACK_IDLE_MS, 1 if whole else 0,
+                                 heartbeat_value(ctx.consumer.token, self.heartbeat)]
+        if not whole:
+            args += sorted(ids)
+        n, left = await ctx.client.evalsha(
+            STOP, (self.stream, self._heartbeat_of(me), self._registry), args,
+            timeout=CLOSING_TIMEOUT,
+        )
+        n = int(n)
+        if n:
+            ctx.stats.effects["handed_back"] += n
+            log.info("%s: consumer %r handed back %d entr%s: the group's live consumers take "
+                     "them at once, at the attempt they had (or this name started again)",
+                     ctx.name, me, n, "y" if n == 1 else "ies", extra={"subscription": ctx.name})
+        elif left:
+            log.info("%s: consumer %r stopped with entries pending (delayed retries of "
+                     "Mode.CLAIMING): claimed back once idle min_idle", ctx.name, me,
+                     extra={"subscription": ctx.name})
+        else:
+            log.debug("%s: consumer %r stopped (nothing pending for it)", ctx.name, me,
+                      extra={"subscription": ctx.name})
+        return n
+
+    @property
+    def _registry(self) -> str:
+        return registry_key(self.stream, self.group)
+
+    def _registry_of(self, consumer: str) -> str:
+        if consumer in self._legacy:
+            return legacy_registry_key(self.stream, self.group)
+        return self._registry
+
+    def _heartbeat_of(self, consumer: str) -> str:
+        if consumer in self._legacy:
+            return legacy_heartbeat_key(self.stream, self.group, consumer)
+        return heartbeat_key(self.stream, self.group, consumer)
