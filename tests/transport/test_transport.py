@@ -178,8 +178,10 @@ async def test_random_cancellations_no_desync_no_lost_slot(redis_url: str) -> No
         assert not problems, f"seed={seed}: {problems[:5]}"
         assert stats["cancelled"] >= target
         assert stats["dedicated_cancelled"] > 0
-        # Many requests were cut mid-flight: their connections were replaced.
-        assert client.connections_opened - opened_before > max_conn, (stats, client.connections_opened)
+        # Requests were cut mid-flight: their connections were replaced (how many
+        # depends on where the cancellations land, which a loaded machine moves:
+        # at least one, seen once as 3 of 1,045 cancellations on a busy machine).
+        assert client.connections_opened - opened_before > 0, (stats, client.connections_opened)
 
         # No lost slot, and no more than max_conn pooled connections exist.
         assert client.free_slots == max_conn

@@ -375,11 +375,13 @@ async def test_the_own_pel_re_read_runs_under_traffic(
     monkeypatch.setattr(_mount, "MAX_WAITING", 0)
     calls: list[int] = []
     others = 0
+    seen: list[int] = []  # how many traffic entries were handled at each attempt of "p"
 
     async def handle(d: Delivery) -> Outcome:
         nonlocal others
         if d.fields.get(b"p") == b"1":
             calls.append(d.attempt)
+            seen.append(others)
             if d.attempt == 1:
                 raise RuntimeError("fails once")
             return ACK
@@ -401,7 +403,8 @@ async def test_the_own_pel_re_read_runs_under_traffic(
             while len(calls) < 2:
                 await trio.sleep(0.01)
         nursery.cancel_scope.cancel()
-    assert calls == [1, 2] and others > 50
+    # traffic was handled between the failure and the re-read (how much depends on the load)
+    assert calls == [1, 2] and seen[1] > seen[0], seen
 
 
 @pytest.mark.parametrize("form", ["stream", "reliable-list"])
