@@ -167,3 +167,113 @@ def test_public_names_show_the_package_as_their_module() -> None:
         if (isinstance(obj, type) or callable(obj)) and mod != PACKAGE:
             wrong.append(f"{name}: {mod}")
     assert not wrong, wrong
+
+
+# -- one home per form (issue: "one home and one row per form") -------------------------------------
+
+FORM_HOMES = {
+    "stream": (f"{PACKAGE}._forms.stream", f"{CORE}.stream"),
+    "reliable_list": (f"{PACKAGE}._forms.reliable_list", f"{CORE}.reliable_list"),
+    "simple_list": (f"{PACKAGE}._forms.simple_list",),
+    "pubsub": (f"{PACKAGE}._forms.pubsub",),
+}
+"""Each form's home: its I/O (``_forms/<form>``) and its sans-IO rules and scripts (``_core/<form>``)."""
+TABLES = {f"{PACKAGE}._subscription", f"{PACKAGE}._forms", f"{CORE}._cells"}
+"""Where ``Form`` and ``Mode`` are defined, and the two registration tables: ``FORMS`` (the
+shell's row per form) and ``CELLS`` (the core's half).  These name every form's members."""
+FORMS_ENUM = {"Form": {"STREAM", "RELIABLE_LIST", "LIST", "CHANNEL", "PATTERN"},
+              "Mode": {"PLAIN", "RECLAIM", "CLAIMING"}}
+
+
+def _home(module: str) -> str | None:
+    for form, prefixes in FORM_HOMES.items():
+        if any(module == p or module.startswith(f"{p}.") for p in prefixes):
+            return form
+    return None
+
+
+def _is_sha(node: ast.expr) -> bool:
+    """A script's sha, as code that recognises a built command by it would name it."""
+    if isinstance(node, ast.Attribute) and node.attr == "sha":
+        return True
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+    return name.upper().endswith(("_SHA", "_SHAS"))
+
+
+def form_knowledge(source: str) -> list[str]:
+    """What in ``source`` knows a form by name: a ``Form``/``Mode`` member, a form's value
+    (``form.value``, ``form == "stream"``), or a script's sha compared to recognise a command."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.attr in FORMS_ENUM.get(node.value.id, ())):
+            found.append(f"{node.lineno}: {node.value.id}.{node.attr}")
+        elif (isinstance(node, ast.Attribute) and node.attr == "value" and isinstance(node.value, ast.Attribute)
+              and node.value.attr == "form"):
+            found.append(f"{node.lineno}: form.value")
+        elif isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(isinstance(s, ast.Attribute) and s.attr == "form" or isinstance(s, ast.Name) and s.id == "form"
+                   for s in sides) and any(isinstance(s, ast.Constant) and isinstance(s.value, str)
+                                           for s in sides):
+                found.append(f"{node.lineno}: form compared with a string")
+            elif any(_is_sha(s) for s in sides):
+                found.append(f"{node.lineno}: a script sha compared")
+    return sorted(set(found), key=lambda f: (int(f.split(":")[0]), f))
+
+
+def test_form_knowledge_is_found() -> None:
+    """The checker itself, on planted code."""
+    planted = ("if t.form is Form.STREAM: pass\n"
+               "if t.mode is Mode.CLAIMING: pass\n"
+               "x = t.form.value\n"
+               "y = form == 'pattern'\n"
+               "z = cmd[1] == LIST_WRITES.sha or cmd[1] in _COUNTED_SHAS\n"
+               "ok = spec.leaves_pending and t.form is not None\n")
+    assert [f.split(":")[0] for f in form_knowledge(planted)] == ["1", "2", "3", "4", "5"]
+    assert form_knowledge("spec = FORMS[t.form]\nif spec.leaves_pending: pass\n") == []
+
+
+def test_forms_are_known_only_at_home() -> None:
+    """No module outside a form's home and the registration tables branches on a form, a
+    stream mode or a script's sha: adding a form or a read mode touches its home and one row."""
+    bad = []
+    for name, path in _modules().items():
+        if _home(name) is not None or name in TABLES:
+            continue
+        if name.startswith(f"{CORE}._commands"):  # where a Script is defined
+            continue
+        bad += [f"{name}:{f}" for f in form_knowledge(path.read_text())]
+    assert not bad, "\n".join(bad)
+
+
+def test_a_form_never_imports_another() -> None:
+    graph = _graph()
+    bad = []
+    for m, deps in graph.items():
+        home = _home(m)
+        if home is None:
+            continue
+        bad += [f"{m} imports {d}" for d in deps if _home(d) not in (None, home)]
+    assert not bad, "\n".join(bad)
+
+
+MAX_MODULE_LINES = 500
+MAX_CLASS_LINES = 350
+
+
+def test_modules_and_classes_stay_small() -> None:
+    """A module does one job and a class one concern: no module over 500 lines, no class over 350
+    (the finalizer's core, the largest, is split along its rounds)."""
+    bad = []
+    for name, path in _modules().items():
+        text = path.read_text()
+        lines = text.count("\n") + (not text.endswith("\n"))
+        if lines > MAX_MODULE_LINES:
+            bad.append(f"{name}: {lines} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
+                size = node.end_lineno - node.lineno + 1
+                if size > MAX_CLASS_LINES:
+                    bad.append(f"{name}.{node.name}: {size} lines")
+    assert not bad, "\n".join(bad)
