@@ -208,14 +208,14 @@ def form_knowledge(source: str) -> list[str]:
         if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
                 and node.attr in FORMS_ENUM.get(node.value.id, ())):
             found.append(f"{node.lineno}: {node.value.id}.{node.attr}")
-        elif (isinstance(node, ast.Attribute) and node.attr == "value" and isinstance(node.value, ast.Attribute)
-              and node.value.attr == "form"):
+        elif (isinstance(node, ast.Attribute) and node.attr == "value"
+              and isinstance(node.value, ast.Attribute) and node.value.attr == "form"):
             found.append(f"{node.lineno}: form.value")
         elif isinstance(node, ast.Compare):
             sides = [node.left, *node.comparators]
-            if any(isinstance(s, ast.Attribute) and s.attr == "form" or isinstance(s, ast.Name) and s.id == "form"
-                   for s in sides) and any(isinstance(s, ast.Constant) and isinstance(s.value, str)
-                                           for s in sides):
+            named = [s.attr if isinstance(s, ast.Attribute) else s.id if isinstance(s, ast.Name) else ""
+                     for s in sides]
+            if "form" in named and any(isinstance(s, ast.Constant) and isinstance(s.value, str) for s in sides):
                 found.append(f"{node.lineno}: form compared with a string")
             elif any(_is_sha(s) for s in sides):
                 found.append(f"{node.lineno}: a script sha compared")
