@@ -215,7 +215,8 @@ def form_knowledge(source: str) -> list[str]:
             sides = [node.left, *node.comparators]
             named = [s.attr if isinstance(s, ast.Attribute) else s.id if isinstance(s, ast.Name) else ""
                      for s in sides]
-            if "form" in named and any(isinstance(s, ast.Constant) and isinstance(s.value, str) for s in sides):
+            texts = [s for s in sides if isinstance(s, ast.Constant) and isinstance(s.value, str)]
+            if "form" in named and texts:
                 found.append(f"{node.lineno}: form compared with a string")
             elif any(_is_sha(s) for s in sides):
                 found.append(f"{node.lineno}: a script sha compared")
