@@ -16,7 +16,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 import trio
@@ -37,18 +37,21 @@ from trio_redis_finalize._transport import Client
 # -- helpers for the tests ------------------------------------------------------------
 
 
-async def eventually(check: Callable[[], bool | Awaitable[bool]], timeout: float = 30.0,
-                     what: str = "condition") -> None:
-    """Poll ``check`` (sync or async) until it is true."""
+async def eventually(check: Callable[[], object], timeout: float = 30.0,
+                     what: str | Callable[[], str] = "condition") -> float:
+    """Poll ``check`` (sync, or returning an awaitable) until it is true; the seconds it took.
+    ``timeout`` is a bound, never an expectation; ``what`` names the condition (or builds
+    the message when it fails)."""
+    start = trio.current_time()
     with trio.move_on_after(timeout):
         while True:
             ok = check()
             if inspect.isawaitable(ok):
                 ok = await ok
             if ok:
-                return
+                return trio.current_time() - start
             await trio.sleep(0.02)
-    raise AssertionError(f"{what} not reached within {timeout} s")
+    raise AssertionError(f"{what if isinstance(what, str) else what()} not reached within {timeout} s")
 
 
 def assert_immutable(d: Delivery, names: tuple[str, ...]) -> None:
@@ -68,15 +71,23 @@ def assert_immutable(d: Delivery, names: tuple[str, ...]) -> None:
 
 
 class Recorder:
-    """A handler that records deliveries and answers with ``decide(delivery)``."""
+    """A handler that records deliveries (and when, in ``at``) and answers with
+    ``decide(delivery)`` (ACK by default)."""
 
-    def __init__(self, decide: Callable[[Delivery], Outcome]) -> None:
+    def __init__(self, decide: Callable[[Delivery], Outcome] = lambda d: ACK) -> None:
         self.decide = decide
         self.seen: list[Delivery] = []
+        self.at: list[float] = []
 
     async def __call__(self, d: Delivery) -> Outcome:
         self.seen.append(d)
+        self.at.append(trio.current_time())
         return self.decide(d)
+
+
+async def pending(client: Client, stream: str, group: str) -> int:
+    """How many entries of ``stream`` wait in ``group``'s PEL (``XPENDING`` summary)."""
+    return int((await client.execute("XPENDING", stream, group))[0])
 
     @property
     def data(self) -> list[bytes | None]:

@@ -10,6 +10,7 @@ server ``TRF_REDIS_SERVER`` names for the rest."""
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
+from faults.server_faults import OomSwitch
 from hypothesis import HealthCheck, settings
 
 from trio_redis_finalize._core._caps import DETECT, Capabilities, parse
@@ -63,3 +64,14 @@ def redis82_url(redis82_server: RedisServer) -> str:
     sync_command(redis82_server, "FLUSHALL")
     sync_command(redis82_server, "SCRIPT", "FLUSH")
     return redis82_server.url
+
+
+@pytest.fixture
+def oom(redis_server: RedisServer, redis_url: str) -> Iterator[OomSwitch]:
+    """The per-test server's ``maxmemory`` switch (``oom.on()``: writes refused with OOM),
+    switched off after the test."""
+    switch = OomSwitch(redis_server)
+    try:
+        yield switch
+    finally:
+        switch.off()

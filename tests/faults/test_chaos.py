@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import pytest
 import trio
+from _procs import eventually
 
 from faults.chaosproxy import ChaosProxy
 from faults.checks import stream_state
@@ -64,20 +65,6 @@ async def admin(redis_url: str) -> AsyncIterator[Client]:
     async with open_client(redis_url) as c:
         await c.execute("XGROUP", "CREATE", S, G, "0", "MKSTREAM")
         yield c
-
-
-async def eventually(check: Callable[[], Awaitable[bool] | bool], timeout: float, what: str) -> float:
-    """Poll until ``check()`` holds; returns the seconds it took."""
-    start = trio.current_time()
-    with trio.move_on_after(timeout):
-        while True:
-            ok = check()
-            if not isinstance(ok, bool):
-                ok = await ok
-            if ok:
-                return trio.current_time() - start
-            await trio.sleep(0.02)
-    raise AssertionError(f"{what} not within {timeout} s")
 
 
 def stats(consumer: Consumer) -> dict[str, object]:

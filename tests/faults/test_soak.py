@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ import _soak_proc as proc
 import pytest
 import trio
 from _paths import TESTS
+from _procs import eventually
 from redis import exceptions as rexc
 
 from faults.checks import ListState, StreamState, list_state, stream_state
@@ -65,14 +66,6 @@ def kind_for(i: int) -> str:
     if i % 50 == 7:
         return "poison"
     return {1: "retry", 2: "retry", 3: "later"}.get(i % 10, "ack")
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], timeout: float, what: str) -> None:
-    with trio.move_on_after(timeout):
-        while not await check():
-            await trio.sleep(0.05)
-        return
-    raise AssertionError(f"{what} not within {timeout} s")
 
 
 @pytest.fixture

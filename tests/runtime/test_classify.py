@@ -3,9 +3,8 @@ FINAL / NOT_RUN / UNKNOWN (DESIGN §4 "Error replies")."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
+from _procs import pending
 from faults.server_faults import OomSwitch, busy_server
 from redis import exceptions as rexc
 
@@ -21,19 +20,6 @@ from trio_redis_finalize._transport import (
 from trio_redis_finalize.testing import RedisServer
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def oom(redis_server: RedisServer, redis_url: str) -> Iterator[OomSwitch]:
-    switch = OomSwitch(redis_server)
-    try:
-        yield switch
-    finally:
-        switch.off()
-
-
-async def _pending(client: Client, stream: str, group: str) -> int:
-    return int((await client.execute("XPENDING", stream, group))[0])
 
 
 async def test_classify_real_replies(client: Client, oom: OomSwitch, redis_server: RedisServer) -> None:
@@ -68,7 +54,7 @@ async def test_classify_real_replies(client: Client, oom: OomSwitch, redis_serve
     assert all(isinstance(r, rexc.ResponseError) for r in replies), replies
     assert [classify(r) for r in replies] == [NOT_RUN] * 3, [str(r) for r in replies]
     assert all(isinstance(r, NOT_RUN_ERRORS) for r in replies)
-    assert await _pending(client, "s", "g") == 1  # the script wrote nothing
+    assert await pending(client, "s", "g") == 1  # the script wrote nothing
 
     # NOREPLICAS
     await client.execute("CONFIG", "SET", "min-replicas-to-write", "1")

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import trio
-from _procs import Monitor
+from _procs import Monitor, eventually
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -76,18 +76,6 @@ async def group_info(redis: Client, stream: str, group: str) -> dict[str, Any]:
         if info["name"] == group.encode():
             return info
     raise AssertionError(f"no group {group!r} on {stream!r}")
-
-
-async def wait_for(cond: Callable[[], Any], timeout: float = 10.0, what: str = "") -> None:
-    with trio.move_on_after(timeout):
-        while True:
-            r = cond()
-            if hasattr(r, "__await__"):
-                r = await r
-            if r:
-                return
-            await trio.sleep(0.01)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what or cond}")
 
 
 # -- item 4 and 6: the copy is the original, byte for byte, at any width --------------------
@@ -269,7 +257,7 @@ async def test_other_groups_acknowledge_a_groups_copies(redis_url: str, redis: C
     async with open_consumer(redis_url) as consumer:
         await consumer.mount(one, handler("g1"))
         await consumer.mount(two, handler("g2"))
-        await wait_for(lambda: len(calls["g1"]) == 2, what="g1 handles its copy")
+        await eventually(lambda: len(calls["g1"]) == 2, what="g1 handles its copy")
         copy_id = calls["g1"][1].id
         assert copy_id is not None
 
@@ -279,7 +267,7 @@ async def test_other_groups_acknowledge_a_groups_copies(redis_url: str, redis: C
             return bool(info["last-delivered-id"] == copy_id.encode() and info["pending"] == 0
                         and consumer.stats()[two.name]["effects"].get("foreign_copy") == 1)
 
-        await wait_for(g2_done, what="g2 read and acknowledged the copy")
+        await eventually(g2_done, what="g2 read and acknowledged the copy")
         stats = consumer.stats()
     assert [d.id for d in calls["g2"]] == [eid.decode()]
     assert stats[two.name]["effects"].get("foreign_copy") == 1
@@ -305,13 +293,13 @@ async def test_copies_without_group_are_handled_by_every_group(redis_url: str,
     async with open_consumer(redis_url) as consumer:
         for g in ("g1", "g2"):
             await consumer.mount(StreamSubscription(S, g, block=0.05), handler(g))
-        await wait_for(lambda: len(calls["g1"]) == 2 and calls["g2"], what="deliveries")
+        await eventually(lambda: len(calls["g1"]) == 2 and calls["g2"], what="deliveries")
 
         async def acked() -> bool:
             info = await group_info(redis, S, "g2")
             return bool(info["last-delivered-id"] == last and info["pending"] == 0)
 
-        await wait_for(acked, what="g2 done")
+        await eventually(acked, what="g2 done")
     assert [d.origin_id for d in calls["g1"]] == ["0-1", "0-2"]
     assert [d.origin_id for d in calls["g2"]] == ["0-1"]
     assert [d.attempt for d in calls["g1"]] == [2, 2]
@@ -404,7 +392,7 @@ async def test_racing_movers_write_each_handed_back_member_once(
     async with open_consumer(redis_url, name="a") as one, open_consumer(redis_url, name="b") as two:
         await one.mount(sub, handle)
         await two.mount(sub, handle)
-        await wait_for(lambda: len(seen) >= n, what=f"{n} deliveries")
+        await eventually(lambda: len(seen) >= n, what=f"{n} deliveries")
         await trio.sleep(0.3)  # a second write of anything would show up by now
         moved = [c.stats()[sub.name]["effects"].get("moved_from_delay_set", 0) for c in (one, two)]
     assert sorted(d.origin_id for d in seen) == sorted(origins)

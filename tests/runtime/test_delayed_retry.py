@@ -32,6 +32,7 @@ import _delay_proc
 import pytest
 import trio
 from _paths import TESTS
+from _procs import eventually
 from redis import exceptions as rexc
 
 from trio_redis_finalize import (
@@ -98,19 +99,6 @@ def once_then_ack(delay: float) -> Callable[[Delivery], Outcome]:
     return lambda d: retry_after(delay) if d.attempt == 1 else ACK
 
 
-async def wait_for(cond: Callable[[], Any], timeout: float = 30.0, what: str = "") -> None:
-    """Poll ``cond`` (a function, or one returning an awaitable) until true."""
-    with trio.move_on_after(timeout):
-        while True:
-            r = cond()
-            if hasattr(r, "__await__"):
-                r = await r
-            if r:
-                return
-            await trio.sleep(0.01)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what or cond}")
-
-
 async def equals(awaitable: Awaitable[Any], value: Any) -> bool:
     return bool(await awaitable == value)
 
@@ -152,19 +140,19 @@ async def test_runtime_stream_copy(redis_url: str, redis: Client) -> None:
     async with open_consumer(redis_url) as consumer:
         sub = StreamSubscription("s", "g", block=0.1)
         await consumer.mount(sub, rec)
-        await wait_for(lambda: rec.calls, what="first call")
+        await eventually(lambda: rec.calls, what="first call")
         # the original is acknowledged at once, before the copy exists
-        await wait_for(lambda: consumer.stats()[sub.name]["held"] == 1, what="held copy")
+        await eventually(lambda: consumer.stats()[sub.name]["held"] == 1, what="held copy")
         assert await pending(redis, "s", "g") == 0
         assert await redis.execute("XLEN", "s") == 1
-        await wait_for(lambda: rec.attempts(2), timeout=delay + 5, what="the copy")
+        await eventually(lambda: rec.attempts(2), timeout=delay + 5, what="the copy")
         one, two = rec.calls[0], rec.calls[1]
         assert two.at - one.at >= delay
         assert two.delivery.attempt == 2
         assert two.delivery.origin_id == first == one.delivery.origin_id
         assert two.delivery.id != first
         assert dict(two.delivery.fields) == {b"k": b"v"}
-        await wait_for(lambda: consumer.stats()[sub.name]["held"] == 0)
+        await eventually(lambda: consumer.stats()[sub.name]["held"] == 0)
     entries = await stream_entries(redis, "s")
     assert len(entries) == 2
     assert header(entries[1][1], RETRIES_FIELD) == b"1"
@@ -179,7 +167,7 @@ async def test_shutdown_writes_every_held_copy(redis_url: str, redis: Client) ->
     async with open_consumer(redis_url) as consumer:
         sub = StreamSubscription("s", "g", block=0.1)
         await consumer.mount(sub, rec)
-        await wait_for(lambda: consumer.stats()[sub.name]["held"] == 100, what="100 held")
+        await eventually(lambda: consumer.stats()[sub.name]["held"] == 100, what="100 held")
         assert await pending(redis, "s", "g") == 0
         assert await redis.execute("XLEN", "s") == 100
         started = trio.current_time()
@@ -202,9 +190,9 @@ async def test_max_held_copies_sends_at_once_when_full(
         sub = StreamSubscription("s", "g", block=0.1)
         await consumer.mount(sub, rec)
         # 4 wait 60 s; the 6 others went out at once and came back as attempt 2
-        await wait_for(lambda: len(rec.attempts(2)) == 6, what="6 copies sent at once")
+        await eventually(lambda: len(rec.attempts(2)) == 6, what="6 copies sent at once")
         # the reader may see a copy before the scheduler has settled its reply
-        await wait_for(lambda: consumer.stats()[sub.name]["held"] == 4, what="4 held")
+        await eventually(lambda: consumer.stats()[sub.name]["held"] == 4, what="4 held")
         assert len(consumer.scheduler) == 4
         await trio.sleep(0.3)
         assert len(rec.attempts(2)) == 6
@@ -221,16 +209,16 @@ async def test_runtime_copy_survives_cut_connections(redis_url: str, redis: Clie
     async with await redis.connect(name="killer") as killer, open_consumer(redis_url) as consumer:
         sub = StreamSubscription("s", "g", block=0.1)
         await consumer.mount(sub, rec)
-        await wait_for(lambda: consumer.stats()[sub.name]["held"] == 1, what="held copy")
+        await eventually(lambda: consumer.stats()[sub.name]["held"] == 1, what="held copy")
         with trio.move_on_after(0.8):
             while True:
                 await killer.execute("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
                 await trio.sleep(0.01)
-        await wait_for(lambda: rec.attempts(2), timeout=10, what="the copy")
+        await eventually(lambda: rec.attempts(2), timeout=10, what="the copy")
         # the killer's own request may have been cut by move_on_after (a
         # cut connection is closed, never reused): check on a fresh one
         async with await redis.connect(name="checker") as checker:
-            await wait_for(lambda: equals(pending(checker, "s", "g"), 0), timeout=10)
+            await eventually(lambda: equals(pending(checker, "s", "g"), 0), timeout=10)
             raw = await checker.execute("XRANGE", "s", "-", "+")
     copies = [f for _, f in raw if header(list(f), ORIGIN_FIELD) == first.encode()]
     assert 1 <= len(copies) <= 2
@@ -249,10 +237,10 @@ async def test_max_held_copies_zero_never_holds(redis_url: str, redis: Client) -
     async with open_consumer(redis_url, max_held_copies=0) as consumer:
         sub = StreamSubscription("s", "g", block=0.1)
         await consumer.mount(sub, rec)
-        await wait_for(lambda: rec.attempts(2), what="copy sent at once")
+        await eventually(lambda: rec.attempts(2), what="copy sent at once")
         assert len(consumer.scheduler) == 0  # never in the heap
         # (counted held while being sent: the reader may see it before its reply is settled)
-        await wait_for(lambda: consumer.stats()[sub.name]["held"] == 0, what="nothing held")
+        await eventually(lambda: consumer.stats()[sub.name]["held"] == 0, what="nothing held")
 
 
 # -- durable sorted set ---------------------------------------------------------------
@@ -266,7 +254,7 @@ async def test_durable_copy_waits_in_the_set_then_comes_back(redis_url: str, red
     async with open_consumer(redis_url) as consumer:
         sub = StreamSubscription("s", "g", delayed_retry=DelayedRetry.DURABLE_ZSET, block=0.2)
         await consumer.mount(sub, rec)
-        await wait_for(lambda: redis.execute("ZCARD", "{s}:delayed"), what="copy in the set")
+        await eventually(lambda: redis.execute("ZCARD", "{s}:delayed"), what="copy in the set")
         after = await server_ms(redis)
         assert await pending(redis, "s", "g") == 0  # original acknowledged
         _member, score = await redis.execute("ZRANGE", "{s}:delayed", 0, -1, "WITHSCORES")
@@ -274,7 +262,7 @@ async def test_durable_copy_waits_in_the_set_then_comes_back(redis_url: str, red
         assert before + 1000 * delay <= float(score) <= after + 1000 * delay
         # bounds a loaded machine keeps: never before the delay, and back
         # (the reads move due copies) long before a few blocks more
-        await wait_for(lambda: rec.attempts(2), timeout=delay + 30, what="the copy")
+        await eventually(lambda: rec.attempts(2), timeout=delay + 30, what="the copy")
         one, two = rec.calls
         assert two.at - one.at >= delay - 0.05  # server clock vs trio clock
         assert two.at - one.at <= delay + 30
@@ -294,7 +282,7 @@ async def test_durable_counter_grows_every_round(redis_url: str, redis: Client) 
     async with open_consumer(redis_url) as consumer:
         sub = StreamSubscription("s", "g", delayed_retry=DelayedRetry.DURABLE_ZSET, block=0.1)
         await consumer.mount(sub, rec)
-        await wait_for(lambda: rec.attempts(4), what="fourth attempt")
+        await eventually(lambda: rec.attempts(4), what="fourth attempt")
     assert [c.delivery.attempt for c in rec.calls] == [1, 2, 3, 4]
     assert {c.delivery.origin_id for c in rec.calls} == {first}
     assert await redis.execute("EXISTS", "{s}:delayed") == 0
@@ -330,11 +318,11 @@ async def test_sigkill_during_the_delay(redis_url: str, redis: Client, way: str)
         stdout=subprocess.DEVNULL,
     )
     try:
-        await wait_for(lambda: redis.execute("LLEN", "calls"), timeout=20, what="the first call")
+        await eventually(lambda: redis.execute("LLEN", "calls"), timeout=20, what="the first call")
         if way == "runtime":
-            await wait_for(lambda: equals(pending(redis, "s", "g"), 0), what="original acknowledged")
+            await eventually(lambda: equals(pending(redis, "s", "g"), 0), what="original acknowledged")
         elif way == "durable":
-            await wait_for(lambda: redis.execute("ZCARD", "{s}:delayed"), what="copy in the set")
+            await eventually(lambda: redis.execute("ZCARD", "{s}:delayed"), what="copy in the set")
         proc.send_signal(signal.SIGKILL)
         assert await proc.wait() == -signal.SIGKILL
     finally:
@@ -359,7 +347,7 @@ async def test_sigkill_during_the_delay(redis_url: str, redis: Client, way: str)
         if way == "runtime":
             await trio.sleep(delay + 1.0)  # the copy would be back by now
         else:
-            await wait_for(lambda: rec.calls, timeout=delay + 5, what="the message after restart")
+            await eventually(lambda: rec.calls, timeout=delay + 5, what="the message after restart")
             await trio.sleep(0.2)
     if way == "runtime":
         assert rec.calls == []  # lost: the documented cost of the runtime way
@@ -389,10 +377,10 @@ async def test_durable_members_unique_for_identical_messages(redis_url: str, red
     async with open_consumer(redis_url) as consumer:
         sub = StreamSubscription("s", "g", delayed_retry=DelayedRetry.DURABLE_ZSET, block=0.1)
         await consumer.mount(sub, rec)
-        await wait_for(lambda: len(rec.attempts(2)) == 2, what="both entries")
+        await eventually(lambda: len(rec.attempts(2)) == 2, what="both entries")
         # both wait in the set at once (the delay is 0.3 s, the block 0.1 s)
-        await wait_for(lambda: equals(redis.execute("ZCARD", "{s}:delayed"), 2), what="2 members")
-        await wait_for(lambda: len(rec.attempts(3)) == 2, timeout=30, what="both copies")
+        await eventually(lambda: equals(redis.execute("ZCARD", "{s}:delayed"), 2), what="2 members")
+        await eventually(lambda: len(rec.attempts(3)) == 2, timeout=30, what="both copies")
         await trio.sleep(0.2)
     assert [c.delivery.origin_id for c in rec.calls] == ["0-1"] * 4
     assert len(rec.calls) == 4
@@ -405,16 +393,16 @@ async def test_durable_reliable_list_copy(redis_url: str, redis: Client) -> None
     async with open_consumer(redis_url, name="c1") as consumer:
         sub = ReliableListSubscription("q", delayed_retry=DelayedRetry.DURABLE_ZSET, block=0.1)
         await consumer.mount(sub, rec)
-        await wait_for(lambda: redis.execute("ZCARD", "{q}:delayed"), what="copy in the set")
+        await eventually(lambda: redis.execute("ZCARD", "{q}:delayed"), what="copy in the set")
         # the original left the processing list in the same script
         assert await redis.execute("LLEN", "{q}:processing:c1") == 0
         assert await redis.execute("LLEN", "q") == 0
-        await wait_for(lambda: rec.attempts(2), timeout=delay + 5, what="the copy")
+        await eventually(lambda: rec.attempts(2), timeout=delay + 5, what="the copy")
         one, two = rec.calls
         assert two.at - one.at >= delay - 0.05
         assert two.delivery.data == b"job"
         assert two.delivery.origin_id == one.delivery.origin_id
-        await wait_for(lambda: equals(redis.execute("LLEN", "{q}:processing:c1"), 0))
+        await eventually(lambda: equals(redis.execute("LLEN", "{q}:processing:c1"), 0))
     assert await redis.execute("EXISTS", "{q}:delayed") == 0
     assert len(rec.calls) == 2
 
@@ -431,8 +419,8 @@ async def test_two_consumers_move_each_copy_exactly_once(redis_url: str, redis: 
         for o in origins:
             args += [0, due_member(o)]  # score 0: long due
         assert await redis.execute("ZADD", "{s}:delayed", *args) == n
-        await wait_for(lambda: len(rec.calls) >= n, timeout=20, what=f"{n} deliveries")
-        await wait_for(lambda: equals(pending(redis, "s", "g"), 0), what="all acknowledged")
+        await eventually(lambda: len(rec.calls) >= n, timeout=20, what=f"{n} deliveries")
+        await eventually(lambda: equals(pending(redis, "s", "g"), 0), what="all acknowledged")
         await trio.sleep(0.3)  # a second move of anything would show up by now
         moved = [c.stats()[sub.name]["effects"].get("moved_from_delay_set", 0) for c in (one, two)]
     assert await redis.execute("XLEN", "s") == n
@@ -451,7 +439,7 @@ async def test_due_copy_is_moved_while_the_stream_is_idle(redis_url: str, redis:
     async with open_consumer(redis_url) as consumer:
         sub = StreamSubscription("s", "g", delayed_retry=DelayedRetry.DURABLE_ZSET, block=0.5)
         await consumer.mount(sub, rec)
-        await wait_for(lambda: rec.attempts(2), timeout=0.3 + 0.5 + 3.0, what="the copy")
+        await eventually(lambda: rec.attempts(2), timeout=0.3 + 0.5 + 3.0, what="the copy")
     assert rec.calls[1].delivery.origin_id == first
 
 
@@ -467,7 +455,7 @@ async def test_block_is_shortened_to_the_next_due_time(redis_url: str, redis: Cl
         sub = StreamSubscription("s", "g", delayed_retry=DelayedRetry.DURABLE_ZSET, block=60.0)
         await consumer.mount(sub, rec)
         # a bound: long before one block of 60 s
-        await wait_for(lambda: rec.calls, timeout=40, what="the due copy")
+        await eventually(lambda: rec.calls, timeout=40, what="the due copy")
         assert rec.calls[0].at - start >= 1.5 - 0.1
         assert rec.calls[0].delivery.origin_id == "0-7"
 
@@ -512,7 +500,7 @@ async def test_refused_move_keeps_the_consumer_reading(
     async with open_consumer(redis_url) as consumer:
         sub = StreamSubscription("s", "g", delayed_retry=DelayedRetry.DURABLE_ZSET, block=0.1)
         await consumer.mount(sub, rec)
-        await wait_for(lambda: len(rec.calls) == 2, what="seed and the one copy written")
+        await eventually(lambda: len(rec.calls) == 2, what="seed and the one copy written")
         await trio.sleep(0.5)  # still alive, still reading
         assert consumer.stats()[sub.name]["read_errors"] >= 1
     assert rec.calls[0].delivery.id == top
@@ -552,9 +540,9 @@ async def test_connections_cut_while_moving_lose_and_duplicate_nothing(
             for _ in range(40):
                 await killer.execute("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
                 await trio.sleep(0.005)
-            await wait_for(lambda: len({c.delivery.origin_id for c in rec.calls}) == n, timeout=30,
+            await eventually(lambda: len({c.delivery.origin_id for c in rec.calls}) == n, timeout=30,
                            what="every copy handled")
-            await wait_for(lambda: equals(pending(killer, "s", "g"), 0), timeout=10,
+            await eventually(lambda: equals(pending(killer, "s", "g"), 0), timeout=10,
                            what="all acknowledged")
             stats = consumer.stats()[sub.name]
         assert stats["read_errors"] >= 1  # the cuts did hit the consumer
@@ -573,15 +561,15 @@ async def test_claiming_short_delay_lasts_min_idle(redis_url: str, redis: Client
     async with open_consumer(redis_url) as consumer:
         sub = StreamSubscription("s", "g", mode=Mode.CLAIMING, min_idle=0.5, block=0.05)
         await consumer.mount(sub, rec)
-        await wait_for(lambda: rec.calls, what="first call")
+        await eventually(lambda: rec.calls, what="first call")
         await trio.sleep(0.1)
         assert await pending(redis, "s", "g") == 1  # waits in the PEL
-        await wait_for(lambda: rec.attempts(2), timeout=30, what="claimed back")
+        await eventually(lambda: rec.attempts(2), timeout=30, what="claimed back")
         one, two = rec.calls
         assert two.at - one.at >= 0.5 - 0.05
         assert two.delivery.id == first == one.delivery.id
         assert two.delivery.attempt == 2
-        await wait_for(lambda: equals(pending(redis, "s", "g"), 0))
+        await eventually(lambda: equals(pending(redis, "s", "g"), 0))
     assert await redis.execute("XLEN", "s") == 1
     assert await redis.execute("EXISTS", "{s}:delayed") == 0
 
@@ -595,7 +583,7 @@ async def test_claiming_longer_delay_is_cut_and_logged_once(
     async with open_consumer(redis_url) as consumer:
         sub = StreamSubscription("s", "g", mode=Mode.CLAIMING, min_idle=0.3, block=0.05)
         await consumer.mount(sub, rec)
-        await wait_for(lambda: len(rec.attempts(2)) == 3, timeout=30, what="all three claimed back")
+        await eventually(lambda: len(rec.attempts(2)) == 3, timeout=30, what="all three claimed back")
     cut = warnings_with(logs, "cut to min_idle")
     assert len(cut) == 1
     assert sub.name in cut[0].getMessage()
@@ -610,7 +598,7 @@ async def test_claiming_delay_not_longer_than_min_idle_is_not_logged(
     async with open_consumer(redis_url) as consumer:
         sub = StreamSubscription("s", "g", mode=Mode.CLAIMING, min_idle=0.2, block=0.05)
         await consumer.mount(sub, rec)
-        await wait_for(lambda: rec.attempts(2), timeout=30, what="claimed back")
+        await eventually(lambda: rec.attempts(2), timeout=30, what="claimed back")
     assert not warnings_with(logs, "cut to min_idle")
 
 
@@ -624,9 +612,9 @@ async def test_claiming_with_durable_zset_sends_delays_to_the_set(
         sub = StreamSubscription("s", "g", mode=Mode.CLAIMING, min_idle=0.2,
                                  delayed_retry=DelayedRetry.DURABLE_ZSET, block=0.05)
         await consumer.mount(sub, rec)
-        await wait_for(lambda: redis.execute("ZCARD", "{s}:delayed"), what="copy in the set")
+        await eventually(lambda: redis.execute("ZCARD", "{s}:delayed"), what="copy in the set")
         assert await pending(redis, "s", "g") == 0
-        await wait_for(lambda: rec.attempts(2), timeout=delay + 5, what="the copy")
+        await eventually(lambda: rec.attempts(2), timeout=delay + 5, what="the copy")
         one, two = rec.calls
         assert two.at - one.at >= delay - 0.05  # not cut to min_idle
         assert two.delivery.id != first
@@ -651,7 +639,7 @@ async def test_max_attempts_stream_then_dead_letter(redis_url: str, redis: Clien
         sub = StreamSubscription("s", "g", max_attempts=3, dead_letter="dead", block=0.05,
                                  **STREAM_WAYS[way])
         await consumer.mount(sub, rec)
-        await wait_for(lambda: redis.execute("XLEN", "dead"), what="dead letter")
+        await eventually(lambda: redis.execute("XLEN", "dead"), what="dead letter")
         await trio.sleep(0.5)  # no fourth call
         assert consumer.stats()[sub.name]["held"] == 0
         assert consumer.stats()[sub.name]["effects"]["dead_lettered"] == 1
@@ -675,7 +663,7 @@ async def test_max_attempts_reliable_list_then_dead_letter(
         sub = ReliableListSubscription("q", max_attempts=3, dead_letter="dead", block=0.05,
                                        delayed_retry=way)
         await consumer.mount(sub, rec)
-        await wait_for(lambda: redis.execute("LLEN", "dead"), what="dead letter")
+        await eventually(lambda: redis.execute("LLEN", "dead"), what="dead letter")
         await trio.sleep(0.5)
         assert consumer.stats()[sub.name]["held"] == 0
     assert [c.delivery.attempt for c in rec.calls] == [1, 2, 3]
@@ -699,16 +687,16 @@ async def test_runtime_reliable_list_keeps_the_original_while_waiting(
     async with open_consumer(redis_url, name="c1") as consumer:
         sub = ReliableListSubscription("q", block=0.1)
         await consumer.mount(sub, rec)
-        await wait_for(lambda: consumer.stats()[sub.name]["held"] == 1, what="held copy")
+        await eventually(lambda: consumer.stats()[sub.name]["held"] == 1, what="held copy")
         # the original stays in the processing list, the queue has no copy yet
         assert await redis.execute("LRANGE", "{q}:processing:c1", 0, -1) == [b"job"]
         assert await redis.execute("LLEN", "q") == 0
-        await wait_for(lambda: rec.attempts(2), timeout=delay + 5, what="the copy")
+        await eventually(lambda: rec.attempts(2), timeout=delay + 5, what="the copy")
         one, two = rec.calls
         assert two.at - one.at >= delay
         assert two.delivery.data == b"job"
         assert two.delivery.origin_id == one.delivery.origin_id == content_origin(b"job")
-        await wait_for(lambda: equals(redis.execute("LLEN", "{q}:processing:c1"), 0), what="removed")
+        await eventually(lambda: equals(redis.execute("LLEN", "{q}:processing:c1"), 0), what="removed")
     assert len(rec.calls) == 2
     assert await redis.execute("LLEN", "q") == 0
 
@@ -722,7 +710,7 @@ async def test_runtime_reliable_list_shutdown_writes_held_copies(
     async with open_consumer(redis_url, name="c1") as consumer:
         sub = ReliableListSubscription("q", block=0.1)
         await consumer.mount(sub, rec)
-        await wait_for(lambda: consumer.stats()[sub.name]["held"] == 20, what="20 held")
+        await eventually(lambda: consumer.stats()[sub.name]["held"] == 20, what="20 held")
     # copied back to the queue (attempt 2 next time), removed from processing
     assert await redis.execute("LLEN", "q") == 20
     assert await redis.execute("LLEN", "{q}:processing:c1") == 0
@@ -735,9 +723,9 @@ async def test_runtime_simple_list_copy(redis_url: str, redis: Client) -> None:
     async with open_consumer(redis_url) as consumer:
         sub = ListSubscription("l", block=0.1)
         await consumer.mount(sub, rec)
-        await wait_for(lambda: consumer.stats()[sub.name]["held"] == 1, what="held copy")
+        await eventually(lambda: consumer.stats()[sub.name]["held"] == 1, what="held copy")
         assert await redis.execute("LLEN", "l") == 0
-        await wait_for(lambda: rec.attempts(2), timeout=delay + 5, what="the copy")
+        await eventually(lambda: rec.attempts(2), timeout=delay + 5, what="the copy")
         one, two = rec.calls
         assert two.at - one.at >= delay
         assert two.delivery.data == b"x"
@@ -753,8 +741,8 @@ async def test_runtime_channel_copy(redis_url: str, redis: Client) -> None:
         sub = ChannelSubscription("ch")
         await consumer.mount(sub, rec)
         assert await redis.execute("PUBLISH", "ch", b"hello") == 1
-        await wait_for(lambda: rec.calls, what="first message")
-        await wait_for(lambda: rec.attempts(2), timeout=delay + 5, what="the copy")
+        await eventually(lambda: rec.calls, what="first message")
+        await eventually(lambda: rec.attempts(2), timeout=delay + 5, what="the copy")
         one, two = rec.calls
         assert two.at - one.at >= delay
         assert two.delivery.source == "ch"
@@ -771,7 +759,7 @@ async def test_runtime_pattern_copy_goes_to_retry_channel(redis_url: str, redis:
         sub = PatternSubscription("ev.*", retry_channel="ev.retry")
         await consumer.mount(sub, rec)
         assert await redis.execute("PUBLISH", "ev.a", b"hello") == 1
-        await wait_for(lambda: rec.attempts(2), timeout=delay + 5, what="the copy")
+        await eventually(lambda: rec.attempts(2), timeout=delay + 5, what="the copy")
         one, two = rec.calls
         assert two.at - one.at >= delay
         assert one.delivery.source == "ev.a"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Awaitable, Callable
 
 import anyio
 import pytest
@@ -21,18 +20,6 @@ from trio_redis_finalize._transport import Client, open_client
 pytestmark = pytest.mark.timeout(60)
 
 NAME = "stream 's' group 'g'"
-
-
-async def _poll(check: Callable[[], bool | Awaitable[bool]], what: str, timeout: float = 10) -> None:
-    with anyio.move_on_after(timeout):
-        while True:
-            ok = check()
-            if not isinstance(ok, bool):
-                ok = await ok
-            if ok:
-                return
-            await anyio.sleep(0.02)
-    raise AssertionError(f"{what} not reached within {timeout} s")
 
 
 async def _pending(client: Client) -> int:
@@ -61,15 +48,15 @@ def test_asyncio_cancelled_error_of_another_task_is_a_handler_error(redis_url: s
                 async with open_consumer(redis_url, name="c1", shutdown_grace=0.2) as consumer:
                     await consumer.mount(StreamSubscription("s", "g", block=0.1), handler,
                                          concurrency=1, on_error=DROP)
-                    await _poll(lambda: len(seen) == 3, "every entry handled")
+                    await eventually(lambda: len(seen) == 3, what="every entry handled")
                     mount = consumer.mounts[0]
-                    await _poll(lambda: not mount.in_hand, "no held id left")
+                    await eventually(lambda: not mount.in_hand, what="no held id left")
                     stats = consumer.stats()[NAME]
                     assert stats["handler_errors"] == 1, stats
                     assert stats["effects"] == {"dropped": 1, "acked": 2}, stats
                     # the consumer's own cancellation still ends a handler
                     await client.execute("XADD", "s", "*", "n", "hang")
-                    await _poll(lambda: len(seen) == 4, "the hanging handler called")
+                    await eventually(lambda: len(seen) == 4, what="the hanging handler called")
                 assert consumer.stats()[NAME]["handler_errors"] == 1
             assert await _pending(client) == 1  # the hanging one stays pending
 

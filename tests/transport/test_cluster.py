@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import trio
-from _procs import eventually
+from _procs import Recorder, eventually
 
 from trio_redis_finalize import (
     ACK,
@@ -78,16 +78,6 @@ def node_of(client: ClusterClient, key: str) -> Address:
 
 def other_node(client: ClusterClient, key: str) -> Address:
     return next(n for n in client.nodes if n != node_of(client, key))
-
-
-class Recorder:
-    def __init__(self, decide: Callable[[Delivery], Outcome]) -> None:
-        self.decide = decide
-        self.seen: list[Delivery] = []
-
-    async def __call__(self, d: Delivery) -> Outcome:
-        self.seen.append(d)
-        return self.decide(d)
 
 
 def effects(consumer: Consumer, name: str) -> dict[str, int]:

@@ -33,6 +33,7 @@ from urllib.parse import quote
 import anyio
 import pytest
 import trio
+from _procs import eventually
 from anyio.abc import SocketAttribute
 from faults.chaosproxy import ChaosProxy
 from hypothesis import given, settings
@@ -365,19 +366,6 @@ async def nothing_pending(client: Client) -> bool:
     ]
     LEFT[:] = counts
     return not any(counts)
-
-
-async def eventually(check: Callable[[], Awaitable[bool] | bool], timeout: float,
-                     what: str | Callable[[], str]) -> None:
-    with trio.move_on_after(timeout):
-        while True:
-            ok = check()
-            if not isinstance(ok, bool):
-                ok = await ok
-            if ok:
-                return
-            await trio.sleep(0.02)
-    raise AssertionError(f"{what if isinstance(what, str) else what()} not within {timeout} s")
 
 
 @pytest.mark.parametrize("fault", ["SENTINEL FAILOVER", "SIGKILL"])

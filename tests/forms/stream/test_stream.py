@@ -5,13 +5,12 @@ max_attempts / dead letter, bad input, and the asyncio backend."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import anyio
 import pytest
 import trio
-from _procs import Monitor, eventually
+from _procs import Monitor, Recorder, eventually
 
 from trio_redis_finalize import (
     ACK,
@@ -66,20 +65,6 @@ async def xadd(client: Client, stream: str = S, **fields: str) -> str:
         args += [k, v]
     eid = await client.execute("XADD", stream, "*", *args)
     return str(eid.decode())
-
-
-class Recorder:
-    """A handler that records deliveries and answers with ``decide(delivery)``."""
-
-    def __init__(self, decide: Callable[[Delivery], Outcome]) -> None:
-        self.decide = decide
-        self.seen: list[Delivery] = []
-        self.at: list[float] = []
-
-    async def __call__(self, d: Delivery) -> Outcome:
-        self.seen.append(d)
-        self.at.append(trio.current_time())
-        return self.decide(d)
 
 
 # -- the table, cell by cell ------------------------------------------------------

@@ -10,17 +10,14 @@ from typing import Any
 
 import pytest
 import trio
-from _procs import eventually
+from _procs import Recorder, eventually
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis import exceptions as rexc
 
 from trio_redis_finalize import (
-    ACK,
     DelayedRetry,
-    Delivery,
     Mode,
-    Outcome,
     StreamSubscription,
     open_consumer,
 )
@@ -28,15 +25,6 @@ from trio_redis_finalize._transport import Client, open_client
 
 S, G = "jobs", "workers"
 NAME = f"stream {S!r} group {G!r}"
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.seen: list[Delivery] = []
-
-    async def __call__(self, d: Delivery) -> Outcome:
-        self.seen.append(d)
-        return ACK
 
 
 async def xadd(client: Client, n: str) -> str:
