@@ -19,6 +19,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import anyio
 import trio
 
 from trio_redis_finalize import (
@@ -42,15 +43,15 @@ async def eventually(check: Callable[[], object], timeout: float = 30.0,
     """Poll ``check`` (sync, or returning an awaitable) until it is true; the seconds it took.
     ``timeout`` is a bound, never an expectation; ``what`` names the condition (or builds
     the message when it fails)."""
-    start = trio.current_time()
-    with trio.move_on_after(timeout):
+    start = anyio.current_time()
+    with anyio.move_on_after(timeout):
         while True:
             ok = check()
             if inspect.isawaitable(ok):
                 ok = await ok
             if ok:
-                return trio.current_time() - start
-            await trio.sleep(0.02)
+                return anyio.current_time() - start
+            await anyio.sleep(0.02)
     raise AssertionError(f"{what if isinstance(what, str) else what()} not reached within {timeout} s")
 
 
@@ -81,17 +82,17 @@ class Recorder:
 
     async def __call__(self, d: Delivery) -> Outcome:
         self.seen.append(d)
-        self.at.append(trio.current_time())
+        self.at.append(anyio.current_time())
         return self.decide(d)
-
-
-async def pending(client: Client, stream: str, group: str) -> int:
-    """How many entries of ``stream`` wait in ``group``'s PEL (``XPENDING`` summary)."""
-    return int((await client.execute("XPENDING", stream, group))[0])
 
     @property
     def data(self) -> list[bytes | None]:
         return [d.data for d in self.seen]
+
+
+async def pel_count(client: Client, stream: str, group: str) -> int:
+    """How many entries of ``stream`` wait in ``group``'s PEL (``XPENDING`` summary)."""
+    return int((await client.execute("XPENDING", stream, group))[0])
 
 
 _LINE = re.compile(r'^[\d.]+ \[\d+ ([^\]]+)\] "([^"]+)"(.*)$', re.S)

@@ -10,6 +10,7 @@ move each message once); bad input (exit 2, one line on stderr, no traceback).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -205,6 +207,25 @@ def _wait_for(predicate: Any, timeout: float = 15.0) -> None:
         time.sleep(0.05)
 
 
+@contextlib.contextmanager
+def _running(tmp_path: Path, *args: str) -> Iterator[subprocess.Popen[str]]:
+    """``trio-redis-finalize run ARGS`` in ``tmp_path``, killed if the test leaves it running."""
+    proc = subprocess.Popen([*CLI, "run", *args], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _stop(proc: subprocess.Popen[str], timeout: float = 20) -> str:
+    """SIGTERM, then what the process wrote on stderr until it exited."""
+    proc.send_signal(signal.SIGTERM)
+    return proc.communicate(timeout=timeout)[1]
+
+
 def _handled(tmp_path: Path) -> list[str]:
     path = tmp_path / "handled.txt"
     return path.read_text().split() if path.exists() else []
@@ -215,18 +236,9 @@ def test_run_consumes_then_stops_gracefully_on_sigterm(
 ) -> None:
     (tmp_path / "worker_mod.py").write_text(WORKER)
     ids = [cmd(redis_server, "XADD", "jobs", "*", "n", str(i)).decode() for i in range(5)]
-    proc = subprocess.Popen(
-        [*CLI, "run", "worker_mod:setup", "--url", redis_url, "--name", "w1"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    try:
+    with _running(tmp_path, "worker_mod:setup", "--url", redis_url, "--name", "w1") as proc:
         _wait_for(lambda: len(_handled(tmp_path)) == 5)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=20)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        err = _stop(proc)
     assert proc.returncode == 0, err
     assert sorted(_handled(tmp_path)) == [str(i) for i in range(5)]
     assert "SIGTERM" in err and "shutting down gracefully" in err
@@ -246,11 +258,7 @@ def test_run_second_signal_exits_at_once(
 ) -> None:
     (tmp_path / "worker_mod.py").write_text(WORKER)
     cmd(redis_server, "XADD", "jobs", "*", "n", "0", "slow", "1")
-    proc = subprocess.Popen(
-        [*CLI, "run", "worker_mod:setup", "--url", redis_url, "--shutdown-grace", "30"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    try:
+    with _running(tmp_path, "worker_mod:setup", "--url", redis_url, "--shutdown-grace", "30") as proc:
         _wait_for(lambda: _handled(tmp_path) == ["0"])
         proc.send_signal(signal.SIGTERM)
         assert proc.stderr is not None
@@ -265,10 +273,6 @@ def test_run_second_signal_exits_at_once(
         started = time.monotonic()
         _, err = proc.communicate(timeout=10)
         assert time.monotonic() - started < 5
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "exiting now" in err
     # the unfinished entry was not acknowledged: it stays pending for recovery
@@ -660,16 +664,9 @@ async def setup(consumer):
 
 
 def _run_until_handled(tmp_path: Path, args: list[str], n: int) -> tuple[int, str]:
-    proc = subprocess.Popen([*CLI, "run", *args], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
+    with _running(tmp_path, *args) as proc:
         _wait_for(lambda: len(_handled(tmp_path)) >= n or proc.poll() is not None)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=20)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        err = _stop(proc)
     return proc.returncode, err
 
 
@@ -759,11 +756,8 @@ def test_run_metrics_port_serves_prometheus(
     for i in range(4):
         cmd(redis_server, "XADD", "jobs", "*", "n", str(i))
     port = free_port()
-    proc = subprocess.Popen(
-        [*CLI, "run", "worker_mod:setup", "--url", redis_url, "--metrics-port", str(port),
-         "--metrics-prefix", "jobs"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with _running(tmp_path, "worker_mod:setup", "--url", redis_url, "--metrics-port", str(port),
+                  "--metrics-prefix", "jobs") as proc:
         _wait_for(lambda: len(_handled(tmp_path)) == 4)
 
         def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -799,12 +793,7 @@ def test_run_metrics_port_serves_prometheus(
         assert got[("process_resident_memory_bytes", ())] > 0
         assert ("process_cpu_seconds_total", ()) in got
         assert any(name == "python_info" for name, _ in got)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=20)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        err = _stop(proc)
     assert proc.returncode == 0, err
     # the default host: this host only, and the log says where
     assert f"serving metrics on http://127.0.0.1:{port}/metrics" in err
@@ -823,20 +812,12 @@ def test_run_metrics_host(tmp_path: Path, redis_url: str) -> None:
     no such option; always 0.0.0.0)."""
     (tmp_path / "worker_mod.py").write_text(WORKER)
     port = free_port()
-    proc = subprocess.Popen(
-        [*CLI, "run", "worker_mod:setup", "--url", redis_url, "--metrics-port", str(port),
-         "--metrics-host", "127.0.0.2"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with _running(tmp_path, "worker_mod:setup", "--url", redis_url, "--metrics-port", str(port),
+                  "--metrics-host", "127.0.0.2") as proc:
         _wait_for(lambda: _listening("127.0.0.2", port) or proc.poll() is not None)
         assert proc.poll() is None
         assert not _listening("127.0.0.1", port)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=20)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        err = _stop(proc)
     assert proc.returncode == 0, err
     assert f"serving metrics on http://127.0.0.2:{port}/metrics" in err
 

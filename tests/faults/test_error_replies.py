@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import trio
-from _procs import eventually, pending
+from _procs import eventually, pel_count
 
 from faults.server_faults import busy_server
 from trio_redis_finalize import (
@@ -67,7 +67,7 @@ async def test_retry_under_oom_is_sent_again_not_dropped(
                          what="the copy written and handled")
         effects = consumer.stats()[name]["effects"]
         assert effects["copied"] == 1 and effects.get("failed", 0) == 0, effects
-    assert await pending(client, "s", "g") == 0
+    assert await pel_count(client, "s", "g") == 0
     assert await client.execute("XLEN", "s") == 2
 
 
@@ -98,7 +98,7 @@ async def test_runtime_delayed_copy_under_oom_is_requeued(
         # the reader may see the copy before the scheduler has counted its reply
         await eventually(lambda: consumer.stats()[name]["effects"].get("released") == 1,
                          what="the copy counted released")
-    assert await pending(client, "s", "g") == 0
+    assert await pel_count(client, "s", "g") == 0
 
 
 @pytest.mark.parametrize("form", ["stream", "reliable-list"])
@@ -135,7 +135,7 @@ async def test_copies_refused_through_the_shutdown_are_counted_lost_and_logged(
     [record] = [r for r in caplog.records if "before shutting down" in r.getMessage()]
     assert record.subscription == sub.name  # type: ignore[attr-defined]
     if form == "stream":
-        assert await pending(client, "s", "g") == 0  # acknowledged: the copy was the message
+        assert await pel_count(client, "s", "g") == 0  # acknowledged: the copy was the message
         assert await client.execute("XLEN", "s") == 1
     else:
         assert await client.execute("LLEN", "{q}:processing:c1") == 1  # recovered on restart
@@ -170,7 +170,7 @@ async def test_a_finalization_the_shutdown_cuts_is_logged_and_stays_pending(
     [record] = [r for r in caplog.records if "cut finalization" in r.getMessage()]
     assert record.subscription == sub.name  # type: ignore[attr-defined]
     assert "with 1 outcome not confirmed" in record.getMessage()
-    assert await pending(client, "s", "g") == 1
+    assert await pel_count(client, "s", "g") == 1
     assert await client.execute("XLEN", "s") == 1
     assert "copied" not in consumer.stats()[sub.name]["effects"]
 
@@ -337,7 +337,7 @@ async def test_batched_retry_under_oom_sends_each_delivery_again(
         effects = consumer.stats()[name]["effects"]
         assert effects["copied"] == 3 and effects.get("failed", 0) == 0, effects
     assert sorted(seen) == [(str(i), a) for i in range(3) for a in (1, 2)]
-    assert await pending(client, "s", "g") == 0
+    assert await pel_count(client, "s", "g") == 0
     assert await client.execute("XLEN", "s") == 6
     assert await _batched_script_ran(client)
 
@@ -397,7 +397,7 @@ async def test_batched_dead_letters_to_a_wrong_type_fail_each_and_name_it(
                          what="both failed")
         stats = consumer.stats()[name]
         assert stats["finalize_errors"] >= 2 and "dead_lettered" not in stats["effects"]
-    assert await pending(client, "s", "g") == 2
+    assert await pel_count(client, "s", "g") == 2
     text = caplog.text
     assert "WRONGTYPE" in text and "EVALSHA stream_copy_ack on key 's', 'dl'" in text
     for eid in ids:
@@ -454,7 +454,7 @@ async def test_batched_retry_whose_xack_is_refused_leaves_copies_and_originals_p
             name = consumer.mounts[0].name
             await eventually(lambda: consumer.stats()[name]["effects"].get("acked", 0) >= 6,
                              what="the originals and their copies acknowledged")
-        assert await pending(client, "s", "g") == 0
+        assert await pel_count(client, "s", "g") == 0
     finally:
         await client.execute("ACL", "DELUSER", user)
     assert await client.execute("XLEN", "s") == 6  # no second copy

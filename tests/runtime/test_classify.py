@@ -4,7 +4,7 @@ FINAL / NOT_RUN / UNKNOWN (DESIGN §4 "Error replies")."""
 from __future__ import annotations
 
 import pytest
-from _procs import pending
+from _procs import pel_count
 from faults.server_faults import OomSwitch, busy_server
 from redis import exceptions as rexc
 
@@ -54,7 +54,7 @@ async def test_classify_real_replies(client: Client, oom: OomSwitch, redis_serve
     assert all(isinstance(r, rexc.ResponseError) for r in replies), replies
     assert [classify(r) for r in replies] == [NOT_RUN] * 3, [str(r) for r in replies]
     assert all(isinstance(r, NOT_RUN_ERRORS) for r in replies)
-    assert await pending(client, "s", "g") == 1  # the script wrote nothing
+    assert await pel_count(client, "s", "g") == 1  # the script wrote nothing
 
     # NOREPLICAS
     await client.execute("CONFIG", "SET", "min-replicas-to-write", "1")

@@ -34,7 +34,6 @@ from pathlib import Path
 import anyio
 import pytest
 import trio
-from _procs import eventually
 
 from trio_redis_finalize import (
     ACK,
@@ -121,6 +120,18 @@ def stream_sub(stream: str = "orders", group: str = "billing", heartbeat: float 
 
 def list_sub(queue: str = "jobs", heartbeat: float = 30.0) -> ReliableListSubscription:
     return ReliableListSubscription(queue, heartbeat=heartbeat, block=0.05)
+
+
+async def eventually(check: object, timeout: float = 20.0, what: str = "condition") -> None:
+    with trio.move_on_after(timeout):
+        while True:
+            ok = check()  # type: ignore[operator]
+            if hasattr(ok, "__await__"):
+                ok = await ok
+            if ok:
+                return
+            await trio.sleep(0.02)
+    raise AssertionError(f"{what} not reached within {timeout} s")
 
 
 # -- point 8: a second live process with the name ------------------------------------

@@ -34,6 +34,7 @@ import anyio
 import pytest
 import trio
 from _procs import eventually
+from _rlist import NAME, Q, effects, lrange
 from faults.cmdproxy import LOST, CommandProxy, Fault, Fired, error
 
 from trio_redis_finalize import (
@@ -49,19 +50,7 @@ from trio_redis_finalize._core.reliable_list.liveness import receipts_key
 from trio_redis_finalize._transport import Client
 from trio_redis_finalize.testing import RedisServer
 
-Q = "jobs"
-NAME = f"reliable list {Q!r}"
 PROC = "{jobs}:processing:c1"
-
-
-def effects(consumer: Consumer) -> dict[str, int]:
-    e: dict[str, int] = dict(consumer.stats()[NAME]["effects"])
-    return e
-
-
-async def lrange(client: Client, key: str) -> list[bytes]:
-    items: list[bytes] = await client.execute("LRANGE", key, 0, -1)
-    return items
 
 
 async def counter(client: Client, key: str) -> int:

@@ -12,12 +12,12 @@ import anyio
 import pytest
 import trio
 from _procs import ConsumerProcess, Monitor, Recorder, addr_of, eventually
+from _rlist import NAME, Q, effects, lrange, proc, stats, sub
 
 from trio_redis_finalize import (
     ACK,
     DROP,
     RETRY,
-    Consumer,
     DelayedRetry,
     Delivery,
     ReliableListSubscription,
@@ -28,35 +28,6 @@ from trio_redis_finalize._core._plan import content_origin
 from trio_redis_finalize._core.reliable_list.liveness import bumped, heartbeat_key, registry_key
 from trio_redis_finalize._envelope import MAGIC, unwrap, wrap
 from trio_redis_finalize._transport import Client, WrongTypeError, open_client
-
-Q = "jobs"
-NAME = f"reliable list {Q!r}"
-
-
-def proc(consumer: str) -> str:
-    return f"{{{Q}}}:processing:{consumer}"
-
-
-
-
-def stats(consumer: Consumer) -> dict[str, Any]:
-    return consumer.stats()[NAME]
-
-
-def effects(consumer: Consumer) -> dict[str, int]:
-    e: dict[str, int] = stats(consumer)["effects"]
-    return e
-
-
-async def lrange(client: Client, key: str) -> list[bytes]:
-    items: list[bytes] = await client.execute("LRANGE", key, 0, -1)
-    return items
-
-
-def sub(**kw: Any) -> ReliableListSubscription:
-    kw.setdefault("block", 0.1)
-    return ReliableListSubscription(Q, **kw)
-
 
 # -- the table, cell by cell ------------------------------------------------------
 

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import trio
 from _procs import Recorder, addr_of, eventually
+from _rlist import NAME, Q, effects, lrange, proc, sub
 from redis import exceptions as rexc
 
 from trio_redis_finalize import (
@@ -42,28 +43,6 @@ from trio_redis_finalize._core.reliable_list.gates import ListGates
 from trio_redis_finalize._core.reliable_list.liveness import bumped
 from trio_redis_finalize._envelope import unwrap, wrap
 from trio_redis_finalize._transport import Client, Command, Connection, WrongTypeError, parse_url
-
-Q = "jobs"
-NAME = f"reliable list {Q!r}"
-
-
-def proc(consumer: str) -> str:
-    return f"{{{Q}}}:processing:{consumer}"
-
-
-def sub(**kw: Any) -> ReliableListSubscription:
-    kw.setdefault("block", 0.1)
-    return ReliableListSubscription(Q, **kw)
-
-
-def effects(consumer: Consumer) -> dict[str, int]:
-    e: dict[str, int] = consumer.stats()[NAME]["effects"]
-    return e
-
-
-async def lrange(client: Client, key: str) -> list[bytes]:
-    items: list[bytes] = await client.execute("LRANGE", key, 0, -1)
-    return items
 
 
 def _name(cmd: Command) -> bytes:
