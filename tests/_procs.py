@@ -18,12 +18,14 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import anyio
 import trio
 
 from trio_redis_finalize import (
     ACK,
+    Consumer,
     Delivery,
     Outcome,
     ReliableListSubscription,
@@ -88,6 +90,20 @@ class Recorder:
     @property
     def data(self) -> list[bytes | None]:
         return [d.data for d in self.seen]
+
+
+def stats(consumer: Consumer, name: str | None = None) -> dict[str, Any]:
+    """``consumer.stats()`` of subscription ``name``, or of the consumer's only one."""
+    every = consumer.stats()
+    if name is None:
+        (only,) = every.values()
+        return only
+    return every[name]
+
+
+def effects(consumer: Consumer, name: str | None = None) -> dict[str, int]:
+    """The effects counted for subscription ``name`` (or the only one) so far."""
+    return dict(stats(consumer, name)["effects"])
 
 
 async def pel_count(client: Client, stream: str, group: str) -> int:

@@ -31,6 +31,21 @@ from anyio.abc import SocketAttribute, TaskStatus
 __all__ = ["ChaosProxy"]
 
 
+
+async def close_stream(s: anyio.abc.SocketStream, *, rst: bool) -> None:
+    """Close one side of a proxied connection, with a TCP RST (``SO_LINGER`` 0) when ``rst``."""
+    if rst:
+        try:
+            raw: socket.socket = s.extra(SocketAttribute.raw_socket)
+            raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except (OSError, anyio.TypedAttributeLookupError):
+            pass
+    with anyio.CancelScope(shield=True):
+        try:
+            await s.aclose()
+        except Exception:
+            pass
+
 class ChaosProxy:
     """Forward ``127.0.0.1:<port>`` to ``upstream_host:upstream_port`` with faults."""
 
@@ -71,17 +86,7 @@ class ChaosProxy:
         self._conns.clear()
         for pair in pairs:
             for s in pair:
-                if rst:
-                    try:
-                        raw: socket.socket = s.extra(SocketAttribute.raw_socket)
-                        raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                    except (OSError, anyio.TypedAttributeLookupError):
-                        pass
-                with anyio.CancelScope(shield=True):
-                    try:
-                        await s.aclose()
-                    except Exception:
-                        pass
+                await close_stream(s, rst=rst)
             self.stats["cut"] += 1
         return len(pairs)
 

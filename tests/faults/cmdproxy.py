@@ -41,8 +41,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import socket
-import struct
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -51,6 +49,8 @@ import anyio
 import anyio.abc
 import hiredis
 from anyio.abc import SocketAttribute, TaskStatus
+
+from .chaosproxy import close_stream
 
 __all__ = [
     "BLACKHOLE",
@@ -377,16 +377,7 @@ class CommandProxy:
         conn.closed = True
         self._conns.pop(conn.id, None)
         for s in (conn.client, conn.upstream):
-            try:
-                raw: socket.socket = s.extra(SocketAttribute.raw_socket)
-                raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            except (OSError, anyio.TypedAttributeLookupError):
-                pass
-            with anyio.CancelScope(shield=True):
-                try:
-                    await s.aclose()
-                except Exception:
-                    pass
+            await close_stream(s, rst=True)
 
     async def cut_all(self) -> None:
         """Reset every connection (blackholed ones included), e.g. between cases."""

@@ -11,24 +11,15 @@ from typing import Any
 
 import pytest
 import trio
-from _procs import eventually
+from _procs import effects, eventually, stats
 from redis import exceptions as rexc
 
-from trio_redis_finalize import ACK, Consumer, Delivery, Mode, Outcome, StreamSubscription, open_consumer
+from trio_redis_finalize import ACK, Delivery, Mode, Outcome, StreamSubscription, open_consumer
 from trio_redis_finalize._transport import Client, parse_url
 
 S, G = "jobs", "workers"
 NAME = f"stream {S!r} group {G!r}"
 MODES = [Mode.PLAIN, Mode.RECLAIM, Mode.CLAIMING]
-
-
-def effects(consumer: Consumer) -> dict[str, int]:
-    e: dict[str, int] = consumer.stats()[NAME]["effects"]
-    return e
-
-
-def stats(consumer: Consumer) -> dict[str, Any]:
-    return consumer.stats()[NAME]
 
 
 async def counts(client: Client) -> dict[str, int]:

@@ -25,11 +25,10 @@ from typing import Any
 import pytest
 import redis
 import trio
-from _procs import eventually
+from _procs import effects, eventually, stats
 
 from trio_redis_finalize import (
     ACK,
-    Consumer,
     Delivery,
     Mode,
     Outcome,
@@ -52,15 +51,6 @@ def heartbeat_key(consumer: str) -> str:
 def sub(**kw: Any) -> StreamSubscription:
     kw.setdefault("block", 0.05)
     return StreamSubscription(S, G, **kw)
-
-
-def stats(consumer: Consumer) -> dict[str, Any]:
-    return consumer.stats()[NAME]
-
-
-def effects(consumer: Consumer) -> dict[str, int]:
-    e: dict[str, int] = stats(consumer)["effects"]
-    return e
 
 
 async def pending_of(client: Client, stream: str = S, group: str = G) -> dict[str, int]:

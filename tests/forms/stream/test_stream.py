@@ -10,7 +10,7 @@ from typing import Any
 import anyio
 import pytest
 import trio
-from _procs import Monitor, Recorder, eventually
+from _procs import Monitor, Recorder, effects, eventually, stats
 
 from trio_redis_finalize import (
     ACK,
@@ -19,7 +19,6 @@ from trio_redis_finalize import (
     ORIGIN_FIELD,
     RETRIES_FIELD,
     RETRY,
-    Consumer,
     Delivery,
     Mode,
     Outcome,
@@ -36,18 +35,6 @@ DEAD_KEYS = (b"trf-dead-reason", b"trf-dead-source", b"trf-dead-id", b"trf-dead-
 
 
 # -- helpers ------------------------------------------------------------------
-
-
-
-
-
-def stats(consumer: Consumer) -> dict[str, Any]:
-    return consumer.stats()[NAME]
-
-
-def effects(consumer: Consumer) -> dict[str, int]:
-    e: dict[str, int] = stats(consumer)["effects"]
-    return e
 
 
 async def pending(client: Client, stream: str = S, group: str = G) -> int:
@@ -430,7 +417,6 @@ def test_plain_round_trip_under_asyncio(redis_url: str) -> None:
         return [(d.attempt, d.fields[b"k"].decode()) for d in seen]
 
     assert anyio.run(main, backend="asyncio") == [(1, "v"), (2, "v")]
-
 
 
 async def test_corrupt_retry_header_is_dead_lettered_with_its_reason(redis_url: str, client: Client) -> None:

@@ -8,16 +8,15 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
-from typing import Any
 
 import anyio
 import anyio.abc
 import pytest
 import trio
 from _paths import TESTS
-from _procs import eventually
+from _procs import effects, eventually, stats
 
-from trio_redis_finalize import ACK, Consumer, Delivery, Mode, Outcome, StreamSubscription, open_consumer
+from trio_redis_finalize import ACK, Delivery, Mode, Outcome, StreamSubscription, open_consumer
 from trio_redis_finalize._transport import Client, open_client
 from trio_redis_finalize.testing import RedisServer
 
@@ -27,18 +26,6 @@ PROC = TESTS / "_stream_proc.py"
 
 
 # -- helpers ------------------------------------------------------------------
-
-
-
-
-
-def effects(consumer: Consumer) -> dict[str, int]:
-    e: dict[str, int] = consumer.stats()[NAME]["effects"]
-    return e
-
-
-def stats(consumer: Consumer) -> dict[str, Any]:
-    return consumer.stats()[NAME]
 
 
 async def pending_of(client: Client) -> dict[str, int]:
