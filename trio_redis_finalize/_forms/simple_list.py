@@ -10,14 +10,15 @@ from typing import Any
 import anyio
 from redis import exceptions as rexc
 
-from .._context import FINALIZE_TIMEOUT, READ_MARGIN, Context, backoff, hand_over, log
 from .._core._decode import list_delivery
 from .._core._plan import Effect, Plan, Target
 from .._core._replies import NOT_RUN, classify
+from .._deadlines import FINALIZE_TIMEOUT, READ_MARGIN, backoff, log
 from .._delivery import Delivery
 from .._shutdown import cleanup
 from .._subscription import Form, Subscription, check_key, check_limits, check_positive
 from .._transport import Connection
+from ._port import Context, hand_over
 from ._read_loop import check_type, reader_connection
 
 __all__ = ["ListReader", "ListSubscription"]
