@@ -39,7 +39,6 @@ __all__ = [
     "Item",
     "backoff",
     "describe_error",
-    "hand_over",
     "log",
     "log_extra",
     "sole",
@@ -109,8 +108,14 @@ class Context(Protocol):
     stats: MountStats
     takeover: bool
 
-    async def deliver(self, deliveries: Sequence[Delivery]) -> None:
-        """Hand deliveries to the handlers (waits while they are busy; all or nothing)."""
+    async def deliver(self, ready: Sequence[Delivery], direct: Sequence[Item] = (), *,
+                      give_back: bool = False) -> None:
+        """The one hand-over: ``direct`` (deliveries with a precomputed plan:
+        dead letter, lost or foreign entry) to the finalizer first, then
+        ``ready`` to the handlers (waits while they are busy; all or nothing).
+        ``give_back``: cut midway (shutdown), what was not handed over goes to
+        the finalizer, shielded: ``direct`` if not sent yet, ``ready`` with the
+        reader's ``abandon`` plan (see ``Mount.deliver``); then it raises."""
         ...
 
     async def send_plans(self, items: list[Item]) -> None:
@@ -137,10 +142,3 @@ class Context(Protocol):
         Redis: a stop leaves them pending, not handed back)."""
         ...
 
-
-async def hand_over(ctx: Context, built: Sequence[tuple[Delivery, Plan | None]]) -> None:
-    """Plans first (dead letters, foreign copies), then the deliveries for the handlers."""
-    direct: list[Item] = [(d, p) for d, p in built if p is not None]
-    if direct:
-        await ctx.send_plans(direct)
-    await ctx.deliver([d for d, p in built if p is None])
