@@ -72,21 +72,15 @@ from anyio.streams.memory import MemoryObjectReceiveStream as Recv
 from anyio.streams.memory import MemoryObjectSendStream as Send
 from redis import exceptions as rexc
 
-from ._context import (
-    BatchHandler,
-    ConsumerInfo,
-    Handler,
-    Item,
-    backoff,
-    log,
-    log_extra,
-)
+from ._core._finalize import log_extra
 from ._core._plan import Effect, Target
 from ._core._recovery import refused_delay, schedule_command, schedule_key
 from ._core._writes import check_outcome
+from ._deadlines import backoff, log
 from ._delivery import Delivery, record_error
 from ._finalizer import Finalizer
-from ._forms._read_loop import Reader, drive, retry_not_run
+from ._forms._port import BatchHandler, ConsumerInfo, Handler, Item, Reader
+from ._forms._read_loop import drive, retry_not_run
 from ._history import History
 from ._outcome import DROP, REJECT, Backoff, Outcome, Rejected, WithWrites, reject
 from ._scheduler import LaterGates

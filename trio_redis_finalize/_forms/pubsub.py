@@ -11,14 +11,15 @@ from typing import Any
 import anyio
 from redis import exceptions as rexc
 
-from .._context import FINALIZE_TIMEOUT, Context, Item, log
 from .._core._decode import Foreign, ForeignBuilder, list_deliveries
 from .._core._plan import Plan, Target
+from .._deadlines import FINALIZE_TIMEOUT, log
 from .._delivery import Delivery
 from .._envelope import MAGIC
 from .._subscription import Form, Subscription, check_key, check_limits
 from .._transport import PubSub
 from .._value import immutable, setters
+from ._port import Context, Item
 
 __all__ = ["ChannelSubscription", "PatternSubscription", "PubSubReader", "payload_deliveries"]
 

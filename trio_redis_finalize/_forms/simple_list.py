@@ -7,12 +7,13 @@ from collections.abc import Callable, Coroutine, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
-from .._context import READ_MARGIN, Context
 from .._core._decode import list_delivery
 from .._core._plan import Effect, Plan, Target
+from .._deadlines import READ_MARGIN
 from .._delivery import Delivery
 from .._subscription import Form, Subscription, check_key, check_limits, check_positive
 from .._transport import Connection
+from ._port import Context
 from ._read_loop import check_type, reader_connection
 
 __all__ = ["ListReader", "ListSubscription"]

@@ -14,22 +14,13 @@ from typing import Any
 import anyio
 from redis import exceptions as rexc
 
-from ..._context import (
-    FINALIZE_TIMEOUT,
-    READ_MARGIN,
-    Context,
-    Item,
-    backoff,
-    describe_error,
-    log,
-)
 from ..._core._commands import Command
 from ..._core._decode import list_deliveries, list_delivery
 from ..._core._finalize import Gates
 from ..._core._identity import claim, heartbeat_value, renew
 from ..._core._plan import Effect, Plan, Target
 from ..._core._recovery import SCHEDULE_LEFT, schedule_key, schedule_left, schedule_member
-from ..._core._replies import NOT_RUN, classify
+from ..._core._replies import NOT_RUN, classify, describe_error
 from ..._core._scripts import MOVE_DUE_TO_LIST
 from ..._core.reliable_list.gates import ListGates
 from ..._core.reliable_list.liveness import (
@@ -49,6 +40,7 @@ from ..._core.reliable_list.liveness import (
     stranded,
 )
 from ..._core.stream.liveness import HEARTBEAT_FLOOR
+from ..._deadlines import FINALIZE_TIMEOUT, READ_MARGIN, backoff, log
 from ..._delivery import Delivery
 from ..._identity import NameHold
 from ..._keys import derived, same_slot
@@ -67,7 +59,8 @@ from ..._subscription import (
 )
 from ..._transport import Connection
 from .._delay_set import move_due
-from .._read_loop import Pending, check_type, reader_connection
+from .._port import Context, Item, Pending
+from .._read_loop import check_type, reader_connection
 
 __all__ = ["ReliableListReader", "ReliableListSubscription"]
 

@@ -12,13 +12,13 @@ from typing import Any
 import anyio
 from redis import exceptions as rexc
 
-from ..._context import FINALIZE_TIMEOUT, READ_MARGIN, Context, Item, log
 from ..._core._decode import Entry, as_str, id_key, lost_entry, read_entries, stream_deliveries
 from ..._core._plan import Effect, Plan, Target
 from ..._core._recovery import LEASE, SCHEDULE_LEFT, lease_lost, schedule_key, schedule_left
 from ..._core._replies import NOT_RUN, BusyGroupError, classify, error_code
 from ..._core._scripts import move_due_to_stream
 from ..._core.stream.liveness import HEARTBEAT_FLOOR, lease_every
+from ..._deadlines import FINALIZE_TIMEOUT, READ_MARGIN, log
 from ..._delivery import Delivery
 from ..._keys import derived, same_slot
 from ..._shutdown import cleanup
@@ -39,7 +39,8 @@ from ..._subscription import (
 )
 from ..._transport import Client, Connection, Script
 from .._delay_set import move_due
-from .._read_loop import Pending, check_type, reader_connection, retry_not_run
+from .._port import Context, Item, Pending
+from .._read_loop import check_type, reader_connection, retry_not_run
 from .liveness import StreamPresence
 from .retention import check_retention, trim
 
