@@ -40,7 +40,6 @@ __all__ = [
     "Pending",
     "Reader",
     "Steps",
-    "hand_over",
 ]
 
 C = TypeVar("C")
@@ -85,8 +84,14 @@ class Context(Protocol):
     stats: MountStats
     takeover: bool
 
-    async def deliver(self, deliveries: Sequence[Delivery]) -> None:
-        """Hand deliveries to the handlers (waits while they are busy; all or nothing)."""
+    async def deliver(self, ready: Sequence[Delivery], direct: Sequence[Item] = (), *,
+                      give_back: bool = False) -> None:
+        """The one hand-over: ``direct`` (deliveries with a precomputed plan:
+        dead letter, lost or foreign entry) to the finalizer first, then
+        ``ready`` to the handlers (waits while they are busy; all or nothing).
+        ``give_back``: cut midway (shutdown), what was not handed over goes to
+        the finalizer, shielded: ``direct`` if not sent yet, ``ready`` with the
+        reader's ``abandon`` plan (see ``Mount.deliver``); then it raises."""
         ...
 
     async def send_plans(self, items: list[Item]) -> None:
@@ -112,14 +117,6 @@ class Context(Protocol):
         """The deliveries waiting for their Backoff now (their schedule is in
         Redis: a stop leaves them pending, not handed back)."""
         ...
-
-
-async def hand_over(ctx: Context, built: Sequence[tuple[Delivery, Plan | None]]) -> None:
-    """Plans first (dead letters, foreign copies), then the deliveries for the handlers."""
-    direct: list[Item] = [(d, p) for d, p in built if p is not None]
-    if direct:
-        await ctx.send_plans(direct)
-    await ctx.deliver([d for d, p in built if p is None])
 
 
 class Steps(Protocol[C]):

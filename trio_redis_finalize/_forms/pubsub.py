@@ -189,9 +189,7 @@ class PubSubReader:
             ctx.target, names, chain((first,), ps.received(_CHUNK - 1)), pattern=pattern)
         if other is not None:  # a reply that is not a message: as get_message takes it
             ps.other(other)
-        if direct:  # plans first (dead letters), as hand_over does
-            await ctx.send_plans(direct)
-        await ctx.deliver(ready)
+        await ctx.deliver(ready, direct)  # nothing to give back: at-most-once
 
     def failed(self, ctx: Context, err: Exception) -> float | None:
         if not isinstance(err, rexc.ResponseError) and self._lost_at is None:
