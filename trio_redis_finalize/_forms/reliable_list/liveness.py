@@ -35,7 +35,6 @@ from collections import Counter
 import anyio
 from redis import exceptions as rexc
 
-from ..._context import FINALIZE_TIMEOUT, Context, log
 from ..._core._commands import Command
 from ..._core._identity import claim, heartbeat_value, renew
 from ..._core.reliable_list.liveness import (
@@ -50,8 +49,10 @@ from ..._core.reliable_list.liveness import (
     registry_key,
     stop_args,
 )
+from ..._deadlines import FINALIZE_TIMEOUT, log
 from ..._identity import NameHold
 from ..._shutdown import CLOSING_TIMEOUT, Budget
+from .._port import Context
 from . import ReliableListSubscription
 
 __all__ = ["ListLiveness"]

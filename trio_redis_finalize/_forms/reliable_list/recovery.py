@@ -25,15 +25,16 @@ from collections.abc import Awaitable, Callable, Sequence
 import anyio
 from redis import exceptions as rexc
 
-from ..._context import FINALIZE_TIMEOUT, Context, Item, log
 from ..._core._decode import list_delivery
 from ..._core._plan import Plan
 from ..._core._recovery import SCHEDULE_LEFT, schedule_key, schedule_left, schedule_member
 from ..._core._replies import NOT_RUN, classify
 from ..._core.reliable_list.gates import ListGates
 from ..._core.reliable_list.liveness import BUMP, bumped, dec, doubtful, stranded
+from ..._deadlines import FINALIZE_TIMEOUT, log
 from ..._delivery import Delivery
 from ..._transport import Connection
+from .._port import Context, Item
 from . import ReliableListSubscription
 
 __all__ = ["HandOver", "ListRecovery"]
@@ -42,9 +43,9 @@ _RECHECK = 1.0
 """Seconds after a rescan that may have taken a stranded copy for an identical
 one finalized meanwhile before the processing list is looked at again."""
 
-HandOver = Callable[[Context, Sequence[bytes], list[Delivery], Sequence[Item]], Awaitable[None]]
-"""The reader's hand-over: ``(ctx, raws, ready, direct)``, giving back what was
-not handed over when cancelled (``ReliableListReader._hand_over``)."""
+HandOver = Callable[[Context, list[Delivery], Sequence[Item]], Awaitable[None]]
+"""The reader's hand-over: ``(ctx, ready, direct)``, giving back what was not
+handed over when cancelled (``ReliableListReader._hand_over``)."""
 
 
 class ListRecovery:
@@ -87,10 +88,8 @@ class ListRecovery:
 
     async def _built(self, ctx: Context, built: list[tuple[Delivery, Plan | None]]) -> None:
         """The hand-over of deliveries built one by one (``list_delivery``)."""
-        await self._hand_over(
-            ctx, [d.raw for d, _ in built if d.raw is not None],
-            [d for d, p in built if p is None], [(d, p) for d, p in built if p is not None],
-        )
+        await self._hand_over(ctx, [d for d, p in built if p is None],
+                              [(d, p) for d, p in built if p is not None])
 
     # -- on_error=Backoff ---------------------------------------------------------
     async def redeliver(self, ctx: Context, deliveries: Sequence[Delivery]) -> list[Delivery]:
