@@ -21,7 +21,7 @@ from ._errors import AckUnsupported as AckUnsupported
 from ._errors import ConsumerNameInUse as ConsumerNameInUse
 from ._forms.pubsub import ChannelSubscription as ChannelSubscription
 from ._forms.pubsub import PatternSubscription as PatternSubscription
-from ._forms.reliable_list.reader import ReliableListSubscription as ReliableListSubscription
+from ._forms.reliable_list import ReliableListSubscription as ReliableListSubscription
 from ._forms.simple_list import ListSubscription as ListSubscription
 from ._forms.stream.reader import StreamSubscription as StreamSubscription
 from ._outcome import ACK as ACK

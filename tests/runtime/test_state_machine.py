@@ -717,7 +717,7 @@ class ListMachine(Base):
     async def _flush(self, client: FaultClient) -> None:
         await client.execute("FLUSHALL")
         for c in CONSUMERS:
-            await client.pipeline([self.readers[c]._beat(self.stub(c, client), 3600.0)])
+            await client.pipeline([self.readers[c]._liveness.beat(self.stub(c, client), 3600.0)])
 
     def target(self, c: str, way: DelayedRetry = DelayedRetry.DURABLE_ZSET) -> Target:
         return _list_sub(way).target(c)
@@ -835,7 +835,7 @@ class ListMachine(Base):
                     raise Violation(f"{c} read {raw!r}, which the model has no queued token for")
                 self.queue[raw] -= 1
                 self.processing[c][raw] += 1
-                reader._hold(raw)
+                reader._recovery.hold(raw)
                 built.append(list_delivery(stub.target, Q, raw))
             direct = self._took(c, built)
             if direct:
@@ -866,9 +866,9 @@ class ListMachine(Base):
 
         async def go(client: FaultClient) -> None:
             stub = self.stub(c, client)
-            await client.pipeline([reader._beat(stub, 3600.0)])
+            await client.pipeline([reader._liveness.beat(stub, 3600.0)])
             async with await client.connect() as conn:
-                await reader._rescan(conn, stub)
+                await reader._recovery.rescan(conn, stub)
             got = Counter(d.raw for d in [*stub.got, *(d for d, _ in stub.direct)])
             if got != expected:
                 raise Violation(f"{c} re-delivered {dict(got)}, its processing list holds "
@@ -892,7 +892,7 @@ class ListMachine(Base):
         async def go(client: FaultClient) -> int:
             for o in dead:
                 await client.execute("DEL", heartbeat_key(Q, o))
-            return await self.readers[c].reap(self.stub(c, client))
+            return await self.readers[c]._liveness.reap(self.stub(c, client))
 
         moved = self.run(go)
         expect = 0

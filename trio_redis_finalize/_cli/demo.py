@@ -32,7 +32,7 @@ from .._delivery import Delivery
 from .._envelope import RETRIES_FIELD, CorruptEnvelope, unpack_parts, unwrap
 from .._errors import AckUnsupported
 from .._forms.pubsub import ChannelSubscription, PatternSubscription
-from .._forms.reliable_list.reader import ReliableListSubscription
+from .._forms.reliable_list import ReliableListSubscription
 from .._forms.simple_list import ListSubscription
 from .._forms.stream.reader import StreamSubscription
 from .._outcome import ACK, DROP, RETRY, Outcome, OutcomeKind, retry_after

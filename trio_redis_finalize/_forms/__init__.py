@@ -24,7 +24,8 @@ from typing import Any, Literal
 from .._subscription import Form, Subscription
 from ._port import Reader
 from .pubsub import ChannelSubscription, PatternSubscription, PubSubReader
-from .reliable_list.reader import ReliableListReader, ReliableListSubscription
+from .reliable_list import ReliableListSubscription
+from .reliable_list.reader import ReliableListReader
 from .simple_list import ListReader, ListSubscription
 from .stream.reader import StreamReader, StreamSubscription
 

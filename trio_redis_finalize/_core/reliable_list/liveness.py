@@ -29,7 +29,45 @@ processing list back onto the queue (:data:`REAP`) and then forgets it.  A
 cleanly stopped consumer hands what is left in its processing list (cut by
 the grace) back onto the queue itself (:data:`STOP`: as the reaper would,
 counted, but at once) and deregisters once the list is empty; elements
-waiting for a Backoff stay, with their schedule.
+waiting for a Backoff stay, with their schedule.  The run-time half (the
+heartbeat and reaper tasks, the stop) is ``_forms.reliable_list.liveness``.
+
+Why the reliable list's liveness differs from the stream's
+----------------------------------------------------------
+
+Both forms share the heartbeat itself: a key per consumer with a TTL of
+``heartbeat`` renewed every ``heartbeat / 3`` holding the owner's token
+(``_core._identity``'s CLAIM and RENEW, ``_identity.NameHold``), a registry
+hash beside the source, the one-to-one naming (``_keys.named``) and the old
+one still read.  They differ in what tells them a consumer is dead and what
+a dead consumer holds (the stream's side: ``_core.stream.liveness``):
+
+* **What is held.**  A list has no PEL: what a consumer holds is its own
+  processing list (its name in the registry, ``name -> processing list``),
+  and Redis knows nothing of who reads it.  A stream's group knows its
+  consumers and their pending entries (``XINFO CONSUMERS``, ``XPENDING``),
+  so its registry holds ``"<heartbeat ms> <mode>[ <unix ms>[ stopped]]"``
+  (the dead one's own heartbeat and mode decide what may be taken).
+* **Who is dead.**  A list consumer is dead when its heartbeat key is gone:
+  each live consumer reads the registry (``HGETALL``, both namings) and the
+  ``PTTL`` of every registered peer's key every ``heartbeat / 2``
+  (jittered 0.8-1.2), and again as soon as the first live key would lapse;
+  -2 is dead.  :data:`REAP` checks again (``EXISTS`` of the key) in the
+  script.  A stream look also reads ``XINFO CONSUMERS`` (idle times and
+  pending counts; unregistered consumers are stranded, never taken), tells a
+  stopped mark from a lapse, and probes for stopped marks every
+  ``STOP_PROBE`` s; it runs as a step of the read loop (jittered 0.8-1.0),
+  so what it takes is handed over in turn with the reads.
+* **What is taken.**  A dead list consumer's whole processing list goes back
+  onto the queue (page by page, each element's counter bumped in its
+  bytes): nobody else can hold those elements, so no idle guard is needed.
+  A dead stream consumer's entries are claimed into the reaper's own PEL
+  (``XCLAIM ... RETRYCOUNT``) only once idle its ``heartbeat`` (the idle
+  guard: an entry whose lease a live owner still renews is never taken) and
+  handed to the reaper's handlers; in ``Mode.CLAIMING`` not at all.
+* **The stop.**  A list's :data:`STOP` moves what is left back onto the
+  queue itself and deregisters once the list is empty; a stream's marks its
+  entries idle and leaves a stopped mark for a live peer to take them.
 
 The reader tells identical elements apart by count only: its bookkeeping is
 a multiset of bytes, ``dict[bytes, int]``, counted down with :func:`dec`.
