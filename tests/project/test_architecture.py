@@ -204,7 +204,13 @@ def form_knowledge(source: str) -> list[str]:
     """What in ``source`` knows a form by name: a ``Form``/``Mode`` member, a form's value
     (``form.value``, ``form == "stream"``), or a script's sha compared to recognise a command."""
     found = []
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    # a member passed as an argument builds a subscription as user code does (the demo's
+    # ``mode=Mode.CLAIMING``): not a branch on it
+    passed = {id(k.value) for n in ast.walk(tree) if isinstance(n, ast.Call) for k in n.keywords}
+    for node in ast.walk(tree):
+        if id(node) in passed:
+            continue
         if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
                 and node.attr in FORMS_ENUM.get(node.value.id, ())):
             found.append(f"{node.lineno}: {node.value.id}.{node.attr}")
@@ -233,6 +239,7 @@ def test_form_knowledge_is_found() -> None:
                "ok = spec.leaves_pending and t.form is not None\n")
     assert [f.split(":")[0] for f in form_knowledge(planted)] == ["1", "2", "3", "4", "5"]
     assert form_knowledge("spec = FORMS[t.form]\nif spec.leaves_pending: pass\n") == []
+    assert form_knowledge("sub = StreamSubscription('s', 'g', mode=Mode.CLAIMING)\n") == []
 
 
 def test_forms_are_known_only_at_home() -> None:
