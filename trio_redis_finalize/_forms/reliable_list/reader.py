@@ -63,7 +63,7 @@ class ReliableListReader:
       (at start, after a read error) and the redeliveries of failed elements
       are :class:`~.recovery.ListRecovery`'s (:attr:`pending`).
     * Identical elements: the finalizer asks the reader's counted gates
-      (:attr:`gates`, a ``_core._list_gates.ListGates``) for the commands of
+      (:attr:`gates`, a ``_core.reliable_list.gates.ListGates``) for the commands of
       each batch before it is first sent; a removal of an element of which
       this reader holds several copies then carries ``n`` (see
       ``_plan.list_counted``), so that a resend after an unknown outcome

@@ -4,12 +4,12 @@ own-PEL recovery), and the Backoff redeliveries.
 
 * **rescan** (:meth:`ListRecovery.rescan`, a step of the read loop's catch-up:
   at start and after a read error): the processing list is read; what it
-  holds that the reader does not hold (as a multiset, ``_core.reliable_list
-  .liveness.stranded``) is delivered again, its retry counter bumped in
-  place first (:data:`BUMP`) when it counts as an attempt; an element whose
-  Backoff is not due yet (a restart while it waited) is held and waits out
-  the rest;
-* **Backoff** (the mount's :class:`~.._read_loop.Pending` hooks:
+  holds that the reader does not hold (as a multiset:
+  ``_core.reliable_list.liveness.stranded``) is delivered again, its retry
+  counter bumped in place first (:data:`BUMP`) when it counts as an attempt;
+  an element whose Backoff is not due yet (a restart while it waited) is
+  held and waits out the rest;
+* **Backoff** (the mount's :class:`~.._port.Pending` hooks:
   :meth:`~ListRecovery.redeliver`, :meth:`~ListRecovery.leave_pending`,
   :meth:`~ListRecovery.hold_again`): a failed element waits in the
   processing list, held, and is bumped in place before it is handed over
