@@ -1,9 +1,9 @@
 """The reliable list form's home: :class:`ReliableListSubscription` (``BLMOVE``
 into a processing list per consumer), what a user writes to mount one.
 
-Beside it, at run time: :mod:`.reader` (the read loop's steps and the
-hand-over), :mod:`.recovery` (the processing list's rescan and the Backoff
-redeliveries: elements held in place, their counters bumped) and
+Beside it, at run time: :mod:`.reader` (the read loop's steps: BLMOVE,
+prefetch, hand-over), :mod:`.recovery` (the processing list's rescan and the
+Backoff redeliveries: elements held in place, their counters bumped) and
 :mod:`.liveness` (heartbeat, reaper of dead consumers, the stop's hand-back
 and deregistration).  The sans-IO half is ``_core.reliable_list`` (keys,
 scripts, counted gates, multiset counting).

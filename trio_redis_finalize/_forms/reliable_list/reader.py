@@ -1,15 +1,15 @@
 """A reliable list's reader: the read loop's steps (``_read_loop.drive``) of
-one :class:`~._forms.reliable_list.ReliableListSubscription` and its
-hand-over.
+one :class:`~._forms.reliable_list.ReliableListSubscription`.
 
 Each turn is one ``BLMOVE queue processing RIGHT LEFT`` with up to 63
-``LMOVE`` pipelined behind it, handed over to the handlers; what was not
-handed over when the hand-over is cancelled goes back onto the queue.  The
-rest of the form's run time is beside it: :mod:`.recovery` (the processing
-list's rescan, the Backoff redeliveries) and :mod:`.liveness` (heartbeat,
-reaper, the stop's hand-back).  The keys beside the queue, the scripts and the
-multiset counting are in ``_core.reliable_list.liveness``; the counted gates in
-``_core.reliable_list.gates``.
+``LMOVE`` pipelined behind it, handed over to the handlers by the runtime's
+one hand-over (``Context.deliver`` with ``give_back``: cut by the shutdown,
+what no handler had goes back onto the queue, :meth:`~ReliableListReader.abandon`).
+The rest of the form's run time is beside it: :mod:`.recovery` (the
+processing list's rescan, the Backoff redeliveries) and :mod:`.liveness`
+(heartbeat, reaper, the stop's hand-back).  The keys beside the queue, the
+scripts and the multiset counting are in ``_core.reliable_list.liveness``; the
+counted gates in ``_core.reliable_list.gates``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from ..._delivery import Delivery
 from ..._subscription import DelayedRetry
 from ..._transport import Connection
 from .._delay_set import move_due
-from .._port import Context, Item, Pending
+from .._port import Context, Pending
 from .._read_loop import check_type, reader_connection
 from . import ReliableListSubscription
 from .liveness import ListLiveness
@@ -63,7 +63,7 @@ class ReliableListReader:
       (at start, after a read error) and the redeliveries of failed elements
       are :class:`~.recovery.ListRecovery`'s (:attr:`pending`).
     * Identical elements: the finalizer asks the reader's counted gates
-      (:attr:`gates`, a ``_core._list_gates.ListGates``) for the commands of
+      (:attr:`gates`, a ``_core.reliable_list.gates.ListGates``) for the commands of
       each batch before it is first sent; a removal of an element of which
       this reader holds several copies then carries ``n`` (see
       ``_plan.list_counted``), so that a resend after an unknown outcome
@@ -104,7 +104,7 @@ class ReliableListReader:
         self._blmove: Command = ()
         self._lmove: Command = ()
         self._abandoned = 0  # elements given back unstarted at the shutdown (abandon)
-        self._recovery = ListRecovery(sub, self._gates, self._hand_over)
+        self._recovery = ListRecovery(sub, self._gates)
         self._liveness = ListLiveness(sub)
 
     @property
@@ -138,12 +138,6 @@ class ReliableListReader:
         for e in reversed(raws):
             args += [e, 1]  # n: set by prepare() when it is sent
         return Plan(Effect.NOTHING, (GIVE_BACK.command((t.processing, t.source), args),))
-
-    async def _hand_over(self, ctx: Context, ready: list[Delivery], direct: Sequence[Item]) -> None:
-        """``Context.deliver``, which gives back what a shutdown cut before a
-        handler had it (:meth:`abandon`: back to the queue, the gates counted
-        by the finalizer)."""
-        await ctx.deliver(ready, direct, give_back=True)
 
     # -- the read loop's steps (_read_loop.drive) ---------------------------------------
     async def _move_due(self, ctx: Context) -> float:
@@ -230,7 +224,9 @@ class ReliableListReader:
         gates.in_hand.update(elements)
         ready, direct = list_deliveries(ctx.target, self.sub.queue, elements)
         before = anyio.current_time()
-        await self._hand_over(ctx, ready, direct)
+        # the one hand-over: cut by the shutdown before a handler had them, they
+        # go back onto the queue (abandon; the finalizer counts the gates)
+        await ctx.deliver(ready, direct, give_back=True)
         self._tune(anyio.current_time() - before, self._previous)
         self._previous = len(elements)
 

@@ -4,23 +4,25 @@ own-PEL recovery), and the Backoff redeliveries.
 
 * **rescan** (:meth:`ListRecovery.rescan`, a step of the read loop's catch-up:
   at start and after a read error): the processing list is read; what it
-  holds that the reader does not hold (as a multiset, ``_core.reliable_list
-  .liveness.stranded``) is delivered again, its retry counter bumped in
-  place first (:data:`BUMP`) when it counts as an attempt; an element whose
-  Backoff is not due yet (a restart while it waited) is held and waits out
-  the rest;
-* **Backoff** (the mount's :class:`~.._read_loop.Pending` hooks:
+  holds that the reader does not hold (as a multiset:
+  ``_core.reliable_list.liveness.stranded``) is delivered again, its retry
+  counter bumped in place first (:data:`BUMP`) when it counts as an attempt;
+  an element whose Backoff is not due yet (a restart while it waited) is
+  held and waits out the rest;
+* **Backoff** (the mount's :class:`~.._port.Pending` hooks:
   :meth:`~ListRecovery.redeliver`, :meth:`~ListRecovery.leave_pending`,
   :meth:`~ListRecovery.hold_again`): a failed element waits in the
   processing list, held, and is bumped in place before it is handed over
   again.
 
-The hand-over itself (with its give-back when cancelled) is the reader's.
+What they find is handed over as the reader's reads are (``Context.deliver``
+with ``give_back``: cut by the shutdown, the reader's ``abandon`` gives it
+back onto the queue).
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 
 import anyio
 from redis import exceptions as rexc
@@ -34,24 +36,19 @@ from ..._core.reliable_list.liveness import BUMP, bumped, dec, doubtful, strande
 from ..._deadlines import FINALIZE_TIMEOUT, log
 from ..._delivery import Delivery
 from ..._transport import Connection
-from .._port import Context, Item
+from .._port import Context
 from . import ReliableListSubscription
 
-__all__ = ["HandOver", "ListRecovery"]
+__all__ = ["ListRecovery"]
 
 _RECHECK = 1.0
 """Seconds after a rescan that may have taken a stranded copy for an identical
 one finalized meanwhile before the processing list is looked at again."""
 
-HandOver = Callable[[Context, list[Delivery], Sequence[Item]], Awaitable[None]]
-"""The reader's hand-over: ``(ctx, ready, direct)``, giving back what was not
-handed over when cancelled (``ReliableListReader._hand_over``)."""
-
 
 class ListRecovery:
     """The rescan of one reliable-list consumer's processing list and its
-    Backoff redeliveries, on the reader's counted ``gates``; ``hand_over``:
-    the reader's.
+    Backoff redeliveries, on the reader's counted ``gates``.
 
     * Crash recovery: on start, and after every read error (a lost BLMOVE
       reply strands an element), the processing list is read; what it holds
@@ -80,16 +77,16 @@ class ListRecovery:
       most 30 s), while the consumer runs (no rescan needed).
     """
 
-    def __init__(self, sub: ReliableListSubscription, gates: ListGates, hand_over: HandOver) -> None:
+    def __init__(self, sub: ReliableListSubscription, gates: ListGates) -> None:
         self.sub = sub
         self._gates = gates
-        self._hand_over = hand_over
         self.recheck_at: float | None = None  # a rescan that may have missed a copy: again then
 
     async def _built(self, ctx: Context, built: list[tuple[Delivery, Plan | None]]) -> None:
-        """The hand-over of deliveries built one by one (``list_delivery``)."""
-        await self._hand_over(ctx, [d for d, p in built if p is None],
-                              [(d, p) for d, p in built if p is not None])
+        """The hand-over of deliveries built one by one (``list_delivery``):
+        as the reader's (given back onto the queue when the shutdown cuts it)."""
+        await ctx.deliver([d for d, p in built if p is None],
+                          [(d, p) for d, p in built if p is not None], give_back=True)
 
     # -- on_error=Backoff ---------------------------------------------------------
     async def redeliver(self, ctx: Context, deliveries: Sequence[Delivery]) -> list[Delivery]:
