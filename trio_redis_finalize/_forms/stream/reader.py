@@ -17,8 +17,8 @@ from ..._core._decode import Entry, as_str, id_key, lost_entry, read_entries, st
 from ..._core._plan import Effect, Plan, Target
 from ..._core._recovery import LEASE, SCHEDULE_LEFT, lease_lost, schedule_key, schedule_left
 from ..._core._replies import NOT_RUN, BusyGroupError, classify, error_code
-from ..._core._scripts import move_due_to_stream
 from ..._core.stream.liveness import HEARTBEAT_FLOOR, lease_every
+from ..._core.stream.scripts import move_due_to_stream
 from ..._delivery import Delivery
 from ..._keys import derived, same_slot
 from ..._shutdown import cleanup
