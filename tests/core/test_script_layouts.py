@@ -166,7 +166,7 @@ def layout_problems(script: Script, comment: list[str]) -> list[str]:
 def test_every_script_has_a_layout_and_a_header() -> None:
     assert len(DEFINITIONS) >= 30
     problems = [p for _, _, script, comment in DEFINITIONS for p in layout_problems(script, comment)]
-    assert problems == []
+    assert not problems, "\n".join(problems)
 
 
 def test_every_script_call_declares_its_layout() -> None:
@@ -180,7 +180,7 @@ def test_every_script_call_declares_its_layout() -> None:
                 given = {k.arg for k in node.keywords}
                 if not {"keys", "argv"} <= given:
                     missing.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
-    assert missing == []
+    assert not missing, f"Script(...) without keys=/argv=: {missing}"
 
 
 def test_made_scripts_share_their_layout() -> None:
