@@ -1,5 +1,6 @@
 """The stream's Lua scripts: its finalizations, their batched calls, the
-runtime delayed copy, the delay-set mover and the requeue of a dead entry.
+runtime delayed copy, the delay-set mover, a Backoff redelivery and the
+requeue of a dead entry.
 
 Each finalization script checks that the original is still pending (in the
 group's PEL) and only then runs its steps in the order of the contract: the
@@ -43,10 +44,11 @@ from .._lua import (
 )
 
 __all__ = [
-    "COPY_MARK_TTL", "CORRUPT_FIELD", "MOVE_DUE_TO_STREAM", "REQUEUE_STREAM", "STREAM_COPY_ACK",
-    "STREAM_COPY_ACK_BATCH", "STREAM_COPY_ACK_EX", "STREAM_COPY_ONCE", "STREAM_REMOVE_RECEIPT",
-    "STREAM_WRITES", "STREAM_WRITES_ACK_BATCH", "STREAM_XADD", "STREAM_ZADD_ACK",
-    "STREAM_ZADD_ACKDEL", "STREAM_ZADD_ACK_BATCH", "STREAM_ZADD_ACK_DEL", "move_due_to_stream",
+    "COPY_MARK_TTL", "CORRUPT_FIELD", "MOVE_DUE_TO_STREAM", "REDELIVER", "REQUEUE_STREAM",
+    "STREAM_COPY_ACK", "STREAM_COPY_ACK_BATCH", "STREAM_COPY_ACK_EX", "STREAM_COPY_ONCE",
+    "STREAM_REMOVE_RECEIPT", "STREAM_WRITES", "STREAM_WRITES_ACK_BATCH", "STREAM_XADD",
+    "STREAM_ZADD_ACK", "STREAM_ZADD_ACKDEL", "STREAM_ZADD_ACK_BATCH", "STREAM_ZADD_ACK_DEL",
+    "move_due_to_stream",
 ]
 
 # KEYS: stream, dest (the destination stream)
@@ -233,8 +235,6 @@ end
     argv=("group", "how", "lo", "hi", "count", "[id, delay_ms, member]..."),
 )
 
-_MOVE_KEYS = ("delays", "stream")
-
 CORRUPT_FIELD = b"trf-delayed-corrupt"
 """Field of the stream entry that carries a delay-set member that does not decode."""
 
@@ -270,7 +270,7 @@ def _move_due_to_stream_source(cap: int | None) -> str:
 # (see ``_lua.MOVE_HEAD``).  A member that does not decode is added as one
 # field CORRUPT_FIELD.
 MOVE_DUE_TO_STREAM = Script(
-    _move_due_to_stream_source(None), name="move_due_to_stream", keys=_MOVE_KEYS, argv=MOVE_ARGV,
+    _move_due_to_stream_source(None), name="move_due_to_stream", keys=("delays", "stream"), argv=MOVE_ARGV,
 )
 
 
@@ -283,7 +283,7 @@ def move_due_to_stream(cap: int | None) -> Script:
     if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
         raise ValueError(f"cap must be an int >= 1 or None, got {cap!r}")
     return Script(_move_due_to_stream_source(cap), name=f"move_due_to_stream_maxlen_{cap}",
-                  keys=_MOVE_KEYS, argv=MOVE_ARGV)
+                  keys=("delays", "stream"), argv=MOVE_ARGV)
 
 # KEYS: stream, dest (a stream for 'copy', the delay set for 'zadd', the
 #   stream itself for 'ack'), write_keys... (the writes' keys, declared for
@@ -453,6 +453,32 @@ STREAM_XADD = Script(
 return xadd_any(KEYS[1], ARGV[1], ARGV, 2)
 """,
     name="stream_xadd", keys=("stream",), argv=("cap", "fields..."),
+)
+
+
+# -- a Backoff redelivery (``_forms/stream``) ----------------------------------------------
+
+# KEYS: stream
+# ARGV: group, consumer, [id, count]...
+# Each entry still pending for the consumer is claimed by it again (idle 0)
+# with its delivery count set to ``count``: its reply is the entry; 0 when
+# it is not pending for the consumer (any more); 1 when the stream no longer
+# has it (deleted while pending).  The attempt it sets: ``attempts.redelivered``.
+REDELIVER = Script(
+    """
+local out = {}
+for i = 3, #ARGV, 2 do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2])
+  if #p == 0 then
+    out[#out + 1] = 0
+  else
+    local c = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'RETRYCOUNT', ARGV[i + 1])
+    if c[1] then out[#out + 1] = c[1] else out[#out + 1] = 1 end
+  end
+end
+return out
+""",
+    name="stream_redeliver", keys=("stream",), argv=("group", "consumer", "[id, count]..."),
 )
 
 
