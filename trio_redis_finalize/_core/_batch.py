@@ -10,9 +10,11 @@ from operator import itemgetter
 from typing import Any
 
 from .._writes import write_keys
-from . import _scripts
+from . import _lua
 from ._commands import Arg, Command
 from ._plan import Effect, Plan
+from .reliable_list import scripts as list_scripts
+from .stream import scripts as stream_scripts
 
 __all__ = [
     "BATCHED", "COPIED", "batch_part", "batch_replies", "batch_singles",
@@ -31,22 +33,23 @@ def fast_index(owner: int) -> int:
     """The hot path's command that ``owner`` (< 0, :func:`fast_owner`) stands for."""
     return -owner - 1
 
-_COPY = _scripts.STREAM_COPY_ACK.sha
-_COPY_EX = _scripts.STREAM_COPY_ACK_EX.sha
-_ZADD = _scripts.STREAM_ZADD_ACK.sha
-_ZADD_DEL = _scripts.STREAM_ZADD_ACK_DEL.sha
-_ZADD_ACKDEL = _scripts.STREAM_ZADD_ACKDEL.sha
-_COPY_BATCH = _scripts.STREAM_COPY_ACK_BATCH.sha
-_ZADD_BATCH = _scripts.STREAM_ZADD_ACK_BATCH.sha
-_WRITES = _scripts.STREAM_WRITES.sha
-_WRITES_BATCH = _scripts.STREAM_WRITES_ACK_BATCH.sha
-_LIST_WRITES = _scripts.LIST_WRITES.sha
-_LIST_WRITES_BATCH = _scripts.LIST_WRITES_REMOVE_BATCH.sha
+_COPY = stream_scripts.STREAM_COPY_ACK.sha
+_COPY_EX = stream_scripts.STREAM_COPY_ACK_EX.sha
+_ZADD = stream_scripts.STREAM_ZADD_ACK.sha
+_ZADD_DEL = stream_scripts.STREAM_ZADD_ACK_DEL.sha
+_ZADD_ACKDEL = stream_scripts.STREAM_ZADD_ACKDEL.sha
+_COPY_BATCH = stream_scripts.STREAM_COPY_ACK_BATCH.sha
+_ZADD_BATCH = stream_scripts.STREAM_ZADD_ACK_BATCH.sha
+_WRITES = stream_scripts.STREAM_WRITES.sha
+_WRITES_BATCH = stream_scripts.STREAM_WRITES_ACK_BATCH.sha
+_LIST_WRITES = list_scripts.LIST_WRITES.sha
+_LIST_WRITES_BATCH = list_scripts.LIST_WRITES_REMOVE_BATCH.sha
 _SINGLE = frozenset({_COPY, _COPY_EX, _ZADD, _ZADD_DEL, _ZADD_ACKDEL})
-# a durable delay's single script -> the batched call's ``how`` (see ``_scripts``), and back
+# a durable delay's single script -> the batched call's ``how`` (see ``_lua.HOW``), and back
 _ZADD_HOW = {_ZADD: "0", _ZADD_DEL: "1", _ZADD_ACKDEL: "x"}
 _ZADD_BY_HOW = {
-    "0": _scripts.STREAM_ZADD_ACK, "1": _scripts.STREAM_ZADD_ACK_DEL, "x": _scripts.STREAM_ZADD_ACKDEL,
+    "0": stream_scripts.STREAM_ZADD_ACK, "1": stream_scripts.STREAM_ZADD_ACK_DEL,
+    "x": stream_scripts.STREAM_ZADD_ACKDEL,
 }
 
 BATCHED = frozenset({_COPY_BATCH, _ZADD_BATCH, _WRITES_BATCH, _LIST_WRITES_BATCH})
@@ -111,9 +114,9 @@ def batch_singles(cmd: Command) -> list[Command]:
         n = int(cmd[i + 1])
         eid, fields = cmd[i], cmd[i + 2:i + 2 + n]
         if plain:
-            out.append(_scripts.STREAM_COPY_ACK.command((stream, dest), (group, eid, *fields)))
+            out.append(stream_scripts.STREAM_COPY_ACK.command((stream, dest), (group, eid, *fields)))
         else:
-            out.append(_scripts.STREAM_COPY_ACK_EX.command(
+            out.append(stream_scripts.STREAM_COPY_ACK_EX.command(
                 (stream, dest), (group, eid, delete, cap, *fields)))
         i += 2 + n
     return out
@@ -157,7 +160,7 @@ def _writes_singles(cmd: Command) -> list[Command]:
     while i < len(cmd):
         eid = cmd[i]
         keys, j = _writes_at(cmd, i + 1)
-        out.append(_scripts.STREAM_WRITES.command(
+        out.append(stream_scripts.STREAM_WRITES.command(
             (stream, stream, *keys), (group, eid, "ack", how, 0, *cmd[i + 1:j])))
         i = j
     return out
@@ -208,7 +211,7 @@ def _list_writes_singles(cmd: Command) -> list[Command]:
     while i < len(cmd):
         e, n = cmd[i], cmd[i + 1]
         keys, j = _writes_at(cmd, i + 2)
-        out.append(_scripts.LIST_WRITES.command(
+        out.append(list_scripts.LIST_WRITES.command(
             (processing, processing, processing, *keys), (e, "remove", *cmd[i + 2:j], n)))
         i = j
     return out
@@ -256,7 +259,7 @@ _DASH = {"-"}
 
 
 def gate_range(ids: Sequence[Arg]) -> tuple[Arg, Arg, int]:
-    """``lo, hi, count`` of a batched call's gates (see ``_scripts``): the
+    """``lo, hi, count`` of a batched call's gates (see ``_lua``): the
     smallest and largest of ``ids``, and at most twice as many rows."""
     first = ids[0]
     # (checked with map(): no Python-level call per id)
@@ -279,7 +282,7 @@ def batch_part(cmd: Command) -> tuple[tuple[Arg, ...], tuple[Arg, ...]] | None:
     ``key``: what the deliveries of one batched call share -- the batched
     script, its keys (stream; destination stream or delay set) and its fixed
     arguments (group, delete, cap); ``part``: this delivery's arguments in
-    the batched call (see ``_scripts.STREAM_COPY_ACK_BATCH`` /
+    the batched call (see ``stream_scripts.STREAM_COPY_ACK_BATCH`` /
     ``STREAM_ZADD_ACK_BATCH``).
     """
     if cmd[0] != b"EVALSHA":
@@ -359,8 +362,8 @@ def first_round(
     # commands, arguments, values]
     batches: dict[tuple[Arg, ...], list[Any]] = {}
     placed: list[list[Any]] = []
-    cap = _scripts.STREAM_BATCH_MAX
-    room = _scripts.STREAM_BATCH_VALUES
+    cap = _lua.STREAM_BATCH_MAX
+    room = _lua.STREAM_BATCH_VALUES
     # the script and keys of the last batched plan, its key, where its values
     # start, and its call
     lsha: object = _UNSET

@@ -23,11 +23,11 @@ REJECT (``reject(reason)``) is the dead letter now, at any attempt
 ``dead_letter`` (claiming streams too); refused where there is no dead letter
 (simple lists, Pub/Sub, ``dead_letter=None``).
 
-Two-step cells run as one gated script (see ``_scripts``) unless the keys
+Two-step cells run as one gated script (see ``stream.scripts``) unless the keys
 live on different Redis Cluster slots, where they become two commands in
 the listed order (duplicate, never loss).  A stream's runtime
 ``retry_after`` removes the original with a gated script that leaves a
-*receipt* of that finalization (``_scripts.STREAM_REMOVE_RECEIPT``, key
+*receipt* of that finalization (``stream_scripts.STREAM_REMOVE_RECEIPT``, key
 :func:`receipt_key`); its copy is written later only while the receipt says
 "removed by me", and a resend after an unknown outcome answers from it
 (:data:`RECEIPTED`).  On a stream the finalizer sends
@@ -51,7 +51,7 @@ ACKED IDS n id ...`` instead (:attr:`Target.xackdel`; inside the scripts too:
 scripts), which deletes an entry only once no group references it (so
 another group's copy is removed with it too, once that group is done).  Each two-step cell keeps its
 order and its gate; only the commands inside change.  The caps stay
-``MAXLEN ~ n`` (see ``_scripts``: ``~ ... ACKED`` removes nothing on 8.2.3).
+``MAXLEN ~ n`` (see ``_lua.HOW``: ``~ ... ACKED`` removes nothing on 8.2.3).
 """
 
 from __future__ import annotations
@@ -73,9 +73,11 @@ from .._keys import derived, same_slot
 from .._outcome import Outcome, OutcomeKind
 from .._subscription import DelayedRetry, Form, Mode, Retention
 from .._value import builder, immutable
-from . import _scripts
+from . import _lua
 from ._caps import NO_CAPABILITIES, Capabilities
 from ._commands import Arg, Command
+from .reliable_list import scripts as list_scripts
+from .stream import scripts as stream_scripts
 
 __all__ = [
     "DEAD_FIELDS",
@@ -118,7 +120,7 @@ DEAD_GROUP = b"trf-dead-group"
 DEAD_ATTEMPT = b"trf-dead-attempt"
 DEAD_TIME = b"trf-dead-time"
 """When the entry was dead-lettered: epoch milliseconds of the server's clock,
-written in the step that writes the dead letter (``_scripts.SERVER_TIME``)."""
+written in the step that writes the dead letter (``_lua.SERVER_TIME``)."""
 DEAD_FIELDS = (DEAD_REASON, DEAD_SOURCE, DEAD_ID, DEAD_GROUP, DEAD_ATTEMPT, DEAD_TIME)
 DEAD_ERROR = b"trf-dead-error"  # the handler's exception, when it raised (not always there)
 WHY_SUFFIX = ":why"
@@ -187,7 +189,7 @@ class Target:
         """The retention trim lets the server keep what some group still
         references (``XTRIM ... ACKED``: ``_retention.TRIM_ACKED_NATIVE``).
         The one place the core consumes ``Capabilities.acked_trim``.  (Not the
-        ``*_maxlen`` caps: see ``_scripts`` for why they stay ``MAXLEN ~ n``.)"""
+        ``*_maxlen`` caps: see ``_lua.HOW`` for why they stay ``MAXLEN ~ n``.)"""
         return self.caps.acked_trim
 
 
@@ -311,7 +313,7 @@ def _cap(maxlen: int | None) -> tuple[str | int, ...]:
 
 
 def copy_how(t: Target) -> str:
-    """How ``STREAM_COPY_ACK_EX`` removes the original (see ``_scripts``):
+    """How ``STREAM_COPY_ACK_EX`` removes the original (see ``_lua.HOW``):
     ``"0"`` XACK, ``"1"`` XACK then XDEL, ``"x"`` one XACKDEL ACKED."""
     return "x" if t.xackdel else "1" if t.deletes else "0"
 
@@ -341,9 +343,9 @@ def _list_remove(t: Target, d: Delivery, effect: Effect) -> Plan:
 # exists exactly when ``LPOS RANK n`` does: the list holds >= n copies), so
 # the gates and the reader's multiset counting do not depend on the direction.
 
-_COPY_REMOVE_SHA = _scripts.LIST_COPY_REMOVE.sha
-_ZADD_REMOVE_SHA = _scripts.LIST_ZADD_REMOVE.sha
-_REMOVE_SHA = _scripts.LIST_REMOVE.sha
+_COPY_REMOVE_SHA = list_scripts.LIST_COPY_REMOVE.sha
+_ZADD_REMOVE_SHA = list_scripts.LIST_ZADD_REMOVE.sha
+_REMOVE_SHA = list_scripts.LIST_REMOVE.sha
 # EVALSHA sha numkeys processing ...: index of the element, and the length
 # of the command without its trailing n
 _COUNTED_SHAS: dict[object, tuple[int, int]] = {
@@ -354,7 +356,7 @@ _COUNTED_SHAS: dict[object, tuple[int, int]] = {
 _DEAD_AT = (6, 9)
 
 
-_WRITES_SHA = _scripts.LIST_WRITES.sha  # (with an outcome's writes: its n always last)
+_WRITES_SHA = list_scripts.LIST_WRITES.sha  # (with an outcome's writes: its n always last)
 
 
 def _counted_at(cmd: Command) -> tuple[int, int] | None:
@@ -395,7 +397,7 @@ def list_counted(cmd: Command, n: int) -> Command:
     if cmd[0] == "LREM":
         if n == 1:
             return cmd
-        return _scripts.LIST_REMOVE.command((cmd[1],), (cmd[3], n))
+        return list_scripts.LIST_REMOVE.command((cmd[1],), (cmd[3], n))
     at = _counted_at(cmd)
     assert at is not None
     return (*cmd[: at[1]], n)
@@ -407,7 +409,7 @@ _STREAM, _LIST, _CHANNEL, _PATTERN = Form.STREAM, Form.LIST, Form.CHANNEL, Form.
 _RETRY, _CLAIMING = OutcomeKind.RETRY, Mode.CLAIMING
 _REJECT = OutcomeKind.REJECT
 _COPIED, _LEFT_PENDING = Effect.COPIED, Effect.LEFT_PENDING
-_COPY_ACK_SHA = _scripts.STREAM_COPY_ACK.sha
+_COPY_ACK_SHA = stream_scripts.STREAM_COPY_ACK.sha
 
 
 def _stream_copy(
@@ -419,13 +421,13 @@ def _stream_copy(
     if t.cluster and not same_slot(t.source, dest):
         # copy, then remove (acknowledge; delete), each once the one before succeeded
         copy: Command = (
-            _scripts.STREAM_XADD.command((dest,), (maxlen or 0, *fields))
-            if fields and fields[-1] == _scripts.SERVER_TIME  # a dead letter: the server's time
+            stream_scripts.STREAM_XADD.command((dest,), (maxlen or 0, *fields))
+            if fields and fields[-1] == _lua.SERVER_TIME  # a dead letter: the server's time
             else ("XADD", dest, *_cap(maxlen), "*", *fields))
         return Plan(effect, (copy, *_stream_remove(t, d, effect).commands), gated=False)
     if deletes or maxlen is not None:
         args: tuple[Arg, ...] = (t.group, d.id, copy_how(t), maxlen or 0, *fields)
-        return Plan(effect, (_scripts.STREAM_COPY_ACK_EX.command((t.source, dest), args),))
+        return Plan(effect, (stream_scripts.STREAM_COPY_ACK_EX.command((t.source, dest), args),))
     # STREAM_COPY_ACK.command((t.source, dest), (t.group, d.id, *fields)), in one tuple
     # (every RETRY copy)
     return Plan(effect, ((b"EVALSHA", _COPY_ACK_SHA, 2, t.source, dest, t.group, d.id, *fields),))
@@ -445,10 +447,10 @@ def receipt_key(t: Target) -> str:
 def _runtime_copy(t: Target, d: Delivery, receipt: str) -> Command:
     """The command that writes a runtime ``retry_after`` copy to the stream,
     once, and only while ``receipt`` says this finalization removed the
-    original (``_scripts.STREAM_COPY_ONCE``)."""
-    return _scripts.STREAM_COPY_ONCE.command(
+    original (``stream_scripts.STREAM_COPY_ONCE``)."""
+    return stream_scripts.STREAM_COPY_ONCE.command(
         (t.source, receipt),
-        (_scripts.COPY_MARK_TTL, t.copy_maxlen or 0, *_stream_copy_fields(d, t.group)))
+        (stream_scripts.COPY_MARK_TTL, t.copy_maxlen or 0, *_stream_copy_fields(d, t.group)))
 
 
 def _list_copy_remove(t: Target, d: Delivery, dest: str, element: bytes, effect: Effect) -> Plan:
@@ -461,13 +463,13 @@ def _list_copy_remove(t: Target, d: Delivery, dest: str, element: bytes, effect:
         )
     return Plan(
         effect,
-        (_scripts.LIST_COPY_REMOVE.command((t.processing, dest), (d.raw, element)),),
+        (list_scripts.LIST_COPY_REMOVE.command((t.processing, dest), (d.raw, element)),),
     )
 
 
 def why_key(dead_letter: str) -> str:
     """The hash of a reliable list's dead letter that records why each element
-    is there (see ``_scripts``): ``{dead_letter}:why``, in its hash slot."""
+    is there (see ``reliable_list.scripts``): ``{dead_letter}:why``, in its hash slot."""
     return derived(dead_letter, WHY_SUFFIX)
 
 
@@ -495,13 +497,13 @@ def _list_dead(t: Target, d: Delivery, reason: str) -> Plan:
     if t.cluster and not same_slot(t.processing, dead):
         return Plan(
             Effect.DEAD_LETTERED,
-            (_scripts.LIST_DEAD_PUSH.command((dead, why), (d.raw, record)),
+            (list_scripts.LIST_DEAD_PUSH.command((dead, why), (d.raw, record)),
              ("LREM", t.processing, -1, d.raw)),
             gated=False,
         )
     return Plan(
         Effect.DEAD_LETTERED,
-        (_scripts.LIST_COPY_REMOVE.command((t.processing, dead, why), (d.raw, d.raw, record)),),
+        (list_scripts.LIST_COPY_REMOVE.command((t.processing, dead, why), (d.raw, d.raw, record)),),
     )
 
 
@@ -532,7 +534,7 @@ def plan_dead(t: Target, d: Delivery, reason: str) -> Plan:
         ]
         if error := getattr(d, "error", None):  # set by the runtime when the handler raised
             fields += [DEAD_ERROR, error.encode()]
-        fields += [DEAD_TIME, _scripts.SERVER_TIME]  # last: the script writes the server's clock
+        fields += [DEAD_TIME, _lua.SERVER_TIME]  # last: the script writes the server's clock
         p = _stream_copy(t, d, t.dead_letter, fields, Effect.DEAD_LETTERED,
                          t.dead_letter_maxlen)
         return dataclasses.replace(p, warning=warning + f"entry {d.id} dead-lettered")
@@ -715,9 +717,9 @@ def plan(t: Target, d: Delivery, outcome: Outcome) -> Plan:
         if way is DelayedRetry.DURABLE_ZSET:
             assert d.id is not None
             member = _member(*_stream_copy_fields(d, t.group))
-            script = (_scripts.STREAM_ZADD_ACK if t.retention is not Retention.DELETE_ON_FINALIZE
-                      else _scripts.STREAM_ZADD_ACKDEL if t.xackdel
-                      else _scripts.STREAM_ZADD_ACK_DEL)
+            script = (stream_scripts.STREAM_ZADD_ACK if t.retention is not Retention.DELETE_ON_FINALIZE
+                      else stream_scripts.STREAM_ZADD_ACKDEL if t.xackdel
+                      else stream_scripts.STREAM_ZADD_ACK_DEL)
             return Plan(
                 Effect.DELAYED,
                 (
@@ -728,12 +730,12 @@ def plan(t: Target, d: Delivery, outcome: Outcome) -> Plan:
             )
         # runtime: remove now, leaving this finalization's receipt; XADD the
         # copy when the timer fires, only while the receipt says "removed by
-        # me", once (see ``_scripts.STREAM_REMOVE_RECEIPT``)
+        # me", once (see ``stream_scripts.STREAM_REMOVE_RECEIPT``)
         assert d.id is not None
         receipt = receipt_key(t)
         return Plan(
             Effect.HELD,
-            (_scripts.STREAM_REMOVE_RECEIPT.command(
+            (stream_scripts.STREAM_REMOVE_RECEIPT.command(
                 (t.source, receipt), (t.group, d.id, copy_how(t), 0)),),
             delay=outcome.delay,
             later=(_runtime_copy(t, d, receipt),),
@@ -748,7 +750,7 @@ def plan(t: Target, d: Delivery, outcome: Outcome) -> Plan:
             return Plan(
                 Effect.DELAYED,
                 (
-                    _scripts.LIST_ZADD_REMOVE.command(
+                    list_scripts.LIST_ZADD_REMOVE.command(
                         (t.processing, t.delay_key), (d.raw, _ms(outcome.delay), member)
                     ),
                 ),
@@ -777,7 +779,7 @@ def xackdel_closed(reply: object) -> bool:
     return isinstance(reply, list) and bool(reply) and all(c == -1 for c in reply)
 
 
-RECEIPTED = frozenset({_scripts.STREAM_REMOVE_RECEIPT.sha})
+RECEIPTED = frozenset({stream_scripts.STREAM_REMOVE_RECEIPT.sha})
 """Shas of the gated scripts that read their finalization's own receipt when
 the gate is closed: their answer is exact even after an unknown outcome."""
 

@@ -29,10 +29,10 @@ Redis scripts do not roll back.  The checks before writing cover what can be
 known there: every key's type, and the values Redis would certainly refuse
 (``INCR`` family and ``HINCRBY`` on a value or by an increment that is no
 integer, ``PFADD`` on a string that is no HyperLogLog; see
-``_scripts._WRITES_LUA``); the user guide (docs/guide.rst) says the rest.
+``_lua.WRITES_LUA``); the user guide (docs/guide.rst) says the rest.
 
 A runtime ``retry_after`` on a stream carries its writes in the removal that
-leaves its receipt (``_scripts.STREAM_REMOVE_RECEIPT``): a resend after an
+leaves its receipt (``stream_scripts.STREAM_REMOVE_RECEIPT``): a resend after an
 unknown outcome applies and counts them only when its own first send did.
 
 Where a plan is two ungated commands (a dead letter in another Redis Cluster
@@ -50,17 +50,18 @@ from .._keys import same_slot
 from .._outcome import ACK, DROP, RETRY, Outcome, OutcomeKind, WithWrites
 from .._subscription import Form, Mode
 from .._writes import WRITE_COMMANDS, Write, write_keys
-from . import _scripts
 from ._commands import Arg, Command
 from ._plan import _REMOVED, Plan, Target, copy_how, plan
+from .reliable_list import scripts as list_scripts
+from .stream import scripts as stream_scripts
 
 __all__ = ["WRITES", "check_outcome", "encode_writes", "plan_outcome", "plan_writes"]
 
 WRITES = "writes"
 """The effect counted per write committed with its finalization (in ``stats()``)."""
 
-STREAM_WRITES = _scripts.STREAM_WRITES
-LIST_WRITES = _scripts.LIST_WRITES
+STREAM_WRITES = stream_scripts.STREAM_WRITES
+LIST_WRITES = list_scripts.LIST_WRITES
 
 def encode_writes(writes: tuple[Write, ...]) -> list[Arg]:
     """The writes as the scripts read them: ``nw``, then per write its count of
@@ -147,18 +148,18 @@ _PLAIN = {o.kind: o for o in (ACK, DROP, RETRY)}
 _REMOVED_BY_VALUE = {k._value_: e for k, e in _REMOVED.items()}
 
 
-_COPY = _scripts.STREAM_COPY_ACK.sha
-_COPY_EX = _scripts.STREAM_COPY_ACK_EX.sha
+_COPY = stream_scripts.STREAM_COPY_ACK.sha
+_COPY_EX = stream_scripts.STREAM_COPY_ACK_EX.sha
 _STREAM_CELLS = {  # the stream's gated cell scripts (for a durable delay: how it removes)
     _COPY: "", _COPY_EX: "",
-    _scripts.STREAM_ZADD_ACK.sha: "0", _scripts.STREAM_ZADD_ACK_DEL.sha: "1",
-    _scripts.STREAM_ZADD_ACKDEL.sha: "x",
+    stream_scripts.STREAM_ZADD_ACK.sha: "0", stream_scripts.STREAM_ZADD_ACK_DEL.sha: "1",
+    stream_scripts.STREAM_ZADD_ACKDEL.sha: "x",
 }
-_REMOVE_RECEIPT = _scripts.STREAM_REMOVE_RECEIPT.sha
+_REMOVE_RECEIPT = stream_scripts.STREAM_REMOVE_RECEIPT.sha
 _CARRIERS = (STREAM_WRITES.sha, LIST_WRITES.sha, _REMOVE_RECEIPT)
 """The scripts that carry an outcome's writes."""
-_LIST_COPY = _scripts.LIST_COPY_REMOVE.sha
-_LIST_ZADD = _scripts.LIST_ZADD_REMOVE.sha
+_LIST_COPY = list_scripts.LIST_COPY_REMOVE.sha
+_LIST_ZADD = list_scripts.LIST_ZADD_REMOVE.sha
 
 
 def _with_writes(t: Target, commands: tuple[Command, ...], writes: list[Arg],
@@ -184,7 +185,7 @@ def _with_writes(t: Target, commands: tuple[Command, ...], writes: list[Arg],
         elif stream and head == b"EVALSHA" and cmd[1] == _REMOVE_RECEIPT:
             # a runtime retry_after: the writes in its removal, before its receipt
             src, receipt, group, eid, how = cmd[3], cmd[4], cmd[5], cmd[6], cmd[7]
-            out.append(_scripts.STREAM_REMOVE_RECEIPT.command(
+            out.append(stream_scripts.STREAM_REMOVE_RECEIPT.command(
                 (src, receipt, *keys), (group, eid, how, *writes)))
         elif stream and head == b"EVALSHA" and cmd[1] in _STREAM_CELLS:
             sha, src, dest, group, eid = cmd[1], cmd[3], cmd[4], cmd[5], cmd[6]

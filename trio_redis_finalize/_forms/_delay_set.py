@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .._core._replies import raise_first_error
-from .._core._scripts import CORRUPT_FIELD
+from .._core.stream.scripts import CORRUPT_FIELD
 from .._deadlines import FINALIZE_TIMEOUT
 from .._envelope import CorruptEnvelope, unpack_parts
 from .._transport import Command, Script

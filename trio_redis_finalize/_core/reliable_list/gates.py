@@ -39,7 +39,7 @@ from .._batch import batch_replies, counted_removals, is_batched, with_counts
 from .._commands import Arg, Command
 from .._finalize import Item
 from .._plan import FAILED, GATE_CLOSED, Target, list_copies, list_counted, list_removal
-from .._scripts import LIST_COPY_REMOVE, LIST_WRITES
+from ..reliable_list.scripts import LIST_COPY_REMOVE, LIST_WRITES
 from .liveness import GIVE_BACK, dec, delayed_copy, delayed_parts, renumbered
 
 __all__ = ["FORGET_AT_ONCE", "ListGates"]

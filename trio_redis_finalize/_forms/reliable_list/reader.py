@@ -28,9 +28,9 @@ from ..._core._decode import list_deliveries
 from ..._core._finalize import Gates
 from ..._core._plan import Effect, Plan, Target
 from ..._core._replies import describe_error
-from ..._core._scripts import MOVE_DUE_TO_LIST
 from ..._core.reliable_list.gates import ListGates
 from ..._core.reliable_list.liveness import GIVE_BACK
+from ..._core.reliable_list.scripts import MOVE_DUE_TO_LIST
 from ..._deadlines import READ_MARGIN, backoff, log
 from ..._delivery import Delivery
 from ..._subscription import DelayedRetry
