@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from .._cli.inspect import key_type
+from .._cli._common import key_type
 from .._transport import Client, ClusterClient, SentinelClient, parse_url
 from . import _render as render
 from ._actions import ActionError, apply, plan

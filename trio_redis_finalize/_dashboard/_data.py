@@ -36,7 +36,8 @@ from urllib.parse import unquote
 
 from redis import exceptions as rexc
 
-from .._cli import inspect as cli
+from .._cli import _queues as queues
+from .._cli._common import key_type
 from .._core._plan import DEAD_GROUP, DEAD_REASON, DEAD_SOURCE, why_key
 from .._core.reliable_list.liveness import heartbeat_key, registry_key
 from .._core.stream import liveness as presence
@@ -193,7 +194,7 @@ async def discover(client: Client, keys: Sequence[str] = ()) -> Found:
             continue
         _, rows = await client.execute("HSCAN", h, 0, "COUNT", 10)
         source = None
-        for record in cli.why_records(rows[1] if len(rows) > 1 else None):
+        for record in queues.why_records(rows[1] if len(rows) > 1 else None):
             source = record.get("source")
             break
         found.dead.append(DeadLetter(d, "list", None if source is None else str(source)))
@@ -429,22 +430,22 @@ PAGE = 50
 async def subscription(client: Client, sub: Sub, after: str | None = None) -> dict[str, Any]:
     """A subscription's page: consumers, pending entries (paged), retention, delay set."""
     if sub.form == "stream":
-        info = await cli.inspect_stream(client, sub.key, sub.group)
+        info = await queues.inspect_stream(client, sub.key, sub.group)
         start = "-" if not after else "(" + after
         rows = await client.execute("XPENDING", sub.key, sub.group, start, "+", PAGE)
         info["pending_page"] = [{"id": _s(r[0]), "consumer": _s(r[1]), "idle": int(r[2]) / 1000,
                                  "attempt": int(r[3])} for r in rows]
     else:
-        info = await cli.inspect_list(client, sub.key, 30.0)
+        info = await queues.inspect_list(client, sub.key, 30.0)
         page = []
         for p in info["processing"]:
             for e in await client.execute("LRANGE", p["key"], 0, PAGE - 1):
-                item = cli.list_element(e)
+                item = queues.list_element(e)
                 item["owner"] = p["owner"]
                 item["attempt"] = (item["retries"] or 0) + 1
                 page.append(item)
         info["pending_page"] = page[:PAGE]
-    info["delay_set"] = await cli._delay_set(client, sub.delay_key)
+    info["delay_set"] = await queues._delay_set(client, sub.delay_key)
     if info["delay_set"]["size"]:
         due = await client.execute("ZRANGE", sub.delay_key, 0, 0, "WITHSCORES")
         info["delay_set"]["next_due_ms"] = float(due[1]) if due else None
@@ -458,7 +459,7 @@ HISTOGRAM_CAP = 5000
 async def dead_letter(client: Client, key: str, after: str | None = None,
                       reason: str | None = None) -> dict[str, Any]:
     """A dead letter's page: entries (oldest first, paged), the reason histogram."""
-    kind = await cli.key_type(client, key)
+    kind = await key_type(client, key)
     out: dict[str, Any] = {"key": key, "kind": kind, "entries": [], "reasons": {}, "capped": False,
                            "length": 0}
     if kind == "stream":
@@ -482,11 +483,11 @@ async def dead_letter(client: Client, key: str, after: str | None = None,
         out["length"] = int(await client.execute("LLEN", key))
         n = min(out["length"], HISTOGRAM_CAP)
         elements = list(reversed(await client.execute("LRANGE", key, -n, -1))) if n else []
-        records = await cli._list_records(client, key, elements)
+        records = await queues._list_records(client, key, elements)
         hist = {}
         shown = []
         for i, (e, r) in enumerate(zip(elements, records, strict=True)):
-            item = cli.list_element(e, r)
+            item = queues.list_element(e, r)
             item["index"] = i
             rs = str((item["dead"] or {}).get("reason", "(none)"))
             hist[rs] = hist.get(rs, 0) + 1
@@ -509,7 +510,7 @@ async def read_stream(client: Client, key: str, cap: int) -> list[dict[str, Any]
     start = "-"
     while len(out) < cap:
         rows = await client.execute("XRANGE", key, start, "+", "COUNT", min(1000, cap - len(out)))
-        out += [cli.stream_entry(eid, flat) | {"raw": flat} for eid, flat in rows]
+        out += [queues.stream_entry(eid, flat) | {"raw": flat} for eid, flat in rows]
         if len(rows) < 1000:
             break
         start = "(" + _s(rows[-1][0])
