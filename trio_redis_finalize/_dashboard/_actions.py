@@ -19,11 +19,11 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from .._cli import _queues, requeue
-from .._cli._common import key_type
+from .._cli._common import as_str, key_type
 from .._core._plan import why_key
 from .._keys import same_slot
 from .._transport import Client
-from ._data import HISTOGRAM_CAP, _s, read_stream
+from ._data import HISTOGRAM_CAP, read_stream
 
 __all__ = ["Plan", "apply", "plan"]
 
@@ -168,7 +168,7 @@ async def _pages(client: Client, p: Plan) -> AsyncIterator[list[dict[str, Any]]]
         if not rows:
             return
         yield [_queues.stream_entry(eid, flat) | {"raw": flat} for eid, flat in rows]
-        start = "(" + _s(rows[-1][0])
+        start = "(" + as_str(rows[-1][0])
 
 
 async def by_ids(client: Client, key: str, ids: Sequence[str]) -> list[dict[str, Any]]:
@@ -194,7 +194,3 @@ async def move_stream_entry(client: Client, dead: str, dest: str, eid: str,
         await client.execute("XDEL", dead, eid)
         return True
     return await client.evalsha(requeue.REQUEUE_STREAM, (dead, dest), (eid, *fields)) is not None
-
-
-def text(value: Any) -> str:
-    return _s(value)
