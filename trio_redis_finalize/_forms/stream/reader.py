@@ -12,13 +12,13 @@ from typing import Any
 import anyio
 from redis import exceptions as rexc
 
-from ..._context import FINALIZE_TIMEOUT, READ_MARGIN, Context, Item, log
 from ..._core._decode import Entry, as_str, id_key, lost_entry, read_entries, stream_deliveries
 from ..._core._plan import Effect, Plan, Target
 from ..._core._recovery import LEASE, SCHEDULE_LEFT, lease_lost, schedule_key, schedule_left
 from ..._core._replies import NOT_RUN, BusyGroupError, classify, error_code
 from ..._core._scripts import move_due_to_stream
 from ..._core.stream.liveness import HEARTBEAT_FLOOR, lease_every
+from ..._deadlines import FINALIZE_TIMEOUT, READ_MARGIN, log
 from ..._delivery import Delivery
 from ..._keys import derived, same_slot
 from ..._shutdown import cleanup
@@ -39,7 +39,8 @@ from ..._subscription import (
 )
 from ..._transport import Client, Connection, Script
 from .._delay_set import move_due
-from .._read_loop import Pending, check_type, reader_connection, retry_not_run
+from .._port import Context, Item, Pending
+from .._read_loop import check_type, reader_connection, retry_not_run
 from .liveness import StreamPresence
 from .retention import check_retention, trim
 
@@ -686,30 +687,11 @@ class StreamReader:
         self, ctx: Context, entries: list[Entry], counts: dict[bytes, int] | None = None,
     ) -> None:
         """Hand entries over (decoded by :func:`~._core._decode.stream_deliveries`):
-        plans first, then the deliveries for the handlers.
-
-        ``Context.deliver`` hands a batch over all or nothing, so cancelled
-        (shutdown) inside, none of ``entries`` reached a handler: their
-        delivery counts are set back (see :meth:`abandon`), shielded and
-        bounded; should that fail they stay pending as they are.
-        """
+        ``Context.deliver``, which gives back what a shutdown cut before a
+        handler had it (:meth:`abandon`: their delivery counts set back, the
+        counts other than 1 noted by :meth:`_note` first)."""
         ready, direct = stream_deliveries(ctx.target, entries, counts)
-        try:
-            if direct:
-                await ctx.send_plans([*direct])
-            await ctx.deliver(ready)
-        except anyio.get_cancelled_exc_class():
-            got = counts or {}
-            p = self._give_back([(eid, got.get(eid, 1)) for eid, flat in entries if flat is not None])
-            if p is not None:
-                with cleanup(FINALIZE_TIMEOUT):
-                    try:
-                        await ctx.client.pipeline(p.commands, timeout=FINALIZE_TIMEOUT)
-                    except (rexc.RedisError, OSError) as e:
-                        log.warning("%s: could not give %d unstarted entries back (%s); they "
-                                    "stay pending", ctx.name, len(entries), e,
-                                    extra={"subscription": ctx.name})
-            raise
+        await ctx.deliver(ready, direct, give_back=True)
 
     def _claiming(self, ids: list[bytes]) -> None:
         """The reaper is about to claim ``ids`` (their count one higher) into the
