@@ -22,7 +22,7 @@ from ._scenarios import COLUMNS, MSG, PEL, Form, Observed
 __all__ = ["Attributor", "Monitor", "observed_table", "parse_monitor_line"]
 
 _FINAL_COMMANDS = {b"XACK", b"XADD", b"EVALSHA", b"LREM", b"LPUSH", b"ZADD", b"PUBLISH"}
-
+"""The commands that finalize a delivery (alone, or inside a script)."""
 
 _ESCAPES = {ord("n"): b"\n", ord("r"): b"\r", ord("t"): b"\t", ord("a"): b"\a",
             ord("b"): b"\b", ord('"'): b'"', ord("\\"): b"\\"}
@@ -139,7 +139,6 @@ class Monitor:
         with anyio.move_on_after(timeout):
             await self.synced.wait()
         return self.synced.is_set()
-
 
 
 # -- attribution ------------------------------------------------------------------

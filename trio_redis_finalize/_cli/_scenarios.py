@@ -152,7 +152,6 @@ def _handler(consumer: Consumer, index: int, form: Form, seen: Observed) -> Any:
     return handle
 
 
-
 async def _produce(client: Client, forms: list[Form], run: str, per_cell: int) -> int:
     total = 0
     for index, form in enumerate(forms):

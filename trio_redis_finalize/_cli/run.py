@@ -116,8 +116,6 @@ def load_factory(spec: str) -> Callable[[Any], Awaitable[None]]:
     return factory
 
 
-
-
 def shutdown_summary(stats: dict[str, dict[str, Any]], held: int | None = None) -> str:
     """One line: what the consumer finalized and what it handed back.
 
