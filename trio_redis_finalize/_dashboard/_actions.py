@@ -194,3 +194,7 @@ async def move_stream_entry(client: Client, dead: str, dest: str, eid: str,
         await client.execute("XDEL", dead, eid)
         return True
     return await client.evalsha(requeue.REQUEUE_STREAM, (dead, dest), (eid, *fields)) is not None
+
+
+def text(value: Any) -> str:
+    return as_str(value)
