@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from redis.crc import key_slot
 
-__all__ = ["derived", "escape", "has_hash_tag", "named", "same_slot", "slot"]
+__all__ = ["derived", "derived_prefix", "escape", "has_hash_tag", "named", "same_slot", "slot"]
 
 
 def has_hash_tag(key: str) -> bool:
@@ -53,6 +53,15 @@ def derived(key: str, suffix: str) -> str:
         if slot(candidate) == want:
             return candidate
         n += 1
+
+
+def derived_prefix(key: str, suffix: str) -> str:
+    """What every ``derived(key, suffix + more)`` starts with (a ``SCAN
+    MATCH`` prefix): ``derived(key, suffix)``, but, for a key whose derived
+    names end in a counter, that name without it."""
+    if has_hash_tag(key) or (key and "}" not in key):
+        return derived(key, suffix)
+    return key + suffix.replace("{", "(").replace("}", ")")
 
 
 _ESCAPED = {c: f"%{ord(c):02X}" for c in "%:,{}~"}

@@ -36,8 +36,8 @@ from trio_redis_finalize import (
     StreamSubscription,
     open_consumer,
 )
-from trio_redis_finalize._cli import SIGNAL_DEBOUNCE
-from trio_redis_finalize._cli.demo import parse_monitor_line
+from trio_redis_finalize._cli._monitor import parse_monitor_line
+from trio_redis_finalize._cli.run import SIGNAL_DEBOUNCE
 from trio_redis_finalize._core.stream import liveness as presence
 from trio_redis_finalize._envelope import unwrap
 from trio_redis_finalize._transport import open_client

@@ -19,14 +19,8 @@ from _dashboard_scenario import BAD, DEAD, GROUP, LAG, STRANDED, STREAM, make_tr
 from trio_redis_finalize import Mode, _history
 from trio_redis_finalize._core.stream import liveness as presence
 from trio_redis_finalize._dashboard import _render
-from trio_redis_finalize._dashboard._data import (
-    LAG_CAP,
-    Row,
-    dead_letter,
-    discover,
-    overview,
-    subscription,
-)
+from trio_redis_finalize._dashboard._data import LAG_CAP, Row, dead_letter, overview, subscription
+from trio_redis_finalize._dashboard._discover import discover
 from trio_redis_finalize._transport import Client, open_client
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -252,7 +246,7 @@ async def test_a_reliable_list_in_trouble(redis_url: str) -> None:
                     await client.execute("LPUSH", "jobs", *[b"wait"] * 3)
                     found = await discover(client)
                     (sub,) = found.subs
-                    assert (sub.form, sub.key, sub.dead_letter) == ("list", "jobs", "{jobs}:dead")
+                    assert (sub.kind, sub.key, sub.dead_letter) == ("list", "jobs", "{jobs}:dead")
                     ov = await overview(client, found)
         finally:
             _history.EVERY = every

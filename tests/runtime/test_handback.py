@@ -32,7 +32,7 @@ from trio_redis_finalize import (
     StreamSubscription,
     open_consumer,
 )
-from trio_redis_finalize._cli import inspect_stream
+from trio_redis_finalize._cli._queues import inspect_stream
 from trio_redis_finalize._transport import Client
 
 BOUND = 2.0

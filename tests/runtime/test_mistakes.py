@@ -39,7 +39,8 @@ from trio_redis_finalize import (
     open_consumer,
     reject,
 )
-from trio_redis_finalize._cli import build_parser, shutdown_summary
+from trio_redis_finalize._cli import build_parser
+from trio_redis_finalize._cli.run import shutdown_summary
 from trio_redis_finalize._transport import open_client, parse_url
 from trio_redis_finalize.pytest_plugin import sync_command
 from trio_redis_finalize.testing import free_port

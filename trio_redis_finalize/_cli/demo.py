@@ -15,401 +15,55 @@ finalized (``lost: 0``).
 
 from __future__ import annotations
 
-import dataclasses
+import argparse
 import logging
 import secrets
 import sys
 import time
-from collections import defaultdict
 from typing import Any
 
 import anyio
-from anyio.abc import TaskStatus
 
 from .._consumer import Consumer, open_consumer
-from .._core._plan import DEAD_ATTEMPT
-from .._delivery import Delivery
-from .._envelope import RETRIES_FIELD, CorruptEnvelope, unpack_parts, unwrap
-from .._errors import AckUnsupported
-from .._forms.pubsub import ChannelSubscription, PatternSubscription
 from .._forms.reliable_list import ReliableListSubscription
-from .._forms.simple_list import ListSubscription
 from .._forms.stream.reader import StreamSubscription
-from .._outcome import ACK, DROP, RETRY, Outcome, OutcomeKind, retry_after
-from .._subscription import DelayedRetry, Mode, Subscription
-from .._transport import Client, Connection, ConnectionParams, open_client, open_connection, parse_url
+from .._transport import Client, open_client
+from ._common import CliError, check_url, command, positive_int, print_table
+from ._monitor import Monitor, observed_table
+from ._scenarios import COLUMNS, EXPECTED, Form, Observed, _forms, _handler, _produce
 
-__all__ = ["demo", "parse_monitor_line", "server_name"]
+__all__ = ["add_command", "demo", "server_name"]
 
-BLOCK = 0.1
-MIN_IDLE = 0.25
-DELAY = 0.2
-MAX_ATTEMPTS = 2
 TIMEOUT = 20.0
-MSG = b"msg"
 
-COLUMNS = [
-    ("ack", "ACK"),
-    ("retry", "RETRY (then ACK)"),
-    ("drop", "DROP"),
-    ("retry_after", f"retry_after({DELAY}) (then ACK)"),
-    ("dead", f"RETRY at max_attempts={MAX_ATTEMPTS}"),
-]
-SCENARIOS = ("ack", "retry", "drop", "later", "poison")
-_FINAL_COMMANDS = {b"XACK", b"XADD", b"EVALSHA", b"LREM", b"LPUSH", b"ZADD", b"PUBLISH"}
 
-PEL = "none: same id re-read from the PEL"
-EXPECTED: dict[str, dict[str, str]] = {
-    "stream": {"ack": "XACK", "retry": "EVALSHA(XADD, XACK)", "drop": "XACK",
-               "retry_after": "EVALSHA(XACK) then EVALSHA(XADD)", "dead": "EVALSHA(XADD, XACK)"},
-    "claiming stream": {"ack": "XACK", "retry": PEL, "drop": "XACK", "retry_after": PEL,
-                        "dead": "EVALSHA(XADD, XACK)"},
-    "stream (durable delay)": {"ack": "XACK", "retry": "EVALSHA(XADD, XACK)", "drop": "XACK",
-                              "retry_after": "EVALSHA(ZADD, XACK) then EVALSHA(XADD)",
-                              "dead": "EVALSHA(XADD, XACK)"},
-    "reliable list": {"ack": "LREM", "retry": "EVALSHA(LPUSH, LREM)", "drop": "LREM",
-                      "retry_after": "EVALSHA(LPUSH, LREM)", "dead": "EVALSHA(LPUSH, LREM)"},
-    "simple list": {"ack": "refused", "retry": "refused", "drop": "refused",
-                    "retry_after": "LPUSH", "dead": "-"},
-    "channel": {"ack": "refused", "retry": "refused", "drop": "refused",
-                "retry_after": "PUBLISH", "dead": "-"},
-    "pattern": {"ack": "refused", "retry": "refused", "drop": "refused",
-                "retry_after": "PUBLISH", "dead": "-"},
-}
+def add_command(sub: argparse._SubParsersAction[Any]) -> None:
+    """The ``demo`` sub-command and its options."""
+    p = command(
+        sub, cmd_demo, "demo",
+        help="every form x every outcome against a real server; prints the observed table",
+        description="Mount one subscription of every form (stream, claiming stream, stream with "
+                    "a durable delay set, reliable list, simple list, channel, pattern), produce "
+                    "messages whose handlers return every outcome, record with MONITOR the "
+                    "Redis commands each finalization issued, print them as a form x outcome "
+                    "table and check that nothing was lost (last line 'lost: N'; exit 1 if N > 0).",
+    )
+    p.add_argument("--url", default=None,
+                   help="use this server (keys are prefixed trf-demo-<random> and deleted after); "
+                        "default: start a private redis-server on a free port")
+    p.add_argument("--messages", type=positive_int, default=3, metavar="N",
+                   help="messages per form and outcome (default 3)")
+    p.add_argument("-v", "--verbose", action="store_true", help="print the library's log records")
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    if args.url is not None:
+        check_url(args.url)
+    return demo(args.url, verbose=args.verbose, per_cell=args.messages)
 
 
 def _out(text: str = "") -> None:
     print(text, flush=True)
-
-
-# -- MONITOR --------------------------------------------------------------------
-
-_ESCAPES = {ord("n"): b"\n", ord("r"): b"\r", ord("t"): b"\t", ord("a"): b"\a",
-            ord("b"): b"\b", ord('"'): b'"', ord("\\"): b"\\"}
-
-
-def _unquote_args(text: bytes) -> list[bytes]:
-    """The arguments of a MONITOR line: ``"a" "b\\n" "\\x00"`` (``sdscatrepr``)."""
-    args: list[bytes] = []
-    i, n = 0, len(text)
-    while i < n:
-        if text[i] != ord('"'):
-            i += 1
-            continue
-        i += 1
-        buf = bytearray()
-        while i < n and text[i] != ord('"'):
-            c = text[i]
-            if c == ord("\\") and i + 1 < n:
-                nxt = text[i + 1]
-                if nxt == ord("x") and i + 3 < n:
-                    buf.append(int(text[i + 2 : i + 4], 16))
-                    i += 4
-                    continue
-                buf += _ESCAPES.get(nxt, bytes([nxt]))
-                i += 2
-                continue
-            buf.append(c)
-            i += 1
-        args.append(bytes(buf))
-        i += 1
-    return args
-
-
-def parse_monitor_line(line: bytes) -> tuple[int, bool, list[bytes]] | None:
-    """``(db, from_lua, args)`` of one MONITOR line, or None when it is not one."""
-    start = line.find(b"[")
-    end = line.find(b"] ", start)
-    if start < 0 or end < 0:
-        return None
-    db_text, _, client = line[start + 1 : end].partition(b" ")
-    try:
-        db = int(db_text)
-    except ValueError:
-        return None
-    args = _unquote_args(line[end + 2 :])
-    if not args:
-        return None
-    args[0] = args[0].upper()
-    return db, client == b"lua", args
-
-
-@dataclasses.dataclass
-class Group:
-    """A top-level command; for EVALSHA, the finalization commands its script ran."""
-
-    args: list[bytes]
-    inner: list[list[bytes]] = dataclasses.field(default_factory=list)
-
-
-class Monitor:
-    """Reads MONITOR on its own connection; keeps the demo's finalization commands."""
-
-    def __init__(self, url: str | ConnectionParams, marker: bytes) -> None:
-        self.params = parse_url(url) if isinstance(url, str) else url
-        self.marker = marker
-        self.groups: list[Group] = []
-        self.synced = anyio.Event()
-        self.lines = 0
-
-    def _is_demo(self, args: list[bytes]) -> bool:
-        if args[0] == b"EVALSHA":
-            try:
-                nkeys = int(args[2])
-            except (IndexError, ValueError):
-                return False
-            return any(self.marker in k for k in args[3 : 3 + nkeys])
-        return len(args) > 1 and self.marker in args[1]
-
-    def feed(self, line: bytes) -> None:
-        parsed = parse_monitor_line(line)
-        if parsed is None:
-            return
-        db, lua, args = parsed
-        if db != self.params.db:
-            return
-        self.lines += 1
-        current = self.groups[-1] if self.groups else None
-        if lua:
-            if (current is not None and current.args[0] == b"EVALSHA"
-                    and args[0] in _FINAL_COMMANDS and self._is_demo(args)):
-                current.inner.append(args)
-            return
-        if args[0] == b"ECHO" and len(args) > 1 and args[1] == self.marker + b":sync":
-            self.synced.set()
-            return
-        if args[0] in _FINAL_COMMANDS and self._is_demo(args):
-            self.groups.append(Group(args))
-        elif current is not None and current.args[0] == b"EVALSHA":
-            self.groups.append(Group([b"(other)"]))  # closes the script's group
-
-    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        conn: Connection = await open_connection(self.params, name="trf-demo:monitor")
-        async with conn:
-            await conn.execute("MONITOR")
-            task_status.started()
-            while True:
-                reply = await conn._read_reply()
-                if isinstance(reply, bytes):
-                    self.feed(reply)
-
-    async def sync(self, client: Client, timeout: float = 5.0) -> bool:
-        """Wait until MONITOR has shown everything sent before this call."""
-        await client.execute("ECHO", self.marker + b":sync")
-        with anyio.move_on_after(timeout):
-            await self.synced.wait()
-        return self.synced.is_set()
-
-
-# -- the forms ------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Form:
-    label: str
-    sub: Subscription
-    durable: bool  # stream or reliable list: must lose nothing
-    source: str  # where the producer writes
-    dead_letter: str | None = None
-    max_attempts: int | None = None
-    produced: int = 0
-
-
-def _forms(run: str) -> list[Form]:
-    def stream(name: str, **kw: Any) -> StreamSubscription:
-        return StreamSubscription(f"{run}:{name}", "demo", block=BLOCK, max_attempts=MAX_ATTEMPTS,
-                                  dead_letter=f"{run}:{name}:dead", **kw)
-
-    s1 = stream("stream")
-    s2 = stream("claiming", mode=Mode.CLAIMING, min_idle=MIN_IDLE)
-    s3 = stream("durable", delayed_retry=DelayedRetry.DURABLE_ZSET)
-    rl = ReliableListSubscription(f"{run}:rlist", block=BLOCK, max_attempts=MAX_ATTEMPTS,
-                                  dead_letter=f"{run}:rlist:dead")
-    return [
-        Form("stream", s1, True, s1.stream, s1.dead_letter, MAX_ATTEMPTS),
-        Form("claiming stream", s2, True, s2.stream, s2.dead_letter, MAX_ATTEMPTS),
-        Form("stream (durable delay)", s3, True, s3.stream, s3.dead_letter, MAX_ATTEMPTS),
-        Form("reliable list", rl, True, rl.queue, rl.dead_letter, MAX_ATTEMPTS),
-        Form("simple list", ListSubscription(f"{run}:list", block=BLOCK), False, f"{run}:list"),
-        Form("channel", ChannelSubscription(f"{run}:channel"), False, f"{run}:channel"),
-        Form("pattern", PatternSubscription(f"{run}:pattern:*", retry_channel=f"{run}:pattern:retry"),
-             False, f"{run}:pattern:events"),
-    ]
-
-
-def _decide(scenario: str, attempt: int) -> Outcome:
-    if scenario == "ack":
-        return ACK
-    if scenario == "drop":
-        return DROP
-    if scenario == "retry":
-        return RETRY if attempt == 1 else ACK
-    if scenario == "later":
-        return retry_after(DELAY) if attempt == 1 else ACK
-    return RETRY  # poison: until max_attempts sends it to the dead letter
-
-
-@dataclasses.dataclass
-class Observed:
-    """What the handlers saw (filled while the demo runs)."""
-
-    outcomes: dict[tuple[str, int], tuple[int, str]] = dataclasses.field(default_factory=dict)
-    ids: dict[tuple[bytes, bytes], tuple[str, int]] = dataclasses.field(default_factory=dict)
-    same_id: set[tuple[int, str]] = dataclasses.field(default_factory=set)
-    refused: dict[tuple[int, str], str] = dataclasses.field(default_factory=dict)
-    done: set[str] = dataclasses.field(default_factory=set)
-    handled: int = 0
-
-
-def _column(form: Form, outcome: Outcome, attempt: int) -> str:
-    kind = outcome.kind
-    if kind is OutcomeKind.ACK:
-        return "ack"
-    if kind is OutcomeKind.DROP:
-        return "drop"
-    if form.max_attempts is not None and attempt >= form.max_attempts:
-        return "dead"
-    return "retry" if kind is OutcomeKind.RETRY else "retry_after"
-
-
-def _handler(consumer: Consumer, index: int, form: Form, seen: Observed) -> Any:
-    async def handle(d: Delivery) -> Outcome:
-        token = (d.fields.get(MSG, b"") if d.id is not None else d.data or b"").decode()
-        scenario = token.split("/")[2] if token.count("/") == 3 else "ack"
-        outcome = _decide(scenario, d.attempt)
-        col = _column(form, outcome, d.attempt)
-        seen.handled += 1
-        seen.outcomes[(token, d.attempt)] = (index, col)
-        if d.id is not None:
-            key = (d.source.encode(), d.id.encode())
-            previous = seen.ids.get(key)
-            if previous is not None and previous in seen.outcomes:
-                seen.same_id.add(seen.outcomes[previous])  # re-read from the PEL
-            seen.ids[key] = (token, d.attempt)
-        if not form.durable and outcome.kind is not OutcomeKind.RETRY_AFTER:
-            try:
-                await consumer.finalize(d, outcome)  # what a no-ack form says to it
-            except AckUnsupported as e:
-                seen.refused[(index, col)] = str(e)
-        if outcome.kind in (OutcomeKind.ACK, OutcomeKind.DROP) or (
-            outcome.kind is OutcomeKind.RETRY and (not form.durable or col == "dead")
-        ):
-            seen.done.add(token)
-        return outcome
-
-    return handle
-
-
-# -- attribution ------------------------------------------------------------------
-
-
-class Attributor:
-    """Maps a finalization command back to ``(token, attempt)`` of its delivery."""
-
-    def __init__(self, forms: list[Form], seen: Observed) -> None:
-        self.seen = seen
-        self.dead_letters = {f.dead_letter.encode() for f in forms if f.dead_letter}
-
-    @staticmethod
-    def _token(body: bytes) -> str | None:
-        text = body.decode("utf-8", "replace")
-        return text if text.count("/") == 3 else None
-
-    def _fields(self, flat: list[bytes]) -> list[tuple[str, int]]:
-        fields = dict(zip(flat[::2], flat[1::2], strict=False))
-        token = self._token(fields.get(MSG, b""))
-        if token is None:
-            return []
-        if DEAD_ATTEMPT in fields:
-            return [(token, int(fields[DEAD_ATTEMPT]))]
-        if RETRIES_FIELD in fields:  # a copy: made by the attempt its counter names
-            return [(token, int(fields[RETRIES_FIELD]))]
-        return []  # an original from the producer
-
-    def _element(self, element: bytes, *, as_read: bool) -> list[tuple[str, int]]:
-        try:
-            body, retries, origin = unwrap(element)
-        except CorruptEnvelope:
-            return []
-        token = self._token(body)
-        if token is None:
-            return []
-        if as_read:  # the element as a delivery read it: its attempt is retries + 1
-            return [(token, retries + 1)]
-        if origin is None:
-            return []  # an original from the producer
-        return [(token, retries)]
-
-    def command(self, args: list[bytes]) -> list[tuple[str, int]]:
-        name = args[0]
-        try:
-            if name == b"XACK":
-                return [self.seen.ids[(args[1], i)] for i in args[3:] if (args[1], i) in self.seen.ids]
-            if name == b"XADD":
-                return self._fields(args[3:])
-            if name == b"LREM":
-                return self._element(args[3], as_read=True)
-            if name == b"LPUSH":
-                dead = args[1] in self.dead_letters
-                return [a for e in args[2:] for a in self._element(e, as_read=dead)]
-            if name == b"ZADD":
-                parts = unpack_parts(args[3])
-                if len(parts) == 2:
-                    return self._element(parts[1], as_read=False)
-                return self._fields(parts[1:])
-            if name == b"PUBLISH":
-                return self._element(args[2], as_read=False)
-        except (IndexError, ValueError):
-            return []
-        return []
-
-
-def observed_table(
-    forms: list[Form], groups: list[Group], seen: Observed
-) -> dict[str, dict[str, str]]:
-    """Form label -> column -> the commands observed for that cell."""
-    attr = Attributor(forms, seen)
-    sequences: dict[tuple[str, int], list[str]] = defaultdict(list)
-    for g in groups:
-        if g.args[0] == b"EVALSHA":
-            # one script may finalize several deliveries (the delay-set mover):
-            # each gets the commands the script ran for it
-            parts: dict[tuple[str, int], list[str]] = {}
-            for inner in g.inner:
-                for owner in dict.fromkeys(attr.command(inner)):
-                    parts.setdefault(owner, []).append(inner[0].decode())
-            for owner, names in parts.items():
-                sequences[owner].append("EVALSHA(" + ", ".join(names) + ")")
-        else:
-            for owner in attr.command(g.args):
-                sequences[owner].append(g.args[0].decode())
-    cells: dict[tuple[int, str], set[str]] = defaultdict(set)
-    delivered: set[tuple[int, str]] = set()
-    for key, (index, col) in seen.outcomes.items():
-        delivered.add((index, col))
-        seq = sequences.get(key)
-        if seq:
-            cells[(index, col)].add(" then ".join(seq))
-    table: dict[str, dict[str, str]] = {}
-    for index, form in enumerate(forms):
-        row: dict[str, str] = {}
-        for col, _ in COLUMNS:
-            found = cells.get((index, col))
-            if found:
-                text = " | ".join(sorted(found))
-                if (index, col) in seen.refused:
-                    text = "refused, yet " + text
-            elif (index, col) in seen.refused:
-                text = "refused"
-            elif (index, col) in seen.same_id:
-                text = PEL
-            elif (index, col) in delivered:
-                text = "none"
-            else:
-                text = "-"
-            row[col] = text
-        table[form.label] = row
-    return table
 
 
 # -- the run --------------------------------------------------------------------
@@ -425,27 +79,6 @@ class _Collect(logging.Handler):
         self.records.append(record)
         if self.verbose:
             print(f"  log {record.levelname.lower()}: {record.getMessage()}", file=sys.stderr)
-
-
-async def _produce(client: Client, forms: list[Form], run: str, per_cell: int) -> int:
-    total = 0
-    for index, form in enumerate(forms):
-        commands: list[tuple[Any, ...]] = []
-        for scenario in SCENARIOS:
-            if scenario == "poison" and not form.durable:
-                continue
-            for n in range(per_cell):
-                token = f"{run}/{index}/{scenario}/{n}".encode()
-                if isinstance(form.sub, StreamSubscription):
-                    commands.append(("XADD", form.source, "*", MSG, token))
-                elif isinstance(form.sub, ReliableListSubscription | ListSubscription):
-                    commands.append(("LPUSH", form.source, token))
-                else:
-                    commands.append(("PUBLISH", form.source, token))
-        await client.pipeline(commands)
-        form.produced = len(commands)
-        total += len(commands)
-    return total
 
 
 async def _remaining(client: Client, form: Form, consumer: str) -> int:
@@ -576,8 +209,6 @@ async def _wait(consumer: Consumer, forms: list[Form], seen: Observed, total: in
 
 
 def _print_table(forms: list[Form], table: dict[str, dict[str, str]]) -> None:
-    from .._table import print_table
-
     _out()
     _out("Finalization commands observed with MONITOR (form x outcome; EVALSHA(...) lists the "
          "commands its script ran):")
@@ -651,8 +282,6 @@ def demo(url: str | None, *, verbose: bool = False, per_cell: int = 3) -> int:
         try:
             server = RedisServer().start()
         except (RuntimeError, OSError) as e:
-            from .._table import CliError
-
             raise CliError(f"cannot start a private redis-server: {e}") from None
         _out(f"started a private redis-server (pid {server.pid}, port {server.port})")
         url = server.url

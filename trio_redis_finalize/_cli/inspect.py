@@ -1,387 +1,249 @@
-"""Reading a queue's state: what ``inspect`` prints and the dashboard shows.
+"""``trio-redis-finalize inspect KEY``: a stream's or a list's state, as
+tables or (``--json``) as the dicts ``_queues`` reads.
 
-Moved out of ``_cli`` (the command line imports it back) so the dashboard
-reads the same state the same way without importing the command line.
+A stream: groups, consumers with their heartbeats and what is stranded,
+retention; a list: its processing lists and their owners' heartbeats; both:
+the delay set, the dead letter, and with ``--entries N`` the oldest entries
+(a dead letter's with why each is there).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
-import hashlib
+import argparse
 import json
-from collections.abc import Sequence
 from typing import Any
 
-from .._core._plan import DEAD_FIELDS, why_key
-from .._core.reliable_list.liveness import heartbeat_key, registry_key
-from .._core.stream import liveness as presence
-from .._core.stream.retention import GroupNeed, group_rows, oldest_needed
-from .._envelope import ORIGIN_FIELD, RETRIES_FIELD, CorruptEnvelope, unwrap
-from .._keys import derived, has_hash_tag
-from .._table import CliError
-from .._transport import Client
+import anyio
+
+from .._keys import derived
+from .._subscription import DEAD_SUFFIX, default_dead_letter
+from .._transport import open_client
+from ._common import (
+    CliError,
+    as_str,
+    check_url,
+    command,
+    key_type,
+    non_negative,
+    positive_int,
+    print_table,
+    url_arg,
+)
+from ._queues import (
+    _dead_letter,
+    _delay_set,
+    _entries,
+    _has_list_traces,
+    _id_time,
+    inspect_list,
+    inspect_stream,
+)
+from .requeue import refusal
+
+__all__ = ["add_command", "print_inspect"]
 
 
-def _str(value: Any) -> str:
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "backslashreplace")
-    return str(value)
+def add_command(sub: argparse._SubParsersAction[Any]) -> None:
+    """The ``inspect`` sub-command and its options."""
+    p = command(
+        sub, cmd_inspect, "inspect",
+        help="show a stream's or list's state: groups, pending, delay set, dead letter",
+        description="For a stream: length, consumer groups (consumers, pending, last delivered id, "
+                    "oldest needed entry, lag, oldest idle pending entry), consumers, the oldest "
+                    "entry any group still needs and how many entries below it a trim "
+                    "(Retention.TRIM_ACKED) would remove. For a list: length and the "
+                    "processing lists ({KEY}:processing:* and those registered in "
+                    "{KEY}:list-consumers:<KEY>) "
+                    "with their owners' heartbeat age. "
+                    "For both: the delay set ({KEY}:delayed unless --delay-key) and, with "
+                    "--dead-letter, the dead letter's length.",
+    )
+    p.add_argument("key", metavar="KEY", help="the stream or list")
+    p.add_argument("--group", default=None, help="only this consumer group (streams)")
+    url_arg(p)
+    p.add_argument("--delay-key", default=None, help="the durable delay set (default {KEY}:delayed)")
+    p.add_argument("--dead-letter", default=None, metavar="KEY", help="also show this dead letter")
+    p.add_argument("--heartbeat", type=non_negative, default=30.0, metavar="SECONDS",
+                   help="the subscriptions' heartbeat setting, to estimate heartbeat age from the "
+                        "heartbeat key's TTL (lists; default 30, the library's default)")
+    p.add_argument("--entries", type=positive_int, default=None, metavar="N",
+                   help="also list the N oldest entries (stream) or elements (list); for a dead "
+                        "letter, with why each was dead-lettered (reason, error, source, entry id "
+                        "or processing list, group, attempt, time)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
-def _pairs(flat: Sequence[Any]) -> dict[str, Any]:
-    """A RESP2 flat ``[name, value, name, value, ...]`` reply as a dict."""
-    return {_str(k): v for k, v in zip(flat[::2], flat[1::2], strict=False)}
+def _heartbeat_text(c: dict[str, Any]) -> str:
+    if c["heartbeat"] == "alive":
+        return "alive" + ("" if c["heartbeat_ttl"] is None else f" (expires in {c['heartbeat_ttl']:.3f} s)")
+    if c["heartbeat"] == "lapsed":
+        return "lapsed (dead)"
+    if c["heartbeat"] == "stopped":
+        return "stopped (cleanly)"
+    return "none"
 
 
-def _int_or_none(value: Any) -> int | None:
-    return None if value is None else int(value)
+def _stranded_text(c: dict[str, Any]) -> str:
+    if not c["stranded"]:
+        return "-"
+    if c["heartbeat"] == "stopped":
+        return "handed back: a live mount takes them at once"
+    if c["heartbeat"] == "lapsed":
+        if c["mode"] == "claiming":
+            return "yes: a CLAIMING mount claims them back once idle min_idle"
+        return "yes: a live PLAIN/RECLAIM mount takes them over"
+    return "yes: no heartbeat; only Mode.RECLAIM (min_idle) or XCLAIM takes them"
 
 
-async def key_type(client: Client, key: str) -> str:
-    return _str(await client.execute("TYPE", key))
-
-
-async def require_key(client: Client, key: str, what: str, types: Sequence[str]) -> str:
-    kind = await key_type(client, key)
-    if kind == "none":
-        raise CliError(f"{what} {key!r} does not exist")
-    if kind not in types:
-        raise CliError(f"{what} {key!r} is a {kind}, not a {' or a '.join(types)}")
-    return kind
-
-
-async def _delay_set(client: Client, key: str) -> dict[str, Any]:
-    kind = await key_type(client, key)
-    out: dict[str, Any] = {"key": key, "exists": kind != "none", "size": 0, "oldest_due_in": None}
-    if kind == "none":
-        return out
-    if kind != "zset":
-        out["error"] = f"is a {kind}, not a sorted set"
-        return out
-    out["size"] = int(await client.execute("ZCARD", key))
-    first = await client.execute("ZRANGE", key, 0, 0, "WITHSCORES")
-    if first:
-        secs, micros = await client.execute("TIME")
-        now_ms = int(secs) * 1000 + int(micros) // 1000
-        out["oldest_due_in"] = round((float(first[1]) - now_ms) / 1000, 3)
-    return out
-
-
-async def _dead_letter(client: Client, key: str) -> dict[str, Any]:
-    kind = await key_type(client, key)
-    out: dict[str, Any] = {"key": key, "type": kind, "length": 0}
-    if kind == "stream":
-        out["length"] = int(await client.execute("XLEN", key))
-    elif kind == "list":
-        out["length"] = int(await client.execute("LLEN", key))
-    elif kind != "none":
-        out["error"] = f"is a {kind}, not a stream or a list"
-    return out
-
-
-async def _oldest_idle(client: Client, key: str, group: str) -> dict[str, Any] | None:
-    """The pending entry idle longest among the 1000 oldest (by id)."""
-    rows = await client.execute("XPENDING", key, group, "-", "+", 1000)
-    if not rows:
-        return None
-    row = max(rows, key=lambda r: int(r[2]))
-    return {"id": _str(row[0]), "consumer": _str(row[1]), "idle": int(row[2]) / 1000,
-            "deliveries": int(row[3])}
-
-
-async def _group_needs(client: Client, key: str, rows: Sequence[Any]) -> dict[str, GroupNeed]:
-    """Each group's oldest needed entry (``XINFO GROUPS`` rows, an XPENDING summary each)."""
-    out: dict[str, GroupNeed] = {}
-    for g in group_rows(rows):
-        if g.pending:
-            summary = await client.execute("XPENDING", key, g.name)
-            g = dataclasses.replace(g, first_pending=_str(summary[1]) if summary[1] else None)
-        out[g.name] = g
-    return out
-
-
-_COUNT_CAP = 100_000
-"""Entries ``inspect`` counts at most below the oldest needed one."""
-
-
-async def _count_below(client: Client, key: str, below: str) -> tuple[int, bool]:
-    """How many entries are below ``below`` (what a trim would remove), and
-    whether counting stopped at :data:`_COUNT_CAP`."""
-    n = 0
-    lo = "-"
-    while n < _COUNT_CAP:
-        page = await client.execute("XRANGE", key, lo, "(" + below, "COUNT", 1000)
-        n += len(page)
-        if len(page) < 1000:
-            return n, False
-        lo = "(" + _str(page[-1][0])
-    return n, True
-
-
-async def inspect_stream(client: Client, key: str, group: str | None) -> dict[str, Any]:
-    info = _pairs(await client.execute("XINFO", "STREAM", key))
-    first = info.get("first-entry")
-    out: dict[str, Any] = {
-        "key": key,
-        "type": "stream",
-        "length": int(info["length"]),
-        "last_id": _str(info.get("last-generated-id")),
-        "first_id": _str(first[0]) if first else None,
-        "groups": [],
-    }
-    rows = await client.execute("XINFO", "GROUPS", key)
-    groups = [_pairs(g) for g in rows]
-    needs = await _group_needs(client, key, rows)
-    low = oldest_needed(list(needs.values()))
-    trimmable, capped = await _count_below(client, key, low) if low is not None else (0, False)
-    out["retention"] = {"oldest_needed_id": low, "trimmable": trimmable, "trimmable_capped": capped}
-    if group is not None:
-        groups = [g for g in groups if _str(g["name"]) == group]
-        if not groups:
-            raise CliError(f"stream {key!r} has no consumer group {group!r}")
-    for g in groups:
-        gname = _str(g["name"])
-        rows = await client.execute("XINFO", "CONSUMERS", key, gname)
-        consumer_list, stranded = await _consumers(client, key, gname, rows)
-        out["groups"].append({
-            "name": gname,
-            "consumers": int(g["consumers"]),
-            "pending": int(g["pending"]),
-            "last_delivered_id": _str(g["last-delivered-id"]),
-            "oldest_needed_id": needs[gname].oldest_needed,
-            "lag": _int_or_none(g.get("lag")),
-            "oldest_idle_pending": await _oldest_idle(client, key, gname) if int(g["pending"]) else None,
-            "stranded": stranded,
-            "consumer_list": consumer_list,
-        })
-    return out
-
-
-async def _consumers(client: Client, key: str, group: str, rows: Sequence[Any]
-                     ) -> tuple[list[dict[str, Any]], int]:
-    """The group's consumers (``XINFO CONSUMERS`` ``rows``, and those in the
-    library's registry ``{KEY}:stream-consumers:<KEY>,<group>``), each with its heartbeat
-    (``alive``, ``stopped``: stopped cleanly, its entries handed back,
-    ``lapsed``: dead, ``none``: never kept one) and whether its
-    pending entries are stranded (no live heartbeat); and how many entries are."""
-    reg_key = presence.registry_key(key, group)
-    registered = (presence.registry(await client.execute("HGETALL", reg_key))
-                  if await key_type(client, reg_key) == "hash" else {})
-    names = list(registered)
-    ttls: dict[str, int] = {}
-    if names:
-        replies = await client.pipeline(
-            [("PTTL", presence.heartbeat_key(key, group, n)) for n in names])
-        ttls = {n: int(t) for n, t in zip(names, replies, strict=True)}
-    found = presence.peers(presence.consumer_rows(rows), registered, ttls)
-    out = []
-    for p in found:
-        reg = p.registration
-        out.append({
-            "name": p.name, "pending": p.pending, "idle": p.idle,
-            "heartbeat": p.heartbeat.value, "heartbeat_ttl": p.ttl,
-            "heartbeat_period": None if reg is None else reg.heartbeat,
-            "mode": None if reg is None or reg.mode is None else reg.mode.value,
-            "stranded": p.stranded,
-        })
-    return out, sum(p.pending for p in found if p.stranded)
-
-
-def _processing_prefix(queue: str) -> str:
-    if has_hash_tag(queue) or "}" not in queue:
-        return derived(queue, ":processing:")
-    return queue + ":processing:"  # see _keys.derived: such names end in ~<hex>
-
-
-def _glob_escape(text: str) -> str:
-    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
-
-
-async def _heartbeat(client: Client, queue: str, owner: str, period: float) -> dict[str, Any]:
-    """The owner's heartbeat key ``{queue}:list-heartbeat:<queue>,<owner>`` (a key with a TTL of
-    ``heartbeat`` seconds, renewed every ``heartbeat / 3``): time left, and the
-    age of the last beat estimated as ``period`` minus the time left."""
-    key = heartbeat_key(queue, owner)
-    ttl_ms = int(await client.execute("PTTL", key))
-    if ttl_ms == -2:
-        return {"heartbeat_key": key, "alive": False, "heartbeat_ttl": None, "heartbeat_age": None}
-    ttl = None if ttl_ms < 0 else ttl_ms / 1000
-    age = None if ttl is None else round(max(0.0, period - ttl), 3)
-    return {"heartbeat_key": key, "alive": True, "heartbeat_ttl": ttl, "heartbeat_age": age}
-
-
-async def inspect_list(client: Client, key: str, heartbeat: float) -> dict[str, Any]:
-    out: dict[str, Any] = {"key": key, "type": "list", "length": int(await client.execute("LLEN", key)),
-                           "processing": []}
-    prefix = _processing_prefix(key)
-    owners: dict[str, str] = {}  # processing list -> owner
-    cursor: Any = b"0"
-    while True:
-        cursor, batch = await client.execute("SCAN", cursor, "MATCH", _glob_escape(prefix) + "*",
-                                             "COUNT", 1000)
-        for b in batch:
-            owners[_str(b)] = _str(b)[len(prefix):]
-        if cursor in (b"0", "0", 0):
-            break
-    # consumers register name -> processing list in {queue}:consumers
-    registry = registry_key(key)
-    if await key_type(client, registry) == "hash":
-        for name, plist in _pairs(await client.execute("HGETALL", registry)).items():
-            owners[_str(plist)] = name
-    for plist in sorted(owners):
-        kind = await key_type(client, plist)
-        if kind not in ("list", "none"):
-            continue
-        owner = owners[plist]
-        out["processing"].append({
-            "key": plist,
-            "owner": owner,
-            "length": int(await client.execute("LLEN", plist)) if kind == "list" else 0,
-            **await _heartbeat(client, key, owner, heartbeat),
-        })
-    return out
-
-
-async def _has_list_traces(client: Client, queue: str) -> bool:
-    """True when a reliable list's registry or a processing list exists for ``queue``."""
-    if await key_type(client, registry_key(queue)) != "none":
-        return True
-    cursor: Any = b"0"
-    while True:
-        cursor, batch = await client.execute(
-            "SCAN", cursor, "MATCH", _glob_escape(_processing_prefix(queue)) + "*", "COUNT", 1000)
-        if batch:
-            return True
-        if cursor in (b"0", "0", 0):
-            return False
-
-
-_MAX_SHOWN = 200
-"""Characters of a field value or list element shown by ``inspect --entries``."""
-
-
-def _shown(value: bytes) -> str:
-    text = _str(value)
-    return text if len(text) <= _MAX_SHOWN else text[:_MAX_SHOWN] + "..."
-
-
-def _ms_time(ms: object) -> str | None:
-    """The UTC time (ISO 8601, ms) of a Unix time in milliseconds."""
-    try:
-        stamp = datetime.datetime.fromtimestamp(int(ms) / 1000, tz=datetime.UTC)  # type: ignore[call-overload]
-    except (TypeError, ValueError, OverflowError, OSError):
-        return None
-    return stamp.isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def _id_time(entry_id: str) -> str | None:
-    """The UTC time (ISO 8601, ms) of a stream entry id generated by the server."""
-    return _ms_time(entry_id.partition("-")[0])
-
-
-_DEAD_NAMES = {f: _str(f)[len("trf-dead-"):] for f in DEAD_FIELDS}
-
-
-def stream_entry(eid: Any, flat: Sequence[bytes]) -> dict[str, Any]:
-    """One stream entry as ``inspect --entries`` shows it.
-
-    ``dead`` holds the ``trf-dead-*`` fields without the prefix (``reason``,
-    ``source``, ``id``, ``group``, ``attempt``, and ``error`` when the
-    library recorded the handler's exception, and ``time``: epoch ms), or is
-    ``None`` for an entry that is not a dead letter.  ``time`` (ISO 8601, UTC):
-    for a dead letter when it was dead-lettered (its ``trf-dead-time``, the
-    server's clock), else the time in the entry's id (when it was written).
-    """
-    entry_id = _str(eid)
-    fields: dict[str, str] = {}
-    dead: dict[str, str] = {}
-    header: dict[str, str] = {}
-    for k, v in zip(flat[::2], flat[1::2], strict=False):
-        if k in _DEAD_NAMES:
-            dead[_DEAD_NAMES[k]] = _shown(v)
-        elif k.startswith(b"trf-dead-"):
-            dead[_str(k)[len("trf-dead-"):]] = _shown(v)
-        elif k in (RETRIES_FIELD, ORIGIN_FIELD):
-            header[_str(k)] = _str(v)
+async def _inspect(url: str, key: str, group: str | None, delay_key: str | None,
+                   dead_letter: str | None, heartbeat: float, entries: int | None = None
+                   ) -> dict[str, Any]:
+    async with open_client(url, name="trf-cli:inspect", max_connections=2) as client:
+        kind = await key_type(client, key)
+        if kind == "none" and await _has_list_traces(client, key):
+            kind = "list"  # an empty queue (Redis deletes empty lists) with live consumers
+        if kind == "none":
+            raise CliError(f"key {key!r} does not exist")
+        if kind not in ("stream", "list"):
+            raise CliError(f"key {key!r} is a {kind}, not a stream or a list")
+        if kind == "stream":
+            info = await inspect_stream(client, key, group)
         else:
-            fields[_str(k)] = _shown(v)
-    # when it was dead-lettered: its trf-dead-time (the server's clock at that
-    # step); else (older dead letters, other entries) the time in its id
-    when = _ms_time(dead["time"]) if "time" in dead else None
-    return {"id": entry_id, "time": when or _id_time(entry_id), "fields": fields,
-            "header": header, "dead": dead or None}
+            if group is not None:
+                raise CliError(f"--group: key {key!r} is a list, not a stream")
+            info = await inspect_list(client, key, heartbeat)
+        # a dead letter (what this library wrote, no group reading it) has no
+        # delay set nor a dead letter of its own: no rows for them
+        info["is_dead_letter"] = is_dead = (
+            (int(info["length"]) > 0 or key.endswith(DEAD_SUFFIX))
+            and await refusal(client, key, kind) is None)
+        info["delay_set"] = (await _delay_set(client, delay_key or derived(key, ":delayed"))
+                             if delay_key or not is_dead else None)
+        dead_letter = dead_letter or (None if is_dead else default_dead_letter(key))
+        info["dead_letter"] = await _dead_letter(client, dead_letter) if dead_letter else None
+        if entries is not None:
+            info["entries"] = await _entries(client, key, kind, entries)
+        return info
 
 
-def why_records(value: bytes | None) -> list[dict[str, Any]]:
-    """The reason records of one element's bytes in a list dead letter's
-    :func:`~._plan.why_key` hash, oldest first (a line that does not decode
-    is kept as ``{"unreadable": ...}``)."""
-    out: list[dict[str, Any]] = []
-    for line in (value or b"").splitlines():
-        if not line:
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            record = None
-        out.append(record if isinstance(record, dict) else {"unreadable": _shown(line)})
-    return out
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f} s"
 
 
-def list_element(element: bytes, record: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One list element as ``inspect --entries`` shows it (envelope decoded).
+def print_inspect(info: dict[str, Any]) -> None:
+    rows: list[list[str]] = [["type", info["type"]], ["length", str(info["length"])]]
+    if info["type"] == "stream":
+        rows.append(["first id", info["first_id"] or "-"])
+        shown = info.get("entries")
+        if shown is not None and len(shown) < info["length"]:
+            # --entries N lists N entries: the newest, not among them, by its time only
+            newest = _id_time(as_str(info["last_id"])) or "-"
+            rows.append(["entries shown", f"the {len(shown)} oldest of {info['length']} "
+                                          f"(the newest written {newest})"])
+        else:
+            rows.append(["last id", info["last_id"]])
+        ret = info["retention"]
+        if ret["oldest_needed_id"] is None:
+            rows.append(["oldest needed", "- (no groups: a trim leaves the stream alone)"])
+        else:
+            rows.append(["oldest needed", f"{ret['oldest_needed_id']} (over all groups)"])
+            more = "+" if ret["trimmable_capped"] else ""
+            rows.append(["trim would remove", f"{ret['trimmable']}{more} entries"])
+    if info.get("is_dead_letter"):
+        rows.append(["dead letter", "yes (written by trio_redis_finalize; requeue moves it back)"])
+    ds = info["delay_set"]
+    if ds is not None:
+        due = ds["oldest_due_in"]
+        due_text = "" if due is None else (f", oldest due in {due:.3f} s" if due >= 0
+                                           else f", oldest overdue by {-due:.3f} s")
+        rows.append(["delay set", f"{ds['key']}: {ds['size']}{due_text}" + (
+            f" ({ds['error']})" if "error" in ds else "")])
+    dl = info["dead_letter"]
+    if dl is not None:
+        rows.append(["dead letter", f"{dl['key']}: {dl['length']}" + (
+            f" ({dl['error']})" if "error" in dl else "" if dl["type"] != "none" else " (absent)")])
+    print_table(["", info["key"]], rows)
+    if info["type"] == "stream":
+        print()
+        grows = []
+        for g in info["groups"]:
+            o = g["oldest_idle_pending"]
+            oldest = "-" if o is None else (
+                f"{o['id']} idle {o['idle']:.3f} s, {o['deliveries']} deliveries, {o['consumer']}")
+            grows.append([g["name"], str(g["consumers"]), str(g["pending"]), g["last_delivered_id"],
+                          "-" if g["lag"] is None else str(g["lag"]), oldest, g["oldest_needed_id"]])
+        print_table(["group", "consumers", "pending", "last delivered", "lag",
+                     "oldest idle pending", "oldest needed"],
+                    grows or [["(no groups)", "", "", "", "", "", ""]])
+        for g in info["groups"]:
+            if g["consumer_list"]:
+                print()
+                print_table(
+                    [f"consumer of {g['name']}", "pending", "idle", "heartbeat", "stranded"],
+                    [[c["name"], str(c["pending"]), _seconds(c["idle"]), _heartbeat_text(c),
+                      _stranded_text(c)] for c in g["consumer_list"]],
+                )
+                if g["stranded"]:
+                    print(f"stranded in group {g['name']}: {g['stranded']} pending entries under "
+                          "consumers with no live heartbeat")
+    else:
+        print()
+        prows = [[p["key"], p["owner"], str(p["length"]),
+                  _seconds(p["heartbeat_age"]) if p["alive"] else "none (owner dead)",
+                  _seconds(p["heartbeat_ttl"])]
+                 for p in info["processing"]]
+        print_table(["processing list", "owner", "length", "heartbeat age", "expires in"],
+                    prows or [["(none)", "", "", "", ""]])
+    if "entries" in info:
+        print()
+        print_entries(info["type"], info["entries"])
 
-    ``dead``: for an element of a reliable list's dead letter, why it is
-    there (its reason record: ``reason``, ``error`` when the handler raised,
-    ``attempt``, ``source`` (the queue), ``processing``, ``origin``), else
-    ``None``; ``time``: when it was dead-lettered (server time), or ``None``.
-    """
-    dead = None
-    when = None
-    if record is not None:
-        dead = {k: (_shown(v.encode()) if isinstance(v, str) else v)
-                for k, v in record.items() if k != "time_ms"}
-        when = _ms_time(record.get("time_ms"))
-    try:
-        body, retries, origin = unwrap(element)
-    except CorruptEnvelope as e:
-        return {"data": _shown(element), "retries": None, "origin": None, "corrupt": str(e),
-                "dead": dead, "time": when}
-    return {"data": _shown(body), "retries": retries, "origin": origin, "corrupt": None,
-            "dead": dead, "time": when}
+
+def _fields_text(fields: dict[str, str]) -> str:
+    return " ".join(f"{k}={v}" for k, v in fields.items())
 
 
-def _digest(element: bytes) -> str:
-    """The field of ``element`` in its dead letter's reason hash (``redis.sha1hex``)."""
-    return hashlib.sha1(element).hexdigest()
-
-
-async def _list_records(client: Client, key: str, oldest_first: Sequence[bytes]
-                        ) -> list[dict[str, Any] | None]:
-    """The reason record of each element (oldest first) of list ``key``: the
-    k-th copy of some bytes from the tail has the k-th record of those bytes."""
-    if not oldest_first or await key_type(client, why_key(key)) != "hash":
-        return [None] * len(oldest_first)
-    digests = list(dict.fromkeys(_digest(e) for e in oldest_first))
-    values = await client.execute("HMGET", why_key(key), *digests)
-    records = {d: why_records(v) for d, v in zip(digests, values, strict=True)}
-    seen: dict[str, int] = {}
-    out: list[dict[str, Any] | None] = []
-    for e in oldest_first:
-        d = _digest(e)
-        k = seen.get(d, 0)
-        seen[d] = k + 1
-        rs = records[d]
-        out.append(rs[k] if k < len(rs) else None)
-    return out
-
-
-async def _entries(client: Client, key: str, kind: str, n: int) -> list[dict[str, Any]]:
+def print_entries(kind: str, entries: list[dict[str, Any]]) -> None:
+    """The ``--entries`` table: dead-letter columns when any entry is a dead letter."""
     if kind == "stream":
-        rows = await client.execute("XRANGE", key, "-", "+", "COUNT", n)
-        return [stream_entry(eid, flat) for eid, flat in rows]
-    # the oldest elements are at the tail (LPUSH adds at the head, consumers pop the tail)
-    elements = list(reversed(await client.execute("LRANGE", key, -n, -1)))
-    records = await _list_records(client, key, elements)
-    return [list_element(e, r) for e, r in zip(elements, records, strict=True)]
+        if any(e["dead"] for e in entries):
+            rows = []
+            for e in entries:
+                d = e["dead"] or {}
+                rows.append([e["id"], e["time"] or "-", d.get("reason", "-"), d.get("source", "-"),
+                             d.get("id", "-"), d.get("group", "-"), d.get("attempt", "-"),
+                             d.get("error", "-"), _fields_text(e["fields"])])
+            print_table(["entry", "dead-lettered at", "reason", "source", "source id", "group",
+                         "attempt", "error", "fields"], rows)
+        else:
+            print_table(["entry", "written at", "fields"],
+                        [[e["id"], e["time"] or "-", _fields_text(e["fields"])] for e in entries]
+                        or [["(empty)", "", ""]])
+        return
+    def origin(e: dict[str, Any]) -> str:
+        return str(e["origin"] or (e["corrupt"] and f"corrupt: {e['corrupt']}") or "-")
+
+    if any(e["dead"] for e in entries):
+        rows = []
+        for i, e in enumerate(entries):
+            d = e["dead"] or {}
+            rows.append([str(i), e["time"] or "-", str(d.get("reason", "-")),
+                         str(d.get("source", "-")), str(d.get("attempt", "-")),
+                         str(d.get("error", "-")), origin(e), e["data"]])
+        print_table(["#", "dead-lettered at", "reason", "source", "attempt", "error", "origin",
+                     "data"], rows)
+        return
+    print_table(["#", "data", "retries", "origin"],
+                [[str(i), e["data"], "-" if e["retries"] is None else str(e["retries"]), origin(e)]
+                 for i, e in enumerate(entries)] or [["(empty)", "", "", ""]])
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    url = check_url(args.url)
+    info = anyio.run(_inspect, url, args.key, args.group, args.delay_key, args.dead_letter,
+                     args.heartbeat, args.entries, backend="trio")
+    if args.json:
+        print(json.dumps(info, indent=2, sort_keys=True))
+    else:
+        print_inspect(info)
+    return 0

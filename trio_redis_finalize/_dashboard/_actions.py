@@ -18,12 +18,13 @@ import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from .._cli import inspect, requeue
+from .._cli import _queues, requeue
+from .._cli._common import as_str, key_type
 from .._core._plan import why_key
 from .._core.stream.scripts import REQUEUE_STREAM
 from .._keys import same_slot
 from .._transport import Client
-from ._data import HISTOGRAM_CAP, _s, read_stream
+from ._data import HISTOGRAM_CAP, read_stream
 
 __all__ = ["Plan", "apply", "plan"]
 
@@ -76,7 +77,7 @@ async def plan(client: Client, key: str, action: str, scope: str, ids: Sequence[
         raise ActionError("no message selected")
     if scope == "reason" and not reason:
         raise ActionError("no reason given")
-    kind = await inspect.key_type(client, key)
+    kind = await key_type(client, key)
     if kind == "none":
         raise ActionError(f"dead letter {key!r} does not exist (empty, or deleted)")
     if kind not in ("stream", "list"):
@@ -108,7 +109,7 @@ async def plan(client: Client, key: str, action: str, scope: str, ids: Sequence[
         count = int(await client.execute("LLEN", key))
         if action == "requeue":
             oldest = await client.execute("LRANGE", key, -1, -1)
-            record = (await inspect._list_records(client, key, oldest))[0] if oldest else None
+            record = (await _queues._list_records(client, key, oldest))[0] if oldest else None
             source = (record or {}).get("source")
             if not source:
                 raise ActionError(f"dead letter {key!r}: its oldest element has no reason record "
@@ -149,7 +150,7 @@ async def apply(client: Client, p: Plan, force: bool = False) -> int:
             if not to:
                 continue  # nowhere to requeue it (the dry run said so)
             if to not in kinds:
-                kinds[to] = await inspect.key_type(client, to)
+                kinds[to] = await key_type(client, to)
             if kinds[to] not in ("none", "stream"):
                 raise ActionError(f"source {to!r} is a {kinds[to]}, not a stream; {done} moved")
             if await move_stream_entry(client, p.key, to, e["id"], e["raw"]):
@@ -167,8 +168,8 @@ async def _pages(client: Client, p: Plan) -> AsyncIterator[list[dict[str, Any]]]
         rows = await client.execute("XRANGE", p.key, start, "+", "COUNT", 500)
         if not rows:
             return
-        yield [inspect.stream_entry(eid, flat) | {"raw": flat} for eid, flat in rows]
-        start = "(" + _s(rows[-1][0])
+        yield [_queues.stream_entry(eid, flat) | {"raw": flat} for eid, flat in rows]
+        start = "(" + as_str(rows[-1][0])
 
 
 async def by_ids(client: Client, key: str, ids: Sequence[str]) -> list[dict[str, Any]]:
@@ -176,7 +177,7 @@ async def by_ids(client: Client, key: str, ids: Sequence[str]) -> list[dict[str,
     if not ids:
         return []
     replies = await client.pipeline([("XRANGE", key, i, i) for i in ids], raise_on_error=False)
-    return [inspect.stream_entry(rows[0][0], rows[0][1]) | {"raw": rows[0][1]}
+    return [_queues.stream_entry(rows[0][0], rows[0][1]) | {"raw": rows[0][1]}
             for rows in replies if rows and not isinstance(rows, Exception)]
 
 
@@ -197,4 +198,4 @@ async def move_stream_entry(client: Client, dead: str, dest: str, eid: str,
 
 
 def text(value: Any) -> str:
-    return _s(value)
+    return as_str(value)

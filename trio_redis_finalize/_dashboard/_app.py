@@ -26,11 +26,12 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from .._cli.inspect import key_type
+from .._cli._common import key_type
 from .._transport import Client, ClusterClient, SentinelClient, parse_url
 from . import _render as render
 from ._actions import ActionError, apply, plan
-from ._data import Found, Sub, dead_letter, discover, overview, subscription
+from ._data import dead_letter, overview, subscription
+from ._discover import Found, Sub, discover
 
 __all__ = ["Settings", "build"]
 

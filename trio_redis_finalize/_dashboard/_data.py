@@ -1,13 +1,6 @@
-"""What the dashboard's pages show, read from Redis (pipelined, no ``KEYS``).
-
-Subscriptions are found (:func:`discover`) with ``SCAN ... TYPE stream``
-and ``SCAN ... TYPE hash`` (the registries ``...:list-consumers:...`` of reliable
-lists, the reason hashes ``...:why`` of list dead letters), on every master
-of a Redis Cluster, at most every ``rediscover`` seconds; or named
-(``keys``: no ``SCAN`` at all).  A stream with groups is one subscription
-per group; a stream without groups whose newest entry carries
-``trf-dead-reason`` is a dead letter, shown with the subscription its
-``trf-dead-source`` / ``trf-dead-group`` name.
+"""What the dashboard's pages show, read from Redis (pipelined, no ``KEYS``):
+the overview of the subscriptions ``_discover`` found, a subscription's page,
+a dead letter's page.
 
 A refresh of the overview (:func:`overview`) is two pipelines:
 
@@ -29,22 +22,19 @@ for a dead letter), in two round trips for the whole page.
 from __future__ import annotations
 
 import dataclasses
-import json
-from collections.abc import Sequence
 from typing import Any
-from urllib.parse import unquote
 
 from redis import exceptions as rexc
 
-from .._cli import inspect as cli
-from .._core._plan import DEAD_GROUP, DEAD_REASON, DEAD_SOURCE, why_key
+from .._cli import _queues as queues
+from .._cli._common import as_str, key_type, pairs
 from .._core.reliable_list.liveness import heartbeat_key, registry_key
 from .._core.stream import liveness as presence
-from .._history import buckets, history_key
-from .._keys import derived
-from .._transport import Client, ClusterClient
+from .._history import buckets
+from .._transport import Client
+from ._discover import DeadLetter, Found, Sub
 
-__all__ = ["DeadLetter", "Sub", "discover", "overview"]
+__all__ = ["Overview", "Row", "dead_letter", "overview", "subscription"]
 
 LAG_CAP = 100
 """Entries counted at most when the server does not say a group's lag (Redis 6.2)."""
@@ -54,160 +44,6 @@ IDLE_WARN = 60.0
 """Seconds the oldest pending entry may be idle before the overview warns."""
 LAG_WARN = 100
 """Entries a group may lag before the overview warns."""
-
-
-def _s(value: Any) -> str:
-    return value.decode("utf-8", "backslashreplace") if isinstance(value, bytes) else str(value)
-
-
-def _pairs(flat: Sequence[Any]) -> dict[str, Any]:
-    return {_s(k): v for k, v in zip(flat[::2], flat[1::2], strict=False)}
-
-
-@dataclasses.dataclass
-class Sub:
-    """A subscription as the dashboard knows it: a stream's group, or a (reliable) list."""
-
-    form: str  # "stream" or "list"
-    key: str
-    group: str = ""
-    dead_letter: str | None = None
-
-    @property
-    def delay_key(self) -> str:
-        return derived(self.key, ":delayed")
-
-    @property
-    def name(self) -> str:
-        return f"{self.key} / {self.group}" if self.form == "stream" else self.key
-
-    @property
-    def history(self) -> str:
-        return history_key(self.key, self.group or None)
-
-
-@dataclasses.dataclass
-class DeadLetter:
-    key: str
-    kind: str  # "stream" or "list"
-    source: str | None = None
-    group: str | None = None
-
-
-@dataclasses.dataclass
-class Found:
-    subs: list[Sub]
-    dead: list[DeadLetter]
-    commands: int = 0
-
-
-def underived(name: str, suffix: str) -> str | None:
-    """The key ``k`` whose ``derived(k, suffix)`` is ``name``, when there is one."""
-    if not name.endswith(suffix):
-        return None
-    base = name[: -len(suffix)]
-    candidates = [base]
-    if base.startswith("{") and base.endswith("}"):
-        candidates.insert(0, base[1:-1])
-    for c in candidates:
-        if derived(c, suffix) == name:
-            return c
-    return None
-
-
-def _list_of_registry(name: str) -> str | None:
-    """The queue whose reliable-list registry ``name`` is (``registry_key``;
-    or ``{queue}:consumers``, the naming before), when it is one."""
-    _, kind, rest = name.rpartition(":list-consumers:")
-    if kind:
-        queue = unquote(rest.split("~", 1)[0])  # escaped names have no "~" (derived's counter)
-        return queue if registry_key(queue) == name else None
-    return underived(name, ":consumers")
-
-
-async def _scan(client: Client, *args: Any) -> list[str]:
-    """Every key of ``SCAN 0 <args>`` (on each master of a cluster)."""
-    pools: list[Client] = [client]
-    if isinstance(client, ClusterClient):
-        await client.check()
-        pools = [client.node(a) for a in client.nodes]
-    out: list[str] = []
-    for pool in pools:
-        cursor: Any = b"0"
-        while True:
-            cursor, batch = await pool.execute("SCAN", cursor, *args, "COUNT", 1000)
-            out += [_s(k) for k in batch]
-            if cursor in (b"0", "0", 0):
-                break
-    return sorted(set(out))
-
-
-async def discover(client: Client, keys: Sequence[str] = ()) -> Found:
-    """The subscriptions and dead letters: ``keys`` (streams or lists), else what ``SCAN`` finds."""
-    streams: list[str] = []
-    lists: list[str] = []
-    why_hashes: list[str] = []
-    if keys:
-        types = await client.pipeline([("TYPE", k) for k in keys])
-        for k, t in zip(keys, types, strict=True):
-            kind = _s(t)
-            if kind == "stream":
-                streams.append(k)
-            elif kind == "list" or (kind == "none" and await _is_list_queue(client, k)):
-                lists.append(k)
-    else:
-        streams = await _scan(client, "TYPE", "stream")
-        for h in await _scan(client, "TYPE", "hash"):
-            if h.endswith(":why"):
-                why_hashes.append(h)
-            elif (q := _list_of_registry(h)) is not None:
-                lists.append(q)
-    found = Found([], [])
-    if streams:
-        replies = await client.pipeline([("XINFO", "GROUPS", s) for s in streams],
-                                        raise_on_error=False)
-        bare = []
-        for s, groups in zip(streams, replies, strict=True):
-            if isinstance(groups, rexc.RedisError):
-                continue
-            if groups:
-                for g in groups:
-                    found.subs.append(Sub("stream", s, _s(_pairs(g)["name"])))
-            else:
-                bare.append(s)
-        if bare:
-            newest = await client.pipeline([("XREVRANGE", s, "+", "-", "COUNT", 1) for s in bare],
-                                           raise_on_error=False)
-            for s, rows in zip(bare, newest, strict=True):
-                if isinstance(rows, rexc.RedisError) or not rows:
-                    continue
-                f = _pairs(rows[0][1])
-                if DEAD_REASON.decode() in f:
-                    found.dead.append(DeadLetter(s, "stream", _s(f.get(DEAD_SOURCE.decode(), "")) or None,
-                                                 _s(f.get(DEAD_GROUP.decode(), "")) or None))
-    for q in lists:
-        found.subs.append(Sub("list", q))
-    for h in why_hashes:
-        d = underived(h, ":why")
-        if d is None or why_key(d) != h:
-            continue
-        _, rows = await client.execute("HSCAN", h, 0, "COUNT", 10)
-        source = None
-        for record in cli.why_records(rows[1] if len(rows) > 1 else None):
-            source = record.get("source")
-            break
-        found.dead.append(DeadLetter(d, "list", None if source is None else str(source)))
-    for dl in found.dead:
-        for sub in found.subs:
-            mine = sub.key == dl.source and (dl.kind == "list" or sub.group == dl.group)
-            if mine and sub.dead_letter is None:
-                sub.dead_letter = dl.key
-    found.subs.sort(key=lambda s: (s.key, s.group))
-    return found
-
-
-async def _is_list_queue(client: Client, key: str) -> bool:
-    return bool(await client.execute("EXISTS", registry_key(key)))
 
 
 # -- the overview ------------------------------------------------------------------
@@ -257,7 +93,7 @@ class Overview:
 async def overview(client: Client, found: Found) -> Overview:
     """Two pipelines: the numbers of every subscription of ``found`` (see the module)."""
     cmds: list[tuple[Any, ...]] = [("TIME",)]
-    streams = sorted({s.key for s in found.subs if s.form == "stream"})
+    streams = sorted({s.key for s in found.subs if s.kind == "stream"})
     delay_keys = sorted({s.delay_key for s in found.subs})
     dead_kind = {d.key: d.kind for d in found.dead}
     dead_keys = sorted({s.dead_letter for s in found.subs if s.dead_letter})
@@ -270,7 +106,7 @@ async def overview(client: Client, found: Found) -> Overview:
     for s in streams:
         add(("groups", s), "XINFO", "GROUPS", s)
     for sub in found.subs:
-        if sub.form == "stream":
+        if sub.kind == "stream":
             add(("consumers", sub.key, sub.group), "XINFO", "CONSUMERS", sub.key, sub.group)
             add(("registry", sub.key, sub.group), "HGETALL", presence.registry_key(sub.key, sub.group))
             add(("oldest", sub.key, sub.group), "XPENDING", sub.key, sub.group, "-", "+", 1)
@@ -294,8 +130,8 @@ async def overview(client: Client, found: Found) -> Overview:
     groups: dict[tuple[str, str], dict[str, Any]] = {}
     for s in streams:
         for g in reply("groups", s) or []:
-            info = _pairs(g)
-            groups[(s, _s(info["name"]))] = info
+            info = pairs(g)
+            groups[(s, as_str(info["name"]))] = info
     rows: list[Row] = []
     second: list[tuple[Any, ...]] = []
     later: list[tuple[Row, str, Any]] = []  # what each command of the second pipeline is for
@@ -305,8 +141,8 @@ async def overview(client: Client, found: Found) -> Overview:
         caps = await client.capabilities_for(sub.key)  # known from the connection's handshake
         row.path = f"native: {', '.join(caps.names)}" if caps.names else "fallback"
         reg_flat = reply("registry", sub.key, sub.group) or []
-        registered = presence.registry(reg_flat) if sub.form == "stream" else _pairs(reg_flat)
-        if sub.form == "stream":
+        registered = presence.registry(reg_flat) if sub.kind == "stream" else pairs(reg_flat)
+        if sub.kind == "stream":
             ginfo = groups.get((sub.key, sub.group))
             if ginfo is None:
                 row.error = f"stream {sub.key!r} has no consumer group {sub.group!r} (any more)"
@@ -316,7 +152,7 @@ async def overview(client: Client, found: Found) -> Overview:
             if lag is not None:
                 row.lag = int(lag)
             else:
-                second.append(("XRANGE", sub.key, "(" + _s(ginfo["last-delivered-id"]), "+",
+                second.append(("XRANGE", sub.key, "(" + as_str(ginfo["last-delivered-id"]), "+",
                                "COUNT", LAG_CAP + 1))
                 later.append((row, "lag", None))
             oldest = reply("oldest", sub.key, sub.group)
@@ -334,7 +170,7 @@ async def overview(client: Client, found: Found) -> Overview:
             for owner, plist in registered.items():
                 second.append(("PTTL", heartbeat_key(sub.key, owner)))
                 later.append((row, "list-pttl", owner))
-                second.append(("LLEN", _s(plist)))
+                second.append(("LLEN", as_str(plist)))
                 later.append((row, "list-llen", owner))
         row.delay_size = int(reply("zcard", sub.delay_key) or 0)
         first = reply("zfirst", sub.delay_key)
@@ -368,7 +204,7 @@ async def overview(client: Client, found: Found) -> Overview:
         for key, (row, rows_c, registered) in streams_done.items():
             _peers(row, rows_c, registered, ttls.get(key, {}))
         for row in rows:
-            if row.sub.form != "list":
+            if row.sub.kind != "list":
                 continue
             t = list_ttls.get(id(row), {})
             lengths = pending_list.get(id(row), {})
@@ -417,7 +253,7 @@ def _judge(row: Row) -> None:
         p.append(("warn", f"lag {row.lag}{'+' if row.lag_capped else ''}"))
     if row.oldest_pending_idle is not None and row.oldest_pending_idle > IDLE_WARN:
         p.append(("warn", f"oldest pending idle {row.oldest_pending_idle:.0f} s"))
-    if row.lag and not row.alive and row.sub.form == "stream":
+    if row.lag and not row.alive and row.sub.kind == "stream":
         p.append(("warn", "lagging with no live consumer"))
 
 
@@ -428,23 +264,23 @@ PAGE = 50
 
 async def subscription(client: Client, sub: Sub, after: str | None = None) -> dict[str, Any]:
     """A subscription's page: consumers, pending entries (paged), retention, delay set."""
-    if sub.form == "stream":
-        info = await cli.inspect_stream(client, sub.key, sub.group)
+    if sub.kind == "stream":
+        info = await queues.inspect_stream(client, sub.key, sub.group)
         start = "-" if not after else "(" + after
         rows = await client.execute("XPENDING", sub.key, sub.group, start, "+", PAGE)
-        info["pending_page"] = [{"id": _s(r[0]), "consumer": _s(r[1]), "idle": int(r[2]) / 1000,
+        info["pending_page"] = [{"id": as_str(r[0]), "consumer": as_str(r[1]), "idle": int(r[2]) / 1000,
                                  "attempt": int(r[3])} for r in rows]
     else:
-        info = await cli.inspect_list(client, sub.key, 30.0)
+        info = await queues.inspect_list(client, sub.key, 30.0)
         page = []
         for p in info["processing"]:
             for e in await client.execute("LRANGE", p["key"], 0, PAGE - 1):
-                item = cli.list_element(e)
+                item = queues.list_element(e)
                 item["owner"] = p["owner"]
                 item["attempt"] = (item["retries"] or 0) + 1
                 page.append(item)
         info["pending_page"] = page[:PAGE]
-    info["delay_set"] = await cli._delay_set(client, sub.delay_key)
+    info["delay_set"] = await queues._delay_set(client, sub.delay_key)
     if info["delay_set"]["size"]:
         due = await client.execute("ZRANGE", sub.delay_key, 0, 0, "WITHSCORES")
         info["delay_set"]["next_due_ms"] = float(due[1]) if due else None
@@ -458,7 +294,7 @@ HISTOGRAM_CAP = 5000
 async def dead_letter(client: Client, key: str, after: str | None = None,
                       reason: str | None = None) -> dict[str, Any]:
     """A dead letter's page: entries (oldest first, paged), the reason histogram."""
-    kind = await cli.key_type(client, key)
+    kind = await key_type(client, key)
     out: dict[str, Any] = {"key": key, "kind": kind, "entries": [], "reasons": {}, "capped": False,
                            "length": 0}
     if kind == "stream":
@@ -482,11 +318,11 @@ async def dead_letter(client: Client, key: str, after: str | None = None,
         out["length"] = int(await client.execute("LLEN", key))
         n = min(out["length"], HISTOGRAM_CAP)
         elements = list(reversed(await client.execute("LRANGE", key, -n, -1))) if n else []
-        records = await cli._list_records(client, key, elements)
+        records = await queues._list_records(client, key, elements)
         hist = {}
         shown = []
         for i, (e, r) in enumerate(zip(elements, records, strict=True)):
-            item = cli.list_element(e, r)
+            item = queues.list_element(e, r)
             item["index"] = i
             rs = str((item["dead"] or {}).get("reason", "(none)"))
             hist[rs] = hist.get(rs, 0) + 1
@@ -509,12 +345,8 @@ async def read_stream(client: Client, key: str, cap: int) -> list[dict[str, Any]
     start = "-"
     while len(out) < cap:
         rows = await client.execute("XRANGE", key, start, "+", "COUNT", min(1000, cap - len(out)))
-        out += [cli.stream_entry(eid, flat) | {"raw": flat} for eid, flat in rows]
+        out += [queues.stream_entry(eid, flat) | {"raw": flat} for eid, flat in rows]
         if len(rows) < 1000:
             break
-        start = "(" + _s(rows[-1][0])
+        start = "(" + as_str(rows[-1][0])
     return out
-
-
-def records_text(record: Any) -> str:
-    return json.dumps(record, sort_keys=True)

@@ -9,7 +9,8 @@ from typing import Any
 from urllib.parse import quote, urlencode
 
 from ._actions import Plan
-from ._data import Overview, Row, Sub
+from ._data import Overview, Row
+from ._discover import Sub
 
 __all__ = ["chart", "dead_page", "histogram", "layout", "overview_body", "sub_page"]
 
@@ -133,7 +134,7 @@ def overview_body(ov: Overview, root: str, render_ms: float | None = None) -> st
         lag = "-" if r.lag is None else f"{r.lag}{'+' if r.lag_capped else ''}"
         rows.append(f"""<tr class="{_level_class(r)}" data-sub="{e(s.name)}">
 <td><span class="dot {_level_class(r)}"></span><a href="{e(sub_url(root, s))}">{e(s.key)}</a>
-<div class="sub">{e(s.form)}{' group ' + e(s.group) if s.group else ''}</div>
+<div class="sub">{e(s.kind)}{' group ' + e(s.group) if s.group else ''}</div>
 <div class="sub path" title="the server path">path: {e(r.path)}</div></td>
 <td>{chart(r.history)}</td><td class="num lag">{e(lag)}</td><td class="num">{r.pending}</td>
 <td class="num">{_secs(r.oldest_pending_idle)}</td>
@@ -167,12 +168,12 @@ def _table(head: Sequence[str], rows: Iterable[Sequence[str]], cls: str = "") ->
 
 
 def sub_page(sub: Sub, info: dict[str, Any], root: str, path: str) -> str:
-    parts = [f"<h1>{e(sub.name)}</h1><p class='sub'>{e(sub.form)}</p>"]
+    parts = [f"<h1>{e(sub.name)}</h1><p class='sub'>{e(sub.kind)}</p>"]
     ds = info["delay_set"]
     due = ds.get("oldest_due_in")
     due_text = "-" if due is None else (f"due in {_secs(due)}" if due >= 0 else f"overdue by {_secs(-due)}")
     facts = [("length", str(info.get("length", "-"))), ("delay set", f"{e(ds['key'])}: {ds['size']}, next {due_text}")]
-    if sub.form == "stream":
+    if sub.kind == "stream":
         g = info["groups"][0] if info["groups"] else {}
         ret = info["retention"]
         facts += [("lag", e(g.get("lag", "-"))), ("pending", e(g.get("pending", "-"))),

@@ -19,7 +19,7 @@ from typing import Any
 import trio
 
 from trio_redis_finalize import ACK, RETRY, Backoff, Delivery, ReliableListSubscription, open_consumer
-from trio_redis_finalize._cli import why_records
+from trio_redis_finalize._cli._queues import why_records
 from trio_redis_finalize._core._plan import (
     Target,
     dead_record,
@@ -300,7 +300,7 @@ async def test_split_requeue_removes_the_record_too(client: Client) -> None:
     """The Redis Cluster path (dead letter and destination on different slots):
     copy first, then remove the element and its record (one script on the dead
     letter's slot)."""
-    from trio_redis_finalize._cli import _requeue_list
+    from trio_redis_finalize._cli.requeue import _requeue_list
 
     keys = (P, QD, why_key(QD))
     element = wrap(b"x", 1, "o1")

@@ -1,4 +1,7 @@
-"""``trio-redis-finalize dashboard``: the dashboard on its own (registered by ``_cli``)."""
+"""``trio-redis-finalize dashboard``: the web dashboard (``_dashboard``) served
+on its own, read-only unless credentials are given.  The dashboard itself
+(its pages, its data, its actions) is imported only when the command runs:
+it needs the ``[dashboard]`` extra."""
 
 from __future__ import annotations
 
@@ -9,6 +12,8 @@ import sys
 from typing import Any
 
 import anyio
+
+from ._common import CliError, check_url, command, port, url_arg
 
 __all__ = ["add_command"]
 
@@ -22,8 +27,8 @@ def _basic(text: str) -> tuple[str, str]:
     return user, password
 
 
-def add_command(sub: Any, command: Any, url_arg: Any, port: Any) -> None:
-    """Register the sub-command (``command``, ``url_arg``, ``port``: _cli's helpers)."""
+def add_command(sub: argparse._SubParsersAction[Any]) -> None:
+    """The ``dashboard`` sub-command and its options."""
     p = command(
         sub, cmd_dashboard, "dashboard",
         help="serve the web dashboard: health, dead letters, the last hour (needs the [dashboard] extra)",
@@ -50,16 +55,9 @@ def add_command(sub: Any, command: Any, url_arg: Any, port: Any) -> None:
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
-    from .._table import CliError
-    from .._transport import parse_url
-
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    url = args.url
-    try:
-        parse_url(url)
-    except ValueError as e:
-        raise CliError(str(e)) from None
+    url = check_url(args.url)
     try:
         from .. import dashboard
     except ImportError as e:
