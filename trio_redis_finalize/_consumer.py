@@ -8,7 +8,7 @@ import inspect
 import os
 import socket
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
@@ -16,20 +16,17 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 from redis import exceptions as rexc
 
-from ._context import BatchHandler, Handler, log, sole
 from ._core._writes import plan_outcome
+from ._deadlines import log, sole
 from ._delivery import Delivery
-from ._forms._read_loop import Reader
-from ._forms.pubsub import PubSubReader
-from ._forms.reliable_list.reader import ReliableListReader
-from ._forms.simple_list import ListReader
-from ._forms.stream.reader import StreamReader
+from ._forms import FORMS
+from ._forms._port import BatchHandler, Handler
 from ._identity import LIVE, new_token
 from ._mount import Mount
 from ._outcome import Backoff, Outcome
 from ._scheduler import Scheduler
 from ._shutdown import CLOSE_MARGIN, Budget, cleanup_until
-from ._subscription import Form, Subscription
+from ._subscription import Subscription
 from ._transport import Client, ClusterClient, open_client
 
 __all__ = ["Consumer", "Mounted", "check_async", "evicting_policy", "open_consumer"]
@@ -235,7 +232,8 @@ class Consumer:
         if any(m.name == target.name for m in self._mounts):
             raise ValueError(f"subscription: {target.name} is already mounted on consumer "
                              f"{self.name!r} (a second mount would handle everything twice)")
-        if target.form is Form.STREAM:
+        spec = FORMS[target.form]
+        if spec.uses_caps:
             # what the stream's server can do beyond Redis 6.2: the plans choose
             # native commands or the fallback from it (``_core._caps``), once
             caps = await self.client.capabilities_for(target.source)
@@ -243,7 +241,7 @@ class Consumer:
             if target.retention is not None and (target.xackdel or target.acked):
                 log.info("%s: %s with the server's own commands (%s)", target.name,
                          target.retention, caps, extra={"subscription": target.name})
-        reader = _reader_for(subscription)
+        reader = spec.reader(subscription)
         mount = Mount(self, self.client, self.scheduler, subscription, handler, reader, target,
                       concurrency=concurrency, on_error=on_error, batch=batch,
                       takeover=self.takeover if takeover is None else takeover)
@@ -260,7 +258,7 @@ class Consumer:
             # raise the error itself, as documented
             raise sole(eg) from None
         self._mounts.append(mount)
-        if not self._policy_checked and target.form in (Form.STREAM, Form.RELIABLE_LIST, Form.LIST):
+        if not self._policy_checked and spec.keyed:
             # once the mount is reading: the check can neither fail nor hold up its set-up
             self._policy_checked = True
             await self._check_eviction(target.name)
@@ -367,20 +365,6 @@ class Consumer:
             async with anyio.create_task_group() as tg:  # phase 6, every mount at once
                 for m in self._mounts:
                     tg.start_soon(m.deregister)
-
-
-_READERS: dict[Form, Callable[[Any], Reader]] = {
-    Form.STREAM: StreamReader,
-    Form.RELIABLE_LIST: ReliableListReader,
-    Form.LIST: ListReader,
-    Form.CHANNEL: PubSubReader,
-    Form.PATTERN: PubSubReader,
-}
-"""The reader of each form."""
-
-
-def _reader_for(subscription: Subscription) -> Reader:
-    return _READERS[subscription.form](subscription)
 
 
 @asynccontextmanager

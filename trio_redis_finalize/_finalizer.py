@@ -21,9 +21,9 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream as Recv
 from redis import exceptions as rexc
 
-from ._context import FINALIZE_TIMEOUT, Item, backoff, log
-from ._core._finalize import GO, FinalizeBatch, FinalizerCore, Gates, Record
+from ._core._finalize import GO, FinalizeBatch, FinalizerCore, Gates, Item, Record
 from ._core._plan import FAILED, Target
+from ._deadlines import FINALIZE_TIMEOUT, backoff, log
 from ._delivery import Delivery
 from ._outcome import Backoff
 

@@ -11,9 +11,10 @@ import socket
 import uuid
 from collections.abc import Callable
 
-from ._context import Context, log
 from ._core._commands import Command
 from ._core._identity import describe_holder, gone, make_token, parse_claim, refusal
+from ._deadlines import log
+from ._forms._port import Context
 
 __all__ = ["LIVE", "NameHold", "new_token"]
 

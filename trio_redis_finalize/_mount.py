@@ -72,21 +72,15 @@ from anyio.streams.memory import MemoryObjectReceiveStream as Recv
 from anyio.streams.memory import MemoryObjectSendStream as Send
 from redis import exceptions as rexc
 
-from ._context import (
-    BatchHandler,
-    ConsumerInfo,
-    Handler,
-    Item,
-    backoff,
-    log,
-    log_extra,
-)
+from ._core._finalize import log_extra
 from ._core._plan import Effect, Target
 from ._core._recovery import refused_delay, schedule_command, schedule_key
 from ._core._writes import check_outcome
+from ._deadlines import backoff, log
 from ._delivery import Delivery, record_error
 from ._finalizer import Finalizer
-from ._forms._read_loop import Reader, drive, retry_not_run
+from ._forms._port import BatchHandler, ConsumerInfo, Handler, Item, Reader
+from ._forms._read_loop import drive, retry_not_run
 from ._history import History
 from ._outcome import DROP, REJECT, Backoff, Outcome, Rejected, WithWrites, reject
 from ._scheduler import LaterGates
@@ -224,20 +218,66 @@ class Mount:
         self._outcome_recv: Recv[list[Item]] = orecv
 
     # -- reader side --------------------------------------------------------
-    async def deliver(self, deliveries: Sequence[Delivery]) -> None:
-        """Hand deliveries to the handlers (waits while they are busy)."""
-        if not deliveries:
-            return
-        self.stats.received += len(deliveries)
-        if self._ids:  # stream entries (other forms have no id: nothing held by id)
-            self.in_hand.update([d.id for d in deliveries])  # type: ignore[misc]  # it has its id
-        # all or nothing: cancelled while waiting, nothing was handed over
-        await self._queue.put(deliveries)
+    async def deliver(self, ready: Sequence[Delivery], direct: Sequence[Item] = (), *,
+                      give_back: bool = False) -> None:
+        """The one hand-over of what a reader read: ``direct`` (deliveries
+        finalized without a handler, each with its precomputed plan: dead
+        letter, lost or foreign entry) to the finalizer first, then ``ready``
+        to the handlers, all or nothing (waits while they are busy; cancelled
+        meanwhile, none of ``ready`` reached a handler).
+
+        ``give_back``: should the hand-over end early (the shutdown cancels
+        the reader), what it did not hand over goes to the finalizer at once,
+        shielded (:meth:`_give_back`): ``direct``'s plans if not sent yet, and
+        ``ready`` with the reader's ``abandon`` plan -- the shutdown's own
+        give-back (phase 3, ``_shutdown``): so its NOT_RUN retries, a reliable
+        list's counted gates and its error logs apply.  The exception goes on.
+        """
+        sent = not direct
+        try:
+            if direct:
+                await self._reader_outcomes.send(list(direct))
+                sent = True
+            if ready:
+                self.stats.received += len(ready)
+                if self._ids:  # stream entries (other forms have no id: nothing held by id)
+                    self.in_hand.update([d.id for d in ready])  # type: ignore[misc]  # it has its id
+                # all or nothing: cancelled while waiting, nothing was handed over
+                await self._queue.put(ready)
+        except BaseException:
+            if give_back:
+                await self._give_back(self._reader_outcomes, ready, () if sent else direct)
+            raise
 
     async def send_plans(self, items: list[Item]) -> None:
         """Send precomputed plans (dead letter, lost entry) to the finalizer."""
         if items:
             await self._reader_outcomes.send(items)
+
+    async def _give_back(self, send: Send[list[Item]], unstarted: Sequence[Delivery],
+                         direct: Sequence[Item] = ()) -> None:
+        """Give back deliveries read and never started (the reader's ``abandon``
+        plan: stream, delivery counts set back; reliable list, back to the
+        queue; simple list, ``RPUSH`` back; Pub/Sub, logged and gone), with
+        ``direct``'s plans not sent yet: handed to the finalizer on ``send``,
+        shielded, within ``FINALIZE_GRACE``; should that fail (the finalizer
+        gone) they stay where they are (pending; a simple list's are lost), logged."""
+        items = list(direct)
+        plan = self.reader.abandon(unstarted) if unstarted else None
+        if plan is not None:
+            items.append((unstarted[0], plan))
+        if not items:
+            return
+        with cleanup(FINALIZE_GRACE) as scope:
+            try:
+                await send.send(items)
+                return
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass
+        log.error("%s: could not give back %d deliveries read and not handled%s", self.name,
+                  len(unstarted) + len(direct),
+                  f" within {FINALIZE_GRACE:g} s" if scope.cancelled_caught else "",
+                  extra={"subscription": self.name})
 
     @property
     def waiting(self) -> int:
@@ -488,11 +528,8 @@ class Mount:
                 self._log_cut()
             # phase 3: stopped, or cancelled at the grace deadline: what no
             # handler started goes back (one cancelled mid-handler stays pending)
+            await self._give_back(senders[0], self._queue.drain())
             with cleanup(FINALIZE_GRACE):
-                unstarted = self._queue.drain()
-                give_back = self.reader.abandon(unstarted) if unstarted else None
-                if give_back is not None:
-                    await senders[0].send([(unstarted[0], give_back)])
                 for s in senders:
                     await s.aclose()
 

@@ -65,7 +65,7 @@ from ._outcome import Outcome
 from ._publisher import trace_context
 
 if TYPE_CHECKING:
-    from ._context import Context, Handler
+    from ._forms._port import Context, Handler
 
 __all__ = ["instrument_handler"]
 

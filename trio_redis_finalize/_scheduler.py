@@ -10,11 +10,11 @@ import anyio
 from anyio.abc import TaskStatus
 from redis import exceptions as rexc
 
-from ._context import FINALIZE_TIMEOUT, backoff, describe_error, log
 from ._core._commands import Command, describe
 from ._core._plan import FAILED, GATE_CLOSED, chain_stops
-from ._core._replies import FINAL, classify
+from ._core._replies import FINAL, classify, describe_error
 from ._core._writes import WRITES
+from ._deadlines import FINALIZE_TIMEOUT, backoff, log
 from ._shutdown import cleanup
 
 if TYPE_CHECKING:

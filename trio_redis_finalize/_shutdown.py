@@ -8,9 +8,11 @@ below) when shutdown begins (``t0``), times every phase.
 1. **Stop reading** (at ``t0``).  Every mount's reader is cancelled, and with
    it the redeliverer: a delivery waiting for its :class:`~trio_redis_finalize.Backoff`
    delay stays pending (stream PEL, processing list), no timer is waited for.
-   A read cut while handing over gives back what it had not handed over
-   (stream: the delivery counts set back; reliable list: the give-back
-   script moves them back to the queue; simple list: ``RPUSH`` back), within ``FINALIZE_TIMEOUT``.  The
+   A read cut while handing over (``Mount.deliver``) gives back what it had
+   not handed over, as phase 3 does: the reader's ``abandon`` plan (stream:
+   the delivery counts set back; reliable list: the give-back script moves
+   them back to the queue; simple list: ``RPUSH`` back), with the plans it
+   had not sent yet, handed to the finalizer within ``FINALIZE_GRACE``.  The
    reader's ``closing`` step (a stream's or reliable list's last heartbeat, whose TTL,
    :meth:`Budget.heartbeat_ttl`, covers the phases below so that no other
    consumer reaps the processing list meanwhile) gets ``CLOSING_TIMEOUT``.

@@ -50,13 +50,13 @@ import hiredis
 import pytest
 
 from ._consumer import DEFAULT_BACKOFF, open_consumer
-from ._context import sole
+from ._deadlines import sole
 from ._outcome import Backoff, Outcome
 from ._transport._connection import pack_command
 from .testing import ClusterUnavailable, RedisCluster, RedisSentinel, RedisServer
 
 if TYPE_CHECKING:
-    from ._context import BatchHandler, Handler
+    from ._forms._port import BatchHandler, Handler
     from ._subscription import Subscription
     from ._transport import Client
 

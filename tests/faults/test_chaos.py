@@ -40,7 +40,7 @@ from trio_redis_finalize import (
     _finalizer,
     open_consumer,
 )
-from trio_redis_finalize._context import READ_MARGIN as _READ_MARGIN
+from trio_redis_finalize._deadlines import READ_MARGIN as _READ_MARGIN
 from trio_redis_finalize._transport import Client, open_client
 from trio_redis_finalize.testing import RedisServer
 

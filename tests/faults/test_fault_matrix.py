@@ -119,9 +119,9 @@ def _fast_backoff(real: Callable[..., float]) -> Callable[..., float]:
 @pytest.fixture(autouse=True)
 def _quick_timers(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every module's copy of the deadlines and of ``backoff``, shortened."""
-    from trio_redis_finalize import _context
+    from trio_redis_finalize import _deadlines
 
-    real = _context.backoff
+    real = _deadlines.backoff
     fast = _fast_backoff(real)
     # (0.6 s: a round trip on a loaded CI machine can take 0.4 s)
     values = {"FINALIZE_TIMEOUT": 0.6, "FINALIZE_GRACE": 0.3, "READ_MARGIN": 0.3,

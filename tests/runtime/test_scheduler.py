@@ -21,7 +21,7 @@ import trio
 import trio.testing
 from redis import exceptions as rexc
 
-from trio_redis_finalize._context import FINALIZE_TIMEOUT
+from trio_redis_finalize._deadlines import FINALIZE_TIMEOUT
 from trio_redis_finalize._scheduler import Scheduler
 from trio_redis_finalize._stats import MountStats
 from trio_redis_finalize._transport import Client, open_client

@@ -135,7 +135,9 @@ class Stub:
         self.got: list[Delivery] = []
         self.direct: list[tuple[Delivery, Plan]] = []
 
-    async def deliver(self, deliveries: list[Delivery]) -> None:
+    async def deliver(self, deliveries: list[Delivery], direct: list[tuple[Delivery, Plan]] = [],  # noqa: B006
+                      *, give_back: bool = False) -> None:
+        self.direct.extend(direct)
         self.got.extend(deliveries)
 
     async def send_plans(self, items: list[tuple[Delivery, Plan]]) -> None:

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .._context import FINALIZE_TIMEOUT, Context
 from .._core._replies import raise_first_error
 from .._core._scripts import CORRUPT_FIELD
+from .._deadlines import FINALIZE_TIMEOUT
 from .._envelope import CorruptEnvelope, unpack_parts
 from .._subscription import Form
 from .._transport import Command, Script
+from ._port import Context
 
 __all__ = ["MOVE_LIMIT", "MOVE_RESERVE_MS", "MOVE_WIDTH", "move_due", "stream_fields"]
 

@@ -1,7 +1,6 @@
 """The one read loop every form runs: connection, readiness, errors, backoff.
 
-A form's reader (``_stream``, ``_reliable_list``, ``_list``, ``_channel``)
-supplies the steps of ``Steps``; ``drive`` runs them::
+A form's reader supplies the steps of ``_port.Steps``; ``drive`` runs them::
 
     setup(ctx)                              once (type checks, the group ...)
     background(ctx)                         tasks beside the loop (lease, trim, heartbeat ...)
@@ -26,103 +25,26 @@ Every error is counted (``read_errors``) and logged with the subscription.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 from redis import exceptions as rexc
 
-from .._context import FINALIZE_TIMEOUT, SETUP_PATIENCE, Context, backoff, log
 from .._core._replies import NOT_RUN, WrongTypeError, classify
+from .._deadlines import FINALIZE_TIMEOUT, SETUP_PATIENCE, backoff, log
 from .._shutdown import CLOSING_TIMEOUT, cleanup
+from ._port import Context, Steps
 
 if TYPE_CHECKING:
     from anyio.abc import TaskStatus
 
-    from .._core._finalize import Gates
-    from .._core._plan import Plan
-    from .._delivery import Delivery
     from .._transport import Client, Connection
 
-__all__ = ["Pending", "Reader", "Steps", "check_type", "drive", "reader_connection", "retry_not_run"]
+__all__ = ["check_type", "drive", "reader_connection", "retry_not_run"]
 
-C = TypeVar("C")
 T = TypeVar("T")
-
-
-class Steps(Protocol[C]):
-    """What a form's reader supplies to :func:`drive` (see the module docstring)."""
-
-    async def setup(self, ctx: Context) -> None: ...
-
-    def background(self, ctx: Context) -> Sequence[Callable[[], Coroutine[Any, Any, None]]]: ...
-
-    def connection(self, ctx: Context) -> AbstractAsyncContextManager[C]: ...
-
-    async def connected(self, ctx: Context, conn: C) -> None: ...
-
-    async def catch_up(self, ctx: Context, conn: C) -> None: ...
-
-    async def turn(self, ctx: Context, conn: C) -> None: ...
-
-    def failed(self, ctx: Context, err: Exception) -> float | None:
-        """An error ended a step (after ``started``): the reader's say on it.
-
-        Return how long to wait before going on (having logged it), or None
-        for the default (a warning, and a backoff).
-        """
-        ...
-
-    async def closing(self, ctx: Context) -> None: ...
-
-
-class Pending(Protocol):
-    """What a form that leaves failed deliveries pending (streams, reliable
-    lists) offers the mount for its ``Backoff`` (see ``_mount``)."""
-
-    async def redeliver(self, ctx: Context, deliveries: Sequence[Delivery]) -> list[Delivery]:
-        """Take due ``Backoff`` deliveries again as their next attempt and deliver
-        them; returns those to try again a moment later; raises having delivered
-        none, when it could not."""
-        ...
-
-    def leave_pending(self, ctx: Context, deliveries: Sequence[Delivery]) -> None:
-        """Forget ``deliveries``: they stay pending for the ordinary recovery."""
-        ...
-
-    def hold_again(self, ctx: Context, d: Delivery) -> None:
-        """Hold ``d`` again, whose finalization Redis refused for good (it is
-        still pending): it waits, then ``redeliver`` takes it as if it had
-        failed under a Backoff."""
-        ...
-
-
-class Reader(Steps[Any], Protocol):
-    """What a subscription form provides: its read loop's steps, give-backs,
-    and the hooks of its form (None where the form has none)."""
-
-    @property
-    def pending(self) -> Pending | None:
-        """The reader's :class:`Pending` hooks (streams, reliable lists), or None
-        (simple lists, Pub/Sub: nothing stays pending)."""
-        ...
-
-    @property
-    def gates(self) -> Gates | None:
-        """Counted removals of identical elements (reliable lists,
-        ``_core._finalize.Gates``), or None."""
-        ...
-
-    def abandon(self, deliveries: Sequence[Delivery]) -> Plan | None:
-        """Commands that give back deliveries read but never started (or None)."""
-        ...
-
-    async def closed(self, ctx: Context) -> None:
-        """After a shutdown (phase 6, ``_shutdown``): what the reader registered
-        in Redis about this consumer (a stream's or reliable list's heartbeat
-        and registration) removed, when nothing is left pending for it."""
-        ...
 
 
 async def drive(steps: Steps[Any], ctx: Context, *, task_status: TaskStatus[None]) -> None:

@@ -11,14 +11,15 @@ from typing import Any
 import anyio
 from redis import exceptions as rexc
 
-from .._context import FINALIZE_TIMEOUT, Context, Item, log
 from .._core._decode import Foreign, ForeignBuilder, list_deliveries
 from .._core._plan import Plan, Target
+from .._deadlines import FINALIZE_TIMEOUT, log
 from .._delivery import Delivery
 from .._envelope import MAGIC
 from .._subscription import Form, Subscription, check_key, check_limits
 from .._transport import PubSub
 from .._value import immutable, setters
+from ._port import Context, Item
 
 __all__ = ["ChannelSubscription", "PatternSubscription", "PubSubReader", "payload_deliveries"]
 
@@ -258,9 +259,7 @@ class PubSubReader:
             ctx.target, names, chain((first,), ps.received(_CHUNK - 1)))
         if other is not None:  # a reply that is not a message: as get_message takes it
             ps.other(other)
-        if direct:  # plans first (dead letters), as hand_over does
-            await ctx.send_plans(direct)
-        await ctx.deliver(ready)
+        await ctx.deliver(ready, direct)  # nothing to give back: at-most-once
 
     def failed(self, ctx: Context, err: Exception) -> float | None:
         if not isinstance(err, rexc.ResponseError) and self._lost_at is None:

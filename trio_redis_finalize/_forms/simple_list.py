@@ -7,17 +7,13 @@ from collections.abc import Callable, Coroutine, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
-import anyio
-from redis import exceptions as rexc
-
-from .._context import FINALIZE_TIMEOUT, READ_MARGIN, Context, backoff, hand_over, log
 from .._core._decode import list_delivery
 from .._core._plan import Effect, Plan, Target
-from .._core._replies import NOT_RUN, classify
+from .._deadlines import READ_MARGIN
 from .._delivery import Delivery
-from .._shutdown import cleanup
 from .._subscription import Form, Subscription, check_key, check_limits, check_positive
 from .._transport import Connection
+from ._port import Context
 from ._read_loop import check_type, reader_connection
 
 __all__ = ["ListReader", "ListSubscription"]
@@ -102,13 +98,12 @@ class ListReader:
         reply = await conn.execute("BRPOP", sub.key, self._timeout, timeout=sub.block + READ_MARGIN)
         if reply is None:
             return
-        raw: bytes = reply[1]
-        try:
-            await hand_over(ctx, [list_delivery(ctx.target, sub.key, raw)])
-        except BaseException:
-            # popped but not handed over (shutdown): put it back
-            await self._give_back(ctx, [raw])
-            raise
+        d, plan = list_delivery(ctx.target, sub.key, reply[1])
+        # popped: cut before a handler has it (shutdown), it is pushed back (abandon)
+        if plan is None:
+            await ctx.deliver([d], give_back=True)
+        else:
+            await ctx.deliver((), [(d, plan)], give_back=True)
 
     def failed(self, ctx: Context, err: Exception) -> float | None:
         return None
@@ -118,24 +113,3 @@ class ListReader:
 
     async def closed(self, ctx: Context) -> None:
         pass  # nothing registered
-
-    async def _give_back(self, ctx: Context, raws: list[bytes]) -> None:
-        with cleanup(FINALIZE_TIMEOUT) as scope:
-            attempt = 0
-            while True:
-                try:
-                    await ctx.client.execute("RPUSH", self.sub.key, *reversed(raws),
-                                             timeout=FINALIZE_TIMEOUT)
-                    return
-                except (rexc.ConnectionError, rexc.TimeoutError, rexc.ResponseError) as e:
-                    if classify(e) is NOT_RUN:  # OOM, READONLY ...: did not run, again
-                        await anyio.sleep(backoff(attempt))
-                        attempt += 1
-                        continue
-                    log.error("%s: could not push %d popped elements back: %s",
-                              ctx.name, len(raws), e)
-                    return
-        if scope.cancelled_caught:
-            log.error("%s: could not push %d popped elements back within %g s", ctx.name,
-                      len(raws), FINALIZE_TIMEOUT)
-

@@ -14,22 +14,13 @@ from typing import Any
 import anyio
 from redis import exceptions as rexc
 
-from ..._context import (
-    FINALIZE_TIMEOUT,
-    READ_MARGIN,
-    Context,
-    Item,
-    backoff,
-    describe_error,
-    log,
-)
 from ..._core._commands import Command
 from ..._core._decode import list_deliveries, list_delivery
 from ..._core._finalize import Gates
 from ..._core._identity import claim, heartbeat_value, renew
 from ..._core._plan import Effect, Plan, Target
 from ..._core._recovery import SCHEDULE_LEFT, schedule_key, schedule_left, schedule_member
-from ..._core._replies import NOT_RUN, classify
+from ..._core._replies import NOT_RUN, classify, describe_error
 from ..._core._scripts import MOVE_DUE_TO_LIST
 from ..._core.reliable_list.gates import ListGates
 from ..._core.reliable_list.liveness import (
@@ -49,10 +40,11 @@ from ..._core.reliable_list.liveness import (
     stranded,
 )
 from ..._core.stream.liveness import HEARTBEAT_FLOOR
+from ..._deadlines import FINALIZE_TIMEOUT, READ_MARGIN, backoff, log
 from ..._delivery import Delivery
 from ..._identity import NameHold
 from ..._keys import derived, same_slot
-from ..._shutdown import CLOSING_TIMEOUT, Budget, cleanup
+from ..._shutdown import CLOSING_TIMEOUT, Budget
 from ..._subscription import (
     DEFAULT_MAX_ATTEMPTS,
     QUEUE_DEAD_LETTER,
@@ -67,7 +59,8 @@ from ..._subscription import (
 )
 from ..._transport import Connection
 from .._delay_set import move_due
-from .._read_loop import Pending, check_type, reader_connection
+from .._port import Context, Item, Pending
+from .._read_loop import check_type, reader_connection
 
 __all__ = ["ReliableListReader", "ReliableListSubscription"]
 
@@ -303,38 +296,14 @@ class ReliableListReader:
 
     async def _built(self, ctx: Context, built: list[tuple[Delivery, Plan | None]]) -> None:
         """:meth:`_hand_over` of deliveries built one by one (``list_delivery``)."""
-        await self._hand_over(
-            ctx, [d.raw for d, _ in built if d.raw is not None],
-            [d for d, p in built if p is None], [(d, p) for d, p in built if p is not None],
-        )
+        await self._hand_over(ctx, [d for d, p in built if p is None],
+                              [(d, p) for d, p in built if p is not None])
 
-    async def _hand_over(self, ctx: Context, raws: Sequence[bytes], ready: list[Delivery],
-                         direct: Sequence[Item]) -> None:
-        """:func:`~._context.hand_over`, giving back what was not handed over when cancelled.
-
-        ``raws``: the elements of ``ready`` and ``direct``, in the order they were read.
-        """
-        sent = False
-        try:
-            if direct:
-                await ctx.send_plans(list(direct))
-            sent = True
-            # Context.deliver() hands over all or nothing: cancelled means none
-            # of them reached a handler, whatever the concurrency
-            await ctx.deliver(ready)
-        except BaseException:
-            back = [d.raw for d in ready if d.raw is not None] if sent else list(raws)
-            plan = self._give_back_plan(back)
-            if plan is not None:
-                commands = self._gates.prepare(list(plan.commands))
-                with cleanup(FINALIZE_TIMEOUT):
-                    try:
-                        replies = await ctx.client.pipeline(commands, timeout=FINALIZE_TIMEOUT)
-                        self._gates.settle([], commands, replies)
-                    except (rexc.RedisError, OSError) as e:
-                        log.warning("%s: could not give %d element(s) back to the queue (%s); "
-                                    "they stay in the processing list", ctx.name, len(back), e)
-            raise
+    async def _hand_over(self, ctx: Context, ready: list[Delivery], direct: Sequence[Item]) -> None:
+        """``Context.deliver``, which gives back what a shutdown cut before a
+        handler had it (:meth:`abandon`: back to the queue, the gates counted
+        by the finalizer)."""
+        await ctx.deliver(ready, direct, give_back=True)
 
     # -- on_error=Backoff ---------------------------------------------------------
     async def redeliver(self, ctx: Context, deliveries: Sequence[Delivery]) -> list[Delivery]:
@@ -740,7 +709,7 @@ class ReliableListReader:
         gates.in_hand.update(elements)
         ready, direct = list_deliveries(ctx.target, self.sub.queue, elements)
         before = anyio.current_time()
-        await self._hand_over(ctx, elements, ready, direct)
+        await self._hand_over(ctx, ready, direct)
         self._tune(anyio.current_time() - before, self._previous)
         self._previous = len(elements)
 

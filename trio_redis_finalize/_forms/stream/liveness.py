@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING
 import anyio
 from redis import exceptions as rexc
 
-from ..._context import FINALIZE_TIMEOUT, Context, log
 from ..._core._commands import Command
 from ..._core._decode import Entry
 from ..._core._identity import heartbeat_value
@@ -67,8 +66,10 @@ from ..._core.stream.liveness import (
     warnings,
     watch_notes,
 )
+from ..._deadlines import FINALIZE_TIMEOUT, log
 from ..._identity import NameHold
 from ..._shutdown import CLOSING_TIMEOUT, Budget
+from .._port import Context
 
 if TYPE_CHECKING:
     from ..._subscription import Mode

@@ -6,10 +6,10 @@ new entries goes through :class:`OwnPel`: the own-PEL recovery (``XPENDING``
 (``XAUTOCLAIM``, the counts it set, the ids that vanished meanwhile), what
 the reaper of dead consumers took (``liveness.StreamPresence`` calls
 :meth:`OwnPel.claiming` and :meth:`OwnPel.adopt`), and the Backoff
-redelivery (the mount's :class:`~._read_loop.Pending` hooks).  Which
+redelivery (the mount's :class:`~._port.Pending` hooks).  Which
 attempt each entry counts is ``_core/stream/attempts.py``'s; entries whose
 Backoff is not due yet wait (``waits.py``).  Everything is handed over
-through the mount's :class:`~._context.Context` (:func:`hand_over`), never
+through the mount's :class:`~._port.Context` (:func:`hand_over`), never
 through the reader: ``reader.py`` imports this module, not the reverse.
 
 ``claim_read`` (Redis 8.4, ``_core._caps``): ``XREADGROUP ... CLAIM
@@ -25,9 +25,7 @@ from functools import partial
 from typing import Any
 
 import anyio
-from redis import exceptions as rexc
 
-from ..._context import FINALIZE_TIMEOUT, Context, Item, log
 from ..._core._decode import Entry, as_str, id_key, lost_entry, stream_deliveries
 from ..._core._plan import Plan
 from ..._core.stream.attempts import (
@@ -39,10 +37,11 @@ from ..._core.stream.attempts import (
     redelivered,
 )
 from ..._core.stream.scripts import REDELIVER
+from ..._deadlines import FINALIZE_TIMEOUT, log
 from ..._delivery import Delivery
-from ..._shutdown import cleanup
 from ..._subscription import Mode
 from ..._transport import Connection
+from .._port import Context, Item
 from .._read_loop import retry_not_run
 from . import StreamSubscription
 from .waits import claimed_waits, recovered_waits
@@ -57,32 +56,14 @@ already, a second claim would cost another."""
 
 
 async def hand_over(ctx: Context, entries: list[Entry], counts: dict[bytes, int] | None = None) -> None:
-    """Hand entries over (decoded by :func:`~._core._decode.stream_deliveries`):
-    plans first, then the deliveries for the handlers.
-
-    ``Context.deliver`` hands a batch over all or nothing, so cancelled
-    (shutdown) inside, none of ``entries`` reached a handler: their
-    delivery counts are set back (see :meth:`OwnPel.abandon`), shielded and
-    bounded; should that fail they stay pending as they are.
-    """
+    """Hand entries over (decoded by :func:`~._core._decode.stream_deliveries`,
+    ``counts``: their delivery counts, 1 when not in it) through
+    ``Context.deliver``, the runtime's one hand-over: it gives back what a
+    shutdown cut before a handler had it (:meth:`OwnPel.abandon`: their
+    delivery counts set back, the counts other than 1 noted by
+    :meth:`OwnPel._note` first)."""
     ready, direct = stream_deliveries(ctx.target, entries, counts)
-    try:
-        if direct:
-            await ctx.send_plans([*direct])
-        await ctx.deliver(ready)
-    except anyio.get_cancelled_exc_class():
-        t = ctx.target
-        p = give_back(t.source, t.group, ctx.consumer.name,
-                      as_handed([eid for eid, flat in entries if flat is not None], counts or {}))
-        if p is not None:
-            with cleanup(FINALIZE_TIMEOUT):
-                try:
-                    await ctx.client.pipeline(p.commands, timeout=FINALIZE_TIMEOUT)
-                except (rexc.RedisError, OSError) as e:
-                    log.warning("%s: could not give %d unstarted entries back (%s); they "
-                                "stay pending", ctx.name, len(entries), e,
-                                extra={"subscription": ctx.name})
-        raise
+    await ctx.deliver(ready, direct, give_back=True)
 
 
 async def lost(ctx: Context, ids: Sequence[bytes]) -> None:
@@ -149,7 +130,7 @@ async def ack_vanished(ctx: Context, start: str, end: str, claimed: set[bytes], 
 
 class OwnPel:
     """This consumer's PEL, taken back (see the module docstring); the mount's
-    :class:`~._read_loop.Pending` hooks of a stream."""
+    :class:`~._port.Pending` hooks of a stream."""
 
     def __init__(self, sub: StreamSubscription) -> None:
         self.sub = sub

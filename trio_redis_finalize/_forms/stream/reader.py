@@ -18,18 +18,19 @@ from typing import Any
 import anyio
 from redis import exceptions as rexc
 
-from ..._context import FINALIZE_TIMEOUT, READ_MARGIN, Context, log
 from ..._core._decode import as_str, id_key, read_entries
 from ..._core._plan import Plan
 from ..._core._recovery import LEASE, lease_lost
 from ..._core._replies import NOT_RUN, BusyGroupError, classify, error_code
 from ..._core._scripts import move_due_to_stream
 from ..._core.stream.liveness import lease_every
+from ..._deadlines import FINALIZE_TIMEOUT, READ_MARGIN, log
 from ..._delivery import Delivery
 from ..._subscription import DelayedRetry, Mode
 from ..._transport import Client, Connection
 from .._delay_set import move_due
-from .._read_loop import Pending, check_type, reader_connection
+from .._port import Context, Pending
+from .._read_loop import check_type, reader_connection
 from . import MIN_IDLE_FLOOR, StreamSubscription
 from .liveness import StreamPresence
 from .own_pel import OwnPel, hand_over
@@ -42,6 +43,7 @@ _RECOVER_EVERY = 60.0
 _MOVE_RETRY = 5.0
 """Seconds before a move of due copies that Redis refused is tried again."""
 
+
 class StreamReader:
     """Reads one :class:`StreamSubscription` on a dedicated connection.
 
@@ -50,14 +52,13 @@ class StreamReader:
     heartbeat, the lease of entries in hand, the retention trim),
     ``connected`` (plans a look at the own PEL), ``catch_up`` (a destroyed
     group recreated, due durable copies moved back, the own PEL recovered,
-    dead consumers taken over (``_presence``), claims), ``turn`` (one
+    dead consumers taken over (``liveness``), claims (``own_pel``)), ``turn`` (one
     ``XREADGROUP``, handed over), ``failed`` (NOGROUP, UNBLOCKED: the group
     recreated; a refused step: a recovery planned) and ``closing`` (the last
     heartbeat, over the shutdown); after the shutdown, ``closed``
     deregisters a consumer with nothing pending.  Entries become
     deliveries in :func:`~._core._decode.stream_deliveries`.
     """
-
 
     def __init__(self, sub: StreamSubscription) -> None:
         self.sub = sub
@@ -129,7 +130,7 @@ class StreamReader:
     async def catch_up(self, ctx: Context, conn: Connection) -> None:
         """The group again if it was destroyed, due durable copies moved back,
         the own PEL recovered when planned, dead consumers taken over when a
-        look at the group is due (at mount, then see ``_presence``), one page
+        look at the group is due (at mount, then see ``liveness``), one page
         claimed (RECLAIM when due, CLAIMING always)."""
         sub = self.sub
         if self._regroup:  # here, so that a connection error is retried
@@ -290,7 +291,7 @@ class StreamReader:
         than ``min_idle`` (a stopped process, a blocked event loop) another
         consumer may rightly have claimed some; they stay with it.  Those,
         and those pending for nobody any more, are dropped
-        (:meth:`~._context.Context.disown`): the ones no handler started
+        (:meth:`~._port.Context.disown`): the ones no handler started
         never start here; a running handler finishes, its finalization finds
         the gate as the other consumer left it.
         """

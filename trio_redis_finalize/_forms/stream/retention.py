@@ -8,10 +8,11 @@ from __future__ import annotations
 import anyio
 from redis import exceptions as rexc
 
-from ..._context import FINALIZE_TIMEOUT, Context, log
 from ..._core._replies import FINAL, classify
 from ..._core.stream.retention import TRIM_LIMIT, delete_refusal, group_rows, parse_trim, trim_script
+from ..._deadlines import FINALIZE_TIMEOUT, log
 from ..._subscription import Retention
+from .._port import Context
 
 __all__ = ["check_retention", "trim"]
 

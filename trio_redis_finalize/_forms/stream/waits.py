@@ -16,12 +16,13 @@ from typing import Any
 
 from redis import exceptions as rexc
 
-from ..._context import FINALIZE_TIMEOUT, Context, log
 from ..._core._decode import Entry, stream_deliveries
 from ..._core._recovery import SCHEDULE_LEFT, schedule_key, schedule_left
 from ..._core._replies import NOT_RUN, classify
 from ..._core.stream.attempts import claimed_waiting, give_back, waiting
+from ..._deadlines import FINALIZE_TIMEOUT, log
 from ..._shutdown import cleanup
+from .._port import Context
 
 __all__ = ["claimed_waits", "defer", "recovered_waits", "scheduled"]
 
