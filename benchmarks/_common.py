@@ -42,7 +42,7 @@ def internal(name: str) -> ModuleType:
 
 
 _SPLIT = {"_scripts": ("_lua", "stream.scripts", "reliable_list.scripts")}
-"""Internal modules split into several since (issue 36: the scripts in their forms' homes)."""
+"""Internal modules split into several since (the scripts went to their forms' homes)."""
 
 
 def library_banner() -> str:

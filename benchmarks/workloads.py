@@ -146,7 +146,7 @@ from trio_redis_finalize import (
     retry_after,
 )
 from trio_redis_finalize import testing as _testing
-from trio_redis_finalize._forms.stream import reader as _stream
+from trio_redis_finalize._forms.stream import retention as _stream
 from trio_redis_finalize._transport import Client, Command, open_client, parse_url
 from trio_redis_finalize.testing import RedisServer
 

@@ -23,7 +23,7 @@ from ._forms.pubsub import ChannelSubscription as ChannelSubscription
 from ._forms.pubsub import PatternSubscription as PatternSubscription
 from ._forms.reliable_list import ReliableListSubscription as ReliableListSubscription
 from ._forms.simple_list import ListSubscription as ListSubscription
-from ._forms.stream.reader import StreamSubscription as StreamSubscription
+from ._forms.stream import StreamSubscription as StreamSubscription
 from ._outcome import ACK as ACK
 from ._outcome import DROP as DROP
 from ._outcome import REJECT as REJECT

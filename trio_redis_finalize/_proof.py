@@ -47,7 +47,7 @@ from ._core._plan import content_origin
 from ._delivery import Delivery
 from ._fault_client import Crash, FaultClient, FaultMode, open_fault_client
 from ._forms.reliable_list import ReliableListSubscription
-from ._forms.stream.reader import StreamSubscription
+from ._forms.stream import StreamSubscription
 from ._keys import derived
 from ._outcome import Outcome, OutcomeKind
 from ._subscription import DelayedRetry

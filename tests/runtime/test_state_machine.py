@@ -79,6 +79,7 @@ from trio_redis_finalize._core.stream.scripts import (
 )
 from trio_redis_finalize._envelope import unpack_parts
 from trio_redis_finalize._forms.reliable_list.reader import ReliableListReader
+from trio_redis_finalize._forms.stream.own_pel import hand_over
 from trio_redis_finalize._forms.stream.reader import StreamReader
 from trio_redis_finalize._stats import MountStats
 from trio_redis_finalize.testing import RedisServer
@@ -562,7 +563,7 @@ class StreamMachine(Base):
                 reply = await conn.execute("XREADGROUP", "GROUP", G, c, "COUNT", count,
                                            "STREAMS", S, ">")
             entries = reply[0][1] if reply else []
-            await self.readers[c]._hand_over(stub, entries)
+            await hand_over(stub, entries)
             self._took(c, stub, claimed=False)
             await self._finalize_direct(client, c, stub)
             return len(entries)
@@ -591,7 +592,7 @@ class StreamMachine(Base):
         async def go(client: FaultClient) -> None:
             stub = self.stub(c, client)
             async with await client.connect() as conn:
-                await self.readers[c]._recover(conn, stub)
+                await self.readers[c].own_pel.recover(conn, stub)
             got = {d.id for d in [*stub.got, *(d for d, _ in stub.direct)]}
             if got != mine:
                 raise Violation(f"{c} recovered {sorted(map(str, got))}, its PEL holds {sorted(mine)}")
@@ -612,7 +613,7 @@ class StreamMachine(Base):
         async def go(client: FaultClient) -> None:
             stub = self.stub(c, client)
             async with await client.connect() as conn:
-                await reader._claim(conn, stub)
+                await reader.own_pel.claim(conn, stub)
             self._took(c, stub, claimed=True)
             await self._finalize_direct(client, c, stub)
 

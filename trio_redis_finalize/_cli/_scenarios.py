@@ -16,7 +16,7 @@ from .._errors import AckUnsupported
 from .._forms.pubsub import ChannelSubscription, PatternSubscription
 from .._forms.reliable_list import ReliableListSubscription
 from .._forms.simple_list import ListSubscription
-from .._forms.stream.reader import StreamSubscription
+from .._forms.stream import StreamSubscription
 from .._outcome import ACK, DROP, RETRY, Outcome, OutcomeKind, retry_after
 from .._subscription import DelayedRetry, Mode, Subscription
 from .._transport import Client

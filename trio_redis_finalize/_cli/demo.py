@@ -26,7 +26,7 @@ import anyio
 
 from .._consumer import Consumer, open_consumer
 from .._forms.reliable_list import ReliableListSubscription
-from .._forms.stream.reader import StreamSubscription
+from .._forms.stream import StreamSubscription
 from .._transport import Client, open_client
 from ._common import CliError, check_url, command, positive_int, print_table
 from ._monitor import Monitor, observed_table

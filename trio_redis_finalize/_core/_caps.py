@@ -30,8 +30,9 @@ One flag per capability, and one place in the core that consumes each (the
     of the stream on every XADD; a server with the fix could make the caps
     ``ACKED`` at ``Target.acked``, the same one place.
 ``claim_read`` (Redis 8.4): ``XREADGROUP ... CLAIM min-idle``
-    Would replace ``Mode.CLAIMING``'s ``XAUTOCLAIM`` before each
-    ``XREADGROUP >`` (one command reads idle pending entries and new ones).
+    A stream read strategy: where it would be consumed, and what it would
+    replace, is written in the stream's home (``_forms/stream/own_pel.py``,
+    the claims).
 ``idmp`` (Redis 8.6): ``XADD ... IDMP``
     Would make the copies written before an acknowledgement idempotent (a
     resent cross-slot copy, a runtime copy sent again after a lost reply).
@@ -40,7 +41,7 @@ One flag per capability, and one place in the core that consumes each (the
     id ...`` for the deliveries read and not started (their count set back
     by one), ``FAIL`` for those a grace cut, would replace the stop's ``XCLAIM
     ... RETRYCOUNT`` (the give-back) + ``XCLAIM ... IDLE`` + the stopped mark
-    (``_core._presence.STOP``) and the peers' registry probe.  Not used yet:
+    (``_core.stream.liveness.STOP``) and the peers' registry probe.  Not used yet:
     an XNACKed entry has no owner in the PEL, so the reaper (which reads the
     stopped consumer's PEL) never sees it; only ``XREADGROUP ... CLAIM``
     (``claim_read``) or ``XAUTOCLAIM`` serves it, which PLAIN mounts do not

@@ -27,7 +27,8 @@ from .pubsub import ChannelSubscription, PatternSubscription, PubSubReader
 from .reliable_list import ReliableListSubscription
 from .reliable_list.reader import ReliableListReader
 from .simple_list import ListReader, ListSubscription
-from .stream.reader import StreamReader, StreamSubscription
+from .stream import StreamSubscription
+from .stream.reader import StreamReader
 
 __all__ = ["FORMS", "FormSpec"]
 

@@ -74,7 +74,7 @@ import hiredis
 from .. import _proof
 from .._delivery import Delivery
 from .._forms.reliable_list import ReliableListSubscription
-from .._forms.stream.reader import StreamSubscription
+from .._forms.stream import StreamSubscription
 from .._outcome import Outcome
 from .._proof import CaseReport, ExactlyOnceError, ExactlyOnceReport, MessageReport
 

@@ -461,7 +461,7 @@ async def test_delete_on_finalize_order_in_monitor(redis_url: str, client: Clien
     """What the server runs, in order: XACK then XDEL for ACK and DROP; inside
     the gated script XADD, XACK, XDEL for RETRY and the dead letter.  On Redis
     8.2 one XACKDEL instead of each XACK, XDEL."""
-    from test_scripts import monitoring
+    from runtime.test_scripts import monitoring
 
     if server_caps.xackdel:
         await _native_order_in_monitor(redis_url, client)
@@ -504,7 +504,7 @@ async def test_delete_on_finalize_order_in_monitor(redis_url: str, client: Clien
 
 
 async def _native_order_in_monitor(url: str, client: Client) -> None:
-    from test_scripts import monitoring
+    from runtime.test_scripts import monitoring
 
     async def handle(d: Delivery) -> Outcome:
         n = d.fields[b"n"]

@@ -1,5 +1,9 @@
-"""Stream consumers' presence, sans-IO: heartbeat keys, the group's registry,
-the reaper's script and what a look at the group decides.
+"""Stream consumers' liveness, sans-IO: heartbeat keys, the group's registry,
+the lease period, the reaper's and the stop's scripts.
+
+What a look at the group decides (who is alive, who is dead, what to take,
+what to warn about) is in :mod:`.survey` (its names are re-exported here);
+``_forms/stream/liveness.py`` sends the commands and keeps the times.
 
 A stream mount keeps two keys beside its stream (in its hash slot):
 
@@ -22,8 +26,9 @@ refused while this name's old heartbeat key is alive.  Old heartbeat keys
 expire with their TTL; an old registry is emptied as its consumers are
 reaped or mount again under the new naming.
 
-A look at the group (:func:`survey`: ``XINFO CONSUMERS``, the registry, the
-``PTTL`` of each registered consumer's heartbeat key) sorts its consumers:
+A look at the group (:func:`~.survey.survey`: ``XINFO CONSUMERS``, the
+registry, the ``PTTL`` of each registered consumer's heartbeat key) sorts its
+consumers:
 
 * **alive**: registered, heartbeat key present -- nothing to do (the look
   after its key would lapse is planned: :attr:`Survey.wake`);
@@ -56,24 +61,64 @@ stopped mark stays in the registry (``inspect`` shows it) until a look finds
 nothing pending for it and removes it with the consumer; a consumer that
 stops with nothing pending is deleted from the group and the registry at
 once.
+
+Why the stream's liveness differs from the reliable list's
+-----------------------------------------------------------
+
+Both forms keep one heartbeat key per consumer (TTL ``heartbeat``, renewed
+every ``heartbeat / 3``, holding the process's token) and one registry hash,
+look every ``heartbeat / 2`` (jittered, and as soon as a live key's ``PTTL``
+says it lapses), and take a dead consumer's work back with one script gated
+on its heartbeat key being absent.  They differ where the work in hand
+lives:
+
+* a stream's is its **PEL**, kept by the server per consumer with an idle
+  time and a delivery count for each entry.  So the registry holds
+  ``"<heartbeat ms> <mode>"`` (the dead consumer's own heartbeat is the idle
+  guard; a CLAIMING consumer's PEL holds delayed retries, left to
+  ``XAUTOCLAIM``); a look reads ``XINFO CONSUMERS`` (pending counts, idle
+  times), the registry and each registered key's ``PTTL``, and sorts
+  consumers into alive, stopped, lapsed and none (never registered: its
+  entries *stranded*, warned about, not taken in PLAIN); :data:`REAP` takes
+  only entries idle the dead one's ``heartbeat`` (an entry a live consumer
+  whose key vanished still leases is never taken), with ``RETRYCOUNT`` one
+  higher (the crash counts), and runs as a step of the read loop, so what it
+  takes is handed over in turn with the own-PEL recovery and the claims;
+* a reliable list's is a plain **processing list**: no idle time, no owner,
+  no count per element.  So the registry holds the processing list's name,
+  the reaper (a task beside the reader) tests the heartbeat keys (``PTTL``;
+  its script is gated on ``EXISTS``) and moves the whole processing list
+  back onto the queue, the attempt counted in each element's envelope;
+  there is no idleness to guard by and nothing stranded to tell apart.
+
+The mirror paragraph is in ``_core/reliable_list/liveness.py``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import functools
-import logging
-import time
-from collections.abc import Collection, Mapping, Sequence
-from typing import Any
+from collections.abc import Collection, Sequence
 
 from ..._keys import derived, named
 from ..._subscription import Mode
 from .._commands import Command, Script
-from .._decode import Entry
-from .._finalize import Record
 from .._identity import claim, heartbeat_value, renew
+from .survey import (
+    Heartbeat,
+    Peer,
+    Reap,
+    Reaped,
+    Registration,
+    Survey,
+    consumer_rows,
+    parse_reap,
+    peers,
+    registration,
+    registry,
+    survey,
+    warnings,
+    watch_notes,
+)
 
 __all__ = [
     "HANDED_BACK_IDLE_MS", "HEARTBEAT_FLOOR", "REAP", "STOP", "STOP_PROBE", "Heartbeat",
@@ -136,19 +181,6 @@ def lease_every(mode: Mode, min_idle: float, heartbeat: float) -> float:
     return max(min(min_idle, heartbeat) / 3, 0.001)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Registration:
-    """What a consumer wrote about itself in the registry."""
-
-    heartbeat: float | None
-    """Its heartbeat in seconds (None: unreadable)."""
-    mode: Mode | None
-    at: float | None = None
-    """Unix time of its last beat, or of its stop (None: not written)."""
-    stopped: bool = False
-    """The stopped mark: it stopped cleanly and handed its entries back (:data:`STOP`)."""
-
-
 def registration_value(heartbeat: float, mode: Mode, at: float | None = None, *,
                        stopped: bool = False) -> str:
     """``"<heartbeat ms> <mode>[ <unix ms>[ stopped]]"``."""
@@ -163,27 +195,6 @@ def registration_value(heartbeat: float, mode: Mode, at: float | None = None, *,
 def stopped_value(heartbeat: float, mode: Mode, at: float) -> str:
     """The stopped mark :data:`STOP` writes in the registry."""
     return registration_value(heartbeat, mode, at, stopped=True)
-
-
-def registration(value: bytes | str) -> Registration:
-    """A registry value as :class:`Registration` (unknown parts None)."""
-    text = value.decode(errors="replace") if isinstance(value, bytes) else value
-    parts = text.split(" ")
-    try:
-        hb: float | None = int(parts[0]) / 1000
-    except ValueError:
-        hb = None
-    try:
-        m: Mode | None = Mode(parts[1]) if len(parts) > 1 else None
-    except ValueError:
-        m = None
-    at: float | None = None
-    if len(parts) > 2:
-        try:
-            at = int(parts[2]) / 1000
-        except ValueError:
-            at = None
-    return Registration(hb, m, at, len(parts) > 3 and parts[3] == "stopped")
 
 
 def beat(stream: str, group: str, consumer: str, token: str, heartbeat: float, mode: Mode,
@@ -333,256 +344,3 @@ return {n, 1}
     name="stream_stop", keys=("stream", "heartbeat", "registry"),
     argv=("group", "consumer", "stopped", "idle_ms", "all", "value", "ids..."),
 )
-
-
-# -- a look at the group --------------------------------------------------------
-
-class Heartbeat(enum.Enum):
-    """A consumer's heartbeat as a look at the group found it."""
-
-    ALIVE = "alive"
-    """Registered; its heartbeat key is there."""
-    LAPSED = "lapsed"
-    """Registered; its heartbeat key is gone: dead."""
-    STOPPED = "stopped"
-    """Registered with the stopped mark, its heartbeat key gone: it stopped
-    cleanly and handed its entries back (:data:`STOP`)."""
-    NONE = "none"
-    """Never registered: another client, or a consumer without heartbeats."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Peer:
-    """One consumer of the group."""
-
-    name: str
-    pending: int
-    idle: float | None
-    """Seconds since its last interaction with the group (None: not in the group)."""
-    heartbeat: Heartbeat
-    ttl: float | None
-    """Seconds its heartbeat key still lives (None: not alive, or no expiry)."""
-    registration: Registration | None
-
-    @property
-    def stranded(self) -> bool:
-        """Entries pending for it, and no live heartbeat."""
-        return self.pending > 0 and self.heartbeat is not Heartbeat.ALIVE
-
-
-def _pairs(row: Sequence[Any]) -> dict[str, Any]:
-    return {(k.decode() if isinstance(k, bytes) else str(k)): v
-            for k, v in zip(row[::2], row[1::2], strict=False)}
-
-
-def consumer_rows(reply: Sequence[Any]) -> list[tuple[str, int, int | None]]:
-    """``XINFO CONSUMERS`` (RESP2) as (name, pending, idle ms) rows."""
-    out: list[tuple[str, int, int | None]] = []
-    for row in reply:
-        info = _pairs(row)
-        name = info.get("name", b"")
-        idle = info.get("idle")
-        out.append((name.decode(errors="replace") if isinstance(name, bytes) else str(name),
-                    int(info.get("pending", 0)), None if idle is None else int(idle)))
-    return out
-
-
-def registry(flat: Sequence[bytes]) -> dict[str, Registration]:
-    """``HGETALL`` of the registry as name -> :class:`Registration`."""
-    return {k.decode(errors="replace"): registration(v)
-            for k, v in zip(flat[::2], flat[1::2], strict=True)}
-
-
-def peers(rows: Sequence[tuple[str, int, int | None]], registered: Mapping[str, Registration],
-          ttls: Mapping[str, int]) -> list[Peer]:
-    """The group's consumers (``rows``, :func:`consumer_rows`) and the registered
-    ones it does not have (yet, or any more), each with its heartbeat.
-
-    ``ttls``: the ``PTTL`` of each registered consumer's heartbeat key (-2:
-    gone, -1: no expiry, else ms).
-    """
-    out: list[Peer] = []
-    seen: set[str] = set()
-    for name, pending, idle in [*rows, *((n, 0, None) for n in registered)]:
-        if name in seen:
-            continue
-        seen.add(name)
-        reg = registered.get(name)
-        ttl = ttls.get(name, -2) if reg is not None else -2
-        if reg is None:
-            hb = Heartbeat.NONE
-        elif ttl == -2:
-            hb = Heartbeat.STOPPED if reg.stopped else Heartbeat.LAPSED
-        else:
-            hb = Heartbeat.ALIVE
-        out.append(Peer(name, pending, None if idle is None else idle / 1000, hb,
-                        ttl / 1000 if ttl >= 0 else None, reg))
-    return out
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Reap:
-    """One :data:`REAP` call a look decided."""
-
-    peer: Peer
-    page: int
-    """Entries to take at most (0: none, only delete the consumer once its PEL is empty)."""
-    min_idle: float
-    """Seconds an entry must have been idle to be taken (the dead consumer's heartbeat)."""
-
-    @property
-    def min_idle_ms(self) -> int:
-        return max(1, round(self.min_idle * 1000))
-
-    def candidates(self, stream: str, group: str) -> Command:
-        """The ``XPENDING`` of the entries :data:`REAP` is to take (idle enough, one page)."""
-        return ("XPENDING", stream, group, "IDLE", self.min_idle_ms, "-", "+", self.page,
-                self.peer.name)
-
-    def args(self, group: str, me: str, ids: Sequence[bytes] = ()) -> list[str | int | bytes]:
-        return [group, self.peer.name, me, self.min_idle_ms, self.page, *ids]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Survey:
-    """What a look at the group found and decided (:func:`survey`)."""
-
-    peers: tuple[Peer, ...]
-    """The group's other consumers (all but the one that looked)."""
-    reap: tuple[Reap, ...]
-    """Dead consumers: their entries to take, or their names to delete."""
-    stranded: int
-    """Entries pending for other consumers without a live heartbeat (lapsed or none)."""
-    wake: float | None
-    """Seconds until the first live consumer's heartbeat key would lapse (None: none)."""
-
-
-def survey(me: str, mode: Mode, heartbeat: float, page: int, found: Sequence[Peer]) -> Survey:
-    """Sort the group's consumers (see the module docstring) for consumer ``me``.
-
-    ``page``: entries one :data:`REAP` takes at most.  A dead consumer's
-    entries are taken once idle its own registered heartbeat (this
-    consumer's ``heartbeat`` when unreadable).
-    """
-    others = tuple(p for p in found if p.name != me)
-    reap: list[Reap] = []
-    for p in others:
-        if p.heartbeat not in (Heartbeat.LAPSED, Heartbeat.STOPPED):
-            continue
-        reg = p.registration
-        takes = mode is not Mode.CLAIMING and (reg is None or reg.mode is not Mode.CLAIMING)
-        hb = reg.heartbeat if reg is not None and reg.heartbeat is not None else heartbeat
-        reap.append(Reap(p, page if takes and p.pending else 0, hb))
-    lapse = [p.ttl for p in others if p.heartbeat is Heartbeat.ALIVE and p.ttl is not None]
-    return Survey(others, tuple(reap), sum(p.pending for p in others if p.stranded),
-                  min(lapse) if lapse else None)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Reaped:
-    """A :data:`REAP` reply."""
-
-    entries: list[Entry]
-    counts: dict[bytes, int]
-    """Each taken entry's delivery count now (the attempt it counts)."""
-    gone: list[bytes]
-    wait: float | None
-    """Seconds until the next entry left is idle enough (None: none left to wait for)."""
-    forgotten: bool
-
-
-def parse_reap(reply: Any) -> Reaped | None:
-    """A :data:`REAP` reply; None when the consumer's heartbeat came back."""
-    if not isinstance(reply, list):
-        return None
-    taken, gone, wait, forgotten = reply
-    entries: list[Entry] = [(t[0], t[1]) for t in taken]
-    counts = {t[0]: int(t[2]) for t in taken}
-    return Reaped(entries, counts, list(gone), None if int(wait) < 0 else int(wait) / 1000,
-                  bool(forgotten))
-
-
-def _utc(t: float) -> str:
-    """A unix time as ``HH:MM:SS.mmm UTC`` (the day left out: a log line has it)."""
-    return time.strftime("%H:%M:%S", time.gmtime(t)) + f".{int(t * 1000) % 1000:03d} UTC"
-
-
-def _n(n: int) -> str:
-    return f"{n} entr{'y' if n == 1 else 'ies'}"
-
-
-def warnings(name: str, mode: Mode, min_idle: float, found: Survey,
-             warned: Collection[str]) -> list[Record]:
-    """Log records about stranded work (consumers not in ``warned`` yet).
-
-    A consumer without a heartbeat holding entries: a warning in PLAIN mode
-    (nothing takes them: how to recover them), a note in RECLAIM and
-    CLAIMING (claimed once idle ``min_idle``).  A dead registered consumer
-    holding entries: when they are taken over (or, CLAIMING, claimed back).
-    """
-    out: list[Record] = []
-    extra = {"subscription": name}
-    reaped = {r.peer.name: r for r in found.reap}
-    for p in found.peers:
-        if p.name in warned or not p.stranded:
-            continue
-        idle = "-" if p.idle is None else f"{p.idle:.1f}"
-        if p.heartbeat is Heartbeat.NONE:
-            if mode is Mode.PLAIN:
-                out.append((logging.WARNING,
-                            "%s: %s pending for consumer %r (idle %s s) are stranded: it has no "
-                            "heartbeat (another client, or a consumer without heartbeats), and "
-                            "Mode.PLAIN takes over only dead consumers that kept one.  To "
-                            "recover them: mount this group once with Mode.RECLAIM (it claims "
-                            "entries idle min_idle), XCLAIM them, or start that consumer again "
-                            "under its name (open_consumer(name=...))",
-                            (name, _n(p.pending), p.name, idle), extra))
-            else:
-                out.append((logging.INFO,
-                            "%s: %s pending for consumer %r (idle %s s, no heartbeat); claimed "
-                            "by this subscription once idle min_idle=%g s",
-                            (name, _n(p.pending), p.name, idle, min_idle), extra))
-            continue
-        r = reaped[p.name]
-        reg = p.registration
-        if p.heartbeat is Heartbeat.STOPPED:
-            at = "" if reg is None or reg.at is None else f" at {_utc(reg.at)}"
-            out.append((logging.INFO,
-                        "%s: %s of consumer %r, which stopped cleanly%s and handed them back; "
-                        "%s",
-                        (name, _n(p.pending), p.name, at,
-                         "taking them over now" if r.page else
-                         "a CLAIMING subscription claims them (idle at once)"), extra))
-            continue
-        lapsed = ("" if reg is None or reg.at is None or reg.heartbeat is None
-                  else f", heartbeat lapsed at {_utc(reg.at + reg.heartbeat)}")
-        if r.page:
-            left = max(0.0, r.min_idle - (p.idle or 0.0))
-            when = "now" if left == 0 else f"in about {left:.1f} s (once idle heartbeat={r.min_idle:g} s)"
-            out.append((logging.WARNING,
-                        "%s: %s of consumer %r%s (idle %s s), taken over %s; their attempt "
-                        "counts the crash",
-                        (name, _n(p.pending), p.name, lapsed, idle, when), extra))
-        else:
-            out.append((logging.INFO,
-                        "%s: %s of consumer %r (Mode.CLAIMING)%s (idle %s s); a CLAIMING "
-                        "subscription claims them back once idle min_idle",
-                        (name, _n(p.pending), p.name, lapsed, idle), extra))
-    return out
-
-
-def watch_notes(name: str, found: Survey, now: float) -> list[Record]:
-    """At mount (the first look): one note per other consumer that holds
-    entries and whose heartbeat is still alive -- a consumer killed moments
-    ago looks alive until its key lapses, so say when its entries would be
-    taken over should it be dead (``now``: the unix time)."""
-    out: list[Record] = []
-    for p in found.peers:
-        if p.heartbeat is not Heartbeat.ALIVE or not p.pending or p.ttl is None:
-            continue
-        out.append((logging.INFO,
-                    "%s: %s of consumer %r, heartbeat alive until %s: should it be dead (killed "
-                    "just now), taken over in about %.1f s",
-                    (name, _n(p.pending), p.name, _utc(now + p.ttl), p.ttl),
-                    {"subscription": name}))
-    return out

@@ -2,7 +2,8 @@
 consumers of its group, and its deregistration at a clean stop.
 
 The keys, the scripts and every decision (who is dead, what to take, what to
-warn about) are in :mod:`._core._presence`; this module sends the commands
+warn about) are in :mod:`._core.stream.liveness` and
+:mod:`._core.stream.survey`; this module sends the commands
 and keeps the times:
 
 * **heartbeat** (a task beside the reader): ``SET`` the heartbeat key with a
@@ -22,7 +23,7 @@ and keeps the times:
   ``HGETALL`` of the registry; a new stopped mark makes the next look now,
   so what a peer handed back at its stop is taken within about a second;
 * **hand-back** (:meth:`StreamPresence.deregister`, phase 6 of the
-  shutdown): one script (:data:`~._core._presence.STOP`) makes what is
+  shutdown): one script (:data:`~._core.stream.liveness.STOP`) makes what is
   still pending for this consumer idle at once (owner and count unchanged),
   deletes the heartbeat key and leaves the stopped mark; a consumer with
   nothing pending is deleted from the group.
@@ -80,7 +81,8 @@ _LAPSE_MARGIN = 0.005
 
 Adopt = Callable[[Context, list[bytes], list[Entry], dict[bytes, int], list[bytes]],
                  Awaitable[None]]
-"""The reader's hand-over of what a :data:`~._core._presence.REAP` of the
+"""The own PEL's hand-over (``own_pel.OwnPel.adopt``) of what a
+:data:`~._core.stream.liveness.REAP` of the
 candidate ids took into its PEL (the entries, the delivery count each has
 now) and of the ids the stream no longer has."""
 
@@ -88,7 +90,7 @@ now) and of the ids the stream no longer has."""
 class StreamPresence:
     """The heartbeat, reaper and deregistration of one stream mount (see the module docstring).
 
-    ``claiming(ids)``: called before a :data:`~._core._presence.REAP` that
+    ``claiming(ids)``: called before a :data:`~._core.stream.liveness.REAP` that
     may take ``ids`` is sent (a reply lost then may have moved them into the
     own PEL unseen, their count raised already); ``adopt``: called with what
     it took.
@@ -187,7 +189,7 @@ class StreamPresence:
         """Look at the group, take over dead consumers, warn about stranded work.
 
         Per dead consumer whose entries are to be taken: an ``XPENDING ...
-        IDLE`` of one page of candidates, then :data:`~._core._presence.REAP`
+        IDLE`` of one page of candidates, then :data:`~._core.stream.liveness.REAP`
         (which takes each only while still pending for it and idle enough).
 
         Errors propagate (a step of the read loop: logged, backed off, tried
@@ -275,7 +277,7 @@ class StreamPresence:
     # -- a clean stop ---------------------------------------------------------------
     async def deregister(self, ctx: Context, ids: Sequence[str], *, whole: bool) -> int:
         """Hand back what is still pending for this consumer, and leave the
-        stopped mark (:data:`~._core._presence.STOP`): ``whole``: the whole
+        stopped mark (:data:`~._core.stream.liveness.STOP`): ``whole``: the whole
         own PEL; else only ``ids`` (CLAIMING: its PEL holds delayed retries,
         which keep their delay).  Returns how many entries were handed back."""
         me = ctx.consumer.name

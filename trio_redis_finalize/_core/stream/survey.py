@@ -1,0 +1,318 @@
+"""A look at a stream group, sans-IO: who is alive, who is dead, what to take.
+
+The registry's values (:class:`Registration`), then what a look at the group
+decides (:func:`survey`): ``XINFO CONSUMERS`` (:func:`consumer_rows`), the
+registry (``HGETALL``, :func:`registry`) and the ``PTTL`` of each registered
+consumer's heartbeat key sort its consumers into alive, stopped, lapsed and
+none (:func:`peers`; the states are described in :mod:`.liveness`, which
+holds the keys, the heartbeat and the scripts); a lapsed or stopped one's
+entries are taken by :data:`~.liveness.REAP` calls (:class:`Reap`, its reply
+:func:`parse_reap`), stranded work is warned about (:func:`warnings`,
+:func:`watch_notes`).  ``_forms/stream/liveness.py`` sends the commands.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import time
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+from ..._subscription import Mode
+from .._commands import Command
+from .._decode import Entry
+from .._finalize import Record
+
+__all__ = [
+    "Heartbeat", "Peer", "Reap", "Reaped", "Registration", "Survey", "consumer_rows",
+    "parse_reap", "peers", "registration", "registry", "survey", "warnings", "watch_notes",
+]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Registration:
+    """What a consumer wrote about itself in the registry."""
+
+    heartbeat: float | None
+    """Its heartbeat in seconds (None: unreadable)."""
+    mode: Mode | None
+    at: float | None = None
+    """Unix time of its last beat, or of its stop (None: not written)."""
+    stopped: bool = False
+    """The stopped mark: it stopped cleanly and handed its entries back (:data:`~.liveness.STOP`)."""
+
+
+def registration(value: bytes | str) -> Registration:
+    """A registry value as :class:`Registration` (unknown parts None)."""
+    text = value.decode(errors="replace") if isinstance(value, bytes) else value
+    parts = text.split(" ")
+    try:
+        hb: float | None = int(parts[0]) / 1000
+    except ValueError:
+        hb = None
+    try:
+        m: Mode | None = Mode(parts[1]) if len(parts) > 1 else None
+    except ValueError:
+        m = None
+    at: float | None = None
+    if len(parts) > 2:
+        try:
+            at = int(parts[2]) / 1000
+        except ValueError:
+            at = None
+    return Registration(hb, m, at, len(parts) > 3 and parts[3] == "stopped")
+
+
+# -- a look at the group --------------------------------------------------------
+
+class Heartbeat(enum.Enum):
+    """A consumer's heartbeat as a look at the group found it."""
+
+    ALIVE = "alive"
+    """Registered; its heartbeat key is there."""
+    LAPSED = "lapsed"
+    """Registered; its heartbeat key is gone: dead."""
+    STOPPED = "stopped"
+    """Registered with the stopped mark, its heartbeat key gone: it stopped
+    cleanly and handed its entries back (:data:`~.liveness.STOP`)."""
+    NONE = "none"
+    """Never registered: another client, or a consumer without heartbeats."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Peer:
+    """One consumer of the group."""
+
+    name: str
+    pending: int
+    idle: float | None
+    """Seconds since its last interaction with the group (None: not in the group)."""
+    heartbeat: Heartbeat
+    ttl: float | None
+    """Seconds its heartbeat key still lives (None: not alive, or no expiry)."""
+    registration: Registration | None
+
+    @property
+    def stranded(self) -> bool:
+        """Entries pending for it, and no live heartbeat."""
+        return self.pending > 0 and self.heartbeat is not Heartbeat.ALIVE
+
+
+def _pairs(row: Sequence[Any]) -> dict[str, Any]:
+    return {(k.decode() if isinstance(k, bytes) else str(k)): v
+            for k, v in zip(row[::2], row[1::2], strict=False)}
+
+
+def consumer_rows(reply: Sequence[Any]) -> list[tuple[str, int, int | None]]:
+    """``XINFO CONSUMERS`` (RESP2) as (name, pending, idle ms) rows."""
+    out: list[tuple[str, int, int | None]] = []
+    for row in reply:
+        info = _pairs(row)
+        name = info.get("name", b"")
+        idle = info.get("idle")
+        out.append((name.decode(errors="replace") if isinstance(name, bytes) else str(name),
+                    int(info.get("pending", 0)), None if idle is None else int(idle)))
+    return out
+
+
+def registry(flat: Sequence[bytes]) -> dict[str, Registration]:
+    """``HGETALL`` of the registry as name -> :class:`Registration`."""
+    return {k.decode(errors="replace"): registration(v)
+            for k, v in zip(flat[::2], flat[1::2], strict=True)}
+
+
+def peers(rows: Sequence[tuple[str, int, int | None]], registered: Mapping[str, Registration],
+          ttls: Mapping[str, int]) -> list[Peer]:
+    """The group's consumers (``rows``, :func:`consumer_rows`) and the registered
+    ones it does not have (yet, or any more), each with its heartbeat.
+
+    ``ttls``: the ``PTTL`` of each registered consumer's heartbeat key (-2:
+    gone, -1: no expiry, else ms).
+    """
+    out: list[Peer] = []
+    seen: set[str] = set()
+    for name, pending, idle in [*rows, *((n, 0, None) for n in registered)]:
+        if name in seen:
+            continue
+        seen.add(name)
+        reg = registered.get(name)
+        ttl = ttls.get(name, -2) if reg is not None else -2
+        if reg is None:
+            hb = Heartbeat.NONE
+        elif ttl == -2:
+            hb = Heartbeat.STOPPED if reg.stopped else Heartbeat.LAPSED
+        else:
+            hb = Heartbeat.ALIVE
+        out.append(Peer(name, pending, None if idle is None else idle / 1000, hb,
+                        ttl / 1000 if ttl >= 0 else None, reg))
+    return out
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Reap:
+    """One :data:`~.liveness.REAP` call a look decided."""
+
+    peer: Peer
+    page: int
+    """Entries to take at most (0: none, only delete the consumer once its PEL is empty)."""
+    min_idle: float
+    """Seconds an entry must have been idle to be taken (the dead consumer's heartbeat)."""
+
+    @property
+    def min_idle_ms(self) -> int:
+        return max(1, round(self.min_idle * 1000))
+
+    def candidates(self, stream: str, group: str) -> Command:
+        """The ``XPENDING`` of the entries :data:`~.liveness.REAP` is to take (idle enough, one page)."""
+        return ("XPENDING", stream, group, "IDLE", self.min_idle_ms, "-", "+", self.page,
+                self.peer.name)
+
+    def args(self, group: str, me: str, ids: Sequence[bytes] = ()) -> list[str | int | bytes]:
+        return [group, self.peer.name, me, self.min_idle_ms, self.page, *ids]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Survey:
+    """What a look at the group found and decided (:func:`survey`)."""
+
+    peers: tuple[Peer, ...]
+    """The group's other consumers (all but the one that looked)."""
+    reap: tuple[Reap, ...]
+    """Dead consumers: their entries to take, or their names to delete."""
+    stranded: int
+    """Entries pending for other consumers without a live heartbeat (lapsed or none)."""
+    wake: float | None
+    """Seconds until the first live consumer's heartbeat key would lapse (None: none)."""
+
+
+def survey(me: str, mode: Mode, heartbeat: float, page: int, found: Sequence[Peer]) -> Survey:
+    """Sort the group's consumers (see the module docstring) for consumer ``me``.
+
+    ``page``: entries one :data:`~.liveness.REAP` takes at most.  A dead consumer's
+    entries are taken once idle its own registered heartbeat (this
+    consumer's ``heartbeat`` when unreadable).
+    """
+    others = tuple(p for p in found if p.name != me)
+    reap: list[Reap] = []
+    for p in others:
+        if p.heartbeat not in (Heartbeat.LAPSED, Heartbeat.STOPPED):
+            continue
+        reg = p.registration
+        takes = mode is not Mode.CLAIMING and (reg is None or reg.mode is not Mode.CLAIMING)
+        hb = reg.heartbeat if reg is not None and reg.heartbeat is not None else heartbeat
+        reap.append(Reap(p, page if takes and p.pending else 0, hb))
+    lapse = [p.ttl for p in others if p.heartbeat is Heartbeat.ALIVE and p.ttl is not None]
+    return Survey(others, tuple(reap), sum(p.pending for p in others if p.stranded),
+                  min(lapse) if lapse else None)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Reaped:
+    """A :data:`~.liveness.REAP` reply."""
+
+    entries: list[Entry]
+    counts: dict[bytes, int]
+    """Each taken entry's delivery count now (the attempt it counts)."""
+    gone: list[bytes]
+    wait: float | None
+    """Seconds until the next entry left is idle enough (None: none left to wait for)."""
+    forgotten: bool
+
+
+def parse_reap(reply: Any) -> Reaped | None:
+    """A :data:`~.liveness.REAP` reply; None when the consumer's heartbeat came back."""
+    if not isinstance(reply, list):
+        return None
+    taken, gone, wait, forgotten = reply
+    entries: list[Entry] = [(t[0], t[1]) for t in taken]
+    counts = {t[0]: int(t[2]) for t in taken}
+    return Reaped(entries, counts, list(gone), None if int(wait) < 0 else int(wait) / 1000,
+                  bool(forgotten))
+
+
+def _utc(t: float) -> str:
+    """A unix time as ``HH:MM:SS.mmm UTC`` (the day left out: a log line has it)."""
+    return time.strftime("%H:%M:%S", time.gmtime(t)) + f".{int(t * 1000) % 1000:03d} UTC"
+
+
+def _n(n: int) -> str:
+    return f"{n} entr{'y' if n == 1 else 'ies'}"
+
+
+def warnings(name: str, mode: Mode, min_idle: float, found: Survey,
+             warned: Collection[str]) -> list[Record]:
+    """Log records about stranded work (consumers not in ``warned`` yet).
+
+    A consumer without a heartbeat holding entries: a warning in PLAIN mode
+    (nothing takes them: how to recover them), a note in RECLAIM and
+    CLAIMING (claimed once idle ``min_idle``).  A dead registered consumer
+    holding entries: when they are taken over (or, CLAIMING, claimed back).
+    """
+    out: list[Record] = []
+    extra = {"subscription": name}
+    reaped = {r.peer.name: r for r in found.reap}
+    for p in found.peers:
+        if p.name in warned or not p.stranded:
+            continue
+        idle = "-" if p.idle is None else f"{p.idle:.1f}"
+        if p.heartbeat is Heartbeat.NONE:
+            if mode is Mode.PLAIN:
+                out.append((logging.WARNING,
+                            "%s: %s pending for consumer %r (idle %s s) are stranded: it has no "
+                            "heartbeat (another client, or a consumer without heartbeats), and "
+                            "Mode.PLAIN takes over only dead consumers that kept one.  To "
+                            "recover them: mount this group once with Mode.RECLAIM (it claims "
+                            "entries idle min_idle), XCLAIM them, or start that consumer again "
+                            "under its name (open_consumer(name=...))",
+                            (name, _n(p.pending), p.name, idle), extra))
+            else:
+                out.append((logging.INFO,
+                            "%s: %s pending for consumer %r (idle %s s, no heartbeat); claimed "
+                            "by this subscription once idle min_idle=%g s",
+                            (name, _n(p.pending), p.name, idle, min_idle), extra))
+            continue
+        r = reaped[p.name]
+        reg = p.registration
+        if p.heartbeat is Heartbeat.STOPPED:
+            at = "" if reg is None or reg.at is None else f" at {_utc(reg.at)}"
+            out.append((logging.INFO,
+                        "%s: %s of consumer %r, which stopped cleanly%s and handed them back; "
+                        "%s",
+                        (name, _n(p.pending), p.name, at,
+                         "taking them over now" if r.page else
+                         "a CLAIMING subscription claims them (idle at once)"), extra))
+            continue
+        lapsed = ("" if reg is None or reg.at is None or reg.heartbeat is None
+                  else f", heartbeat lapsed at {_utc(reg.at + reg.heartbeat)}")
+        if r.page:
+            left = max(0.0, r.min_idle - (p.idle or 0.0))
+            when = "now" if left == 0 else f"in about {left:.1f} s (once idle heartbeat={r.min_idle:g} s)"
+            out.append((logging.WARNING,
+                        "%s: %s of consumer %r%s (idle %s s), taken over %s; their attempt "
+                        "counts the crash",
+                        (name, _n(p.pending), p.name, lapsed, idle, when), extra))
+        else:
+            out.append((logging.INFO,
+                        "%s: %s of consumer %r (Mode.CLAIMING)%s (idle %s s); a CLAIMING "
+                        "subscription claims them back once idle min_idle",
+                        (name, _n(p.pending), p.name, lapsed, idle), extra))
+    return out
+
+
+def watch_notes(name: str, found: Survey, now: float) -> list[Record]:
+    """At mount (the first look): one note per other consumer that holds
+    entries and whose heartbeat is still alive -- a consumer killed moments
+    ago looks alive until its key lapses, so say when its entries would be
+    taken over should it be dead (``now``: the unix time)."""
+    out: list[Record] = []
+    for p in found.peers:
+        if p.heartbeat is not Heartbeat.ALIVE or not p.pending or p.ttl is None:
+            continue
+        out.append((logging.INFO,
+                    "%s: %s of consumer %r, heartbeat alive until %s: should it be dead (killed "
+                    "just now), taken over in about %.1f s",
+                    (name, _n(p.pending), p.name, _utc(now + p.ttl), p.ttl),
+                    {"subscription": name}))
+    return out

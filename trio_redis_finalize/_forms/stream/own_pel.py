@@ -1,0 +1,421 @@
+"""The stream's own PEL taken back: recovery, claims, the reaper's take, Backoff redelivery.
+
+Whatever the reader takes into this consumer's PEL other than by a read of
+new entries goes through :class:`OwnPel`: the own-PEL recovery (``XPENDING``
++ ``XCLAIM ... RETRYCOUNT n``), the claims of RECLAIM and CLAIMING
+(``XAUTOCLAIM``, the counts it set, the ids that vanished meanwhile), what
+the reaper of dead consumers took (``liveness.StreamPresence`` calls
+:meth:`OwnPel.claiming` and :meth:`OwnPel.adopt`), and the Backoff
+redelivery (the mount's :class:`~._port.Pending` hooks).  Which
+attempt each entry counts is ``_core/stream/attempts.py``'s; entries whose
+Backoff is not due yet wait (``waits.py``).  Everything is handed over
+through the mount's :class:`~._port.Context` (:func:`hand_over`), never
+through the reader: ``reader.py`` imports this module, not the reverse.
+
+``claim_read`` (Redis 8.4, ``_core._caps``): ``XREADGROUP ... CLAIM
+min-idle`` would replace ``Mode.CLAIMING``'s ``XAUTOCLAIM``
+(:meth:`OwnPel.claim`) before each ``XREADGROUP >``: one command reads idle
+pending entries and new ones.  Detected, not used yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import anyio
+
+from ..._core._decode import Entry, as_str, id_key, lost_entry, stream_deliveries
+from ..._core._plan import Plan
+from ..._core.stream.attempts import (
+    AS_IS,
+    as_handed,
+    give_back,
+    lapsed_own,
+    recovered,
+    redelivered,
+)
+from ..._core.stream.scripts import REDELIVER
+from ..._deadlines import FINALIZE_TIMEOUT, log
+from ..._delivery import Delivery
+from ..._subscription import Mode
+from ..._transport import Connection
+from .._port import Context, Item
+from .._read_loop import retry_not_run
+from . import StreamSubscription
+from .waits import claimed_waits, recovered_waits
+
+__all__ = ["OwnPel", "hand_over"]
+
+_CLAIM_EVERY_MAX = 30.0
+_CLAIMED_TIMEOUT = 5.0
+"""Seconds the counts of entries just claimed are asked again while the server
+answers that it cannot serve now (OOM, BUSY ...): the claim cost an attempt
+already, a second claim would cost another."""
+
+
+async def hand_over(ctx: Context, entries: list[Entry], counts: dict[bytes, int] | None = None) -> None:
+    """Hand entries over (decoded by :func:`~._core._decode.stream_deliveries`,
+    ``counts``: their delivery counts, 1 when not in it) through
+    ``Context.deliver``, the runtime's one hand-over: it gives back what a
+    shutdown cut before a handler had it (:meth:`OwnPel.abandon`: their
+    delivery counts set back, the counts other than 1 noted by
+    :meth:`OwnPel._note` first)."""
+    ready, direct = stream_deliveries(ctx.target, entries, counts)
+    await ctx.deliver(ready, direct, give_back=True)
+
+
+async def lost(ctx: Context, ids: Sequence[bytes]) -> None:
+    """Acknowledge entries deleted while pending, once each (reported lost)."""
+    items: list[Item] = []
+    held = ctx.in_hand
+    for eid in ids:
+        entry_id = eid.decode()
+        if entry_id in held:  # reported already (its acknowledgement is on the way), or handled
+            continue
+        held.add(entry_id)  # until finalized: no second report meanwhile
+        items.append(lost_entry(ctx.target, entry_id))
+    await ctx.send_plans(items)
+
+
+async def claimed_counts(ctx: Context, ids: list[bytes]) -> dict[bytes, int]:
+    """Server delivery counts of ``ids`` (claimed by this consumer just now).
+
+    One ``XPENDING`` over the range of the ids first; a capped range can
+    miss ids when the consumer holds many other entries in between, so
+    those missed are then asked one ``XPENDING`` each (pipelined).
+    """
+    if not ids:
+        return {}
+    client, t = ctx.client, ctx.target
+    rows = await client.execute(
+        "XPENDING", t.source, t.group, min(ids, key=id_key), max(ids, key=id_key),
+        len(ids) + 100, ctx.consumer.name, timeout=FINALIZE_TIMEOUT,
+    )
+    wanted = set(ids)
+    out = {r[0]: int(r[3]) for r in rows if r[0] in wanted}
+    missed = [eid for eid in ids if eid not in out]
+    if missed:
+        replies = await client.pipeline(
+            [("XPENDING", t.source, t.group, eid, eid, 1) for eid in missed],
+            timeout=FINALIZE_TIMEOUT,
+        )
+        out.update((r[0][0], int(r[0][3])) for r in replies if r)
+    return out
+
+
+async def ack_vanished(ctx: Context, start: str, end: str, claimed: set[bytes], page: int) -> None:
+    """Acknowledge our pending entries in [start, end) that the stream no longer
+    has, ``page`` rows per ``XPENDING``."""
+    client, t = ctx.client, ctx.target
+    stop = None if end == "0-0" else id_key(end.encode())
+    lo = start
+    while True:
+        rows = await client.execute(
+            "XPENDING", t.source, t.group, lo, "+", page, ctx.consumer.name,
+            timeout=FINALIZE_TIMEOUT,
+        )
+        inside = [r[0] for r in rows if stop is None or id_key(r[0]) < stop]
+        candidates = [eid for eid in inside if eid not in claimed and eid.decode() not in ctx.in_hand]
+        if candidates:
+            found = await client.pipeline(
+                [("XRANGE", t.source, eid, eid) for eid in candidates], timeout=FINALIZE_TIMEOUT
+            )
+            await lost(ctx, [eid for eid, hit in zip(candidates, found, strict=True) if not hit])
+        if len(rows) < page or len(inside) < len(rows):
+            return
+        lo = "(" + as_str(rows[-1][0])
+
+
+class OwnPel:
+    """This consumer's PEL, taken back (see the module docstring); the mount's
+    :class:`~._port.Pending` hooks of a stream."""
+
+    def __init__(self, sub: StreamSubscription) -> None:
+        self.sub = sub
+        self.me = ""  # the consumer name (set by the reader's setup)
+        # The greatest id this reader knows it was handed (by a read, a claim or
+        # a recovery), or the group's last delivered id at start: an own
+        # pending entry above it came from a read whose reply was lost.
+        self.last: bytes | None = None
+        # A read (or claim) was sent and its reply not seen: it may have
+        # moved entries into the own PEL unseen.
+        self.unsure = False
+        # When the next RECLAIM claim is due (0: at once, a page is left).
+        self.next_claim = 0.0
+        self._cursor = "0-0"
+        # Server delivery counts of deliveries handed over with a count other
+        # than 1 (recovered, claimed): what abandon() sets back.  Pruned.
+        self._given: dict[str, int] = {}
+        # Own pending entries being taken over, and the attempt each is to
+        # count (AS_IS: the server count as it is), until handed over: a
+        # recovery after a failure in between counts them alike (no bump twice).
+        self._taking: dict[bytes, int | None] = {}
+        # Ids given back unstarted at shutdown (abandon): handed back at the stop.
+        self.abandoned: set[str] = set()
+
+    # -- the mount's Pending hooks (on_error=Backoff, a stop) ---------------------
+    def abandon(self, deliveries: Sequence[Delivery]) -> Plan | None:
+        """Give deliveries read but never started back to the PEL, uncounted.
+
+        Each stays pending for this consumer (recovered at restart, or claimed
+        by another in RECLAIM/CLAIMING), its server delivery count set back by
+        one with ``XCLAIM ... RETRYCOUNT`` so the next delivery does not count
+        a handler call that never happened.
+        """
+        given = as_handed([d.id for d in deliveries if d.id is not None], self._given)
+        self.abandoned.update(eid for eid, _ in given)
+        return give_back(self.sub.stream, self.sub.group, self.me, given)
+
+    async def redeliver(self, ctx: Context, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        """Deliver again, as their next attempt, entries whose handler failed.
+
+        Called by the mount once their :class:`~trio_redis_finalize.Backoff`
+        delay is over.  They stayed in the PEL, held by this consumer (the
+        lease kept other consumers off them).  One script takes each back
+        only while it is still pending for this consumer (``XPENDING ... me``,
+        then ``XCLAIM ... 0 id RETRYCOUNT attempt+1``): its body, and a server
+        delivery count that already counts the attempt about to be made, so a
+        crash during it is counted (the next start adds one) and a crash
+        before it is too (still the failed attempt's count).  An entry another
+        consumer took meanwhile (a lease that lapsed) is forgotten, logged;
+        so is one whose group was destroyed meanwhile (recreated at the last
+        id this reader delivered, its PEL gone) -- as a RETRY of an entry
+        being handled then finds its gate closed.  One deleted from the
+        stream meanwhile is acknowledged and reported lost.
+        Raises (nothing delivered, nothing changed but idempotent counts) when
+        the script gets no answer.  Returns what is to be tried again a moment
+        later (nothing, for a stream).
+        """
+        sub = self.sub
+        me = ctx.consumer.name
+        failed: list[tuple[str, int]] = []
+        for d in deliveries:
+            assert d.id is not None
+            failed.append((d.id, d.attempt))
+        nexts = redelivered(failed)
+        args: list[str | int] = [sub.group, me]
+        for eid, n in nexts:
+            args += [eid, n]
+        reply = await ctx.client.evalsha(REDELIVER, (sub.stream,), args, timeout=FINALIZE_TIMEOUT)
+        held = ctx.in_hand
+        entries: list[Entry] = []
+        counts: dict[bytes, int] = {}
+        gone: list[bytes] = []
+        for d, (_, n), r in zip(deliveries, nexts, reply, strict=True):
+            assert d.id is not None
+            if isinstance(r, list) and len(r) == 2 and isinstance(r[1], list):
+                entries.append((r[0], r[1]))
+                counts[r[0]] = n
+                continue
+            held.discard(d.id)
+            if r == 0:
+                log.warning("%s: entry %s (attempt %d) is no longer pending for this consumer "
+                            "(claimed by another, or acknowledged); not delivered again",
+                            ctx.name, d.id, d.attempt,
+                            extra={"subscription": ctx.name, "entry_id": d.id, "attempt": d.attempt})
+            else:
+                gone.append(d.id.encode())
+        await self._deliver_taken(ctx, entries, counts, gone)
+        return []  # nothing to try again later
+
+    def leave_pending(self, ctx: Context, deliveries: Sequence[Delivery]) -> None:
+        """Forget failed entries without a timer (the mount's waiting set is
+        full): they stay in the PEL, for the own-PEL re-read (after a read
+        error, at a start, and every minute while no entry is in hand) and,
+        in RECLAIM and CLAIMING, for a claim once idle ``min_idle``."""
+        ctx.in_hand.difference_update([d.id for d in deliveries if d.id is not None])
+
+    def hold_again(self, ctx: Context, d: Delivery) -> None:
+        """A delivery whose finalization Redis refused for good, still in the
+        PEL: held (leased) again until :meth:`redeliver` takes it back."""
+        if d.id is not None:
+            ctx.in_hand.add(d.id)
+
+    # -- recovery ---------------------------------------------------------------
+    async def recover(self, conn: Connection, ctx: Context, *, start: bool = False) -> None:
+        """Take back this consumer's own pending entries that no handler holds.
+
+        Page by page: ``XPENDING`` (ids, idle times, delivery counts), then
+        ``XCLAIM ... RETRYCOUNT n`` of those entries to this consumer (their
+        bodies, the count set to exactly what the next attempt is; only if
+        still as idle as seen, so an entry another consumer claimed
+        meanwhile stays there).  The attempt counted is
+        :func:`~._core.stream.attempts.recovered`'s: ``start`` (the first
+        look after a (re)start) one more than the server count, a crash may
+        have interrupted the handler; later (after a read error,
+        periodically) an entry above the last id this reader was handed came
+        from a read whose reply was lost and keeps its count, one at or
+        below it was handed before and is handed again: one more (CLAIMING
+        takes only the former: the PEL holds its delayed retries, claimed
+        back later).
+
+        Entries the stream no longer has are acknowledged and reported lost.
+        """
+        sub = self.sub
+        me = ctx.consumer.name
+        start = start or self.last is None  # a reader that knows nothing: a restart
+        lo = "-"
+        while True:
+            rows = await conn.execute(
+                "XPENDING", sub.stream, sub.group, lo, "+", sub.count, me, timeout=FINALIZE_TIMEOUT,
+            )
+            if not rows:
+                self._taking.clear()  # the whole PEL seen: what is left there is not ours
+                return
+            lo = "(" + as_str(rows[-1][0])
+            held = ctx.in_hand
+            taking = self._taking
+            # failed under a Backoff and not due yet (a restart while they waited)
+            waits = await recovered_waits(ctx, [r for r in rows if r[0].decode() not in held
+                                                and r[0] not in taking])
+            free = [r for r in rows if r[0].decode() not in held and r[0] not in waits]
+            idle = {r[0]: int(r[2]) for r in free}
+            wanted: dict[int, list[tuple[bytes, int]]] = {}  # attempt -> (id, idle ms)
+            for eid, n in recovered([(r[0], int(r[3])) for r in free], start=start,
+                                    last=self.last, claiming=sub.mode is Mode.CLAIMING,
+                                    taking=taking):
+                wanted.setdefault(n, []).append((eid, idle[eid]))
+            for n, taken in wanted.items():
+                await self._take(conn, ctx, taken, n)
+            if len(rows) < sub.count:
+                self._taking.clear()
+                return
+
+    async def _take(self, conn: Connection, ctx: Context, taken: list[tuple[bytes, int]], n: int) -> None:
+        """XCLAIM own pending entries with their count set to ``n``; hand them over."""
+        sub = self.sub
+        ids = [eid for eid, _ in taken]
+        self._taking.update(dict.fromkeys(ids, n))
+        reply = await conn.execute(
+            "XCLAIM", sub.stream, sub.group, ctx.consumer.name, min(idle for _, idle in taken),
+            *ids, "RETRYCOUNT", n, timeout=FINALIZE_TIMEOUT,
+        )
+        entries: list[Entry] = [
+            (e[0], e[1]) for e in reply if e is not None and e[1] is not None
+        ]
+        got = {e[0] for e in entries}
+        missing = [eid for eid in ids if eid not in got]
+        gone: list[bytes] = []
+        if missing:
+            # deleted while pending (Redis 7 drops them from the PEL here, 6.2
+            # answers nil and keeps them), or claimed by another consumer
+            found = await ctx.client.pipeline(
+                [("XRANGE", sub.stream, eid, eid) for eid in missing], timeout=FINALIZE_TIMEOUT
+            )
+            gone = [eid for eid, hit in zip(missing, found, strict=True) if not hit]
+        await self._deliver_taken(ctx, entries, dict.fromkeys(got, n), gone)
+        for eid in ids:
+            self._taking.pop(eid, None)
+
+    # -- claims (RECLAIM, CLAIMING) ---------------------------------------------
+    async def claim(self, conn: Connection, ctx: Context) -> None:
+        """XAUTOCLAIM entries idle ``min_idle`` (any consumer), one page."""
+        sub = self.sub
+        self.unsure = True
+        reply = await conn.execute(
+            "XAUTOCLAIM", sub.stream, sub.group, ctx.consumer.name,
+            round(sub.min_idle * 1000), self._cursor, "COUNT", sub.count,
+            timeout=FINALIZE_TIMEOUT,
+        )
+        start, self._cursor = self._cursor, as_str(reply[0])
+        claimed: list[Entry] = [e for e in reply[1] if e is not None]
+        # claimed (count + 1), not yet handed over: a recovery after a failure
+        # below takes them as they are
+        self._taking.update(dict.fromkeys([e[0] for e in claimed], AS_IS))
+        if len(claimed) < len(reply[1]):
+            # Redis < 7 answers nil (no id) for an entry deleted while pending,
+            # and claims it into our PEL: find the vanished ids by hand.
+            await ack_vanished(ctx, start, self._cursor, {e[0] for e in claimed}, sub.count + 100)
+        deleted: list[bytes] = list(reply[2]) if len(reply) > 2 else []
+        held = ctx.in_hand
+        for eid in deleted:  # Redis 7+: dropped from the PEL by XAUTOCLAIM itself
+            if eid.decode() in held:  # reported already, or being handled
+                continue
+            ctx.stats.effects["lost_before_handling"] += 1
+            log.warning("%s: entry %s was deleted while pending; dropped from the PEL",
+                        ctx.name, eid.decode(),
+                        extra={"subscription": ctx.name, "entry_id": eid.decode()})
+        await lost(ctx, [e[0] for e in claimed if e[1] is None])
+        live = [e for e in claimed if e[1] is not None]
+        if live:
+            ids = [e[0] for e in live]
+            counts = await retry_not_run(
+                ctx, partial(claimed_counts, ctx, ids),
+                deadline=anyio.current_time() + _CLAIMED_TIMEOUT,
+                what=f"counts of {len(ids)} claimed entries",
+            )
+            # our own entries still being handled, whose lease lapsed (a
+            # stalled process): never to a second handler, and their claim
+            # did not count an attempt
+            own = [e[0] for e in live if e[0].decode() in held]
+            if own:
+                log.warning("%s: %d entries being handled were idle min_idle=%g s (lease "
+                            "renewal late); kept with their handlers", ctx.name, len(own),
+                            sub.min_idle, extra={"subscription": ctx.name})
+                p = give_back(sub.stream, sub.group, ctx.consumer.name, lapsed_own(own, counts))
+                if p is not None:
+                    await ctx.client.pipeline(p.commands, timeout=FINALIZE_TIMEOUT)
+                live = [e for e in live if e[0].decode() not in held]
+            # failed under a Backoff and not due yet (their consumer stopped, or
+            # this one restarted): they wait out the rest, as the attempt they
+            # failed at (the claim counted one more)
+            live = await claimed_waits(ctx, live)
+            await self._deliver_taken(ctx, live, counts, [])
+        for e in claimed:
+            self._taking.pop(e[0], None)
+        self.unsure = False
+        interval = min(max(sub.min_idle / 2, 0.05), _CLAIM_EVERY_MAX)
+        # a full page or a cursor mid-PEL: claim again at once
+        self.next_claim = 0.0 if self._cursor != "0-0" else anyio.current_time() + interval
+
+    # -- the reaper's take (liveness.StreamPresence) -------------------------------
+    def claiming(self, ids: list[bytes]) -> None:
+        """The reaper is about to claim ``ids`` (their count one higher) into the
+        own PEL: should its reply be lost, the own PEL is looked at before the
+        next read, and those found there count as they are (the claim counted
+        the attempt already)."""
+        self.unsure = True
+        self._taking.update(dict.fromkeys(ids, AS_IS))
+
+    async def adopt(self, ctx: Context, ids: list[bytes], entries: list[Entry],
+                    counts: dict[bytes, int], gone: list[bytes]) -> None:
+        """What the reaper's claim of ``ids`` took into the own PEL (``counts``:
+        the delivery count of each, set by the claim), handed over; ``gone``:
+        ids the stream no longer has, acknowledged and reported lost."""
+        self.unsure = False  # its reply is here
+        # until handed over: a recovery after a failure in between counts them alike
+        self._taking.update(counts)
+        try:
+            await self._deliver_taken(ctx, entries, counts, gone)
+        finally:
+            for eid in ids:
+                self._taking.pop(eid, None)
+
+    # -- handing over -------------------------------------------------------------
+    async def _deliver_taken(self, ctx: Context, entries: list[Entry], counts: dict[bytes, int],
+                             gone: Sequence[bytes]) -> None:
+        """Entries taken into the own PEL (a recovery, a claim, a redelivery, the
+        reaper), with the delivery count each has now: the ids the stream no
+        longer has acknowledged and reported lost, the others remembered
+        (:meth:`_note`) and handed over."""
+        await lost(ctx, gone)
+        if entries:
+            self._note(ctx, entries, counts)
+            await hand_over(ctx, entries, counts)
+
+    def _note(self, ctx: Context, entries: Sequence[tuple[bytes, Any]], counts: dict[bytes, int]) -> None:
+        """Remember what recovery and claims hand over: the last id, counts other than 1."""
+        if not entries:
+            return
+        top = max((e[0] for e in entries), key=id_key)
+        if self.last is None or id_key(top) > id_key(self.last):
+            self.last = top
+        given = self._given
+        if len(given) > 2 * len(ctx.in_hand) + 1000:  # forget what was finalized
+            self._given = given = {k: v for k, v in given.items() if k in ctx.in_hand}
+        for eid, _ in entries:
+            n = counts.get(eid, 1)
+            if n != 1:
+                given[eid.decode()] = n
