@@ -403,6 +403,44 @@ class Base(RuleBasedStateMachine):
                 raise Violation(f"duplicate of {o} ({tokens} tokens, finalized={o in self.terminal}) "
                                 "without a fault")
 
+    def judge_state(self, state: Any) -> None:
+        """The dead letters Redis holds are the model's; then :meth:`judge`."""
+        if state.dead_letters() != +self.dead:
+            raise Violation(f"dead letters: Redis {dict(state.dead_letters())}, model {dict(self.dead)}")
+        self.judge(state.present())
+
+    def work_step(self, c: str, outcomes: list[str], fault: tuple[int, FaultMode, str] | None) -> None:
+        """A consumer's loop in one step: read, handle all of it, finalize in one batch."""
+        c = self.pick(c, lambda c: self.alive[c])
+        before = len(self.hand[c])
+        self.read(c, len(outcomes))  # type: ignore[attr-defined]
+        if self.alive[c] and len(self.hand[c]) > before:
+            self.handle(c, [(before + i, kind) for i, kind in enumerate(outcomes)], fault)
+
+    async def publish_held_at_shutdown(self, client: FaultClient, c: str) -> None:
+        """What shutdown does with ``c``'s held runtime copies: publishes them at once."""
+        cmds = [cmd for _, later in self.held[c] for cmd in later]
+        if cmds:
+            await client.pipeline(cmds)
+
+    async def drain(self, sub: Any, drained: Callable[[Any], Awaitable[bool]]) -> set[str]:
+        """A real consumer ``drain`` on ``sub`` acknowledges everything until
+        ``drained(consumer)`` (within 8 s); the origins it handled."""
+        handled: set[str] = set()
+
+        async def ack(d: Delivery) -> Outcome:
+            handled.add(d.origin_id)
+            return ACK
+
+        async with open_consumer(self.url, name="drain", shutdown_grace=1.0) as consumer:
+            await consumer.mount(sub, ack)
+            with anyio.fail_after(8):
+                while True:
+                    await anyio.sleep(0.05)
+                    if await drained(consumer):
+                        break
+        return handled
+
 
 # -- streams ---------------------------------------------------------------------
 
@@ -574,12 +612,7 @@ class StreamMachine(Base):
     @rule(c=st.sampled_from(CONSUMERS), outcomes=st.lists(OUTCOMES, min_size=1, max_size=3),
           fault=FAULT)
     def work(self, c: str, outcomes: list[str], fault: tuple[int, FaultMode, str] | None) -> None:
-        """A consumer's loop in one step: read, handle all of it, finalize in one batch."""
-        c = self.pick(c, lambda c: self.alive[c])
-        before = len(self.hand[c])
-        self.read(c, len(outcomes))
-        if self.alive[c] and len(self.hand[c]) > before:
-            self.handle(c, [(before + i, kind) for i, kind in enumerate(outcomes)], fault)
+        self.work_step(c, outcomes, fault)
 
     def restart(self, c: str) -> None:
         """The same name comes back: re-read its own PEL (XREADGROUP ... 0)."""
@@ -644,9 +677,7 @@ class StreamMachine(Base):
         delayed = Counter((f[ORIGIN_FIELD].decode(), int(f[RETRIES_FIELD])) for f in state.delayed)
         if delayed != +self.delayed:
             raise Violation(f"delay set: Redis {dict(delayed)}, model {dict(+self.delayed)}")
-        if state.dead_letters() != +self.dead:
-            raise Violation(f"dead letters: Redis {dict(state.dead_letters())}, model {dict(self.dead)}")
-        self.judge(state.present())
+        self.judge_state(state)
 
     def teardown(self) -> None:
         """A graceful end, then a real consumer drains: nothing pending, nothing lost."""
@@ -654,25 +685,15 @@ class StreamMachine(Base):
             return
 
         async def go(client: FaultClient) -> None:
-            for c in CONSUMERS:  # shutdown publishes held runtime copies at once
-                cmds = [cmd for _, later in self.held[c] for cmd in later]
-                if cmds:
-                    await client.pipeline(cmds)
-            drained: set[str] = set()
+            for c in CONSUMERS:
+                await self.publish_held_at_shutdown(client, c)
 
-            async def ack(d: Delivery) -> Outcome:
-                drained.add(d.origin_id)
-                return ACK
+            async def empty(consumer: Any) -> bool:
+                state = await stream_state(client, S, G, delay_key=S_DELAYS, dead_letter=DEAD)
+                return not state.present() and not any(m.in_hand for m in consumer.mounts)
 
             sub = _stream_sub(DelayedRetry.DURABLE_ZSET, mode=Mode.RECLAIM, min_idle=0.05)
-            async with open_consumer(self.url, name="drain", shutdown_grace=1.0) as consumer:
-                await consumer.mount(sub, ack)
-                with anyio.fail_after(8):
-                    while True:
-                        await anyio.sleep(0.05)
-                        state = await stream_state(client, S, G, delay_key=S_DELAYS, dead_letter=DEAD)
-                        if not state.present() and not any(m.in_hand for m in consumer.mounts):
-                            break
+            drained = await self.drain(sub, empty)
             state = await stream_state(client, S, G, delay_key=S_DELAYS, dead_letter=DEAD)
             assert not state.pending, f"stranded after the drain: {state.pending}"
             dead = state.dead_letters()  # past max_attempts: dead-lettered unhandled
@@ -848,12 +869,7 @@ class ListMachine(Base):
     @rule(c=st.sampled_from(CONSUMERS), outcomes=st.lists(OUTCOMES, min_size=1, max_size=3),
           fault=FAULT)
     def work(self, c: str, outcomes: list[str], fault: tuple[int, FaultMode, str] | None) -> None:
-        """A consumer's loop in one step: read, handle all of it, finalize in one batch."""
-        c = self.pick(c, lambda c: self.alive[c])
-        before = len(self.hand[c])
-        self.read(c, len(outcomes))
-        if self.alive[c] and len(self.hand[c]) > before:
-            self.handle(c, [(before + i, kind) for i, kind in enumerate(outcomes)], fault)
+        self.work_step(c, outcomes, fault)
 
     def restart(self, c: str) -> None:
         """The same name comes back: heartbeat, then a re-scan of its processing
@@ -927,9 +943,7 @@ class ListMachine(Base):
                 raise Violation(f"processing of {c}: Redis {dict(real)}, model {dict(+self.processing[c])}")
         if Counter(state.delayed) != +self.delayed:
             raise Violation(f"delay set: Redis {dict(Counter(state.delayed))}, model {dict(+self.delayed)}")
-        if state.dead_letters() != +self.dead:
-            raise Violation(f"dead letters: Redis {dict(state.dead_letters())}, model {dict(self.dead)}")
-        self.judge(state.present())
+        self.judge_state(state)
 
     def teardown(self) -> None:
         """A graceful end, then a real consumer drains (its reaper takes over the
@@ -938,27 +952,16 @@ class ListMachine(Base):
             return
 
         async def go(client: FaultClient) -> None:
-            for c in CONSUMERS:  # shutdown publishes held runtime copies at once
-                cmds = [cmd for _, later in self.held[c] for cmd in later]
-                if cmds:
-                    await client.pipeline(cmds)
+            for c in CONSUMERS:
+                await self.publish_held_at_shutdown(client, c)
                 await client.execute("DEL", heartbeat_key(Q, c))
-            drained: set[str] = set()
-
-            async def ack(d: Delivery) -> Outcome:
-                drained.add(d.origin_id)
-                return ACK
-
             procs = [_proc(c) for c in (*CONSUMERS, "drain")]
-            async with open_consumer(self.url, name="drain", shutdown_grace=1.0) as consumer:
-                await consumer.mount(_list_sub(heartbeat=0.3), ack)
-                with anyio.fail_after(8):
-                    while True:
-                        await anyio.sleep(0.05)
-                        state = await list_state(client, Q, procs, delay_key=Q_DELAYS,
-                                                 dead_letter=Q_DEAD)
-                        if not state.present():
-                            break
+
+            async def empty(consumer: Any) -> bool:
+                state = await list_state(client, Q, procs, delay_key=Q_DELAYS, dead_letter=Q_DEAD)
+                return not state.present()
+
+            drained = await self.drain(_list_sub(heartbeat=0.3), empty)
             state = await list_state(client, Q, procs, delay_key=Q_DELAYS, dead_letter=Q_DEAD)
             assert not state.present(), f"left after the drain: {state}"
             dead = state.dead_letters()
