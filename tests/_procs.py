@@ -12,6 +12,7 @@ once ``mount()`` returned.
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import re
 import subprocess
@@ -86,6 +87,64 @@ class Recorder:
         self.seen.append(d)
         self.at.append(anyio.current_time())
         return self.decide(d)
+
+    @property
+    def data(self) -> list[bytes | None]:
+        return [d.data for d in self.seen]
+
+
+class HoldFirst(Recorder):
+    """A :class:`Recorder` whose first delivery waits for ``release`` before
+    it is answered."""
+
+    def __init__(self, decide: Callable[[Delivery], Outcome] = lambda d: ACK) -> None:
+        super().__init__(decide)
+        self.release = anyio.Event()
+
+    async def __call__(self, d: Delivery) -> Outcome:
+        self.seen.append(d)
+        self.at.append(anyio.current_time())
+        if len(self.seen) == 1:
+            await self.release.wait()
+        return self.decide(d)
+
+
+async def mount_refused(consumer: Consumer, subscription: Any) -> str:
+    """``mount()`` of ``subscription`` fails with ``WrongTypeError``: its message."""
+    import pytest
+
+    from trio_redis_finalize._transport import WrongTypeError
+
+    with pytest.raises(WrongTypeError) as info:
+        await consumer.mount(subscription, Recorder(lambda d: ACK))
+    return str(info.value)
+
+
+def corrupt_envelope_logged(records: list[Any]) -> bool:
+    """An error log record says a corrupt envelope was dropped."""
+    return any(r.levelno == logging.ERROR and "corrupt envelope" in r.getMessage()
+               and "dropped" in r.getMessage() for r in records)
+
+
+def assert_unchanged(h: Recorder, payloads: list[bytes]) -> None:
+    """``h`` got ``payloads`` as they are, in order, each at its first attempt."""
+    assert h.data == payloads
+    assert all(d.attempt == 1 for d in h.seen)
+
+
+class Hang:
+    """A handler that records each delivery, sets ``started`` and then hangs
+    until it is cancelled (by ``shutdown_grace``, say)."""
+
+    def __init__(self) -> None:
+        self.started = anyio.Event()
+        self.seen: list[Delivery] = []
+
+    async def __call__(self, d: Delivery) -> Outcome:
+        self.seen.append(d)
+        self.started.set()
+        await anyio.sleep_forever()
+        raise AssertionError("not reached")
 
     @property
     def data(self) -> list[bytes | None]:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import trio
-from _procs import Recorder, eventually
+from _procs import Hang, Recorder, assert_unchanged, corrupt_envelope_logged, eventually, mount_refused
 
 from trio_redis_finalize import (
     ACK,
@@ -25,7 +25,7 @@ from trio_redis_finalize import (
 )
 from trio_redis_finalize._core._plan import content_origin
 from trio_redis_finalize._envelope import MAGIC, unwrap
-from trio_redis_finalize._transport import Client, WrongTypeError
+from trio_redis_finalize._transport import Client
 
 K = "inbox"
 NAME = f"list {K!r}"
@@ -158,8 +158,7 @@ async def test_foreign_elements_arrive_unchanged(redis_url: str, client: Client)
     async with open_consumer(redis_url, name="c1") as consumer:
         await consumer.mount(sub(), h)
         await eventually(lambda: len(h.seen) == len(payloads), what="all delivered")
-    assert h.data == payloads
-    assert all(d.attempt == 1 for d in h.seen)
+    assert_unchanged(h, payloads)
 
 
 async def test_corrupt_envelope_is_dropped_with_an_error_log(
@@ -173,8 +172,7 @@ async def test_corrupt_envelope_is_dropped_with_an_error_log(
             await eventually(lambda: effects(consumer).get("exhausted") == 1 and len(h.seen) == 1,
                              what="dropped + delivered")
     assert h.data == [b"ok"]
-    assert any(r.levelno == logging.ERROR and "corrupt envelope" in r.getMessage()
-               and "dropped" in r.getMessage() for r in caplog.records)
+    assert corrupt_envelope_logged(caplog.records)
 
 
 async def test_an_element_popped_but_never_started_is_pushed_back_at_shutdown(
@@ -183,20 +181,13 @@ async def test_an_element_popped_but_never_started_is_pushed_back_at_shutdown(
     """concurrency=1, the handler busy with A: the reader has popped B and waits
     to hand it over.  Shutdown gives B back to the list (A is lost: at-most-once
     when its handler does not finish within shutdown_grace)."""
-    started = trio.Event()
-    seen: list[bytes | None] = []
-
-    async def busy(d: Delivery) -> Any:
-        seen.append(d.data)
-        started.set()
-        await trio.sleep_forever()
-
+    busy = Hang()
     await client.execute("LPUSH", K, b"A", b"B")
     async with open_consumer(redis_url, name="c1", shutdown_grace=0.2) as consumer:
         await consumer.mount(sub(), busy)
-        await started.wait()
+        await busy.started.wait()
         await eventually(lambda: is_empty(client), what="B popped by the reader")
-    assert seen == [b"A"]
+    assert busy.data == [b"A"]
     assert await lrange(client) == [b"B"]
 
 
@@ -219,6 +210,5 @@ def test_bad_config_names_the_parameter(kwargs: dict[str, Any], param: str) -> N
 async def test_mount_on_a_stream_key_names_key_and_type(redis_url: str, client: Client) -> None:
     await client.execute("XADD", K, "*", "f", "v")
     async with open_consumer(redis_url, name="c1") as consumer:
-        with pytest.raises(WrongTypeError) as info:
-            await consumer.mount(sub(), Recorder(lambda d: ACK))
-    assert repr(K) in str(info.value) and "stream" in str(info.value)
+        message = await mount_refused(consumer, sub())
+    assert repr(K) in message and "stream" in message

@@ -12,7 +12,7 @@ import math
 import anyio
 import pytest
 import trio
-from _procs import eventually
+from _procs import Hang, eventually
 
 from trio_redis_finalize import ACK, DROP, Delivery, Outcome, StreamSubscription, open_consumer
 from trio_redis_finalize._transport import Client, open_client
@@ -89,17 +89,11 @@ async def test_base_exception_from_handler_is_a_handler_error(redis_url: str, cl
 
 async def test_own_cancellation_still_ends_the_handler(redis_url: str, client: Client) -> None:
     await client.execute("XADD", "s", "*", "n", "0")
-    started = trio.Event()
-
-    async def handler(d: Delivery) -> Outcome:
-        started.set()
-        await trio.sleep_forever()
-        raise AssertionError("not reached")
-
+    handler = Hang()
     with trio.fail_after(10):
         async with open_consumer(redis_url, name="c1", shutdown_grace=0.2) as consumer:
             await consumer.mount(StreamSubscription("s", "g", block=0.1), handler)
-            await started.wait()
+            await handler.started.wait()
     assert consumer.stats()[NAME]["handler_errors"] == 0
     assert await _pending(client) == 1
 
