@@ -50,6 +50,14 @@ def server_caps(redis_server: RedisServer) -> Capabilities:
     return detect(redis_server)
 
 
+@pytest.fixture(scope="module")
+def flavour(redis_server: RedisServer) -> str:
+    """``"valkey"`` or ``"redis"``: the session server's kind (for CommandProxy)."""
+    info = sync_command(redis_server, "INFO", "server")
+    assert isinstance(info, bytes)
+    return "valkey" if b"valkey" in info.lower() else "redis"
+
+
 @pytest.fixture(scope="session")
 def redis82_server() -> Iterator[RedisServer]:
     """A Redis 8.2 server (the native path), whatever the session's server is."""

@@ -68,6 +68,7 @@ from faults.cmdproxy import (
     error,
     kind_of,
     script_names,
+    serving,
     wrapped,
 )
 from trio_redis_finalize import (
@@ -662,23 +663,10 @@ async def _judge_writes(admin: Client, case: Case, dead: Counter[str],
 
 # -- fixtures -----------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def flavour(redis_server: RedisServer) -> str:
-    from trio_redis_finalize.pytest_plugin import sync_command
-
-    info = sync_command(redis_server, "INFO", "server")
-    assert isinstance(info, bytes)
-    return "valkey" if b"valkey" in info.lower() else "redis"
-
-
 @pytest.fixture
 async def proxy(redis_server: RedisServer, flavour: str) -> AsyncIterator[CommandProxy]:
-    p = CommandProxy(redis_server.port, flavour=flavour)
-    async with anyio.create_task_group() as tg:
-        await tg.start(p.serve)
+    async with serving(CommandProxy(redis_server.port, flavour=flavour)) as p:
         yield p
-        await p.cut_all()
-        tg.cancel_scope.cancel()
 
 
 _HAPPY: dict[str, Counter[str]] = {}
