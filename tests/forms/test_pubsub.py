@@ -16,7 +16,14 @@ from typing import Any
 import anyio
 import pytest
 import trio
-from _procs import Recorder, assert_immutable, assert_unchanged, corrupt_envelope_logged, eventually
+from _procs import (
+    Recorder,
+    assert_immutable,
+    assert_unchanged,
+    corrupt_envelope_logged,
+    eventually,
+    logged_consumer,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 from redis.exceptions import ResponseError
@@ -200,13 +207,11 @@ async def test_corrupt_envelope_is_dropped_with_an_error_log(
 ) -> None:
     name = "channel ch"
     h = Recorder(lambda d: ACK)
-    with caplog.at_level(logging.WARNING, logger="trio_redis_finalize"):
-        async with open_consumer(redis_url, name="c1") as consumer:
-            await consumer.mount(ChannelSubscription("ch"), h)
-            await publish(client, "ch", MAGIC + b"\xff\xff")
-            await publish(client, "ch", b"ok")
-            await eventually(lambda: effects(consumer, name).get("exhausted") == 1
-                             and len(h.seen) == 1, what="dropped + delivered")
+    async with logged_consumer(redis_url, caplog, ChannelSubscription("ch"), h) as consumer:
+        await publish(client, "ch", MAGIC + b"\xff\xff")
+        await publish(client, "ch", b"ok")
+        await eventually(lambda: effects(consumer, name).get("exhausted") == 1
+                         and len(h.seen) == 1, what="dropped + delivered")
     assert h.data == [b"ok"]
     assert corrupt_envelope_logged(caplog.records)
 
@@ -350,20 +355,18 @@ async def test_killed_connection_resubscribes_and_logs_the_gap(
 ) -> None:
     name = "pattern 'g.*'"
     h = Recorder(lambda d: ACK)
-    with caplog.at_level(logging.WARNING, logger="trio_redis_finalize"):
-        async with open_consumer(redis_url, name="c1") as consumer:
-            await consumer.mount(PatternSubscription("g.*"), h)
-            await publish(client, "g.1", b"before")
-            await eventually(lambda: len(h.seen) == 1, what="before")
-            assert await client.execute("CLIENT", "KILL", "TYPE", "pubsub") == 1
-            await eventually(lambda: effects(consumer, name).get("gaps") == 1, what="resubscribed")
+    async with logged_consumer(redis_url, caplog, PatternSubscription("g.*"), h) as consumer:
+        await publish(client, "g.1", b"before")
+        await eventually(lambda: len(h.seen) == 1, what="before")
+        assert await client.execute("CLIENT", "KILL", "TYPE", "pubsub") == 1
+        await eventually(lambda: effects(consumer, name).get("gaps") == 1, what="resubscribed")
 
-            async def delivered_after() -> bool:
-                await publish(client, "g.2", b"after")
-                await trio.sleep(0.05)
-                return b"after" in h.data
-            await eventually(delivered_after, what="after")
-            assert stats(consumer, name)["read_errors"] >= 1
+        async def delivered_after() -> bool:
+            await publish(client, "g.2", b"after")
+            await trio.sleep(0.05)
+            return b"after" in h.data
+        await eventually(delivered_after, what="after")
+        assert stats(consumer, name)["read_errors"] >= 1
     assert h.data[0] == b"before" and b"after" in h.data
     assert any("messages published meanwhile are lost" in r.getMessage() for r in caplog.records)
 
