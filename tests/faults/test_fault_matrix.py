@@ -371,10 +371,7 @@ async def _produce(admin: Client, case: Case) -> None:
             case.seeded.add(ids[0])
         return
     if w.form == "list":
-        for i, plan in enumerate(w.plans):
-            element = f"{plan}:{i}".encode()
-            case.plan[content_origin(element)] = plan
-            await admin.execute("LPUSH", Q, element)
+        await _push_plans(admin, case, Q)
         if w.seed:
             own, dead = b"ack:own", b"retry:dead"
             case.plan[content_origin(own)] = "ack"
@@ -385,10 +382,16 @@ async def _produce(admin: Client, case: Case) -> None:
             await admin.execute("HSET", reliable.registry_key(Q), DEAD_NAME, Q_PROC_DEAD)
         return
     if w.form == "simple":
-        for i, plan in enumerate(w.plans):
-            element = f"{plan}:{i}".encode()
-            case.plan[content_origin(element)] = plan
-            await admin.execute("LPUSH", SL, element)
+        await _push_plans(admin, case, SL)
+
+
+async def _push_plans(admin: Client, case: Case, key: str) -> None:
+    """The workload's elements (``<plan>:<i>``) pushed onto list ``key``, each
+    one's plan noted by its content origin."""
+    for i, plan in enumerate(case.workload.plans):
+        element = f"{plan}:{i}".encode()
+        case.plan[content_origin(element)] = plan
+        await admin.execute("LPUSH", key, element)
 
 
 def _scheduler_busy(consumer: Any) -> bool:
