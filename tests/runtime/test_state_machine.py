@@ -151,6 +151,22 @@ class Stub:
         return []
 
 
+async def send_until_answered(client: FaultClient, commands: list[Any]) -> bool:
+    """``commands`` (if any) sent in one pipeline, again while the outcome is
+    unknown (what Mount._finalize does), until an answer; True if the armed
+    fault crashed the process instead."""
+    try:
+        while commands:
+            try:
+                await client.pipeline(commands, raise_on_error=False)
+                break
+            except rexc.ConnectionError:
+                continue  # outcome unknown: send again
+    except Crash:
+        return True
+    return False
+
+
 class Violation(AssertionError):
     pass
 
@@ -226,16 +242,7 @@ class Base(RuleBasedStateMachine):
                 self.faults += 1
                 self.touched.update(o for o, _ in held)
                 client.arm(fault[0], fault[1], crash=fault[2] == "crash")
-            crashed = False
-            try:
-                while True:
-                    try:
-                        await client.pipeline(commands, raise_on_error=False)
-                        break
-                    except rexc.ConnectionError:
-                        continue
-            except Crash:
-                crashed = True
+            crashed = await send_until_answered(client, commands)
             client.disarm()
             sent = list(client.sent)
             client.sent.clear()
@@ -336,22 +343,13 @@ class Base(RuleBasedStateMachine):
         Returns False when the process crashed."""
         commands = merge_commands([p.commands for _, p in items])
         before = self.tokens_of(c, items)
-        crashed = False
         if fault is not None and commands:
             k, mode, then = fault
             self.faults += 1
             for d, _ in items:
                 self.touched.add(d.origin_id)
             client.arm(k, mode, crash=then == "crash")
-        try:
-            while commands:
-                try:
-                    await client.pipeline(commands, raise_on_error=False)
-                    break
-                except rexc.ConnectionError:
-                    continue  # outcome unknown: send again (what Mount._finalize does)
-        except Crash:
-            crashed = True
+        crashed = await send_until_answered(client, commands)
         client.disarm()
         for cmd in client.sent:
             self.apply(cmd)
@@ -409,11 +407,35 @@ class Base(RuleBasedStateMachine):
             raise Violation(f"dead letters: Redis {dict(state.dead_letters())}, model {dict(self.dead)}")
         self.judge(state.present())
 
-    def work_step(self, c: str, outcomes: list[str], fault: tuple[int, FaultMode, str] | None) -> None:
+    WAITING = ("messages", "waiting")
+    """What the form reads, and what the model calls them until then (messages)."""
+
+    def waiting(self) -> int:
+        """How many messages wait to be read (the form's own count)."""
+        raise NotImplementedError
+
+    async def read_into(self, client: FaultClient, c: str, count: int) -> int:
+        """``c`` reads up to ``count`` messages into its hand; how many it read."""
+        raise NotImplementedError
+
+    @precondition(lambda self: any(self.alive.values()) and self.waiting() > 0)
+    @rule(c=st.sampled_from(CONSUMERS), count=st.integers(1, 3))
+    def read(self, c: str, count: int) -> None:
+        c = self.pick(c, lambda c: self.alive[c])
+        expect = min(count, self.waiting())
+        got = self.run(self.read_into, c, count)
+        if got != expect:
+            what, state = self.WAITING
+            raise Violation(f"read {got} {what}, the model has {expect} {state}")
+
+    @precondition(lambda self: any(self.alive.values()) and self.waiting() > 0)
+    @rule(c=st.sampled_from(CONSUMERS), outcomes=st.lists(OUTCOMES, min_size=1, max_size=3),
+          fault=FAULT)
+    def work(self, c: str, outcomes: list[str], fault: tuple[int, FaultMode, str] | None) -> None:
         """A consumer's loop in one step: read, handle all of it, finalize in one batch."""
         c = self.pick(c, lambda c: self.alive[c])
         before = len(self.hand[c])
-        self.read(c, len(outcomes))  # type: ignore[attr-defined]
+        self.read(c, len(outcomes))
         if self.alive[c] and len(self.hand[c]) > before:
             self.handle(c, [(before + i, kind) for i, kind in enumerate(outcomes)], fault)
 
@@ -587,32 +609,21 @@ class StreamMachine(Base):
             self.unread[eid, 0] += 1
         self.serial += n
 
-    @precondition(lambda self: any(self.alive.values()) and sum(self.unread.values()) > 0)
-    @rule(c=st.sampled_from(CONSUMERS), count=st.integers(1, 3))
-    def read(self, c: str, count: int) -> None:
-        c = self.pick(c, lambda c: self.alive[c])
-        expect = min(count, sum(self.unread.values()))
+    async def read_into(self, client: FaultClient, c: str, count: int) -> int:
+        stub = self.stub(c, client)
+        async with await client.connect() as conn:
+            reply = await conn.execute("XREADGROUP", "GROUP", G, c, "COUNT", count,
+                                       "STREAMS", S, ">")
+        entries = reply[0][1] if reply else []
+        await self.readers[c]._hand_over(stub, entries)
+        self._took(c, stub, claimed=False)
+        await self._finalize_direct(client, c, stub)
+        return len(entries)
 
-        async def go(client: FaultClient) -> int:
-            stub = self.stub(c, client)
-            async with await client.connect() as conn:
-                reply = await conn.execute("XREADGROUP", "GROUP", G, c, "COUNT", count,
-                                           "STREAMS", S, ">")
-            entries = reply[0][1] if reply else []
-            await self.readers[c]._hand_over(stub, entries)
-            self._took(c, stub, claimed=False)
-            await self._finalize_direct(client, c, stub)
-            return len(entries)
+    WAITING = ("entries", "unread")
 
-        got = self.run(go)
-        if got != expect:
-            raise Violation(f"read {got} entries, the model has {expect} unread")
-
-    @precondition(lambda self: any(self.alive.values()) and sum(self.unread.values()) > 0)
-    @rule(c=st.sampled_from(CONSUMERS), outcomes=st.lists(OUTCOMES, min_size=1, max_size=3),
-          fault=FAULT)
-    def work(self, c: str, outcomes: list[str], fault: tuple[int, FaultMode, str] | None) -> None:
-        self.work_step(c, outcomes, fault)
+    def waiting(self) -> int:
+        return sum(self.unread.values())
 
     def restart(self, c: str) -> None:
         """The same name comes back: re-read its own PEL (XREADGROUP ... 0)."""
@@ -834,42 +845,31 @@ class ListMachine(Base):
             self.queue[e] += 1
             self.produced.append(element_origin(e)[0])
 
-    @precondition(lambda self: any(self.alive.values()) and sum(self.queue.values()) > 0)
-    @rule(c=st.sampled_from(CONSUMERS), count=st.integers(1, 3))
-    def read(self, c: str, count: int) -> None:
+    async def read_into(self, client: FaultClient, c: str, count: int) -> int:
         """The reader's BLMOVE/LMOVE batch, then the library's delivery building."""
-        c = self.pick(c, lambda c: self.alive[c])
-        expect = min(count, sum(self.queue.values()))
         reader = self.readers[c]
+        stub = self.stub(c, client)
+        async with await client.connect() as conn:
+            moved = await conn.pipeline([("LMOVE", Q, _proc(c), "RIGHT", "LEFT")] * count)
+        built = []
+        for raw in moved:
+            if raw is None:
+                continue
+            if self.queue[raw] <= 0:
+                raise Violation(f"{c} read {raw!r}, which the model has no queued token for")
+            self.queue[raw] -= 1
+            self.processing[c][raw] += 1
+            reader._hold(raw)
+            built.append(list_delivery(stub.target, Q, raw))
+        direct = self._took(c, built)
+        if direct:
+            await self.send(client, c, direct, None)
+        return len(built)
 
-        async def go(client: FaultClient) -> int:
-            stub = self.stub(c, client)
-            async with await client.connect() as conn:
-                moved = await conn.pipeline([("LMOVE", Q, _proc(c), "RIGHT", "LEFT")] * count)
-            built = []
-            for raw in moved:
-                if raw is None:
-                    continue
-                if self.queue[raw] <= 0:
-                    raise Violation(f"{c} read {raw!r}, which the model has no queued token for")
-                self.queue[raw] -= 1
-                self.processing[c][raw] += 1
-                reader._hold(raw)
-                built.append(list_delivery(stub.target, Q, raw))
-            direct = self._took(c, built)
-            if direct:
-                await self.send(client, c, direct, None)
-            return len(built)
+    WAITING = ("elements", "queued")
 
-        got = self.run(go)
-        if got != expect:
-            raise Violation(f"read {got} elements, the model has {expect} queued")
-
-    @precondition(lambda self: any(self.alive.values()) and sum(self.queue.values()) > 0)
-    @rule(c=st.sampled_from(CONSUMERS), outcomes=st.lists(OUTCOMES, min_size=1, max_size=3),
-          fault=FAULT)
-    def work(self, c: str, outcomes: list[str], fault: tuple[int, FaultMode, str] | None) -> None:
-        self.work_step(c, outcomes, fault)
+    def waiting(self) -> int:
+        return sum(self.queue.values())
 
     def restart(self, c: str) -> None:
         """The same name comes back: heartbeat, then a re-scan of its processing
