@@ -59,6 +59,8 @@ class RecordingClient:
         self.hang = hang
         self.sent = trio.Event()
         self.rtt = rtt
+        self.t0 = 0.0
+        """When its scheduler's run task started (set by :func:`scheduled`)."""
 
     async def pipeline(
         self, commands: Sequence[Any], *, raise_on_error: bool = True, timeout: float | None = None
@@ -76,9 +78,10 @@ class RecordingClient:
         self.sent.set()
         return [b"OK"] * len(commands)
 
-    def sends(self, since: float) -> list[tuple[float, list[bytes]]]:
-        """(seconds after ``since``, the values sent) of each call."""
-        return [(round(t - since, 6), [c[2] for c in cmds]) for t, cmds in self.calls]
+    def sends(self, since: float | None = None) -> list[tuple[float, list[bytes]]]:
+        """(seconds after ``since``, by default ``t0``, the values sent) of each call."""
+        t0 = self.t0 if since is None else since
+        return [(round(t - t0, 6), [c[2] for c in cmds]) for t, cmds in self.calls]
 
     def sent_commands(self) -> list[tuple[Any, ...]]:
         return [c for _, cmds in self.calls for c in cmds]
@@ -96,6 +99,8 @@ async def scheduled(
     with trio.fail_after(timeout):
         async with trio.open_nursery() as nursery:
             await nursery.start(scheduler.run)
+            if isinstance(client, RecordingClient):
+                client.t0 = trio.current_time()
             yield scheduler, client
             nursery.cancel_scope.cancel()
 
@@ -109,12 +114,11 @@ async def test_copies_go_out_at_their_due_times_in_due_order(
 ) -> None:
     m = FakeMount("orders")
     async with scheduled() as (scheduler, client):
-        t0 = trio.current_time()
         for delay in (5, 1, 3, 8):
             scheduler.hold(m, delay, cmd(delay))
         assert len(scheduler) == 4
         await trio.sleep(20)
-    sends = client.sends(t0)
+    sends = client.sends()
     assert sends == [(1, [b"1"]), (3, [b"3"]), (5, [b"5"]), (8, [b"8"])]
     assert len(scheduler) == 0
     assert m.stats.effects["released"] == 4
@@ -138,12 +142,11 @@ async def test_a_copy_due_sooner_wakes_the_scheduler_early(
     """Held while the task sleeps towards a later due time: it goes out at its own."""
     m = FakeMount("orders")
     async with scheduled() as (scheduler, client):
-        t0 = trio.current_time()
         scheduler.hold(m, 100, cmd("late"))
         await trio.sleep(1)
         scheduler.hold(m, 2, cmd("soon"))
         await trio.sleep(200)
-    sends = client.sends(t0)
+    sends = client.sends()
     assert sends == [(3, [b"soon"]), (100, [b"late"])]
 
 
@@ -169,14 +172,13 @@ async def test_past_max_held_a_copy_goes_out_at_once_with_one_warning(
     m = FakeMount("orders")
     caplog.set_level(logging.WARNING, logger="trio_redis_finalize")
     async with scheduled(max_held=2) as (scheduler, client):
-        t0 = trio.current_time()
         scheduler.hold(m, 100, cmd("held1"))
         scheduler.hold(m, 100, cmd("held2"))
         for n in range(3):  # a burst over the limit
             scheduler.hold(m, 100, cmd(f"now{n}"))
         await trio.sleep(1)
         assert scheduler.held_by(m) == 2  # the limit, not more
-        assert client.sends(t0) == [
+        assert client.sends() == [
             (0, [b"now0", b"now1", b"now2"])]
         warnings = [r for r in caplog.records if "max_held_copies=2" in r.getMessage()]
         assert len(warnings) == 1  # one warning for the burst
@@ -215,11 +217,10 @@ async def test_flush_sends_every_held_copy_at_once(autojump_clock: trio.abc.Cloc
 async def test_a_failed_send_is_sent_again_not_dropped(autojump_clock: trio.abc.Clock) -> None:
     m = FakeMount("orders")
     async with scheduled(RecordingClient(fail=3)) as (scheduler, client):
-        t0 = trio.current_time()
         scheduler.hold(m, 1, cmd("x"))
         await client.sent.wait()
         await trio.sleep(100)
-    assert round(client.failed[0] - t0, 6) == 1  # due, failed ...
+    assert round(client.failed[0] - client.t0, 6) == 1  # due, failed ...
     assert len(client.failed) == 3
     assert client.sent_commands() == list(cmd("x"))  # ... then sent once
     assert client.calls[0][0] >= client.failed[-1]
@@ -257,7 +258,6 @@ async def test_a_batch_stuck_in_flight_goes_back_into_the_heap_at_its_bound(
     the heap, sent again after a backoff -- a duplicate at worst, never lost."""
     m = FakeMount("orders")
     async with scheduled(RecordingClient(hang=1)) as (scheduler, client):
-        t0 = trio.current_time()
         scheduler.hold(m, 1, cmd("x"))
         scheduler.hold(m, 1, cmd("y"))
         await trio.sleep(2)  # due at 1: in flight, stuck
@@ -265,7 +265,7 @@ async def test_a_batch_stuck_in_flight_goes_back_into_the_heap_at_its_bound(
         assert scheduler.held_by(m) == 2  # out of the heap, still in memory
         await client.sent.wait()
         await trio.sleep(100)
-    assert round(client.hung[0] - t0, 6) == 1
+    assert round(client.hung[0] - client.t0, 6) == 1
     bound = 3 * FINALIZE_TIMEOUT
     assert client.calls[0][0] - client.hung[0] >= bound  # given up at the bound, not before
     assert client.sent_commands() == [*cmd("x"), *cmd("y")]  # then sent again, whole, once
