@@ -143,11 +143,11 @@ def assert_refused_naming(param: str, factory: Callable[[], object], what: str =
 
 
 @asynccontextmanager
-async def logged_consumer(url: str, caplog: Any, subscription: Any,
-                          handler: Callable[[Delivery], Any]) -> AsyncIterator[Consumer]:
+async def logged_consumer(url: str, caplog: Any, subscription: Any, handler: Callable[[Delivery], Any],
+                          level: int = logging.WARNING) -> AsyncIterator[Consumer]:
     """Consumer ``c1`` with ``handler`` mounted on ``subscription``, the
-    package's warnings and errors captured by ``caplog`` meanwhile."""
-    with caplog.at_level(logging.WARNING, logger="trio_redis_finalize"):
+    package's log records from ``level`` up captured by ``caplog`` meanwhile."""
+    with caplog.at_level(level, logger="trio_redis_finalize"):
         async with open_consumer(url, name="c1") as consumer:
             await consumer.mount(subscription, handler)
             yield consumer

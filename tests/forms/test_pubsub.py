@@ -89,14 +89,12 @@ async def test_retry_is_refused_logged_and_counted_and_the_consumer_goes_on(
 ) -> None:
     name = "channel ch"
     h = Recorder(lambda d: RETRY if d.data == b"r" else ACK)
-    with caplog.at_level(logging.ERROR, logger="trio_redis_finalize"):
-        async with open_consumer(redis_url, name="c1") as consumer:
-            await consumer.mount(ChannelSubscription("ch"), h)
-            await publish(client, "ch", b"r")
-            await eventually(lambda: stats(consumer, name)["refused"] == 1, what="refused")
-            await publish(client, "ch", b"next")
-            await eventually(lambda: h.data == [b"r", b"next"], what="next delivered")
-            assert effects(consumer, name).get("refused") == 1
+    async with logged_consumer(redis_url, caplog, ChannelSubscription("ch"), h, logging.ERROR) as consumer:
+        await publish(client, "ch", b"r")
+        await eventually(lambda: stats(consumer, name)["refused"] == 1, what="refused")
+        await publish(client, "ch", b"next")
+        await eventually(lambda: h.data == [b"r", b"next"], what="next delivered")
+        assert effects(consumer, name).get("refused") == 1
     msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(msgs) == 1
     assert "a channel has nothing to acknowledge" in msgs[0] and "retry_after" in msgs[0]
@@ -177,14 +175,12 @@ async def test_pattern_retry_after_without_retry_channel_is_refused(
 ) -> None:
     name = "pattern 'ev.*'"
     h = Recorder(lambda d: retry_after(0.1) if d.data == b"r" else ACK)
-    with caplog.at_level(logging.ERROR, logger="trio_redis_finalize"):
-        async with open_consumer(redis_url, name="c1") as consumer:
-            await consumer.mount(PatternSubscription("ev.*"), h)
-            await publish(client, "ev.a", b"r")
-            await eventually(lambda: stats(consumer, name)["refused"] == 1, what="refused")
-            await publish(client, "ev.a", b"next")
-            await eventually(lambda: len(h.seen) == 2, what="still running")
-            await trio.sleep(0.3)
+    async with logged_consumer(redis_url, caplog, PatternSubscription("ev.*"), h, logging.ERROR) as consumer:
+        await publish(client, "ev.a", b"r")
+        await eventually(lambda: stats(consumer, name)["refused"] == 1, what="refused")
+        await publish(client, "ev.a", b"next")
+        await eventually(lambda: len(h.seen) == 2, what="still running")
+        await trio.sleep(0.3)
     assert h.data == [b"r", b"next"]  # no copy came
     assert any("retry_channel" in r.getMessage() for r in caplog.records if r.levelno == logging.ERROR)
 

@@ -20,7 +20,7 @@ pool (finalizations) or on the reader's dedicated connection (``BLMOVE``).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager
 from typing import Any
 
 import pytest
@@ -156,13 +156,8 @@ class LosingClient(Client):
         return _LosingConnection(self, await super().connect(**kwargs))
 
 
-@asynccontextmanager
-async def losing_client(url: str) -> AsyncIterator[LosingClient]:
-    c = LosingClient(parse_url(url), max_connections=32)
-    try:
-        yield c
-    finally:
-        await c.aclose()
+def losing_client(url: str) -> AbstractAsyncContextManager[LosingClient]:
+    return aclosing(LosingClient(parse_url(url), max_connections=32))
 
 
 @asynccontextmanager
