@@ -284,13 +284,18 @@ async def test_copy_ack_ex_copies_acks_deletes_once(client: Client) -> None:
     assert int((await client.execute("XPENDING", S, G))[0]) == 0
 
 
-async def test_zadd_ack_del(client: Client) -> None:
-    eid = await pending_entry(client)
-    cmd = STREAM_ZADD_ACK_DEL.command((S, "{orders}:delayed"), (G, eid, 100, b"member"))
+async def check_zadd_deletes_once(client: Client, script: Any, eid: str) -> None:
+    """``script`` (the durable delay's) sent twice for ``eid``, alone on its
+    stream: gated, once; the entry deleted, its member in the delay set."""
+    cmd = script.command((S, "{orders}:delayed"), (G, eid, 100, b"member"))
     first, second = await client.pipeline([cmd, cmd])
     assert first is not None and second is None
     assert int(await client.execute("XLEN", S)) == 0
     assert int(await client.execute("ZCARD", "{orders}:delayed")) == 1
+
+
+async def test_zadd_ack_del(client: Client) -> None:
+    await check_zadd_deletes_once(client, STREAM_ZADD_ACK_DEL, await pending_entry(client))
 
 
 async def test_capped_copies_keep_the_destination_near_its_cap(client: Client) -> None:
@@ -820,11 +825,7 @@ async def test_native_scripts_delete_only_what_no_group_references(redis82_url: 
         # the durable delay's script, alone on its stream: deleted at once
         await client.execute("DEL", S)
         [eid] = await native_pending(client)
-        zcmd = STREAM_ZADD_ACKDEL.command((S, "{orders}:delayed"), (G, eid, 100, b"member"))
-        first, second = await client.pipeline([zcmd, zcmd])
-        assert first is not None and second is None
-        assert int(await client.execute("XLEN", S)) == 0
-        assert int(await client.execute("ZCARD", "{orders}:delayed")) == 1
+        await check_zadd_deletes_once(client, STREAM_ZADD_ACKDEL, eid)
 
 
 async def test_native_batched_scripts_remove_with_one_xackdel(redis82_url: str) -> None:
