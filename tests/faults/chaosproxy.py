@@ -22,11 +22,37 @@ from __future__ import annotations
 
 import socket
 import struct
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
 
 import anyio
 import anyio.abc
 from anyio.abc import SocketAttribute, TaskStatus
+
+P = TypeVar("P")
+
+
+async def serve_loopback(proxy: Any, handle: Callable[[anyio.abc.SocketStream], Awaitable[None]],
+                         task_status: TaskStatus[int]) -> None:
+    """Accept on a free loopback port (``proxy.port``, also given to
+    ``task_status``) and run ``handle`` for each connection, until cancelled."""
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+    proxy.port = int(listener.extra(SocketAttribute.local_port))
+    task_status.started(proxy.port)
+    async with listener:
+        await listener.serve(handle)
+
+
+@asynccontextmanager
+async def serving(proxy: P) -> AsyncIterator[P]:
+    """``proxy`` serving meanwhile (its ``serve`` task cancelled on leaving)."""
+    async with anyio.create_task_group() as tg:
+        await tg.start(proxy.serve)  # type: ignore[attr-defined]
+        try:
+            yield proxy
+        finally:
+            tg.cancel_scope.cancel()
 
 __all__ = ["ChaosProxy"]
 
@@ -91,11 +117,7 @@ class ChaosProxy:
         return len(pairs)
 
     async def serve(self, *, task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
-        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
-        self.port = int(listener.extra(SocketAttribute.local_port))
-        task_status.started(self.port)
-        async with listener:
-            await listener.serve(self._handle)
+        await serve_loopback(self, self._handle, task_status)
 
     async def _wait_flowing(self) -> None:
         while not self._flowing.is_set():

@@ -42,15 +42,16 @@ from __future__ import annotations
 import collections
 import dataclasses
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
 
 import anyio
 import anyio.abc
 import hiredis
-from anyio.abc import SocketAttribute, TaskStatus
+from anyio.abc import TaskStatus
 
-from .chaosproxy import close_stream
+from .chaosproxy import close_stream, serve_loopback
 
 __all__ = [
     "BLACKHOLE",
@@ -245,21 +246,29 @@ class _Conn:
             out += self.slots.popleft().inject or b""
         await self._to_client(out)
 
-    async def up(self) -> None:
+    async def _frames(self, stream: anyio.abc.SocketStream) -> AsyncIterator[list[bytes]]:
+        """What arrives on ``stream``, as the complete RESP frames of each read
+        (nothing once the connection is blackholed)."""
         buf = bytearray()
         while True:
-            data = await self.client.receive(65536)
+            data = await stream.receive(65536)
             if self.blackholed:
                 continue
             buf += data
+            frames = []
             pos = 0
-            forward = bytearray()
-            while True:
-                end = _frame_end(buf, pos)
-                if end is None:
-                    break
-                frame = bytes(buf[pos:end])
+            while (end := _frame_end(buf, pos)) is not None:
+                frames.append(bytes(buf[pos:end]))
                 pos = end
+            del buf[:pos]
+            yield frames
+            if self.blackholed:
+                buf.clear()
+
+    async def up(self) -> None:
+        async for frames in self._frames(self.client):
+            forward = bytearray()
+            for frame in frames:
                 if not frame.strip():
                     continue
                 args = _parse_request(frame)
@@ -283,27 +292,13 @@ class _Conn:
                 if kind in ("SUBSCRIBE", "PSUBSCRIBE", "SSUBSCRIBE") and fault is None:
                     self.pubsub = True
                 forward += frame
-            del buf[:pos]
-            if self.blackholed:
-                buf.clear()
             if forward:
                 await self.upstream.send(bytes(forward))
 
     async def down(self) -> None:
-        buf = bytearray()
-        while True:
-            data = await self.upstream.receive(65536)
-            if self.blackholed:
-                continue
-            buf += data
-            pos = 0
+        async for frames in self._frames(self.upstream):
             out = bytearray()
-            while True:
-                end = _frame_end(buf, pos)
-                if end is None:
-                    break
-                frame = bytes(buf[pos:end])
-                pos = end
+            for frame in frames:
                 if self.pubsub and not any(s.lose for s in self.slots):
                     out += frame
                     continue
@@ -315,7 +310,6 @@ class _Conn:
                     await self.proxy._reset(self)
                     return
                 out += frame
-            del buf[:pos]
             while self.slots and self.slots[0].inject is not None:
                 out += self.slots.popleft().inject or b""
             await self._to_client(bytes(out))
@@ -385,11 +379,7 @@ class CommandProxy:
             await self._reset(conn)
 
     async def serve(self, *, task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
-        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
-        self.port = int(listener.extra(SocketAttribute.local_port))
-        task_status.started(self.port)
-        async with listener:
-            await listener.serve(self._handle)
+        await serve_loopback(self, self._handle, task_status)
 
     async def _handle(self, client: anyio.abc.SocketStream) -> None:
         try:
@@ -420,3 +410,16 @@ class CommandProxy:
 
     def __repr__(self) -> str:
         return f"CommandProxy(port={self.port}, fired={self.fired}, armed={self.pending})"
+
+
+C = TypeVar("C", bound=CommandProxy)
+
+
+@asynccontextmanager
+async def serving(proxy: C) -> AsyncIterator[C]:
+    """``proxy`` serving meanwhile; on leaving every connection is cut, then it stops."""
+    async with anyio.create_task_group() as tg:
+        await tg.start(proxy.serve)
+        yield proxy
+        await proxy.cut_all()
+        tg.cancel_scope.cancel()

@@ -22,13 +22,13 @@ from __future__ import annotations
 import random
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 
 import pytest
 import trio
 from _procs import eventually
 
-from faults.chaosproxy import ChaosProxy
+from faults.chaosproxy import ChaosProxy, serving
 from faults.checks import stream_state
 from trio_redis_finalize import (
     ACK,
@@ -49,15 +49,8 @@ S, G = "orders", "billing"
 NAME = f"stream {S!r} group {G!r}"
 
 
-@asynccontextmanager
-async def proxied(server: RedisServer) -> AsyncIterator[ChaosProxy]:
-    async with trio.open_nursery() as n:
-        proxy = ChaosProxy(upstream_port=server.port)
-        await n.start(proxy.serve)
-        try:
-            yield proxy
-        finally:
-            n.cancel_scope.cancel()
+def proxied(server: RedisServer) -> AbstractAsyncContextManager[ChaosProxy]:
+    return serving(ChaosProxy(upstream_port=server.port))
 
 
 @pytest.fixture

@@ -168,17 +168,27 @@ def _remove_then_copy(t: _plan.Target, d: Delivery, o: Outcome) -> Plan:
 
 DURABLE = {"delayed_retry": DelayedRetry.DURABLE_ZSET}
 DEAD3 = {"max_attempts": 3, "dead_letter": DEAD}
+
+
+def every_form_paths(form: str, runtime_lands: str) -> list[Path]:
+    """The paths both forms have; ``runtime_lands``: what the form's runtime
+    ``retry_after`` must leave behind (its ``expect``)."""
+    return [
+        Path("ack", form, ACK, "gone"),
+        Path("drop", form, DROP, "gone"),
+        Path("retry", form, RETRY, "copy"),
+        Path("retry-after-durable", form, retry_after(0.02), "copy", sub=DURABLE),
+        Path("retry-after-runtime", form, retry_after(0.02), runtime_lands),
+        Path("dead-letter", form, RETRY, "dead", preset_retries=2, sub=DEAD3),
+        Path("dead-letter-cluster-split", form, RETRY, "dead", gated=False, preset_retries=2,
+             sub=DEAD3, planner=_cluster_split),
+        Path("exhausted-no-dead-letter", form, RETRY, "gone", preset_retries=2,
+             sub={"max_attempts": 3, "dead_letter": None}),
+    ]
+
+
 STREAM_PATHS = [
-    Path("ack", "stream", ACK, "gone"),
-    Path("drop", "stream", DROP, "gone"),
-    Path("retry", "stream", RETRY, "copy"),
-    Path("retry-after-durable", "stream", retry_after(0.02), "copy", sub=DURABLE),
-    Path("retry-after-runtime", "stream", retry_after(0.02), "runtime"),
-    Path("dead-letter", "stream", RETRY, "dead", preset_retries=2, sub=DEAD3),
-    Path("dead-letter-cluster-split", "stream", RETRY, "dead", gated=False, preset_retries=2,
-         sub=DEAD3, planner=_cluster_split),
-    Path("exhausted-no-dead-letter", "stream", RETRY, "gone", preset_retries=2,
-         sub={"max_attempts": 3, "dead_letter": None}),
+    *every_form_paths("stream", "runtime"),
     Path("claiming-retry", "stream", RETRY, "gone", sub={"mode": Mode.CLAIMING}),
     Path("reclaim-retry", "stream", RETRY, "copy", sub={"mode": Mode.RECLAIM}),
     # batches of two-step deliveries: one batched script call each
@@ -188,18 +198,7 @@ STREAM_PATHS = [
          sub=DURABLE, n=3, raced=True),
     Path("dead-letter-batch", "stream", RETRY, "dead", preset_retries=2, sub=DEAD3, n=3),
 ]
-LIST_PATHS = [
-    Path("ack", "list", ACK, "gone"),
-    Path("drop", "list", DROP, "gone"),
-    Path("retry", "list", RETRY, "copy"),
-    Path("retry-after-durable", "list", retry_after(0.02), "copy", sub=DURABLE),
-    Path("retry-after-runtime", "list", retry_after(0.02), "copy"),
-    Path("dead-letter", "list", RETRY, "dead", preset_retries=2, sub=DEAD3),
-    Path("dead-letter-cluster-split", "list", RETRY, "dead", gated=False, preset_retries=2,
-         sub=DEAD3, planner=_cluster_split),
-    Path("exhausted-no-dead-letter", "list", RETRY, "gone", preset_retries=2,
-         sub={"max_attempts": 3, "dead_letter": None}),
-]
+LIST_PATHS = every_form_paths("list", "copy")
 DELETE = {"retention": Retention.DELETE_ON_FINALIZE}
 RETENTION_PATHS = [
     Path("ack", "stream", ACK, "gone", sub=DELETE),
@@ -644,29 +643,33 @@ def _assert_sound(path: Path, reports: list[Report]) -> None:
         assert all(r.copies == 1 for r in reports)
 
 
-@pytest.mark.parametrize("fault", FAULTS)
-@pytest.mark.parametrize("path", STREAM_PATHS, ids=lambda p: p.id)
-async def test_stream_crash_points(redis_url: str, path: Path, fault: str,
-                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    _assert_sound(path, await enumerate_path(redis_url, path, fault, monkeypatch))
+def over_faults(paths: list[Path]) -> Callable[[Any], Any]:
+    """Parametrize a test over ``paths`` (by id) and every fault."""
+
+    def mark(test: Any) -> Any:
+        by_path = pytest.mark.parametrize("path", paths, ids=lambda p: p.id)(test)
+        return pytest.mark.parametrize("fault", FAULTS)(by_path)
+
+    return mark
 
 
-@pytest.mark.parametrize("fault", FAULTS)
-@pytest.mark.parametrize("path", RETENTION_PATHS, ids=lambda p: p.id)
-async def test_stream_delete_on_finalize_crash_points(redis_url: str, path: Path, fault: str,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    _assert_sound(path, await enumerate_path(redis_url, path, fault, monkeypatch))
+def crash_points_test(paths: list[Path]) -> Any:
+    """A test of every crash point of every path of ``paths``, under every fault:
+    what is left is sound."""
+
+    @over_faults(paths)
+    async def test(redis_url: str, path: Path, fault: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        _assert_sound(path, await enumerate_path(redis_url, path, fault, monkeypatch))
+
+    return test
 
 
-@pytest.mark.parametrize("fault", FAULTS)
-@pytest.mark.parametrize("path", LIST_PATHS, ids=lambda p: p.id)
-async def test_reliable_list_crash_points(redis_url: str, path: Path, fault: str,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    _assert_sound(path, await enumerate_path(redis_url, path, fault, monkeypatch))
+test_stream_crash_points = crash_points_test(STREAM_PATHS)
+test_stream_delete_on_finalize_crash_points = crash_points_test(RETENTION_PATHS)
+test_reliable_list_crash_points = crash_points_test(LIST_PATHS)
 
 
-@pytest.mark.parametrize("fault", FAULTS)
-@pytest.mark.parametrize("path", WRITES_PATHS, ids=lambda p: p.id)
+@over_faults(WRITES_PATHS)
 async def test_writes_crash_points(redis_url: str, path: Path, fault: str,
                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Every finalization path with its last outcome carrying a write, a fault
@@ -677,8 +680,7 @@ async def test_writes_crash_points(redis_url: str, path: Path, fault: str,
         assert all(r.case.effects for r in reports)
 
 
-@pytest.mark.parametrize("fault", FAULTS)
-@pytest.mark.parametrize("path", BATCH_PATHS, ids=lambda p: p.id)
+@over_faults(BATCH_PATHS)
 async def test_batch_handler_crash_points(redis_url: str, path: Path, fault: str,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     _assert_sound(path, await enumerate_path(redis_url, path, fault, monkeypatch))

@@ -38,6 +38,18 @@ pytestmark = pytest.mark.timeout(60)
 # -- item 1: the finalizer sends again what did not run ------------------------------
 
 
+async def oom_retried_then_off(consumer: Any, first_done: trio.Event, oom: Any) -> str:
+    """Once the first RETRY is answered (OOM on): its finalization is tried
+    again, with nothing copied; then OOM off.  The subscription's name."""
+    await first_done.wait()
+    name: str = consumer.mounts[0].name
+    await eventually(lambda: consumer.stats()[name]["finalize_errors"] >= 2,
+                     what="the OOM retried")
+    assert consumer.stats()[name]["effects"].get("copied", 0) == 0
+    oom.off()
+    return name
+
+
 async def test_retry_under_oom_is_sent_again_not_dropped(
     redis_url: str, client: Client, oom: Any
 ) -> None:
@@ -57,12 +69,7 @@ async def test_retry_under_oom_is_sent_again_not_dropped(
 
     async with open_consumer(redis_url, name="c1") as consumer:
         await consumer.mount(StreamSubscription("s", "g", block=0.1), handler)
-        await first_done.wait()
-        name = consumer.mounts[0].name
-        await eventually(lambda: consumer.stats()[name]["finalize_errors"] >= 2,
-                         what="the OOM retried")
-        assert consumer.stats()[name]["effects"].get("copied", 0) == 0
-        oom.off()
+        name = await oom_retried_then_off(consumer, first_done, oom)
         await eventually(lambda: seen == [1, 2] and consumer.stats()[name]["effects"].get("acked"),
                          what="the copy written and handled")
         effects = consumer.stats()[name]["effects"]
@@ -326,12 +333,7 @@ async def test_batched_retry_under_oom_sends_each_delivery_again(
 
     async with open_consumer(redis_url, name="c1") as consumer:
         await consumer.mount(StreamSubscription("s", "g", block=0.1, count=10), handler)
-        await first_done.wait()
-        name = consumer.mounts[0].name
-        await eventually(lambda: consumer.stats()[name]["finalize_errors"] >= 2,
-                         what="the OOM retried")
-        assert consumer.stats()[name]["effects"].get("copied", 0) == 0
-        oom.off()
+        name = await oom_retried_then_off(consumer, first_done, oom)
         await eventually(lambda: consumer.stats()[name]["effects"].get("acked", 0) == 3,
                          what="the copies written and handled")
         effects = consumer.stats()[name]["effects"]

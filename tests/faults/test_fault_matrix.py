@@ -68,6 +68,7 @@ from faults.cmdproxy import (
     error,
     kind_of,
     script_names,
+    serving,
     wrapped,
 )
 from trio_redis_finalize import (
@@ -370,10 +371,7 @@ async def _produce(admin: Client, case: Case) -> None:
             case.seeded.add(ids[0])
         return
     if w.form == "list":
-        for i, plan in enumerate(w.plans):
-            element = f"{plan}:{i}".encode()
-            case.plan[content_origin(element)] = plan
-            await admin.execute("LPUSH", Q, element)
+        await _push_plans(admin, case, Q)
         if w.seed:
             own, dead = b"ack:own", b"retry:dead"
             case.plan[content_origin(own)] = "ack"
@@ -384,10 +382,16 @@ async def _produce(admin: Client, case: Case) -> None:
             await admin.execute("HSET", reliable.registry_key(Q), DEAD_NAME, Q_PROC_DEAD)
         return
     if w.form == "simple":
-        for i, plan in enumerate(w.plans):
-            element = f"{plan}:{i}".encode()
-            case.plan[content_origin(element)] = plan
-            await admin.execute("LPUSH", SL, element)
+        await _push_plans(admin, case, SL)
+
+
+async def _push_plans(admin: Client, case: Case, key: str) -> None:
+    """The workload's elements (``<plan>:<i>``) pushed onto list ``key``, each
+    one's plan noted by its content origin."""
+    for i, plan in enumerate(case.workload.plans):
+        element = f"{plan}:{i}".encode()
+        case.plan[content_origin(element)] = plan
+        await admin.execute("LPUSH", key, element)
 
 
 def _scheduler_busy(consumer: Any) -> bool:
@@ -662,23 +666,10 @@ async def _judge_writes(admin: Client, case: Case, dead: Counter[str],
 
 # -- fixtures -----------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def flavour(redis_server: RedisServer) -> str:
-    from trio_redis_finalize.pytest_plugin import sync_command
-
-    info = sync_command(redis_server, "INFO", "server")
-    assert isinstance(info, bytes)
-    return "valkey" if b"valkey" in info.lower() else "redis"
-
-
 @pytest.fixture
 async def proxy(redis_server: RedisServer, flavour: str) -> AsyncIterator[CommandProxy]:
-    p = CommandProxy(redis_server.port, flavour=flavour)
-    async with anyio.create_task_group() as tg:
-        await tg.start(p.serve)
+    async with serving(CommandProxy(redis_server.port, flavour=flavour)) as p:
         yield p
-        await p.cut_all()
-        tg.cancel_scope.cancel()
 
 
 _HAPPY: dict[str, Counter[str]] = {}

@@ -9,7 +9,17 @@ from typing import Any
 
 import pytest
 import trio
-from _procs import Recorder, eventually
+from _procs import (
+    Hang,
+    Recorder,
+    assert_unchanged,
+    corrupt_envelope_logged,
+    effects,
+    eventually,
+    logged_consumer,
+    mount_on_a_stream_key,
+    stats,
+)
 
 from trio_redis_finalize import (
     ACK,
@@ -17,7 +27,6 @@ from trio_redis_finalize import (
     RETRY,
     AckError,
     AckUnsupported,
-    Consumer,
     Delivery,
     ListSubscription,
     open_consumer,
@@ -25,21 +34,10 @@ from trio_redis_finalize import (
 )
 from trio_redis_finalize._core._plan import content_origin
 from trio_redis_finalize._envelope import MAGIC, unwrap
-from trio_redis_finalize._transport import Client, WrongTypeError
+from trio_redis_finalize._transport import Client
 
 K = "inbox"
 NAME = f"list {K!r}"
-
-
-
-
-def stats(consumer: Consumer) -> dict[str, Any]:
-    return consumer.stats()[NAME]
-
-
-def effects(consumer: Consumer) -> dict[str, int]:
-    e: dict[str, int] = stats(consumer)["effects"]
-    return e
 
 
 async def lrange(client: Client, key: str = K) -> list[bytes]:
@@ -63,9 +61,9 @@ async def test_ack_and_drop_are_no_ops_and_the_next_message_comes(
         await client.execute("LPUSH", K, b"b")
         await eventually(lambda: len(h.seen) == 2, what="second")
         await client.execute("LPUSH", K, b"c")
-        await eventually(lambda: effects(consumer).get("nothing") == 3, what="three no-ops")
-        assert stats(consumer)["refused"] == 0
-        assert stats(consumer)["outcomes"] == {"ack": 1, "drop": 2}
+        await eventually(lambda: effects(consumer, NAME).get("nothing") == 3, what="three no-ops")
+        assert stats(consumer, NAME)["refused"] == 0
+        assert stats(consumer, NAME)["outcomes"] == {"ack": 1, "drop": 2}
     assert h.data == [b"a", b"b", b"c"]
     d = h.seen[0]
     assert (d.source, d.id, dict(d.fields), d.attempt, d.origin_id) == (
@@ -81,10 +79,10 @@ async def test_retry_is_refused_logged_and_counted_and_the_consumer_goes_on(
         async with open_consumer(redis_url, name="c1") as consumer:
             await consumer.mount(sub(), h)
             await client.execute("LPUSH", K, b"r")
-            await eventually(lambda: stats(consumer)["refused"] == 1, what="refused")
+            await eventually(lambda: stats(consumer, NAME)["refused"] == 1, what="refused")
             await client.execute("LPUSH", K, b"next")
             await eventually(lambda: h.data == [b"r", b"next"], what="next delivered")
-            assert effects(consumer).get("refused") == 1
+            assert effects(consumer, NAME).get("refused") == 1
     refusals = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(refusals) == 1
     msg = refusals[0]
@@ -128,7 +126,7 @@ async def test_retry_after_lpushes_a_copy_after_the_delay(redis_url: str, client
         await consumer.mount(sub(), timed)
         await client.execute("LPUSH", K, b"later")
         await eventually(lambda: len(h.seen) == 2, what="copy delivered")
-        assert effects(consumer).get("held") == 1
+        assert effects(consumer, NAME).get("held") == 1
     first, second = h.seen
     assert (second.data, second.attempt, second.origin_id) == (b"later", 2, first.origin_id)
     assert second.raw is not None and unwrap(second.raw) == (b"later", 1, first.origin_id)
@@ -139,12 +137,10 @@ async def test_retry_after_at_max_attempts_is_dropped_with_a_warning(
     redis_url: str, client: Client, caplog: pytest.LogCaptureFixture
 ) -> None:
     h = Recorder(lambda d: retry_after(0))
-    with caplog.at_level(logging.WARNING, logger="trio_redis_finalize"):
-        async with open_consumer(redis_url, name="c1") as consumer:
-            await consumer.mount(sub(max_attempts=2), h)
-            await client.execute("LPUSH", K, b"p")
-            await eventually(lambda: effects(consumer).get("exhausted") == 1, what="exhausted")
-            await trio.sleep(0.2)
+    async with logged_consumer(redis_url, caplog, sub(max_attempts=2), h) as consumer:
+        await client.execute("LPUSH", K, b"p")
+        await eventually(lambda: effects(consumer, NAME).get("exhausted") == 1, what="exhausted")
+        await trio.sleep(0.2)
     assert [d.attempt for d in h.seen] == [1, 2]
     assert "max_attempts=2" in caplog.text
     assert await lrange(client) == []
@@ -158,8 +154,7 @@ async def test_foreign_elements_arrive_unchanged(redis_url: str, client: Client)
     async with open_consumer(redis_url, name="c1") as consumer:
         await consumer.mount(sub(), h)
         await eventually(lambda: len(h.seen) == len(payloads), what="all delivered")
-    assert h.data == payloads
-    assert all(d.attempt == 1 for d in h.seen)
+    assert_unchanged(h, payloads)
 
 
 async def test_corrupt_envelope_is_dropped_with_an_error_log(
@@ -167,14 +162,11 @@ async def test_corrupt_envelope_is_dropped_with_an_error_log(
 ) -> None:
     await client.execute("LPUSH", K, MAGIC + b"\x01", b"ok")
     h = Recorder(lambda d: ACK)
-    with caplog.at_level(logging.WARNING, logger="trio_redis_finalize"):
-        async with open_consumer(redis_url, name="c1") as consumer:
-            await consumer.mount(sub(), h)
-            await eventually(lambda: effects(consumer).get("exhausted") == 1 and len(h.seen) == 1,
-                             what="dropped + delivered")
+    async with logged_consumer(redis_url, caplog, sub(), h) as consumer:
+        await eventually(lambda: effects(consumer, NAME).get("exhausted") == 1 and len(h.seen) == 1,
+                         what="dropped + delivered")
     assert h.data == [b"ok"]
-    assert any(r.levelno == logging.ERROR and "corrupt envelope" in r.getMessage()
-               and "dropped" in r.getMessage() for r in caplog.records)
+    assert corrupt_envelope_logged(caplog.records)
 
 
 async def test_an_element_popped_but_never_started_is_pushed_back_at_shutdown(
@@ -183,20 +175,13 @@ async def test_an_element_popped_but_never_started_is_pushed_back_at_shutdown(
     """concurrency=1, the handler busy with A: the reader has popped B and waits
     to hand it over.  Shutdown gives B back to the list (A is lost: at-most-once
     when its handler does not finish within shutdown_grace)."""
-    started = trio.Event()
-    seen: list[bytes | None] = []
-
-    async def busy(d: Delivery) -> Any:
-        seen.append(d.data)
-        started.set()
-        await trio.sleep_forever()
-
+    busy = Hang()
     await client.execute("LPUSH", K, b"A", b"B")
     async with open_consumer(redis_url, name="c1", shutdown_grace=0.2) as consumer:
         await consumer.mount(sub(), busy)
-        await started.wait()
+        await busy.started.wait()
         await eventually(lambda: is_empty(client), what="B popped by the reader")
-    assert seen == [b"A"]
+    assert busy.data == [b"A"]
     assert await lrange(client) == [b"B"]
 
 
@@ -217,8 +202,5 @@ def test_bad_config_names_the_parameter(kwargs: dict[str, Any], param: str) -> N
 
 
 async def test_mount_on_a_stream_key_names_key_and_type(redis_url: str, client: Client) -> None:
-    await client.execute("XADD", K, "*", "f", "v")
-    async with open_consumer(redis_url, name="c1") as consumer:
-        with pytest.raises(WrongTypeError) as info:
-            await consumer.mount(sub(), Recorder(lambda d: ACK))
-    assert repr(K) in str(info.value) and "stream" in str(info.value)
+    message = await mount_on_a_stream_key(client, redis_url, K, sub())
+    assert repr(K) in message and "stream" in message

@@ -16,7 +16,14 @@ from typing import Any
 import anyio
 import pytest
 import trio
-from _procs import Recorder, assert_immutable, eventually
+from _procs import (
+    Recorder,
+    assert_immutable,
+    assert_unchanged,
+    corrupt_envelope_logged,
+    eventually,
+    logged_consumer,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 from redis.exceptions import ResponseError
@@ -81,14 +88,12 @@ async def test_retry_is_refused_logged_and_counted_and_the_consumer_goes_on(
 ) -> None:
     name = "channel ch"
     h = Recorder(lambda d: RETRY if d.data == b"r" else ACK)
-    with caplog.at_level(logging.ERROR, logger="trio_redis_finalize"):
-        async with open_consumer(redis_url, name="c1") as consumer:
-            await consumer.mount(ChannelSubscription("ch"), h)
-            await publish(client, "ch", b"r")
-            await eventually(lambda: stats(consumer, name)["refused"] == 1, what="refused")
-            await publish(client, "ch", b"next")
-            await eventually(lambda: h.data == [b"r", b"next"], what="next delivered")
-            assert effects(consumer, name).get("refused") == 1
+    async with logged_consumer(redis_url, caplog, ChannelSubscription("ch"), h, logging.ERROR) as consumer:
+        await publish(client, "ch", b"r")
+        await eventually(lambda: stats(consumer, name)["refused"] == 1, what="refused")
+        await publish(client, "ch", b"next")
+        await eventually(lambda: h.data == [b"r", b"next"], what="next delivered")
+        assert effects(consumer, name).get("refused") == 1
     msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(msgs) == 1
     assert "a channel has nothing to acknowledge" in msgs[0] and "retry_after" in msgs[0]
@@ -169,14 +174,12 @@ async def test_pattern_retry_after_without_retry_channel_is_refused(
 ) -> None:
     name = "pattern 'ev.*'"
     h = Recorder(lambda d: retry_after(0.1) if d.data == b"r" else ACK)
-    with caplog.at_level(logging.ERROR, logger="trio_redis_finalize"):
-        async with open_consumer(redis_url, name="c1") as consumer:
-            await consumer.mount(PatternSubscription("ev.*"), h)
-            await publish(client, "ev.a", b"r")
-            await eventually(lambda: stats(consumer, name)["refused"] == 1, what="refused")
-            await publish(client, "ev.a", b"next")
-            await eventually(lambda: len(h.seen) == 2, what="still running")
-            await trio.sleep(0.3)
+    async with logged_consumer(redis_url, caplog, PatternSubscription("ev.*"), h, logging.ERROR) as consumer:
+        await publish(client, "ev.a", b"r")
+        await eventually(lambda: stats(consumer, name)["refused"] == 1, what="refused")
+        await publish(client, "ev.a", b"next")
+        await eventually(lambda: len(h.seen) == 2, what="still running")
+        await trio.sleep(0.3)
     assert h.data == [b"r", b"next"]  # no copy came
     assert any("retry_channel" in r.getMessage() for r in caplog.records if r.levelno == logging.ERROR)
 
@@ -191,8 +194,7 @@ async def test_foreign_payloads_arrive_unchanged(redis_url: str, client: Client)
         for p in payloads:
             await publish(client, "raw", p)
         await eventually(lambda: len(h.seen) == len(payloads), what="all delivered")
-    assert h.data == payloads
-    assert all(d.attempt == 1 for d in h.seen)
+    assert_unchanged(h, payloads)
 
 
 async def test_corrupt_envelope_is_dropped_with_an_error_log(
@@ -200,16 +202,13 @@ async def test_corrupt_envelope_is_dropped_with_an_error_log(
 ) -> None:
     name = "channel ch"
     h = Recorder(lambda d: ACK)
-    with caplog.at_level(logging.WARNING, logger="trio_redis_finalize"):
-        async with open_consumer(redis_url, name="c1") as consumer:
-            await consumer.mount(ChannelSubscription("ch"), h)
-            await publish(client, "ch", MAGIC + b"\xff\xff")
-            await publish(client, "ch", b"ok")
-            await eventually(lambda: effects(consumer, name).get("exhausted") == 1
-                             and len(h.seen) == 1, what="dropped + delivered")
+    async with logged_consumer(redis_url, caplog, ChannelSubscription("ch"), h) as consumer:
+        await publish(client, "ch", MAGIC + b"\xff\xff")
+        await publish(client, "ch", b"ok")
+        await eventually(lambda: effects(consumer, name).get("exhausted") == 1
+                         and len(h.seen) == 1, what="dropped + delivered")
     assert h.data == [b"ok"]
-    assert any(r.levelno == logging.ERROR and "corrupt envelope" in r.getMessage()
-               and "dropped" in r.getMessage() for r in caplog.records)
+    assert corrupt_envelope_logged(caplog.records)
 
 
 # -- the reader's deliveries (sans-IO) ----------------------------------------------
@@ -352,20 +351,18 @@ async def test_killed_connection_resubscribes_and_logs_the_gap(
 ) -> None:
     name = "pattern 'g.*'"
     h = Recorder(lambda d: ACK)
-    with caplog.at_level(logging.WARNING, logger="trio_redis_finalize"):
-        async with open_consumer(redis_url, name="c1") as consumer:
-            await consumer.mount(PatternSubscription("g.*"), h)
-            await publish(client, "g.1", b"before")
-            await eventually(lambda: len(h.seen) == 1, what="before")
-            assert await client.execute("CLIENT", "KILL", "TYPE", "pubsub") == 1
-            await eventually(lambda: effects(consumer, name).get("gaps") == 1, what="resubscribed")
+    async with logged_consumer(redis_url, caplog, PatternSubscription("g.*"), h) as consumer:
+        await publish(client, "g.1", b"before")
+        await eventually(lambda: len(h.seen) == 1, what="before")
+        assert await client.execute("CLIENT", "KILL", "TYPE", "pubsub") == 1
+        await eventually(lambda: effects(consumer, name).get("gaps") == 1, what="resubscribed")
 
-            async def delivered_after() -> bool:
-                await publish(client, "g.2", b"after")
-                await trio.sleep(0.05)
-                return b"after" in h.data
-            await eventually(delivered_after, what="after")
-            assert stats(consumer, name)["read_errors"] >= 1
+        async def delivered_after() -> bool:
+            await publish(client, "g.2", b"after")
+            await trio.sleep(0.05)
+            return b"after" in h.data
+        await eventually(delivered_after, what="after")
+        assert stats(consumer, name)["read_errors"] >= 1
     assert h.data[0] == b"before" and b"after" in h.data
     assert any("messages published meanwhile are lost" in r.getMessage() for r in caplog.records)
 

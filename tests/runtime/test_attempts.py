@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import trio
-from _procs import effects, eventually, stats
+from _procs import connection, effects, eventually, stats
 from redis import exceptions as rexc
 
 from trio_redis_finalize import ACK, Delivery, Mode, Outcome, StreamSubscription, open_consumer
@@ -59,12 +59,8 @@ def sub_for(mode: Mode, **kw: Any) -> StreamSubscription:
 
 async def reader_conn(client: Client, consumer: str) -> dict[str, str]:
     """CLIENT LIST fields of the reader connection of ``consumer`` (empty: none now)."""
-    text = (await client.execute("CLIENT", "LIST")).decode()
-    for line in text.splitlines():
-        kv = dict(p.split("=", 1) for p in line.split(" ") if "=" in p)
-        if kv.get("name") == f"trf:{consumer}:reader":
-            return kv
-    return {}
+    kv, _ = await connection(client, f"trf:{consumer}:reader")
+    return kv
 
 
 async def blocked_reader(client: Client, consumer: str) -> dict[str, str]:

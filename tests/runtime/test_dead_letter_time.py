@@ -120,16 +120,22 @@ async def test_a_stream_dead_letter_carries_the_servers_time(
         assert list(f)[-1] == DEAD_TIME  # one field more at the end, the entry's own kept
 
 
+async def _dead_letter_all(url: str, c: Any, n: int) -> None:
+    """A consumer (max_attempts=1, always RETRY) dead-letters what ``S`` holds,
+    until ``DEAD`` has ``n`` entries (within 15 s)."""
+    async with open_consumer(url) as consumer:
+        await consumer.mount(StreamSubscription(S, "g", block=0.05, max_attempts=1,
+                                                dead_letter=DEAD), _const(RETRY))
+        with trio.fail_after(15):
+            while await c.execute("XLEN", DEAD) < n:
+                await trio.sleep(0.02)
+
+
 async def test_inspect_shows_the_dead_letter_time_not_the_id(url: str) -> None:
     async with open_client(url) as c:
         await c.execute("XADD", DEAD, "99999999999999-0", "old", "entry")
         await c.execute("XADD", S, "*", "n", 1)
-        async with open_consumer(url) as consumer:
-            await consumer.mount(StreamSubscription(S, "g", block=0.05, max_attempts=1,
-                                                    dead_letter=DEAD), _const(RETRY))
-            with trio.fail_after(15):
-                while await c.execute("XLEN", DEAD) < 2:
-                    await trio.sleep(0.02)
+        await _dead_letter_all(url, c, 2)
         now = await _now_ms(c)
     r = await _cli("inspect", DEAD, "--entries", "2", "--json", "--url", url)
     entries = json.loads(r)["entries"]
@@ -148,12 +154,7 @@ async def test_inspect_entries_n_lists_n_entries(url: str) -> None:
     async with open_client(url) as c:
         for i in range(7):
             await c.execute("XADD", S, "*", "n", i)
-        async with open_consumer(url) as consumer:
-            await consumer.mount(StreamSubscription(S, "g", block=0.05, max_attempts=1,
-                                                    dead_letter=DEAD), _const(RETRY))
-            with trio.fail_after(15):
-                while await c.execute("XLEN", DEAD) < 7:
-                    await trio.sleep(0.02)
+        await _dead_letter_all(url, c, 7)
         ids = {eid.decode() for eid, _ in await c.execute("XRANGE", DEAD, "-", "+")}
     text = await _cli("inspect", DEAD, "--entries", "5", "--url", url)
     shown = {i for i in re.findall(r"\b\d+-\d+\b", text) if i in ids}

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 import anyio
 import pytest
 import trio
-from faults.chaosproxy import ChaosProxy
+from faults.chaosproxy import ChaosProxy, serving
 from redis import exceptions as rexc
 
 from trio_redis_finalize import (
@@ -31,14 +31,11 @@ pytestmark = pytest.mark.timeout(60)
 
 @pytest.fixture
 async def proxy(redis_server: RedisServer, redis_url: str) -> AsyncIterator[ChaosProxy]:
-    async with trio.open_nursery() as n:
-        p = ChaosProxy(upstream_port=redis_server.port)
-        await n.start(p.serve)
+    async with serving(ChaosProxy(upstream_port=redis_server.port)) as p:
         try:
             yield p
         finally:
             p.heal()
-            n.cancel_scope.cancel()
 
 
 async def _ack(d: Delivery) -> Outcome:

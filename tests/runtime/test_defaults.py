@@ -22,7 +22,7 @@ from typing import Any
 import anyio
 import pytest
 import trio
-from _procs import eventually
+from _procs import Recorder, eventually
 
 from trio_redis_finalize import (
     ACK,
@@ -181,12 +181,7 @@ async def test_reject_dead_letters_a_reliable_list_element_at_once(
 async def test_reject_refused_where_there_is_no_dead_letter(
         redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.ERROR, logger=LOGGER)
-    seen: list[str] = []
-
-    async def handler(d: Delivery) -> Outcome:
-        seen.append(d.source)
-        return REJECT
-
+    handler = Recorder(lambda d: REJECT)
     async with open_client(redis_url) as client:
         await client.execute("LPUSH", "inbox", b"x")
         await client.execute("XADD", "s", "*", "n", "1")

@@ -99,6 +99,11 @@ def once_then_ack(delay: float) -> Callable[[Delivery], Outcome]:
     return lambda d: retry_after(delay) if d.attempt == 1 else ACK
 
 
+async def add_entries(redis: Client, n: int) -> list[str]:
+    """Entries n=0 .. n-1 in stream ``s``: their ids."""
+    return [(await redis.execute("XADD", "s", "*", "n", str(i))).decode() for i in range(n)]
+
+
 async def equals(awaitable: Awaitable[Any], value: Any) -> bool:
     return bool(await awaitable == value)
 
@@ -162,7 +167,7 @@ async def test_runtime_stream_copy(redis_url: str, redis: Client) -> None:
 
 
 async def test_shutdown_writes_every_held_copy(redis_url: str, redis: Client) -> None:
-    ids = [(await redis.execute("XADD", "s", "*", "n", str(i))).decode() for i in range(100)]
+    ids = await add_entries(redis, 100)
     rec = Recorder(once_then_ack(60.0))
     async with open_consumer(redis_url) as consumer:
         sub = StreamSubscription("s", "g", block=0.1)
@@ -183,8 +188,7 @@ async def test_shutdown_writes_every_held_copy(redis_url: str, redis: Client) ->
 async def test_max_held_copies_sends_at_once_when_full(
     redis_url: str, redis: Client, logs: pytest.LogCaptureFixture
 ) -> None:
-    for i in range(10):
-        await redis.execute("XADD", "s", "*", "n", str(i))
+    await add_entries(redis, 10)
     rec = Recorder(once_then_ack(60.0))
     async with open_consumer(redis_url, max_held_copies=4) as consumer:
         sub = StreamSubscription("s", "g", block=0.1)
@@ -577,8 +581,7 @@ async def test_claiming_short_delay_lasts_min_idle(redis_url: str, redis: Client
 async def test_claiming_longer_delay_is_cut_and_logged_once(
     redis_url: str, redis: Client, logs: pytest.LogCaptureFixture
 ) -> None:
-    for i in range(3):
-        await redis.execute("XADD", "s", "*", "n", str(i))
+    await add_entries(redis, 3)
     rec = Recorder(once_then_ack(30.0))
     async with open_consumer(redis_url) as consumer:
         sub = StreamSubscription("s", "g", mode=Mode.CLAIMING, min_idle=0.3, block=0.05)

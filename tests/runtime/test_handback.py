@@ -22,7 +22,7 @@ import sys
 from typing import Any
 
 import trio
-from _procs import AppProc
+from _procs import AppProc, Hang
 
 from trio_redis_finalize import (
     ACK,
@@ -139,19 +139,13 @@ async def test_leaving_async_with_hands_back_unstarted_and_grace_cut_entries(
     behind it go to the live peer within the bound; the unstarted ones at
     attempt 1, the cut one at 2 (its handler ran: it counts, as always)."""
     ids = [(await client.execute("XADD", "orders", "*", "n", str(i))).decode() for i in range(5)]
-    started = trio.Event()
-
-    async def hang(d: Delivery) -> Outcome:
-        started.set()
-        await trio.sleep_forever()
-        raise AssertionError("unreachable")
-
+    hang = Hang()
     peer = Peer()
     async with open_consumer(redis_url, name="peer") as b:
         async with open_consumer(redis_url, shutdown_grace=0.2) as a:
             await a.mount(StreamSubscription("orders", "g"), hang)
             with trio.fail_after(10):
-                await started.wait()
+                await hang.started.wait()
             await b.mount(StreamSubscription("orders", "g"), peer)
         stopped = trio.current_time()
         await peer.wait_for(set(ids), BOUND + LOAD_MARGIN + 10)
@@ -163,6 +157,22 @@ async def test_leaving_async_with_hands_back_unstarted_and_grace_cut_entries(
     assert attempts == {ids[0]: 2, **dict.fromkeys(ids[1:], 1)}
 
 
+async def stop_a_holding_its_first_entry(redis_url: str) -> None:
+    """Consumer ``a`` (group ``g`` of ``orders``) stops as soon as its handler
+    holds its first entry (0.2 s, then ACK): the rest it read is handed back."""
+    got = trio.Event()
+
+    async def hold(d: Delivery) -> Outcome:
+        got.set()
+        await trio.sleep(0.2)
+        return ACK
+
+    async with open_consumer(redis_url, name="a") as a:
+        await a.mount(StreamSubscription("orders", "g"), hold)
+        with trio.fail_after(10):
+            await got.wait()
+
+
 async def test_a_stopped_consumer_is_marked_stopped_and_a_later_one_takes_its_entries_at_once(
     redis_url: str, client: Client
 ) -> None:
@@ -171,17 +181,7 @@ async def test_a_stopped_consumer_is_marked_stopped_and_a_later_one_takes_its_en
     started afterwards (a new name: a restart with defaults) takes them at
     its mount, at their attempt, and the mark goes."""
     ids = [(await client.execute("XADD", "orders", "*", "n", str(i))).decode() for i in range(3)]
-    started = trio.Event()
-
-    async def hold(d: Delivery) -> Outcome:
-        started.set()
-        await trio.sleep(0.2)
-        return ACK
-
-    async with open_consumer(redis_url, name="a") as a:
-        await a.mount(StreamSubscription("orders", "g"), hold)
-        with trio.fail_after(10):
-            await started.wait()
+    await stop_a_holding_its_first_entry(redis_url)
     info = await inspect_stream(client, "orders", "g")
     [row] = [c for c in info["groups"][0]["consumer_list"] if c["name"] == "a"]
     assert row["heartbeat"] == "stopped" and row["pending"] == 2, row
@@ -206,17 +206,7 @@ async def test_inspect_prints_a_stopped_consumer_as_stopped(redis_url: str, clie
     """The CLI's ``inspect`` text for a consumer with the stopped mark."""
     await client.execute("XADD", "orders", "*", "n", "1")
     await client.execute("XADD", "orders", "*", "n", "2")
-    got = trio.Event()
-
-    async def hold(d: Delivery) -> Outcome:
-        got.set()
-        await trio.sleep(0.2)
-        return ACK
-
-    async with open_consumer(redis_url, name="a") as a:
-        await a.mount(StreamSubscription("orders", "g"), hold)
-        with trio.fail_after(10):
-            await got.wait()
+    await stop_a_holding_its_first_entry(redis_url)
     done = await trio.run_process(
         [sys.executable, "-m", "trio_redis_finalize", "inspect", "orders", "--group", "g",
          "--url", redis_url], capture_stdout=True, capture_stderr=True)

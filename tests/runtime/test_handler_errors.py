@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import math
+from typing import Any
 
 import anyio
 import pytest
 import trio
-from _procs import eventually
+from _procs import Hang, eventually
 
 from trio_redis_finalize import ACK, DROP, Delivery, Outcome, StreamSubscription, open_consumer
 from trio_redis_finalize._transport import Client, open_client
@@ -26,11 +27,23 @@ async def _pending(client: Client) -> int:
     return int((await client.execute("XPENDING", "s", "g"))[0])
 
 
+async def add_entries(client: Client, n: int) -> None:
+    """Entries n=0 .. n-1 in stream ``s``."""
+    for i in range(n):
+        await client.execute("XADD", "s", "*", "n", str(i))
+
+
+async def all_handled(consumer: Any, seen: list[bytes], n: int) -> None:
+    """Once ``n`` entries were handled, their outcomes settled (none in hand)."""
+    await eventually(lambda: len(seen) == n, what="every entry handled")
+    mount = consumer.mounts[0]
+    await eventually(lambda: not mount.in_hand, what="no held id left")
+
+
 def test_asyncio_cancelled_error_of_another_task_is_a_handler_error(redis_url: str) -> None:
     async def main() -> None:
         async with open_client(redis_url) as client:
-            for n in range(3):
-                await client.execute("XADD", "s", "*", "n", str(n))
+            await add_entries(client, 3)
             seen: list[bytes] = []
 
             async def handler(d: Delivery) -> Outcome:
@@ -48,9 +61,7 @@ def test_asyncio_cancelled_error_of_another_task_is_a_handler_error(redis_url: s
                 async with open_consumer(redis_url, name="c1", shutdown_grace=0.2) as consumer:
                     await consumer.mount(StreamSubscription("s", "g", block=0.1), handler,
                                          concurrency=1, on_error=DROP)
-                    await eventually(lambda: len(seen) == 3, what="every entry handled")
-                    mount = consumer.mounts[0]
-                    await eventually(lambda: not mount.in_hand, what="no held id left")
+                    await all_handled(consumer, seen, 3)
                     stats = consumer.stats()[NAME]
                     assert stats["handler_errors"] == 1, stats
                     assert stats["effects"] == {"dropped": 1, "acked": 2}, stats
@@ -68,8 +79,7 @@ class Weird(BaseException):
 
 
 async def test_base_exception_from_handler_is_a_handler_error(redis_url: str, client: Client) -> None:
-    for n in range(3):
-        await client.execute("XADD", "s", "*", "n", str(n))
+    await add_entries(client, 3)
     seen: list[bytes] = []
 
     async def handler(d: Delivery) -> Outcome:
@@ -80,26 +90,18 @@ async def test_base_exception_from_handler_is_a_handler_error(redis_url: str, cl
 
     async with open_consumer(redis_url, name="c1") as consumer:
         await consumer.mount(StreamSubscription("s", "g", block=0.1), handler, on_error=DROP)
-        await eventually(lambda: len(seen) == 3, what="every entry handled")
-        mount = consumer.mounts[0]
-        await eventually(lambda: not mount.in_hand, what="no held id left")
+        await all_handled(consumer, seen, 3)
         assert consumer.stats()[NAME]["handler_errors"] == 1
     assert await _pending(client) == 0
 
 
 async def test_own_cancellation_still_ends_the_handler(redis_url: str, client: Client) -> None:
     await client.execute("XADD", "s", "*", "n", "0")
-    started = trio.Event()
-
-    async def handler(d: Delivery) -> Outcome:
-        started.set()
-        await trio.sleep_forever()
-        raise AssertionError("not reached")
-
+    handler = Hang()
     with trio.fail_after(10):
         async with open_consumer(redis_url, name="c1", shutdown_grace=0.2) as consumer:
             await consumer.mount(StreamSubscription("s", "g", block=0.1), handler)
-            await started.wait()
+            await handler.started.wait()
     assert consumer.stats()[NAME]["handler_errors"] == 0
     assert await _pending(client) == 1
 

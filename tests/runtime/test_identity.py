@@ -136,14 +136,11 @@ async def eventually(check: object, timeout: float = 20.0, what: str = "conditio
 
 # -- point 8: a second live process with the name ------------------------------------
 
-@pytest.mark.parametrize("form", ["stream", "list"])
-async def test_a_second_process_with_the_name_is_refused_then_takes_over_only_when_asked(
-        form: str, redis_url: str, client: Client) -> None:
-    """Process P holds consumer ``w1`` and one delivery in its handler; this
-    process mounts ``w1`` too.  Refused, naming the consumer, the key, P and
-    the heartbeat's age, and nothing of P's is handled here.  With
-    ``takeover=True`` it mounts and handles P's delivery (deliberately); P
-    logs that its name was taken over."""
+async def child_w1(form: str, redis_url: str, client: Client) -> tuple[
+        Child, StreamSubscription | ReliableListSubscription, str]:
+    """One delivery waiting and a process running consumer ``w1`` of ``form``
+    (heartbeat 30 s); the process, the subscription to mount ``w1`` on here,
+    and the heartbeat key."""
     if form == "stream":
         await client.execute("XGROUP", "CREATE", "orders", "billing", "0", "MKSTREAM")
         await client.execute("XADD", "orders", "*", "n", "1")
@@ -155,6 +152,18 @@ async def test_a_second_process_with_the_name_is_refused_then_takes_over_only_wh
         p = await child("list", redis_url, "jobs", "w1", "30")
         sub = list_sub()
         key = reliable.heartbeat_key("jobs", "w1")
+    return p, sub, key
+
+
+@pytest.mark.parametrize("form", ["stream", "list"])
+async def test_a_second_process_with_the_name_is_refused_then_takes_over_only_when_asked(
+        form: str, redis_url: str, client: Client) -> None:
+    """Process P holds consumer ``w1`` and one delivery in its handler; this
+    process mounts ``w1`` too.  Refused, naming the consumer, the key, P and
+    the heartbeat's age, and nothing of P's is handled here.  With
+    ``takeover=True`` it mounts and handles P's delivery (deliberately); P
+    logs that its name was taken over."""
+    p, sub, key = await child_w1(form, redis_url, client)
     try:
         await p.expect("H")  # P is handling it
         h = Seen()
@@ -261,17 +270,7 @@ async def test_a_sigkilled_process_of_this_host_is_taken_over_at_once(
         form: str, redis_url: str, client: Client) -> None:
     """Its heartbeat (30 s) still lives, but its pid runs no more: the restart
     mounts at once and handles what it held (no 30 s wait)."""
-    if form == "stream":
-        await client.execute("XGROUP", "CREATE", "orders", "billing", "0", "MKSTREAM")
-        await client.execute("XADD", "orders", "*", "n", "1")
-        p = await child("stream", redis_url, "orders", "billing", "w1", "30")
-        sub: StreamSubscription | ReliableListSubscription = stream_sub()
-        key = presence.heartbeat_key("orders", "billing", "w1")
-    else:
-        await client.execute("LPUSH", "jobs", b"job-1")
-        p = await child("list", redis_url, "jobs", "w1", "30")
-        sub = list_sub()
-        key = reliable.heartbeat_key("jobs", "w1")
+    p, sub, key = await child_w1(form, redis_url, client)
     await p.expect("H")
     await p.kill()
     assert int(await client.execute("PTTL", key)) > 20_000  # alive for 20 s more

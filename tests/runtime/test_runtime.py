@@ -10,14 +10,13 @@ from typing import Any
 
 import pytest
 import trio
-from _procs import eventually
+from _procs import Recorder, effects, eventually, stats
 
 from trio_redis_finalize import (
     ACK,
     DROP,
     RETRY,
     Backoff,
-    Consumer,
     Delivery,
     Outcome,
     StreamSubscription,
@@ -28,19 +27,6 @@ from trio_redis_finalize._transport import Client
 
 S, G = "events", "rt"
 NAME = f"stream {S!r} group {G!r}"
-
-
-
-
-
-
-def stats(consumer: Consumer) -> dict[str, Any]:
-    return consumer.stats()[NAME]
-
-
-def effects(consumer: Consumer) -> dict[str, int]:
-    e: dict[str, int] = stats(consumer)["effects"]
-    return e
 
 
 async def xadd(client: Client, **fields: str) -> str:
@@ -95,9 +81,9 @@ async def test_handler_error_counts_as_on_error_and_is_logged(
         expected = {"acked": 2, "copied": 1} if on_error is RETRY else {
             "acked": 2 if on_error is ACK else 1, **({"dropped": 1} if on_error is DROP else {})}
         later = await xadd(client, n="good")  # the consumer lives on
-        await eventually(lambda: effects(consumer) == expected, what=f"effects {expected}")
-        assert stats(consumer)["handler_errors"] == 1
-        assert stats(consumer)["outcomes"][on_error.kind.value] >= 1
+        await eventually(lambda: effects(consumer, NAME) == expected, what=f"effects {expected}")
+        assert stats(consumer, NAME)["handler_errors"] == 1
+        assert stats(consumer, NAME)["outcomes"][on_error.kind.value] >= 1
     records = [r for r in caplog.records if logged in r.getMessage()]
     assert len(records) == 1
     msg = records[0].getMessage()
@@ -132,8 +118,8 @@ async def test_handler_timing_out_in_its_own_scope_counts_as_an_error(
         await consumer.mount(StreamSubscription(S, G, block=0.05, max_attempts=2, dead_letter=None),
                              handler,
                              on_error=Backoff(base=0.01, cap=0.01, window=0))
-        await eventually(lambda: effects(consumer).get("exhausted") == 1, what="two failed attempts")
-        assert stats(consumer)["handler_errors"] == 2
+        await eventually(lambda: effects(consumer, NAME).get("exhausted") == 1, what="two failed attempts")
+        assert stats(consumer, NAME)["handler_errors"] == 2
 
 
 # -- mount() arguments -------------------------------------------------------------------
@@ -204,7 +190,7 @@ async def test_shutdown_finishes_in_flight_within_grace_and_leaves_the_rest_pend
             # these wait, read but not started
             unstarted = [i.decode() for i in await client.transaction(
                 [("XADD", S, "*", "n", f"u{i}") for i in range(3)])]
-            await eventually(lambda: stats(consumer)["received"] == 6, what="waiting entries read")
+            await eventually(lambda: stats(consumer, NAME)["received"] == 6, what="waiting entries read")
             t0 = trio.current_time()
             if how == "cancel":
                 outer.cancel()
@@ -225,16 +211,11 @@ async def test_shutdown_finishes_in_flight_within_grace_and_leaves_the_rest_pend
 
 async def test_shutdown_finalizes_outcomes_returned_just_before_exit(redis_url: str, client: Client) -> None:
     ids = [await xadd(client, n=str(i)) for i in range(50)]
-    handled: list[str] = []
-
-    async def handler(d: Delivery) -> Outcome:
-        assert d.id is not None
-        handled.append(d.id)
-        return ACK
-
+    h = Recorder()
     async with open_consumer(redis_url, name="c1", shutdown_grace=2.0) as consumer:
-        await consumer.mount(StreamSubscription(S, G, block=0.05, count=10), handler)
-        await eventually(lambda: len(handled) >= 5, what="some handled")
+        await consumer.mount(StreamSubscription(S, G, block=0.05, count=10), h)
+        await eventually(lambda: len(h.seen) >= 5, what="some handled")
+    handled = [d.id for d in h.seen]
     # whatever was handled is acknowledged; nothing unhandled is: it is pending, or
     # was never read (the stop may come before the reader has read all 50)
     groups = await client.execute("XINFO", "GROUPS", S)
@@ -257,15 +238,11 @@ async def test_second_consumer_finishes_what_the_first_left_pending(redis_url: s
         await consumer.mount(StreamSubscription(S, G, block=0.05), stuck)
         await eventually(lambda: len(first) == 1, what="stuck")
     assert await pending_ids(client) == set(ids)
-    second: list[Delivery] = []
-
-    async def ok(d: Delivery) -> Outcome:
-        second.append(d)
-        return ACK
-
+    ok = Recorder()
+    second = ok.seen
     async with open_consumer(redis_url, name="c1") as consumer:
         await consumer.mount(StreamSubscription(S, G, block=0.05), ok)
-        await eventually(lambda: effects(consumer).get("acked") == 4, what="all acked on restart")
+        await eventually(lambda: effects(consumer, NAME).get("acked") == 4, what="all acked on restart")
     assert [d.id for d in second] == ids
     assert second[0].attempt == 2  # the one that was in a handler: read twice
     assert await pending_ids(client) == set()
@@ -295,11 +272,11 @@ async def test_slow_handler_slows_reading(redis_url: str, client: Client, concur
         await consumer.mount(StreamSubscription(S, G, block=0.05, count=count), handler,
                              concurrency=concurrency)
         with trio.fail_after(20):
-            while effects(consumer).get("acked", 0) < total:
+            while effects(consumer, NAME).get("acked", 0) < total:
                 unfinished = int((await client.execute("XPENDING", S, G))[0])
                 worst = max(worst, unfinished)
                 samples += 1
-                assert stats(consumer)["received"] - effects(consumer).get("acked", 0) <= bound
+                assert stats(consumer, NAME)["received"] - effects(consumer, NAME).get("acked", 0) <= bound
                 await trio.sleep(0.005)
     assert samples > 10
     print(f"concurrency {concurrency}: at most {worst} read-but-unfinished (bound {bound})")

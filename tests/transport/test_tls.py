@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 import trio
+from _procs import Recorder
 from redis import exceptions as rexc
 
-from trio_redis_finalize import ACK, Delivery, Outcome, StreamSubscription, open_consumer
+from trio_redis_finalize import StreamSubscription, open_consumer
 from trio_redis_finalize._transport import open_client, parse_url
 from trio_redis_finalize.testing import RedisServer, find_redis_server, free_port
 
@@ -67,12 +68,8 @@ async def test_rediss_url_verifies_the_server_and_consumes(tls_server: tuple[int
     async with open_client(url) as client:
         await client.execute("DEL", "tls-orders")
         await client.execute("XADD", "tls-orders", "*", "n", "1")
-    seen: list[Delivery] = []
-
-    async def handle(d: Delivery) -> Outcome:
-        seen.append(d)
-        return ACK
-
+    handle = Recorder()
+    seen = handle.seen
     async with open_consumer(url, name="tls") as consumer:
         await consumer.mount(StreamSubscription("tls-orders", "g", block=0.05), handle)
         with trio.fail_after(5):

@@ -645,29 +645,30 @@ def _openers(url: str) -> list[Any]:
             lambda: open_consumer(url), lambda: open_publisher(url)]
 
 
+async def assert_not_redis(port: int, openers: list[Any], bound: float, why: str) -> None:
+    """Each of ``openers`` fails within ``bound`` s: the endpoint at ``port``
+    did not answer as a Redis server (``why``: how the message goes on)."""
+    for opener in openers:
+        with trio.fail_after(bound), pytest.raises(
+                rexc.ConnectionError,
+                match=rf"^127\.0\.0\.1:{port} did not answer as a Redis server \({why}"):
+            async with opener():
+                pass
+
+
 @pytest.mark.parametrize("answer", [HTTP_REPLY, POSTGRES_LIKE], ids=["http", "postgres"])
 async def test_an_endpoint_that_answers_otherwise_did_not_answer_as_a_redis_server(
     answer: bytes,
 ) -> None:
     """Before: ``InvalidResponse: Protocol error, got "H" as reply type byte``, no address."""
     with not_redis(answer) as port:
-        for opener in _openers(f"redis://127.0.0.1:{port}/0"):
-            with trio.fail_after(10), pytest.raises(
-                    rexc.ConnectionError,
-                    match=rf"^127\.0\.0\.1:{port} did not answer as a Redis server \(Protocol error"):
-                async with opener():
-                    pass
+        await assert_not_redis(port, _openers(f"redis://127.0.0.1:{port}/0"), 10, "Protocol error")
 
 
 async def test_a_silent_endpoint_did_not_answer_as_a_redis_server() -> None:
     """Before: a ``TimeoutError`` (bare client) or "handshake with ... timed out"."""
     with not_redis(None) as port:
-        for opener in _openers(f"redis://127.0.0.1:{port}/0")[:2]:
-            with trio.fail_after(15), pytest.raises(
-                    rexc.ConnectionError,
-                    match=rf"^127\.0\.0\.1:{port} did not answer as a Redis server \(no reply to"):
-                async with opener():
-                    pass
+        await assert_not_redis(port, _openers(f"redis://127.0.0.1:{port}/0")[:2], 15, "no reply to")
 
 
 async def test_a_server_down_is_named_with_its_address() -> None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import trio
@@ -53,12 +55,28 @@ async def wait_len(client: Client, key: str, n: int) -> None:
             await trio.sleep(0.02)
 
 
-async def records(client: Client, element: bytes) -> list[dict[str, Any]]:
-    return why_records(await client.execute("HGET", WHY, hashlib.sha1(element).hexdigest()))
-
-
 async def boom(d: Delivery) -> Any:
     raise ValueError("boom")
+
+
+@asynccontextmanager
+async def failing_consumer(redis_url: str, handler: Any = boom, on_error: Any = RETRY) -> AsyncIterator[Any]:
+    """Consumer ``c`` with ``handler`` (it raises) on ``jobs`` (max_attempts=2,
+    dead letter ``DEAD``)."""
+    sub = ReliableListSubscription("jobs", block=0.05, max_attempts=2, dead_letter=DEAD)
+    async with open_consumer(redis_url, name="c") as consumer:
+        await consumer.mount(sub, handler, on_error=on_error)
+        yield consumer
+
+
+async def push_until_dead(consumer: Any, *elements: str, dead: int) -> None:
+    """``elements`` pushed onto ``jobs``; back once ``DEAD`` holds ``dead``."""
+    await consumer.client.execute("LPUSH", "jobs", *elements)
+    await wait_len(consumer.client, DEAD, dead)
+
+
+async def records(client: Client, element: bytes) -> list[dict[str, Any]]:
+    return why_records(await client.execute("HGET", WHY, hashlib.sha1(element).hexdigest()))
 
 
 def test_why_key_shares_the_dead_letters_slot() -> None:
@@ -68,11 +86,8 @@ def test_why_key_shares_the_dead_letters_slot() -> None:
 
 
 async def test_handler_exception_is_recorded_beside_the_element(redis_url: str) -> None:
-    sub = ReliableListSubscription("jobs", block=0.05, max_attempts=2, dead_letter=DEAD)
-    async with open_consumer(redis_url, name="c") as consumer:
-        await consumer.mount(sub, boom, on_error=RETRY)
-        await consumer.client.execute("LPUSH", "jobs", "job-1")
-        await wait_len(consumer.client, DEAD, 1)
+    async with failing_consumer(redis_url) as consumer:
+        await push_until_dead(consumer, "job-1", dead=1)
         (element,) = await consumer.client.execute("LRANGE", DEAD, 0, -1)
         body, retries, origin = unwrap(element)
         assert body == b"job-1" and retries == 1  # the element as read at its last attempt
@@ -88,11 +103,8 @@ async def test_handler_exception_is_recorded_beside_the_element(redis_url: str) 
 
 
 async def test_backoff_exhaustion_is_recorded_too(redis_url: str) -> None:
-    sub = ReliableListSubscription("jobs", block=0.05, max_attempts=2, dead_letter=DEAD)
-    async with open_consumer(redis_url, name="c") as consumer:
-        await consumer.mount(sub, boom, on_error=Backoff(base=0.01, cap=0.01, window=0))
-        await consumer.client.execute("LPUSH", "jobs", "job-1")
-        await wait_len(consumer.client, DEAD, 1)
+    async with failing_consumer(redis_url, on_error=Backoff(base=0.01, cap=0.01, window=0)) as consumer:
+        await push_until_dead(consumer, "job-1", dead=1)
         (element,) = await consumer.client.execute("LRANGE", DEAD, 0, -1)
         (rec,) = await records(consumer.client, element)
     assert rec["error"] == "ValueError: boom" and rec["attempt"] == 2
@@ -106,11 +118,8 @@ async def test_identical_elements_dead_lettered_twice_have_a_record_each(redis_u
         calls += 1
         raise ValueError(f"boom {calls}")
 
-    sub = ReliableListSubscription("jobs", block=0.05, max_attempts=2, dead_letter=DEAD)
-    async with open_consumer(redis_url, name="c") as consumer:
-        await consumer.mount(sub, handle, on_error=RETRY)
-        await consumer.client.execute("LPUSH", "jobs", "same", "same")
-        await wait_len(consumer.client, DEAD, 2)
+    async with failing_consumer(redis_url, handle) as consumer:
+        await push_until_dead(consumer, "same", "same", dead=2)
         elements = await consumer.client.execute("LRANGE", DEAD, 0, -1)
         assert elements[0] == elements[1]  # the same bytes: one field, two records
         recs = await records(consumer.client, elements[0])
@@ -139,13 +148,9 @@ async def test_identical_elements_dead_lettered_twice_have_a_record_each(redis_u
 
 
 async def test_inspect_entries_plain_and_json(redis_url: str) -> None:
-    sub = ReliableListSubscription("jobs", block=0.05, max_attempts=2, dead_letter=DEAD)
-    async with open_consumer(redis_url, name="c") as consumer:
-        await consumer.mount(sub, boom, on_error=RETRY)
-        await consumer.client.execute("LPUSH", "jobs", "a")
-        await wait_len(consumer.client, DEAD, 1)
-        await consumer.client.execute("LPUSH", "jobs", "b")
-        await wait_len(consumer.client, DEAD, 2)
+    async with failing_consumer(redis_url) as consumer:
+        await push_until_dead(consumer, "a", dead=1)
+        await push_until_dead(consumer, "b", dead=2)
         await consumer.client.execute("LPUSH", DEAD, "foreign")  # no record: shown without one
     r = await acli("inspect", DEAD, "--entries", "5", "--json", "--url", redis_url)
     assert r.returncode == 0, r.stderr
@@ -169,11 +174,8 @@ async def test_inspect_entries_plain_and_json(redis_url: str) -> None:
 async def test_requeue_moves_back_removes_the_record_and_is_consumed_as_the_original(
     redis_url: str,
 ) -> None:
-    sub = ReliableListSubscription("jobs", block=0.05, max_attempts=2, dead_letter=DEAD)
-    async with open_consumer(redis_url, name="c") as consumer:
-        await consumer.mount(sub, boom, on_error=RETRY)
-        await consumer.client.execute("LPUSH", "jobs", "job-1")
-        await wait_len(consumer.client, DEAD, 1)
+    async with failing_consumer(redis_url) as consumer:
+        await push_until_dead(consumer, "job-1", dead=1)
         (element,) = await consumer.client.execute("LRANGE", DEAD, 0, -1)
         origin = unwrap(element)[2]
         assert await records(consumer.client, element)

@@ -30,12 +30,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import anyio
 import pytest
 import trio
 from _procs import eventually
 from _rlist import NAME, Q, effects, lrange
-from faults.cmdproxy import LOST, CommandProxy, Fault, Fired, error
+from faults.cmdproxy import LOST, CommandProxy, Fault, Fired, error, serving
 
 from trio_redis_finalize import (
     ACK,
@@ -56,15 +55,6 @@ PROC = "{jobs}:processing:c1"
 async def counter(client: Client, key: str) -> int:
     v = await client.execute("GET", key)
     return int(v) if v is not None else 0
-
-
-@pytest.fixture(scope="module")
-def flavour(redis_server: RedisServer) -> str:
-    from trio_redis_finalize.pytest_plugin import sync_command
-
-    info = sync_command(redis_server, "INFO", "server")
-    assert isinstance(info, bytes)
-    return "valkey" if b"valkey" in info.lower() else "redis"
 
 
 class MatchProxy(CommandProxy):
@@ -102,12 +92,8 @@ running it (the request never reached the server; sent again)."""
 
 @pytest.fixture
 async def proxy(redis_url: str, redis_server: RedisServer, flavour: str) -> AsyncIterator[MatchProxy]:
-    p = MatchProxy(redis_server.port, flavour=flavour)
-    async with anyio.create_task_group() as tg:
-        await tg.start(p.serve)
+    async with serving(MatchProxy(redis_server.port, flavour=flavour)) as p:
         yield p
-        await p.cut_all()
-        tg.cancel_scope.cancel()
 
 
 def sub() -> ReliableListSubscription:

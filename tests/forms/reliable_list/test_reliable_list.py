@@ -11,7 +11,17 @@ from typing import Any
 import anyio
 import pytest
 import trio
-from _procs import ConsumerProcess, Monitor, Recorder, addr_of, eventually
+from _procs import (
+    Hang,
+    HoldFirst,
+    Monitor,
+    Recorder,
+    addr_of,
+    eventually,
+    killed_mid_handler,
+    logged_consumer,
+    mount_on_a_stream_key,
+)
 from _rlist import NAME, Q, effects, lrange, proc, stats, sub
 
 from trio_redis_finalize import (
@@ -27,7 +37,7 @@ from trio_redis_finalize import (
 from trio_redis_finalize._core._plan import content_origin
 from trio_redis_finalize._core.reliable_list.liveness import bumped, heartbeat_key, registry_key
 from trio_redis_finalize._envelope import MAGIC, unwrap, wrap
-from trio_redis_finalize._transport import Client, WrongTypeError, open_client
+from trio_redis_finalize._transport import Client, open_client
 
 # -- the table, cell by cell ------------------------------------------------------
 
@@ -112,13 +122,8 @@ async def test_monitor_retry_lpushes_before_lrem_from_a_pool_connection(
 async def test_sigkill_mid_handler_then_restart_handles_the_element(
     redis_url: str, client: Client
 ) -> None:
-    p = ConsumerProcess(redis_url, Q, "w1", heartbeat=30)
-    await p.start()
-    try:
-        await client.execute("LPUSH", Q, b"crash-me")
-        assert await p.expect("handling") == "handling 1 crash-me"
-    finally:
-        await p.kill()
+    line = await killed_mid_handler(client, redis_url, Q, "w1", 30, b"crash-me")
+    assert line == "handling 1 crash-me"
     assert await lrange(client, proc("w1")) == [b"crash-me"]  # stranded, not lost
     h = Recorder(lambda d: ACK)
     async with open_consumer(redis_url, name="w1") as consumer:
@@ -154,15 +159,10 @@ async def test_read_but_never_handed_over_goes_back_to_the_queue_at_shutdown(
     B and C back onto the queue, uncounted; A, unfinished, is handed back
     at the stop, counted, read first (oldest)."""
     await client.execute("LPUSH", Q, b"A", b"B", b"C")
-    started = trio.Event()
-
-    async def hang(d: Delivery) -> Any:
-        started.set()
-        await trio.sleep_forever()
-
+    hang = Hang()
     async with open_consumer(redis_url, name="c1", shutdown_grace=0.2) as consumer:
         await consumer.mount(sub(), hang)
-        await started.wait()
+        await hang.started.wait()
         await eventually(lambda: _len(client, Q, 0), what="B and C read")
     assert await lrange(client, proc("c1")) == []
     assert await lrange(client, Q) == [b"C", b"B", bumped(b"A")]  # A is read next
@@ -226,13 +226,7 @@ async def test_lost_read_reply_is_found_in_the_processing_list(
 async def test_dead_consumers_processing_list_is_recovered_by_another(
     redis_url: str, client: Client
 ) -> None:
-    p = ConsumerProcess(redis_url, Q, "dies", heartbeat=0.5)
-    await p.start()
-    try:
-        await client.execute("LPUSH", Q, b"orphan")
-        await p.expect("handling")
-    finally:
-        await p.kill()
+    await killed_mid_handler(client, redis_url, Q, "dies", 0.5, b"orphan")
     assert await lrange(client, proc("dies")) == [b"orphan"]
     h = Recorder(lambda d: ACK)
     async with open_consumer(redis_url, name="lives") as consumer:
@@ -278,21 +272,14 @@ async def test_an_ack_that_removed_nothing_is_counted_gate_closed(
     lapsed does): the ACK's ``LREM`` answers 0 -- counted ``gate_closed``, not
     ``acked`` (counts are what Redis answered) -- and the element, back on the
     queue, is delivered again and acknowledged then."""
-    moved = trio.Event()
-    seen: list[Delivery] = []
-
-    async def h(d: Delivery) -> Any:
-        seen.append(d)
-        if len(seen) == 1:
-            await moved.wait()
-        return ACK
-
+    h = HoldFirst()
+    seen = h.seen
     async with open_consumer(redis_url, name="c1") as consumer:
         await consumer.mount(sub(), h)
         await client.execute("LPUSH", Q, b"job")
         await eventually(lambda: len(seen) == 1, what="handler started")
         assert await client.execute("LMOVE", proc("c1"), Q, "RIGHT", "RIGHT") == b"job"
-        moved.set()
+        h.release.set()  # moved
         await eventually(lambda: effects(consumer).get("acked") == 1, what="the second delivery acked")
         assert effects(consumer).get("gate_closed") == 1
         assert effects(consumer).get("acked") == 1
@@ -333,15 +320,10 @@ async def test_a_stop_that_leaves_an_element_hands_it_back_and_deregisters(
     until the stop, which hands it back onto the queue (counted: the handler
     ran) and deregisters (no heartbeat to wait out)."""
     await client.execute("LPUSH", Q, b"job")
-    started = trio.Event()
-
-    async def hang(d: Delivery) -> Any:
-        started.set()
-        await trio.sleep_forever()
-
+    hang = Hang()
     async with open_consumer(redis_url, name="c1", shutdown_grace=0.1) as consumer:
         await consumer.mount(sub(heartbeat=0.5), hang)
-        await started.wait()
+        await hang.started.wait()
     assert await lrange(client, proc("c1")) == []
     assert await lrange(client, Q) == [bumped(b"job")]
     assert await client.execute("HEXISTS", registry_key(Q), "c1") == 0
@@ -372,10 +354,8 @@ async def test_max_attempts_without_dead_letter_removes_with_a_warning(
 ) -> None:
     await client.execute("LPUSH", Q, b"p")
     h = Recorder(lambda d: RETRY)
-    with caplog.at_level(logging.WARNING, logger="trio_redis_finalize"):
-        async with open_consumer(redis_url, name="c1") as consumer:
-            await consumer.mount(sub(max_attempts=2, dead_letter=None), h)
-            await eventually(lambda: effects(consumer).get("exhausted") == 1, what="exhausted")
+    async with logged_consumer(redis_url, caplog, sub(max_attempts=2, dead_letter=None), h) as consumer:
+        await eventually(lambda: effects(consumer).get("exhausted") == 1, what="exhausted")
     assert [d.attempt for d in h.seen] == [1, 2]
     assert "max_attempts=2" in caplog.text
     assert await lrange(client, Q) == [] and await lrange(client, proc("c1")) == []
@@ -446,11 +426,9 @@ async def test_corrupt_envelope_is_dead_lettered_with_the_reason(
     bad = MAGIC + b"\x00garbage"
     await client.execute("LPUSH", Q, bad, b"fine")
     h = Recorder(lambda d: ACK)
-    with caplog.at_level(logging.WARNING, logger="trio_redis_finalize"):
-        async with open_consumer(redis_url, name="c1") as consumer:
-            await consumer.mount(sub(max_attempts=3, dead_letter="dead"), h)
-            await eventually(lambda: effects(consumer).get("dead_lettered") == 1
-                             and effects(consumer).get("acked") == 1, what="dead + ack")
+    async with logged_consumer(redis_url, caplog, sub(max_attempts=3, dead_letter="dead"), h) as consumer:
+        await eventually(lambda: effects(consumer).get("dead_lettered") == 1
+                         and effects(consumer).get("acked") == 1, what="dead + ack")
     assert h.data == [b"fine"]
     assert await lrange(client, "dead") == [bad]
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
@@ -465,10 +443,8 @@ async def test_corrupt_envelope_without_dead_letter_is_dropped_with_an_error_log
     bad = MAGIC + b"\x00\x00"
     await client.execute("LPUSH", Q, bad)
     h = Recorder(lambda d: ACK)
-    with caplog.at_level(logging.WARNING, logger="trio_redis_finalize"):
-        async with open_consumer(redis_url, name="c1") as consumer:
-            await consumer.mount(sub(max_attempts=None), h)  # no dead letter
-            await eventually(lambda: effects(consumer).get("exhausted") == 1, what="dropped")
+    async with logged_consumer(redis_url, caplog, sub(max_attempts=None), h) as consumer:  # no dead letter
+        await eventually(lambda: effects(consumer).get("exhausted") == 1, what="dropped")
     assert h.seen == []
     assert any(r.levelno == logging.ERROR and "corrupt envelope" in r.getMessage()
                and "dropped" in r.getMessage() for r in caplog.records)
@@ -508,13 +484,9 @@ def test_bad_config_names_the_parameter(kwargs: dict[str, Any], param: str) -> N
 
 
 async def test_mount_on_a_stream_key_names_key_and_type(redis_url: str, client: Client) -> None:
-    await client.execute("XADD", Q, "*", "f", "v")
-    async with open_consumer(redis_url, name="c1") as consumer:
-        with pytest.raises(WrongTypeError) as info:
-            await consumer.mount(sub(), Recorder(lambda d: ACK))
-        # the consumer is still usable
-        await consumer.mount(ReliableListSubscription("other", block=0.1), Recorder(lambda d: ACK))
-    assert repr(Q) in str(info.value) and "stream" in str(info.value)
+    message = await mount_on_a_stream_key(client, redis_url, Q, sub(),
+                                          then=ReliableListSubscription("other", block=0.1))
+    assert repr(Q) in message and "stream" in message
 
 
 # -- the asyncio backend ------------------------------------------------------------

@@ -20,12 +20,12 @@ pool (finalizations) or on the reader's dedicated connection (``BLMOVE``).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager
 from typing import Any
 
 import pytest
 import trio
-from _procs import Recorder, addr_of, eventually
+from _procs import Hang, HoldFirst, Recorder, addr_of, eventually, mount_refused
 from _rlist import NAME, Q, effects, lrange, proc, sub
 from redis import exceptions as rexc
 
@@ -42,7 +42,7 @@ from trio_redis_finalize import (
 from trio_redis_finalize._core.reliable_list.gates import ListGates
 from trio_redis_finalize._core.reliable_list.liveness import bumped
 from trio_redis_finalize._envelope import unwrap, wrap
-from trio_redis_finalize._transport import Client, Command, Connection, WrongTypeError, parse_url
+from trio_redis_finalize._transport import Client, Command, Connection, parse_url
 
 
 def _name(cmd: Command) -> bytes:
@@ -156,13 +156,72 @@ class LosingClient(Client):
         return _LosingConnection(self, await super().connect(**kwargs))
 
 
+def losing_client(url: str) -> AbstractAsyncContextManager[LosingClient]:
+    return aclosing(LosingClient(parse_url(url), max_connections=32))
+
+
 @asynccontextmanager
-async def losing_client(url: str) -> AsyncIterator[LosingClient]:
-    c = LosingClient(parse_url(url), max_connections=32)
-    try:
-        yield c
-    finally:
-        await c.aclose()
+async def losing_consumer(url: str) -> AsyncIterator[tuple[LosingClient, Consumer]]:
+    """Consumer ``c1`` over a :class:`LosingClient` (not armed yet)."""
+    async with losing_client(url) as lc, open_consumer(lc, name="c1") as consumer:
+        yield lc, consumer
+
+
+async def left_behind(client: Client) -> tuple[list[bytes], list[bytes]]:
+    """What ``c1``'s processing list and the queue still hold."""
+    return await lrange(client, proc("c1")), await lrange(client, Q)
+
+
+class TwoCopies:
+    """``LPUSH q X X`` handled by two handlers at once: ``arrive`` records a
+    delivery and returns its rank (1, 2, ...), the second one sets ``both``;
+    ``consumer`` is set once the consumer is open."""
+
+    def __init__(self) -> None:
+        self.seen: list[Delivery] = []
+        self.both = trio.Event()
+        self.consumer: Consumer | None = None
+
+    async def push(self, client: Client) -> None:
+        await client.execute("LPUSH", Q, b"X", b"X")
+
+    def arrive(self, d: Delivery) -> int:
+        self.seen.append(d)
+        if len(self.seen) == 2:
+            self.both.set()
+        return len(self.seen)
+
+    def effects(self) -> dict[str, int]:
+        assert self.consumer is not None
+        return effects(self.consumer)
+
+    def handler(self, first: Any, counted: str, what: str, second: Any) -> Callable[[Delivery], Any]:
+        """The first X waits for the second and answers ``first``; the second
+        waits until effect ``counted`` is 1 and answers ``second``; later ones ACK."""
+
+        async def h(d: Delivery) -> Any:
+            n = self.arrive(d)
+            if n == 1:
+                await self.both.wait()
+                return first
+            if n == 2:
+                await eventually(lambda: self.effects().get(counted) == 1, what=what)
+                return second
+            return ACK
+
+        return h
+
+    @asynccontextmanager
+    async def losing_removals(
+        self, url: str, h: Callable[[Delivery], Any], subscription: ReliableListSubscription
+    ) -> AsyncIterator[tuple[LosingClient, Consumer]]:
+        """Consumer ``c1`` whose next removal from its processing list loses its
+        reply, ``h`` mounted on ``subscription`` with two handlers."""
+        async with losing_consumer(url) as (lc, consumer):
+            self.consumer = consumer
+            lc.lose(removes_from(proc("c1")))
+            await consumer.mount(subscription, h, concurrency=2)
+            yield lc, consumer
 
 
 # -- item 2: identical elements ----------------------------------------------------------
@@ -171,92 +230,54 @@ async def test_resent_ack_never_removes_another_in_flight_copy(redis_url: str, c
     """``LPUSH q X X``, concurrency 2: the first ACK's reply is lost and it is sent
     again while the second X is still being handled; that one's RETRY then still
     makes its copy, which comes back at attempt 2."""
-    await client.execute("LPUSH", Q, b"X", b"X")
-    seen: list[Delivery] = []
-    both = trio.Event()
-    box: list[Consumer] = []
+    two = TwoCopies()
+    await two.push(client)
 
-    async def h(d: Delivery) -> Any:
-        seen.append(d)
-        if len(seen) == 2:
-            both.set()
-        if len(seen) == 1:
-            await both.wait()
-            return ACK
-        if len(seen) == 2:
-            await eventually(lambda: effects(box[0]).get("acked") == 1, what="first ACK, resent")
-            return RETRY
-        return ACK
+    h = two.handler(ACK, "acked", "first ACK, resent", RETRY)
 
-    async with losing_client(redis_url) as lc, open_consumer(lc, name="c1") as consumer:
-        box.append(consumer)
-        lc.lose(removes_from(proc("c1")))
-        await consumer.mount(sub(), h, concurrency=2)
-        await eventually(lambda: len(seen) >= 3 and effects(consumer).get("acked") == 2,
+    async with two.losing_removals(redis_url, h, sub()) as (lc, consumer):
+        await eventually(lambda: len(two.seen) >= 3 and effects(consumer).get("acked") == 2,
                          what="the retried X handled again")
         assert lc.lost, "the fault must have fired"
-    assert [(d.data, d.attempt) for d in seen] == [(b"X", 1), (b"X", 1), (b"X", 2)]
-    assert await lrange(client, proc("c1")) == [] and await lrange(client, Q) == []
+    assert [(d.data, d.attempt) for d in two.seen] == [(b"X", 1), (b"X", 1), (b"X", 2)]
+    assert await left_behind(client) == ([], [])
 
 
 async def test_resent_retry_of_one_copy_keeps_the_other(redis_url: str, client: Client) -> None:
     """The same with the copy script: the first X's RETRY reply is lost and resent
     while the second X is being handled; each X makes exactly one copy."""
-    await client.execute("LPUSH", Q, b"X", b"X")
-    seen: list[Delivery] = []
-    both = trio.Event()
-    box: list[Consumer] = []
+    two = TwoCopies()
+    await two.push(client)
 
-    async def h(d: Delivery) -> Any:
-        seen.append(d)
-        n = len(seen)
-        if n == 2:
-            both.set()
-        if n == 1:
-            await both.wait()
-            return RETRY
-        if n == 2:
-            await eventually(lambda: effects(box[0]).get("copied") == 1, what="first RETRY")
-            return RETRY
-        return ACK
+    h = two.handler(RETRY, "copied", "first RETRY", RETRY)
 
-    async with losing_client(redis_url) as lc, open_consumer(lc, name="c1") as consumer:
-        box.append(consumer)
-        lc.lose(removes_from(proc("c1")))
-        await consumer.mount(sub(), h, concurrency=2)
+    async with two.losing_removals(redis_url, h, sub()) as (lc, consumer):
         await eventually(lambda: effects(consumer).get("acked") == 2, what="both copies acked")
         await trio.sleep(0.2)
         assert lc.lost
-    assert sorted((d.data, d.attempt) for d in seen) == [(b"X", 1), (b"X", 1), (b"X", 2), (b"X", 2)]
-    assert await lrange(client, proc("c1")) == [] and await lrange(client, Q) == []
+    assert sorted((d.data, d.attempt) for d in two.seen) == [(b"X", 1), (b"X", 1), (b"X", 2), (b"X", 2)]
+    assert await left_behind(client) == ([], [])
 
 
 async def test_resent_dead_letter_keeps_the_other_copy(redis_url: str, client: Client) -> None:
     """max_attempts=1: the first X's RETRY goes to the dead letter; that reply is
     lost and resent while the second X is handled: two dead letters, no loss."""
-    await client.execute("LPUSH", Q, b"X", b"X")
-    seen: list[Delivery] = []
-    both = trio.Event()
-    box: list[Consumer] = []
+    two = TwoCopies()
+    await two.push(client)
 
     async def h(d: Delivery) -> Any:
-        seen.append(d)
-        if len(seen) == 2:
-            both.set()
-            await eventually(lambda: effects(box[0]).get("dead_lettered") == 1, what="first dead")
+        if two.arrive(d) == 2:
+            await eventually(lambda: two.effects().get("dead_lettered") == 1, what="first dead")
         else:
-            await both.wait()
+            await two.both.wait()
         return RETRY
 
-    async with losing_client(redis_url) as lc, open_consumer(lc, name="c1") as consumer:
-        box.append(consumer)
-        lc.lose(removes_from(proc("c1")))
-        await consumer.mount(sub(max_attempts=1, dead_letter="dead"), h, concurrency=2)
+    async with two.losing_removals(redis_url, h, sub(max_attempts=1, dead_letter="dead")) as (lc, consumer):
         await eventually(lambda: effects(consumer).get("dead_lettered") == 2, what="two dead letters")
         await eventually(lambda: _llen(client, "dead", 2), what="two elements in the dead letter")
         assert lc.lost
-    assert [d.attempt for d in seen] == [1, 1]
-    assert await lrange(client, proc("c1")) == [] and await lrange(client, Q) == []
+    assert [d.attempt for d in two.seen] == [1, 1]
+    assert await left_behind(client) == ([], [])
 
 
 async def _llen(client: Client, key: str, n: int) -> bool:
@@ -285,7 +306,7 @@ async def test_a_rescan_racing_a_removal_does_not_deliver_the_element_again(
         lrange_ran.set()
         await eventually(lambda: effects(box[0]).get("acked") == 1, what="X acked meanwhile")
 
-    async with losing_client(redis_url) as lc, open_consumer(lc, name="c1") as consumer:
+    async with losing_consumer(redis_url) as (lc, consumer):
         box.append(consumer)
         await consumer.mount(sub(), h)
         await handling.wait()
@@ -295,7 +316,7 @@ async def test_a_rescan_racing_a_removal_does_not_deliver_the_element_again(
         await trio.sleep(1.5)  # past the recheck (_RECHECK)
         assert effects(consumer).get("acked") == 1
     assert [(d.data, d.attempt) for d in seen] == [(b"X", 1)]
-    assert await lrange(client, proc("c1")) == [] and await lrange(client, Q) == []
+    assert await left_behind(client) == ([], [])
 
 
 async def test_copy_stranded_after_an_identical_one_was_handled_is_delivered(
@@ -305,7 +326,7 @@ async def test_copy_stranded_after_an_identical_one_was_handled_is_delivered(
     stranded in the processing list, is delivered after the read error (not
     mistaken for the first one)."""
     h = Recorder(lambda d: ACK)
-    async with losing_client(redis_url) as lc, open_consumer(lc, name="c1") as consumer:
+    async with losing_consumer(redis_url) as (lc, consumer):
         await consumer.mount(sub(), h)
         await client.execute("LPUSH", Q, b"X")
         await eventually(lambda: effects(consumer).get("acked") == 1, what="first X acked")
@@ -314,33 +335,26 @@ async def test_copy_stranded_after_an_identical_one_was_handled_is_delivered(
         await eventually(lambda: lc.lost_reads, what="the read reply lost")
         await eventually(lambda: effects(consumer).get("acked") == 2, what="stranded X acked")
     assert [(d.data, d.attempt) for d in h.seen] == [(b"X", 1), (b"X", 1)]
-    assert await lrange(client, proc("c1")) == [] and await lrange(client, Q) == []
+    assert await left_behind(client) == ([], [])
 
 
 async def test_stranded_copy_beside_one_in_flight_is_delivered(redis_url: str, client: Client) -> None:
     """One X is being handled when a second X's read reply is lost: the second is
     delivered too (once), the first is not delivered a second time."""
-    release = trio.Event()
-    seen: list[Delivery] = []
-
-    async def h(d: Delivery) -> Any:
-        seen.append(d)
-        if len(seen) == 1:
-            await release.wait()
-        return ACK
-
-    async with losing_client(redis_url) as lc, open_consumer(lc, name="c1") as consumer:
+    h = HoldFirst()
+    seen = h.seen
+    async with losing_consumer(redis_url) as (lc, consumer):
         await consumer.mount(sub(), h, concurrency=2)
         await client.execute("LPUSH", Q, b"X")
         await eventually(lambda: len(seen) == 1, what="first X in its handler")
         lc.lose_reads = 1
         await client.execute("LPUSH", Q, b"X")
         await eventually(lambda: len(seen) == 2, what="stranded X delivered")
-        release.set()
+        h.release.set()
         await eventually(lambda: effects(consumer).get("acked") == 2, what="both acked")
         await trio.sleep(0.3)
     assert [(d.data, d.attempt) for d in seen] == [(b"X", 1), (b"X", 1)]
-    assert await lrange(client, proc("c1")) == [] and await lrange(client, Q) == []
+    assert await left_behind(client) == ([], [])
 
 
 # -- item 5: attempts are handler calls --------------------------------------------------
@@ -349,7 +363,7 @@ async def test_a_lost_read_is_not_an_attempt(redis_url: str, client: Client) -> 
     """max_attempts=1 and one lost BLMOVE reply: the element is still handled
     (attempt 1), not dead-lettered unhandled."""
     h = Recorder(lambda d: ACK)
-    async with losing_client(redis_url) as lc, open_consumer(lc, name="c1") as consumer:
+    async with losing_consumer(redis_url) as (lc, consumer):
         lc.lose_reads = 1
         await consumer.mount(sub(max_attempts=1, dead_letter="dead"), h)
         await client.execute("LPUSH", Q, b"once")
@@ -364,7 +378,7 @@ async def test_a_lost_read_is_not_an_attempt(redis_url: str, client: Client) -> 
 async def test_lost_read_of_a_retried_copy_keeps_its_attempt(redis_url: str, client: Client) -> None:
     """A copy at attempt 2 whose read reply is lost arrives at attempt 2."""
     h = Recorder(lambda d: ACK)
-    async with losing_client(redis_url) as lc, open_consumer(lc, name="c1") as consumer:
+    async with losing_consumer(redis_url) as (lc, consumer):
         lc.lose_reads = 1
         await consumer.mount(sub(max_attempts=2), h)
         await client.execute("LPUSH", Q, wrap(b"copy", 1, "o-1"))
@@ -391,15 +405,10 @@ async def test_read_errors_during_a_handler_are_not_attempts_a_crash_is(
     """Three read errors (rescans) while X is being handled bump nothing; X left
     unfinished at shutdown (as after a crash) arrives at attempt 2 on restart."""
     await client.execute("LPUSH", Q, b"X")
-    started = trio.Event()
-
-    async def hang(d: Delivery) -> Any:
-        started.set()
-        await trio.sleep_forever()
-
+    hang = Hang()
     async with open_consumer(redis_url, name="c1", shutdown_grace=0.1) as consumer:
         await consumer.mount(sub(), hang)
-        await started.wait()
+        await hang.started.wait()
         for i in range(3):
             await client.execute("CLIENT", "KILL", "ADDR", await addr_of(client, "trf:c1:reader"))
             await eventually(lambda i=i: consumer.stats()[NAME]["read_errors"] > i, what="read error")
@@ -459,9 +468,8 @@ async def test_delay_key_of_the_wrong_type_fails_mount_naming_key_and_type(
 ) -> None:
     await client.execute("SET", f"{{{Q}}}:delayed", "x")
     async with open_consumer(redis_url, name="c1") as consumer:
-        with pytest.raises(WrongTypeError) as info:
-            await consumer.mount(sub(delayed_retry=DelayedRetry.DURABLE_ZSET), Recorder(lambda d: ACK))
-    assert repr(f"{{{Q}}}:delayed") in str(info.value) and "string" in str(info.value)
+        message = await mount_refused(consumer, sub(delayed_retry=DelayedRetry.DURABLE_ZSET))
+    assert repr(f"{{{Q}}}:delayed") in message and "string" in message
 
 
 async def test_dead_letter_of_the_wrong_type_fails_mount_naming_key_and_type(
@@ -469,9 +477,8 @@ async def test_dead_letter_of_the_wrong_type_fails_mount_naming_key_and_type(
 ) -> None:
     await client.execute("HSET", "dead", "f", "v")
     async with open_consumer(redis_url, name="c1") as consumer:
-        with pytest.raises(WrongTypeError) as info:
-            await consumer.mount(sub(max_attempts=2, dead_letter="dead"), Recorder(lambda d: ACK))
-    assert repr("dead") in str(info.value) and "hash" in str(info.value)
+        message = await mount_refused(consumer, sub(max_attempts=2, dead_letter="dead"))
+    assert repr("dead") in message and "hash" in message
 
 
 @pytest.mark.parametrize("heartbeat", [0.009, 0.001, 1e-9])
@@ -498,32 +505,19 @@ def test_dead_letter_equal_to_the_delay_key_names_the_parameter() -> None:
 async def test_runtime_retry_after_beside_an_identical_copy(redis_url: str, client: Client) -> None:
     """One X waits in memory (runtime retry_after), the other is acknowledged
     with its reply lost and resent: the waiting X still makes its copy."""
-    await client.execute("LPUSH", Q, b"X", b"X")
-    seen: list[Delivery] = []
-    both = trio.Event()
-    box: list[Consumer] = []
+    two = TwoCopies()
+    await two.push(client)
 
-    async def h(d: Delivery) -> Any:
-        seen.append(d)
-        n = len(seen)
-        if n == 2:
-            both.set()
-        if n == 1:
-            await both.wait()
-            return retry_after(0.5)
-        if n == 2:
-            await eventually(lambda: effects(box[0]).get("held") == 1, what="first held")
-            return ACK
-        return ACK
+    h = two.handler(retry_after(0.5), "held", "first held", ACK)
 
-    async with losing_client(redis_url) as lc, open_consumer(lc, name="c1") as consumer:
-        box.append(consumer)
+    async with losing_consumer(redis_url) as (lc, consumer):
+        two.consumer = consumer
         await consumer.mount(sub(), h, concurrency=2)
         lc.lose(lambda c: _name(c) == b"LREM" or removes_from(proc("c1"))(c))
         await eventually(lambda: effects(consumer).get("acked") == 2, what="ack + delayed copy acked")
         assert lc.lost
-    assert [(d.data, d.attempt) for d in seen] == [(b"X", 1), (b"X", 1), (b"X", 2)]
-    assert await lrange(client, proc("c1")) == [] and await lrange(client, Q) == []
+    assert [(d.data, d.attempt) for d in two.seen] == [(b"X", 1), (b"X", 1), (b"X", 2)]
+    assert await left_behind(client) == ([], [])
 
 
 async def test_identical_element_after_a_runtime_retry_after_is_acked(
@@ -564,7 +558,7 @@ async def test_many_identical_elements_with_lost_finalization_replies(
         outcomes.append((d.attempt, "ack"))
         return ACK
 
-    async with losing_client(redis_url) as lc, open_consumer(lc, name="c1") as consumer:
+    async with losing_consumer(redis_url) as (lc, consumer):
         lc.lose(removes_from(proc("c1")), times=20, every=2)
         await consumer.mount(sub(), h, concurrency=4)
         await eventually(lambda: sum(1 for _, o in outcomes if o == "ack") >= n, timeout=20,
@@ -574,7 +568,7 @@ async def test_many_identical_elements_with_lost_finalization_replies(
     retries = sum(1 for _, o in outcomes if o == "retry")
     assert sum(1 for _, o in outcomes if o == "ack") == n
     assert len(outcomes) == n + retries  # every RETRY came back once, nothing else twice
-    assert await lrange(client, proc("c1")) == [] and await lrange(client, Q) == []
+    assert await left_behind(client) == ([], [])
 
 
 # -- the hot path's counted gates, taken in C (issue 25) -----------------------------------------
@@ -646,7 +640,7 @@ async def test_identical_elements_among_unique_ones_in_fast_batches(
         seen.append(d.data)
         return ACK
 
-    async with losing_client(redis_url) as lc, open_consumer(lc, name="c1") as consumer:
+    async with losing_consumer(redis_url) as (lc, consumer):
         lc.lose(removes_from(proc("c1")), times=10, every=3)
         await consumer.mount(sub(), h, concurrency=2)
         await eventually(lambda: effects(consumer).get("acked", 0) >= len(elements), timeout=20,
@@ -655,4 +649,4 @@ async def test_identical_elements_among_unique_ones_in_fast_batches(
         assert lc.lost
         assert effects(consumer).get("acked") == len(elements)
     assert sorted(seen) == sorted(elements)
-    assert await lrange(client, proc("c1")) == [] and await lrange(client, Q) == []
+    assert await left_behind(client) == ([], [])

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, aclosing
 from typing import Any
 
 import anyio
@@ -78,13 +78,8 @@ class RaceClient(FaultClient):
             raise
 
 
-@asynccontextmanager
-async def open_race_client(url: str) -> AsyncIterator[RaceClient]:
-    client = RaceClient(parse_url(url), max_connections=64)
-    try:
-        yield client
-    finally:
-        await client.aclose()
+def open_race_client(url: str) -> AbstractAsyncContextManager[RaceClient]:
+    return aclosing(RaceClient(parse_url(url), max_connections=64))
 
 
 async def copies(admin: Client, origin: str) -> int:

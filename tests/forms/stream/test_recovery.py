@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import redis
 import trio
-from _procs import effects, eventually, stats
+from _procs import Hang, effects, eventually, stats
 
 from trio_redis_finalize import (
     ACK,
@@ -401,16 +401,10 @@ async def test_a_stop_that_leaves_work_pending_hands_it_back_with_the_stopped_ma
     deleted, the registration the stopped mark -- so the next consumer takes
     it over at once, at attempt 2 (the cut handler ran), and the mark goes."""
     eid = (await client.execute("XADD", S, "*", "n", "1")).decode()
-    started = trio.Event()
-
-    async def hang(d: Delivery) -> Outcome:
-        started.set()
-        await trio.sleep_forever()
-        return ACK  # pragma: no cover
-
+    hang = Hang()
     async with open_consumer(redis_url, name="c1", shutdown_grace=0.1) as consumer:
         await consumer.mount(sub(heartbeat=0.5), hang)
-        await started.wait()
+        await hang.started.wait()
     assert await pending_of(client) == {"c1": 1}
     assert await registered(client) == ["c1"]
     assert (await client.execute("HGET", REGISTRY, "c1")).endswith(b" stopped")

@@ -29,7 +29,8 @@ import logging
 import random
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -283,18 +284,22 @@ async def test_copy_ack_ex_copies_acks_deletes_once(client: Client) -> None:
     assert int((await client.execute("XPENDING", S, G))[0]) == 0
 
 
-async def test_zadd_ack_del(client: Client) -> None:
-    eid = await pending_entry(client)
-    cmd = STREAM_ZADD_ACK_DEL.command((S, "{orders}:delayed"), (G, eid, 100, b"member"))
+async def check_zadd_deletes_once(client: Client, script: Any, eid: str) -> None:
+    """``script`` (the durable delay's) sent twice for ``eid``, alone on its
+    stream: gated, once; the entry deleted, its member in the delay set."""
+    cmd = script.command((S, "{orders}:delayed"), (G, eid, 100, b"member"))
     first, second = await client.pipeline([cmd, cmd])
     assert first is not None and second is None
     assert int(await client.execute("XLEN", S)) == 0
     assert int(await client.execute("ZCARD", "{orders}:delayed")) == 1
 
 
+async def test_zadd_ack_del(client: Client) -> None:
+    await check_zadd_deletes_once(client, STREAM_ZADD_ACK_DEL, await pending_entry(client))
+
+
 async def test_capped_copies_keep_the_destination_near_its_cap(client: Client) -> None:
-    await client.execute("CONFIG", "SET", "stream-node-max-entries", "4")
-    try:
+    async with node_max_entries(client, 4):
         await client.execute("XGROUP", "CREATE", S, G, "$", "MKSTREAM")
         for i in range(60):
             eid = (await client.execute("XADD", S, "*", "n", str(i))).decode()
@@ -309,17 +314,25 @@ async def test_capped_copies_keep_the_destination_near_its_cap(client: Client) -
             await client.execute("ZADD", "{orders}:delayed", 0, f"corrupt-{i}")
         await client.evalsha(script, ("{orders}:delayed", DEAD), (128,))
         assert 10 <= int(await client.execute("XLEN", DEAD)) <= 14
-    finally:
-        await client.execute("CONFIG", "SET", "stream-node-max-entries", "100")
 
 
 # -- the all-groups trim against a model ----------------------------------------------
 
-async def trim_all(client: Client) -> int:
-    """Trim steps until one says nothing more is left; entries removed."""
+@asynccontextmanager
+async def node_max_entries(client: Client, n: int | str) -> AsyncIterator[None]:
+    """``stream-node-max-entries`` set to ``n`` meanwhile (back to 100 after)."""
+    await client.execute("CONFIG", "SET", "stream-node-max-entries", str(n))
+    try:
+        yield
+    finally:
+        await client.execute("CONFIG", "SET", "stream-node-max-entries", "100")
+
+
+async def trim_all(client: Client, script: Any = TRIM_ACKED) -> int:
+    """Trim steps (of ``script``) until one says nothing more is left; entries removed."""
     removed = 0
     for _ in range(1000):
-        r = parse_trim(await client.evalsha(TRIM_ACKED, (S,), (7,)))
+        r = parse_trim(await client.evalsha(script, (S,), (7,)))
         removed += r.removed
         if not r.more:
             return removed
@@ -337,22 +350,28 @@ async def needs(client: Client) -> list[GroupNeed]:
     return out
 
 
+async def random_groups(client: Client, rng: random.Random) -> list[str]:
+    """20 to 300 entries (their ids) read by one to three groups, each of which
+    read some and acknowledged about 90% of what it read."""
+    n = rng.randrange(20, 300)
+    written = [(await client.execute("XADD", S, "*", "n", str(i))).decode() for i in range(n)]
+    for gi in range(rng.randrange(1, 4)):
+        name = f"g{gi}"
+        await client.execute("XGROUP", "CREATE", S, name, "0")
+        got = await client.execute("XREADGROUP", "GROUP", name, "c", "COUNT", rng.randrange(0, n + 1)
+                                   or 1, "STREAMS", S, ">")
+        read = [e[0] for e in got[0][1]] if got else []
+        acked = [e for e in read if rng.random() < 0.9]
+        if acked:
+            await client.execute("XACK", S, name, *acked)
+    return written
+
+
 @pytest.mark.parametrize("seed", range(6))
 async def test_trim_removes_exactly_what_every_group_is_done_with(client: Client, seed: int) -> None:
     rng = random.Random(seed)
-    await client.execute("CONFIG", "SET", "stream-node-max-entries", str(rng.choice([3, 10, 100])))
-    try:
-        n = rng.randrange(20, 300)
-        written = [(await client.execute("XADD", S, "*", "n", str(i))).decode() for i in range(n)]
-        for gi in range(rng.randrange(1, 4)):
-            name = f"g{gi}"
-            await client.execute("XGROUP", "CREATE", S, name, "0")
-            got = await client.execute("XREADGROUP", "GROUP", name, "c", "COUNT", rng.randrange(0, n + 1)
-                                       or 1, "STREAMS", S, ">")
-            read = [e[0] for e in got[0][1]] if got else []
-            acked = [e for e in read if rng.random() < 0.9]
-            if acked:
-                await client.execute("XACK", S, name, *acked)
+    async with node_max_entries(client, rng.choice([3, 10, 100])):
+        written = await random_groups(client, rng)
         model = oldest_needed(await needs(client))
         assert model is not None
         pending_or_unread = {
@@ -365,20 +384,24 @@ async def test_trim_removes_exactly_what_every_group_is_done_with(client: Client
         # ... so nothing a group has pending or not read went
         assert pending_or_unread <= set(left)
         assert oldest_needed(await needs(client)) == model  # nothing a group needs changed
-    finally:
-        await client.execute("CONFIG", "SET", "stream-node-max-entries", "100")
 
 
-async def test_trim_leaves_streams_without_groups_and_other_keys_alone(client: Client) -> None:
-    r = parse_trim(await client.evalsha(TRIM_ACKED, (S,), (100,)))
+async def check_trim_leaves_alone(client: Client, script: Any) -> None:
+    """``script`` trims nothing of a missing key or a stream without groups and
+    refuses another type."""
+    r = parse_trim(await client.evalsha(script, (S,), (100,)))
     assert (r.removed, r.threshold, r.more, r.groups) == (0, None, False, ())  # no key
     for i in range(5):
         await client.execute("XADD", S, "*", "n", str(i))
-    r = parse_trim(await client.evalsha(TRIM_ACKED, (S,), (100,)))
+    r = parse_trim(await client.evalsha(script, (S,), (100,)))
     assert r.threshold is None and int(await client.execute("XLEN", S)) == 5
     await client.execute("SET", "plain", "x")
     with pytest.raises(Exception, match="WRONGTYPE"):
-        await client.evalsha(TRIM_ACKED, ("plain",), (100,))
+        await client.evalsha(script, ("plain",), (100,))
+
+
+async def test_trim_leaves_streams_without_groups_and_other_keys_alone(client: Client) -> None:
+    await check_trim_leaves_alone(client, TRIM_ACKED)
 
 
 # -- delete on finalize: a real consumer ------------------------------------------------
@@ -461,34 +484,15 @@ async def test_delete_on_finalize_order_in_monitor(redis_url: str, client: Clien
     """What the server runs, in order: XACK then XDEL for ACK and DROP; inside
     the gated script XADD, XACK, XDEL for RETRY and the dead letter.  On Redis
     8.2 one XACKDEL instead of each XACK, XDEL."""
-    from runtime.test_scripts import monitoring
-
     if server_caps.xackdel:
         await _native_order_in_monitor(redis_url, client)
         return
 
-    async def handle(d: Delivery) -> Outcome:
-        n = d.fields[b"n"]
-        if n == b"retry" and d.attempt == 1:
-            return RETRY
-        return {b"drop": DROP, b"dead": RETRY}.get(n, ACK)
+    def all_finalized(consumer: Any) -> bool:
+        return (consumer.stats()[name_of(S, G)]["effects"].get("acked") == 1
+                and consumer.stats()[name_of(S, G)]["effects"].get("dead_lettered") == 2)
 
-    sub = StreamSubscription(S, G, retention=DELETE, max_attempts=1, dead_letter=DEAD,
-                             block=0.05)
-    async with open_consumer(redis_url, name="c1") as consumer:
-        await consumer.mount(sub, handle)
-        async with monitoring(client) as collect:
-            for n in ("ack", "drop", "retry", "dead"):
-                eid = (await client.execute("XADD", S, "*", "n", n)).decode()
-
-                async def gone(eid: str = eid) -> bool:
-                    return not await client.execute("XRANGE", S, eid, eid)
-
-                await eventually(gone, what=f"{n} deleted")
-            await eventually(lambda: consumer.stats()[name_of(S, G)]["effects"].get("acked") == 1
-                             and consumer.stats()[name_of(S, G)]["effects"].get("dead_lettered") == 2,
-                             what="all finalized")
-            seen = await collect()
+    seen = await _monitor_deletions(redis_url, client, all_finalized)
     # finalization writes (the producer's own XADDs, not from a script, aside)
     ops = [(lua, a[0].upper()) for lua, a in seen
            if a and a[0].upper() in ("XACK", "XDEL", "XADD") and a[1] in (S, DEAD)
@@ -503,7 +507,12 @@ async def test_delete_on_finalize_order_in_monitor(redis_url: str, client: Clien
     assert int(await client.execute("XLEN", S)) == 0
 
 
-async def _native_order_in_monitor(url: str, client: Client) -> None:
+async def _monitor_deletions(
+    url: str, client: Client, done: Callable[[Any], bool] | None = None
+) -> list[Any]:
+    """What MONITOR saw while a DELETE-retention consumer (max_attempts=1, a
+    dead letter) finalized one entry each of ack, drop, retry and dead, each
+    waited for until deleted (and then until ``done``, if given)."""
     from runtime.test_scripts import monitoring
 
     async def handle(d: Delivery) -> Outcome:
@@ -523,7 +532,14 @@ async def _native_order_in_monitor(url: str, client: Client) -> None:
                     return not await client.execute("XRANGE", S, eid, eid)
 
                 await eventually(gone, what=f"{n} deleted")
-            seen = await collect()
+            if done is not None:
+                await eventually(lambda: done(consumer), what="all finalized")
+            seen: list[Any] = await collect()
+    return seen
+
+
+async def _native_order_in_monitor(url: str, client: Client) -> None:
+    seen = await _monitor_deletions(url, client)
     ops = [(lua, a[0].upper()) for lua, a in seen
            if a and a[0].upper() in ("XACK", "XDEL", "XACKDEL", "XADD") and a[1] in (S, DEAD)
            and (lua or a[0].upper() != "XADD")]
@@ -809,46 +825,28 @@ async def test_native_scripts_delete_only_what_no_group_references(redis82_url: 
         # the durable delay's script, alone on its stream: deleted at once
         await client.execute("DEL", S)
         [eid] = await native_pending(client)
-        zcmd = STREAM_ZADD_ACKDEL.command((S, "{orders}:delayed"), (G, eid, 100, b"member"))
-        first, second = await client.pipeline([zcmd, zcmd])
-        assert first is not None and second is None
-        assert int(await client.execute("XLEN", S)) == 0
-        assert int(await client.execute("ZCARD", "{orders}:delayed")) == 1
+        await check_zadd_deletes_once(client, STREAM_ZADD_ACKDEL, eid)
 
 
 async def test_native_batched_scripts_remove_with_one_xackdel(redis82_url: str) -> None:
-    async with open_client(redis82_url) as client:
-        await client.execute("CONFIG", "SET", "stream-node-max-entries", "2")
-        try:
-            ids = await native_pending(client, 4, groups=(G, "audit"))
-            await client.execute("XACK", S, "audit", ids[0], ids[1])  # audit is done with two
-            parts = [x for eid in ids[:3] for x in (eid, 2, "n", "copy")]
-            cmd = STREAM_COPY_ACK_BATCH.command((S, DEAD), (G, "x", 10, ids[0], ids[2], 6, *parts))
-            reply = await client.evalsha(STREAM_COPY_ACK_BATCH, (S, DEAD),
-                                         (G, "x", 10, ids[0], ids[2], 6, *parts))
-            assert reply == [3]  # every delivery copied and removed
-            left = [r[0].decode() for r in await client.execute("XRANGE", S, "-", "+")]
-            assert left == ids[2:]  # deleted where audit had finished, kept where not
-            assert int((await client.execute("XPENDING", S, G))[0]) == 1  # only ids[3]
-            assert await client.pipeline([cmd]) == [[3, 1, None, 2, None, 3, None]]  # gated: once
-            zparts = [ids[3], 0, b"m"]
-            z = await client.evalsha(STREAM_ZADD_ACK_BATCH, (S, "{orders}:d"),
-                                     (G, "x", ids[3], ids[3], 2, *zparts))
-            assert z == [1]  # (a batch of one, as the library never sends it)
-            assert await client.execute("XRANGE", S, ids[3], ids[3])  # audit still has it
-            assert int((await client.execute("XPENDING", S, G))[0]) == 0
-        finally:
-            await client.execute("CONFIG", "SET", "stream-node-max-entries", "100")
-
-
-async def native_trim_all(client: Client) -> int:
-    removed = 0
-    for _ in range(1000):
-        r = parse_trim(await client.evalsha(TRIM_ACKED_NATIVE, (S,), (7,)))
-        removed += r.removed
-        if not r.more:
-            return removed
-    raise AssertionError("the trim never finished")
+    async with open_client(redis82_url) as client, node_max_entries(client, 2):
+        ids = await native_pending(client, 4, groups=(G, "audit"))
+        await client.execute("XACK", S, "audit", ids[0], ids[1])  # audit is done with two
+        parts = [x for eid in ids[:3] for x in (eid, 2, "n", "copy")]
+        cmd = STREAM_COPY_ACK_BATCH.command((S, DEAD), (G, "x", 10, ids[0], ids[2], 6, *parts))
+        reply = await client.evalsha(STREAM_COPY_ACK_BATCH, (S, DEAD),
+                                     (G, "x", 10, ids[0], ids[2], 6, *parts))
+        assert reply == [3]  # every delivery copied and removed
+        left = [r[0].decode() for r in await client.execute("XRANGE", S, "-", "+")]
+        assert left == ids[2:]  # deleted where audit had finished, kept where not
+        assert int((await client.execute("XPENDING", S, G))[0]) == 1  # only ids[3]
+        assert await client.pipeline([cmd]) == [[3, 1, None, 2, None, 3, None]]  # gated: once
+        zparts = [ids[3], 0, b"m"]
+        z = await client.evalsha(STREAM_ZADD_ACK_BATCH, (S, "{orders}:d"),
+                                 (G, "x", ids[3], ids[3], 2, *zparts))
+        assert z == [1]  # (a batch of one, as the library never sends it)
+        assert await client.execute("XRANGE", S, ids[3], ids[3])  # audit still has it
+        assert int((await client.execute("XPENDING", S, G))[0]) == 0
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -858,50 +856,29 @@ async def test_native_trim_removes_each_entry_every_group_acknowledged(redis82_u
     below its last-delivered id) and has it no longer pending -- also above a
     stuck pending entry."""
     rng = random.Random(seed)
-    async with open_client(redis82_url) as client:
-        await client.execute("CONFIG", "SET", "stream-node-max-entries", str(rng.choice([3, 10, 100])))
-        try:
-            n = rng.randrange(20, 300)
-            written = [(await client.execute("XADD", S, "*", "n", str(i))).decode() for i in range(n)]
-            for gi in range(rng.randrange(1, 4)):
-                name = f"g{gi}"
-                await client.execute("XGROUP", "CREATE", S, name, "0")
-                got = await client.execute("XREADGROUP", "GROUP", name, "c", "COUNT",
-                                           rng.randrange(0, n + 1) or 1, "STREAMS", S, ">")
-                read = [e[0] for e in got[0][1]] if got else []
-                acked = [e for e in read if rng.random() < 0.9]
-                if acked:
-                    await client.execute("XACK", S, name, *acked)
-            groups = await needs(client)
-            pending: set[str] = set()
-            for g in groups:
-                if g.pending:
-                    rows = await client.execute("XPENDING", S, g.name, "-", "+", n)
-                    pending |= {r[0].decode() for r in rows}
-            bound = min((next_id(g.last_delivered) for g in groups), key=id_key)
-            keep = [e for e in written if id_key(e) >= id_key(bound) or e in pending]
-            await native_trim_all(client)
-            left = [r[0].decode() for r in await client.execute("XRANGE", S, "-", "+")]
-            assert left == keep
-            r = parse_trim(await client.evalsha(TRIM_ACKED_NATIVE, (S,), (7,)))
-            assert r.threshold == bound and r.removed == 0
-        finally:
-            await client.execute("CONFIG", "SET", "stream-node-max-entries", "100")
+    async with open_client(redis82_url) as client, node_max_entries(client, rng.choice([3, 10, 100])):
+        written = await random_groups(client, rng)
+        n = len(written)
+        groups = await needs(client)
+        pending: set[str] = set()
+        for g in groups:
+            if g.pending:
+                rows = await client.execute("XPENDING", S, g.name, "-", "+", n)
+                pending |= {r[0].decode() for r in rows}
+        bound = min((next_id(g.last_delivered) for g in groups), key=id_key)
+        keep = [e for e in written if id_key(e) >= id_key(bound) or e in pending]
+        await trim_all(client, TRIM_ACKED_NATIVE)
+        left = [r[0].decode() for r in await client.execute("XRANGE", S, "-", "+")]
+        assert left == keep
+        r = parse_trim(await client.evalsha(TRIM_ACKED_NATIVE, (S,), (7,)))
+        assert r.threshold == bound and r.removed == 0
 
 
 async def test_native_trim_leaves_streams_without_groups_and_other_keys_alone(
         redis82_url: str) -> None:
     """ACKED alone would trim a stream without groups to nothing: the script's guard."""
     async with open_client(redis82_url) as client:
-        r = parse_trim(await client.evalsha(TRIM_ACKED_NATIVE, (S,), (100,)))
-        assert (r.removed, r.threshold, r.more, r.groups) == (0, None, False, ())
-        for i in range(5):
-            await client.execute("XADD", S, "*", "n", str(i))
-        r = parse_trim(await client.evalsha(TRIM_ACKED_NATIVE, (S,), (100,)))
-        assert r.threshold is None and int(await client.execute("XLEN", S)) == 5
-        await client.execute("SET", "plain", "x")
-        with pytest.raises(Exception, match="WRONGTYPE"):
-            await client.evalsha(TRIM_ACKED_NATIVE, ("plain",), (100,))
+        await check_trim_leaves_alone(client, TRIM_ACKED_NATIVE)
 
 
 async def test_native_two_groups_share_a_delete_on_finalize_stream(redis82_url: str) -> None:

@@ -14,7 +14,7 @@ import anyio.abc
 import pytest
 import trio
 from _paths import TESTS
-from _procs import effects, eventually, stats
+from _procs import connection, effects, eventually, stats
 
 from trio_redis_finalize import ACK, Delivery, Mode, Outcome, StreamSubscription, open_consumer
 from trio_redis_finalize._transport import Client, open_client
@@ -277,12 +277,10 @@ async def test_entry_deleted_while_pending_on_xautoclaim(
 # -- a read reply lost on the wire ---------------------------------------------------------
 
 async def _reader_client(client: Client, consumer: str) -> dict[str, str]:
-    text = (await client.execute("CLIENT", "LIST")).decode()
-    for line in text.splitlines():
-        kv = dict(p.split("=", 1) for p in line.split(" ") if "=" in p)
-        if kv.get("name") == f"trf:{consumer}:reader":
-            return kv
-    raise AssertionError(f"no reader connection for {consumer} in {text}")
+    kv, text = await connection(client, f"trf:{consumer}:reader")
+    if not kv:
+        raise AssertionError(f"no reader connection for {consumer} in {text}")
+    return kv
 
 
 async def test_lost_read_reply_is_recovered_from_the_pel_once(redis_url: str, client: Client) -> None:
