@@ -33,6 +33,7 @@ import anyio
 from redis import exceptions as rexc
 
 from ._core._replies import NOT_RUN, classify
+from ._forms import FORMS
 from ._keys import derived
 from ._subscription import Form
 from ._transport import Script
@@ -117,12 +118,11 @@ class History:
 
     @classmethod
     def of(cls, form: Form, source: str, group: str | None, stats: MountStats) -> History | None:
-        """The history of a stream or list mount (``None``: Pub/Sub, no key to keep it by)."""
-        if form is Form.STREAM:
-            return cls(history_key(source, group), stats)
-        if form in (Form.RELIABLE_LIST, Form.LIST):
-            return cls(history_key(source), stats)
-        return None
+        """The history of a stream or list mount (``None``: Pub/Sub, no key to
+        keep it by: ``FormSpec.keyed``); a stream's per group (a list's ``group`` is empty)."""
+        if not FORMS[form].keyed:
+            return None
+        return cls(history_key(source, group), stats)
 
     def delta(self) -> tuple[dict[str, int], list[Any]]:
         """The counts now, and the script's arguments for what changed since the last write."""

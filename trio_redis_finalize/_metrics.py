@@ -43,6 +43,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from ._core._plan import FAILED, GATE_CLOSED, Effect
+from ._forms import FORMS
 from ._stats import DURATION_BOUNDS
 
 if TYPE_CHECKING:
@@ -116,7 +117,7 @@ class Family:
 def labels_of(mount: Any) -> tuple[str, str, str]:
     """``(form, key, group)`` of a mounted subscription."""
     t = mount.target
-    form = str(t.form.value).replace(" ", "_")
+    form = FORMS[t.form].label
     channels = getattr(mount.subscription, "channels", None)
     key = ",".join(channels) if channels else str(t.source)
     return form, key, str(t.group)

@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._core._plan import FAILED
 from ._delivery import Delivery, trace_fields
+from ._forms import FORMS
 from ._outcome import Outcome
 from ._publisher import trace_context
 
@@ -91,7 +92,7 @@ class _Mounted:
         }
         if t.group:
             self.attributes["messaging.consumer.group.name"] = t.group
-        self.template: str | None = t.source if t.form.value == "pattern" else None
+        self.template: str | None = t.source if FORMS[t.form].templated else None
         if self.template is not None:
             self.attributes["messaging.destination.template"] = self.template
 

@@ -101,6 +101,7 @@ import anyio
 from anyio.abc import SocketStream, TaskStatus
 from redis import exceptions as rexc
 
+from ._forms import FORMS
 from ._metrics import LABELS, Backlog, families, read_samples
 from ._stats import DURATION_BOUNDS
 
@@ -125,9 +126,9 @@ def _pairs(flat: Any) -> dict[str, Any]:
 
 async def _backlog_of(consumer: Consumer, mount: Any) -> Backlog | None:
     t = mount.target
-    form = t.form.value
+    backlog = FORMS[t.form].backlog
     client = consumer.client
-    if form == "stream":
+    if backlog == "group":
         groups = [_pairs(g) for g in await client.execute("XINFO", "GROUPS", t.source)]
         mine = [g for g in groups if (g["name"].decode() if isinstance(g["name"], bytes)
                                       else str(g["name"])) == t.group]
@@ -147,12 +148,10 @@ async def _backlog_of(consumer: Consumer, mount: Any) -> Backlog | None:
             rows = await client.execute("XPENDING", t.source, t.group, "-", "+", 100)
             idle = max((int(r[2]) for r in rows), default=0) / 1000
         return Backlog(lag=lag, pending=pending, oldest_idle=idle)
-    if form == "reliable list":
+    if backlog == "queue":  # a reliable list's processing list too (a simple list has none)
         waiting = float(await client.execute("LLEN", t.source))
         processing = float(await client.execute("LLEN", t.processing)) if t.processing else None
         return Backlog(lag=waiting, pending=processing)
-    if form == "list":
-        return Backlog(lag=float(await client.execute("LLEN", t.source)))
     return None
 
 

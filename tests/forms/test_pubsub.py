@@ -33,11 +33,10 @@ from trio_redis_finalize import (
     open_consumer,
     retry_after,
 )
-from trio_redis_finalize._core._decode import list_delivery
+from trio_redis_finalize._core._decode import list_delivery, payload_deliveries
 from trio_redis_finalize._core._plan import Target, content_origin
 from trio_redis_finalize._delivery import record_error
 from trio_redis_finalize._envelope import MAGIC, unwrap, wrap
-from trio_redis_finalize._forms.pubsub import payload_deliveries
 from trio_redis_finalize._subscription import Form
 from trio_redis_finalize._transport import Client, Message, open_client
 
@@ -239,7 +238,8 @@ def test_payload_deliveries_are_what_list_delivery_makes(
     names: dict[bytes, str] = {}
     kind = b"pmessage" if target.form is Form.PATTERN else b"message"
     replies = [[kind, c, m] if kind == b"message" else [kind, b"c*", c, m] for c, m in messages]
-    ready, direct, other = payload_deliveries(target, names, iter(replies))
+    ready, direct, other = payload_deliveries(target, names, iter(replies),
+                                              pattern=kind == b"pmessage")
     assert other is None
     expected = [list_delivery(target, c.decode("utf-8", "replace"), m) for c, m in messages]
     assert [_fields(d) for d in ready] == [_fields(d) for d, p in expected if p is None]
@@ -340,7 +340,7 @@ def test_payload_deliveries_stop_at_a_reply_that_is_no_message_of_theirs() -> No
                     [b"pmessage" if kind == b"message" else b"message", b"ch", b"p"]):
             rest = iter([msg])
             ready, direct, other = payload_deliveries(
-                target, {}, itertools.chain([msg, odd], rest))
+                target, {}, itertools.chain([msg, odd], rest), pattern=kind == b"pmessage")
             assert [d.data for d in ready] == [b"p"] and not direct and other is odd
             assert next(rest) is msg  # not taken
 

@@ -31,12 +31,13 @@ from .stream.reader import StreamReader, StreamSubscription
 __all__ = ["FORMS", "FormSpec"]
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class FormSpec:
     """What the runtime needs to know of one form: its row in :data:`FORMS`.
 
     Each field answers one question the runtime used to answer by testing
-    the form (the branch it replaces in parentheses).
+    the form (the branch it replaces in parentheses).  The defaults are an
+    at-most-once form's (a simple list, Pub/Sub): a row names what its form has.
     """
 
     form: Form
@@ -50,82 +51,74 @@ class FormSpec:
     label: str
     """The ``form`` label of metrics, Prometheus and OpenTelemetry: ``name``
     with ``_`` for spaces (``str(t.form.value).replace(" ", "_")``)."""
-    leaves_pending: bool
-    """A failed delivery can stay pending (a stream's PEL, a reliable list's
-    processing list), so a ``Backoff`` waits; else (at-most-once forms) a
-    ``Backoff`` drops it (``Mount``'s ``no_ack``)."""
-    by_id: bool
-    """Deliveries carry the server's id (stream entries): kept in ``in_hand``
-    until finalized (``Mount._ids``, ``FinalizerCore._stream``)."""
-    counted: bool
-    """Removals of identical elements are counted (a reliable list's ``LREM``
-    per element: ``FinalizerCore._lists``, the reader's ``gates``)."""
-    gated: bool
-    """An outcome may carry writes (``Outcome.with_writes``), committed in the
-    gated step that finalizes it (``check_outcome``'s form test)."""
-    dead_letters: bool
-    """A delivery past ``max_attempts`` may go to a dead letter (``Mount._error_text``)."""
-    uses_caps: bool
-    """Plans choose native commands from the server's capabilities, asked at
-    mount (``if target.form is Form.STREAM`` in ``Consumer.mount``)."""
-    has_modes: bool
-    """The subscription has a ``Mode`` (``PLAIN``, ``RECLAIM``, ``CLAIMING``)."""
-    keyed: bool
-    """Messages wait in Redis keys: the consumer's ``maxmemory-policy``
-    warning (``Consumer.mount``) and the per-minute history (``History.of``)
-    concern it; Pub/Sub keeps nothing."""
-    backlog: Literal["group", "queue"] | None
-    """Where the queue gauges are read (``prometheus._backlog_of``): a
-    consumer group (``XINFO GROUPS``, ``XPENDING``), a list (``LLEN`` of the
-    queue and of the processing list, if any), or nowhere."""
-    templated: bool
-    """The source is a pattern: OpenTelemetry's
-    ``messaging.destination.template`` (``t.form.value == "pattern"``)."""
     cut_fate: str
     """What becomes of deliveries whose handler the shutdown cut, for
     ``Mount._log_cut``: a ``str.format`` template of ``names`` (the ids),
     ``group``, ``consumer`` and ``processing``."""
+    leaves_pending: bool = False
+    """A failed delivery can stay pending (a stream's PEL, a reliable list's
+    processing list), so a ``Backoff`` waits; else (at-most-once forms) a
+    ``Backoff`` drops it (``Mount``'s ``no_ack``)."""
+    by_id: bool = False
+    """Deliveries carry the server's id (stream entries): kept in ``in_hand``
+    until finalized (``Mount._ids``, ``FinalizerCore._stream``)."""
+    counted: bool = False
+    """Removals of identical elements are counted (a reliable list's ``LREM``
+    per element: ``FinalizerCore._lists``, the reader's ``gates``)."""
+    gated: bool = False
+    """An outcome may carry writes (``Outcome.with_writes``), committed in the
+    gated step that finalizes it (``check_outcome``'s form test)."""
+    dead_letters: bool = False
+    """A delivery past ``max_attempts`` may go to a dead letter (``Mount._error_text``)."""
+    uses_caps: bool = False
+    """Plans choose native commands from the server's capabilities, asked at
+    mount (``if target.form is Form.STREAM`` in ``Consumer.mount``)."""
+    has_modes: bool = False
+    """The subscription has a ``Mode`` (``PLAIN``, ``RECLAIM``, ``CLAIMING``)."""
+    keyed: bool = False
+    """Messages wait in Redis keys: the consumer's ``maxmemory-policy``
+    warning (``Consumer.mount``) and the per-minute history (``History.of``)
+    concern it; Pub/Sub keeps nothing."""
+    backlog: Literal["group", "queue"] | None = None
+    """Where the queue gauges are read (``prometheus._backlog_of``): a
+    consumer group (``XINFO GROUPS``, ``XPENDING``), a list (``LLEN`` of the
+    queue and of the processing list, if any), or nowhere."""
+    templated: bool = False
+    """The source is a pattern: OpenTelemetry's
+    ``messaging.destination.template`` (``t.form.value == "pattern"``)."""
 
 
-_AT_MOST_ONCE = "messages {names} (origin ids): gone (a {form} is at-most-once)"
+def _at_most_once(form: str) -> str:
+    return f"messages {{names}} (origin ids): gone (a {form} is at-most-once)"
+
 
 FORMS: dict[Form, FormSpec] = {
     spec.form: spec for spec in (
         FormSpec(
-            Form.STREAM, StreamSubscription, StreamReader, name="stream", label="stream",
-            leaves_pending=True, by_id=True, counted=False, gated=True, dead_letters=True,
-            uses_caps=True, has_modes=True, keyed=True, backlog="group", templated=False,
+            form=Form.STREAM, subscription=StreamSubscription, reader=StreamReader,
+            name="stream", label="stream",
             cut_fate=("entries {names}: left pending in the PEL of group {group!r} (consumer "
                       "{consumer!r}), handed back at the stop (the group's live consumers take "
                       "them at once; this attempt counts)"),
+            leaves_pending=True, by_id=True, gated=True, dead_letters=True, uses_caps=True,
+            has_modes=True, keyed=True, backlog="group",
         ),
         FormSpec(
-            Form.RELIABLE_LIST, ReliableListSubscription, ReliableListReader,
-            name="reliable list", label="reliable_list",
-            leaves_pending=True, by_id=False, counted=True, gated=True, dead_letters=True,
-            uses_caps=False, has_modes=False, keyed=True, backlog="queue", templated=False,
+            form=Form.RELIABLE_LIST, subscription=ReliableListSubscription,
+            reader=ReliableListReader, name="reliable list", label="reliable_list",
             cut_fate=("elements {names} (origin ids): left in the processing list "
                       "{processing!r}, handed back onto the queue at the stop (this attempt "
                       "counts)"),
+            leaves_pending=True, counted=True, gated=True, dead_letters=True, keyed=True,
+            backlog="queue",
         ),
-        FormSpec(
-            Form.LIST, ListSubscription, ListReader, name="list", label="list",
-            leaves_pending=False, by_id=False, counted=False, gated=False, dead_letters=False,
-            uses_caps=False, has_modes=False, keyed=True, backlog="queue", templated=False,
-            cut_fate=_AT_MOST_ONCE.replace("{form}", "list"),
-        ),
-        FormSpec(
-            Form.CHANNEL, ChannelSubscription, PubSubReader, name="channel", label="channel",
-            leaves_pending=False, by_id=False, counted=False, gated=False, dead_letters=False,
-            uses_caps=False, has_modes=False, keyed=False, backlog=None, templated=False,
-            cut_fate=_AT_MOST_ONCE.replace("{form}", "channel"),
-        ),
-        FormSpec(
-            Form.PATTERN, PatternSubscription, PubSubReader, name="pattern", label="pattern",
-            leaves_pending=False, by_id=False, counted=False, gated=False, dead_letters=False,
-            uses_caps=False, has_modes=False, keyed=False, backlog=None, templated=True,
-            cut_fate=_AT_MOST_ONCE.replace("{form}", "pattern"),
-        ),
+        FormSpec(form=Form.LIST, subscription=ListSubscription, reader=ListReader, name="list",
+                 label="list", cut_fate=_at_most_once("list"), keyed=True, backlog="queue"),
+        FormSpec(form=Form.CHANNEL, subscription=ChannelSubscription, reader=PubSubReader,
+                 name="channel", label="channel", cut_fate=_at_most_once("channel")),
+        FormSpec(form=Form.PATTERN, subscription=PatternSubscription, reader=PubSubReader,
+                 name="pattern", label="pattern", cut_fate=_at_most_once("pattern"),
+                 templated=True),
     )
 }
 """Every form's row: ``FORMS[target.form]`` (``FORMS[subscription.form]``)."""

@@ -15,7 +15,6 @@ from .._core._replies import raise_first_error
 from .._core._scripts import CORRUPT_FIELD
 from .._deadlines import FINALIZE_TIMEOUT
 from .._envelope import CorruptEnvelope, unpack_parts
-from .._subscription import Form
 from .._transport import Command, Script
 from ._port import Context
 
@@ -85,8 +84,8 @@ async def _move_back(ctx: Context, members: Sequence[bytes]) -> None:
     other); the first refusal is raised once the others are moved.
     """
     t = ctx.target
-    if t.form is not Form.STREAM:  # pragma: no cover - the list script hands nothing back
-        raise ValueError(f"{t.name}: no member is handed back for a {t.form.value}")
+    if not t.group:  # pragma: no cover - only a stream's (read by a group) are handed back
+        raise ValueError(f"{t.name}: members are handed back to a stream's group only")
     client = ctx.client
     adds: list[Command] = [("XADD", t.source, "*", *stream_fields(m)) for m in members]
     replies = await client.pipeline(adds, raise_on_error=False, timeout=FINALIZE_TIMEOUT)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from contextlib import AbstractAsyncContextManager
 from itertools import chain
 from typing import Any
@@ -11,17 +11,16 @@ from typing import Any
 import anyio
 from redis import exceptions as rexc
 
-from .._core._decode import Foreign, ForeignBuilder, list_deliveries
+from .._core._decode import MESSAGE, PMESSAGE, payload_deliveries
 from .._core._plan import Plan, Target
 from .._deadlines import FINALIZE_TIMEOUT, log
 from .._delivery import Delivery
-from .._envelope import MAGIC
 from .._subscription import Form, Subscription, check_key, check_limits
 from .._transport import PubSub
 from .._value import immutable, setters
-from ._port import Context, Item
+from ._port import Context
 
-__all__ = ["ChannelSubscription", "PatternSubscription", "PubSubReader", "payload_deliveries"]
+__all__ = ["ChannelSubscription", "PatternSubscription", "PubSubReader"]
 
 
 # ``init=False``: ``*channels``, kept once each in their order.  ``eq=False``:
@@ -116,76 +115,6 @@ _CHUNK = 100
 """At most this many already-received messages are handed over together."""
 _MAX_NAMES = 1000
 """Decoded channel names kept at most (a pattern subscription may see many)."""
-_MAGIC_BYTE = MAGIC[0]
-_MESSAGE = b"message"
-_PMESSAGE = b"pmessage"
-
-
-def payload_deliveries(
-    target: Target, names: dict[bytes, str], replies: Iterable[Any],
-) -> tuple[list[Delivery], list[Item], Any]:
-    """The deliveries of Pub/Sub message replies (``[b"message", channel,
-    data]``, a pattern's ``[b"pmessage", pattern, channel, data]``:
-    :meth:`~._transport.PubSub.received`): those for the handlers, and those
-    finalized without one (corrupt envelope, past ``max_attempts``) with
-    their plan, as :func:`~._core._decode.list_delivery` decides; and the
-    first reply that is not a message of the subscription's kind (the loop
-    stops there; None when there is none).  ``names``: channel names
-    decoded so far (added to).
-
-    The hot path of the reader: one loop over what the parser gives (in C,
-    a reply per step).  A payload without envelope (the common case) is a
-    :func:`~._core._decode.foreign` delivery (its digest computed when
-    read), built here inline (a call per message less); the channel's name
-    is looked up only when it changes (a run of messages on one channel
-    compares bytes, no hash).  An envelope goes through
-    :func:`~._core._decode.list_deliveries`.
-    """
-    ready: list[Delivery] = []
-    direct: list[Item] = []
-    mount = target.name
-    pattern = target.form is Form.PATTERN
-    kind = _PMESSAGE if pattern else _MESSAGE
-    append = ready.append
-    blank: Any = ForeignBuilder  # called: a blank twin (``_value.builder``)
-    magic = _MAGIC_BYTE
-    last: bytes | None = None
-    name = ""
-    for reply in replies:
-        try:  # a list of its length unpacks at once (the interpreter's fast path)
-            if pattern:
-                head, _, channel, data = reply
-            else:
-                head, channel, data = reply
-        except (TypeError, ValueError):  # an error reply, a pong ...: the caller's
-            return ready, direct, reply
-        if head != kind:  # a confirmation ...: not a message of this subscription's
-            return ready, direct, reply
-        if channel != last:
-            got = names.get(channel)
-            if got is None:
-                got = names[channel] = channel.decode("utf-8", "replace")
-            name = got
-            last = channel
-        if not data or data[0] != magic:  # cannot be an envelope: attempt 1, no plan
-            # foreigns(name, (data,), mount), inline (the call per message: about
-            # 2,200 instructions more, 1.18x the floor against 1.09x); what every foreign delivery
-            # shares (fields, retries, corrupt, error, flat) is set when first
-            # read, as origin_id is (Foreign)
-            d: Any = blank()
-            d.source = name
-            d.id = None
-            d.data = data
-            d.attempt = 1
-            d.raw = data
-            d.mount = mount
-            d.__class__ = Foreign  # frozen from here on
-            append(d)
-            continue
-        more, plans = list_deliveries(target, name, (data,))
-        ready += more
-        direct += plans
-    return ready, direct, None
 
 
 class PubSubReader:
@@ -203,7 +132,7 @@ class PubSubReader:
         self.sub = sub
         self._lost_at: float | None = None  # when the connection was lost (a gap began)
         self._names: dict[bytes, str] = {}  # channel names decoded
-        self._kind = _PMESSAGE if isinstance(sub, PatternSubscription) else _MESSAGE
+        self._pattern = isinstance(sub, PatternSubscription)
 
     pending = None  # nothing stays pending (at-most-once)
     gates = None
@@ -253,10 +182,11 @@ class PubSubReader:
             names.clear()
         # the first message and what is already received with it, without waiting
         # (in the shape of its subscription's messages, whatever get_message saw)
-        first = ([_PMESSAGE, msg.pattern, msg.channel, msg.data] if self._kind is _PMESSAGE
-                 else [_MESSAGE, msg.channel, msg.data])
+        pattern = self._pattern
+        first = ([PMESSAGE, msg.pattern, msg.channel, msg.data] if pattern
+                 else [MESSAGE, msg.channel, msg.data])
         ready, direct, other = payload_deliveries(
-            ctx.target, names, chain((first,), ps.received(_CHUNK - 1)))
+            ctx.target, names, chain((first,), ps.received(_CHUNK - 1)), pattern=pattern)
         if other is not None:  # a reply that is not a message: as get_message takes it
             ps.other(other)
         await ctx.deliver(ready, direct)  # nothing to give back: at-most-once
