@@ -32,6 +32,7 @@ from trio_redis_finalize import (
     Outcome,
     ReliableListSubscription,
     _finalizer,
+    _handlers,
     _mount,
     _scheduler,
     _shutdown,
@@ -328,6 +329,7 @@ def quick_finalize_timers(monkeypatch: object) -> None:
     times out after 0.3 s instead of 5 s."""
     setattr_ = monkeypatch.setattr  # type: ignore[attr-defined]
     setattr_(_mount, "FINALIZE_GRACE", 0.2)
+    setattr_(_handlers, "FINALIZE_GRACE", 0.2)
     setattr_(_shutdown, "FINALIZE_GRACE", 0.2)
     setattr_(_finalizer, "FINALIZE_TIMEOUT", 0.3)
     setattr_(_scheduler, "FINALIZE_TIMEOUT", 0.3)

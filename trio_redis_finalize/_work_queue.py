@@ -24,8 +24,8 @@ class WorkQueue:
     slow delivery), and a handler that never blocks drains a whole batch in
     one task, with a single other task woken in vain.
 
-    ``Mount._handler_loop`` takes deliveries with :meth:`take` inlined (a
-    call per delivery less): ``items.popleft()``, then, while more wait,
+    ``HandlerPool._handler_loop`` (``_handlers``) takes deliveries with
+    :meth:`take` inlined (a call per delivery less): ``items.popleft()``, then, while more wait,
     :meth:`wake_one` when ``idle`` and no task is ``waking``, or, once the
     queue is empty, :meth:`emptied` when a producer waits for ``room``.
     """

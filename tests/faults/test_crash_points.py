@@ -69,7 +69,7 @@ from trio_redis_finalize import (
     ReliableListSubscription,
     Retention,
     StreamSubscription,
-    _mount,
+    _handlers,
     open_consumer,
     retry_after,
 )
@@ -555,8 +555,8 @@ async def run_case(url: str, path: Path, k: int | None, fault: str,
         # one finalizer batch of the n outcomes whatever the machine's speed: a
         # handler call slower than _SLOW_CALL (the racer's round trip, under
         # load) would otherwise hand the outcomes before it on at once
-        monkeypatch.setattr(_mount, "_SLOW_CALL", 60.0)
-        monkeypatch.setattr(_mount, "_FLUSH_EVERY", 60.0)
+        monkeypatch.setattr(_handlers, "_SLOW_CALL", 60.0)
+        monkeypatch.setattr(_handlers, "_FLUSH_EVERY", 60.0)
         if path.form == "list":
             # ... read at once: the reader's first read is of one element
             # (its prefetch grows from 1), so it starts at n here

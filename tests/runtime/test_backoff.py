@@ -37,7 +37,7 @@ from trio_redis_finalize import (
     Outcome,
     ReliableListSubscription,
     StreamSubscription,
-    _mount,
+    _backoffs,
     open_consumer,
 )
 from trio_redis_finalize._core.reliable_list.scripts import LIST_REMOVE
@@ -420,7 +420,7 @@ async def test_past_the_waiting_bound_failures_are_left_pending_for_recovery(
 ) -> None:
     """The waiting set is bounded: past it a failed entry is left pending,
     unleased, for the ordinary recovery (here a RECLAIM claim)."""
-    monkeypatch.setattr(_mount, "MAX_WAITING", 1)
+    monkeypatch.setattr(_backoffs, "MAX_WAITING", 1)
     ids = [(await client.execute("XADD", S, "*", "n", str(i))).decode() for i in range(4)]
     h = Failing(ok_at=2)
     sub = StreamSubscription(S, G, mode=Mode.RECLAIM, min_idle=0.2, block=0.05, count=4)
@@ -443,7 +443,7 @@ async def test_reliable_list_past_the_waiting_bound_stays_in_the_processing_list
     longer held, not delivered again by a timer; the stop hands it back onto
     the queue, counted (its handler ran): the next consumer delivers it as
     attempt 2."""
-    monkeypatch.setattr(_mount, "MAX_WAITING", 0)
+    monkeypatch.setattr(_backoffs, "MAX_WAITING", 0)
     await client.execute("LPUSH", Q, b"job")
     h = Failing()
     sub = ReliableListSubscription(Q, block=0.05)

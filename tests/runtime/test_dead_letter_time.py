@@ -33,7 +33,7 @@ from trio_redis_finalize import (
     ReliableListSubscription,
     Retention,
     StreamSubscription,
-    _mount,
+    _handlers,
     open_consumer,
 )
 from trio_redis_finalize._core import _finalize as _core_finalize
@@ -91,8 +91,8 @@ async def test_a_stream_dead_letter_carries_the_servers_time(
     if way == "cluster-split":
         monkeypatch.setattr(_core_finalize, "plan", _cluster_split)
     if way == "batched":  # the n outcomes reach the finalizer together: one batched call
-        monkeypatch.setattr(_mount, "_SLOW_CALL", 60.0)
-        monkeypatch.setattr(_mount, "_FLUSH_EVERY", 60.0)
+        monkeypatch.setattr(_handlers, "_SLOW_CALL", 60.0)
+        monkeypatch.setattr(_handlers, "_FLUSH_EVERY", 60.0)
     kw, n, outcome = WAYS[way]
     sub = StreamSubscription(S, "g", block=0.05, max_attempts=1, dead_letter=DEAD, **kw)
 

@@ -37,6 +37,7 @@ from trio_redis_finalize import (
     Outcome,
     Retention,
     StreamSubscription,
+    _handlers,
     _mount,
     _shutdown,
     open_consumer,
@@ -160,6 +161,7 @@ RACES = [
 def _quick_shutdown(monkeypatch: pytest.MonkeyPatch) -> None:
     # a cut finalizer gives up after 0.3 s at shutdown instead of 10 s
     monkeypatch.setattr(_mount, "FINALIZE_GRACE", 0.3)
+    monkeypatch.setattr(_handlers, "FINALIZE_GRACE", 0.3)
     monkeypatch.setattr(_shutdown, "FINALIZE_GRACE", 0.3)
 
 

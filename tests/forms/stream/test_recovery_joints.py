@@ -35,7 +35,7 @@ from trio_redis_finalize import (
     Outcome,
     ReliableListSubscription,
     StreamSubscription,
-    _mount,
+    _backoffs,
     open_consumer,
 )
 from trio_redis_finalize._core._plan import Target
@@ -372,7 +372,7 @@ async def test_the_own_pel_re_read_runs_under_traffic(
     (``_RECOVER_EVERY``, 1 s here) although traffic keeps entries in hand at
     every read."""
     monkeypatch.setattr(_stream, "_RECOVER_EVERY", 1.0)
-    monkeypatch.setattr(_mount, "MAX_WAITING", 0)
+    monkeypatch.setattr(_backoffs, "MAX_WAITING", 0)
     calls: list[int] = []
     others = 0
     seen: list[int] = []  # how many traffic entries were handled at each attempt of "p"
