@@ -71,9 +71,9 @@ from typing import Any
 from ..._keys import derived, named
 from ..._subscription import Mode
 from .._commands import Command, Script
-from .._decode import Entry
 from .._finalize import Record
 from .._identity import claim, heartbeat_value, renew
+from .decode import Entry
 
 __all__ = [
     "HANDED_BACK_IDLE_MS", "HEARTBEAT_FLOOR", "REAP", "STOP", "STOP_PROBE", "Heartbeat",

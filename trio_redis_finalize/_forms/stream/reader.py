@@ -13,11 +13,11 @@ import anyio
 from redis import exceptions as rexc
 
 from ..._context import FINALIZE_TIMEOUT, READ_MARGIN, Context, Item, log
-from ..._core._decode import Entry, as_str, id_key, lost_entry, read_entries, stream_deliveries
 from ..._core._plan import Effect, Plan, Target
 from ..._core._recovery import LEASE, SCHEDULE_LEFT, lease_lost, schedule_key, schedule_left
 from ..._core._replies import NOT_RUN, BusyGroupError, classify, error_code
 from ..._core._scripts import move_due_to_stream
+from ..._core.stream.decode import Entry, as_str, id_key, lost_entry, read_entries, stream_deliveries
 from ..._core.stream.liveness import HEARTBEAT_FLOOR, lease_every
 from ..._delivery import Delivery
 from ..._keys import derived, same_slot
