@@ -174,16 +174,9 @@ async def check_exactly_once(
         await anyio.to_thread.run_sync(server.stop)
 
 
-def _fixup_module_metadata() -> None:
-    """Public objects show ``trio_redis_finalize.testing`` as their module
-    (reprs, pickling and the docs name it, not the private module that
-    defines them), as before the split."""
-    namespace = globals()
-    for name in __all__:
-        obj = namespace[name]
-        if (isinstance(obj, type) or callable(obj)) and getattr(obj, "__module__", "").startswith(
-                f"{__name__}."):
-            obj.__module__ = __name__
-
-
-_fixup_module_metadata()
+# public objects show ``trio_redis_finalize.testing`` as their module (reprs,
+# pickling and the docs name it, not the private module that defines them)
+for _public in (ClusterUnavailable, RedisCluster, RedisSentinel, RedisServer, find_redis_server,
+                free_port, make_delivery, redis_server_version):
+    _public.__module__ = __name__
+del _public
