@@ -55,11 +55,9 @@ What the core decides:
 * **Effects** are counted from the replies (``_settlement``, :func:`~._plan.settle`),
   with the runtime ``retry_after`` copies to hand the scheduler (only for plans
   whose removal was confirmed; on cancellation every one, duplicate never
-  loss), the log records to emit and the stream ids to forget.
-
-Beside it: ``_gates`` (the port a reader's counted gates implement) and
-``_settlement`` (what the shell is told: a :class:`~._settlement.Step` after
-each round, a :class:`~._settlement.Settlement` at the end, their records).
+  loss), the log records to emit and the stream ids to forget (the shell is
+  told a :class:`~._settlement.Step` after each round, a
+  :class:`~._settlement.Settlement` at the end).
 """
 
 from __future__ import annotations
