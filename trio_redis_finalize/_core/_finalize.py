@@ -483,15 +483,17 @@ class FinalizeBatch:
         records: list[Record] = []
         later: list[tuple[float, tuple[Command, ...]]] = []
         removed = self._removed
-        closed: list[int] = []
-        failed: list[int] = []
+        closed: Sequence[int] = ()
+        failed: Sequence[int] = ()
+        settled: Sequence[str] = ()
         if removed:
             closed, failed = count_removals(
-                name, core.removals, core._stream, core.target.xackdel, removed, self._kinds,
-                self._tally, self._fast_failed, self._n_fast, self._fast_replies,
+                name, core.removals, core._stream, core.target, removed, self._kinds, self._tally,
+                self._fast_failed, self._n_fast, self._fast_replies,
                 self._items if self._debug else None, effects, records)
         plans = self._plans
-        settled = settle_plans(name, plans, self._returned, self._got, self._unsure, self._debug,
-                               effects, records, later) if plans else []
+        if plans:
+            settled = settle_plans(name, plans, self._returned, self._got, self._unsure,
+                                   self._debug, effects, records, later)
         return Settlement(effects, records, later, settled, closed, failed, self._ids,
                           core.removals, removed, self._kinds, plans)

@@ -20,7 +20,7 @@ from typing import Any
 from .._delivery import Delivery
 from .._outcome import Backoff, Outcome, OutcomeKind, WithWrites
 from ._commands import Command
-from ._plan import FAILED, GATE_CLOSED, Effect, Plan, settle
+from ._plan import FAILED, GATE_CLOSED, Effect, Plan, Target, settle
 from ._replies import FINAL, classify, describe_error
 from ._writes import WRITES
 
@@ -153,12 +153,12 @@ def closed_removals(replies: Sequence[Any] | None, n: int, stream: bool) -> list
 
 
 def count_removals(
-    name: str, removals: dict[OutcomeKind, Effect], stream: bool, xackdel: bool,
+    name: str, removals: dict[OutcomeKind, Effect], stream: bool, target: Target,
     removed: list[Delivery], kinds: list[OutcomeKind], tally: list[tuple[str, str, int]],
     broken: set[int], n_fast: int, replies: Sequence[Any] | None,
     items: Sequence[tuple[Delivery, Outcome | Plan | Backoff]] | None,
     effects: dict[str, int], records: list[Record],
-) -> tuple[list[int], list[int]]:
+) -> tuple[Sequence[int], Sequence[int]]:
     """The effects of a batch's hot-path removals (``removed``, of ``kinds``;
     ``tally``: ``(outcome, effect, n)`` per kind), counted into ``effects``,
     with their records (and, when ``items`` are given, a debug record per
@@ -167,8 +167,8 @@ def count_removals(
     n = len(removed)
     # never the same removal in both: a removal answered 0 at once was not
     # sent again, and a stream's XACK that failed answered no count
-    failed = failed_removals(broken, n, stream, n_fast) if broken else []
-    closed = closed_removals(replies, n, stream) if replies is not None else []
+    failed = failed_removals(broken, n, stream, n_fast) if broken else ()
+    closed = closed_removals(replies, n, stream) if replies is not None else ()
     for _, e, k in tally:
         effects[e] = effects.get(e, 0) + k  # kinds may share an effect
     # the removals Redis answered otherwise than planned
@@ -187,7 +187,7 @@ def count_removals(
             _INFO, "%s: %s of %d entries acknowledged %d: %d were no longer "
             "pending (finalized already: claimed and finalized by another "
             "consumer, or the group was recreated); counted gate_closed",
-            (name, "XACKDEL" if xackdel else "XACK", n, n - len(closed), len(closed)),
+            (name, "XACKDEL" if target.xackdel else "XACK", n, n - len(closed), len(closed)),
             {"subscription": name, "effect": GATE_CLOSED}))
     if items is not None:
         shut = {id(removed[i]) for i in closed}
@@ -270,8 +270,8 @@ class Settlement:
                  "_settled", "effects", "later", "records")
 
     def __init__(self, effects: dict[str, int], records: list[Record],
-                 later: list[tuple[float, tuple[Command, ...]]], settled: list[str],
-                 closed: list[int], failed: list[int], ids: list[str],
+                 later: list[tuple[float, tuple[Command, ...]]], settled: Sequence[str],
+                 closed: Sequence[int], failed: Sequence[int], ids: list[str],
                  removals: dict[OutcomeKind, Effect], removed: list[Delivery],
                  kinds: list[OutcomeKind], plans: list[tuple[Delivery, Plan]]) -> None:
         self._closed = closed  # the hot path's removals that removed nothing (gate_closed)
