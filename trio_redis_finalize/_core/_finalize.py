@@ -469,8 +469,7 @@ class FinalizeBatch:
                 for _, p in self._plans if p.delay is not None and p.later]
 
     def result(self) -> Settlement:
-        """The batch's settlement, once :meth:`commands` is empty
-        (``_settlement``: what Redis answered, read into effects and records)."""
+        """The batch's settlement (``_settlement``), once :meth:`commands` is empty."""
         if self._commands:
             raise RuntimeError("result(): the batch is not done")
         core = self._core
