@@ -166,6 +166,19 @@ STREAM_COPY_ACK_BATCH = getattr(_scripts, "STREAM_COPY_ACK_BATCH", None)
 STREAM_ZADD_ACK_BATCH = getattr(_scripts, "STREAM_ZADD_ACK_BATCH", None)
 BATCH_MAX = getattr(_scripts, "STREAM_BATCH_MAX", 100)
 
+
+def _stream_decode() -> str:
+    """Where the imported checkout decodes stream entries: ``_core/stream/decode``
+    (since issue 36) or ``_core/_decode`` (before; ``TRF_BENCH_LIB``)."""
+    try:
+        internal("stream.decode")
+    except ModuleNotFoundError:
+        return "_decode"
+    return "stream.decode"
+
+
+_STREAM_DECODE = _stream_decode()
+
 N = 20_000
 LIB = "trio_redis_finalize"
 BIG = 200_000
@@ -312,7 +325,7 @@ async def ovl_ack(client: Client, n: int, *, calls: bool = False, writes: bool =
     ``HINCRBY`` per entry goes in the XACK's pipeline (the raw client's way to
     a write per message: not exactly once -- the library's floor to beat);
     ``decode``: it also builds the library's deliveries of each batch
-    (``_core._decode.stream_deliveries``: what a batch handler is given),
+    (``_core.stream.decode.stream_deliveries``: what a batch handler is given),
     the bound of a batch handler's cost."""
     await preload(client, STREAM, n)
     group = _group()
@@ -321,7 +334,7 @@ async def ovl_ack(client: Client, n: int, *, calls: bool = False, writes: bool =
 
     async def finalize(entries: list[Any]) -> int:
         if decode:
-            internal("_decode").stream_deliveries(target, entries)
+            internal(_STREAM_DECODE).stream_deliveries(target, entries)
         if calls:
             for e in entries:
                 await _noop(e)

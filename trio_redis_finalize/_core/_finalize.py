@@ -48,14 +48,16 @@ What the core decides:
   lost, timeout; or a whole pipeline that did not run) sends the same
   round again after a pause, and the batch becomes *unsure*: a closed gate
   then answers that the earlier send did the work (:func:`~._plan.settle`).
-* **Counted gates** (reliable lists, identical elements): a :class:`Gates`
+* **Counted gates** (reliable lists, identical elements): a :class:`~._gates.Gates`
   object -- the reader's -- numbers the removals once before the first send
   (``prepare``), again before every resend (``resend``: the copies held
   *now*), and learns what Redis answered (``settle``).
-* **Effects** are counted from the replies (:func:`~._plan.settle`), with
-  the runtime ``retry_after`` copies to hand the scheduler (only for plans
+* **Effects** are counted from the replies (``_settlement``, :func:`~._plan.settle`),
+  with the runtime ``retry_after`` copies to hand the scheduler (only for plans
   whose removal was confirmed; on cancellation every one, duplicate never
-  loss), the log records to emit and the stream ids to forget.
+  loss), the log records to emit and the stream ids to forget (the shell is
+  told a :class:`~._settlement.Step` after each round, a
+  :class:`~._settlement.Settlement` at the end).
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ from __future__ import annotations
 import logging
 import operator
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from redis import exceptions as rexc
 
@@ -73,38 +75,24 @@ from .._outcome import ACK, DROP, Backoff, Outcome, OutcomeKind, WithWrites
 from .._subscription import Form
 from ._batch import BATCHED, batch_replies, fast_index, fast_owner, first_round
 from ._commands import Command
-from ._plan import (
-    FAILED,
-    GATE_CLOSED,
-    Effect,
-    Plan,
-    Target,
-    plain_removals,
-    plan,
-    plan_dead,
-    removal_commands,
-    settle,
-    stream_removals,
-)
+from ._gates import Gates, Item
+from ._plan import Effect, Plan, Target, plain_removals, plan, plan_dead, removal_commands, stream_removals
 from ._replies import FINAL, classify, describe_error
-from ._writes import WRITES, plan_writes
+from ._settlement import (
+    GO,
+    Record,
+    Settlement,
+    Step,
+    batched_elements,
+    count_removals,
+    cut_warning,
+    log_extra,
+    settle_plans,
+)
+from ._writes import plan_writes
 
-__all__ = [
-    "GO",
-    "FinalizeBatch",
-    "FinalizerCore",
-    "Gates",
-    "Item",
-    "Record",
-    "Settlement",
-    "Step",
-    "log_extra",
-]
-
-Item = tuple[Delivery, "Outcome | Plan | Backoff"]
-Record = tuple[int, str, tuple[object, ...], dict[str, Any]]
-"""A log record to emit: ``(level, message, args, extra)``, for
-``log.log(level, message, *args, extra=extra)``."""
+__all__ = ["GO", "FinalizeBatch", "FinalizerCore", "Gates", "Item", "Record", "Settlement", "Step",
+           "log_extra"]
 
 _RETRY = OutcomeKind.RETRY
 _DELIVERY = operator.itemgetter(0)
@@ -117,61 +105,8 @@ _COUNTED_IDS = frozenset((id(ACK), id(DROP)))
 """The constants ``ACK`` and ``DROP`` by identity (module constants: alive
 as long as the process): a batch of only those is told apart in C."""
 
-_DEBUG = logging.DEBUG
-_INFO = logging.INFO
 _WARNING = logging.WARNING
 _ERROR = logging.ERROR
-
-
-class Gates(Protocol):
-    """Counted gates for removals of identical elements (the reliable list reader).
-
-    A reliable list may hold several copies of one element; a removal of
-    element ``e`` is gated on the number of copies the consumer holds (see
-    ``_plan.list_counted``).  The core calls, for every batch:
-    """
-
-    def prepare(self, commands: list[Command], fast: int = 0) -> list[Command]:
-        """Once, before the first send, with every command of the batch (the
-        first round's, then the later steps'): the same commands, removals
-        numbered.  ``fast``: the first ``fast`` commands are the hot path's
-        plain ``LREM`` s (``removal_commands``)."""
-        ...
-
-    def resend(self, commands: Sequence[Command], answered: Sequence[Command],
-               answers: Sequence[object]) -> list[Command]:
-        """Before ``commands`` are sent again (not run, or outcome unknown):
-        removals renumbered on what is held now; ``answered``/``answers``:
-        the batch's commands answered so far and their replies."""
-        ...
-
-    def settle(self, items: Sequence[Item], commands: Sequence[Command],
-               replies: Sequence[object], hot: bool = False) -> None:
-        """Once the batch is done: every command answered, and its reply.
-        ``hot``: the batch was the hot path's removals only (no plan, nothing
-        refused), each answered once: ``commands`` are those removals, as
-        prepared (or renumbered for a resend)."""
-        ...
-
-
-class Step:
-    """What the shell does after a round: count ``errors`` (finalize errors),
-    log ``records``, and, when ``pause`` > 0, back off (``pause`` rounds in a
-    row needed one: sleep ``backoff(pause - 1)``) before the next round."""
-
-    __slots__ = ("errors", "pause", "records")
-
-    def __init__(self, errors: int, pause: int, records: Sequence[Record]) -> None:
-        self.errors = errors
-        self.pause = pause
-        self.records = records
-
-    def __repr__(self) -> str:
-        return f"Step(errors={self.errors}, pause={self.pause}, records={len(self.records)})"
-
-
-GO = Step(0, 0, ())
-"""The step after a round that went through: send the next round (if any) now."""
 
 
 class FinalizerCore:
@@ -233,14 +168,7 @@ class FinalizerCore:
             # claiming: the PEL is the delay, and XAUTOCLAIM takes the entry
             # back once it has been idle min_idle, whatever the delay asked
             self._cut_warned = True
-            b.records.append((
-                _WARNING,
-                "%s: %r on a claiming subscription is cut to min_idle=%g s (entry %s, "
-                "attempt %d); use delayed_retry=DelayedRetry.DURABLE_ZSET for longer delays "
-                "(logged once per subscription)",
-                (self.name, outcome, t.min_idle, d.id, d.attempt),
-                log_extra(self.name, d, outcome),
-            ))
+            b.records.append(cut_warning(self.name, t.min_idle, d, outcome))
         return p
 
 
@@ -382,7 +310,7 @@ class FinalizeBatch:
         self._recount = False  # a resend: the gates renumber on what is held now
         self._unsure = False  # a send had an unknown outcome (then resent)
         self._fast_failed: set[int] = set()  # the hot path's commands answered a final error
-        # the hot path's removals answered in the first round, sent once (see _closed())
+        # the hot path's removals answered in the first round, sent once (see closed_removals)
         self._fast_replies: Sequence[Any] | None = None
         self._n_fast = len(fast)
         self._first = True
@@ -424,7 +352,7 @@ class FinalizeBatch:
         track = self._core.gates is not None
         owners = self._owners
         # a first round sent once with a known outcome: its replies settle the
-        # hot path's removals (see _closed()); a resend's do not
+        # hot path's removals (see closed_removals); a resend's do not
         known = self._first and not self._unsure
         self._first = False
         if owners is None:
@@ -479,21 +407,11 @@ class FinalizeBatch:
                     if track:
                         self._answered.append(cmd)
                         self._answers.append(r)
-                    plans = self._plans
-                    for j, e in zip(own, elements, strict=True):
-                        if isinstance(e, Exception):
-                            single = plans[j][1].commands[0]
-                            if classify(e) is not FINAL:  # did not run: that delivery alone, again
-                                if not again:
-                                    deferred = describe_error(e, single)
-                                again.append(single)
-                                again_owners.append((j,))
-                                continue
-                            errors += 1
-                            records.append((_ERROR, "%s: finalization command failed: %s",
-                                            (core.name, describe_error(e, single)),
-                                            {"subscription": core.name}))
-                        got[j].append(e)
+                    failures, first = batched_elements(core.name, elements, own, self._plans, got,
+                                                       again, again_owners, records)
+                    errors += failures
+                    if first:
+                        deferred = first
                     continue
             if isinstance(r, Exception):
                 if classify(r) is not FINAL:
@@ -550,59 +468,8 @@ class FinalizeBatch:
         return [(p.delay, (*p.commands, *p.later))
                 for _, p in self._plans if p.delay is not None and p.later]
 
-    def _failed(self) -> list[int]:
-        """The hot path's removals whose command got a final error reply, as
-        indexes into ``_removed``: counted :data:`FAILED` (they stay pending).
-
-        A stream's one ``XACK`` fails them all; its ``XDEL``
-        (``DELETE_ON_FINALIZE``) failing alone fails none: they were
-        acknowledged, and the periodic trim removes them from the stream (the
-        error is logged and counted in ``finalize_errors`` all the same).  A
-        reliable list's ``LREM`` fails its own element only."""
-        broken = self._fast_failed
-        if not broken:
-            return []
-        n = len(self._removed)
-        if self._core._stream:
-            return list(range(n)) if 0 in broken else []
-        if self._n_fast != n:  # pragma: no cover - one LREM per element, always
-            return list(range(n))
-        return sorted(broken)
-
-    def _closed(self) -> list[int]:
-        """The hot path's removals Redis answered *nothing removed*, sent once
-        in the first round with a known outcome, as indexes into ``_removed``:
-        counted :data:`GATE_CLOSED`, not as acknowledged (or dropped).
-
-        A reliable list's ``LREM`` answered 0 (or a counted gate's nil): the
-        element was not (or no longer) in the processing list -- taken back
-        by another consumer's takeover, say.  A stream's ``XACK`` of ``n``
-        ids answered ``k < n``: ``n - k`` entries were no longer pending in
-        the group (another consumer claimed and finalized them, or the
-        group was recreated).  Which ones is not known (``XACK`` answers a
-        count): the last ``n - k`` of the batch are reported so.  An
-        ``XACKDEL`` (Redis 8.2, ``Retention.DELETE_ON_FINALIZE``) answers a
-        code per id: exactly those answered ``-1`` are.  A resend's
-        answer is no such evidence (the first send may have removed it):
-        counted as planned."""
-        replies = self._fast_replies
-        if replies is None:
-            return []
-        n = len(self._removed)
-        if self._core._stream:
-            k = replies[0] if replies else None
-            if k.__class__ is list:  # XACKDEL: one code per id, -1 for one not pending
-                codes: list[Any] = k
-                return [i for i, c in enumerate(codes) if c == -1] if len(codes) == n else []
-            if k.__class__ is not int or k >= n:
-                return []
-            return list(range(max(k, 0), n))
-        if len(replies) != n or replies.count(1) == n:  # every LREM removed its element
-            return []
-        return [i for i, r in enumerate(replies) if r == 0 or r is None]
-
     def result(self) -> Settlement:
-        """The batch's settlement, once :meth:`commands` is empty."""
+        """The batch's settlement (``_settlement``), once :meth:`commands` is empty."""
         if self._commands:
             raise RuntimeError("result(): the batch is not done")
         core = self._core
@@ -611,153 +478,21 @@ class FinalizeBatch:
             gates.settle(self._items, self._answered, self._answers,
                          self._owners is None and not self.refused)
         name = core.name
-        debug = self._debug
         effects: dict[str, int] = {}
         records: list[Record] = []
         later: list[tuple[float, tuple[Command, ...]]] = []
         removed = self._removed
-        removals = core.removals
-        # never the same removal in both: a removal answered 0 at once was not
-        # sent again, and a stream's XACK that failed answered no count
-        failed = self._failed()
-        closed = self._closed()
+        closed: Sequence[int] = ()
+        failed: Sequence[int] = ()
+        settled: Sequence[str] = ()
         if removed:
-            for _, e, n in self._tally:
-                effects[e] = effects.get(e, 0) + n  # kinds may share an effect
-            # the removals Redis answered otherwise than planned
-            for instead, which in ((FAILED, failed), (GATE_CLOSED, closed)):
-                if not which:
-                    continue
-                for i in which:
-                    e = removals[self._kinds[i]]._value_
-                    if effects[e] > 1:
-                        effects[e] -= 1
-                    else:
-                        del effects[e]  # none of that effect after all
-                effects[instead] = effects.get(instead, 0) + len(which)
-            if closed and core._stream:
-                records.append((
-                    _INFO, "%s: %s of %d entries acknowledged %d: %d were no longer "
-                    "pending (finalized already: claimed and finalized by another "
-                    "consumer, or the group was recreated); counted gate_closed",
-                    (name, "XACKDEL" if core.target.xackdel else "XACK", len(removed),
-                     len(removed) - len(closed), len(closed)),
-                    {"subscription": name, "effect": GATE_CLOSED}))
-            if debug:
-                shut = {id(removed[i]) for i in closed}
-                broke = {id(removed[i]) for i in failed}
-                for d, outcome in self._items:
-                    effect = (removals.get(outcome.kind) if outcome.__class__ is Outcome
-                              else None)
-                    if effect is not None:
-                        value = (GATE_CLOSED if id(d) in shut else FAILED if id(d) in broke
-                                 else effect.value)
-                        records.append((_DEBUG, "%s: %s (attempt %d) finalized: %s",
-                                        (name, d.id or d.origin_id, d.attempt, value),
-                                        log_extra(name, d, outcome, value)))
+            closed, failed = count_removals(
+                name, core.removals, core._stream, core.target, removed, self._kinds, self._tally,
+                self._fast_failed, self._n_fast, self._fast_replies,
+                self._items if self._debug else None, effects, records)
         plans = self._plans
-        settled_effects: list[str] = []
-        unsure = self._unsure
-        for (d, p), outcome, rs in zip(plans, self._returned, self._got, strict=True) if plans else ():
-            if not p.commands:
-                settled = p.effect._value_
-            elif (len(rs) == 1 and len(p.commands) == 1 and (r := rs[0]) is not None
-                  and r is not False and r.__class__ is not list and not isinstance(r, Exception)):
-                settled = p.effect._value_  # settle()'s answer for one command that ran, inline
-            else:
-                settled = settle(p, rs, unsure=unsure)
-            settled_effects.append(settled)
-            effects[settled] = effects.get(settled, 0) + 1
-            if (outcome.__class__ is WithWrites and settled != FAILED and settled != GATE_CLOSED
-                    and p.commands):
-                # committed with the finalization (a closed gate or a failure: none; a
-                # reliable list's runtime retry_after: by its delayed copy, counted then)
-                effects[WRITES] = effects.get(WRITES, 0) + len(outcome.writes)
-            if settled == FAILED:
-                records.append((_ERROR, "%s: finalization of %s (attempt %d, origin %s) failed; it "
-                                "stays where it was (pending) and is delivered again",
-                                (name, d.id or d.origin_id, d.attempt, d.origin_id),
-                                log_extra(name, d, outcome, settled)))
-                continue
-            if settled == GATE_CLOSED:
-                records.append((_INFO, "%s: %s (attempt %d) was no longer pending: finalized "
-                                "already, nothing written", (name, d.id or d.origin_id, d.attempt),
-                                log_extra(name, d, outcome, settled)))
-                continue
-            if p.warning:
-                records.append((_WARNING, "%s (attempt %d, origin %s)",
-                                (p.warning, d.attempt, d.origin_id),
-                                log_extra(name, d, outcome, settled)))
-            elif debug:
-                records.append((_DEBUG, "%s: %s (attempt %d) finalized: %s",
-                                (name, d.id or d.origin_id, d.attempt, settled),
-                                log_extra(name, d, outcome, settled)))
-            if p.delay is not None and p.later:
-                later.append((p.delay, p.later))
-        return Settlement(self, effects, records, later, settled_effects, closed, failed)
-
-
-class Settlement:
-    """What a finished batch did, as Redis answered.
-
-    ``effects``: counts per effect (``acked``, ``copied``, ``failed``,
-    ``gate_closed`` ...); ``records``: log records to emit; ``later``:
-    ``(delay, commands)`` of runtime delayed copies to hand the scheduler
-    (plans whose removal was confirmed).  :meth:`forget`: the stream ids no
-    longer in hand; :meth:`deliveries`: each delivery with its settled
-    effect (what instrumentation is told).
-    """
-
-    __slots__ = ("_batch", "_closed", "_failed", "_settled", "effects", "later", "records")
-
-    def __init__(self, batch: FinalizeBatch, effects: dict[str, int], records: list[Record],
-                 later: list[tuple[float, tuple[Command, ...]]], settled: list[str],
-                 closed: list[int], failed: list[int]) -> None:
-        self._batch = batch
-        self._closed = closed  # the hot path's removals that removed nothing (gate_closed)
-        self._failed = failed  # those whose command got a final error reply
-        self.effects = effects
-        self.records = records
-        self.later = later
-        self._settled = settled
-
-    def forget(self) -> list[str]:
-        """The stream ids finalized (or failed: the own-PEL re-read delivers them again)."""
-        b = self._batch
-        # the hot path's ids listed once (streams; other forms hold no ids)
-        return b._ids + [d.id for d, _ in b._plans if d.id is not None]
-
-    def deliveries(self) -> list[tuple[Delivery, str]]:
-        """Every delivery the batch finalized with its settled effect (the hot
-        path's first, then the plans'; ``backoffs`` and refused ones are not there)."""
-        b = self._batch
-        removals = b._core.removals
-        out = [(d, removals[k]._value_) for d, k in zip(b._removed, b._kinds, strict=True)]
-        for i in self._closed:
-            out[i] = (out[i][0], GATE_CLOSED)
-        for i in self._failed:
-            out[i] = (out[i][0], FAILED)
-        return out + [(d, e) for (d, _), e in zip(b._plans, self._settled, strict=True)]
-
-
-def log_extra(
-    subscription: str, d: Delivery, outcome: Outcome | Plan | Backoff | None,
-    effect: str | None = None,
-) -> dict[str, Any]:
-    """The structured fields of a log record about one delivery (``logging`` ``extra=``).
-
-    ``subscription``, ``entry_id`` (stream id or ``None``), ``origin_id``,
-    ``attempt``, ``outcome`` (``ack``, ``retry``, ``drop``, ``retry_after``,
-    ``backoff`` or ``None``) and, for finalization records, ``effect``.
-    """
-    extra: dict[str, Any] = {
-        "subscription": subscription,
-        "entry_id": d.id,
-        "origin_id": d.origin_id,
-        "attempt": d.attempt,
-        "outcome": (outcome.kind.value if isinstance(outcome, Outcome)
-                    else "backoff" if isinstance(outcome, Backoff) else None),
-    }
-    if effect is not None:
-        extra["effect"] = effect
-    return extra
+        if plans:
+            settled = settle_plans(name, plans, self._returned, self._got, self._unsure,
+                                   self._debug, effects, records, later)
+        return Settlement(effects, records, later, settled, closed, failed, self._ids,
+                          core.removals, removed, self._kinds, plans)

@@ -25,11 +25,12 @@ from .._core._replies import (
     with_context,
 )
 from ._client import Client, Script
-from ._cluster import ClusterClient, RoutedConnection, slot_of
+from ._cluster import ClusterClient, RoutedConnection
 from ._connection import DEFAULT_TIMEOUT, Connection, open_connection, pack_command
 from ._open import open_client
 from ._pubsub import Message, PubSub
 from ._sentinel import SentinelClient
+from ._slots import slot_of
 from ._url import ConnectionParams, parse_url, sentinel_params
 
 __all__ = [

@@ -56,75 +56,27 @@ from redis import exceptions as rexc
 from redis.crc import key_slot
 
 from .._core._caps import NO_CAPABILITIES, Capabilities
-from .._core._commands import Arg, Command, command_keys
+from .._core._commands import Arg, Command
 from .._core._replies import with_context
 from ._client import Client, _is_evalsha, transaction_result
 from ._connection import _CLOSE_TIMEOUT, DEFAULT_TIMEOUT, Connection, open_connection, pack_command
+from ._slots import (
+    MAX_REDIRECTS,
+    MAX_TRYAGAIN,
+    REDIRECTS,
+    SLOTS,
+    Address,
+    key_bytes,
+    one_slot,
+    redirect_address,
+    slot_map,
+    slot_of,
+    slot_runs,
+    tryagain_pause,
+)
 from ._url import ConnectionParams
 
-__all__ = ["MAX_REDIRECTS", "MAX_TRYAGAIN", "SLOTS", "ClusterClient", "RoutedConnection", "slot_of"]
-
-SLOTS = 16384
-MAX_REDIRECTS = 8
-"""``MOVED`` and ``ASK`` redirections followed per command before giving up."""
-MAX_TRYAGAIN = 25
-"""``TRYAGAIN`` answers waited out per command (pauses of 10 ms doubling up to
-250 ms: about 5 s, enough for a migration to move the slot's remaining keys)."""
-
-
-def _tryagain_pause(n: int) -> float:
-    return float(min(0.25, 0.01 * 2**n))
-
-Address = tuple[str, int]
-_REDIRECTS = (rexc.MovedError, rexc.AskError, rexc.TryAgainError)
-
-
-def _bytes(key: Arg) -> bytes:
-    if isinstance(key, bytes):
-        return key
-    return str(key).encode()
-
-
-def _pattern_slot(pattern: bytes) -> int | None:
-    """The one slot of every key ``pattern`` can match, when its hash tag is literal.
-
-    ``{jobs}:processing:*`` matches only keys tagged ``jobs``; ``jobs:*`` or
-    ``{j*}:x`` can match keys of any slot (``None``).
-    """
-    start = pattern.find(b"{")
-    end = pattern.find(b"}", start + 1)
-    if start < 0 or end <= start + 1:
-        return None
-    if any(c in pattern[:end] for c in b"*?[\\"):
-        return None
-    return int(key_slot(pattern[start + 1 : end]))
-
-
-def slot_of(command: Command) -> int | None:
-    """The hash slot of ``command``'s first key; ``None`` when it names none.
-
-    ``SCAN ... MATCH pattern`` goes to the slot of the pattern's hash tag
-    when it has a literal one (all the keys it can match live there).
-    """
-    keys = command_keys(command)
-    if keys:
-        return int(key_slot(_bytes(keys[0])))
-    if len(command) > 3 and _bytes(command[0]).upper() == b"SCAN":
-        upper = [_bytes(a).upper() for a in command]
-        if b"MATCH" in upper[2:-1]:
-            return _pattern_slot(_bytes(command[upper.index(b"MATCH", 2) + 1]))
-    return None
-
-
-def _redirect_address(err: rexc.MovedError | rexc.AskError, source: Address) -> Address:
-    """Where a redirection points (a node that does not know its own address
-    sends ``:port``; it is then on the host of the node that answered)."""
-    return (err.host or source[0], int(err.port))
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
+__all__ = ["ClusterClient", "RoutedConnection"]
 
 class ClusterClient(Client):
     """A Redis Cluster client: one :class:`Client` pool per master node.
@@ -217,15 +169,7 @@ class ClusterClient(Client):
                         f"{addr[0]}:{addr[1]} is not a Redis Cluster node ({e}); "
                         "use a redis:// URL for a single server"
                     ) from None
-                owner: list[Address | None] = [None] * SLOTS
-                for row in reply:
-                    start, end, master = int(row[0]), int(row[1]), row[2]
-                    host = _text(master[0]) if master[0] else ""
-                    if not host or host == "?":
-                        host = addr[0]
-                    where = (host, int(master[1]))
-                    owner[start : end + 1] = [where] * (end - start + 1)
-                self._owner = owner
+                self._owner = slot_map(reply, addr)
                 self._epoch += 1
                 self._stale = False
                 self.refreshes += 1
@@ -287,16 +231,16 @@ class ClusterClient(Client):
             if isinstance(reply, rexc.MovedError):
                 redirects += 1
                 self.moved += 1
-                source = _redirect_address(reply, source)
+                source = redirect_address(reply, source)
                 self._learn(int(reply.slot_id), source)
                 (reply,) = await self._on_node(source, [command], timeout)
             elif isinstance(reply, rexc.AskError):
                 redirects += 1
                 self.asked += 1
-                source = _redirect_address(reply, source)
+                source = redirect_address(reply, source)
                 reply = await self._asking(source, command, timeout)
             elif isinstance(reply, rexc.TryAgainError):
-                await anyio.sleep(_tryagain_pause(waits))
+                await anyio.sleep(tryagain_pause(waits))
                 waits += 1
                 source = await self._route(slot_of(command))
                 (reply,) = await self._on_node(source, [command], timeout)
@@ -311,7 +255,7 @@ class ClusterClient(Client):
         addr = await self._route(slot)
         replies = await self._on_node(addr, commands, timeout)
         for i, r in enumerate(replies):
-            if isinstance(r, _REDIRECTS):
+            if isinstance(r, REDIRECTS):
                 replies[i] = await self._follow(commands[i], r, addr, timeout)
         return replies
 
@@ -332,7 +276,7 @@ class ClusterClient(Client):
     async def capabilities_for(self, key: Arg | None = None) -> Capabilities:
         """What the node that serves ``key``'s slot can do (its pool's, see
         :meth:`Client.capabilities_for`)."""
-        slot = None if key is None else int(key_slot(_bytes(key)))
+        slot = None if key is None else int(key_slot(key_bytes(key)))
         return await self.node(await self._route(slot)).capabilities_for()
 
     # -- the Client interface ----------------------------------------------------------
@@ -361,17 +305,8 @@ class ClusterClient(Client):
         Replies in order, error replies as values.  See the module docstring
         for the order kept across slots.
         """
-        runs: list[tuple[int | None, list[Command]]] = []
-        for cmd in commands:
-            s = slot_of(cmd)
-            if runs and (s is None or runs[-1][0] in (None, s)):
-                if runs[-1][0] is None and s is not None:
-                    runs[-1] = (s, runs[-1][1])
-                runs[-1][1].append(cmd)
-            else:
-                runs.append((s, [cmd]))
         replies: list[Any] = []
-        for s, run in runs:
+        for s, run in slot_runs(commands):
             replies.extend(await self._run(s, run, timeout))
         return replies
 
@@ -383,12 +318,7 @@ class ClusterClient(Client):
         Raises:
             redis.exceptions.CrossSlotTransactionError: keys of several slots.
         """
-        slots = {s for s in (slot_of(c) for c in commands) if s is not None}
-        if len(slots) > 1:
-            raise rexc.CrossSlotTransactionError(
-                f"a transaction in Redis Cluster needs keys of one hash slot, got slots {sorted(slots)}"
-            )
-        slot = slots.pop() if slots else None
+        slot = one_slot(commands)
         if timeout is None:
             timeout = DEFAULT_TIMEOUT
         block: list[Command] = [("MULTI",), *commands, ("EXEC",)]
@@ -396,23 +326,23 @@ class ClusterClient(Client):
         replies = await self._on_node(addr, block, timeout)
         redirects = waits = 0
         while redirects < MAX_REDIRECTS and waits < MAX_TRYAGAIN:
-            redirect = next((r for r in replies[1:-1] if isinstance(r, _REDIRECTS)), None)
+            redirect = next((r for r in replies[1:-1] if isinstance(r, REDIRECTS)), None)
             if redirect is None:
                 break
             # a redirection at queueing time aborts the transaction: nothing ran
             if isinstance(redirect, rexc.MovedError):
                 redirects += 1
                 self.moved += 1
-                addr = _redirect_address(redirect, addr)
+                addr = redirect_address(redirect, addr)
                 self._learn(int(redirect.slot_id), addr)
                 replies = await self._on_node(addr, block, timeout)
             elif isinstance(redirect, rexc.AskError):
                 redirects += 1
                 self.asked += 1
-                addr = _redirect_address(redirect, addr)
+                addr = redirect_address(redirect, addr)
                 replies = (await self._on_node(addr, [("ASKING",), *block], timeout))[1:]
             else:
-                await anyio.sleep(_tryagain_pause(waits))
+                await anyio.sleep(tryagain_pause(waits))
                 waits += 1
                 addr = await self._route(slot)
                 replies = await self._on_node(addr, block, timeout)
@@ -444,7 +374,7 @@ class ClusterClient(Client):
         factory: Callable[[anyio.abc.ByteStream, ConnectionParams], Connection] = Connection,
     ) -> Connection:
         """A new connection to the node of ``key``'s slot (any node without one)."""
-        slot = None if key is None else int(key_slot(_bytes(key)))
+        slot = None if key is None else int(key_slot(key_bytes(key)))
         addr = await self._route(slot)
         try:
             conn = await open_connection(self.params.for_node(*addr), name=name, factory=factory,
@@ -504,7 +434,7 @@ class RoutedConnection(Connection):
     ) -> list[Any]:
         replies = await super().pipeline(commands, timeout=timeout)
         for i, r in enumerate(replies):
-            if isinstance(r, _REDIRECTS):
+            if isinstance(r, REDIRECTS):
                 replies[i] = await self._answer(commands[i], r, timeout)
         return replies
 
@@ -516,16 +446,16 @@ class RoutedConnection(Connection):
             if isinstance(reply, rexc.MovedError):
                 redirects += 1
                 cluster.moved += 1
-                addr = _redirect_address(reply, self.address)
+                addr = redirect_address(reply, self.address)
                 cluster._learn(int(reply.slot_id), addr)
                 await self._move_to(addr)
                 (reply,) = await self.roundtrip(pack_command(tuple(command)), 1, timeout)
             elif isinstance(reply, rexc.AskError):
                 redirects += 1
                 cluster.asked += 1
-                reply = await self._ask(_redirect_address(reply, self.address), command, timeout)
+                reply = await self._ask(redirect_address(reply, self.address), command, timeout)
             elif isinstance(reply, rexc.TryAgainError):
-                await anyio.sleep(_tryagain_pause(waits))
+                await anyio.sleep(tryagain_pause(waits))
                 waits += 1
                 (reply,) = await self.roundtrip(pack_command(tuple(command)), 1, timeout)
             else:

@@ -35,8 +35,8 @@ from collections.abc import Iterable, Mapping
 from typing import TypeVar
 
 from .._commands import Command
-from .._decode import id_key
 from .._plan import Effect, Plan
+from .decode import id_key
 
 __all__ = [
     "AS_IS", "as_handed", "claimed_waiting", "give_back", "given_back", "lapsed_own",

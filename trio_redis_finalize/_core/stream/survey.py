@@ -22,8 +22,8 @@ from typing import Any
 
 from ..._subscription import Mode
 from .._commands import Command
-from .._decode import Entry
 from .._finalize import Record
+from .decode import Entry
 
 __all__ = [
     "Heartbeat", "Peer", "Reap", "Reaped", "Registration", "Survey", "consumer_rows",

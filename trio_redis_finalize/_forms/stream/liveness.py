@@ -40,9 +40,9 @@ import anyio
 from redis import exceptions as rexc
 
 from ..._core._commands import Command
-from ..._core._decode import Entry
 from ..._core._identity import heartbeat_value
 from ..._core._replies import FINAL, classify, error_code
+from ..._core.stream.decode import Entry
 from ..._core.stream.liveness import (
     HANDED_BACK_IDLE_MS,
     REAP,

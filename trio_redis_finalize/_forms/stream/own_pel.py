@@ -26,7 +26,6 @@ from typing import Any
 
 import anyio
 
-from ..._core._decode import Entry, as_str, id_key, lost_entry, stream_deliveries
 from ..._core._plan import Plan
 from ..._core.stream.attempts import (
     AS_IS,
@@ -36,6 +35,7 @@ from ..._core.stream.attempts import (
     recovered,
     redelivered,
 )
+from ..._core.stream.decode import Entry, as_str, id_key, lost_entry, stream_deliveries
 from ..._core.stream.scripts import REDELIVER
 from ..._deadlines import FINALIZE_TIMEOUT, log
 from ..._delivery import Delivery

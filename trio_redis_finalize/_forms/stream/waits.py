@@ -16,10 +16,10 @@ from typing import Any
 
 from redis import exceptions as rexc
 
-from ..._core._decode import Entry, stream_deliveries
 from ..._core._recovery import SCHEDULE_LEFT, schedule_key, schedule_left
 from ..._core._replies import NOT_RUN, classify
 from ..._core.stream.attempts import claimed_waiting, give_back, waiting
+from ..._core.stream.decode import Entry, stream_deliveries
 from ..._deadlines import FINALIZE_TIMEOUT, log
 from ..._shutdown import cleanup
 from .._port import Context
