@@ -35,9 +35,15 @@ from typing import NoReturn
 from redis import exceptions as rexc
 
 from . import dashboard, demo, inspect, requeue, run
-from ._common import PROG, CliError, leaves, one_line
+from ._common import PROG, CliError, command, leaves, one_line
 
 __all__ = ["CliError", "build_parser", "main"]
+
+
+_COMMANDS = (("demo", demo), ("run", run), ("inspect", inspect), ("requeue", requeue),
+             ("dashboard", dashboard))
+"""Each command's module: its ``HELP``, ``DESCRIPTION``, ``arguments(parser)`` and
+``execute(args)``, in the order ``--help`` lists them."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -58,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
-    for command in (demo, run, inspect, requeue, dashboard):  # the order --help lists them in
-        command.add_command(sub)
+    for name, module in _COMMANDS:
+        p = command(sub, module.execute, name, help=module.HELP, description=module.DESCRIPTION)
+        module.arguments(p)
     return parser
 
 

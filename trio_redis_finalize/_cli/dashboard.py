@@ -9,13 +9,12 @@ import argparse
 import logging
 import os
 import sys
-from typing import Any
 
 import anyio
 
-from ._common import CliError, check_url, command, port, url_arg
+from ._common import CliError, check_url, port, url_arg
 
-__all__ = ["add_command"]
+__all__ = ["DESCRIPTION", "HELP", "arguments", "execute"]
 
 log = logging.getLogger("trio_redis_finalize.dashboard")
 
@@ -27,17 +26,18 @@ def _basic(text: str) -> tuple[str, str]:
     return user, password
 
 
-def add_command(sub: argparse._SubParsersAction[Any]) -> None:
-    """The ``dashboard`` sub-command and its options."""
-    p = command(
-        sub, cmd_dashboard, "dashboard",
-        help="serve the web dashboard: health, dead letters, the last hour (needs the [dashboard] extra)",
-        description="Serve the web dashboard on http://HOST:PORT/: every subscription found "
-                    "(problems first: stranded entries, lapsed consumers, overdue delays, growing "
-                    "dead letters) with lag, pending, delay set, dead letters and the last hour; a "
-                    "page per subscription and per dead letter (requeue, delete: confirmed, "
-                    "logged). Read-only unless --token or --basic-auth is given.",
-    )
+HELP = "serve the web dashboard: health, dead letters, the last hour (needs the [dashboard] extra)"
+"""The ``dashboard`` command in ``--help``'s list."""
+DESCRIPTION = ("Serve the web dashboard on http://HOST:PORT/: every subscription found "
+               "(problems first: stranded entries, lapsed consumers, overdue delays, growing "
+               "dead letters) with lag, pending, delay set, dead letters and the last hour; a "
+               "page per subscription and per dead letter (requeue, delete: confirmed, "
+               "logged). Read-only unless --token or --basic-auth is given.")
+"""What ``dashboard --help`` says first."""
+
+
+def arguments(p: argparse.ArgumentParser) -> None:
+    """The ``dashboard`` command's options (run as :func:`execute`)."""
     url_arg(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="the address to listen on (default 127.0.0.1: this host only)")
@@ -54,7 +54,7 @@ def add_command(sub: argparse._SubParsersAction[Any]) -> None:
     p.add_argument("--backend", default="trio", choices=["trio", "asyncio"])
 
 
-def cmd_dashboard(args: argparse.Namespace) -> int:
+def execute(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     url = check_url(args.url)

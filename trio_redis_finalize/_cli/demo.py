@@ -28,26 +28,27 @@ from .._consumer import Consumer, open_consumer
 from .._forms.reliable_list import ReliableListSubscription
 from .._forms.stream import StreamSubscription
 from .._transport import Client, open_client
-from ._common import CliError, check_url, command, positive_int, print_table
+from ._common import CliError, check_url, positive_int, print_table
 from ._monitor import Monitor, observed_table
 from ._scenarios import COLUMNS, EXPECTED, Form, Observed, _forms, _handler, _produce
 
-__all__ = ["add_command", "demo", "server_name"]
+__all__ = ["DESCRIPTION", "HELP", "arguments", "demo", "execute", "server_name"]
 
 TIMEOUT = 20.0
 
 
-def add_command(sub: argparse._SubParsersAction[Any]) -> None:
-    """The ``demo`` sub-command and its options."""
-    p = command(
-        sub, cmd_demo, "demo",
-        help="every form x every outcome against a real server; prints the observed table",
-        description="Mount one subscription of every form (stream, claiming stream, stream with "
-                    "a durable delay set, reliable list, simple list, channel, pattern), produce "
-                    "messages whose handlers return every outcome, record with MONITOR the "
-                    "Redis commands each finalization issued, print them as a form x outcome "
-                    "table and check that nothing was lost (last line 'lost: N'; exit 1 if N > 0).",
-    )
+HELP = "every form x every outcome against a real server; prints the observed table"
+"""The ``demo`` command in ``--help``'s list."""
+DESCRIPTION = ("Mount one subscription of every form (stream, claiming stream, stream with "
+               "a durable delay set, reliable list, simple list, channel, pattern), produce "
+               "messages whose handlers return every outcome, record with MONITOR the "
+               "Redis commands each finalization issued, print them as a form x outcome "
+               "table and check that nothing was lost (last line 'lost: N'; exit 1 if N > 0).")
+"""What ``demo --help`` says first."""
+
+
+def arguments(p: argparse.ArgumentParser) -> None:
+    """The ``demo`` command's options (run as :func:`execute`)."""
     p.add_argument("--url", default=None,
                    help="use this server (keys are prefixed trf-demo-<random> and deleted after); "
                         "default: start a private redis-server on a free port")
@@ -56,7 +57,7 @@ def add_command(sub: argparse._SubParsersAction[Any]) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="print the library's log records")
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
+def execute(args: argparse.Namespace) -> int:
     if args.url is not None:
         check_url(args.url)
     return demo(args.url, verbose=args.verbose, per_cell=args.messages)

@@ -22,7 +22,6 @@ from ._common import (
     CliError,
     as_str,
     check_url,
-    command,
     key_type,
     non_negative,
     positive_int,
@@ -40,24 +39,25 @@ from ._queues import (
 )
 from .requeue import refusal
 
-__all__ = ["add_command", "print_inspect"]
+__all__ = ["DESCRIPTION", "HELP", "arguments", "execute", "print_inspect"]
 
 
-def add_command(sub: argparse._SubParsersAction[Any]) -> None:
-    """The ``inspect`` sub-command and its options."""
-    p = command(
-        sub, cmd_inspect, "inspect",
-        help="show a stream's or list's state: groups, pending, delay set, dead letter",
-        description="For a stream: length, consumer groups (consumers, pending, last delivered id, "
-                    "oldest needed entry, lag, oldest idle pending entry), consumers, the oldest "
-                    "entry any group still needs and how many entries below it a trim "
-                    "(Retention.TRIM_ACKED) would remove. For a list: length and the "
-                    "processing lists ({KEY}:processing:* and those registered in "
-                    "{KEY}:list-consumers:<KEY>) "
-                    "with their owners' heartbeat age. "
-                    "For both: the delay set ({KEY}:delayed unless --delay-key) and, with "
-                    "--dead-letter, the dead letter's length.",
-    )
+HELP = "show a stream's or list's state: groups, pending, delay set, dead letter"
+"""The ``inspect`` command in ``--help``'s list."""
+DESCRIPTION = ("For a stream: length, consumer groups (consumers, pending, last delivered id, "
+               "oldest needed entry, lag, oldest idle pending entry), consumers, the oldest "
+               "entry any group still needs and how many entries below it a trim "
+               "(Retention.TRIM_ACKED) would remove. For a list: length and the "
+               "processing lists ({KEY}:processing:* and those registered in "
+               "{KEY}:list-consumers:<KEY>) "
+               "with their owners' heartbeat age. "
+               "For both: the delay set ({KEY}:delayed unless --delay-key) and, with "
+               "--dead-letter, the dead letter's length.")
+"""What ``inspect --help`` says first."""
+
+
+def arguments(p: argparse.ArgumentParser) -> None:
+    """The ``inspect`` command's options (run as :func:`execute`)."""
     p.add_argument("key", metavar="KEY", help="the stream or list")
     p.add_argument("--group", default=None, help="only this consumer group (streams)")
     url_arg(p)
@@ -238,7 +238,7 @@ def print_entries(kind: str, entries: list[dict[str, Any]]) -> None:
                  for i, e in enumerate(entries)] or [["(empty)", "", "", ""]])
 
 
-def cmd_inspect(args: argparse.Namespace) -> int:
+def execute(args: argparse.Namespace) -> int:
     url = check_url(args.url)
     info = anyio.run(_inspect, url, args.key, args.group, args.delay_key, args.dead_letter,
                      args.heartbeat, args.entries, backend="trio")

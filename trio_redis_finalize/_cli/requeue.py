@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import logging
 from collections.abc import Sequence
-from typing import Any
 
 import anyio
 
@@ -28,7 +27,6 @@ from ._common import (
     CliError,
     as_str,
     check_url,
-    command,
     key_type,
     pairs,
     positive_int,
@@ -144,21 +142,22 @@ async def refusal(client: Client, dead: str, kind: str) -> str | None:
     return None
 
 
-def add_command(sub: argparse._SubParsersAction[Any]) -> None:
-    """The ``requeue`` sub-command and its options."""
-    p = command(
-        sub, cmd_requeue, "requeue",
-        help="move dead-lettered messages back onto a queue",
-        description="Move messages from DEAD_LETTER (oldest first) back to --to, with their "
-                    "retry counter reset and their origin id kept. Stream entries lose the "
-                    "trf-dead-* fields; each move is one script gated on the entry still being in "
-                    "the dead letter (copy first, then XDEL / RPOP), so racing requeues move a "
-                    "message once; a list element's reason record ({DEAD_LETTER}:why) goes with "
-                    "it. Refused, unless --force: a stream whose entries lack the trf-dead-* "
-                    "fields, a list whose elements have no reason record (not a dead letter this "
-                    "library wrote), a stream a consumer group reads with entries pending, a list "
-                    "consumers are reading.",
-    )
+HELP = "move dead-lettered messages back onto a queue"
+"""The ``requeue`` command in ``--help``'s list."""
+DESCRIPTION = ("Move messages from DEAD_LETTER (oldest first) back to --to, with their "
+               "retry counter reset and their origin id kept. Stream entries lose the "
+               "trf-dead-* fields; each move is one script gated on the entry still being in "
+               "the dead letter (copy first, then XDEL / RPOP), so racing requeues move a "
+               "message once; a list element's reason record ({DEAD_LETTER}:why) goes with "
+               "it. Refused, unless --force: a stream whose entries lack the trf-dead-* "
+               "fields, a list whose elements have no reason record (not a dead letter this "
+               "library wrote), a stream a consumer group reads with entries pending, a list "
+               "consumers are reading.")
+"""What ``requeue --help`` says first."""
+
+
+def arguments(p: argparse.ArgumentParser) -> None:
+    """The ``requeue`` command's options (run as :func:`execute`)."""
     p.add_argument("dead_letter", metavar="DEAD_LETTER", help="the dead-letter stream or list")
     p.add_argument("--to", default=None, metavar="KEY",
                    help="where the messages go (default: the source of a default dead letter, "
@@ -191,7 +190,7 @@ async def _requeue(url: str, dead: str, dest: str, limit: int | None, force: boo
         return await _requeue_list(client, dead, dest, limit, split)
 
 
-def cmd_requeue(args: argparse.Namespace) -> int:
+def execute(args: argparse.Namespace) -> int:
     url = check_url(args.url)
     if args.to is None:  # a default dead letter names its source
         args.to = source_of_dead_letter(args.dead_letter)

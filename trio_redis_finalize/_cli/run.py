@@ -32,7 +32,6 @@ from ._common import (
     CliError,
     as_str,
     check_url,
-    command,
     describe,
     non_negative,
     port,
@@ -40,22 +39,25 @@ from ._common import (
     url_arg,
 )
 
-__all__ = ["SIGNAL_DEBOUNCE", "add_command", "load_factory", "shutdown_summary"]
+__all__ = [
+    "DESCRIPTION", "HELP", "SIGNAL_DEBOUNCE", "arguments", "execute", "load_factory", "shutdown_summary",
+]
 
 log = logging.getLogger("trio_redis_finalize.cli")
 
 
-def add_command(sub: argparse._SubParsersAction[Any]) -> None:
-    """The ``run`` sub-command and its options."""
-    p = command(
-        sub, cmd_run, "run",
-        help="run a consumer whose subscriptions your code mounts",
-        description="Import MODULE, open a consumer and await FACTORY(consumer), e.g. "
-                    "'async def setup(consumer): await consumer.mount(StreamSubscription(...), "
-                    "handle)'; then run until SIGINT or SIGTERM: the first stops gracefully "
-                    "(in-flight handlers finish, outcomes are finalized), a second exits at once "
-                    "(code 128+signal). Logs go to stderr. The current directory is importable.",
-    )
+HELP = "run a consumer whose subscriptions your code mounts"
+"""The ``run`` command in ``--help``'s list."""
+DESCRIPTION = ("Import MODULE, open a consumer and await FACTORY(consumer), e.g. "
+               "'async def setup(consumer): await consumer.mount(StreamSubscription(...), "
+               "handle)'; then run until SIGINT or SIGTERM: the first stops gracefully "
+               "(in-flight handlers finish, outcomes are finalized), a second exits at once "
+               "(code 128+signal). Logs go to stderr. The current directory is importable.")
+"""What ``run --help`` says first."""
+
+
+def arguments(p: argparse.ArgumentParser) -> None:
+    """The ``run`` command's options (run as :func:`execute`)."""
     p.add_argument("factory", metavar="MODULE:FACTORY", help="e.g. myapp.worker:setup")
     url_arg(p)
     p.add_argument("--name", default=None,
@@ -256,7 +258,7 @@ async def _serve_metrics(consumer: Any, host: str, port: int, prefix: str, *,
         raise CliError(f"--metrics-port {port}: {e.strerror or e}") from None
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+def execute(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=getattr(logging, args.log_level),
         stream=sys.stderr,
