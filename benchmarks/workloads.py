@@ -169,7 +169,7 @@ BATCH_MAX = getattr(_scripts, "STREAM_BATCH_MAX", 100)
 
 def _stream_decode() -> str:
     """Where the imported checkout decodes stream entries: ``_core/stream/decode``
-    (since issue 36) or ``_core/_decode`` (before; ``TRF_BENCH_LIB``)."""
+    (since the forms got their homes) or ``_core/_decode`` (before; ``TRF_BENCH_LIB``)."""
     try:
         internal("stream.decode")
     except ModuleNotFoundError:

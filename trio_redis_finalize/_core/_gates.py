@@ -1,7 +1,7 @@
 """The counted-gates port: what the finalizer core asks of a reader's gates.
 
 A reliable list may hold several copies of one element, so its removals are
-gated on a count the reader keeps (``reliable_list/gates.py``'s
+gated on a count the reader keeps (``_core/reliable_list/gates.py``'s
 ``ListGates`` implements this port; the reader hands it to the mount, the
 mount to :class:`~._finalize.FinalizerCore`).  The core calls it at three
 points of a batch's life (``_finalize``): before the first send, before each

@@ -51,10 +51,8 @@ the happy path::
     report = await check_exactly_once(bill, [{"order": "1", "eur": "5"}],
                                       subscription=StreamSubscription("orders", "billing"))
 
-The helpers live in private modules beside this one (``_binaries``: which
-binary; ``_server``: one server and the raw client; ``_cluster``;
-``_sentinel``; ``_delivery``: :func:`make_delivery`); every name is
-imported from here.
+Every name is imported from here (the helpers live in private modules
+beside this one, a module per helper).
 """
 
 from __future__ import annotations
