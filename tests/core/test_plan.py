@@ -780,8 +780,10 @@ def test_stream_retry_is_the_general_copy(
     attempt, the PEL when claiming, else the general ``_stream_copy`` of
     ``_stream_copy_fields`` -- whose gated command, built in one tuple, is
     ``STREAM_COPY_ACK.command(...)`` byte for byte."""
-    from trio_redis_finalize._core._plan import _stream_copy, _stream_copy_fields, plan_dead
+    from trio_redis_finalize._core._plan import plan_dead
     from trio_redis_finalize._core._scripts import STREAM_COPY_ACK
+    from trio_redis_finalize._core.stream.cells import _stream_copy
+    from trio_redis_finalize._core.stream.cells import stream_copy_fields as _stream_copy_fields
 
     t = dataclasses.replace(
         StreamSubscription(STREAM, GROUP, mode=mode, max_attempts=max_attempts).target(

@@ -43,8 +43,8 @@ from collections.abc import Collection, Mapping, Sequence
 from ..._envelope import CorruptEnvelope, unwrap, wrap
 from ..._keys import derived, named
 from .._commands import Arg, Command, Script
-from .._plan import content_origin
 from .._scripts import _WRITES_LUA
+from .._types import content_origin
 
 __all__ = [
     "BUMP", "DELAYED_COPY", "GIVE_BACK", "REAP", "STOP", "bumped", "dec", "delayed_copy",
