@@ -51,7 +51,8 @@ KEEP_MINUTES = 60
 """Minutes of counts kept (the dashboard's hour)."""
 COUNTERS = ("ack", "retry", "drop", "dead")
 
-# KEYS: the history hash.  ARGV: keep (minutes), then counter, n, counter, n ...
+# KEYS: history (the history hash)
+# ARGV: keep (minutes), [counter, n]...
 RECORD = Script(
     """
 local t = redis.call('TIME')
@@ -69,7 +70,7 @@ if redis.call('HLEN', KEYS[1]) > (keep + 2) * 4 then
 end
 return minute
 """,
-    name="history_record",
+    name="history_record", keys=("history",), argv=("keep", "[counter, n]..."),
 )
 
 

@@ -19,7 +19,8 @@ from .inspect import _has_list_traces, _list_records, _pairs, _str
 log = logging.getLogger("trio_redis_finalize.cli")
 
 
-# KEYS: dead letter, destination.  ARGV: entry id, field, value, ...
+# KEYS: dead (the dead letter), dest (the destination)
+# ARGV: id (the entry's), fields... (field, value, ...)
 # Gated on the entry still being in the dead letter: racing requeues move it once.
 REQUEUE_STREAM = Script(
     LUA_XADD  # an entry of any width (Lua's unpack stops near 8,000 values)
@@ -29,11 +30,13 @@ local new = xadd(KEYS[2], ARGV, 2)
 redis.call('XDEL', KEYS[1], ARGV[1])
 return new
 """,
-    name="requeue_stream",
+    name="requeue_stream", keys=("dead", "dest"), argv=("id", "fields..."),
 )
 
-# KEYS: dead letter, destination, the dead letter's reason hash.  ARGV:
-# element as read (oldest, at the tail), new element.  The moved element's
+# KEYS: dead (the dead letter), dest (the destination), why (the dead
+#   letter's reason hash)
+# ARGV: element (as read: the oldest, at the tail), copy (the new element)
+# The moved element's
 # reason record (the oldest of those bytes: the tail's) goes with it.
 REQUEUE_LIST = Script(
     """
@@ -45,10 +48,12 @@ redis.call('RPOP', KEYS[1])
     + """
 return 1
 """,
-    name="requeue_list",
+    name="requeue_list", keys=("dead", "dest", "why"), argv=("element", "copy"),
 )
 
-# KEYS: dead letter, its reason hash.  ARGV: element.  The removal step of a
+# KEYS: dead (the dead letter), why (its reason hash)
+# ARGV: element
+# The removal step of a
 # requeue to another Redis Cluster hash slot (after the copy was pushed there).
 REQUEUE_LIST_FORGET = Script(
     """
@@ -58,7 +63,7 @@ if redis.call('LREM', KEYS[1], -1, ARGV[1]) == 0 then return 0 end
     + """
 return 1
 """,
-    name="requeue_list_forget",
+    name="requeue_list_forget", keys=("dead", "why"), argv=("element",),
 )
 
 _DROP_ON_REQUEUE = {*DEAD_FIELDS, RETRIES_FIELD}

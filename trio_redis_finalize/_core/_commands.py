@@ -9,7 +9,10 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-__all__ = ["SCRIPTS", "Arg", "Command", "Script", "command_keys", "describe"]
+__all__ = [
+    "SCRIPTS", "Arg", "Command", "Script", "command_keys", "describe", "group_names",
+    "script_of", "split_field",
+]
 
 Arg = bytes | str | int | float
 Command = Sequence[Arg]
@@ -20,22 +23,229 @@ SCRIPTS: dict[bytes, Script] = {}
 
 
 class Script:
-    """A Lua script run by ``EVALSHA`` (loaded with ``SCRIPT LOAD`` on ``NOSCRIPT``)."""
+    """A Lua script run by ``EVALSHA`` (loaded with ``SCRIPT LOAD`` on ``NOSCRIPT``).
 
-    __slots__ = ("name", "sha", "source")
+    ``keys`` and ``argv`` are its layout, written once, as data: the names of
+    its ``KEYS`` and ``ARGV`` in order, as the ``# KEYS: ... ARGV: ...`` header
+    above its definition lists them (``tests/core/test_script_layouts.py``
+    holds the two together).  A name may carry a mark:
 
-    def __init__(self, source: str, name: str = "script") -> None:
+    * ``n?``: optional, present when the call is long enough (only after
+      every fixed field of its side, and with no ``...`` on that side);
+    * ``record?why``: optional, present exactly when the optional key ``why`` is;
+    * ``fields...``: any number of values (none included);
+    * ``[id, delay, member]...``: a group repeated any number of times (the
+      batched scripts); its width is fixed unless it holds a ``...`` itself.
+
+    Fields before the first ``...`` of a side are found from its start, those
+    after the last one from the end of the call (``LIST_WRITES``' ``n``), and
+    a ``...`` itself by where it starts (the first one of its side).  Code
+    that reads or rewrites a built call does it by these names
+    (:meth:`at`, :meth:`field`, :meth:`replace`, :meth:`rest`,
+    :meth:`groups`), never by position.  Built calls stay plain tuples
+    (:meth:`command`); the positions are worked out here once, at import.
+    """
+
+    __slots__ = ("_places", "argv", "keys", "name", "sha", "source")
+
+    def __init__(
+        self, source: str, name: str = "script", *,
+        keys: Sequence[str] | None = None, argv: Sequence[str] | None = None,
+    ) -> None:
         self.source = source.encode()
         self.sha = hashlib.sha1(self.source).hexdigest().encode()
         self.name = name
+        self.keys: tuple[str, ...] | None = None if keys is None else tuple(keys)
+        self.argv: tuple[str, ...] | None = None if argv is None else tuple(argv)
+        self._places: dict[str, _Place] = (
+            {} if self.keys is None or self.argv is None else _places(name, self.keys, self.argv)
+        )
         SCRIPTS[self.sha] = self
 
     def command(self, keys: Sequence[Arg], args: Sequence[Arg]) -> tuple[Arg, ...]:
         """The ``EVALSHA`` command for a pipeline."""
         return (b"EVALSHA", self.sha, len(keys), *keys, *args)
 
+    def calls(self, cmd: Command) -> bool:
+        """Whether ``cmd`` is a call of this script."""
+        return len(cmd) > 2 and cmd[1] == self.sha and cmd[0] == b"EVALSHA"
+
+    def key_at(self, name: str) -> int:
+        """Where the key ``name`` sits in a built call (it is before any
+        ``...`` of the keys; an optional one: where it sits when sent)."""
+        place = self._place(name)
+        if place[0] != _KEY_HEAD:
+            raise ValueError(f"{self.name}: the key {name!r} has no fixed place")
+        return place[1]
+
+    def at(self, cmd: Command, name: str) -> int | None:
+        """Where the field ``name`` (a key or an argument) sits in ``cmd``, a
+        built call of this script; None when ``cmd`` does not carry it (an
+        optional field not sent).  A ``...`` field: where it starts."""
+        kind, i, bound, opt, _ = self._place(name)
+        if kind in (_KEY_HEAD, _KEY_REST):
+            return i if opt == _REQUIRED or i < 3 + int(cmd[2]) else None
+        if kind == _KEY_TAIL:
+            return 3 + int(cmd[2]) + i
+        if kind == _ARG_TAIL:
+            return len(cmd) + i
+        nk = int(cmd[2])
+        for key in bound:  # an optional argument bound to a key before it (or it)
+            if key >= nk:
+                if key == opt:
+                    return None
+                i -= 1
+        i += 3 + nk
+        if opt == _TRAILING and i >= len(cmd):
+            return None
+        return i
+
+    arg_index = at
+
+    def field(self, cmd: Command, name: str, default: Arg | None = None) -> Arg | None:
+        """The value of the field ``name`` in ``cmd`` (``default`` when not sent)."""
+        i = self.at(cmd, name)
+        return default if i is None else cmd[i]
+
+    def replace(self, cmd: Command, name: str, value: Arg) -> tuple[Arg, ...]:
+        """``cmd`` with the field ``name`` set to ``value``; an optional last
+        field not sent is added."""
+        i = self.at(cmd, name)
+        if i is None:
+            _, at, bound, opt, _ = self._place(name)
+            nk = int(cmd[2])
+            if opt != _TRAILING or 3 + nk + at - sum(k >= nk for k in bound) != len(cmd):
+                raise ValueError(f"{self.name}: {name!r} cannot be added to this call")
+            return (*cmd, value)
+        return (*cmd[:i], value, *cmd[i + 1:])
+
+    def rest(self, cmd: Command, name: str) -> tuple[Arg, ...]:
+        """The values of the ``...`` field ``name`` in ``cmd`` (the first of its
+        side): from where it starts to the fields after it."""
+        kind, _, _, _, after = self._place(name)
+        start = self.at(cmd, name)
+        if kind not in (_KEY_REST, _ARG_REST) or start is None:
+            raise ValueError(f"{self.name}: {name!r} is not a field of any number of values")
+        stop = (3 + int(cmd[2]) if kind == _KEY_REST else len(cmd)) - after
+        return tuple(cmd[start:stop])
+
+    def groups(self, cmd: Command, name: str) -> list[tuple[Arg, ...]]:
+        """The repeated groups of fixed width that start at ``name`` (the first
+        name inside ``[...]...``), each a tuple of its values."""
+        values = self.rest(cmd, name)
+        width = _group_width(self, name)
+        return [tuple(values[j:j + width]) for j in range(0, len(values), width)]
+
+    def _place(self, name: str) -> _Place:
+        try:
+            return self._places[name]
+        except KeyError:
+            raise ValueError(f"{self.name} has no field {name!r} with a place "
+                             f"(keys {self.keys}, argv {self.argv})") from None
+
     def __repr__(self) -> str:
         return f"Script({self.name})"
+
+
+def script_of(cmd: Command) -> Script | None:
+    """The library's script ``cmd`` calls, or None (not an ``EVALSHA`` of one)."""
+    if len(cmd) < 3 or cmd[0] != b"EVALSHA":
+        return None
+    sha = cmd[1]
+    return SCRIPTS.get(sha) if isinstance(sha, bytes) else None
+
+
+# -- layouts: where each named field sits in a built call -----------------------------------
+#
+# A place is (kind, i, bound, opt, after), worked out once per script:
+# _KEY_HEAD: the command's index ``i``; ``opt`` _TRAILING when optional
+#   (present while ``i < 3 + numkeys``), else _REQUIRED.
+# _KEY_TAIL / _ARG_TAIL: ``i`` < 0, from the end of the keys / of the call.
+# _ARG_HEAD: ``i`` from ARGV[1], less one for each key of ``bound`` not sent
+#   (the optional arguments up to it bound to optional keys); ``opt``: the
+#   key it is bound to itself, _TRAILING (present when the call reaches
+#   it) or _REQUIRED.
+# _KEY_REST / _ARG_REST: a ``...`` field (or a group's first name): where it
+#   starts as _KEY_HEAD / _ARG_HEAD, and ``after`` the number of fields after it.
+_Place = tuple[int, int, tuple[int, ...], int, int]
+_KEY_HEAD, _KEY_TAIL, _KEY_REST, _ARG_HEAD, _ARG_TAIL, _ARG_REST = range(6)
+_TRAILING, _REQUIRED = -1, -2
+
+
+def split_field(spec: str) -> tuple[str, str, str]:
+    """``(name, mark, bound key)`` of a layout field: mark ``""``, ``"?"``,
+    ``"..."`` or ``"[]..."`` (a repeated group, name its first name)."""
+    if spec.startswith("["):
+        if not spec.endswith("]..."):
+            raise ValueError(f"a repeated group is written [a, b]...: {spec!r}")
+        return group_names(spec)[0].rstrip("."), "[]...", ""
+    if spec.endswith("..."):
+        return spec[:-3], "...", ""
+    name, q, bound = spec.partition("?")
+    return name, q, bound
+
+
+def group_names(spec: str) -> list[str]:
+    """The names inside a repeated group ``[a, b, c...]...``."""
+    return [n.strip() for n in spec[1:-4].split(",")]
+
+
+def _group_width(script: Script, name: str) -> int:
+    for spec in (*(script.keys or ()), *(script.argv or ())):
+        if spec.startswith("[") and split_field(spec)[0] == name:
+            names = group_names(spec)
+            if any(n.endswith("...") for n in names):
+                break
+            return len(names)
+    raise ValueError(f"{script.name}: {name!r} does not start a group of fixed width")
+
+
+def _places(script: str, keys: tuple[str, ...], argv: tuple[str, ...]) -> dict[str, _Place]:
+    out: dict[str, _Place] = {}
+    optional_keys: dict[str, int] = {}
+
+    def side(fields: tuple[str, ...], is_keys: bool) -> None:
+        marks = [split_field(f) for f in fields]
+        rests = [j for j, (_, m, _) in enumerate(marks) if m.endswith("...")]
+        first = rests[0] if rests else len(fields)
+        last = rests[-1] if rests else len(fields)
+        bound: list[int] = []
+        for j, (name, mark, key) in enumerate(marks):
+            if not name or name in out:
+                raise ValueError(f"{script}: field {name!r} empty or named twice")
+            if j > last:  # after the last ``...``: from the end
+                if mark:
+                    raise ValueError(f"{script}: {name!r} after a ... cannot be optional")
+                out[name] = (_KEY_TAIL if is_keys else _ARG_TAIL, j - len(fields), (), _REQUIRED, 0)
+                continue
+            if j > first:
+                continue  # between two ``...``: no place of its own
+            if j == first:
+                out[name] = ((_KEY_REST, 3 + j, (), _REQUIRED, len(fields) - 1 - j) if is_keys
+                             else (_ARG_REST, j, tuple(bound), _REQUIRED, len(fields) - 1 - j))
+                continue
+            if mark == "?" and not key and any(m != "?" for _, m, _ in marks[j + 1:]):
+                raise ValueError(f"{script}: the optional {name!r} must come last")
+            if mark == "?" and rests:
+                raise ValueError(f"{script}: {name!r} cannot be optional beside a ...")
+            if is_keys:
+                if key:
+                    raise ValueError(f"{script}: a key cannot be bound to another ({name!r})")
+                if mark:
+                    optional_keys[name] = j
+                out[name] = (_KEY_HEAD, 3 + j, (), _TRAILING if mark else _REQUIRED, 0)
+                continue
+            if key:
+                if key not in optional_keys:
+                    raise ValueError(f"{script}: {name!r} is bound to {key!r}, no optional key")
+                bound.append(optional_keys[key])
+                out[name] = (_ARG_HEAD, j, tuple(bound), optional_keys[key], 0)
+            else:
+                out[name] = (_ARG_HEAD, j, tuple(bound), _TRAILING if mark else _REQUIRED, 0)
+
+    side(keys, True)
+    side(argv, False)
+    return out
 
 
 def _text(arg: Arg) -> str:

@@ -52,10 +52,11 @@ def heartbeat_value(token: str, heartbeat: float) -> str:
     return f"{token} {max(1, round(heartbeat * 1000))}"
 
 
-# KEYS: heartbeat key, registry, heartbeat key of the old naming, registry of
-# the old naming.  ARGV: value (heartbeat_value), ttl ms, takeover ('': no,
-# '*': whatever the key holds, else: only the value it must hold), consumer
-# name, registration.
+# KEYS: heartbeat (the heartbeat key), registry, old_heartbeat (the heartbeat
+#   key of the old naming), old_registry (the registry of the old naming)
+# ARGV: value (heartbeat_value), ttl_ms, takeover ('': no, '*': whatever the
+#   key holds, else: only the value it must hold), consumer (its name),
+#   registration
 # Returns {0, previous value or ''} when claimed; {1, value, pttl} when
 # another token holds the key; {2, '', pttl} when the old naming's heartbeat
 # key is alive.
@@ -72,10 +73,12 @@ redis.call('HSET', KEYS[2], ARGV[4], ARGV[5])
 redis.call('HDEL', KEYS[4], ARGV[4])
 return {0, cur or ''}
 """,
-    name="heartbeat_claim",
+    name="heartbeat_claim", keys=("heartbeat", "registry", "old_heartbeat", "old_registry"),
+    argv=("value", "ttl_ms", "takeover", "consumer", "registration"),
 )
 
-# KEYS: heartbeat key, registry.  ARGV: value, ttl ms, consumer name, registration.
+# KEYS: heartbeat (the heartbeat key), registry
+# ARGV: value, ttl_ms, consumer (its name), registration
 # Renews only this process's own heartbeat (or takes back a lapsed one);
 # returns 1, or the value another process holds the key with.
 RENEW = Script(
@@ -86,7 +89,8 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
 return 1
 """,
-    name="heartbeat_renew",
+    name="heartbeat_renew", keys=("heartbeat", "registry"),
+    argv=("value", "ttl_ms", "consumer", "registration"),
 )
 
 

@@ -114,7 +114,8 @@ server's clock, and the attempt that failed (at most ``ATTEMPTS - 1``) --
 what a claim, which counts one more delivery, cannot tell by itself.  Both
 fit a double exactly (about 51 bits)."""
 
-# KEYS: the schedule.  ARGV: member, delay ms, attempt, member, delay ms, attempt ...
+# KEYS: schedule
+# ARGV: [member, delay_ms, attempt]...
 # Each member due ``delay`` ms from the server's now (GT: an identical list
 # element keeps the later one); members already due are removed; the key
 # expires a minute after its last due time.  Returns the number written.
@@ -133,10 +134,12 @@ local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
 if last[2] then redis.call('PEXPIREAT', KEYS[1], int(math.floor(tonumber(last[2]) / slots) + 60000)) end
 return n
 """,
-    name="backoff_schedule",
+    name="backoff_schedule", keys=("schedule",), argv=("[member, delay_ms, attempt]...",),
 )
 
-# KEYS: the schedule.  ARGV: members.  For each, {ms until it is due by the
+# KEYS: schedule
+# ARGV: members...
+# For each member, {ms until it is due by the
 # server's clock, the attempt that failed}: {0, 0} when due or not scheduled.
 SCHEDULE_LEFT = Script(
     _NOW_MS + """
@@ -155,10 +158,11 @@ for i = 1, #ARGV do
 end
 return out
 """,
-    name="backoff_schedule_left",
+    name="backoff_schedule_left", keys=("schedule",), argv=("members...",),
 )
 
-# KEYS: stream.  ARGV: group, consumer, id, id, ...
+# KEYS: stream
+# ARGV: group, consumer, ids... (id, id, ...)
 # Renews (idle 0, ``XCLAIM ... JUSTID``: the delivery count unchanged) each
 # entry still pending for the consumer; for each id: 1 renewed, 0 not
 # pending (finalized, deleted, the group recreated), or the name of the
@@ -179,7 +183,7 @@ for i = 3, #ARGV do
 end
 return out
 """,
-    name="stream_lease",
+    name="stream_lease", keys=("stream",), argv=("group", "consumer", "ids..."),
 )
 
 

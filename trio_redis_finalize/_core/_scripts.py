@@ -170,8 +170,9 @@ local function remove_one(key, group, id, how)
 end
 """
 
-# KEYS: stream, destination stream.  ARGV: group, id, field, value, ...
-# The fields may be any number (wide entries included, see LUA_XADD).
+# KEYS: stream, dest (the destination stream)
+# ARGV: group, id, fields... (field, value, ...: any number, wide entries
+#   included, see LUA_XADD)
 STREAM_COPY_ACK = Script(
     LUA_XADD
     + _STREAM_GATE
@@ -180,7 +181,7 @@ local new = xadd(KEYS[2], ARGV, 3)
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 return new
 """,
-    name="stream_copy_ack",
+    name="stream_copy_ack", keys=("stream", "dest"), argv=("group", "id", "fields..."),
 )
 
 
@@ -201,11 +202,12 @@ redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[4])
 """
         + remove
         + "return now + tonumber(ARGV[3])\n",
-        name=name,
+        name=name, keys=("stream", "delays"), argv=("group", "id", "delay_ms", "member"),
     )
 
 
-# KEYS: stream, delay set.  ARGV: group, id, delay ms, member
+# KEYS: stream, delays (the delay set)
+# ARGV: group, id, delay_ms, member
 STREAM_ZADD_ACK = _stream_zadd_ack("stream_zadd_ack")
 
 # The retention variants (``StreamSubscription(retention=..., copy_maxlen=...,
@@ -221,8 +223,9 @@ STREAM_ZADD_ACK = _stream_zadd_ack("stream_zadd_ack")
 # script the two calls are atomic anyway, so there it is the cheaper
 # command, not a safer one.
 
-# KEYS: stream, destination stream.  ARGV: group, id, how ('0', '1' or 'x',
-# see _HOW), cap ('0': none), field, value, ...
+# KEYS: stream, dest (the destination stream)
+# ARGV: group, id, how ('0', '1' or 'x', see _HOW), cap ('0': none),
+#   fields... (field, value, ...)
 STREAM_COPY_ACK_EX = Script(
     LUA_XADD_ANY
     + _HOW
@@ -233,12 +236,16 @@ remove_one(KEYS[1], ARGV[1], ARGV[2], ARGV[3])
 return new
 """,
     name="stream_copy_ack_ex",
+    keys=("stream", "dest"), argv=("group", "id", "how", "cap", "fields..."),
 )
 
-# KEYS: stream, delay set.  ARGV: group, id, delay ms, member.  As
-# STREAM_ZADD_ACK, then XDEL of the original.
+# KEYS: stream, delays (the delay set)
+# ARGV: group, id, delay_ms, member
+# As STREAM_ZADD_ACK, then XDEL of the original.
 STREAM_ZADD_ACK_DEL = _stream_zadd_ack("stream_zadd_ack_del", delete="xdel")
 
+# KEYS: stream, delays (the delay set)
+# ARGV: group, id, delay_ms, member
 # The same on Redis 8.2: one XACKDEL ... ACKED instead of XACK, XDEL.
 STREAM_ZADD_ACKDEL = _stream_zadd_ack("stream_zadd_ackdel", delete="xackdel")
 
@@ -367,10 +374,11 @@ end
 return {k, unpack(bad)}
 """
 
-# KEYS: stream, destination stream.  ARGV: group, how ('0', '1' or 'x', see
-# _HOW), cap ('0': none), lo, hi, count (the gates' range, see above), then
-# per delivery: id, n, n field values.  Each as STREAM_COPY_ACK
-# (STREAM_COPY_ACK_EX with a delete or a cap).
+# KEYS: stream, dest (the destination stream)
+# ARGV: group, how ('0', '1' or 'x', see _HOW), cap ('0': none), lo, hi,
+#   count (the gates' range, see above), [id, n, fields...]... (per
+#   delivery: its id, n, its n field values)
+# Each delivery as STREAM_COPY_ACK (STREAM_COPY_ACK_EX with a delete or a cap).
 #
 # Its reply is short where all went well (see ``_batch.batch_replies``):
 # ``{k, at, element, at, element ...}``, k the number of deliveries, then,
@@ -428,12 +436,14 @@ while i <= last do
 end
 """
     + _BATCH_TAIL,
-    name="stream_copy_ack_batch",
+    name="stream_copy_ack_batch", keys=("stream", "dest"),
+    argv=("group", "how", "cap", "lo", "hi", "count", "[id, n, fields...]..."),
 )
 
-# KEYS: stream, delay set.  ARGV: group, how ('0', '1' or 'x', see _HOW), lo, hi, count
-# (the gates' range), then per delivery: id, delay ms, member.  Each as
-# STREAM_ZADD_ACK (_DEL with '1', STREAM_ZADD_ACKDEL with 'x'); its reply
+# KEYS: stream, delays (the delay set)
+# ARGV: group, how ('0', '1' or 'x', see _HOW), lo, hi, count (the gates'
+#   range), [id, delay_ms, member]... (per delivery)
+# Each as STREAM_ZADD_ACK (_DEL with '1', STREAM_ZADD_ACKDEL with 'x'); its reply
 # as STREAM_COPY_ACK_BATCH's (a delivery not listed: its copy added to the
 # delay set, its original removed; the single script's due time), its loop
 # as inline: a ZADD in ``redis.pcall`` per delivery, which answers an
@@ -465,10 +475,12 @@ for i = 6, #argv, 3 do
 end
 """
     + _BATCH_TAIL,
-    name="stream_zadd_ack_batch",
+    name="stream_zadd_ack_batch", keys=("stream", "delays"),
+    argv=("group", "how", "lo", "hi", "count", "[id, delay_ms, member]..."),
 )
 
-# KEYS: processing list.  ARGV: element, n (see _list_gate; > 1).
+# KEYS: processing (the processing list)
+# ARGV: element, n (see _list_gate; > 1)
 # LREM of one copy, gated: returns 1 when removed, 0 when the gate was closed.
 # The list scripts remove from the tail (``LREM … -1``), the oldest end (see
 # ``_plan``).
@@ -477,7 +489,7 @@ LIST_REMOVE = Script(
 if not redis.call('LPOS', KEYS[1], ARGV[1], 'RANK', -tonumber(ARGV[2])) then return 0 end
 return redis.call('LREM', KEYS[1], -1, ARGV[1])
 """,
-    name="list_remove",
+    name="list_remove", keys=("processing",), argv=("element", "n"),
 )
 
 # Why a list element was dead-lettered (``ReliableListSubscription(dead_letter=
@@ -533,9 +545,11 @@ end
 """
 
 
-# KEYS: processing list, destination list[, reason hash].  ARGV: element,
-# copy[, record (with the reason hash)][, n].  With the reason hash (a dead
-# letter, see above) the copy is pushed with its reason record.
+# KEYS: processing (the processing list), dest (the destination list),
+#   why? (the reason hash)
+# ARGV: element, copy, record?why (sent with the reason hash), n? (see _list_gate)
+# With the reason hash (a dead letter, see above) the copy is pushed with its
+# reason record.
 LIST_COPY_REMOVE = Script(
     """
 if not redis.call('LPOS', KEYS[1], ARGV[1], 'RANK', -tonumber(ARGV[#KEYS + 1] or 1)) then return false end
@@ -550,17 +564,21 @@ redis.call('LREM', KEYS[1], -1, ARGV[1])
 return 1
 """,
     name="list_copy_remove",
+    keys=("processing", "dest", "why?"), argv=("element", "copy", "record?why", "n?"),
 )
 
-# KEYS: dead letter, reason hash.  ARGV: element, record.  The copy step of a
+# KEYS: dead (the dead letter), why (its reason hash)
+# ARGV: element, record
+# The copy step of a
 # dead-lettering whose processing list is in another Redis Cluster hash slot
 # (the removal, LREM, follows it as its own command: duplicate, never loss).
 LIST_DEAD_PUSH = Script(
     _why_push(2, 1, 2, 1) + "\nreturn 1\n",
-    name="list_dead_push",
+    name="list_dead_push", keys=("dead", "why"), argv=("element", "record"),
 )
 
-# KEYS: processing list, delay set.  ARGV: element, delay ms, member[, n]
+# KEYS: processing (the processing list), delays (the delay set)
+# ARGV: element, delay_ms, member, n? (see _list_gate)
 LIST_ZADD_REMOVE = Script(
     _list_gate(4)
     + _NOW_MS
@@ -570,6 +588,7 @@ redis.call('LREM', KEYS[1], -1, ARGV[1])
 return now + tonumber(ARGV[2])
 """,
     name="list_zadd_remove",
+    keys=("processing", "delays"), argv=("element", "delay_ms", "member", "n?"),
 )
 
 # Decoding a delay-set member (see ``_envelope.pack_parts``).  A member that
@@ -643,11 +662,15 @@ for i, m in ipairs(back) do out[3 + i] = m end
 return out
 """
 
+_MOVE_KEYS = ("delays", "stream")
+_MOVE_ARGV = ("limit", "width?", "reserve_ms?")
+
 CORRUPT_FIELD = b"trf-delayed-corrupt"
 """Field of the stream entry that carries a delay-set member that does not decode."""
 
-# KEYS: delay set, stream.  ARGV: limit[, width, reserve ms].  Member parts:
-# unique id, field, value, ...  Returns {moved, server time ms, score of the
+# KEYS: delays (the delay set), stream
+# ARGV: limit, width?, reserve_ms?
+# Member parts: unique id, field, value, ...  Returns {moved, server time ms, score of the
 # earliest member left or nil, handed-back member, ...}: members of more than
 # ``width`` field values (none without a width) are handed back, see above.
 # A member that does not decode is added as one field CORRUPT_FIELD.
@@ -675,7 +698,11 @@ def _move_due_to_stream_source(cap: int | None) -> str:
     )
 
 
-MOVE_DUE_TO_STREAM = Script(_move_due_to_stream_source(None), name="move_due_to_stream")
+# KEYS: delays (the delay set), stream
+# ARGV: limit, width?, reserve_ms?
+MOVE_DUE_TO_STREAM = Script(
+    _move_due_to_stream_source(None), name="move_due_to_stream", keys=_MOVE_KEYS, argv=_MOVE_ARGV,
+)
 
 
 @functools.lru_cache(maxsize=64)
@@ -686,10 +713,13 @@ def move_due_to_stream(cap: int | None) -> Script:
         return MOVE_DUE_TO_STREAM
     if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
         raise ValueError(f"cap must be an int >= 1 or None, got {cap!r}")
-    return Script(_move_due_to_stream_source(cap), name=f"move_due_to_stream_maxlen_{cap}")
+    return Script(_move_due_to_stream_source(cap), name=f"move_due_to_stream_maxlen_{cap}",
+                  keys=_MOVE_KEYS, argv=_MOVE_ARGV)
 
-# KEYS: delay set, list.  ARGV: limit.  Member parts: unique id, element.
-# Returns as MOVE_DUE_TO_STREAM (never hands a member back).  A member that
+# KEYS: delays (the delay set), list
+# ARGV: limit, width?, reserve_ms? (read by the shared head; nothing is
+#   handed back here)
+# Member parts: unique id, element.  Returns as MOVE_DUE_TO_STREAM (never hands a member back).  A member that
 # does not decode is pushed as is.
 MOVE_DUE_TO_LIST = Script(
     _MOVE_HEAD
@@ -701,7 +731,7 @@ MOVE_DUE_TO_LIST = Script(
   end
 """
     + _MOVE_TAIL,
-    name="move_due_to_list",
+    name="move_due_to_list", keys=("delays", "list"), argv=_MOVE_ARGV,
 )
 
 # -- exactly-once effects: an outcome's writes in its finalization (see ``_writes``) --------
@@ -826,11 +856,12 @@ wapply({at + 1}, nw)
 """
 
 
-# KEYS: stream, destination (a stream for 'copy', the delay set for 'zadd',
-# the stream itself for 'ack'), the writes' keys (declared, for Redis
-# Cluster).  ARGV: group, id, op ('ack', 'copy', 'zadd'), how the original
-# is removed ('0', '1' or 'x', see _HOW), cap ('0': none), nw, the writes, then the
-# op's own: 'copy': field, value, ...; 'zadd': delay ms, member.
+# KEYS: stream, dest (a stream for 'copy', the delay set for 'zadd', the
+#   stream itself for 'ack'), write_keys... (the writes' keys, declared for
+#   Redis Cluster)
+# ARGV: group, id, op ('ack', 'copy', 'zadd'), how (the original's removal:
+#   '0', '1' or 'x', see _HOW), cap ('0': none), writes... (nw, the writes),
+#   own... (the op's: 'copy': field, value, ...; 'zadd': delay ms, member)
 # Returns false (gate closed), or what the cell's script returns: 1 ('ack'),
 # the copy's id, the due time.
 STREAM_WRITES = Script(
@@ -856,7 +887,8 @@ end
 remove_one(KEYS[1], group, id, ARGV[4])
 return r
 """,
-    name="stream_writes",
+    name="stream_writes", keys=("stream", "dest", "write_keys..."),
+    argv=("group", "id", "op", "how", "cap", "writes...", "own..."),
 )
 
 def _batch_writes(at: str) -> str:
@@ -878,10 +910,12 @@ def _batch_writes(at: str) -> str:
 """
 
 
-# KEYS: stream, the writes' keys of every delivery (each once, declared for
-# Redis Cluster).  ARGV: group, how ('0', '1' or 'x', see _HOW), lo, hi,
-# count (the gates' range, see STREAM_COPY_ACK_BATCH), then per delivery:
-# id, nw, its writes (as STREAM_WRITES reads them).  Each delivery as
+# KEYS: stream, write_keys... (the writes' keys of every delivery, each
+#   once, declared for Redis Cluster)
+# ARGV: group, how ('0', '1' or 'x', see _HOW), lo, hi, count (the gates'
+#   range, see STREAM_COPY_ACK_BATCH), [id, writes...]... (per delivery: its
+#   id, nw, its writes as STREAM_WRITES reads them)
+# Each delivery as
 # STREAM_WRITES with op 'ack' (the ACK or DROP of an outcome carrying
 # writes): its gate, its writes' key types checked (a refusal: nothing of
 # it written, its error), its writes run in order, its removal.  The
@@ -921,16 +955,19 @@ while i <= last do
 end
 """
     + _BATCH_TAIL,
-    name="stream_writes_ack_batch",
+    name="stream_writes_ack_batch", keys=("stream", "write_keys..."),
+    argv=("group", "how", "lo", "hi", "count", "[id, writes...]..."),
 )
 
-# KEYS: processing list, destination (the queue for 'copy', the dead letter
-# for 'dead', the delay set for 'zadd', the processing list for 'remove'),
-# the dead letter's reason hash (the processing list when none), the writes'
-# keys.  ARGV: element, op ('remove', 'copy', 'dead', 'zadd'), nw, the
-# writes, then the op's own -- 'copy': the copy; 'dead': the copy, its
-# reason record; 'zadd': delay ms, member -- and last n (the counted gate,
-# see ``_plan.list_counted``).  Returns false (gate closed), 1, or the due time.
+# KEYS: processing (the processing list), dest (the queue for 'copy', the
+#   dead letter for 'dead', the delay set for 'zadd', the processing list
+#   for 'remove'), why (the dead letter's reason hash; the processing list
+#   when none), write_keys... (the writes' keys)
+# ARGV: element, op ('remove', 'copy', 'dead', 'zadd'), writes... (nw, the
+#   writes), own... (the op's: 'copy': the copy; 'dead': the copy, its reason
+#   record; 'zadd': delay ms, member), n (the counted gate, see
+#   ``_plan.list_counted``)
+# Returns false (gate closed), 1, or the due time.
 LIST_WRITES = Script(
     _WRITES_LUA
     + """
@@ -954,13 +991,16 @@ end
 redis.call('LREM', KEYS[1], -1, ARGV[1])
 return r
 """,
-    name="list_writes",
+    name="list_writes", keys=("processing", "dest", "why", "write_keys..."),
+    argv=("element", "op", "writes...", "own...", "n"),
 )
 
 
-# KEYS: processing list, the writes' keys of every element (each once,
-# declared for Redis Cluster).  ARGV: per element: element, n (its counted
-# gate, see ``_plan.list_counted``), nw, its writes.  Each element as
+# KEYS: processing (the processing list), write_keys... (the writes' keys
+#   of every element, each once, declared for Redis Cluster)
+# ARGV: [element, n, writes...]... (per element: the element, n its counted
+#   gate (see ``_plan.list_counted``), nw, its writes)
+# Each element as
 # LIST_WRITES with op 'remove' (the ACK or DROP of an outcome carrying
 # writes), in order: its gate (at least n copies in the processing list),
 # its writes' key types checked (a refusal: nothing of it written, its
@@ -1003,6 +1043,7 @@ end
 return {k, unpack(bad)}
 """,
     name="list_writes_remove_batch",
+    keys=("processing", "write_keys..."), argv=("[element, n, writes...]...",),
 )
 
 
@@ -1037,8 +1078,8 @@ COPY_MARK_TTL = 600_000
 then holds the copy's id): how late a resend of the copy still gets that id
 back; later, the resend writes nothing and answers nil."""
 
-# KEYS: stream, receipt, the writes' keys (declared for Redis Cluster).
-# ARGV: group, id, how ('0', '1' or 'x', see _HOW), nw, the writes.
+# KEYS: stream, receipt, write_keys... (the writes' keys, declared for Redis Cluster)
+# ARGV: group, id, how ('0', '1' or 'x', see _HOW), writes... (nw, the writes)
 # Returns 1 (removed by this finalization, now or by an earlier send of it)
 # or false (the gate closed by another finalization: nothing written).
 STREAM_REMOVE_RECEIPT = Script(
@@ -1059,10 +1100,13 @@ redis.call('SET', KEYS[2], 'r')
 return 1
 """,
     name="stream_remove_receipt",
+    keys=("stream", "receipt", "write_keys..."), argv=("group", "id", "how", "writes..."),
 )
 
-# KEYS: stream, receipt.  ARGV: receipt ttl ms once written, cap ('0': none),
-# field, value, ...  Returns the copy's id, or false (no receipt: nothing written).
+# KEYS: stream, receipt
+# ARGV: ttl_ms (the receipt's once written), cap ('0': none), fields...
+#   (field, value, ...)
+# Returns the copy's id, or false (no receipt: nothing written).
 STREAM_COPY_ONCE = Script(
     LUA_XADD_ANY
     + """
@@ -1073,11 +1117,13 @@ local id = xadd_any(KEYS[1], ARGV[2], ARGV, 3)
 redis.call('SET', KEYS[2], id, 'PX', ARGV[1])
 return id
 """,
-    name="stream_copy_once",
+    name="stream_copy_once", keys=("stream", "receipt"), argv=("ttl_ms", "cap", "fields..."),
 )
 
 
-# KEYS: stream.  ARGV: cap ('0': none), field, value, ...  A plain XADD (not
+# KEYS: stream
+# ARGV: cap ('0': none), fields... (field, value, ...)
+# A plain XADD (not
 # gated) that writes a last value SERVER_TIME as the server's clock: a dead
 # letter written to another Redis Cluster slot than its source (the removal
 # of the original follows as its own command).
@@ -1086,5 +1132,5 @@ STREAM_XADD = Script(
     + """
 return xadd_any(KEYS[1], ARGV[1], ARGV, 2)
 """,
-    name="stream_xadd",
+    name="stream_xadd", keys=("stream",), argv=("cap", "fields..."),
 )

@@ -73,7 +73,8 @@ def legacy_heartbeat_key(queue: str, consumer: str) -> str:
     return derived(queue, f":heartbeat:{consumer}")
 
 
-# KEYS: processing list.  ARGV: element, its rewritten copy.
+# KEYS: processing (the processing list)
+# ARGV: element, copy (its rewritten copy)
 # Replaces one occurrence of the element in place (a crash redelivery counts
 # as an attempt, so a poison element that kills its consumer reaches
 # max_attempts); false when the element is gone.
@@ -84,7 +85,7 @@ if not i then return false end
 redis.call('LSET', KEYS[1], i, ARGV[2])
 return 1
 """,
-    name="reliable_list_bump",
+    name="reliable_list_bump", keys=("processing",), argv=("element", "copy"),
 )
 
 def _move_back(first: int) -> str:
@@ -104,8 +105,10 @@ for i = {first}, #ARGV, 2 do
 end"""
 
 
-# KEYS: dead consumer's processing list, queue, its heartbeat key, registry.
-# ARGV: consumer name, element, rewritten element, element, rewritten, ...
+# KEYS: processing (the dead consumer's processing list), queue, heartbeat
+#   (its heartbeat key), registry
+# ARGV: consumer (its name), [element, copy]... (each element and its
+#   rewritten copy)
 # Gated on the heartbeat key being absent (the consumer may have come back);
 # each element is pushed onto the consumer end (RIGHT) of the queue, then
 # removed from the processing list (the push taken back when it was no longer there), so racing
@@ -119,12 +122,14 @@ if redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
 if redis.call('LLEN', KEYS[1]) == 0 then redis.call('HDEL', KEYS[4], ARGV[1]) end
 return n
 """,
-    name="reliable_list_reap",
+    name="reliable_list_reap", keys=("processing", "queue", "heartbeat", "registry"),
+    argv=("consumer", "[element, copy]..."),
 )
 
-# KEYS: own processing list, queue, own heartbeat key, registry, own receipts.
-# ARGV: consumer name, own heartbeat value, element, rewritten element, ...
-# (newest first).
+# KEYS: processing (the own processing list), queue, heartbeat (the own
+#   heartbeat key), registry, receipts (the own receipts)
+# ARGV: consumer (its name), value (the own heartbeat's), [element, copy]...
+#   (each element and its rewritten copy, newest first)
 # A clean stop, after the handlers and the finalizer ended: what is left in the
 # processing list (handlers cut by the grace, elements waiting for a backoff)
 # goes back onto the consumer end of the queue (pushed first, then removed:
@@ -149,9 +154,12 @@ end
 return {n, left}
 """,
     name="reliable_list_stop",
+    keys=("processing", "queue", "heartbeat", "registry", "receipts"),
+    argv=("consumer", "value", "[element, copy]..."),
 )
 
-# KEYS: processing list, queue.  ARGV: element, n, element, n, ..., newest first.
+# KEYS: processing (the processing list), queue
+# ARGV: [element, n]... (newest first)
 # Gives back elements read but never handed to a handler (shutdown): each is
 # removed from the processing list and pushed onto the consumer end of the
 # queue only while the list still holds n copies of it (n: as for the
@@ -168,7 +176,7 @@ for i = 1, #ARGV, 2 do
 end
 return n
 """,
-    name="reliable_list_give_back",
+    name="reliable_list_give_back", keys=("processing", "queue"), argv=("[element, n]...",),
 )
 
 
@@ -180,9 +188,10 @@ def receipts_key(processing: str) -> str:
 # A reliable list's runtime ``retry_after`` copy (the original waits in the
 # processing list until its delay is over), exactly once.
 #
-# KEYS: processing list, queue, receipts hash (:func:`receipts_key`), the
-# writes' keys.  ARGV: element, copy, token, n, nf, nf tokens to forget, nw,
-# the writes (as ``_writes.encode_writes`` puts them).
+# KEYS: processing (the processing list), queue, receipts (the receipts
+#   hash, :func:`receipts_key`), write_keys... (the writes' keys)
+# ARGV: element, copy, token, n, nf, forget... (nf tokens to forget),
+#   writes... (nw, the writes, as ``_writes.encode_writes`` puts them)
 #
 # The receipts of ``nf`` earlier copies, answered since, are deleted first.
 # Then, a receipt under this copy's ``token`` says an earlier send of this
@@ -212,6 +221,8 @@ redis.call('HSET', KEYS[3], ARGV[3], 1)
 return 1
 """,
     name="reliable_list_delayed_copy",
+    keys=("processing", "queue", "receipts", "write_keys..."),
+    argv=("element", "copy", "token", "n", "nf", "forget...", "writes..."),
 )
 _DELAYED_SHA = DELAYED_COPY.sha
 

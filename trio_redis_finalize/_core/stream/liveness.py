@@ -218,8 +218,8 @@ def stop_probe(flat: Sequence[bytes], me: str, seen: Collection[tuple[str, float
     return out
 
 
-# KEYS: stream, the dead consumer's heartbeat key, registry.
-# ARGV: group, dead consumer, me, min idle (ms), page, id, id, ...
+# KEYS: stream, heartbeat (the dead consumer's heartbeat key), registry
+# ARGV: group, dead (the dead consumer), me, min_idle_ms, page, ids... (id, id, ...)
 # Gated on the heartbeat key being absent (the consumer came back: -1).
 # Takes each id (the reaper looked them up: XPENDING ... IDLE, at most `page`)
 # that is still pending for the dead consumer and idle `min idle`, with its
@@ -262,13 +262,14 @@ if page > 0 then
 end
 return {taken, gone, wait, 0}
 """,
-    name="stream_reap",
+    name="stream_reap", keys=("stream", "heartbeat", "registry"),
+    argv=("group", "dead", "me", "min_idle_ms", "page", "ids..."),
 )
 
-# KEYS: stream, own heartbeat key, registry.
-# ARGV: group, consumer, stopped mark, idle ms, all (1: the whole own PEL;
-# 0: only the ids that follow, each while still pending for it), own
-# heartbeat value, id, id, ...
+# KEYS: stream, heartbeat (the own heartbeat key), registry
+# ARGV: group, consumer, stopped (the stopped mark), idle_ms, all (1: the
+#   whole own PEL; 0: only the ids that follow, each while still pending for
+#   it), value (the own heartbeat's), ids... (id, id, ...)
 # Nothing is done while another process holds the name's heartbeat (it took
 # the name over: what is pending is its own now).
 # A consumer's clean stop, after its handlers and finalizer ended: what is
@@ -329,7 +330,8 @@ redis.call('DEL', KEYS[2])
 if #p == 0 then return {0, 0} end
 return {n, 1}
 """,
-    name="stream_stop",
+    name="stream_stop", keys=("stream", "heartbeat", "registry"),
+    argv=("group", "consumer", "stopped", "idle_ms", "all", "value", "ids..."),
 )
 
 

@@ -267,12 +267,20 @@ return out
 """
 
 
-TRIM_ACKED = Script(_trim_source(native=False), name="trim_acked")
+# KEYS: stream
+# ARGV: limit (of the approximate step)
+# The reply: see _TRIM_HEAD.
+TRIM_ACKED = Script(
+    _trim_source(native=False), name="trim_acked", keys=("stream",), argv=("limit",),
+)
 
-# KEYS: stream.  ARGV: limit of the approximate step.  The same reply.  The
-# threshold is the bound (see the module docstring): the server's ACKED
+# KEYS: stream
+# ARGV: limit (of the approximate step)
+# The same reply.  The threshold is the bound (see the module docstring): the server's ACKED
 # keeps every entry below it that some group still has pending.
-TRIM_ACKED_NATIVE = Script(_trim_source(native=True), name="trim_acked_native")
+TRIM_ACKED_NATIVE = Script(
+    _trim_source(native=True), name="trim_acked_native", keys=("stream",), argv=("limit",),
+)
 
 
 def trim_script(acked: bool) -> Script:

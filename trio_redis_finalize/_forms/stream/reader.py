@@ -289,7 +289,8 @@ _MOVE_RETRY = 5.0
 """Seconds before a move of due copies that Redis refused is tried again."""
 
 
-# KEYS: stream.  ARGV: group, consumer, id, count, id, count, ...
+# KEYS: stream
+# ARGV: group, consumer, [id, count]...
 # Each entry still pending for the consumer is claimed by it again (idle 0)
 # with its delivery count set to ``count``: its reply is the entry; 0 when
 # it is not pending for the consumer (any more); 1 when the stream no longer
@@ -308,7 +309,7 @@ for i = 3, #ARGV, 2 do
 end
 return out
 """,
-    name="stream_redeliver",
+    name="stream_redeliver", keys=("stream",), argv=("group", "consumer", "[id, count]..."),
 )
 
 
