@@ -33,7 +33,7 @@ from .._subscription import DelayedRetry, Form, Mode, Retention
 from .._value import builder, immutable
 from .._writes import write_keys
 from ._caps import NO_CAPABILITIES, Capabilities
-from ._commands import Arg, Command
+from ._commands import Arg, Command, Script
 
 __all__ = [
     "DEAD_ATTEMPT",
@@ -55,10 +55,13 @@ __all__ = [
     "Plan",
     "PlanBuilder",
     "Target",
+    "args_at",
     "attempt_of",
     "chain_stops",
     "content_origin",
     "exhausted",
+    "fields_of",
+    "fixed_at",
     "reject_reason",
     "settle",
     "writes_at",
@@ -280,6 +283,42 @@ class Batcher:
         """The single calls a batched call ``cmd`` carries, in the order of its
         reply's elements (what each delivery's plan would send alone)."""
         raise NotImplementedError
+
+
+def fixed_at(script: Script, name: str) -> int:
+    """Where the field ``name`` (as ``script``'s layout writes it: ``"id"``,
+    ``"fields..."``) sits in every built call of ``script``: a key before any
+    optional or ``...`` key, or an argument of a script whose keys are fixed
+    in number, before any optional or ``...`` argument.  Worked out once, by
+    name, for the code that reads built calls on the hot path (elsewhere:
+    ``Script.field``, ``Script.at``)."""
+    keys, argv = script.keys or (), script.argv or ()
+    if name in keys:
+        return script.key_at(name.rstrip("."))
+    i = argv.index(name)
+    if any(k[-1] in "?." for k in keys) or any(a[-1] in "?." or a[0] == "[" for a in argv[:i]):
+        raise ValueError(f"{script.name}: {name!r} has no fixed place")
+    return 3 + len(keys) + i
+
+
+def args_at(script: Script, name: str) -> int:
+    """Where the argument ``name`` sits from ``ARGV[1]`` (``cmd[3 + numkeys]``)
+    in every built call of ``script`` (no optional or ``...`` argument before
+    it): worked out once, by name, for the hot path."""
+    argv = script.argv or ()
+    i = argv.index(name)
+    if any(a[-1] in "?." or a[0] == "[" for a in argv[:i]):
+        raise ValueError(f"{script.name}: {name!r} has no fixed place")
+    return i
+
+
+def fields_of(script: Script, cmd: Command, *names: str) -> tuple[Arg, ...]:
+    """The values of the fields ``names`` in ``cmd``, a call of ``script``
+    that sends every one of them (``Script.field`` each)."""
+    out = [script.field(cmd, n) for n in names]
+    if None in out:
+        raise ValueError(f"{script.name}: a call without one of {names}: {cmd[:2]!r}")
+    return tuple(out)  # type: ignore[arg-type]
 
 
 def writes_at(cmd: Command, i: int) -> tuple[list[str | bytes], int]:

@@ -49,7 +49,7 @@ from ..._keys import derived, same_slot
 from ..._outcome import Outcome, OutcomeKind
 from ..._subscription import DelayedRetry
 from .. import _scripts
-from .._commands import Arg, Command
+from .._commands import Arg, Command, Script
 from .._types import (
     REMOVED,
     Batcher,
@@ -57,13 +57,15 @@ from .._types import (
     Effect,
     Plan,
     Target,
+    args_at,
     exhausted,
+    fields_of,
     list_copy,
     member,
     ms,
     writes_at,
 )
-from .liveness import GIVE_BACK, delayed_parts
+from .liveness import DELAYED_COPY, GIVE_BACK, delayed_parts
 
 __all__ = [
     "RELIABLE_LIST",
@@ -237,19 +239,22 @@ _LIST_WRITES = _scripts.LIST_WRITES
 
 
 def _copy_remove_with_writes(cmd: Command, writes: Sequence[Arg], keys: Sequence[Any]) -> Command:
-    """``LIST_COPY_REMOVE`` as ``LIST_WRITES``: a dead letter (its reason hash
-    the third key: element, copy, record) 'dead'; a copy back onto the queue 'copy'."""
-    if cmd[2] == 3:
-        p, dead, why = cmd[3], cmd[4], cmd[5]
-        return _LIST_WRITES.command((p, dead, why, *keys), (cmd[6], "dead", *writes, cmd[7], cmd[8], 1))
-    p, dest = cmd[3], cmd[4]
-    return _LIST_WRITES.command((p, dest, p, *keys), (cmd[5], "copy", *writes, cmd[6], 1))
+    """``LIST_COPY_REMOVE`` as ``LIST_WRITES``: a dead letter (with its reason
+    hash ``why`` and ``record``) 'dead'; a copy back onto the queue 'copy'."""
+    c = _scripts.LIST_COPY_REMOVE
+    p, dest, element, copy = fields_of(c, cmd, "processing", "dest", "element", "copy")
+    why = c.field(cmd, "why")
+    if why is not None:
+        return _LIST_WRITES.command((p, dest, why, *keys),
+                                    (element, "dead", *writes, copy, *fields_of(c, cmd, "record"), 1))
+    return _LIST_WRITES.command((p, dest, p, *keys), (element, "copy", *writes, copy, 1))
 
 
 def _zadd_remove_with_writes(cmd: Command, writes: Sequence[Arg], keys: Sequence[Any]) -> Command:
     """``LIST_ZADD_REMOVE`` (a durable delay) as ``LIST_WRITES`` 'zadd'."""
-    p, delays = cmd[3], cmd[4]
-    return _LIST_WRITES.command((p, delays, p, *keys), (cmd[5], "zadd", *writes, cmd[6], cmd[7], 1))
+    p, delays, element, delay, mem = fields_of(
+        _scripts.LIST_ZADD_REMOVE, cmd, "processing", "delays", "element", "delay_ms", "member")
+    return _LIST_WRITES.command((p, delays, p, *keys), (element, "zadd", *writes, delay, mem, 1))
 
 
 _CARRY: dict[object, Callable[[Command, Sequence[Arg], Sequence[Any]], Command]] = {
@@ -262,27 +267,17 @@ how each becomes a step that carries an outcome's writes."""
 
 # -- counted removals (identical elements; see the module docstring) -------------------------------
 
-_COPY_REMOVE_SHA = _scripts.LIST_COPY_REMOVE.sha
-_ZADD_REMOVE_SHA = _scripts.LIST_ZADD_REMOVE.sha
-_REMOVE_SHA = _scripts.LIST_REMOVE.sha
-_WRITES_SHA = _scripts.LIST_WRITES.sha  # (with an outcome's writes: its n always last)
-# EVALSHA sha numkeys processing ...: index of the element, and the length
-# of the command without its trailing n
-_COUNTED_SHAS: dict[object, tuple[int, int]] = {
-    _COPY_REMOVE_SHA: (5, 7), _ZADD_REMOVE_SHA: (5, 8), _REMOVE_SHA: (4, 5),
+_COUNTED: dict[object, Script] = {
+    s.sha: s for s in (_scripts.LIST_COPY_REMOVE, _scripts.LIST_ZADD_REMOVE, _scripts.LIST_REMOVE,
+                       _LIST_WRITES)
 }
-# LIST_COPY_REMOVE with its third key, the reason hash (a dead letter):
-# EVALSHA sha 3 processing dead why element copy record [n]
-_DEAD_AT = (6, 9)
-
-
-def _counted_at(cmd: Command) -> tuple[int, int] | None:
-    sha = cmd[1]
-    if sha == _COPY_REMOVE_SHA and cmd[2] == 3:
-        return _DEAD_AT
-    if sha == _WRITES_SHA:
-        return 3 + int(cmd[2]), len(cmd) - 1
-    return _COUNTED_SHAS.get(sha)
+"""The scripts of the list's plans that remove an element gated on ``n``
+copies (their field ``n``; optional where a plain gate is the default), by sha."""
+_PROCESSING = _LIST_WRITES.key_at("processing")
+assert all(s.key_at("processing") == _PROCESSING for s in _COUNTED.values())
+# (an outcome's writes, the common counted removal: read by name, once)
+_LW_ELEMENT = args_at(_LIST_WRITES, "element")
+assert _LIST_WRITES.argv is not None and _LIST_WRITES.argv[-1] == "n"  # its n always last
 
 
 def list_removal(t: Target, cmd: Command) -> bytes | None:
@@ -293,19 +288,22 @@ def list_removal(t: Target, cmd: Command) -> bytes | None:
         e = cmd[3]
         return e if cmd[1] == t.processing and isinstance(e, bytes) else None
     if head == b"EVALSHA":
-        at = _counted_at(cmd)
-        if at is not None and cmd[3] == t.processing:
-            e = cmd[at[0]]
-            return e if isinstance(e, bytes) else None
+        script = _COUNTED.get(cmd[1])
+        if script is not None and cmd[_PROCESSING] == t.processing:
+            x = (cmd[3 + int(cmd[2]) + _LW_ELEMENT] if script is _LIST_WRITES
+                 else script.field(cmd, "element"))
+            return x if isinstance(x, bytes) else None
     return None
 
 
 def list_copies(cmd: Command) -> int:
     """The ``n`` a removal :func:`list_removal` names is gated on (1: a plain gate)."""
     if cmd[0] == b"EVALSHA":
-        at = _counted_at(cmd)
-        if at is not None and len(cmd) > at[1]:
-            return int(cmd[at[1]])
+        script = _COUNTED.get(cmd[1])
+        if script is _LIST_WRITES:
+            return int(cmd[-1])
+        if script is not None:
+            return int(script.field(cmd, "n", 1))  # type: ignore[arg-type]
     return 1
 
 
@@ -315,14 +313,16 @@ def list_counted(cmd: Command, n: int) -> Command:
         if n == 1:
             return cmd
         return _scripts.LIST_REMOVE.command((cmd[1],), (cmd[3], n))
-    at = _counted_at(cmd)
-    assert at is not None
-    return (*cmd[: at[1]], n)
+    return _COUNTED[cmd[1]].replace(cmd, "n", n)
 
 
 # -- batched calls: removals carrying writes, in one call per processing list ---------------------
 
 _REMOVE_BATCH = _scripts.LIST_WRITES_REMOVE_BATCH
+# LIST_WRITES' places, by name (its keys: processing, dest, why, write_keys...;
+# the arguments from ARGV[1])
+_LW_DEST, _LW_WHY = _LIST_WRITES.key_at("dest"), _LIST_WRITES.key_at("why")
+_LW_OP, _LW_WRITES = args_at(_LIST_WRITES, "op"), args_at(_LIST_WRITES, "writes...")
 
 
 class _RemoveWrites(Batcher):
@@ -337,28 +337,27 @@ class _RemoveWrites(Batcher):
         nk = cmd[2]
         if nk.__class__ is not int or nk < 3 or len(cmd) < 7 + nk:
             return None
-        at = 3 + nk  # the element
-        if cmd[at + 1] != "remove" or not cmd[3] == cmd[4] == cmd[5]:
+        at = 3 + nk  # ARGV[1]
+        p = cmd[_PROCESSING]
+        if cmd[at + _LW_OP] != "remove" or not p == cmd[_LW_DEST] == cmd[_LW_WHY]:
             return None
-        return (_REMOVE_BATCH.sha, cmd[3]), (cmd[at], cmd[-1], *cmd[at + 2:-1])
+        return (_REMOVE_BATCH.sha, p), (cmd[at + _LW_ELEMENT], cmd[-1], *cmd[at + _LW_WRITES:-1])
 
     def call(self, singles: Sequence[Command], args: Sequence[Arg]) -> Command:
         """Its keys: the processing list and every element's writes' keys, each once."""
-        keys = list(dict.fromkeys(k for s in singles for k in s[6:3 + int(s[2])]))
-        return _REMOVE_BATCH.command((singles[0][3], *keys), args)
+        keys = list(dict.fromkeys(k for s in singles for k in _LIST_WRITES.rest(s, "write_keys")))
+        return _REMOVE_BATCH.command((singles[0][_PROCESSING], *keys), args)
 
     def singles(self, cmd: Command) -> list[Command]:
         """Each element's ``LIST_WRITES`` call (with its ``n``), its keys those its writes name."""
-        nk = cmd[2]
-        assert isinstance(nk, int)
-        processing = cmd[3]
+        (p,) = fields_of(_REMOVE_BATCH, cmd, "processing")
+        values = _REMOVE_BATCH.rest(cmd, "element")  # (element, n, writes...)...
         out: list[Command] = []
-        i = 3 + nk
-        while i < len(cmd):
-            e, n = cmd[i], cmd[i + 1]
-            keys, j = writes_at(cmd, i + 2)
-            out.append(_LIST_WRITES.command(
-                (processing, processing, processing, *keys), (e, "remove", *cmd[i + 2:j], n)))
+        i = 0
+        while i < len(values):
+            e, n = values[i], values[i + 1]
+            keys, j = writes_at(values, i + 2)
+            out.append(_LIST_WRITES.command((p, p, p, *keys), (e, "remove", *values[i + 2:j], n)))
             i = j
         return out
 
@@ -373,10 +372,10 @@ def counted_removals(cmd: Command) -> list[tuple[int, Any, Any]]:
     call, in order: ``cmd[at]`` is its ``n`` (its counted gate), which
     :func:`with_counts` rewrites (the counted gates, before each send);
     cheaper than ``Batcher.singles`` (no command built)."""
-    nk = cmd[2]
-    assert isinstance(nk, int)
+    at = _REMOVE_BATCH.at(cmd, "element")  # (element, n, writes...)...
+    assert at is not None
     out: list[tuple[int, Any, Any]] = []
-    i = 3 + nk
+    i = at
     end = len(cmd)
     while i < end:
         out.append((i + 1, cmd[i], cmd[i + 1]))
@@ -398,22 +397,20 @@ def with_counts(cmd: Command, counts: Sequence[tuple[int, int]]) -> Command:
 
 # -- what the counted gates read in the commands they number ---------------------------------------
 
-_GIVE_BACK_SHA = GIVE_BACK.sha
-
-
 def given_back(t: Target, cmd: Command) -> Sequence[Arg] | None:
-    """The arguments of ``cmd`` when it is a :data:`~.liveness.GIVE_BACK` of
-    ``t``'s processing list: element, n, element, n ... (:func:`give_back_counted`
-    renumbers them), else None."""
-    if cmd[0] == b"EVALSHA" and cmd[1] == _GIVE_BACK_SHA and cmd[3] == t.processing:
-        return cmd[5:]
+    """The ``[element, n]...`` values of ``cmd`` when it is a ``liveness.GIVE_BACK``
+    of ``t``'s processing list (:func:`give_back_counted` renumbers them), else None."""
+    if GIVE_BACK.calls(cmd) and GIVE_BACK.field(cmd, "processing") == t.processing:
+        return GIVE_BACK.rest(cmd, "element")
     return None
 
 
 def give_back_counted(cmd: Command, n: Callable[[bytes], int]) -> Command:
     """A :func:`given_back` call with each element's ``n`` replaced by ``n(element)``."""
+    at = GIVE_BACK.at(cmd, "element")
+    assert at is not None
     args = list(cmd)
-    for j in range(5, len(args), 2):
+    for j in range(at, len(args), 2):
         g = args[j]
         if isinstance(g, bytes):
             args[j + 1] = n(g)
@@ -426,35 +423,36 @@ def runtime_copy(t: Target, cmd: Command) -> tuple[bytes, Arg, bytes, Sequence[A
     runtime ``retry_after``'s delayed copy of ``t``'s processing list as its
     plan built it (``LIST_COPY_REMOVE`` back onto the queue, or
     ``LIST_WRITES`` 'copy': ``writes`` encoded, ``(0,)`` for none), else None."""
-    if cmd[0] != b"EVALSHA" or cmd[3] != t.processing:
-        return None
-    sha = cmd[1]
-    keys = 3 + int(cmd[2])  # ARGV[1]
     writes: Sequence[Arg]
     wkeys: Sequence[Arg]
-    if sha == _COPY_REMOVE_SHA and cmd[2] == 2:  # processing, queue; element, copy[, n]
-        element, copy = cmd[5], cmd[6]
+    c, w = _scripts.LIST_COPY_REMOVE, _LIST_WRITES
+    if c.calls(cmd) and c.field(cmd, "why") is None:  # back onto the queue
+        p, queue, element, copy = fields_of(c, cmd, "processing", "dest", "element", "copy")
         writes, wkeys = (0,), ()
-    elif sha == _WRITES_SHA and cmd[keys + 1] in (b"copy", "copy"):
+    elif w.calls(cmd) and w.field(cmd, "op") in (b"copy", "copy"):
         # processing, queue, processing, keys; element, 'copy', nw, writes, copy, n
-        element, copy = cmd[keys], cmd[-2]
-        writes, wkeys = cmd[keys + 2 : -2], cmd[6:keys]
+        p, queue, element = fields_of(w, cmd, "processing", "dest", "element")
+        copy = cmd[-2]  # the one own value of a copy, before its n
+        wkeys = w.rest(cmd, "write_keys")
+        at = w.at(cmd, "writes")
+        assert at is not None
+        writes = cmd[at:-2]
     else:
         return None
-    if not isinstance(element, bytes) or not isinstance(copy, bytes):
+    if p != t.processing or not isinstance(element, bytes) or not isinstance(copy, bytes):
         return None
-    return element, cmd[4], copy, writes, wkeys
+    return element, queue, copy, writes, wkeys
 
 
 def delayed_of(t: Target, cmd: Command) -> tuple[bytes, int, int] | None:
     """``(element, n, writes)`` of ``cmd`` when it is a ``liveness.DELAYED_COPY``
     of ``t``'s processing list (``liveness.delayed_parts``), else None."""
     parts = delayed_parts(cmd)
-    return None if parts is None or cmd[3] != t.processing else parts
+    return None if parts is None or DELAYED_COPY.field(cmd, "processing") != t.processing else parts
 
 
 def delayed_token(cmd: Command) -> bytes:
     """The receipt token of a ``liveness.DELAYED_COPY`` call."""
-    token = cmd[3 + int(cmd[2]) + 2]
+    token = DELAYED_COPY.field(cmd, "token")
     assert isinstance(token, bytes)
     return token

@@ -16,7 +16,7 @@ from operator import itemgetter
 
 from .. import _scripts
 from .._commands import Arg, Command
-from .._types import Batcher, writes_at
+from .._types import Batcher, args_at, fields_of, fixed_at, writes_at
 
 __all__ = ["BATCHED", "BATCHERS", "gate_range"]
 
@@ -52,16 +52,31 @@ def gate_range(ids: Sequence[Arg]) -> tuple[Arg, Arg, int]:
     return ids[keys.index(lo)], ids[keys.index(hi)], 2 * len(ids)
 
 
+_COPY = _scripts.STREAM_COPY_ACK
+_COPY_EX = _scripts.STREAM_COPY_ACK_EX
 _COPY_BATCH = _scripts.STREAM_COPY_ACK_BATCH
 _ZADD_BATCH = _scripts.STREAM_ZADD_ACK_BATCH
 _WRITES_BATCH = _scripts.STREAM_WRITES_ACK_BATCH
+_ZADD_BY_HOW = {
+    "0": _scripts.STREAM_ZADD_ACK, "1": _scripts.STREAM_ZADD_ACK_DEL, "x": _scripts.STREAM_ZADD_ACKDEL,
+}
+
+# the places every single stream script shares (its two keys, then group and
+# id), read by name once: the scripts below are batched per delivery
+_STREAM, _DEST, _GROUP, _ID = (fixed_at(_COPY, n) for n in ("stream", "dest", "group", "id"))
+for _s in (_COPY_EX, *_ZADD_BY_HOW.values()):
+    assert (fixed_at(_s, "stream"), fixed_at(_s, "group"), fixed_at(_s, "id")) == (_STREAM, _GROUP, _ID)
+    assert _s.key_at(_s.keys[1] if _s.keys else "") == _DEST
+_FIELDS = fixed_at(_COPY, "fields...")
+_HOW, _CAP, _FIELDS_EX = (fixed_at(_COPY_EX, n) for n in ("how", "cap", "fields..."))
+_DELAY_ARGS = slice(_ID, fixed_at(_ZADD_BY_HOW["0"], "member") + 1)  # id, delay_ms, member
 
 
 class _Copies(Batcher):
-    """``STREAM_COPY_ACK`` (``EVALSHA sha 2 stream dest group id fields...``)
-    or, ``ex``, ``STREAM_COPY_ACK_EX`` (``... group id delete cap
-    fields...``): RETRY copies and dead letters, in ``STREAM_COPY_ACK_BATCH``
-    calls keyed by stream, destination, group, delete and cap."""
+    """``STREAM_COPY_ACK`` or, ``ex``, ``STREAM_COPY_ACK_EX`` calls (RETRY
+    copies, dead letters) in ``STREAM_COPY_ACK_BATCH`` calls keyed by stream,
+    destination, group, how (delete) and cap; the part of each: id, n, its
+    n fields."""
 
     __slots__ = ("ex",)
 
@@ -72,40 +87,42 @@ class _Copies(Batcher):
         if cmd[2] != 2:
             return None
         if self.ex:
-            fields = cmd[9:]
-            key = (_COPY_BATCH.sha, cmd[3], cmd[4], cmd[5], str(cmd[7]), str(cmd[8]))
+            fields = cmd[_FIELDS_EX:]
+            key = (_COPY_BATCH.sha, cmd[_STREAM], cmd[_DEST], cmd[_GROUP], str(cmd[_HOW]),
+                   str(cmd[_CAP]))
         else:
-            fields = cmd[7:]
-            key = (_COPY_BATCH.sha, cmd[3], cmd[4], cmd[5], "0", "0")
-        return key, (cmd[6], len(fields), *fields)
+            fields = cmd[_FIELDS:]
+            key = (_COPY_BATCH.sha, cmd[_STREAM], cmd[_DEST], cmd[_GROUP], "0", "0")
+        return key, (cmd[_ID], len(fields), *fields)
 
     def call(self, singles: Sequence[Command], args: Sequence[Arg]) -> Command:
         c = singles[0]
-        gates = gate_range([s[6] for s in singles])
-        delete, cap_ = (c[7], c[8]) if self.ex else ("0", "0")
-        return _COPY_BATCH.command((c[3], c[4]), (c[5], delete, cap_, *gates, *args))
+        gates = gate_range([s[_ID] for s in singles])
+        how, cap_ = (c[_HOW], c[_CAP]) if self.ex else ("0", "0")
+        return _COPY_BATCH.command((c[_STREAM], c[_DEST]), (c[_GROUP], how, cap_, *gates, *args))
 
     def singles(self, cmd: Command) -> list[Command]:
-        stream, dest, group = cmd[3], cmd[4], cmd[5]
-        delete, cap_ = cmd[6], cmd[7]  # ... group how cap lo hi count (id n values...)...
-        plain = str(delete) == "0" and str(cap_) == "0"
+        b = _COPY_BATCH
+        stream, dest, group, how, cap_ = fields_of(b, cmd, "stream", "dest", "group", "how", "cap")
+        plain = str(how) == "0" and str(cap_) == "0"
+        values = b.rest(cmd, "id")  # (id n fields...)...
         out: list[Command] = []
-        i = 11
-        while i < len(cmd):
-            n = int(cmd[i + 1])
-            eid, fields = cmd[i], cmd[i + 2:i + 2 + n]
+        i = 0
+        while i < len(values):
+            n = int(values[i + 1])
+            eid, fields = values[i], values[i + 2:i + 2 + n]
             if plain:
-                out.append(_scripts.STREAM_COPY_ACK.command((stream, dest), (group, eid, *fields)))
+                out.append(_COPY.command((stream, dest), (group, eid, *fields)))
             else:
-                out.append(_scripts.STREAM_COPY_ACK_EX.command(
-                    (stream, dest), (group, eid, delete, cap_, *fields)))
+                out.append(_COPY_EX.command((stream, dest), (group, eid, how, cap_, *fields)))
             i += 2 + n
         return out
 
 
 class _Delays(Batcher):
-    """A durable delay's script (``EVALSHA sha 2 stream delays group id delay
-    member``; how it removes: ``how``), in ``STREAM_ZADD_ACK_BATCH`` calls."""
+    """A durable delay's script (how it removes: ``how``), in
+    ``STREAM_ZADD_ACK_BATCH`` calls keyed by stream, delay set, group and
+    how; the part of each: id, delay_ms, member."""
 
     __slots__ = ("how",)
 
@@ -115,29 +132,33 @@ class _Delays(Batcher):
     def part(self, cmd: Command) -> tuple[tuple[Arg, ...], tuple[Arg, ...]] | None:
         if cmd[2] != 2:
             return None
-        return (_ZADD_BATCH.sha, cmd[3], cmd[4], cmd[5], self.how), tuple(cmd[6:9])
+        return (_ZADD_BATCH.sha, cmd[_STREAM], cmd[_DEST], cmd[_GROUP], self.how), tuple(cmd[_DELAY_ARGS])
 
     def call(self, singles: Sequence[Command], args: Sequence[Arg]) -> Command:
         c = singles[0]
-        gates = gate_range([s[6] for s in singles])
-        return _ZADD_BATCH.command((c[3], c[4]), (c[5], self.how, *gates, *args))
+        gates = gate_range([s[_ID] for s in singles])
+        return _ZADD_BATCH.command((c[_STREAM], c[_DEST]), (c[_GROUP], self.how, *gates, *args))
 
     def singles(self, cmd: Command) -> list[Command]:
-        stream, dest, group = cmd[3], cmd[4], cmd[5]
-        script = _ZADD_BY_HOW[str(cmd[6])]  # ... group how lo hi count (id delay member)...
-        return [script.command((stream, dest), (group, *cmd[i:i + 3])) for i in range(10, len(cmd), 3)]
+        b = _ZADD_BATCH
+        stream, delays, group, how = fields_of(b, cmd, "stream", "delays", "group", "how")
+        script = _ZADD_BY_HOW[str(how)]
+        return [script.command((stream, delays), (group, *g)) for g in b.groups(cmd, "id")]
 
 
-_ZADD_BY_HOW = {
-    "0": _scripts.STREAM_ZADD_ACK, "1": _scripts.STREAM_ZADD_ACK_DEL, "x": _scripts.STREAM_ZADD_ACKDEL,
-}
+_W = _STREAM_WRITES
+# STREAM_WRITES' arguments, from ARGV[1] (its keys: stream, dest, write_keys...)
+_W_GROUP, _W_ID, _W_OP, _W_HOW, _W_CAP, _W_WRITES = (
+    args_at(_W, n) for n in ("group", "id", "op", "how", "cap", "writes..."))
+_W_STREAM, _W_DEST = _W.key_at("stream"), _W.key_at("dest")
+_WB = _WRITES_BATCH
 
 
 class _AckWrites(Batcher):
-    """``STREAM_WRITES`` calls of op ``ack`` (an ACK or DROP with writes;
-    ``EVALSHA sha nk stream stream keys... group id ack how 0 nw writes...``)
-    in ``STREAM_WRITES_ACK_BATCH`` calls, keyed by stream, group and how; the
-    rest (a copy, a durable delay) go alone."""
+    """``STREAM_WRITES`` calls of op ``ack`` (an ACK or DROP with writes:
+    ``dest`` the stream, ``cap`` 0) in ``STREAM_WRITES_ACK_BATCH`` calls,
+    keyed by stream, group and how; the part of each: id, its encoded writes;
+    the rest (a copy, a durable delay) go alone."""
 
     __slots__ = ()
 
@@ -145,33 +166,30 @@ class _AckWrites(Batcher):
         nk = cmd[2]
         if nk.__class__ is not int or nk < 2 or len(cmd) < 9 + nk:
             return None
-        at = 3 + nk  # the group
-        if cmd[at + 2] != "ack" or cmd[3] != cmd[4] or cmd[at + 4] != 0:
+        at = 3 + nk  # ARGV[1]
+        if cmd[at + _W_OP] != "ack" or cmd[_W_STREAM] != cmd[_W_DEST] or cmd[at + _W_CAP] != 0:
             return None
-        return (_WRITES_BATCH.sha, cmd[3], cmd[at], cmd[at + 3]), (cmd[at + 1], *cmd[at + 5:])
+        return ((_WB.sha, cmd[_W_STREAM], cmd[at + _W_GROUP], cmd[at + _W_HOW]),
+                (cmd[at + _W_ID], *cmd[at + _W_WRITES:]))
 
     def call(self, singles: Sequence[Command], args: Sequence[Arg]) -> Command:
         """Its keys: the stream's and every delivery's writes' keys, each once."""
         c = singles[0]
-        nk = c[2]
-        assert isinstance(nk, int)
-        keys = list(dict.fromkeys(k for s in singles for k in s[5:3 + int(s[2])]))
-        gates = gate_range([s[4 + int(s[2])] for s in singles])
-        return _WRITES_BATCH.command((c[3], *keys), (c[3 + nk], c[6 + nk], *gates, *args))
+        keys = list(dict.fromkeys(k for s in singles for k in _W.rest(s, "write_keys")))
+        gates = gate_range([s[3 + int(s[2]) + _W_ID] for s in singles])
+        group, how = fields_of(_W, c, "group", "how")
+        return _WB.command((c[_W_STREAM], *keys), (group, how, *gates, *args))
 
     def singles(self, cmd: Command) -> list[Command]:
         """Each delivery's ``STREAM_WRITES`` call, its keys those its writes name."""
-        nk = cmd[2]
-        assert isinstance(nk, int)
-        stream, at = cmd[3], 3 + nk
-        group, how = cmd[at], cmd[at + 1]
+        stream, group, how = fields_of(_WB, cmd, "stream", "group", "how")
+        values = _WB.rest(cmd, "id")  # (id, writes...)...
         out: list[Command] = []
-        i = at + 5  # past group, how, lo, hi, count
-        while i < len(cmd):
-            eid = cmd[i]
-            keys, j = writes_at(cmd, i + 1)
-            out.append(_STREAM_WRITES.command(
-                (stream, stream, *keys), (group, eid, "ack", how, 0, *cmd[i + 1:j])))
+        i = 0
+        while i < len(values):
+            keys, j = writes_at(values, i + 1)
+            out.append(_W.command((stream, stream, *keys),
+                                  (group, values[i], "ack", how, 0, *values[i + 1:j])))
             i = j
         return out
 
@@ -180,13 +198,13 @@ _COPIES = _Copies(ex=False)
 _COPIES_EX = _Copies(ex=True)
 _ACK_WRITES = _AckWrites()
 BATCHERS: dict[object, Batcher] = {
-    _scripts.STREAM_COPY_ACK.sha: _COPIES,
-    _scripts.STREAM_COPY_ACK_EX.sha: _COPIES_EX,
-    _scripts.STREAM_ZADD_ACK.sha: _Delays("0"),
-    _scripts.STREAM_ZADD_ACK_DEL.sha: _Delays("1"),
-    _scripts.STREAM_ZADD_ACKDEL.sha: _Delays("x"),
-    _STREAM_WRITES.sha: _ACK_WRITES,
+    _COPY.sha: _COPIES,
+    _COPY_EX.sha: _COPIES_EX,
+    **{s.sha: _Delays(how) for how, s in _ZADD_BY_HOW.items()},
+    _W.sha: _ACK_WRITES,
 }
+"""The stream's gated scripts whose calls are batched, by sha (``Cells.batchers``)."""
 BATCHED: dict[object, Batcher] = {
-    _COPY_BATCH.sha: _COPIES, _ZADD_BATCH.sha: _Delays("0"), _WRITES_BATCH.sha: _ACK_WRITES,
+    _COPY_BATCH.sha: _COPIES, _ZADD_BATCH.sha: _Delays("0"), _WB.sha: _ACK_WRITES,
 }
+"""The batched scripts they go in, by sha (``Cells.batched``)."""

@@ -51,7 +51,7 @@ from ..._keys import derived, same_slot
 from ..._outcome import Outcome, OutcomeKind
 from ..._subscription import DelayedRetry, Mode, Retention
 from .. import _scripts
-from .._commands import Arg, Command
+from .._commands import Arg, Command, Script
 from .._types import (
     DEAD_ATTEMPT,
     DEAD_ERROR,
@@ -69,6 +69,7 @@ from .._types import (
     cap,
     entry_fields,
     exhausted,
+    fields_of,
     flat,
     member,
     ms,
@@ -346,29 +347,35 @@ _STREAM_WRITES = _scripts.STREAM_WRITES
 def _receipt_with_writes(cmd: Command, writes: Sequence[Arg], keys: Sequence[Any]) -> Command:
     """A runtime retry_after's removal (``STREAM_REMOVE_RECEIPT``): the writes
     in it, before its receipt."""
-    src, receipt, group, eid, how = cmd[3], cmd[4], cmd[5], cmd[6], cmd[7]
-    return _scripts.STREAM_REMOVE_RECEIPT.command((src, receipt, *keys), (group, eid, how, *writes))
+    r = _scripts.STREAM_REMOVE_RECEIPT
+    src, receipt, group, eid, how = fields_of(r, cmd, "stream", "receipt", "group", "id", "how")
+    return r.command((src, receipt, *keys), (group, eid, how, *writes))
 
 
 def _copy_with_writes(cmd: Command, writes: Sequence[Arg], keys: Sequence[Any]) -> Command:
-    """``STREAM_COPY_ACK`` (``... group id fields...``) as ``STREAM_WRITES`` 'copy'."""
-    src, dest, group, eid = cmd[3], cmd[4], cmd[5], cmd[6]
-    return _STREAM_WRITES.command((src, dest, *keys), (group, eid, "copy", "0", 0, *writes, *cmd[7:]))
+    """``STREAM_COPY_ACK`` as ``STREAM_WRITES`` 'copy' (how ``"0"``, no cap)."""
+    c = _scripts.STREAM_COPY_ACK
+    src, dest, group, eid = fields_of(c, cmd, "stream", "dest", "group", "id")
+    return _STREAM_WRITES.command(
+        (src, dest, *keys), (group, eid, "copy", "0", 0, *writes, *c.rest(cmd, "fields")))
 
 
 def _copy_ex_with_writes(cmd: Command, writes: Sequence[Arg], keys: Sequence[Any]) -> Command:
-    """``STREAM_COPY_ACK_EX`` (``... group id how cap fields...``) as ``STREAM_WRITES`` 'copy'."""
-    src, dest, group, eid = cmd[3], cmd[4], cmd[5], cmd[6]
+    """``STREAM_COPY_ACK_EX`` as ``STREAM_WRITES`` 'copy'."""
+    c = _scripts.STREAM_COPY_ACK_EX
+    src, dest, group, eid, how, cap_ = fields_of(c, cmd, "stream", "dest", "group", "id", "how", "cap")
     return _STREAM_WRITES.command(
-        (src, dest, *keys), (group, eid, "copy", cmd[7], cmd[8], *writes, *cmd[9:]))
+        (src, dest, *keys), (group, eid, "copy", how, cap_, *writes, *c.rest(cmd, "fields")))
 
 
-def _zadd_with_writes(how: str) -> Any:
+def _zadd_with_writes(script: Script, how: str) -> Callable[[Command, Sequence[Arg], Sequence[Any]],
+                                                           Command]:
     def carry(cmd: Command, writes: Sequence[Arg], keys: Sequence[Any]) -> Command:
-        """A durable delay (``... group id delay member``) as ``STREAM_WRITES`` 'zadd'."""
-        src, dest, group, eid = cmd[3], cmd[4], cmd[5], cmd[6]
+        """A durable delay as ``STREAM_WRITES`` 'zadd' (how it removes: ``how``)."""
+        src, dest, group, eid, delay, mem = fields_of(
+            script, cmd, "stream", "delays", "group", "id", "delay_ms", "member")
         return _STREAM_WRITES.command(
-            (src, dest, *keys), (group, eid, "zadd", how, 0, *writes, *cmd[7:9]))
+            (src, dest, *keys), (group, eid, "zadd", how, 0, *writes, delay, mem))
     return carry
 
 
@@ -376,9 +383,9 @@ _CARRY: dict[object, Callable[[Command, Sequence[Arg], Sequence[Any]], Command]]
     _scripts.STREAM_REMOVE_RECEIPT.sha: _receipt_with_writes,
     _scripts.STREAM_COPY_ACK.sha: _copy_with_writes,
     _scripts.STREAM_COPY_ACK_EX.sha: _copy_ex_with_writes,
-    _scripts.STREAM_ZADD_ACK.sha: _zadd_with_writes("0"),
-    _scripts.STREAM_ZADD_ACK_DEL.sha: _zadd_with_writes("1"),
-    _scripts.STREAM_ZADD_ACKDEL.sha: _zadd_with_writes("x"),
+    _scripts.STREAM_ZADD_ACK.sha: _zadd_with_writes(_scripts.STREAM_ZADD_ACK, "0"),
+    _scripts.STREAM_ZADD_ACK_DEL.sha: _zadd_with_writes(_scripts.STREAM_ZADD_ACK_DEL, "1"),
+    _scripts.STREAM_ZADD_ACKDEL.sha: _zadd_with_writes(_scripts.STREAM_ZADD_ACKDEL, "x"),
 }
 """The gated scripts of the stream's plans that remove the original, by sha:
 how each becomes a step that carries an outcome's writes."""
