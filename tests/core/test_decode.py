@@ -26,8 +26,7 @@ from trio_redis_finalize._core._decode import (
     read_entries,
     stream_deliveries,
 )
-from trio_redis_finalize._core._plan import Effect, Target, content_origin
-from trio_redis_finalize._core._plan import entry_fields as _entry_fields
+from trio_redis_finalize._core._plan import Effect, Target, _entry_fields, content_origin
 from trio_redis_finalize._delivery import Delivery, record_error, trace_fields
 from trio_redis_finalize._envelope import MAGIC, wrap
 

@@ -155,6 +155,9 @@ __all__ = [
 ]
 
 
+_entry_fields = entry_fields  # (its name before the split, which tests/core/test_decode.py reads)
+
+
 # -- the forms with nothing to acknowledge: only retry_after, as a runtime copy ---------------------
 
 _RETRY, _REJECT, _RETRY_AFTER = OutcomeKind.RETRY, OutcomeKind.REJECT, OutcomeKind.RETRY_AFTER
