@@ -33,7 +33,16 @@ def internal(name: str) -> ModuleType:
         except ModuleNotFoundError as e:
             if e.name not in (package, f"{package}.{name}"):
                 raise
+    if name in _SPLIT:  # split since: one namespace of the modules it became
+        merged = ModuleType(f"trio_redis_finalize._core.{name}")
+        for part in _SPLIT[name]:
+            merged.__dict__.update(vars(importlib.import_module(f"trio_redis_finalize._core.{part}")))
+        return merged
     raise ModuleNotFoundError(f"trio_redis_finalize has no internal module {name!r}")
+
+
+_SPLIT = {"_scripts": ("_lua", "stream.scripts", "reliable_list.scripts")}
+"""Internal modules split into several since (issue 36: the scripts in their forms' homes)."""
 
 
 def library_banner() -> str:

@@ -46,15 +46,15 @@ def _ok(cmd: Any) -> Any:
 
 try:  # the batched scripts (not in every checkout TRF_BENCH_LIB measures)
     from trio_redis_finalize._core._batch import BATCHED as _BATCHED
-    from trio_redis_finalize._core._scripts import STREAM_ZADD_ACK_BATCH
+    STREAM_ZADD_ACK_BATCH = internal("_scripts").STREAM_ZADD_ACK_BATCH
     _FIXED = frozenset({STREAM_ZADD_ACK_BATCH.sha,
                         internal("_scripts").STREAM_COPY_ACK_BATCH.sha})
-except ImportError:  # pragma: no cover - an older checkout
+except (ImportError, AttributeError):  # pragma: no cover - an older checkout
     _BATCHED = _FIXED = frozenset()
 
 
 def _deliveries(cmd: Any) -> int:
-    """How many deliveries a batched call carries (see ``_scripts``), cheaply."""
+    """How many deliveries a batched call carries (see ``_lua``), cheaply."""
     if cmd[1] not in _FIXED:  # a batched writes call: its deliveries' writes vary
         return len(internal("_batch").batch_singles(cmd))
     if cmd[1] == STREAM_ZADD_ACK_BATCH.sha:  # ... lo hi count (id delay member)...

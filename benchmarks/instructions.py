@@ -328,7 +328,7 @@ def _retry_batches(entries: list[Any], script: Any | None, how: str = "0") -> li
     """What finalizes one batch of RETRYs: the copies to ``c`` and the removals
     from ``s`` (group ``g``), ungated (``script`` None) or as one script call
     with the batched script's arguments.  ``how`` as the batched script's
-    (``_scripts._HOW``): ``'0'`` XACK, ``'1'`` XACK then XDEL (delete on
+    (``_lua.HOW``): ``'0'`` XACK, ``'1'`` XACK then XDEL (delete on
     finalize), ``'x'`` one XACKDEL (Redis 8.2; ungated: ``XACKDEL ... IDS``,
     inside the script ``XACKDEL ... ACKED IDS``)."""
     if script is None:

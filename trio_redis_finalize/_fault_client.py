@@ -46,8 +46,9 @@ from typing import Any
 import anyio
 from redis import exceptions as rexc
 
-from ._core import _scripts
 from ._core.reliable_list import liveness as _reliable
+from ._core.reliable_list import scripts as _list
+from ._core.stream import scripts as _stream
 from ._transport import Client, Command, Connection, parse_url, with_context
 
 __all__ = ["Crash", "FaultClient", "FaultMode", "is_finalization", "open_fault_client"]
@@ -65,13 +66,13 @@ class FaultMode(enum.Enum):
 _FINALIZE_NAMES = {b"XACK", b"XDEL", b"XACKDEL", b"XADD", b"LREM", b"LPUSH", b"RPUSH", b"ZADD"}
 _FINALIZE_SCRIPTS = {
     s.sha for s in (
-        _scripts.STREAM_COPY_ACK, _scripts.STREAM_ZADD_ACK,
-        _scripts.STREAM_COPY_ACK_EX, _scripts.STREAM_ZADD_ACK_DEL, _scripts.STREAM_ZADD_ACKDEL,
-        _scripts.STREAM_COPY_ACK_BATCH, _scripts.STREAM_ZADD_ACK_BATCH,
-        _scripts.STREAM_WRITES_ACK_BATCH, _scripts.LIST_WRITES_REMOVE_BATCH,
-        _scripts.LIST_COPY_REMOVE, _scripts.LIST_ZADD_REMOVE, _scripts.LIST_REMOVE,
-        _scripts.LIST_DEAD_PUSH, _scripts.STREAM_WRITES, _scripts.LIST_WRITES,
-        _scripts.STREAM_COPY_ONCE, _scripts.STREAM_XADD, _scripts.STREAM_REMOVE_RECEIPT,
+        _stream.STREAM_COPY_ACK, _stream.STREAM_ZADD_ACK,
+        _stream.STREAM_COPY_ACK_EX, _stream.STREAM_ZADD_ACK_DEL, _stream.STREAM_ZADD_ACKDEL,
+        _stream.STREAM_COPY_ACK_BATCH, _stream.STREAM_ZADD_ACK_BATCH,
+        _stream.STREAM_WRITES_ACK_BATCH, _list.LIST_WRITES_REMOVE_BATCH,
+        _list.LIST_COPY_REMOVE, _list.LIST_ZADD_REMOVE, _list.LIST_REMOVE,
+        _list.LIST_DEAD_PUSH, _stream.STREAM_WRITES, _list.LIST_WRITES,
+        _stream.STREAM_COPY_ONCE, _stream.STREAM_XADD, _stream.STREAM_REMOVE_RECEIPT,
         _reliable.DELAYED_COPY,
     )
 }

@@ -75,7 +75,7 @@ class Scheduler:
       dropped while the consumer runs.  A final error reply (WRONGTYPE ...)
       is logged with its key and command and counted, not "released".  A
       send whose reply was lost may be repeated: a stream's copy is written
-      once (its receipt, ``_scripts.STREAM_COPY_ONCE``), other forms' may be
+      once (its receipt, ``stream.scripts.STREAM_COPY_ONCE``), other forms' may be
       duplicated by a fault, never lost.
     * A copy's commands run in order; a gated script answered nil ends them
       (``_plan.chain_stops``): the original was not removed by this

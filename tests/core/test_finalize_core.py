@@ -29,7 +29,6 @@ from trio_redis_finalize import (
     StreamSubscription,
     retry_after,
 )
-from trio_redis_finalize._core import _scripts
 from trio_redis_finalize._core._batch import batch_singles, is_batched
 from trio_redis_finalize._core._commands import describe
 from trio_redis_finalize._core._finalize import GO, FinalizeBatch, FinalizerCore, Item
@@ -43,6 +42,7 @@ from trio_redis_finalize._core._plan import (
     plan_lost,
 )
 from trio_redis_finalize._core._replies import NotRunError
+from trio_redis_finalize._core.stream import scripts as stream_scripts
 from trio_redis_finalize._subscription import DelayedRetry, Mode
 
 Command = Sequence[Any]
@@ -534,7 +534,7 @@ def test_pause_resets_after_a_round_that_went_through() -> None:
 def test_two_step_copy_ok_then_removal() -> None:
     b = core(dead_cross_slot()).batch([(entry(1, attempt=3), RETRY)])
     (copy,) = b.commands()  # the plain XADD, as a script (trf-dead-time: the server's clock)
-    assert copy[:2] == (b"EVALSHA", _scripts.STREAM_XADD.sha) and copy[3] == "dead-orders"
+    assert copy[:2] == (b"EVALSHA", stream_scripts.STREAM_XADD.sha) and copy[3] == "dead-orders"
     assert b.receive([b"9-0"]) is GO
     assert b.commands() == [("XACK", "orders", "billing", "1-0")]
     assert b.receive([1]) is GO
@@ -587,7 +587,7 @@ def test_runtime_retry_after_hands_its_copy_to_the_scheduler_once_removed() -> N
     b = core(stream()).batch([(entry(1), retry_after(2.5))])
     (removal,) = b.commands()
     # its gated removal leaves a receipt; the copy is gated on the same receipt
-    assert removal[:3] == (b"EVALSHA", _scripts.STREAM_REMOVE_RECEIPT.sha, 2)
+    assert removal[:3] == (b"EVALSHA", stream_scripts.STREAM_REMOVE_RECEIPT.sha, 2)
     receipt = removal[4]
     assert removal[3] == "orders" and receipt.startswith("{orders}:receipt:")
     assert removal[5:] == ("billing", "1-0", "0", 0)
@@ -595,7 +595,7 @@ def test_runtime_retry_after_hands_its_copy_to_the_scheduler_once_removed() -> N
     s = b.result()
     assert s.effects == {"held": 1}
     [(delay, later)] = s.later
-    assert delay == 2.5 and later[0][:2] == (b"EVALSHA", _scripts.STREAM_COPY_ONCE.sha)
+    assert delay == 2.5 and later[0][:2] == (b"EVALSHA", stream_scripts.STREAM_COPY_ONCE.sha)
     assert later[0][3:5] == ("orders", receipt)
 
 
@@ -623,7 +623,7 @@ def test_runtime_retry_after_resent_after_an_unknown_outcome_acts_on_its_receipt
     ):
         b = core(stream()).batch([(entry(1), out)])
         (first,) = b.commands()
-        assert first[1] == _scripts.STREAM_REMOVE_RECEIPT.sha
+        assert first[1] == stream_scripts.STREAM_REMOVE_RECEIPT.sha
         assert b.failed(LOST).pause == 1
         (again,) = b.commands()
         assert again == first  # the same receipt: the same finalization
@@ -637,7 +637,7 @@ def test_runtime_retry_after_with_writes_carries_them_in_its_receipt_removal() -
     for t, how in ((stream(), "0"), (stream(retention=Retention.DELETE_ON_FINALIZE), "1")):
         b = core(t).batch([(entry(1), out)])
         (cmd,) = b.commands()
-        assert cmd[:6] == (b"EVALSHA", _scripts.STREAM_REMOVE_RECEIPT.sha, 3, "orders",
+        assert cmd[:6] == (b"EVALSHA", stream_scripts.STREAM_REMOVE_RECEIPT.sha, 3, "orders",
                            cmd[4], "{orders}:n")
         assert cmd[6:] == ("billing", "1-0", how, 1, 4, "hash", "HINCRBY", "{orders}:n", "a", "1")
         b.receive([1])
@@ -671,9 +671,9 @@ def test_cancelled_hands_over_every_runtime_copy() -> None:
     # its gated removal first again (it may never have been sent: the original
     # must not come back beside its copy; its receipt tells whether it was
     # this finalization's), then the copy
-    assert delay == 2.5 and later[0][:2] == (b"EVALSHA", _scripts.STREAM_REMOVE_RECEIPT.sha)
+    assert delay == 2.5 and later[0][:2] == (b"EVALSHA", stream_scripts.STREAM_REMOVE_RECEIPT.sha)
     assert later[0][5:7] == ("billing", entry(1).id)
-    assert later[1][:2] == (b"EVALSHA", _scripts.STREAM_COPY_ONCE.sha) and len(later) == 2
+    assert later[1][:2] == (b"EVALSHA", stream_scripts.STREAM_COPY_ONCE.sha) and len(later) == 2
     assert later[1][4] == later[0][4]  # one receipt
 
 
@@ -905,7 +905,7 @@ def test_removal_never_before_its_copy_and_one_effect_each(
             nonlocal at
             how = answers[at] if at < len(answers) else "ok"
             at += 1
-            gated = c[0] == b"EVALSHA" and c[1] != _scripts.STREAM_XADD.sha  # (a plain XADD: no gate)
+            gated = c[0] == b"EVALSHA" and c[1] != stream_scripts.STREAM_XADD.sha  # (a plain XADD: no gate)
             return (ok(c) if how == "ok" else None if how == "closed" and gated
                     else OOM if how == "not_run" else WRONGTYPE if how == "final" else ok(c))
 
@@ -1028,7 +1028,10 @@ def test_batched_call_half_gate_closed_counts_each() -> None:
 
 
 def test_batched_calls_group_by_script_and_keys() -> None:
-    from trio_redis_finalize._core._scripts import STREAM_COPY_ACK_BATCH, STREAM_ZADD_ACK_BATCH
+    from trio_redis_finalize._core.stream.scripts import (
+        STREAM_COPY_ACK_BATCH,
+        STREAM_ZADD_ACK_BATCH,
+    )
 
     t = stream(max_attempts=3, dead_letter="dead-orders", delayed_retry=DelayedRetry.DURABLE_ZSET)
     items: list[Item] = [
@@ -1055,7 +1058,7 @@ def test_batched_calls_group_by_script_and_keys() -> None:
 
 
 def test_batched_calls_are_bounded_and_wide_entries_go_alone() -> None:
-    from trio_redis_finalize._core._scripts import STREAM_BATCH_MAX, STREAM_BATCH_VALUES
+    from trio_redis_finalize._core._lua import STREAM_BATCH_MAX, STREAM_BATCH_VALUES
 
     n = 2 * STREAM_BATCH_MAX + 7
     b = core(stream()).batch([(entry(i), RETRY) for i in range(n)])
@@ -1084,7 +1087,7 @@ def test_one_two_step_delivery_is_its_own_script_and_cross_slot_is_not_batched()
     assert b.commands()[1] == singles_of(b)[0]
     t = dead_cross_slot()
     b = core(t).batch([(entry(1, attempt=3), RETRY), (entry(2, attempt=3), RETRY)])
-    assert [c[1] for c in b.commands()] == [_scripts.STREAM_XADD.sha] * 2  # two plain copies
+    assert [c[1] for c in b.commands()] == [stream_scripts.STREAM_XADD.sha] * 2  # two plain copies
 
 
 @settings(max_examples=200, deadline=None)
@@ -1096,7 +1099,7 @@ def test_one_two_step_delivery_is_its_own_script_and_cross_slot_is_not_batched()
 def test_property_batched_calls_carry_each_plan_once_and_settle_per_element(
     kinds: list[str], delete: bool, cap: int | None, elements: list[str],
 ) -> None:
-    from trio_redis_finalize._core._scripts import STREAM_BATCH_VALUES
+    from trio_redis_finalize._core._lua import STREAM_BATCH_VALUES
     from trio_redis_finalize._subscription import Retention
 
     t = stream(max_attempts=3, dead_letter="dead-orders", delayed_retry=DelayedRetry.DURABLE_ZSET,
@@ -1216,8 +1219,9 @@ def test_first_round_groups_as_the_rule_says(
     are what the rule says, each call carrying its plans' own commands."""
     import pytest
 
-    from trio_redis_finalize._core import _scripts
+    from trio_redis_finalize._core import _lua
     from trio_redis_finalize._core._batch import batch_part, first_round
+    from trio_redis_finalize._core.stream import scripts as stream_scripts
 
     def copy(kind: int, n: int, j: int) -> Plan:
         eid = f"17000000000{j:02d}-{j}"
@@ -1228,29 +1232,29 @@ def test_first_round_groups_as_the_rule_says(
         else:
             grp = "g1"
         if kind == 2:
-            return Plan(Effect.COPIED, (_scripts.STREAM_COPY_ACK_EX.command(
+            return Plan(Effect.COPIED, (stream_scripts.STREAM_COPY_ACK_EX.command(
                 (src, src), (grp, eid, "0", 0, *fields)),))
         if kind == 4:
-            return Plan(Effect.DELAYED, (_scripts.STREAM_ZADD_ACK.command(
+            return Plan(Effect.DELAYED, (stream_scripts.STREAM_ZADD_ACK.command(
                 (src, "{orders}:delayed"), (grp, eid, 5, b"m%d" % j)),))
         if kind == 5:
             return Plan(Effect.ACKED, (("XACK", src, grp, eid),))
         if kind == 6:  # not gated: its own command
-            return Plan(Effect.COPIED, (_scripts.STREAM_COPY_ACK.command(
+            return Plan(Effect.COPIED, (stream_scripts.STREAM_COPY_ACK.command(
                 (src, src), (grp, eid, *fields)),), gated=False)
         if kind in (7, 8):  # an ACK carrying writes (8: deleting): keys of its own
             keys = ["{orders}t", f"{{orders}}k{n % 3}"][: 1 + n % 2]
             writes = [("HINCRBY", k, "n", n) for k in keys]
             encoded = [len(writes), *[x for w in writes for x in (4, "hash", *w)]]
-            return Plan(Effect.ACKED, (_scripts.STREAM_WRITES.command(
+            return Plan(Effect.ACKED, (stream_scripts.STREAM_WRITES.command(
                 (src, src, *keys), (grp, eid, "ack", "0" if kind == 7 else "1", 0, *encoded)),))
-        return Plan(Effect.COPIED, (_scripts.STREAM_COPY_ACK.command(
+        return Plan(Effect.COPIED, (stream_scripts.STREAM_COPY_ACK.command(
             (src, src), (grp, eid, *fields)),))
 
     plans = [copy(kind, n, j) for j, (kind, n) in enumerate(picks)]
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_scripts, "STREAM_BATCH_MAX", cap)
-        mp.setattr(_scripts, "STREAM_BATCH_VALUES", room)
+        mp.setattr(_lua, "STREAM_BATCH_MAX", cap)
+        mp.setattr(_lua, "STREAM_BATCH_VALUES", room)
         commands, owners, _ = first_round((), plans)
     # the XACKs merge into one command: compare what is left
     got = []
@@ -1273,7 +1277,7 @@ def test_first_round_groups_as_the_rule_says(
 
 
 def test_error_messages_name_the_command_its_keys_and_the_librarys_script() -> None:
-    from trio_redis_finalize._core._scripts import STREAM_COPY_ACK_BATCH
+    from trio_redis_finalize._core.stream.scripts import STREAM_COPY_ACK_BATCH
 
     assert describe(("XADD", "orders", "*", "n", 1)) == "XADD on key 'orders'"
     assert describe(("PUBLISH", "news", "m")) == "PUBLISH on channel 'news'"
@@ -1283,7 +1287,7 @@ def test_error_messages_name_the_command_its_keys_and_the_librarys_script() -> N
     assert describe(as_text) == "EVALSHA stream_copy_ack_batch on key 's', 'copies'"
     assert describe(("EVALSHA", "0" * 40, 1, "k")) == "EVALSHA on key 'k'"  # not ours
     # a batched writes call declares every write's key: the first few, then how many more
-    from trio_redis_finalize._core._scripts import STREAM_WRITES_ACK_BATCH
+    from trio_redis_finalize._core.stream.scripts import STREAM_WRITES_ACK_BATCH
     wide = STREAM_WRITES_ACK_BATCH.command(("s", *[f"k{i}" for i in range(300)]), ("g", "0"))
     assert describe(wide) == ("EVALSHA stream_writes_ack_batch on key 's', 'k0', 'k1', 'k2', "
                               "'k3', 'k4', 'k5', 'k6' and 293 more")
@@ -1343,7 +1347,7 @@ def test_native_plan_xackdel_answered_minus_one_is_a_closed_gate() -> None:
     t = native()
     b = core(t).batch([(entry(1), retry_after(5.0))])
     [cmd] = b.commands()
-    assert cmd[1] == _scripts.STREAM_REMOVE_RECEIPT.sha and cmd[5:] == ("billing", "1-0", "x", 0)
+    assert cmd[1] == stream_scripts.STREAM_REMOVE_RECEIPT.sha and cmd[5:] == ("billing", "1-0", "x", 0)
     b.receive([None])
     s = b.result()
     assert s.effects == {GATE_CLOSED: 1} and s.later == []
@@ -1361,24 +1365,24 @@ def test_native_two_step_deliveries_batch_with_xackdel_inside() -> None:
     """RETRYs and durable delays of a DELETE_ON_FINALIZE stream on Redis 8.2: one
     batched call each, ``how`` ``x`` (its removals one XACKDEL ACKED), and each
     delivery's own script (what a resend of one element sends) the native one."""
-    from trio_redis_finalize._core import _scripts
+    from trio_redis_finalize._core.stream import scripts as stream_scripts
 
     items: list[Item] = [(entry(i), RETRY) for i in range(1, 4)]
     b = core(native(copy_maxlen=100)).batch(items)
     [cmd] = b.commands()
-    assert is_batched(cmd) and cmd[1] == _scripts.STREAM_COPY_ACK_BATCH.sha
+    assert is_batched(cmd) and cmd[1] == stream_scripts.STREAM_COPY_ACK_BATCH.sha
     assert cmd[5:8] == ("billing", "x", 100)
     singles = batch_singles(cmd)
-    assert [s[1] for s in singles] == [_scripts.STREAM_COPY_ACK_EX.sha] * 3
+    assert [s[1] for s in singles] == [stream_scripts.STREAM_COPY_ACK_EX.sha] * 3
     assert all(s[7:9] == ("x", 100) for s in singles)
     durable = native(delayed_retry=DelayedRetry.DURABLE_ZSET)
     b = core(durable).batch([(entry(i), retry_after(1.0)) for i in range(1, 4)])
     [cmd] = b.commands()
-    assert cmd[1] == _scripts.STREAM_ZADD_ACK_BATCH.sha and cmd[5:7] == ("billing", "x")
-    assert [s[1] for s in batch_singles(cmd)] == [_scripts.STREAM_ZADD_ACKDEL.sha] * 3
+    assert cmd[1] == stream_scripts.STREAM_ZADD_ACK_BATCH.sha and cmd[5:7] == ("billing", "x")
+    assert [s[1] for s in batch_singles(cmd)] == [stream_scripts.STREAM_ZADD_ACKDEL.sha] * 3
     b.receive([[3, 2, rexc.ResponseError("OOM command not allowed")]])
     [again] = b.commands()  # the element that did not run: its own (native) script
-    assert again[1] == _scripts.STREAM_ZADD_ACKDEL.sha and again[6] == "2-0"
+    assert again[1] == stream_scripts.STREAM_ZADD_ACKDEL.sha and again[6] == "2-0"
 
 
 # -- a reliable list's batch of ACKs, taken in C (issue 25) ---------------------------------------

@@ -42,7 +42,7 @@ from trio_redis_finalize import (
     reject,
     retry_after,
 )
-from trio_redis_finalize._core import _scripts
+from trio_redis_finalize._core import _lua
 from trio_redis_finalize._core._plan import (
     DEAD_ATTEMPT,
     DEAD_GROUP,
@@ -64,6 +64,8 @@ from trio_redis_finalize._core._plan import (
     why_key,
 )
 from trio_redis_finalize._core._writes import plan_writes
+from trio_redis_finalize._core.reliable_list import scripts as list_scripts
+from trio_redis_finalize._core.stream import scripts as stream_scripts
 from trio_redis_finalize._envelope import GROUP_FIELD, unpack_parts, unwrap, wrap
 from trio_redis_finalize._keys import same_slot
 from trio_redis_finalize._outcome import OutcomeKind
@@ -182,9 +184,9 @@ def shape(p: Plan) -> list[tuple[Any, ...]]:
 
 SCRIPT_NAMES: dict[Any, str] = {
     s.sha: s.name for s in (
-        _scripts.STREAM_COPY_ACK, _scripts.STREAM_ZADD_ACK, _scripts.LIST_COPY_REMOVE,
-        _scripts.LIST_DEAD_PUSH, _scripts.LIST_ZADD_REMOVE, _scripts.MOVE_DUE_TO_STREAM,
-        _scripts.MOVE_DUE_TO_LIST, _scripts.STREAM_XADD, _scripts.STREAM_REMOVE_RECEIPT,
+        stream_scripts.STREAM_COPY_ACK, stream_scripts.STREAM_ZADD_ACK, list_scripts.LIST_COPY_REMOVE,
+        list_scripts.LIST_DEAD_PUSH, list_scripts.LIST_ZADD_REMOVE, stream_scripts.MOVE_DUE_TO_STREAM,
+        list_scripts.MOVE_DUE_TO_LIST, stream_scripts.STREAM_XADD, stream_scripts.STREAM_REMOVE_RECEIPT,
     )
 }
 
@@ -328,7 +330,7 @@ def check_cell(f: Form_, t: Target, d: Delivery, outcome: Outcome) -> None:
             # its own, in the stream's slot), never the bare XACK
             (removal,) = p.commands
             sha, keys, args = evalsha(removal)
-            assert sha == _scripts.STREAM_REMOVE_RECEIPT.sha and keys[0] == STREAM
+            assert sha == stream_scripts.STREAM_REMOVE_RECEIPT.sha and keys[0] == STREAM
             receipt = keys[1]
             assert receipt.startswith("{orders}:receipt:") and same_slot(STREAM, receipt)
             assert args == [GROUP, d.id, "0", 0]  # XACK, no writes
@@ -336,8 +338,8 @@ def check_cell(f: Form_, t: Target, d: Delivery, outcome: Outcome) -> None:
             # the later copy: written once, only while the same receipt is there
             (later,) = p.later
             sha, keys, args = evalsha(later)
-            assert sha == _scripts.STREAM_COPY_ONCE.sha and keys == [STREAM, receipt]
-            assert args[:2] == [_scripts.COPY_MARK_TTL, 0]
+            assert sha == stream_scripts.STREAM_COPY_ONCE.sha and keys == [STREAM, receipt]
+            assert args[:2] == [stream_scripts.COPY_MARK_TTL, 0]
             check_stream_copy(args[2:], d, next_retries)
             assert p.gated  # safe to send again: the receipt answers a resend
         return
@@ -429,7 +431,7 @@ def check_dead(f: Form_, t: Target, d: Delivery, p: Plan) -> None:
         assert headers[DEAD_GROUP] == GROUP.encode()
         assert headers[DEAD_ATTEMPT] == str(d.attempt).encode()
         # last: when, the server's clock (the script writes it in place of the marker)
-        assert copy_fields[-2:] == [DEAD_TIME, _scripts.SERVER_TIME]
+        assert copy_fields[-2:] == [DEAD_TIME, _lua.SERVER_TIME]
         return
     why = why_key(t.dead_letter)
     if split:  # the copy with its reason record, then the removal
@@ -781,9 +783,9 @@ def test_stream_retry_is_the_general_copy(
     ``_stream_copy_fields`` -- whose gated command, built in one tuple, is
     ``STREAM_COPY_ACK.command(...)`` byte for byte."""
     from trio_redis_finalize._core._plan import plan_dead
-    from trio_redis_finalize._core._scripts import STREAM_COPY_ACK
     from trio_redis_finalize._core.stream.cells import _stream_copy
     from trio_redis_finalize._core.stream.cells import stream_copy_fields as _stream_copy_fields
+    from trio_redis_finalize._core.stream.scripts import STREAM_COPY_ACK
 
     t = dataclasses.replace(
         StreamSubscription(STREAM, GROUP, mode=mode, max_attempts=max_attempts).target(
@@ -851,7 +853,7 @@ def test_reject_carries_writes_in_its_gated_step(f: Form_, outcome: Outcome) -> 
     assert w.kind is OutcomeKind.REJECT and w.reason == outcome.reason
     p = plan_writes(t, d, w)
     assert p.effect is Effect.DEAD_LETTERED and p.gated and len(p.commands) == 1
-    script = _scripts.STREAM_WRITES if f.kind == "stream" else _scripts.LIST_WRITES
+    script = stream_scripts.STREAM_WRITES if f.kind == "stream" else list_scripts.LIST_WRITES
     assert p.commands[0][:2] == (b"EVALSHA", script.sha)
     assert DEAD_SAME[src] in p.commands[0] and "{orders}:totals" in p.commands[0]
     assert "HINCRBY" in p.commands[0]
@@ -905,8 +907,8 @@ def test_a_runtime_retry_after_s_receipt_is_its_own_key_in_the_stream_s_slot(sou
         p = plan(t, d, retry_after(1.0))
         (removal,) = p.commands
         (copy,) = p.later
-        assert removal[1] == _scripts.STREAM_REMOVE_RECEIPT.sha
-        assert copy[1] == _scripts.STREAM_COPY_ONCE.sha and copy[4] == removal[4]
+        assert removal[1] == stream_scripts.STREAM_REMOVE_RECEIPT.sha
+        assert copy[1] == stream_scripts.STREAM_COPY_ONCE.sha and copy[4] == removal[4]
         assert RECEIPT_SUFFIX.strip(":") in removal[4] and same_slot(source, removal[4])
         receipts.add(removal[4])
         assert {removal[1]} == RECEIPTED

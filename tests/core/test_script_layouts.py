@@ -33,6 +33,8 @@ import pytest
 
 import trio_redis_finalize
 from trio_redis_finalize._core._commands import Script, split_field
+from trio_redis_finalize._core.reliable_list import scripts as list_scripts
+from trio_redis_finalize._core.stream import scripts as stream_scripts
 
 PACKAGE = Path(trio_redis_finalize.__file__).parent
 
@@ -164,7 +166,7 @@ def layout_problems(script: Script, comment: list[str]) -> list[str]:
 def test_every_script_has_a_layout_and_a_header() -> None:
     assert len(DEFINITIONS) >= 30
     problems = [p for _, _, script, comment in DEFINITIONS for p in layout_problems(script, comment)]
-    assert problems == []
+    assert not problems, "\n".join(problems)
 
 
 def test_every_script_call_declares_its_layout() -> None:
@@ -178,15 +180,13 @@ def test_every_script_call_declares_its_layout() -> None:
                 given = {k.arg for k in node.keywords}
                 if not {"keys", "argv"} <= given:
                     missing.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
-    assert missing == []
+    assert not missing, f"Script(...) without keys=/argv=: {missing}"
 
 
 def test_made_scripts_share_their_layout() -> None:
-    from trio_redis_finalize._core import _scripts
-
-    capped = _scripts.move_due_to_stream(1000)
-    assert (capped.keys, capped.argv) == (_scripts.MOVE_DUE_TO_STREAM.keys,
-                                          _scripts.MOVE_DUE_TO_STREAM.argv)
+    capped = stream_scripts.move_due_to_stream(1000)
+    assert (capped.keys, capped.argv) == (stream_scripts.MOVE_DUE_TO_STREAM.keys,
+                                          stream_scripts.MOVE_DUE_TO_STREAM.argv)
     assert layout_problems(capped, _header_of("MOVE_DUE_TO_STREAM")) == []
 
 
@@ -196,19 +196,17 @@ def _header_of(name: str) -> list[str]:
 
 @pytest.mark.parametrize(("old", "new", "expected"), [
     ("dest (the destination list)", "destination", "header KEYS"),
-    ("n? (see _list_gate)", "n (see _list_gate)", "header ARGV"),
+    ("n? (see list_gate)", "n (see list_gate)", "header ARGV"),
     ("record?why (sent with the reason hash), ", "", "header ARGV"),
     ("# ARGV:", "# Input:", "no '# ARGV:' line"),
 ])
 def test_a_wrong_header_is_found(old: str, new: str, expected: str) -> None:
     """The check can fail: a header that drifted from the layout is named."""
-    from trio_redis_finalize._core import _scripts
-
     comment = _header_of("LIST_COPY_REMOVE")
-    assert layout_problems(_scripts.LIST_COPY_REMOVE, comment) == []
+    assert layout_problems(list_scripts.LIST_COPY_REMOVE, comment) == []
     planted = [line.replace(old, new) for line in comment]
     assert planted != comment
-    problems = layout_problems(_scripts.LIST_COPY_REMOVE, planted)
+    problems = layout_problems(list_scripts.LIST_COPY_REMOVE, planted)
     assert len(problems) == 1 and expected in problems[0], problems
 
 
@@ -224,9 +222,8 @@ def test_a_lua_read_outside_the_layout_is_found() -> None:
 def test_fields_by_name() -> None:
     """The built calls read and rewritten by name (the places the planner
     and the batcher use), optional and trailing fields included."""
-    from trio_redis_finalize._core import _scripts
 
-    s = _scripts.LIST_COPY_REMOVE
+    s = list_scripts.LIST_COPY_REMOVE
     plain = s.command(("p", "q"), (b"e", b"c"))
     dead = s.command(("p", "d", "w"), (b"e", b"c", b"{}"))
     assert s.field(plain, "element") == b"e" and s.field(plain, "n") is None
@@ -237,16 +234,16 @@ def test_fields_by_name() -> None:
     assert s.replace(s.replace(dead, "n", 2), "n", 5) == (*dead, 5)
     assert s.key_at("processing") == 3 and s.calls(dead) and not s.calls(("LREM", "p", -1, b"e"))
 
-    w = _scripts.LIST_WRITES
+    w = list_scripts.LIST_WRITES
     cmd = w.command(("p", "p", "p", "k"), (b"e", "remove", 1, 3, "string", "SET", "k", "v", 4))
     assert w.field(cmd, "op") == "remove" and w.field(cmd, "n") == 4
     assert w.rest(cmd, "write_keys") == ("k",)
     assert w.replace(cmd, "n", 1)[-1] == 1
 
-    z = _scripts.STREAM_ZADD_ACK_BATCH
+    z = stream_scripts.STREAM_ZADD_ACK_BATCH
     cmd = z.command(("s", "z"), ("g", "0", "1-0", "2-0", 4, "1-0", 5, b"m", "2-0", 6, b"n"))
     assert z.groups(cmd, "id") == [("1-0", 5, b"m"), ("2-0", 6, b"n")]
     with pytest.raises(ValueError, match="fixed width"):
-        _scripts.STREAM_COPY_ACK_BATCH.groups(cmd, "id")
+        stream_scripts.STREAM_COPY_ACK_BATCH.groups(cmd, "id")
     with pytest.raises(ValueError, match="no field"):
         z.field(cmd, "element")

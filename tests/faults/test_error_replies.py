@@ -313,7 +313,7 @@ async def test_closed_gate_counts_gate_closed_not_copied(redis_url: str, client:
 
 
 async def _batched_script_ran(client: Client) -> bool:
-    from trio_redis_finalize._core._scripts import STREAM_COPY_ACK_BATCH
+    from trio_redis_finalize._core.stream.scripts import STREAM_COPY_ACK_BATCH
 
     return (await client.execute("SCRIPT", "EXISTS", STREAM_COPY_ACK_BATCH.sha)) == [1]
 
@@ -486,7 +486,7 @@ async def test_batched_writes_under_oom_send_each_delivery_again_and_apply_once(
     its finalization.  The stream's three go in one batched writes call (one
     read); the reliable list's reads grow from one element, so its batches
     vary (the fault matrix's ``list-writes-batched`` pins one batch)."""
-    from trio_redis_finalize._core._scripts import STREAM_WRITES_ACK_BATCH
+    from trio_redis_finalize._core.stream.scripts import STREAM_WRITES_ACK_BATCH
 
     if form == "stream":
         n = 3

@@ -40,7 +40,7 @@ from trio_redis_finalize import (
     _mount,
     open_consumer,
 )
-from trio_redis_finalize._core._scripts import LIST_REMOVE
+from trio_redis_finalize._core.reliable_list.scripts import LIST_REMOVE
 from trio_redis_finalize._envelope import unwrap
 from trio_redis_finalize._transport import Client, Command, open_client, parse_url
 

@@ -9,7 +9,7 @@ import pytest
 from faults.server_faults import OomSwitch, busy_server
 from redis import exceptions as rexc
 
-from trio_redis_finalize._core import _scripts
+from trio_redis_finalize._core.stream import scripts as stream_scripts
 from trio_redis_finalize._transport import (
     FINAL,
     NOT_RUN,
@@ -42,8 +42,8 @@ async def test_classify_real_replies(client: Client, oom: OomSwitch, redis_serve
     await client.execute("XREADGROUP", "GROUP", "g", "c", "STREAMS", "s", ">")
     eid = (await client.execute("XRANGE", "s", "-", "+"))[0][0]
     await client.execute("SET", "str", "x")
-    copy = _scripts.STREAM_COPY_ACK.command(("s", "d"), ("g", eid, "a", "1"))
-    await client.execute("SCRIPT", "LOAD", _scripts.STREAM_COPY_ACK.source)
+    copy = stream_scripts.STREAM_COPY_ACK.command(("s", "d"), ("g", eid, "a", "1"))
+    await client.execute("SCRIPT", "LOAD", stream_scripts.STREAM_COPY_ACK.source)
     final = await client.pipeline(
         [("XADD", "str", "*", "a", "1"), ("XADD", "s"), ("NOSUCHCOMMAND",),
          ("EVAL", "return redis.error_reply('MYERR refused')", 0),

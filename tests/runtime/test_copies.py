@@ -38,7 +38,7 @@ from trio_redis_finalize import (
     retry_after,
 )
 from trio_redis_finalize._core._plan import DEAD_FIELDS
-from trio_redis_finalize._core._scripts import MOVE_DUE_TO_STREAM
+from trio_redis_finalize._core.stream.scripts import MOVE_DUE_TO_STREAM
 from trio_redis_finalize._envelope import GROUP_FIELD, pack_parts, unpack_parts
 from trio_redis_finalize._forms import _delay_set
 from trio_redis_finalize._transport import Client, open_client
@@ -343,7 +343,7 @@ async def test_foreign_copy_with_a_corrupt_header_is_not_dead_lettered(
 
 @pytest.mark.parametrize("n", [2, 6998, 7000, 7002, 7200, 7398, 8000, 16002])
 async def test_scripts_write_entries_of_any_width(redis: Client, n: int) -> None:
-    from trio_redis_finalize._core._scripts import STREAM_COPY_ACK
+    from trio_redis_finalize._core.stream.scripts import STREAM_COPY_ACK
 
     fields = [b"%d" % i for i in range(n)]
     await redis.execute("XGROUP", "CREATE", S, G, "0", "MKSTREAM")

@@ -33,11 +33,13 @@ from trio_redis_finalize import (
     retry_after,
 )
 from trio_redis_finalize._core._plan import DEAD_ATTEMPT, DEAD_REASON, Effect, Plan, content_origin, plan
-from trio_redis_finalize._core._scripts import (
-    CORRUPT_FIELD,
+from trio_redis_finalize._core.reliable_list.scripts import (
     LIST_COPY_REMOVE,
     LIST_ZADD_REMOVE,
     MOVE_DUE_TO_LIST,
+)
+from trio_redis_finalize._core.stream.scripts import (
+    CORRUPT_FIELD,
     MOVE_DUE_TO_STREAM,
     STREAM_COPY_ACK,
     STREAM_ZADD_ACK,
@@ -250,7 +252,7 @@ def copy_batch_args(ids: Sequence[str], fields: Sequence[Sequence[bytes | str]],
 
 
 async def test_copy_batch_gates_copies_then_acks_each_delivery(client: Client) -> None:
-    from trio_redis_finalize._core._scripts import STREAM_COPY_ACK_BATCH
+    from trio_redis_finalize._core.stream.scripts import STREAM_COPY_ACK_BATCH
 
     ids = await pending_entries(client, 3)
     await client.execute("XACK", S, G, ids[1])  # finalized already: its gate is closed
@@ -281,7 +283,7 @@ async def test_copy_batch_gates_hold_whatever_the_range_bounds(client: Client, b
     """The range read of the gates only saves calls: bounds that miss ids, a
     count that cuts them off, even bounds that are no ids, give the same
     answers; an id twice in one call is copied once."""
-    from trio_redis_finalize._core._scripts import STREAM_COPY_ACK_BATCH
+    from trio_redis_finalize._core.stream.scripts import STREAM_COPY_ACK_BATCH
 
     ids = await pending_entries(client, 4)
     await client.execute("XACK", S, G, ids[2])
@@ -298,7 +300,7 @@ async def test_copy_batch_gates_hold_whatever_the_range_bounds(client: Client, b
 
 async def test_copy_batch_one_deliverys_error_is_its_element_only(client: Client) -> None:
     from trio_redis_finalize._core._replies import FINAL, NOT_RUN, classify
-    from trio_redis_finalize._core._scripts import STREAM_COPY_ACK_BATCH
+    from trio_redis_finalize._core.stream.scripts import STREAM_COPY_ACK_BATCH
 
     ids = await pending_entries(client, 3)
     # the middle copy has an odd number of values: its XADD fails, the others run
@@ -331,7 +333,7 @@ async def test_copy_batch_one_deliverys_error_is_its_element_only(client: Client
 
 
 async def test_copy_batch_deletes_and_caps(client: Client) -> None:
-    from trio_redis_finalize._core._scripts import STREAM_COPY_ACK_BATCH
+    from trio_redis_finalize._core.stream.scripts import STREAM_COPY_ACK_BATCH
 
     ids = await pending_entries(client, 3)
     async with monitoring(client) as collect:
@@ -351,7 +353,7 @@ async def test_copy_batch_removal_error_is_every_copied_deliverys(client: Client
     loss); a closed gate stays a closed gate.  (Made to fail here with ``how``
     ``x``: XACKDEL, which servers before 8.2 do not have.)"""
     from trio_redis_finalize._core._replies import FINAL, classify
-    from trio_redis_finalize._core._scripts import STREAM_COPY_ACK_BATCH
+    from trio_redis_finalize._core.stream.scripts import STREAM_COPY_ACK_BATCH
 
     if await client.execute("COMMAND", "INFO", "XACKDEL") != [None]:
         pytest.skip("this server has XACKDEL")
@@ -369,7 +371,8 @@ async def test_copy_batch_removal_error_is_every_copied_deliverys(client: Client
 @pytest.mark.parametrize("width", [5000, 3600])
 async def test_copy_batch_of_wide_entries(client: Client, width: int) -> None:
     """Entries past what one unpack takes (UNPACK_MAX values), several in one call."""
-    from trio_redis_finalize._core._scripts import STREAM_COPY_ACK_BATCH, UNPACK_MAX
+    from trio_redis_finalize._core._lua import UNPACK_MAX
+    from trio_redis_finalize._core.stream.scripts import STREAM_COPY_ACK_BATCH
 
     ids = await pending_entries(client, 3, width=width)
     originals = await entries(client, S)
@@ -381,7 +384,7 @@ async def test_copy_batch_of_wide_entries(client: Client, width: int) -> None:
 
 
 async def test_zadd_batch_gates_each_delivery(client: Client) -> None:
-    from trio_redis_finalize._core._scripts import STREAM_ZADD_ACK_BATCH
+    from trio_redis_finalize._core.stream.scripts import STREAM_ZADD_ACK_BATCH
 
     ids = await pending_entries(client, 3)
     await client.execute("XACK", S, G, ids[0])
@@ -423,7 +426,7 @@ async def test_zadd_batch_one_deliverys_error_is_its_element_only(client: Client
     set, still pending: a duplicate, never a loss)."""
     from trio_redis_finalize._core._batch import batch_replies
     from trio_redis_finalize._core._replies import FINAL, NOT_RUN, classify
-    from trio_redis_finalize._core._scripts import STREAM_ZADD_ACK_BATCH
+    from trio_redis_finalize._core.stream.scripts import STREAM_ZADD_ACK_BATCH
 
     D = "{orders}:delayed"
 

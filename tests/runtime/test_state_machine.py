@@ -69,15 +69,14 @@ from trio_redis_finalize import (
 from trio_redis_finalize._core._batch import batch_singles, is_batched, merge_commands
 from trio_redis_finalize._core._decode import list_delivery
 from trio_redis_finalize._core._plan import Effect, Plan, Target, plan
-from trio_redis_finalize._core._scripts import (
-    LIST_COPY_REMOVE,
-    LIST_ZADD_REMOVE,
+from trio_redis_finalize._core.reliable_list.liveness import bumped, heartbeat_key
+from trio_redis_finalize._core.reliable_list.scripts import LIST_COPY_REMOVE, LIST_ZADD_REMOVE
+from trio_redis_finalize._core.stream.scripts import (
     STREAM_COPY_ACK,
     STREAM_COPY_ONCE,
     STREAM_REMOVE_RECEIPT,
     STREAM_ZADD_ACK,
 )
-from trio_redis_finalize._core.reliable_list.liveness import bumped, heartbeat_key
 from trio_redis_finalize._envelope import unpack_parts
 from trio_redis_finalize._forms.reliable_list.reader import ReliableListReader
 from trio_redis_finalize._forms.stream.reader import StreamReader

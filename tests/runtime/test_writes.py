@@ -38,11 +38,13 @@ from trio_redis_finalize import (
     open_consumer,
     retry_after,
 )
-from trio_redis_finalize._core import _scripts
 from trio_redis_finalize._core._caps import Capabilities
 from trio_redis_finalize._core._plan import Effect, Target, plan
-from trio_redis_finalize._core._scripts import LIST_WRITES, STREAM_REMOVE_RECEIPT, STREAM_WRITES
 from trio_redis_finalize._core._writes import check_outcome, encode_writes, plan_outcome, plan_writes
+from trio_redis_finalize._core.reliable_list import scripts as list_scripts
+from trio_redis_finalize._core.reliable_list.scripts import LIST_WRITES
+from trio_redis_finalize._core.stream import scripts as stream_scripts
+from trio_redis_finalize._core.stream.scripts import STREAM_REMOVE_RECEIPT, STREAM_WRITES
 from trio_redis_finalize._envelope import wrap
 from trio_redis_finalize._subscription import Form
 from trio_redis_finalize._transport import Client, open_client
@@ -291,7 +293,7 @@ def test_cross_slot_dead_letter_keeps_its_copy_first_and_gates_the_writes() -> N
     p = plan_writes(t, _entry(), RETRY.with_writes(INCR))
     assert p.gated is False and p.effect is Effect.DEAD_LETTERED
     copy, removal = p.commands
-    assert copy[:2] == (b"EVALSHA", _scripts.STREAM_XADD.sha) and copy[3] == "elsewhere"
+    assert copy[:2] == (b"EVALSHA", stream_scripts.STREAM_XADD.sha) and copy[3] == "elsewhere"
     assert _script_op(removal, STREAM_WRITES) == "ack"
 
 
@@ -434,7 +436,7 @@ async def test_acks_with_writes_go_in_one_batched_call_each_as_its_single_script
     commands, owners, _ = first_round((), plans)
     assert len(commands) == 1 and owners == [(0, 1, 2, 3, 4)]
     (call,) = commands
-    assert call[1] == _scripts.STREAM_WRITES_ACK_BATCH.sha
+    assert call[1] == stream_scripts.STREAM_WRITES_ACK_BATCH.sha
     assert batch_singles(call) == [p.commands[0] for p in plans]
     assert set(call[4:call[2] + 3]) == {TOTALS, "{o}seen", "{o}str", "{o}h"}  # declared, once
     elements = batch_replies(await run(client, call), 5)
@@ -625,7 +627,7 @@ async def test_identical_elements_commit_their_writes_once_each_in_batched_calls
                 b"same": str(copies).encode(), b"other": b"5"}
             # the removals went in batched calls (the script was loaded to send them)
             assert await c.execute("SCRIPT", "EXISTS",
-                                   _scripts.LIST_WRITES_REMOVE_BATCH.sha) == [1]
+                                   list_scripts.LIST_WRITES_REMOVE_BATCH.sha) == [1]
         stats = consumer.stats()[sub.name]
     assert stats["effects"]["writes"] == copies + 5 and stats["effects"]["acked"] == copies + 5
 
@@ -922,7 +924,7 @@ def test_a_batched_list_writes_call_does_what_its_singles_do_in_order(
     commands, owners, _ = first_round((), plans)
     assert len(commands) == 1 and owners == [tuple(range(len(plans)))]
     (call,) = commands
-    assert call[1] == _scripts.LIST_WRITES_REMOVE_BATCH.sha
+    assert call[1] == list_scripts.LIST_WRITES_REMOVE_BATCH.sha
     assert batch_singles(call) == [p.commands[0] for p in plans]
     assert with_counts(call, [(at, n) for at, _, n in counted_removals(call)]) == call
 

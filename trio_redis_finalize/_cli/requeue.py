@@ -10,61 +10,15 @@ import logging
 from collections.abc import Sequence
 
 from .._core._plan import DEAD_FIELDS, DEAD_REASON, why_key
-from .._core._scripts import LUA_XADD, why_pop
+from .._core.reliable_list.scripts import REQUEUE_LIST, REQUEUE_LIST_FORGET
+from .._core.stream.scripts import REQUEUE_STREAM
 from .._envelope import RETRIES_FIELD, CorruptEnvelope, unwrap, wrap
 from .._table import CliError
-from .._transport import Client, Script
+from .._transport import Client
 from .inspect import _has_list_traces, _list_records, _pairs, _str
 
 log = logging.getLogger("trio_redis_finalize.cli")
 
-
-# KEYS: dead (the dead letter), dest (the destination)
-# ARGV: id (the entry's), fields... (field, value, ...)
-# Gated on the entry still being in the dead letter: racing requeues move it once.
-REQUEUE_STREAM = Script(
-    LUA_XADD  # an entry of any width (Lua's unpack stops near 8,000 values)
-    + """
-if #redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1]) == 0 then return false end
-local new = xadd(KEYS[2], ARGV, 2)
-redis.call('XDEL', KEYS[1], ARGV[1])
-return new
-""",
-    name="requeue_stream", keys=("dead", "dest"), argv=("id", "fields..."),
-)
-
-# KEYS: dead (the dead letter), dest (the destination), why (the dead
-#   letter's reason hash)
-# ARGV: element (as read: the oldest, at the tail), copy (the new element)
-# The moved element's
-# reason record (the oldest of those bytes: the tail's) goes with it.
-REQUEUE_LIST = Script(
-    """
-if redis.call('LINDEX', KEYS[1], -1) ~= ARGV[1] then return false end
-redis.call('LPUSH', KEYS[2], ARGV[2])
-redis.call('RPOP', KEYS[1])
-"""
-    + why_pop(3, 1, 1)
-    + """
-return 1
-""",
-    name="requeue_list", keys=("dead", "dest", "why"), argv=("element", "copy"),
-)
-
-# KEYS: dead (the dead letter), why (its reason hash)
-# ARGV: element
-# The removal step of a
-# requeue to another Redis Cluster hash slot (after the copy was pushed there).
-REQUEUE_LIST_FORGET = Script(
-    """
-if redis.call('LREM', KEYS[1], -1, ARGV[1]) == 0 then return 0 end
-"""
-    + why_pop(2, 1, 1)
-    + """
-return 1
-""",
-    name="requeue_list_forget", keys=("dead", "why"), argv=("element",),
-)
 
 _DROP_ON_REQUEUE = {*DEAD_FIELDS, RETRIES_FIELD}
 

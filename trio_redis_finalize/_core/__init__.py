@@ -8,7 +8,7 @@ decided; the replies come back here to be settled into effects and counts.
 * ``_commands``: commands and Lua scripts as plain values; the keys a command names.
 * ``_replies``: error replies as values and :func:`~._replies.classify`.
 * ``_plan``: what an outcome becomes, per form (the table the README shows).
-* ``_scripts``: the Lua scripts the plans run.
+* ``stream.scripts``, ``reliable_list.scripts`` (built from ``_lua``): the Lua scripts the plans run.
 * ``_batch``: a finalizer batch's first round (fast path, XACK merging, two-step plans).
 * ``_finalize``: a finalizer batch from outcomes to settled effects: every round,
   resend, count and log record (the finalizer task only does the I/O).

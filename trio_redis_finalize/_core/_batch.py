@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from . import _scripts
+from . import _lua
 from ._commands import Arg, Command
 from ._plan import BATCHED as _BATCHED_BY_SHA
 from ._plan import BATCHERS, Batcher, Effect, Plan, counted_removals, gate_range, with_counts
@@ -90,7 +90,7 @@ def batch_part(cmd: Command) -> tuple[tuple[Arg, ...], tuple[Arg, ...]] | None:
     ``key``: what the deliveries of one batched call share -- the batched
     script, its keys (stream; destination stream or delay set) and its fixed
     arguments (group, delete, cap); ``part``: this delivery's arguments in
-    the batched call (see ``_scripts.STREAM_COPY_ACK_BATCH`` /
+    the batched call (see ``stream.scripts.STREAM_COPY_ACK_BATCH`` /
     ``STREAM_ZADD_ACK_BATCH``).
     """
     if cmd[0] != b"EVALSHA":
@@ -156,8 +156,8 @@ def first_round(
     # commands, arguments, values, the batcher of the first]
     batches: dict[tuple[Arg, ...], list[Any]] = {}
     placed: list[list[Any]] = []
-    cap = _scripts.STREAM_BATCH_MAX
-    room = _scripts.STREAM_BATCH_VALUES
+    cap = _lua.STREAM_BATCH_MAX
+    room = _lua.STREAM_BATCH_VALUES
     batchers = BATCHERS
     for j, p in enumerate(plans):
         cmds = p.commands

@@ -139,8 +139,8 @@ return n
 
 # KEYS: schedule
 # ARGV: members...
-# For each member, {ms until it is due by the
-# server's clock, the attempt that failed}: {0, 0} when due or not scheduled.
+# For each member, {ms until it is due by the server's clock, the attempt
+# that failed}: {0, 0} when due or not scheduled.
 SCHEDULE_LEFT = Script(
     _NOW_MS + """
 local slots = """ + str(ATTEMPTS) + """

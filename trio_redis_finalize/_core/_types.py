@@ -75,7 +75,7 @@ DEAD_GROUP = b"trf-dead-group"
 DEAD_ATTEMPT = b"trf-dead-attempt"
 DEAD_TIME = b"trf-dead-time"
 """When the entry was dead-lettered: epoch milliseconds of the server's clock,
-written in the step that writes the dead letter (``_scripts.SERVER_TIME``)."""
+written in the step that writes the dead letter (``_lua.SERVER_TIME``)."""
 DEAD_FIELDS = (DEAD_REASON, DEAD_SOURCE, DEAD_ID, DEAD_GROUP, DEAD_ATTEMPT, DEAD_TIME)
 DEAD_ERROR = b"trf-dead-error"  # the handler's exception, when it raised (not always there)
 
@@ -141,7 +141,7 @@ class Target:
         """The retention trim lets the server keep what some group still
         references (``XTRIM ... ACKED``: ``_retention.TRIM_ACKED_NATIVE``).
         The one place the core consumes ``Capabilities.acked_trim``.  (Not the
-        ``*_maxlen`` caps: see ``_scripts`` for why they stay ``MAXLEN ~ n``.)"""
+        ``*_maxlen`` caps: see ``_lua.HOW`` for why they stay ``MAXLEN ~ n``.)"""
         return self.caps.acked_trim
 
 

@@ -29,10 +29,10 @@ Redis scripts do not roll back.  The checks before writing cover what can be
 known there: every key's type, and the values Redis would certainly refuse
 (``INCR`` family and ``HINCRBY`` on a value or by an increment that is no
 integer, ``PFADD`` on a string that is no HyperLogLog; see
-``_scripts._WRITES_LUA``); the user guide (docs/guide.rst) says the rest.
+``_lua.WRITES_LUA``); the user guide (docs/guide.rst) says the rest.
 
 A runtime ``retry_after`` on a stream carries its writes in the removal that
-leaves its receipt (``_scripts.STREAM_REMOVE_RECEIPT``): a resend after an
+leaves its receipt (``stream.scripts.STREAM_REMOVE_RECEIPT``): a resend after an
 unknown outcome applies and counts them only when its own first send did.
 
 Where a plan is two ungated commands (a dead letter in another Redis Cluster

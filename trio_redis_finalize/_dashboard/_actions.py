@@ -20,6 +20,7 @@ from typing import Any
 
 from .._cli import inspect, requeue
 from .._core._plan import why_key
+from .._core.stream.scripts import REQUEUE_STREAM
 from .._keys import same_slot
 from .._transport import Client
 from ._data import HISTOGRAM_CAP, _s, read_stream
@@ -192,7 +193,7 @@ async def move_stream_entry(client: Client, dead: str, dest: str, eid: str,
         await client.execute("XADD", dest, "*", *fields)
         await client.execute("XDEL", dead, eid)
         return True
-    return await client.evalsha(requeue.REQUEUE_STREAM, (dead, dest), (eid, *fields)) is not None
+    return await client.evalsha(REQUEUE_STREAM, (dead, dest), (eid, *fields)) is not None
 
 
 def text(value: Any) -> str:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from .._context import FINALIZE_TIMEOUT, Context
 from .._core._replies import raise_first_error
-from .._core._scripts import CORRUPT_FIELD
+from .._core.stream.scripts import CORRUPT_FIELD
 from .._envelope import CorruptEnvelope, unpack_parts
 from .._subscription import Form
 from .._transport import Command, Script

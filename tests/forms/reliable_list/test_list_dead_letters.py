@@ -29,7 +29,7 @@ from trio_redis_finalize._core._plan import (
     plan_dead,
     why_key,
 )
-from trio_redis_finalize._core._scripts import LIST_COPY_REMOVE, LIST_DEAD_PUSH
+from trio_redis_finalize._core.reliable_list.scripts import LIST_COPY_REMOVE, LIST_DEAD_PUSH
 from trio_redis_finalize._delivery import Delivery as _Delivery
 from trio_redis_finalize._envelope import unwrap, wrap
 from trio_redis_finalize._keys import same_slot

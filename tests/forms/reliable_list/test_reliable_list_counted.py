@@ -19,8 +19,12 @@ import pytest
 
 from trio_redis_finalize import ACK, DROP, RETRY, DelayedRetry, retry_after
 from trio_redis_finalize._core._plan import Target, list_copies, list_counted, list_removal, plan
-from trio_redis_finalize._core._scripts import LIST_COPY_REMOVE, LIST_REMOVE, LIST_ZADD_REMOVE
 from trio_redis_finalize._core.reliable_list.liveness import GIVE_BACK
+from trio_redis_finalize._core.reliable_list.scripts import (
+    LIST_COPY_REMOVE,
+    LIST_REMOVE,
+    LIST_ZADD_REMOVE,
+)
 from trio_redis_finalize._delivery import Delivery
 from trio_redis_finalize._forms.reliable_list.reader import ReliableListSubscription
 from trio_redis_finalize._transport import Client

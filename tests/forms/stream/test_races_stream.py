@@ -42,7 +42,7 @@ from trio_redis_finalize import (
     open_consumer,
     retry_after,
 )
-from trio_redis_finalize._core import _scripts
+from trio_redis_finalize._core.stream import scripts as stream_scripts
 from trio_redis_finalize._transport import Client, open_client, parse_url
 
 S, G = "orders", "billing"
@@ -316,7 +316,7 @@ async def test_a_held_copy_resent_after_its_marker_s_lifetime_writes_no_second_c
     assert stats["effects"].get("released", 0) + stats["effects"].get("gate_closed", 0) == 1
     # the receipt of a copy written: kept for COPY_MARK_TTL at most, none held forever
     for key in await admin.execute("KEYS", "{orders}:receipt:*"):
-        assert 0 < int(await admin.execute("PTTL", key)) <= _scripts.COPY_MARK_TTL
+        assert 0 < int(await admin.execute("PTTL", key)) <= stream_scripts.COPY_MARK_TTL
 
 
 # -- point 10: a runtime retry_after cut at shutdown -----------------------------------

@@ -50,7 +50,6 @@ from trio_redis_finalize import (
     open_consumer,
     retry_after,
 )
-from trio_redis_finalize._core import _scripts
 from trio_redis_finalize._core._caps import Capabilities
 from trio_redis_finalize._core._plan import (
     Plan,
@@ -62,16 +61,7 @@ from trio_redis_finalize._core._plan import (
     plan_lost,
     removal_commands,
 )
-from trio_redis_finalize._core._scripts import (
-    STREAM_COPY_ACK,
-    STREAM_COPY_ACK_BATCH,
-    STREAM_COPY_ACK_EX,
-    STREAM_ZADD_ACK,
-    STREAM_ZADD_ACK_BATCH,
-    STREAM_ZADD_ACK_DEL,
-    STREAM_ZADD_ACKDEL,
-    move_due_to_stream,
-)
+from trio_redis_finalize._core.stream import scripts as stream_scripts
 from trio_redis_finalize._core.stream.retention import (
     MAX_PART,
     TRIM_ACKED,
@@ -83,6 +73,16 @@ from trio_redis_finalize._core.stream.retention import (
     next_id,
     oldest_needed,
     parse_trim,
+)
+from trio_redis_finalize._core.stream.scripts import (
+    STREAM_COPY_ACK,
+    STREAM_COPY_ACK_BATCH,
+    STREAM_COPY_ACK_EX,
+    STREAM_ZADD_ACK,
+    STREAM_ZADD_ACK_BATCH,
+    STREAM_ZADD_ACK_DEL,
+    STREAM_ZADD_ACKDEL,
+    move_due_to_stream,
 )
 from trio_redis_finalize._forms.stream import retention as _stream_retention
 from trio_redis_finalize._transport import Client, open_client
@@ -157,7 +157,7 @@ def runtime_copy(p: Plan) -> tuple[Any, Any]:
     """(stream, cap) of a runtime ``retry_after``'s later copy: written once
     (``stream_copy_once``, a marker of its own)."""
     (cmd,) = p.later
-    assert cmd[:2] == (b"EVALSHA", _scripts.STREAM_COPY_ONCE.sha)
+    assert cmd[:2] == (b"EVALSHA", stream_scripts.STREAM_COPY_ONCE.sha)
     return cmd[3], cmd[6]
 
 
@@ -165,7 +165,7 @@ def runtime_removal(p: Plan) -> tuple[Any, ...]:
     """(stream, group, id, how) of a runtime ``retry_after``'s removal: gated,
     with its receipt (``stream_remove_receipt``), the copy gated on the same."""
     (cmd,) = p.commands
-    assert cmd[:3] == (b"EVALSHA", _scripts.STREAM_REMOVE_RECEIPT.sha, 2)
+    assert cmd[:3] == (b"EVALSHA", stream_scripts.STREAM_REMOVE_RECEIPT.sha, 2)
     assert p.later[0][4] == cmd[4]  # one receipt
     assert cmd[8] == 0  # no writes
     return cmd[3], cmd[5], cmd[6], cmd[7]
@@ -181,7 +181,7 @@ def cross_slot_copy(p: Plan) -> tuple[Any, Any]:
     """(dead letter, cap) of the first of a cross-slot plan's two steps: the
     plain XADD (a script: trf-dead-time is the server's clock)."""
     cmd = p.commands[0]
-    assert cmd[:2] == (b"EVALSHA", _scripts.STREAM_XADD.sha)
+    assert cmd[:2] == (b"EVALSHA", stream_scripts.STREAM_XADD.sha)
     return cmd[3], cmd[4]
 
 
@@ -755,7 +755,7 @@ def test_native_delete_on_finalize_plans_use_xackdel() -> None:
 
 def test_native_caps_stay_plain_and_without_retention_nothing_changes() -> None:
     """The ``*_maxlen`` caps are ``MAXLEN ~ n`` on Redis 8.2 too (its ``~ ...
-    ACKED`` removes nothing, see ``_scripts``); without DELETE_ON_FINALIZE the
+    ACKED`` removes nothing, see ``_lua.HOW``); without DELETE_ON_FINALIZE the
     plans are the fallback's."""
     t = native_target(copy_maxlen=1000, max_attempts=3, dead_letter=DEAD, dead_letter_maxlen=50)
     d = delivery()

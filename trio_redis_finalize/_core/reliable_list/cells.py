@@ -48,7 +48,6 @@ from ..._delivery import Delivery
 from ..._keys import derived, same_slot
 from ..._outcome import Outcome, OutcomeKind
 from ..._subscription import DelayedRetry
-from .. import _scripts
 from .._commands import Arg, Command, Script
 from .._types import (
     REMOVED,
@@ -65,6 +64,7 @@ from .._types import (
     ms,
     writes_at,
 )
+from . import scripts
 from .liveness import DELAYED_COPY, GIVE_BACK, delayed_parts
 
 __all__ = [
@@ -92,7 +92,7 @@ hash ``derived(D, WHY_SUFFIX)`` (:func:`why_key`)."""
 
 def why_key(dead_letter: str) -> str:
     """The hash of a reliable list's dead letter that records why each element
-    is there (see ``_scripts``): ``{dead_letter}:why``, in its hash slot."""
+    is there (see ``scripts``): ``{dead_letter}:why``, in its hash slot."""
     return derived(dead_letter, WHY_SUFFIX)
 
 
@@ -124,7 +124,7 @@ def _list_copy_remove(t: Target, d: Delivery, dest: str, element: bytes, effect:
         )
     return Plan(
         effect,
-        (_scripts.LIST_COPY_REMOVE.command((t.processing, dest), (d.raw, element)),),
+        (scripts.LIST_COPY_REMOVE.command((t.processing, dest), (d.raw, element)),),
     )
 
 
@@ -139,13 +139,13 @@ def _list_dead(t: Target, d: Delivery, reason: str) -> Plan:
     if t.cluster and not same_slot(t.processing, dead):
         return Plan(
             Effect.DEAD_LETTERED,
-            (_scripts.LIST_DEAD_PUSH.command((dead, why), (d.raw, record)),
+            (scripts.LIST_DEAD_PUSH.command((dead, why), (d.raw, record)),
              ("LREM", t.processing, -1, d.raw)),
             gated=False,
         )
     return Plan(
         Effect.DEAD_LETTERED,
-        (_scripts.LIST_COPY_REMOVE.command((t.processing, dead, why), (d.raw, d.raw, record)),),
+        (scripts.LIST_COPY_REMOVE.command((t.processing, dead, why), (d.raw, d.raw, record)),),
     )
 
 
@@ -177,7 +177,7 @@ class ReliableListCells(Cells):
             return _list_copy_remove(t, d, t.source, list_copy(d), Effect.COPIED)
         if t.delayed_retry is DelayedRetry.DURABLE_ZSET:
             assert d.raw is not None
-            return Plan(Effect.DELAYED, (_scripts.LIST_ZADD_REMOVE.command(
+            return Plan(Effect.DELAYED, (scripts.LIST_ZADD_REMOVE.command(
                 (t.processing, t.delay_key), (d.raw, ms(outcome.delay), member(list_copy(d)))),))
         # runtime: the original stays in the processing list meanwhile
         later = _list_copy_remove(t, d, t.source, list_copy(d), Effect.COPIED)
@@ -235,13 +235,13 @@ class ReliableListCells(Cells):
 RELIABLE_LIST = ReliableListCells()
 """The reliable list's row of ``_plan.CELLS``."""
 
-_LIST_WRITES = _scripts.LIST_WRITES
+_LIST_WRITES = scripts.LIST_WRITES
 
 
 def _copy_remove_with_writes(cmd: Command, writes: Sequence[Arg], keys: Sequence[Any]) -> Command:
     """``LIST_COPY_REMOVE`` as ``LIST_WRITES``: a dead letter (with its reason
     hash ``why`` and ``record``) 'dead'; a copy back onto the queue 'copy'."""
-    c = _scripts.LIST_COPY_REMOVE
+    c = scripts.LIST_COPY_REMOVE
     p, dest, element, copy = fields_of(c, cmd, "processing", "dest", "element", "copy")
     why = c.field(cmd, "why")
     if why is not None:
@@ -253,13 +253,13 @@ def _copy_remove_with_writes(cmd: Command, writes: Sequence[Arg], keys: Sequence
 def _zadd_remove_with_writes(cmd: Command, writes: Sequence[Arg], keys: Sequence[Any]) -> Command:
     """``LIST_ZADD_REMOVE`` (a durable delay) as ``LIST_WRITES`` 'zadd'."""
     p, delays, element, delay, mem = fields_of(
-        _scripts.LIST_ZADD_REMOVE, cmd, "processing", "delays", "element", "delay_ms", "member")
+        scripts.LIST_ZADD_REMOVE, cmd, "processing", "delays", "element", "delay_ms", "member")
     return _LIST_WRITES.command((p, delays, p, *keys), (element, "zadd", *writes, delay, mem, 1))
 
 
 _CARRY: dict[object, Callable[[Command, Sequence[Arg], Sequence[Any]], Command]] = {
-    _scripts.LIST_COPY_REMOVE.sha: _copy_remove_with_writes,
-    _scripts.LIST_ZADD_REMOVE.sha: _zadd_remove_with_writes,
+    scripts.LIST_COPY_REMOVE.sha: _copy_remove_with_writes,
+    scripts.LIST_ZADD_REMOVE.sha: _zadd_remove_with_writes,
 }
 """The gated scripts of the list's plans that remove the original, by sha:
 how each becomes a step that carries an outcome's writes."""
@@ -268,7 +268,7 @@ how each becomes a step that carries an outcome's writes."""
 # -- counted removals (identical elements; see the module docstring) -------------------------------
 
 _COUNTED: dict[object, Script] = {
-    s.sha: s for s in (_scripts.LIST_COPY_REMOVE, _scripts.LIST_ZADD_REMOVE, _scripts.LIST_REMOVE,
+    s.sha: s for s in (scripts.LIST_COPY_REMOVE, scripts.LIST_ZADD_REMOVE, scripts.LIST_REMOVE,
                        _LIST_WRITES)
 }
 """The scripts of the list's plans that remove an element gated on ``n``
@@ -312,13 +312,13 @@ def list_counted(cmd: Command, n: int) -> Command:
     if cmd[0] == "LREM":
         if n == 1:
             return cmd
-        return _scripts.LIST_REMOVE.command((cmd[1],), (cmd[3], n))
+        return scripts.LIST_REMOVE.command((cmd[1],), (cmd[3], n))
     return _COUNTED[cmd[1]].replace(cmd, "n", n)
 
 
 # -- batched calls: removals carrying writes, in one call per processing list ---------------------
 
-_REMOVE_BATCH = _scripts.LIST_WRITES_REMOVE_BATCH
+_REMOVE_BATCH = scripts.LIST_WRITES_REMOVE_BATCH
 # LIST_WRITES' places, by name (its keys: processing, dest, why, write_keys...;
 # the arguments from ARGV[1])
 _LW_DEST, _LW_WHY = _LIST_WRITES.key_at("dest"), _LIST_WRITES.key_at("why")
@@ -425,7 +425,7 @@ def runtime_copy(t: Target, cmd: Command) -> tuple[bytes, Arg, bytes, Sequence[A
     ``LIST_WRITES`` 'copy': ``writes`` encoded, ``(0,)`` for none), else None."""
     writes: Sequence[Arg]
     wkeys: Sequence[Arg]
-    c, w = _scripts.LIST_COPY_REMOVE, _LIST_WRITES
+    c, w = scripts.LIST_COPY_REMOVE, _LIST_WRITES
     if c.calls(cmd) and c.field(cmd, "why") is None:  # back onto the queue
         p, queue, element, copy = fields_of(c, cmd, "processing", "dest", "element", "copy")
         writes, wkeys = (0,), ()

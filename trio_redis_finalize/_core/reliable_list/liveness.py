@@ -43,7 +43,7 @@ from collections.abc import Collection, Mapping, Sequence
 from ..._envelope import CorruptEnvelope, unwrap, wrap
 from ..._keys import derived, named
 from .._commands import Arg, Command, Script
-from .._scripts import _WRITES_LUA
+from .._lua import WRITES_LUA
 from .._types import content_origin
 
 __all__ = [
@@ -204,7 +204,7 @@ def receipts_key(processing: str) -> str:
 # taken when the script is sent (``_list_gates.ListGates.send_later``),
 # never when the copy was planned: the copies held then and now differ.
 DELAYED_COPY = Script(
-    _WRITES_LUA
+    WRITES_LUA
     + """
 local nf = tonumber(ARGV[5])
 if nf > 0 then redis.call('HDEL', KEYS[3], unpack(ARGV, 6, 5 + nf)) end

@@ -2,7 +2,7 @@
 
 The finalizer's first round (``_batch.first_round``) puts the RETRY copies,
 dead letters, durable delays and ACKs carrying writes of one subscription in
-one batched script call each (``_scripts.STREAM_COPY_ACK_BATCH``,
+one batched script call each (``scripts.STREAM_COPY_ACK_BATCH``,
 ``STREAM_ZADD_ACK_BATCH``, ``STREAM_WRITES_ACK_BATCH``), settled per delivery
 as their own plans' (``_batch.batch_replies``).  Here is how each of those
 scripts' calls becomes its part of a batched call and back (``_types.Batcher``):
@@ -14,13 +14,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from operator import itemgetter
 
-from .. import _scripts
 from .._commands import Arg, Command
 from .._types import Batcher, args_at, fields_of, fixed_at, writes_at
+from . import scripts
 
 __all__ = ["BATCHED", "BATCHERS", "gate_range"]
 
-_STREAM_WRITES = _scripts.STREAM_WRITES
+_STREAM_WRITES = scripts.STREAM_WRITES
 
 
 def _id_order(eid: Arg) -> tuple[int, str, int, str]:
@@ -36,7 +36,7 @@ _DASH = {"-"}
 
 
 def gate_range(ids: Sequence[Arg]) -> tuple[Arg, Arg, int]:
-    """``lo, hi, count`` of a batched call's gates (see ``_scripts``): the
+    """``lo, hi, count`` of a batched call's gates (see ``scripts``): the
     smallest and largest of ``ids``, and at most twice as many rows."""
     first = ids[0]
     # (checked with map(): no Python-level call per id)
@@ -52,13 +52,13 @@ def gate_range(ids: Sequence[Arg]) -> tuple[Arg, Arg, int]:
     return ids[keys.index(lo)], ids[keys.index(hi)], 2 * len(ids)
 
 
-_COPY = _scripts.STREAM_COPY_ACK
-_COPY_EX = _scripts.STREAM_COPY_ACK_EX
-_COPY_BATCH = _scripts.STREAM_COPY_ACK_BATCH
-_ZADD_BATCH = _scripts.STREAM_ZADD_ACK_BATCH
-_WRITES_BATCH = _scripts.STREAM_WRITES_ACK_BATCH
+_COPY = scripts.STREAM_COPY_ACK
+_COPY_EX = scripts.STREAM_COPY_ACK_EX
+_COPY_BATCH = scripts.STREAM_COPY_ACK_BATCH
+_ZADD_BATCH = scripts.STREAM_ZADD_ACK_BATCH
+_WRITES_BATCH = scripts.STREAM_WRITES_ACK_BATCH
 _ZADD_BY_HOW = {
-    "0": _scripts.STREAM_ZADD_ACK, "1": _scripts.STREAM_ZADD_ACK_DEL, "x": _scripts.STREAM_ZADD_ACKDEL,
+    "0": scripts.STREAM_ZADD_ACK, "1": scripts.STREAM_ZADD_ACK_DEL, "x": scripts.STREAM_ZADD_ACKDEL,
 }
 
 # the places every single stream script shares (its two keys, then group and

@@ -17,11 +17,11 @@ one batch go in one batched call (``_batch.first_round``) and back.  The
 lost and foreign entries a read finds (:func:`plan_lost`, :func:`plan_foreign`) and the hot
 path's removals (:func:`stream_removals`) are here too.
 
-Two-step cells run as one gated script (see ``_scripts``) unless the keys
+Two-step cells run as one gated script (see ``scripts``) unless the keys
 live on different Redis Cluster slots, where they become two commands in the
 listed order (duplicate, never loss).  A runtime ``retry_after`` removes the
 original with a gated script that leaves a *receipt* of that finalization
-(``_scripts.STREAM_REMOVE_RECEIPT``, key :func:`receipt_key`); its copy is
+(``scripts.STREAM_REMOVE_RECEIPT``, key :func:`receipt_key`); its copy is
 written later only while the receipt says "removed by me", and a resend
 after an unknown outcome answers from it (``_types.RECEIPTED``).
 
@@ -50,7 +50,7 @@ from ..._envelope import GROUP_FIELD, ORIGIN_FIELD, RETRIES_FIELD
 from ..._keys import derived, same_slot
 from ..._outcome import Outcome, OutcomeKind
 from ..._subscription import DelayedRetry, Mode, Retention
-from .. import _scripts
+from .. import _lua
 from .._commands import Arg, Command, Script
 from .._types import (
     DEAD_ATTEMPT,
@@ -74,6 +74,7 @@ from .._types import (
     member,
     ms,
 )
+from . import scripts
 from .batches import BATCHED, BATCHERS
 
 __all__ = [
@@ -93,7 +94,7 @@ RECEIPT_SUFFIX = ":receipt:"
 ``derived(s, RECEIPT_SUFFIX + <32 hex digits>)``, a name of its own per
 finalization (:func:`receipt_key`)."""
 
-RECEIPTED.add(_scripts.STREAM_REMOVE_RECEIPT.sha)  # its closed gate is exact (``_types.settle``)
+RECEIPTED.add(scripts.STREAM_REMOVE_RECEIPT.sha)  # its closed gate is exact (``_types.settle``)
 
 
 def receipt_key(t: Target) -> str:
@@ -118,7 +119,7 @@ def stream_copy_fields(d: Delivery, group: str = "") -> tuple[bytes, ...]:
 
 
 def copy_how(t: Target) -> str:
-    """How ``STREAM_COPY_ACK_EX`` removes the original (see ``_scripts``):
+    """How ``STREAM_COPY_ACK_EX`` removes the original (see ``scripts``):
     ``"0"`` XACK, ``"1"`` XACK then XDEL, ``"x"`` one XACKDEL ACKED."""
     return "x" if t.xackdel else "1" if t.deletes else "0"
 
@@ -133,7 +134,7 @@ def _stream_remove(t: Target, d: Delivery, effect: Effect) -> Plan:
     return Plan(effect, (("XACK", t.source, t.group, d.id),))
 
 
-_COPY_ACK_SHA = _scripts.STREAM_COPY_ACK.sha
+_COPY_ACK_SHA = scripts.STREAM_COPY_ACK.sha
 
 
 def _stream_copy(
@@ -145,13 +146,13 @@ def _stream_copy(
     if t.cluster and not same_slot(t.source, dest):
         # copy, then remove (acknowledge; delete), each once the one before succeeded
         copy: Command = (
-            _scripts.STREAM_XADD.command((dest,), (maxlen or 0, *fields))
-            if fields and fields[-1] == _scripts.SERVER_TIME  # a dead letter: the server's time
+            scripts.STREAM_XADD.command((dest,), (maxlen or 0, *fields))
+            if fields and fields[-1] == _lua.SERVER_TIME  # a dead letter: the server's time
             else ("XADD", dest, *cap(maxlen), "*", *fields))
         return Plan(effect, (copy, *_stream_remove(t, d, effect).commands), gated=False)
     if deletes or maxlen is not None:
         args: tuple[Arg, ...] = (t.group, d.id, copy_how(t), maxlen or 0, *fields)
-        return Plan(effect, (_scripts.STREAM_COPY_ACK_EX.command((t.source, dest), args),))
+        return Plan(effect, (scripts.STREAM_COPY_ACK_EX.command((t.source, dest), args),))
     # STREAM_COPY_ACK.command((t.source, dest), (t.group, d.id, *fields)), in one tuple
     # (every RETRY copy)
     return Plan(effect, ((b"EVALSHA", _COPY_ACK_SHA, 2, t.source, dest, t.group, d.id, *fields),))
@@ -160,10 +161,10 @@ def _stream_copy(
 def _runtime_copy(t: Target, d: Delivery, receipt: str) -> Command:
     """The command that writes a runtime ``retry_after`` copy to the stream,
     once, and only while ``receipt`` says this finalization removed the
-    original (``_scripts.STREAM_COPY_ONCE``)."""
-    return _scripts.STREAM_COPY_ONCE.command(
+    original (``scripts.STREAM_COPY_ONCE``)."""
+    return scripts.STREAM_COPY_ONCE.command(
         (t.source, receipt),
-        (_scripts.COPY_MARK_TTL, t.copy_maxlen or 0, *stream_copy_fields(d, t.group)))
+        (scripts.COPY_MARK_TTL, t.copy_maxlen or 0, *stream_copy_fields(d, t.group)))
 
 
 def plan_lost(t: Target, d: Delivery) -> Plan:
@@ -241,19 +242,19 @@ class StreamCells(Cells):
             return Plan(Effect.LEFT_PENDING)
         assert d.id is not None
         if way is DelayedRetry.DURABLE_ZSET:
-            script = (_scripts.STREAM_ZADD_ACK if t.retention is not Retention.DELETE_ON_FINALIZE
-                      else _scripts.STREAM_ZADD_ACKDEL if t.xackdel
-                      else _scripts.STREAM_ZADD_ACK_DEL)
+            script = (scripts.STREAM_ZADD_ACK if t.retention is not Retention.DELETE_ON_FINALIZE
+                      else scripts.STREAM_ZADD_ACKDEL if t.xackdel
+                      else scripts.STREAM_ZADD_ACK_DEL)
             return Plan(Effect.DELAYED, (script.command(
                 (t.source, t.delay_key),
                 (t.group, d.id, ms(outcome.delay), member(*stream_copy_fields(d, t.group)))),))
         # runtime: remove now, leaving this finalization's receipt; XADD the
         # copy when the timer fires, only while the receipt says "removed by
-        # me", once (see ``_scripts.STREAM_REMOVE_RECEIPT``)
+        # me", once (see ``scripts.STREAM_REMOVE_RECEIPT``)
         receipt = receipt_key(t)
         return Plan(
             Effect.HELD,
-            (_scripts.STREAM_REMOVE_RECEIPT.command(
+            (scripts.STREAM_REMOVE_RECEIPT.command(
                 (t.source, receipt), (t.group, d.id, copy_how(t), 0)),),
             delay=outcome.delay,
             later=(_runtime_copy(t, d, receipt),),
@@ -280,7 +281,7 @@ class StreamCells(Cells):
         ]
         if error := getattr(d, "error", None):  # set by the runtime when the handler raised
             fields += [DEAD_ERROR, error.encode()]
-        fields += [DEAD_TIME, _scripts.SERVER_TIME]  # last: the script writes the server's clock
+        fields += [DEAD_TIME, _lua.SERVER_TIME]  # last: the script writes the server's clock
         p = _stream_copy(t, d, t.dead_letter, fields, Effect.DEAD_LETTERED, t.dead_letter_maxlen)
         return dataclasses.replace(p, warning=warning + f"entry {d.id} dead-lettered")
 
@@ -339,7 +340,7 @@ class StreamCells(Cells):
 STREAM = StreamCells()
 """The stream's row of ``_plan.CELLS``."""
 
-_STREAM_WRITES = _scripts.STREAM_WRITES
+_STREAM_WRITES = scripts.STREAM_WRITES
 
 
 # -- an outcome's writes in a gated step: each gated script, as STREAM_WRITES ----------------------
@@ -347,14 +348,14 @@ _STREAM_WRITES = _scripts.STREAM_WRITES
 def _receipt_with_writes(cmd: Command, writes: Sequence[Arg], keys: Sequence[Any]) -> Command:
     """A runtime retry_after's removal (``STREAM_REMOVE_RECEIPT``): the writes
     in it, before its receipt."""
-    r = _scripts.STREAM_REMOVE_RECEIPT
+    r = scripts.STREAM_REMOVE_RECEIPT
     src, receipt, group, eid, how = fields_of(r, cmd, "stream", "receipt", "group", "id", "how")
     return r.command((src, receipt, *keys), (group, eid, how, *writes))
 
 
 def _copy_with_writes(cmd: Command, writes: Sequence[Arg], keys: Sequence[Any]) -> Command:
     """``STREAM_COPY_ACK`` as ``STREAM_WRITES`` 'copy' (how ``"0"``, no cap)."""
-    c = _scripts.STREAM_COPY_ACK
+    c = scripts.STREAM_COPY_ACK
     src, dest, group, eid = fields_of(c, cmd, "stream", "dest", "group", "id")
     return _STREAM_WRITES.command(
         (src, dest, *keys), (group, eid, "copy", "0", 0, *writes, *c.rest(cmd, "fields")))
@@ -362,7 +363,7 @@ def _copy_with_writes(cmd: Command, writes: Sequence[Arg], keys: Sequence[Any]) 
 
 def _copy_ex_with_writes(cmd: Command, writes: Sequence[Arg], keys: Sequence[Any]) -> Command:
     """``STREAM_COPY_ACK_EX`` as ``STREAM_WRITES`` 'copy'."""
-    c = _scripts.STREAM_COPY_ACK_EX
+    c = scripts.STREAM_COPY_ACK_EX
     src, dest, group, eid, how, cap_ = fields_of(c, cmd, "stream", "dest", "group", "id", "how", "cap")
     return _STREAM_WRITES.command(
         (src, dest, *keys), (group, eid, "copy", how, cap_, *writes, *c.rest(cmd, "fields")))
@@ -380,12 +381,12 @@ def _zadd_with_writes(script: Script, how: str) -> Callable[[Command, Sequence[A
 
 
 _CARRY: dict[object, Callable[[Command, Sequence[Arg], Sequence[Any]], Command]] = {
-    _scripts.STREAM_REMOVE_RECEIPT.sha: _receipt_with_writes,
-    _scripts.STREAM_COPY_ACK.sha: _copy_with_writes,
-    _scripts.STREAM_COPY_ACK_EX.sha: _copy_ex_with_writes,
-    _scripts.STREAM_ZADD_ACK.sha: _zadd_with_writes(_scripts.STREAM_ZADD_ACK, "0"),
-    _scripts.STREAM_ZADD_ACK_DEL.sha: _zadd_with_writes(_scripts.STREAM_ZADD_ACK_DEL, "1"),
-    _scripts.STREAM_ZADD_ACKDEL.sha: _zadd_with_writes(_scripts.STREAM_ZADD_ACKDEL, "x"),
+    scripts.STREAM_REMOVE_RECEIPT.sha: _receipt_with_writes,
+    scripts.STREAM_COPY_ACK.sha: _copy_with_writes,
+    scripts.STREAM_COPY_ACK_EX.sha: _copy_ex_with_writes,
+    scripts.STREAM_ZADD_ACK.sha: _zadd_with_writes(scripts.STREAM_ZADD_ACK, "0"),
+    scripts.STREAM_ZADD_ACK_DEL.sha: _zadd_with_writes(scripts.STREAM_ZADD_ACK_DEL, "1"),
+    scripts.STREAM_ZADD_ACKDEL.sha: _zadd_with_writes(scripts.STREAM_ZADD_ACKDEL, "x"),
 }
 """The gated scripts of the stream's plans that remove the original, by sha:
 how each becomes a step that carries an outcome's writes."""

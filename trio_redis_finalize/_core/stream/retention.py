@@ -276,8 +276,9 @@ TRIM_ACKED = Script(
 
 # KEYS: stream
 # ARGV: limit (of the approximate step)
-# The same reply.  The threshold is the bound (see the module docstring): the server's ACKED
-# keeps every entry below it that some group still has pending.
+# The same reply.  The threshold is the bound (see the module docstring):
+# the server's ACKED keeps every entry below it that some group still has
+# pending.
 TRIM_ACKED_NATIVE = Script(
     _trim_source(native=True), name="trim_acked_native", keys=("stream",), argv=("limit",),
 )

@@ -30,7 +30,6 @@ from ..._core._identity import claim, heartbeat_value, renew
 from ..._core._plan import Effect, Plan, Target
 from ..._core._recovery import SCHEDULE_LEFT, schedule_key, schedule_left, schedule_member
 from ..._core._replies import NOT_RUN, classify
-from ..._core._scripts import MOVE_DUE_TO_LIST
 from ..._core.reliable_list.gates import ListGates
 from ..._core.reliable_list.liveness import (
     BUMP,
@@ -48,6 +47,7 @@ from ..._core.reliable_list.liveness import (
     stop_args,
     stranded,
 )
+from ..._core.reliable_list.scripts import MOVE_DUE_TO_LIST
 from ..._core.stream.liveness import HEARTBEAT_FLOOR
 from ..._delivery import Delivery
 from ..._identity import NameHold

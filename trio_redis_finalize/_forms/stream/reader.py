@@ -17,8 +17,8 @@ from ..._core._decode import Entry, as_str, id_key, lost_entry, read_entries, st
 from ..._core._plan import Effect, Plan, Target
 from ..._core._recovery import LEASE, SCHEDULE_LEFT, lease_lost, schedule_key, schedule_left
 from ..._core._replies import NOT_RUN, BusyGroupError, classify, error_code
-from ..._core._scripts import move_due_to_stream
 from ..._core.stream.liveness import HEARTBEAT_FLOOR, lease_every
+from ..._core.stream.scripts import REDELIVER, move_due_to_stream
 from ..._delivery import Delivery
 from ..._keys import derived, same_slot
 from ..._shutdown import cleanup
@@ -37,7 +37,7 @@ from ..._subscription import (
     check_positive,
     resolve_dead_letter,
 )
-from ..._transport import Client, Connection, Script
+from ..._transport import Client, Connection
 from .._delay_set import move_due
 from .._read_loop import Pending, check_type, reader_connection, retry_not_run
 from .liveness import StreamPresence
@@ -289,30 +289,6 @@ _MOVE_RETRY = 5.0
 """Seconds before a move of due copies that Redis refused is tried again."""
 
 
-# KEYS: stream
-# ARGV: group, consumer, [id, count]...
-# Each entry still pending for the consumer is claimed by it again (idle 0)
-# with its delivery count set to ``count``: its reply is the entry; 0 when
-# it is not pending for the consumer (any more); 1 when the stream no longer
-# has it (deleted while pending).
-_REDELIVER = Script(
-    """
-local out = {}
-for i = 3, #ARGV, 2 do
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2])
-  if #p == 0 then
-    out[#out + 1] = 0
-  else
-    local c = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'RETRYCOUNT', ARGV[i + 1])
-    if c[1] then out[#out + 1] = c[1] else out[#out + 1] = 1 end
-  end
-end
-return out
-""",
-    name="stream_redeliver", keys=("stream",), argv=("group", "consumer", "[id, count]..."),
-)
-
-
 class StreamReader:
     """Reads one :class:`StreamSubscription` on a dedicated connection.
 
@@ -559,7 +535,7 @@ class StreamReader:
         for d in deliveries:
             assert d.id is not None
             args += [d.id, d.attempt + 1]
-        reply = await ctx.client.evalsha(_REDELIVER, (sub.stream,), args, timeout=FINALIZE_TIMEOUT)
+        reply = await ctx.client.evalsha(REDELIVER, (sub.stream,), args, timeout=FINALIZE_TIMEOUT)
         held = ctx.in_hand
         entries: list[Entry] = []
         counts: dict[bytes, int] = {}
