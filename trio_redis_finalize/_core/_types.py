@@ -287,14 +287,17 @@ class Batcher:
 
 def fixed_at(script: Script, name: str) -> int:
     """Where the field ``name`` (as ``script``'s layout writes it: ``"id"``,
-    ``"fields..."``) sits in every built call of ``script``: a key before any
-    optional or ``...`` key, or an argument of a script whose keys are fixed
+    ``"fields..."``) sits (starts) in every built call of ``script``: a key
+    after no optional or ``...`` key, or an argument of a script whose keys are fixed
     in number, before any optional or ``...`` argument.  Worked out once, by
     name, for the code that reads built calls on the hot path (elsewhere:
     ``Script.field``, ``Script.at``)."""
     keys, argv = script.keys or (), script.argv or ()
     if name in keys:
-        return script.key_at(name.rstrip("."))
+        k = keys.index(name)
+        if any(key[-1] in "?." for key in keys[:k]):
+            raise ValueError(f"{script.name}: {name!r} has no fixed place")
+        return 3 + k
     i = argv.index(name)
     if any(k[-1] in "?." for k in keys) or any(a[-1] in "?." or a[0] == "[" for a in argv[:i]):
         raise ValueError(f"{script.name}: {name!r} has no fixed place")

@@ -59,6 +59,7 @@ from .._types import (
     args_at,
     exhausted,
     fields_of,
+    fixed_at,
     list_copy,
     member,
     ms,
@@ -321,7 +322,7 @@ def list_counted(cmd: Command, n: int) -> Command:
 _REMOVE_BATCH = scripts.LIST_WRITES_REMOVE_BATCH
 # LIST_WRITES' places, by name (its keys: processing, dest, why, write_keys...;
 # the arguments from ARGV[1])
-_LW_DEST, _LW_WHY = _LIST_WRITES.key_at("dest"), _LIST_WRITES.key_at("why")
+_LW_DEST, _LW_WHY, _LW_KEYS = (fixed_at(_LIST_WRITES, n) for n in ("dest", "why", "write_keys..."))
 _LW_OP, _LW_WRITES = args_at(_LIST_WRITES, "op"), args_at(_LIST_WRITES, "writes...")
 
 
@@ -345,7 +346,7 @@ class _RemoveWrites(Batcher):
 
     def call(self, singles: Sequence[Command], args: Sequence[Arg]) -> Command:
         """Its keys: the processing list and every element's writes' keys, each once."""
-        keys = list(dict.fromkeys(k for s in singles for k in _LIST_WRITES.rest(s, "write_keys")))
+        keys = list(dict.fromkeys(k for s in singles for k in s[_LW_KEYS:3 + int(s[2])]))
         return _REMOVE_BATCH.command((singles[0][_PROCESSING], *keys), args)
 
     def singles(self, cmd: Command) -> list[Command]:

@@ -150,7 +150,7 @@ _W = _STREAM_WRITES
 # STREAM_WRITES' arguments, from ARGV[1] (its keys: stream, dest, write_keys...)
 _W_GROUP, _W_ID, _W_OP, _W_HOW, _W_CAP, _W_WRITES = (
     args_at(_W, n) for n in ("group", "id", "op", "how", "cap", "writes..."))
-_W_STREAM, _W_DEST = _W.key_at("stream"), _W.key_at("dest")
+_W_STREAM, _W_DEST, _W_KEYS = (fixed_at(_W, n) for n in ("stream", "dest", "write_keys..."))
 _WB = _WRITES_BATCH
 
 
@@ -175,7 +175,7 @@ class _AckWrites(Batcher):
     def call(self, singles: Sequence[Command], args: Sequence[Arg]) -> Command:
         """Its keys: the stream's and every delivery's writes' keys, each once."""
         c = singles[0]
-        keys = list(dict.fromkeys(k for s in singles for k in _W.rest(s, "write_keys")))
+        keys = list(dict.fromkeys(k for s in singles for k in s[_W_KEYS:3 + int(s[2])]))
         gates = gate_range([s[3 + int(s[2]) + _W_ID] for s in singles])
         group, how = fields_of(_W, c, "group", "how")
         return _WB.command((c[_W_STREAM], *keys), (group, how, *gates, *args))
