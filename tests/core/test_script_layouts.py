@@ -247,3 +247,33 @@ def test_fields_by_name() -> None:
         stream_scripts.STREAM_COPY_ACK_BATCH.groups(cmd, "id")
     with pytest.raises(ValueError, match="no field"):
         z.field(cmd, "element")
+
+
+def test_optional_keys_and_their_arguments() -> None:
+    """Every field of a layout with two optional keys, one argument bound to
+    the first and an optional last one, for each number of keys sent."""
+    s = Script("return 0", name="optional_keys", keys=("a", "b?", "c?"), argv=("x", "y?b", "z", "w?"))
+    for nk in (1, 2, 3):
+        for last in ((), ("W",)):
+            cmd = s.command(["A", "B", "C"][:nk], ["X", *(["Y"] if nk > 1 else []), "Z", *last])
+            got = {n: s.field(cmd, n) for n in ("a", "b", "c", "x", "y", "z", "w")}
+            assert got == {"a": "A", "b": "B" if nk > 1 else None, "c": "C" if nk > 2 else None,
+                           "x": "X", "y": "Y" if nk > 1 else None, "z": "Z",
+                           "w": "W" if last else None}
+            assert s.locator("z")(cmd) == s.at(cmd, "z") == cmd.index("Z")
+    with pytest.raises(ValueError, match="cannot be added"):
+        s.replace(s.command(["A"], ["X", "Z"]), "y", "Y")
+
+
+@pytest.mark.parametrize(("keys", "argv", "why"), [
+    (("a?", "b"), (), "must come last"),
+    (("a",), ("x?b",), "no optional key"),
+    (("a",), ("x?", "y..."), "must come last"),
+    (("a",), ("y...", "x?"), "after a ... cannot be optional"),
+    (("a",), ("a",), "named twice"),
+    (("a",), ("[x, y]",), "repeated group"),
+])
+def test_a_layout_that_cannot_be_read_is_refused(keys: tuple[str, ...], argv: tuple[str, ...],
+                                                 why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        Script(f"return '{keys}{argv}'", name="bad", keys=keys, argv=argv)

@@ -7,7 +7,7 @@ the planner builds them.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 __all__ = [
     "SCRIPTS", "Arg", "Command", "Script", "command_keys", "describe", "group_names",
@@ -43,10 +43,11 @@ class Script:
     that reads or rewrites a built call does it by these names
     (:meth:`at`, :meth:`field`, :meth:`replace`, :meth:`rest`,
     :meth:`groups`), never by position.  Built calls stay plain tuples
-    (:meth:`command`); the positions are worked out here once, at import.
+    (:meth:`command`); the positions are worked out here once, at import,
+    into one small function per field (:meth:`locator`, for the hot path).
     """
 
-    __slots__ = ("_places", "argv", "keys", "name", "sha", "source")
+    __slots__ = ("_at", "_places", "argv", "keys", "name", "sha", "source")
 
     def __init__(
         self, source: str, name: str = "script", *,
@@ -60,6 +61,7 @@ class Script:
         self._places: dict[str, _Place] = (
             {} if self.keys is None or self.argv is None else _places(name, self.keys, self.argv)
         )
+        self._at = {f: _locator(place, len(keys or ())) for f, place in self._places.items()}
         SCRIPTS[self.sha] = self
 
     def command(self, keys: Sequence[Arg], args: Sequence[Arg]) -> tuple[Arg, ...]:
@@ -82,25 +84,20 @@ class Script:
         """Where the field ``name`` (a key or an argument) sits in ``cmd``, a
         built call of this script; None when ``cmd`` does not carry it (an
         optional field not sent).  A ``...`` field: where it starts."""
-        kind, i, bound, opt, _ = self._place(name)
-        if kind in (_KEY_HEAD, _KEY_REST):
-            return i if opt == _REQUIRED or i < 3 + int(cmd[2]) else None
-        if kind == _KEY_TAIL:
-            return 3 + int(cmd[2]) + i
-        if kind == _ARG_TAIL:
-            return len(cmd) + i
-        nk = int(cmd[2])
-        for key in bound:  # an optional argument bound to a key before it (or it)
-            if key >= nk:
-                if key == opt:
-                    return None
-                i -= 1
-        i += 3 + nk
-        if opt == _TRAILING and i >= len(cmd):
-            return None
-        return i
+        try:
+            return self._at[name](cmd)
+        except KeyError:
+            self._place(name)  # names the field missing
+            raise
 
     arg_index = at
+
+    def locator(self, name: str) -> Callable[[Command], int | None]:
+        """:meth:`at` for the one field ``name``, worked out at import: for
+        code on the hot path, bound once (``N_AT = LIST_REMOVE.locator("n")``)
+        and called per command (one call, a few operations, no lookup)."""
+        self._place(name)
+        return self._at[name]
 
     def field(self, cmd: Command, name: str, default: Arg | None = None) -> Arg | None:
         """The value of the field ``name`` in ``cmd`` (``default`` when not sent)."""
@@ -200,6 +197,34 @@ def _group_width(script: Script, name: str) -> int:
     raise ValueError(f"{script.name}: {name!r} does not start a group of fixed width")
 
 
+def _locator(place: _Place, nkeys: int) -> Callable[[Command], int | None]:
+    """The function :meth:`Script.at` runs for a field at ``place``."""
+    kind, i, bound, opt, _ = place
+    if kind in (_KEY_HEAD, _KEY_REST):
+        if opt == _REQUIRED:
+            return lambda cmd: i
+        return lambda cmd: i if i < 3 + int(cmd[2]) else None
+    if kind == _KEY_TAIL:
+        return lambda cmd: 3 + int(cmd[2]) + i
+    if kind == _ARG_TAIL:
+        return lambda cmd: len(cmd) + i
+    k = 3 + i
+    if bound:  # after (or bound to) an optional key: where, by the number of keys sent
+        at = {nk: None if opt >= nk else k + nk - sum(key >= nk for key in bound)
+              for nk in range(nkeys + 1)}
+
+        def after_optional_keys(cmd: Command) -> int | None:
+            j = at[int(cmd[2])]
+            return None if j is None or (opt == _TRAILING and j >= len(cmd)) else j
+        return after_optional_keys
+    if opt == _TRAILING:
+        def trailing(cmd: Command) -> int | None:
+            j = k + int(cmd[2])
+            return j if j < len(cmd) else None
+        return trailing
+    return lambda cmd: k + int(cmd[2])
+
+
 def _places(script: str, keys: tuple[str, ...], argv: tuple[str, ...]) -> dict[str, _Place]:
     out: dict[str, _Place] = {}
     optional_keys: dict[str, int] = {}
@@ -226,8 +251,6 @@ def _places(script: str, keys: tuple[str, ...], argv: tuple[str, ...]) -> dict[s
                 continue
             if mark == "?" and not key and any(m != "?" for _, m, _ in marks[j + 1:]):
                 raise ValueError(f"{script}: the optional {name!r} must come last")
-            if mark == "?" and rests:
-                raise ValueError(f"{script}: {name!r} cannot be optional beside a ...")
             if is_keys:
                 if key:
                     raise ValueError(f"{script}: a key cannot be bound to another ({name!r})")

@@ -23,6 +23,9 @@ __all__ = [
     "list_gate", "run_writes",
 ]
 
+# -- the gates, the server's clock, an XADD of any width ---------------------------------
+
+# A stream's gate: the entry ARGV[2] pending in the group ARGV[1] of KEYS[1].
 STREAM_GATE = """
 local ok, p = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
 if not ok or #p == 0 then return false end
@@ -271,6 +274,8 @@ end
 return {k, unpack(bad)}
 """
 
+# -- the delay set: its members decoded, the movers' loop ---------------------------------
+
 # Decoding a delay-set member (see ``_envelope.pack_parts``).  A member that
 # is not one (foreign or damaged bytes) decodes to nil: every length is
 # checked against the member's size, so garbage can neither fail the script
@@ -347,6 +352,16 @@ MOVE_ARGV = ("limit", "width?", "reserve_ms?")
 
 # -- exactly-once effects: an outcome's writes in its finalization (see ``_writes``) --------
 
+def _fresh_int(call: str, why: str) -> str:
+    """Lua, in WRITES_LUA's checks: the value ``redis.call(<call>)`` reads must
+    be an integer where no earlier write of the outcome touched it (``fresh``);
+    else ``why``."""
+    return f"""      if fresh then
+        local v = redis.call({call})
+        if v and wnotint(v) then return {why} end
+      end end,"""
+
+
 # Lua: the writes at ARGV[i] ..: for each, its count of values, the type its
 # key must have ('' for any), then the command (name, arguments).
 # ``wcheck(i, nw)``: an error reply naming the write and the key when a key
@@ -367,15 +382,6 @@ MOVE_ARGV = ("limit", "width?", "reserve_ms?")
 # judged only where no earlier write of the same outcome touched its key
 # (which could change it).  What stays unchecked (an overflow, floats, a
 # damaged HyperLogLog body) is the README's "a write refused at run time".
-def _fresh_int(read: str, why: str) -> str:
-    """Lua, in WRITES_LUA's checks: the value ``redis.call('<read>)`` must read
-    as an integer where no earlier write of the outcome touched it (``fresh``)."""
-    return f"""      if fresh then
-        local v = redis.call('{read})
-        if v and wnotint(v) then return {why} end
-      end end,"""
-
-
 WRITES_LUA = """
 local wvalue
 local function wchecks()
@@ -386,13 +392,13 @@ local function wchecks()
   -- earlier write of the outcome touched it) -> why it would fail, or nil
   local t = {
     INCR = function(i, fresh)
-""" + _fresh_int("GET', ARGV[i + 3]", "'the value is not an integer'") + """
+""" + _fresh_int("'GET', ARGV[i + 3]", "'the value is not an integer'") + """
     INCRBY = function(i, fresh)
       if wnotint(ARGV[i + 4]) then return 'the increment is not an integer' end
-""" + _fresh_int("GET', ARGV[i + 3]", "'the value is not an integer'") + """
+""" + _fresh_int("'GET', ARGV[i + 3]", "'the value is not an integer'") + """
     HINCRBY = function(i, fresh)
       if wnotint(ARGV[i + 5]) then return 'the increment is not an integer' end
-""" + _fresh_int("HGET', ARGV[i + 3], ARGV[i + 4]",
+""" + _fresh_int("'HGET', ARGV[i + 3], ARGV[i + 4]",
                  "'the field ' .. ARGV[i + 4] .. ' holds no integer'") + """
     PFADD = function(i, fresh)
       if fresh and redis.call('EXISTS', ARGV[i + 3]) == 1 and
