@@ -782,7 +782,9 @@ def test_stream_retry_is_the_general_copy(
     attempt, the PEL when claiming, else the general ``_stream_copy`` of
     ``_stream_copy_fields`` -- whose gated command, built in one tuple, is
     ``STREAM_COPY_ACK.command(...)`` byte for byte."""
-    from trio_redis_finalize._core._plan import _stream_copy, _stream_copy_fields, plan_dead
+    from trio_redis_finalize._core._plan import plan_dead
+    from trio_redis_finalize._core.stream.cells import _stream_copy
+    from trio_redis_finalize._core.stream.cells import stream_copy_fields as _stream_copy_fields
     from trio_redis_finalize._core.stream.scripts import STREAM_COPY_ACK
 
     t = dataclasses.replace(
@@ -911,3 +913,23 @@ def test_a_runtime_retry_after_s_receipt_is_its_own_key_in_the_stream_s_slot(sou
         receipts.add(removal[4])
         assert {removal[1]} == RECEIPTED
     assert len(receipts) == 3
+
+
+def test_every_form_has_its_row() -> None:
+    """``plan()`` is one lookup in ``CELLS``: every form has a row there, and
+    the facts the rest of the core asks of it (no ``Form`` test elsewhere)."""
+    from trio_redis_finalize._core._plan import CELLS, CELLS_OF, cells_of
+
+    assert set(CELLS) == set(Form)
+    assert {f._value_: c for f, c in CELLS.items()} == CELLS_OF
+    facts = {f: (c.gated, c.by_id, c.counted, c.noun) for f, c in CELLS.items()}
+    assert facts == {
+        Form.STREAM: (True, True, False, "stream"),
+        Form.RELIABLE_LIST: (True, False, True, "reliable list"),
+        Form.LIST: (False, False, False, "list"),
+        Form.CHANNEL: (False, False, False, "channel"),
+        Form.PATTERN: (False, False, False, "pattern"),
+    }
+    assert all(c.noun == f.value for f, c in CELLS.items())  # refusals name the form as before
+    t = StreamSubscription(STREAM, GROUP).target(CONSUMER)
+    assert cells_of(t) is CELLS[Form.STREAM]

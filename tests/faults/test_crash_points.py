@@ -159,11 +159,11 @@ def _remove_then_copy(t: _plan.Target, d: Delivery, o: Outcome) -> Plan:
         return _plan.plan(t, d, o)
     if d.id is not None:
         return Plan(Effect.COPIED, (("XACK", t.source, t.group, d.id),
-                                    ("XADD", t.source, "*", *_plan._stream_copy_fields(d))),
+                                    ("XADD", t.source, "*", *_plan.stream_copy_fields(d))),
                     gated=False)
     assert d.raw is not None
     return Plan(Effect.COPIED, (("LREM", t.processing, -1, d.raw),
-                                ("LPUSH", t.source, _plan._list_copy(d))), gated=False)
+                                ("LPUSH", t.source, _plan.list_copy(d))), gated=False)
 
 
 DURABLE = {"delayed_retry": DelayedRetry.DURABLE_ZSET}

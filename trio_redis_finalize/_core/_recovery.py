@@ -29,9 +29,8 @@ from collections.abc import Sequence
 
 from .._delivery import Delivery
 from .._keys import derived
-from .._subscription import Form
 from ._commands import Command, Script
-from ._plan import Target
+from ._plan import Target, cells_of
 
 __all__ = [
     "ATTEMPTS",
@@ -65,7 +64,7 @@ def schedule_key(t: Target) -> str:
     """The sorted set of a subscription's Backoff due times, in the source's slot:
     ``{stream}:backoff:<group>`` (a group's pending entries, by id) or
     ``<processing list>:backoff`` (one consumer's elements, by digest)."""
-    if t.form is Form.STREAM:
+    if cells_of(t).by_id:
         return derived(t.source, f":backoff:{t.group}")
     return derived(t.processing, ":backoff")
 
@@ -74,7 +73,7 @@ def schedule_member(t: Target, entry_id: str | None, raw: bytes | None) -> bytes
     """A delivery's member in :func:`schedule_key`: a stream entry's id; the
     SHA-1 of a list element's bytes (identical elements share one member,
     which keeps the later due time: each waits at least its own)."""
-    if t.form is Form.STREAM:
+    if cells_of(t).by_id:
         return entry_id.encode() if entry_id is not None else None
     return hashlib.sha1(raw).hexdigest().encode() if raw is not None else None
 

@@ -32,7 +32,7 @@ integer, ``PFADD`` on a string that is no HyperLogLog; see
 ``_lua.WRITES_LUA``); the user guide (docs/guide.rst) says the rest.
 
 A runtime ``retry_after`` on a stream carries its writes in the removal that
-leaves its receipt (``stream_scripts.STREAM_REMOVE_RECEIPT``): a resend after an
+leaves its receipt (``stream.scripts.STREAM_REMOVE_RECEIPT``): a resend after an
 unknown outcome applies and counts them only when its own first send did.
 
 Where a plan is two ungated commands (a dead letter in another Redis Cluster
@@ -44,24 +44,21 @@ slot (:func:`check_outcome`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from .._delivery import Delivery
 from .._errors import AckUnsupported
 from .._keys import same_slot
-from .._outcome import ACK, DROP, RETRY, Outcome, OutcomeKind, WithWrites
-from .._subscription import Form, Mode
+from .._outcome import ACK, DROP, RETRY, Outcome, WithWrites
 from .._writes import WRITE_COMMANDS, Write, write_keys
 from ._commands import Arg, Command
-from ._plan import _REMOVED, Plan, Target, copy_how, plan
-from .reliable_list import scripts as list_scripts
-from .stream import scripts as stream_scripts
+from ._plan import CELLS_OF, REMOVED, Plan, Target, cells_of, plan
 
 __all__ = ["WRITES", "check_outcome", "encode_writes", "plan_outcome", "plan_writes"]
 
 WRITES = "writes"
 """The effect counted per write committed with its finalization (in ``stats()``)."""
 
-STREAM_WRITES = stream_scripts.STREAM_WRITES
-LIST_WRITES = list_scripts.LIST_WRITES
 
 def encode_writes(writes: tuple[Write, ...]) -> list[Arg]:
     """The writes as the scripts read them: ``nw``, then per write its count of
@@ -84,23 +81,26 @@ def check_outcome(t: Target, d: Delivery, outcome: Outcome) -> None:
     """
     if not outcome.writes:
         return
-    if t.form is not Form.STREAM and t.form is not Form.RELIABLE_LIST:
-        raise ValueError(f"{t.name}: {outcome!r}: a {t.form.value} has nothing to finalize, so "
+    cells = cells_of(t)
+    if not cells.gated:
+        raise ValueError(f"{t.name}: {outcome!r}: a {cells.noun} has nothing to finalize, so "
                          "it cannot commit writes (streams and reliable lists can)")
-    if (t.mode is Mode.CLAIMING and t.form is Form.STREAM and outcome.is_retry
-            and (outcome.kind is OutcomeKind.RETRY or t.delayed_retry is None)
-            and not (t.max_attempts is not None and d.attempt >= t.max_attempts)):
+    if cells.leaves_pending(t, d, outcome):
         raise ValueError(f"{t.name}: {outcome!r}: on a claiming subscription a retry leaves the "
                          "entry pending, nothing is finalized to commit the writes with; return "
                          "them with the outcome that finalizes it")
     if t.cluster:
-        source = t.processing if t.form is Form.RELIABLE_LIST else t.source
-        for key in write_keys(outcome.writes):
-            if not same_slot(source, key):
-                raise ValueError(
-                    f"{t.name}: {outcome!r}: key {key!r} is in another Redis Cluster hash slot "
-                    f"than {source!r}; the writes run in one script with the finalization, so "
-                    f"their keys must share its slot (a hash tag: '{{{t.source}}}...')")
+        _check_slots(t, outcome, cells.gate_key(t))
+
+
+def _check_slots(t: Target, outcome: Outcome, source: str) -> None:
+    """In Redis Cluster, every key ``outcome``'s writes name in ``source``'s hash slot."""
+    for key in write_keys(outcome.writes):
+        if not same_slot(source, key):
+            raise ValueError(
+                f"{t.name}: {outcome!r}: key {key!r} is in another Redis Cluster hash slot "
+                f"than {source!r}; the writes run in one script with the finalization, so "
+                f"their keys must share its slot (a hash tag: '{{{t.source}}}...')")
 
 
 def plan_outcome(t: Target, d: Delivery, outcome: Outcome) -> Plan:
@@ -117,24 +117,22 @@ def plan_writes(t: Target, d: Delivery, outcome: Outcome) -> Plan:
         ValueError: see :func:`check_outcome`.
         AckUnsupported: as :func:`~._plan.plan`.
     """
+    removed = _REMOVED_BY_VALUE.get(outcome.kind._value_)  # (by value: an Enum's hash is Python code)
+    if removed is not None:
+        # an ACK or DROP, inline: the removal as the writes script's own (an
+        # ACK or DROP leaves nothing pending: check_outcome's checks but the form's)
+        cells = CELLS_OF[t.form._value_]
+        if cells.gated:
+            if t.cluster:
+                _check_slots(t, outcome, cells.gate_key(t))
+            p = cells.removal_with_writes(
+                t, d, removed, encode_writes(outcome.writes), write_keys(outcome.writes))
+            if p is not None:
+                return p
     check_outcome(t, d, outcome)
     kind = outcome.kind
     encoded = encode_writes(outcome.writes)
     keys = write_keys(outcome.writes)
-    removed = _REMOVED_BY_VALUE.get(kind._value_)  # (by value: an Enum's hash is Python code)
-    if removed is not None:
-        # an ACK or DROP, inline: plan()'s removal as _with_writes() turns it
-        # into the writes script's own removal
-        form = t.form
-        if form is Form.STREAM:  # XACK; XACK + XDEL; XACKDEL: the script's 'ack'
-            assert d.id is not None
-            src = t.source
-            return Plan(removed, (STREAM_WRITES.command(
-                (src, src, *keys), (t.group, d.id, "ack", copy_how(t), 0, *encoded)),))
-        if form is Form.RELIABLE_LIST and d.raw is not None:  # LREM: the script's 'remove'
-            p = t.processing
-            return Plan(removed, (LIST_WRITES.command((p, p, p, *keys),
-                                                      (d.raw, "remove", *encoded, 1)),))
     base = plan(t, d, _PLAIN[kind] if kind in _PLAIN else Outcome(kind, outcome.delay, outcome.reason))
     if base.commands:
         commands = _with_writes(t, base.commands, encoded, keys)
@@ -145,75 +143,15 @@ def plan_writes(t: Target, d: Delivery, outcome: Outcome) -> Plan:
 
 
 _PLAIN = {o.kind: o for o in (ACK, DROP, RETRY)}
-_REMOVED_BY_VALUE = {k._value_: e for k, e in _REMOVED.items()}
+_REMOVED_BY_VALUE = {k._value_: e for k, e in REMOVED.items()}
 
 
-_COPY = stream_scripts.STREAM_COPY_ACK.sha
-_COPY_EX = stream_scripts.STREAM_COPY_ACK_EX.sha
-_STREAM_CELLS = {  # the stream's gated cell scripts (for a durable delay: how it removes)
-    _COPY: "", _COPY_EX: "",
-    stream_scripts.STREAM_ZADD_ACK.sha: "0", stream_scripts.STREAM_ZADD_ACK_DEL.sha: "1",
-    stream_scripts.STREAM_ZADD_ACKDEL.sha: "x",
-}
-_REMOVE_RECEIPT = stream_scripts.STREAM_REMOVE_RECEIPT.sha
-_CARRIERS = (STREAM_WRITES.sha, LIST_WRITES.sha, _REMOVE_RECEIPT)
-"""The scripts that carry an outcome's writes."""
-_LIST_COPY = list_scripts.LIST_COPY_REMOVE.sha
-_LIST_ZADD = list_scripts.LIST_ZADD_REMOVE.sha
-
-
-def _with_writes(t: Target, commands: tuple[Command, ...], writes: list[Arg],
+def _with_writes(t: Target, commands: Sequence[Command], writes: list[Arg],
                  keys: list[str | bytes]) -> tuple[Command, ...]:
     """``commands`` with the step that removes the original replaced by the
-    writes script doing the same after the writes."""
-    out: list[Command] = []
-    stream = t.form is Form.STREAM
-    i = 0
-    while i < len(commands):
-        cmd = commands[i]
-        head = cmd[0]
-        if stream and head == "XACK":
-            src, group, eid = cmd[1], cmd[2], cmd[3]
-            delete = i + 1 < len(commands) and commands[i + 1][0] == "XDEL"
-            out.append(STREAM_WRITES.command(
-                (src, src, *keys), (group, eid, "ack", "1" if delete else "0", 0, *writes)))
-            i += 2 if delete else 1
-            continue
-        if stream and head == "XACKDEL":  # Redis 8.2: XACKDEL key group ACKED IDS 1 id
-            src, group, eid = cmd[1], cmd[2], cmd[6]
-            out.append(STREAM_WRITES.command((src, src, *keys), (group, eid, "ack", "x", 0, *writes)))
-        elif stream and head == b"EVALSHA" and cmd[1] == _REMOVE_RECEIPT:
-            # a runtime retry_after: the writes in its removal, before its receipt
-            src, receipt, group, eid, how = cmd[3], cmd[4], cmd[5], cmd[6], cmd[7]
-            out.append(stream_scripts.STREAM_REMOVE_RECEIPT.command(
-                (src, receipt, *keys), (group, eid, how, *writes)))
-        elif stream and head == b"EVALSHA" and cmd[1] in _STREAM_CELLS:
-            sha, src, dest, group, eid = cmd[1], cmd[3], cmd[4], cmd[5], cmd[6]
-            if sha == _COPY:
-                args = (group, eid, "copy", "0", 0, *writes, *cmd[7:])
-            elif sha == _COPY_EX:  # ... how cap fields
-                args = (group, eid, "copy", cmd[7], cmd[8], *writes, *cmd[9:])
-            else:
-                args = (group, eid, "zadd", _STREAM_CELLS[sha], 0, *writes, *cmd[7:9])
-            out.append(STREAM_WRITES.command((src, dest, *keys), args))
-        elif not stream and head == "LREM":
-            p, raw = cmd[1], cmd[3]
-            out.append(LIST_WRITES.command((p, p, p, *keys), (raw, "remove", *writes, 1)))
-        elif not stream and head == b"EVALSHA" and cmd[1] == _LIST_COPY:
-            if cmd[2] == 3:  # the dead letter and its reason hash: element, copy, record
-                p, dead, why = cmd[3], cmd[4], cmd[5]
-                out.append(LIST_WRITES.command(
-                    (p, dead, why, *keys), (cmd[6], "dead", *writes, cmd[7], cmd[8], 1)))
-            else:  # a copy back onto the queue: element, copy
-                p, dest = cmd[3], cmd[4]
-                out.append(LIST_WRITES.command((p, dest, p, *keys), (cmd[5], "copy", *writes, cmd[6], 1)))
-        elif not stream and head == b"EVALSHA" and cmd[1] == _LIST_ZADD:
-            p, delays = cmd[3], cmd[4]
-            out.append(LIST_WRITES.command(
-                (p, delays, p, *keys), (cmd[5], "zadd", *writes, cmd[6], cmd[7], 1)))
-        else:  # a step before the removal (a copy to another Cluster slot): as it is
-            out.append(cmd)
-        i += 1
-    if not any(c[0] == b"EVALSHA" and c[1] in _CARRIERS for c in out):
+    writes script doing the same after the writes (the form's cells know its
+    gated steps: ``Cells.with_writes``)."""
+    out = cells_of(t).with_writes(t, commands, writes, keys)
+    if out is None:
         raise AckUnsupported(f"{t.name}: no step of this finalization can carry writes: {commands!r}")
-    return tuple(out)
+    return out

@@ -6,7 +6,7 @@ told apart by count only.  :class:`ListGates` is a consumer's multiset
 bookkeeping of what it read and has not finalized yet, and the
 :class:`~._finalize.Gates` the finalizer's core calls for every batch: a
 removal of an element of which several copies are held carries ``n``
-(``_plan.list_counted``), so that a resend after an unknown outcome never
+(``cells.list_counted``), so that a resend after an unknown outcome never
 removes a copy another handler still holds (:meth:`ListGates.prepare`,
 :meth:`ListGates.resend`); answered removals are counted down, and one
 whose gate was closed or that failed leaves a copy for the next rescan to
@@ -35,18 +35,28 @@ from typing import cast
 
 from redis import exceptions as rexc
 
-from .._batch import batch_replies, counted_removals, is_batched, with_counts
-from .._commands import Arg, Command
+from .._batch import batch_replies, is_batched
+from .._commands import Command
 from .._finalize import Item
-from .._plan import FAILED, GATE_CLOSED, Target, list_copies, list_counted, list_removal
-from ..reliable_list.scripts import LIST_COPY_REMOVE, LIST_WRITES
-from .liveness import GIVE_BACK, dec, delayed_copy, delayed_parts, renumbered
+from .._plan import FAILED, GATE_CLOSED, Target
+from .cells import (
+    counted_removals,
+    delayed_of,
+    delayed_token,
+    give_back_counted,
+    given_back,
+    list_copies,
+    list_counted,
+    list_removal,
+    runtime_copy,
+    with_counts,
+)
+from .liveness import dec, delayed_copy, renumbered
 
 __all__ = ["FORGET_AT_ONCE", "ListGates"]
 
 FORGET_AT_ONCE = 100
 """At most this many receipts of answered delayed copies are deleted by the next one."""
-_COPY_REMOVE_SHA, _WRITES_SHA = LIST_COPY_REMOVE.sha, LIST_WRITES.sha
 _ELEMENT = operator.itemgetter(3)  # the element of a plain removal: ("LREM", processing, -1, e)
 _repeat = itertools.repeat
 
@@ -95,7 +105,7 @@ class ListGates:
         self.in_hand[raw] = self.in_hand.get(raw, 0) + 1
 
     def take(self, e: bytes) -> int:
-        """``n`` for the removal of one copy of ``e`` sent now (see ``_plan.list_counted``)."""
+        """``n`` for the removal of one copy of ``e`` sent now (see ``cells.list_counted``)."""
         return max(1, dec(self.unsent, e))
 
     def leave(self, raw: bytes) -> None:
@@ -134,7 +144,6 @@ class ListGates:
                 return commands
             else:
                 start = fast
-        processing = t.processing
         out: list[Command] | None = None
         for i in range(start, len(commands)):
             cmd = commands[i]
@@ -152,15 +161,10 @@ class ListGates:
                     if out is None:
                         out = list(commands)
                     out[i] = list_counted(cmd, n)
-            elif cmd[0] == b"EVALSHA" and cmd[1] == GIVE_BACK.sha and cmd[3] == processing:
-                args = list(cmd)
-                for j in range(5, len(args), 2):
-                    g = args[j]
-                    if isinstance(g, bytes):
-                        args[j + 1] = self.take(g)
+            elif given_back(t, cmd) is not None:
                 if out is None:
                     out = list(commands)
-                out[i] = tuple(args)
+                out[i] = give_back_counted(cmd, self.take)
         return commands if out is None else out
 
     def _settled(self, element: bytes, copies: int, r: object) -> None:
@@ -215,13 +219,8 @@ class ListGates:
             e = list_removal(t, cmd)
             if e is not None:
                 out[i] = list_counted(cmd, copies_now(e))
-            elif cmd[0] == b"EVALSHA" and cmd[1] == GIVE_BACK.sha and cmd[3] == t.processing:
-                args = list(cmd)
-                for j in range(5, len(args), 2):
-                    g = args[j]
-                    if isinstance(g, bytes):
-                        args[j + 1] = copies_now(g)
-                out[i] = tuple(args)
+            elif given_back(t, cmd) is not None:
+                out[i] = give_back_counted(cmd, copies_now)
         return out
 
     def settle(self, items: Sequence[Item], commands: Sequence[Command], replies: Sequence[object],
@@ -254,7 +253,6 @@ class ListGates:
             for x, n in zip(xs, ns, strict=True):
                 if n:
                     held[x] = n
-        processing = t.processing
         for cmd, r in zip(commands, replies, strict=True):
             if is_batched(cmd):  # removals with writes: each element's own reply
                 for x, n, er in _batch_removals(cmd, r):
@@ -262,10 +260,10 @@ class ListGates:
                 continue
             element = list_removal(t, cmd)
             if element is None:
-                if cmd[0] == b"EVALSHA" and cmd[1] == GIVE_BACK.sha and cmd[3] == processing:
-                    for g in cmd[5::2]:
-                        if isinstance(g, bytes):
-                            dec(held, g)
+                back = given_back(t, cmd)
+                for g in back[::2] if back is not None else ():
+                    if isinstance(g, bytes):
+                        dec(held, g)
                 continue
             self._settled(element, list_copies(cmd), r)
 
@@ -285,31 +283,20 @@ class ListGates:
         numbered again as if it were first sent now.  Anything else: as it is.
         """
         t = self.target
-        if t is None or cmd[0] != b"EVALSHA" or cmd[3] != t.processing:
+        if t is None:
             return cmd
-        parts = delayed_parts(cmd)
+        parts = delayed_of(t, cmd)
         if parts is not None:
             return renumbered(cmd, self.unsent.get(parts[0], 0) + 1)
-        sha = cmd[1]
-        keys = 3 + int(cmd[2])  # ARGV[1]
-        writes: Sequence[Arg]
-        wkeys: Sequence[Arg]
-        if sha == _COPY_REMOVE_SHA and cmd[2] == 2:  # processing, queue; element, copy[, n]
-            element, copy = cmd[5], cmd[6]
-            writes, wkeys = (0,), ()
-        elif sha == _WRITES_SHA and cmd[keys + 1] in (b"copy", "copy"):
-            # processing, queue, processing, keys; element, 'copy', nw, writes, copy, n
-            element, copy = cmd[keys], cmd[-2]
-            writes, wkeys = cmd[keys + 2 : -2], cmd[6:keys]
-        else:
+        first = runtime_copy(t, cmd)
+        if first is None:
             return cmd
-        if not isinstance(element, bytes) or not isinstance(copy, bytes):
-            return cmd
+        element, queue, copy, writes, wkeys = first
         n = max(1, dec(self.unsent, element))
         self.delayed[element] = self.delayed.get(element, 0) + 1
         forget = self.forget[:FORGET_AT_ONCE]
         del self.forget[:FORGET_AT_ONCE]
-        return delayed_copy(t.processing, cmd[4], element, copy, uuid.uuid4().bytes, n,
+        return delayed_copy(t.processing, queue, element, copy, uuid.uuid4().bytes, n,
                             forget, writes, wkeys)
 
     def later_answered(self, cmd: Command, r: object) -> tuple[str, int] | None:
@@ -320,8 +307,8 @@ class ListGates:
         earlier one; ``gate_closed``; ``failed``) and the writes committed;
         None when ``cmd`` is not a delayed copy of this processing list."""
         t = self.target
-        parts = delayed_parts(cmd)
-        if t is None or parts is None or cmd[3] != t.processing:
+        parts = None if t is None else delayed_of(t, cmd)
+        if parts is None:
             return None
         element, n, writes = parts
         dec(self.delayed, element)
@@ -330,7 +317,5 @@ class ListGates:
             return FAILED, 0
         if r is None or r is False:
             return GATE_CLOSED, 0
-        token = cmd[3 + int(cmd[2]) + 2]
-        assert isinstance(token, bytes)
-        self.forget.append(token)
+        self.forget.append(delayed_token(cmd))
         return "released", writes

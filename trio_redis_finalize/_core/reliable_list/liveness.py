@@ -82,7 +82,7 @@ from ..._envelope import CorruptEnvelope, unwrap, wrap
 from ..._keys import derived, named
 from .._commands import Arg, Command, Script
 from .._lua import WRITES_LUA
-from .._plan import content_origin
+from .._types import content_origin
 
 __all__ = [
     "BUMP", "DELAYED_COPY", "GIVE_BACK", "REAP", "STOP", "bumped", "dec", "delayed_copy",
