@@ -178,7 +178,7 @@ FORM_HOMES = {
     "pubsub": (f"{PACKAGE}._forms.pubsub",),
 }
 """Each form's home: its I/O (``_forms/<form>``) and its sans-IO rules and scripts (``_core/<form>``)."""
-TABLES = {f"{PACKAGE}._subscription", f"{PACKAGE}._forms", f"{CORE}._cells"}
+TABLES = {f"{PACKAGE}._subscription", f"{PACKAGE}._forms", f"{CORE}._plan"}
 """Where ``Form`` and ``Mode`` are defined, and the two registration tables: ``FORMS`` (the
 shell's row per form) and ``CELLS`` (the core's half).  These name every form's members."""
 FORMS_ENUM = {"Form": {"STREAM", "RELIABLE_LIST", "LIST", "CHANNEL", "PATTERN"},
@@ -208,6 +208,8 @@ def form_knowledge(source: str) -> list[str]:
     # a member passed as an argument builds a subscription as user code does (the demo's
     # ``mode=Mode.CLAIMING``): not a branch on it
     passed = {id(k.value) for n in ast.walk(tree) if isinstance(n, ast.Call) for k in n.keywords}
+    # so is a field's default value (``mode: Mode = Mode.PLAIN``)
+    passed |= {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.AnnAssign) and n.value is not None}
     for node in ast.walk(tree):
         if id(node) in passed:
             continue

@@ -72,11 +72,20 @@ from redis import exceptions as rexc
 from .._delivery import Delivery
 from .._errors import AckUnsupported
 from .._outcome import ACK, DROP, Backoff, Outcome, OutcomeKind, WithWrites
-from .._subscription import Form
 from ._batch import BATCHED, batch_replies, fast_index, fast_owner, first_round
 from ._commands import Command
 from ._gates import Gates, Item
-from ._plan import Effect, Plan, Target, plain_removals, plan, plan_dead, removal_commands, stream_removals
+from ._plan import (
+    Effect,
+    Plan,
+    Target,
+    cells_of,
+    plain_removals,
+    plan,
+    plan_dead,
+    removal_commands,
+    stream_removals,
+)
 from ._replies import FINAL, classify, describe_error
 from ._settlement import (
     GO,
@@ -86,6 +95,7 @@ from ._settlement import (
     batched_elements,
     count_removals,
     cut_warning,
+    held_warning,
     log_extra,
     settle_plans,
 )
@@ -127,8 +137,9 @@ class FinalizerCore:
         self._names = tuple((k, k._value_, e._value_) for k, e in self.removals.items())
         self._cut_warned = False  # claiming: a retry_after longer than min_idle was logged
         self._held_warned = False  # a runtime retry_after's copy in memory was logged
-        self._stream = target.form is Form.STREAM
-        self._lists = target.form is Form.RELIABLE_LIST  # the hot path: one LREM per element
+        cells = cells_of(target)
+        self._stream = cells.by_id
+        self._lists = cells.counted  # the hot path: one LREM per element
         # nothing to remove (Pub/Sub, simple lists): ACK and DROP are counted only
         self._counted = not self._stream and not self._lists
 
@@ -171,21 +182,6 @@ class FinalizerCore:
             b.records.append(cut_warning(self.name, t.min_idle, d, outcome))
         return p
 
-
-def held_warning(t: Target, d: Delivery, outcome: Outcome) -> tuple[str, tuple[object, ...],
-                                                                   dict[str, Any]]:
-    """The line logged once per subscription at its first runtime
-    ``retry_after``: the copy waits in process memory, a crash before the
-    delay ends loses it, and what keeps it in Redis."""
-    if t.form is Form.STREAM or t.form is Form.RELIABLE_LIST:
-        keep = ("delayed_retry=DelayedRetry.DURABLE_ZSET keeps it in Redis (the delay set "
-                f"{t.delay_key!r})")
-    else:
-        keep = (f"a {t.form.value} has no durable delay (a StreamSubscription or "
-                "ReliableListSubscription with delayed_retry=DelayedRetry.DURABLE_ZSET has)")
-    return ("%s: %r keeps its copy in process memory (DelayedRetry.RUNTIME, the default): a "
-            "crash before the delay ends loses it; %s (logged once per subscription)",
-            (t.name, outcome, keep), log_extra(t.name, d, outcome))
 
 
 class FinalizeBatch:

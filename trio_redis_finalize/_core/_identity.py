@@ -43,14 +43,18 @@ from typing import Any
 from .._errors import ConsumerNameInUse
 from ._commands import Command, Script
 
-__all__ = ["CLAIM", "RENEW", "Claimed", "ConsumerNameInUse", "age", "claim", "describe_holder",
-           "gone", "heartbeat_value", "make_token", "parse_claim", "refusal", "renew"]
+__all__ = ["CLAIM", "HEARTBEAT_FLOOR", "RENEW", "Claimed", "ConsumerNameInUse", "age", "claim",
+           "describe_holder", "gone", "heartbeat_value", "make_token", "parse_claim", "refusal", "renew"]
 
 
 def heartbeat_value(token: str, heartbeat: float) -> str:
     """What a heartbeat key holds: the owner's token and the heartbeat (ms)."""
     return f"{token} {max(1, round(heartbeat * 1000))}"
 
+
+HEARTBEAT_FLOOR = 0.01
+"""Seconds: a shorter ``heartbeat`` cannot be renewed (every ``heartbeat / 3``) in time
+(streams and reliable lists alike)."""
 
 # KEYS: heartbeat (the heartbeat key), registry, old_heartbeat (the heartbeat
 #   key of the old naming), old_registry (the registry of the old naming)

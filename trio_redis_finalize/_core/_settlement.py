@@ -20,7 +20,7 @@ from typing import Any
 from .._delivery import Delivery
 from .._outcome import Backoff, Outcome, OutcomeKind, WithWrites
 from ._commands import Command
-from ._plan import FAILED, GATE_CLOSED, Effect, Plan, Target, settle
+from ._plan import FAILED, GATE_CLOSED, Effect, Plan, Target, cells_of, settle
 from ._replies import FINAL, classify, describe_error
 from ._writes import WRITES
 
@@ -34,6 +34,7 @@ __all__ = [
     "count_removals",
     "cut_warning",
     "failed_removals",
+    "held_warning",
     "log_extra",
     "settle_plans",
 ]
@@ -338,3 +339,20 @@ def cut_warning(name: str, min_idle: float, d: Delivery, outcome: Outcome) -> Re
         (name, outcome, min_idle, d.id, d.attempt),
         log_extra(name, d, outcome),
     )
+
+
+def held_warning(t: Target, d: Delivery, outcome: Outcome) -> tuple[str, tuple[object, ...],
+                                                                   dict[str, Any]]:
+    """The line logged once per subscription at its first runtime
+    ``retry_after``: the copy waits in process memory, a crash before the
+    delay ends loses it, and what keeps it in Redis."""
+    cells = cells_of(t)
+    if cells.gated:  # the forms that hold what they read have a durable delay set
+        keep = ("delayed_retry=DelayedRetry.DURABLE_ZSET keeps it in Redis (the delay set "
+                f"{t.delay_key!r})")
+    else:
+        keep = (f"a {cells.noun} has no durable delay (a StreamSubscription or "
+                "ReliableListSubscription with delayed_retry=DelayedRetry.DURABLE_ZSET has)")
+    return ("%s: %r keeps its copy in process memory (DelayedRetry.RUNTIME, the default): a "
+            "crash before the delay ends loses it; %s (logged once per subscription)",
+            (t.name, outcome, keep), log_extra(t.name, d, outcome))

@@ -102,7 +102,7 @@ from collections.abc import Collection, Sequence
 from ..._keys import derived, named
 from ..._subscription import Mode
 from .._commands import Command, Script
-from .._identity import claim, heartbeat_value, renew
+from .._identity import HEARTBEAT_FLOOR, claim, heartbeat_value, renew
 from .survey import (
     Heartbeat,
     Peer,
@@ -139,8 +139,6 @@ HANDED_BACK_IDLE_MS = 10**12
 back: past every ``heartbeat`` and ``min_idle``, below the server's clock
 (``XCLAIM ... IDLE`` must not reach before the epoch)."""
 
-HEARTBEAT_FLOOR = 0.01
-"""Seconds: a shorter heartbeat cannot be renewed (every ``heartbeat / 3``) in time."""
 
 
 @functools.lru_cache(maxsize=4096)

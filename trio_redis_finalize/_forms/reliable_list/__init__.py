@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..._core._identity import HEARTBEAT_FLOOR
 from ..._core._plan import Target
-from ..._core.stream.liveness import HEARTBEAT_FLOOR
 from ..._keys import derived, same_slot
 from ..._subscription import (
     DEFAULT_MAX_ATTEMPTS,
