@@ -80,6 +80,7 @@ from ._plan import (
     Plan,
     Target,
     cells_of,
+    exhausted,
     plain_removals,
     plan,
     plan_dead,
@@ -154,7 +155,7 @@ class FinalizerCore:
         outcomes = b.outcomes
         if isinstance(outcome, Backoff):
             outcomes["backoff"] = outcomes.get("backoff", 0) + 1
-            if t.max_attempts is not None and d.attempt >= t.max_attempts:
+            if exhausted(t, d.attempt):
                 # as a RETRY at the last attempt: dead letter (copy, then remove) or drop
                 return plan_dead(t, d, f"max_attempts={t.max_attempts} reached at attempt {d.attempt}")
             b.backoffs.append((d, outcome))
