@@ -314,6 +314,10 @@ class OwnPel:
         """XAUTOCLAIM entries idle ``min_idle`` (any consumer), one page."""
         sub = self.sub
         self.unsure = True
+        # the entries in hand when the claim is sent: one of them the claim takes
+        # is ours and being handled (its lease lapsed), even if its handler
+        # finishes (and it is acknowledged) before the claim's reply is read
+        before = set(ctx.in_hand)
         reply = await conn.execute(
             "XAUTOCLAIM", sub.stream, sub.group, ctx.consumer.name,
             round(sub.min_idle * 1000), self._cursor, "COUNT", sub.count,
@@ -349,7 +353,7 @@ class OwnPel:
             # our own entries still being handled, whose lease lapsed (a
             # stalled process): never to a second handler, and their claim
             # did not count an attempt
-            own = [e[0] for e in live if e[0].decode() in held]
+            own = [e[0] for e in live if e[0].decode() in held or e[0].decode() in before]
             if own:
                 log.warning("%s: %d entries being handled were idle min_idle=%g s (lease "
                             "renewal late); kept with their handlers", ctx.name, len(own),
@@ -357,7 +361,8 @@ class OwnPel:
                 p = give_back(sub.stream, sub.group, ctx.consumer.name, lapsed_own(own, counts))
                 if p is not None:
                     await ctx.client.pipeline(p.commands, timeout=FINALIZE_TIMEOUT)
-                live = [e for e in live if e[0].decode() not in held]
+                mine = set(own)
+                live = [e for e in live if e[0] not in mine]
             # failed under a Backoff and not due yet (their consumer stopped, or
             # this one restarted): they wait out the rest, as the attempt they
             # failed at (the claim counted one more)
