@@ -24,7 +24,7 @@ class Durations:
         self.sum = 0.0
 
     def observe(self, seconds: float) -> None:
-        # Mount._handler_loop does the same inline (a call per delivery less)
+        # HandlerPool._handler_loop does the same inline (a call per delivery less)
         self.counts[bisect_left(DURATION_BOUNDS, seconds)] += 1
         self.sum += seconds
 

@@ -5,15 +5,25 @@ Nothing in this package does I/O or imports anyio, trio or the transport
 readers, the scheduler) reads, runs handlers and sends what the core
 decided; the replies come back here to be settled into effects and counts.
 
-* ``_commands``: commands and Lua scripts as plain values; the keys a command names.
+What every form shares:
+
+* ``_types``: ``Target``, ``Plan``, ``Effect``, ``settle``, ``exhausted`` and
+  ``Cells``, the row of the outcome table every form fills in.
+* ``_plan``: ``CELLS`` (a form's row: the core's half of the form table) and
+  ``plan()``, one lookup in it.
+* ``_commands``: commands and Lua scripts as plain values, each script's keys
+  and arguments by name; the keys a command names.
+* ``_lua``: the Lua snippets the scripts share.
 * ``_replies``: error replies as values and :func:`~._replies.classify`.
-* ``_plan``: what an outcome becomes, per form (the table the README shows).
-* ``stream.scripts``, ``reliable_list.scripts`` (built from ``_lua``): the Lua scripts the plans run.
-* ``_batch``: a finalizer batch's first round (fast path, XACK merging, two-step plans).
-* ``_finalize``: a finalizer batch from outcomes to settled effects: every round,
-  resend, count and log record (the finalizer task only does the I/O).
-* ``_decode``: replies of reads turned into deliveries.
-* ``_reliable``: the reliable list's keys, reader scripts, counter bumps and multiset counting.
-* ``_presence``: stream consumers' heartbeat keys and registry, the reaper's script, and
-  what a look at the group decides (who is dead, what to take, what to warn about).
+* ``_batch``: a finalizer batch's first round (fast path, XACK merging, batched calls).
+* ``_finalize``, ``_settlement``, ``_gates``: a finalizer batch from outcomes to settled
+  effects: every round, resend, count and log record (the finalizer task only does the I/O).
+* ``_writes``: an outcome's writes, in its form's gated step.
+* ``_decode``: what every form's decoding of a read shares.
+* ``_identity``, ``_recovery``, ``_caps``: one process per consumer name; refused
+  finalizations, Backoff schedules and leases; what the server can do.
+
+A form's own rules: ``stream/`` (cells, batched calls, attempts, decoding,
+liveness and the look at a group, retention, scripts) and ``reliable_list/``
+(cells, counted gates, liveness, scripts).
 """

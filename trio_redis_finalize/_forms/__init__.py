@@ -55,7 +55,7 @@ class FormSpec:
     with ``_`` for spaces (``str(t.form.value).replace(" ", "_")``)."""
     cut_fate: str
     """What becomes of deliveries whose handler the shutdown cut, for
-    ``Mount._log_cut``: a ``str.format`` template of ``names`` (the ids),
+    ``HandlerPool.log_cut``: a ``str.format`` template of ``names`` (the ids),
     ``group``, ``consumer`` and ``processing``."""
     leaves_pending: bool = False
     """A failed delivery can stay pending (a stream's PEL, a reliable list's
@@ -71,7 +71,7 @@ class FormSpec:
     """An outcome may carry writes (``Outcome.with_writes``), committed in the
     gated step that finalizes it (``check_outcome``'s form test)."""
     dead_letters: bool = False
-    """A delivery past ``max_attempts`` may go to a dead letter (``Mount._error_text``)."""
+    """A delivery past ``max_attempts`` may go to a dead letter (``OnError.error_text``)."""
     uses_caps: bool = False
     """Plans choose native commands from the server's capabilities, asked at
     mount (``if target.form is Form.STREAM`` in ``Consumer.mount``)."""
