@@ -17,7 +17,7 @@ from typing import Any
 
 from trio_redis_finalize import ACK, DROP, RETRY, Delivery, ReliableListSubscription, StreamSubscription
 from trio_redis_finalize._core._finalize import FinalizerCore, Item
-from trio_redis_finalize._core._plan import Target
+from trio_redis_finalize._core._types import Target
 
 from ._common import internal
 

@@ -36,8 +36,8 @@ import anyio
 from redis import exceptions as rexc
 
 from ._core._finalize import log_extra
-from ._core._plan import Effect
 from ._core._recovery import refused_delay, schedule_command, schedule_key
+from ._core._types import Effect
 from ._deadlines import backoff, log
 from ._delivery import Delivery
 from ._forms._port import Context, Pending

@@ -22,7 +22,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream as Recv
 from redis import exceptions as rexc
 
 from ._core._finalize import GO, FinalizeBatch, FinalizerCore, Gates, Item, Record
-from ._core._plan import FAILED, Target
+from ._core._types import FAILED, Target
 from ._deadlines import FINALIZE_TIMEOUT, backoff, log
 from ._delivery import Delivery
 from ._outcome import Backoff

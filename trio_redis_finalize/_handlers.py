@@ -30,7 +30,7 @@ from time import monotonic
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream as Send
 
-from ._core._plan import Target
+from ._core._types import Target
 from ._deadlines import log
 from ._delivery import Delivery
 from ._forms import FORMS

@@ -42,7 +42,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from ._core._plan import FAILED, GATE_CLOSED, Effect
+from ._core._types import FAILED, GATE_CLOSED, Effect
 from ._forms import FORMS
 from ._stats import DURATION_BOUNDS
 

@@ -47,7 +47,7 @@ from anyio.streams.memory import MemoryObjectSendStream as Send
 from redis import exceptions as rexc
 
 from ._backoffs import Backoffs
-from ._core._plan import Target
+from ._core._types import Target
 from ._deadlines import log
 from ._delivery import Delivery
 from ._finalizer import Finalizer

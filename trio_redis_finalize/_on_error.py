@@ -23,7 +23,7 @@ from __future__ import annotations
 import sys
 
 from ._core._finalize import log_extra
-from ._core._plan import Target, exhausted
+from ._core._types import Target, exhausted
 from ._core._writes import check_outcome
 from ._deadlines import log
 from ._delivery import Delivery, record_error

@@ -59,7 +59,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ._core._plan import FAILED
+from ._core._types import FAILED
 from ._delivery import Delivery, trace_fields
 from ._forms import FORMS
 from ._outcome import Outcome

@@ -43,7 +43,7 @@ from typing import Any
 import anyio
 
 from ._consumer import open_consumer
-from ._core._plan import content_origin
+from ._core._types import content_origin
 from ._delivery import Delivery
 from ._fault_client import Crash, FaultClient, FaultMode, open_fault_client
 from ._forms.reliable_list import ReliableListSubscription

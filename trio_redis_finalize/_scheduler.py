@@ -11,8 +11,8 @@ from anyio.abc import TaskStatus
 from redis import exceptions as rexc
 
 from ._core._commands import Command, describe
-from ._core._plan import FAILED, GATE_CLOSED, chain_stops
 from ._core._replies import FINAL, classify, describe_error
+from ._core._types import FAILED, GATE_CLOSED, chain_stops
 from ._core._writes import WRITES
 from ._deadlines import FINALIZE_TIMEOUT, backoff, log
 from ._shutdown import cleanup

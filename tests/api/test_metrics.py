@@ -276,7 +276,7 @@ def test_every_effect_and_outcome_the_package_counts_is_exported_from_zero() -> 
     from pathlib import Path
 
     import trio_redis_finalize
-    from trio_redis_finalize._core._plan import FAILED, GATE_CLOSED, Effect
+    from trio_redis_finalize._core._types import FAILED, GATE_CLOSED, Effect
     from trio_redis_finalize._metrics import EFFECTS, OUTCOMES
 
     root = Path(trio_redis_finalize.__file__).parent

@@ -19,7 +19,8 @@ from trio_redis_finalize import (
     StreamSubscription,
 )
 from trio_redis_finalize._core._decode import list_deliveries, list_delivery
-from trio_redis_finalize._core._plan import Effect, Target, _entry_fields, content_origin
+from trio_redis_finalize._core._plan import _entry_fields
+from trio_redis_finalize._core._types import Effect, Target, content_origin
 from trio_redis_finalize._core.stream.decode import Entry, id_key, read_entries, stream_deliveries
 from trio_redis_finalize._delivery import Delivery, record_error, trace_fields
 from trio_redis_finalize._envelope import MAGIC, wrap

@@ -32,16 +32,9 @@ from trio_redis_finalize import (
 from trio_redis_finalize._core._batch import batch_singles, is_batched
 from trio_redis_finalize._core._commands import describe
 from trio_redis_finalize._core._finalize import GO, FinalizeBatch, FinalizerCore, Item
-from trio_redis_finalize._core._plan import (
-    FAILED,
-    GATE_CLOSED,
-    Effect,
-    Plan,
-    Target,
-    chain_stops,
-    plan_lost,
-)
+from trio_redis_finalize._core._plan import plan_lost
 from trio_redis_finalize._core._replies import NotRunError
+from trio_redis_finalize._core._types import FAILED, GATE_CLOSED, Effect, Plan, Target, chain_stops
 from trio_redis_finalize._core.stream import scripts as stream_scripts
 from trio_redis_finalize._subscription import DelayedRetry, Mode
 

@@ -43,25 +43,20 @@ from trio_redis_finalize import (
     retry_after,
 )
 from trio_redis_finalize._core import _lua
-from trio_redis_finalize._core._plan import (
+from trio_redis_finalize._core._plan import RECEIPT_SUFFIX, plan, plan_dead, plan_foreign, plan_lost, why_key
+from trio_redis_finalize._core._types import (
     DEAD_ATTEMPT,
     DEAD_GROUP,
     DEAD_ID,
     DEAD_REASON,
     DEAD_SOURCE,
     DEAD_TIME,
-    RECEIPT_SUFFIX,
     RECEIPTED,
     Effect,
     Plan,
     Target,
     attempt_of,
     content_origin,
-    plan,
-    plan_dead,
-    plan_foreign,
-    plan_lost,
-    why_key,
 )
 from trio_redis_finalize._core._writes import plan_writes
 from trio_redis_finalize._core.reliable_list import scripts as list_scripts

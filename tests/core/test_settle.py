@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from redis import exceptions as rexc
 
 from trio_redis_finalize import ACK, RETRY, Delivery, StreamSubscription, retry_after
-from trio_redis_finalize._core._plan import FAILED, GATE_CLOSED, Plan, plan, settle
+from trio_redis_finalize._core._plan import plan
+from trio_redis_finalize._core._types import FAILED, GATE_CLOSED, Plan, settle
 from trio_redis_finalize._subscription import DelayedRetry
 from trio_redis_finalize._transport import NotRunError
 

@@ -23,7 +23,7 @@ from trio_redis_finalize import (
     retry_after,
 )
 from trio_redis_finalize._core._decode import list_deliveries, payload_deliveries
-from trio_redis_finalize._core._plan import Effect, Plan, Target
+from trio_redis_finalize._core._types import Effect, Plan, Target
 from trio_redis_finalize._core.stream.decode import stream_deliveries
 from trio_redis_finalize._delivery import record_error
 from trio_redis_finalize._envelope import wrap

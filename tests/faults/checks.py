@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from trio_redis_finalize import ORIGIN_FIELD, RETRIES_FIELD
-from trio_redis_finalize._core._plan import content_origin
+from trio_redis_finalize._core._types import content_origin
 from trio_redis_finalize._envelope import CorruptEnvelope, unpack_parts, unwrap
 from trio_redis_finalize._transport import Client
 

@@ -78,7 +78,7 @@ from trio_redis_finalize._core import _plan
 from trio_redis_finalize._core import _writes as _core_writes
 from trio_redis_finalize._core._batch import batch_replies, batch_singles, is_batched
 from trio_redis_finalize._core._caps import Capabilities
-from trio_redis_finalize._core._plan import Effect, Plan
+from trio_redis_finalize._core._types import Effect, Plan
 from trio_redis_finalize._core.reliable_list.scripts import LIST_COPY_REMOVE, LIST_ZADD_REMOVE
 from trio_redis_finalize._core.stream.retention import TRIM_ACKED, parse_trim
 from trio_redis_finalize._envelope import wrap

@@ -88,7 +88,7 @@ from trio_redis_finalize import (
     retry_after,
 )
 from trio_redis_finalize._core._caps import Capabilities
-from trio_redis_finalize._core._plan import content_origin
+from trio_redis_finalize._core._types import content_origin
 from trio_redis_finalize._core.reliable_list import liveness as reliable
 from trio_redis_finalize._core.stream import liveness as presence
 from trio_redis_finalize._transport import Client, open_client

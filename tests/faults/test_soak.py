@@ -48,7 +48,7 @@ from trio_redis_finalize import (
     StreamSubscription,
     open_consumer,
 )
-from trio_redis_finalize._core._plan import content_origin
+from trio_redis_finalize._core._types import content_origin
 from trio_redis_finalize._transport import Client, open_client
 from trio_redis_finalize.testing import RedisServer
 

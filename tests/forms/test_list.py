@@ -32,7 +32,7 @@ from trio_redis_finalize import (
     open_consumer,
     retry_after,
 )
-from trio_redis_finalize._core._plan import content_origin
+from trio_redis_finalize._core._types import content_origin
 from trio_redis_finalize._envelope import MAGIC, unwrap
 from trio_redis_finalize._transport import Client
 

@@ -41,7 +41,7 @@ from trio_redis_finalize import (
     retry_after,
 )
 from trio_redis_finalize._core._decode import list_delivery, payload_deliveries
-from trio_redis_finalize._core._plan import Target, content_origin
+from trio_redis_finalize._core._types import Target, content_origin
 from trio_redis_finalize._delivery import record_error
 from trio_redis_finalize._envelope import MAGIC, unwrap, wrap
 from trio_redis_finalize._subscription import Form

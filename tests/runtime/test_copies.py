@@ -37,7 +37,7 @@ from trio_redis_finalize import (
     open_consumer,
     retry_after,
 )
-from trio_redis_finalize._core._plan import DEAD_FIELDS
+from trio_redis_finalize._core._types import DEAD_FIELDS
 from trio_redis_finalize._core.stream.scripts import MOVE_DUE_TO_STREAM
 from trio_redis_finalize._envelope import GROUP_FIELD, pack_parts, unpack_parts
 from trio_redis_finalize._forms import _delay_set

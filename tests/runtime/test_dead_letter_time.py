@@ -38,7 +38,7 @@ from trio_redis_finalize import (
 )
 from trio_redis_finalize._core import _finalize as _core_finalize
 from trio_redis_finalize._core import _plan
-from trio_redis_finalize._core._plan import DEAD_TIME, Plan
+from trio_redis_finalize._core._types import DEAD_TIME, Plan, Target
 from trio_redis_finalize._transport import Client, open_client
 from trio_redis_finalize.pytest_plugin import sync_command
 from trio_redis_finalize.testing import RedisServer
@@ -63,7 +63,7 @@ def _fields(flat: list[bytes]) -> dict[bytes, bytes]:
     return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
-def _cluster_split(t: _plan.Target, d: Delivery, o: Outcome) -> Plan:
+def _cluster_split(t: Target, d: Delivery, o: Outcome) -> Plan:
     """The plan Redis Cluster gets when the dead letter is in another slot
     (here on one server): the copy, then the removal, as two commands."""
     return _plan.plan(dataclasses.replace(t, cluster=True), d, o)

@@ -51,7 +51,7 @@ from trio_redis_finalize import (
     open_consumer,
     retry_after,
 )
-from trio_redis_finalize._core._plan import content_origin
+from trio_redis_finalize._core._types import content_origin
 from trio_redis_finalize._core.stream.scripts import MOVE_DUE_TO_STREAM
 from trio_redis_finalize._envelope import pack_parts
 from trio_redis_finalize._transport import Client, Connection, open_client

@@ -32,7 +32,8 @@ from trio_redis_finalize import (
     StreamSubscription,
     retry_after,
 )
-from trio_redis_finalize._core._plan import DEAD_ATTEMPT, DEAD_REASON, Effect, Plan, content_origin, plan
+from trio_redis_finalize._core._plan import plan
+from trio_redis_finalize._core._types import DEAD_ATTEMPT, DEAD_REASON, Effect, Plan, content_origin
 from trio_redis_finalize._core.reliable_list.scripts import (
     LIST_COPY_REMOVE,
     LIST_ZADD_REMOVE,

@@ -68,7 +68,8 @@ from trio_redis_finalize import (
 )
 from trio_redis_finalize._core._batch import batch_singles, is_batched, merge_commands
 from trio_redis_finalize._core._decode import list_delivery
-from trio_redis_finalize._core._plan import Effect, Plan, Target, plan
+from trio_redis_finalize._core._plan import plan
+from trio_redis_finalize._core._types import Effect, Plan, Target
 from trio_redis_finalize._core.reliable_list.liveness import bumped, heartbeat_key
 from trio_redis_finalize._core.reliable_list.scripts import LIST_COPY_REMOVE, LIST_ZADD_REMOVE
 from trio_redis_finalize._core.stream.scripts import (
@@ -1012,7 +1013,7 @@ def test_reliable_list_state_machine(redis_server: RedisServer) -> None:
 from faults.cmdproxy import LOST, TRANSIENT_ERRORS, CommandProxy, error  # noqa: E402
 from hypothesis import example, given  # noqa: E402
 
-from trio_redis_finalize._core._plan import content_origin  # noqa: E402
+from trio_redis_finalize._core._types import content_origin  # noqa: E402
 
 H_STREAM, H_GA, H_GB = "hist", "ga", "gb"
 H_QUEUE = "hjobs"

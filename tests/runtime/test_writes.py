@@ -39,7 +39,8 @@ from trio_redis_finalize import (
     retry_after,
 )
 from trio_redis_finalize._core._caps import Capabilities
-from trio_redis_finalize._core._plan import Effect, Target, plan
+from trio_redis_finalize._core._plan import plan
+from trio_redis_finalize._core._types import Effect, Target
 from trio_redis_finalize._core._writes import check_outcome, encode_writes, plan_outcome, plan_writes
 from trio_redis_finalize._core.reliable_list import scripts as list_scripts
 from trio_redis_finalize._core.reliable_list.scripts import LIST_WRITES

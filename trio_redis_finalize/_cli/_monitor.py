@@ -14,7 +14,7 @@ from collections import defaultdict
 import anyio
 from anyio.abc import TaskStatus
 
-from .._core._plan import DEAD_ATTEMPT
+from .._core._types import DEAD_ATTEMPT
 from .._envelope import RETRIES_FIELD, CorruptEnvelope, unpack_parts, unwrap
 from .._transport import Client, Connection, ConnectionParams, open_connection, parse_url
 from ._scenarios import COLUMNS, MSG, PEL, Form, Observed

@@ -18,7 +18,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from .._core._plan import DEAD_FIELDS, why_key
+from .._core._plan import why_key
+from .._core._types import DEAD_FIELDS
 from .._core.reliable_list.liveness import heartbeat_key, registry_key
 from .._core.stream import liveness as presence
 from .._core.stream.retention import GroupNeed, group_rows, oldest_needed

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 
 import anyio
 
-from .._core._plan import DEAD_FIELDS, DEAD_REASON, why_key
+from .._core._plan import why_key
+from .._core._types import DEAD_FIELDS, DEAD_REASON
 from .._core.reliable_list.scripts import REQUEUE_LIST, REQUEUE_LIST_FORGET
 from .._core.stream.scripts import REQUEUE_STREAM
 from .._envelope import RETRIES_FIELD, CorruptEnvelope, unwrap, wrap

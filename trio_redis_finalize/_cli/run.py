@@ -25,7 +25,7 @@ import anyio
 from anyio.abc import TaskStatus
 from redis import exceptions as rexc
 
-from .._core._plan import Effect
+from .._core._types import Effect
 from .._transport import open_client, parse_url
 from ._common import (
     PROG,

@@ -15,7 +15,8 @@ from typing import Any
 from . import _lua
 from ._commands import Arg, Command
 from ._plan import BATCHED as _BATCHED_BY_SHA
-from ._plan import BATCHERS, Batcher, Effect, Plan, counted_removals, gate_range, with_counts
+from ._plan import BATCHERS, counted_removals, gate_range, with_counts
+from ._types import Batcher, Effect, Plan
 
 __all__ = [
     "BATCHED", "COPIED", "batch_part", "batch_replies", "batch_singles",

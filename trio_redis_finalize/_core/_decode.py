@@ -21,7 +21,8 @@ from .._delivery import Delivery, _set_origin_id
 from .._envelope import MAGIC, CorruptEnvelope, unwrap
 from .._value import builder, setters
 from ._gates import Item
-from ._plan import Plan, Target, content_origin, plan_dead
+from ._plan import plan_dead
+from ._types import Plan, Target, content_origin
 
 __all__ = [
     "MESSAGE",

@@ -75,18 +75,7 @@ from .._outcome import ACK, DROP, Backoff, Outcome, OutcomeKind, WithWrites
 from ._batch import BATCHED, batch_replies, fast_index, fast_owner, first_round
 from ._commands import Command
 from ._gates import Gates, Item
-from ._plan import (
-    Effect,
-    Plan,
-    Target,
-    cells_of,
-    exhausted,
-    plain_removals,
-    plan,
-    plan_dead,
-    removal_commands,
-    stream_removals,
-)
+from ._plan import cells_of, plain_removals, plan, plan_dead, removal_commands, stream_removals
 from ._replies import FINAL, classify, describe_error
 from ._settlement import (
     GO,
@@ -100,6 +89,7 @@ from ._settlement import (
     log_extra,
     settle_plans,
 )
+from ._types import Effect, Plan, Target, exhausted
 from ._writes import plan_writes
 
 __all__ = ["GO", "FinalizeBatch", "FinalizerCore", "Gates", "Item", "Record", "Settlement", "Step",

@@ -16,7 +16,7 @@ from typing import Protocol
 from .._delivery import Delivery
 from .._outcome import Backoff, Outcome
 from ._commands import Command
-from ._plan import Plan
+from ._types import Plan
 
 __all__ = ["Gates", "Item"]
 

@@ -30,7 +30,8 @@ from collections.abc import Sequence
 from .._delivery import Delivery
 from .._keys import derived
 from ._commands import Command, Script
-from ._plan import Target, cells_of
+from ._plan import cells_of
+from ._types import Target
 
 __all__ = [
     "ATTEMPTS",

@@ -20,8 +20,9 @@ from typing import Any
 from .._delivery import Delivery
 from .._outcome import Backoff, Outcome, OutcomeKind, WithWrites
 from ._commands import Command
-from ._plan import FAILED, GATE_CLOSED, Effect, Plan, Target, cells_of, settle
+from ._plan import cells_of
 from ._replies import FINAL, classify, describe_error
+from ._types import FAILED, GATE_CLOSED, Effect, Plan, Target, settle
 from ._writes import WRITES
 
 __all__ = [

@@ -52,7 +52,8 @@ from .._keys import same_slot
 from .._outcome import ACK, DROP, RETRY, Outcome, WithWrites
 from .._writes import WRITE_COMMANDS, Write, write_keys
 from ._commands import Arg, Command
-from ._plan import CELLS_OF, REMOVED, Plan, Target, cells_of, plan
+from ._plan import CELLS_OF, cells_of, plan
+from ._types import REMOVED, Plan, Target
 
 __all__ = ["WRITES", "check_outcome", "encode_writes", "plan_outcome", "plan_writes"]
 

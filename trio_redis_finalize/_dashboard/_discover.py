@@ -22,7 +22,8 @@ from redis import exceptions as rexc
 
 from .._cli import _queues as queues
 from .._cli._common import as_str, pairs
-from .._core._plan import DEAD_GROUP, DEAD_REASON, DEAD_SOURCE, why_key
+from .._core._plan import why_key
+from .._core._types import DEAD_GROUP, DEAD_REASON, DEAD_SOURCE
 from .._core.reliable_list.liveness import registry_key
 from .._history import history_key
 from .._keys import derived

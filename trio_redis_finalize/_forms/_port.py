@@ -26,7 +26,7 @@ from .._outcome import Outcome
 
 if TYPE_CHECKING:
     from .._core._finalize import Gates
-    from .._core._plan import Plan, Target
+    from .._core._types import Plan, Target
     from .._stats import MountStats
     from .._transport import Client
 

@@ -12,7 +12,7 @@ import anyio
 from redis import exceptions as rexc
 
 from .._core._decode import MESSAGE, PMESSAGE, payload_deliveries
-from .._core._plan import Plan, Target
+from .._core._types import Plan, Target
 from .._deadlines import FINALIZE_TIMEOUT, log
 from .._delivery import Delivery
 from .._subscription import Form, Subscription, check_key, check_limits

@@ -8,7 +8,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from .._core._decode import list_delivery
-from .._core._plan import Effect, Plan, Target
+from .._core._types import Effect, Plan, Target
 from .._deadlines import READ_MARGIN
 from .._delivery import Delivery
 from .._subscription import Form, Subscription, check_key, check_limits, check_positive

@@ -66,7 +66,7 @@ def make_delivery(
             the library's own headers (``trf-*``, ``traceparent``,
             ``tracestate``: a consumer never shows them).
     """
-    from .._core._plan import content_origin
+    from .._core._types import content_origin
 
     if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 1:
         raise ValueError(f"attempt must be an int >= 1, got {attempt!r}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trio_redis_finalize._core._plan import Effect
+from trio_redis_finalize._core._types import Effect
 from trio_redis_finalize._core.stream.attempts import (
     AS_IS,
     as_handed,

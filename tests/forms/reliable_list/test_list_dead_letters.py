@@ -23,7 +23,6 @@ import trio
 from trio_redis_finalize import ACK, RETRY, Backoff, Delivery, ReliableListSubscription, open_consumer
 from trio_redis_finalize._cli._queues import why_records
 from trio_redis_finalize._core._plan import (
-    Target,
     dead_record,
     list_copies,
     list_counted,
@@ -31,6 +30,7 @@ from trio_redis_finalize._core._plan import (
     plan_dead,
     why_key,
 )
+from trio_redis_finalize._core._types import Target
 from trio_redis_finalize._core.reliable_list.scripts import LIST_COPY_REMOVE, LIST_DEAD_PUSH
 from trio_redis_finalize._delivery import Delivery as _Delivery
 from trio_redis_finalize._envelope import unwrap, wrap

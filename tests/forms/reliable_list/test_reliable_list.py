@@ -34,7 +34,7 @@ from trio_redis_finalize import (
     open_consumer,
     retry_after,
 )
-from trio_redis_finalize._core._plan import content_origin
+from trio_redis_finalize._core._types import content_origin
 from trio_redis_finalize._core.reliable_list.liveness import bumped, heartbeat_key, registry_key
 from trio_redis_finalize._envelope import MAGIC, unwrap, wrap
 from trio_redis_finalize._transport import Client, open_client

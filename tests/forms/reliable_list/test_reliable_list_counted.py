@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from trio_redis_finalize import ACK, DROP, RETRY, DelayedRetry, retry_after
-from trio_redis_finalize._core._plan import Target, list_copies, list_counted, list_removal, plan
+from trio_redis_finalize._core._plan import list_copies, list_counted, list_removal, plan
+from trio_redis_finalize._core._types import Target
 from trio_redis_finalize._core.reliable_list.liveness import GIVE_BACK
 from trio_redis_finalize._core.reliable_list.scripts import (
     LIST_COPY_REMOVE,

@@ -38,7 +38,6 @@ from trio_redis_finalize import (
     _backoffs,
     open_consumer,
 )
-from trio_redis_finalize._core._plan import Target
 from trio_redis_finalize._core._recovery import (
     LEASE,
     REFUSED_CAP,
@@ -51,6 +50,7 @@ from trio_redis_finalize._core._recovery import (
     schedule_left,
     schedule_member,
 )
+from trio_redis_finalize._core._types import Target
 from trio_redis_finalize._forms.stream import reader as _stream
 from trio_redis_finalize._subscription import Form
 from trio_redis_finalize._transport import Client

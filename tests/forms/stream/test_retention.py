@@ -53,7 +53,6 @@ from trio_redis_finalize import (
 )
 from trio_redis_finalize._core._caps import Capabilities
 from trio_redis_finalize._core._plan import (
-    Plan,
     copy_how,
     plain_removals,
     plan,
@@ -62,6 +61,7 @@ from trio_redis_finalize._core._plan import (
     plan_lost,
     removal_commands,
 )
+from trio_redis_finalize._core._types import Plan
 from trio_redis_finalize._core.stream import scripts as stream_scripts
 from trio_redis_finalize._core.stream.retention import (
     MAX_PART,

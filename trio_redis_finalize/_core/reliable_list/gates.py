@@ -38,7 +38,7 @@ from redis import exceptions as rexc
 from .._batch import batch_replies, is_batched
 from .._commands import Command
 from .._finalize import Item
-from .._plan import FAILED, GATE_CLOSED, Target
+from .._types import FAILED, GATE_CLOSED, Target
 from .cells import (
     counted_removals,
     delayed_of,

@@ -35,7 +35,7 @@ from collections.abc import Iterable, Mapping
 from typing import TypeVar
 
 from .._commands import Command
-from .._plan import Effect, Plan
+from .._types import Effect, Plan
 from .decode import id_key
 
 __all__ = [

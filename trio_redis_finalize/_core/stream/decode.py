@@ -20,7 +20,8 @@ from typing import Any
 from ..._delivery import Delivery
 from ..._envelope import GROUP_FIELD, ORIGIN_FIELD, RETRIES_FIELD, TRACEPARENT_FIELD, TRACESTATE_FIELD
 from .._decode import Original, OriginalBuilder
-from .._plan import Plan, Target, attempt_of, plan_dead, plan_foreign, plan_lost
+from .._plan import plan_dead, plan_foreign, plan_lost
+from .._types import Plan, Target, attempt_of
 
 __all__ = ["Entry", "as_str", "id_key", "lost_entry", "read_entries", "stream_deliveries"]
 

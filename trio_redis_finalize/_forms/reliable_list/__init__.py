@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..._core._identity import HEARTBEAT_FLOOR
-from ..._core._plan import Target
+from ..._core._types import Target
 from ..._keys import derived, same_slot
 from ..._subscription import (
     DEFAULT_MAX_ATTEMPTS,

@@ -26,8 +26,8 @@ from redis import exceptions as rexc
 from ..._core._commands import Command
 from ..._core._decode import list_deliveries
 from ..._core._finalize import Gates
-from ..._core._plan import Effect, Plan, Target
 from ..._core._replies import describe_error
+from ..._core._types import Effect, Plan, Target
 from ..._core.reliable_list.gates import ListGates
 from ..._core.reliable_list.liveness import GIVE_BACK
 from ..._core.reliable_list.scripts import MOVE_DUE_TO_LIST

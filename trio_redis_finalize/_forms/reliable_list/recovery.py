@@ -28,9 +28,9 @@ import anyio
 from redis import exceptions as rexc
 
 from ..._core._decode import list_delivery
-from ..._core._plan import Plan
 from ..._core._recovery import SCHEDULE_LEFT, schedule_key, schedule_left, schedule_member
 from ..._core._replies import NOT_RUN, classify
+from ..._core._types import Plan
 from ..._core.reliable_list.gates import ListGates
 from ..._core.reliable_list.liveness import BUMP, bumped, dec, doubtful, stranded
 from ..._deadlines import FINALIZE_TIMEOUT, log

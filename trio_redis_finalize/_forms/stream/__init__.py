@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from ..._core._plan import Target
+from ..._core._types import Target
 from ..._core.stream.liveness import HEARTBEAT_FLOOR
 from ..._keys import derived, same_slot
 from ..._subscription import (

@@ -26,7 +26,7 @@ from typing import Any
 
 import anyio
 
-from ..._core._plan import Plan
+from ..._core._types import Plan
 from ..._core.stream.attempts import (
     AS_IS,
     as_handed,

@@ -18,9 +18,9 @@ from typing import Any
 import anyio
 from redis import exceptions as rexc
 
-from ..._core._plan import Plan
 from ..._core._recovery import LEASE, lease_lost
 from ..._core._replies import NOT_RUN, BusyGroupError, classify, error_code
+from ..._core._types import Plan
 from ..._core.stream.decode import as_str, id_key, read_entries
 from ..._core.stream.liveness import lease_every
 from ..._core.stream.scripts import move_due_to_stream
