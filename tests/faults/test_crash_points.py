@@ -74,7 +74,7 @@ from trio_redis_finalize import (
     retry_after,
 )
 from trio_redis_finalize._core import _finalize as _core_finalize
-from trio_redis_finalize._core import _plan
+from trio_redis_finalize._core import _plan, _types
 from trio_redis_finalize._core import _writes as _core_writes
 from trio_redis_finalize._core._batch import batch_replies, batch_singles, is_batched
 from trio_redis_finalize._core._caps import Capabilities
@@ -110,7 +110,7 @@ def _quick_timers(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # -- paths --------------------------------------------------------------------
 
-Planner = Callable[[_plan.Target, Delivery, Outcome], Plan]
+Planner = Callable[[_types.Target, Delivery, Outcome], Plan]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,12 +148,12 @@ class Path:
         return limit
 
 
-def _cluster_split(t: _plan.Target, d: Delivery, o: Outcome) -> Plan:
+def _cluster_split(t: _types.Target, d: Delivery, o: Outcome) -> Plan:
     """The plan Redis Cluster gets when the dead letter lives on another slot."""
     return _plan.plan(dataclasses.replace(t, cluster=True), d, o)
 
 
-def _remove_then_copy(t: _plan.Target, d: Delivery, o: Outcome) -> Plan:
+def _remove_then_copy(t: _types.Target, d: Delivery, o: Outcome) -> Plan:
     """The forbidden order: remove the original, then add the copy (two commands)."""
     if o != RETRY:
         return _plan.plan(t, d, o)
@@ -163,7 +163,7 @@ def _remove_then_copy(t: _plan.Target, d: Delivery, o: Outcome) -> Plan:
                     gated=False)
     assert d.raw is not None
     return Plan(Effect.COPIED, (("LREM", t.processing, -1, d.raw),
-                                ("LPUSH", t.source, _plan.list_copy(d))), gated=False)
+                                ("LPUSH", t.source, _types.list_copy(d))), gated=False)
 
 
 DURABLE = {"delayed_retry": DelayedRetry.DURABLE_ZSET}
@@ -394,14 +394,14 @@ async def _produce(client: Client, case: Case) -> None:
     if path.n > 1:  # foreign elements, pushed at once: one read
         elements = ([b"job"] * path.n if path.identical
                     else [f"job-{i + 1}".encode() for i in range(path.n)])
-        case.originals = list(dict.fromkeys(map(_plan.content_origin, elements)))
+        case.originals = list(dict.fromkeys(map(_types.content_origin, elements)))
         case.origin = case.originals[0]
         await client.execute("LPUSH", Q, *elements)
         return
     case.origin = "job-1"
     element = wrap(b"job", path.preset_retries, case.origin) if path.preset_retries else b"job"
     if not path.preset_retries:
-        case.origin = _plan.content_origin(element)
+        case.origin = _types.content_origin(element)
     await client.execute("LPUSH", Q, element)
 
 
