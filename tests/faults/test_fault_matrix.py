@@ -511,8 +511,11 @@ async def run_case(server: RedisServer, proxy: CommandProxy, case: Case) -> list
                 pass  # the watchdog's reset ended it: reported as a hang below
             elif state["what"] == "mount" and case.group != "errors":
                 # a set-up reply lost: mount() may fail (in time, with an error);
-                # the caller mounts again, and that one must do all the work
-                proxy.disarm()
+                # the caller mounts again, and that one must do all the work.  A
+                # mount that failed before the fault fired (a loaded machine's
+                # set-up deadline) leaves the fault armed for the second one.
+                if proxy.fired:
+                    proxy.disarm()
                 state["what"] = "mount"
                 case.remounted = f"{type(e).__name__}"
                 try:
