@@ -161,7 +161,9 @@ class Case:
 
 async def _settled(client: Client, case: Case) -> bool:
     consumer = case.consumer
-    if len(consumer.scheduler) or any(m.in_hand or m.stats.in_flight for m in consumer.mounts):
+    # a runtime copy waiting, or being sent (out of the heap, still held: held_by)
+    if len(consumer.scheduler) or any(m.in_hand or m.stats.in_flight or consumer.scheduler.held_by(m)
+                                      for m in consumer.mounts):
         return False
     if case.form.kind == "list":
         lens = await client.pipeline([("LLEN", Q), ("LLEN", "{jobs}:processing:" + NAME),
