@@ -268,3 +268,38 @@ async def test_failure_after_a_claim_does_not_count_it_twice(redis_url: str, cli
         await lc.aclose()
     assert lc.lose == 0
     assert h.calls == [(eid, 2)]
+
+
+async def test_an_entry_acknowledged_while_its_claim_is_read_goes_to_no_second_handler(
+    redis_url: str, client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claim takes our own entry being handled (its lease lapsed); its handler
+    finishes and the entry is acknowledged while the claim reads the counts.  It
+    was in hand when the claim was sent: kept, not handed to a second handler
+    (before: by then it was no longer in hand, and was delivered again)."""
+    from trio_redis_finalize._forms.stream import own_pel, reader
+
+    real = own_pel.claimed_counts
+    waited: list[bytes] = []
+
+    async def counts_after_the_ack(ctx: Any, ids: list[bytes]) -> dict[bytes, int]:
+        ours = [i for i in ids if i.decode() in ctx.in_hand]
+        if ours:  # the handler finishes and its ACK lands while the claim is read
+            waited.extend(ours)
+            with trio.fail_after(10):
+                while any(i.decode() in ctx.in_hand for i in ours):
+                    await trio.sleep(0.005)
+        return await real(ctx, ids)
+
+    monkeypatch.setattr(own_pel, "claimed_counts", counts_after_the_ack)
+    monkeypatch.setattr(reader, "lease_every", lambda *a: 3600.0)  # a stalled lease
+    h = Recorder(sleep=0.3)
+    sub = StreamSubscription(S, G, mode=Mode.RECLAIM, min_idle=0.02, block=0.05)
+    async with open_consumer(redis_url, name="c1") as consumer:
+        await consumer.mount(sub, h, concurrency=2)
+        eid = (await client.execute("XADD", S, "*", "n", "long")).decode()
+        await eventually(lambda: waited, timeout=20, what="a claim taking the entry in hand")
+        await eventually(lambda: effects(consumer).get("acked", 0) >= 1, what="acked")
+        await trio.sleep(0.3)
+    assert [d.id for d in h.seen] == [eid]
+    assert await pending(client) == 0
