@@ -143,6 +143,7 @@ class HandlerPool:
         flush_by = now + every  # when what gathers in ``results`` is handed on at the latest
         policy = self.policy  # its calls as locals: no attribute chain per delivery
         raised, checked, not_outcome = policy.raised, policy.checked, policy.not_outcome
+        free = policy.free  # outcome kinds whose writes need no check (OnError.checked)
         outcome: Outcome | Backoff
         try:
             while not self.stopping:
@@ -186,7 +187,8 @@ class HandlerPool:
                         else:
                             if outcome.__class__ is not Outcome:
                                 if outcome.__class__ is WithWrites:
-                                    outcome = checked(d, outcome)
+                                    if outcome.kind not in free:
+                                        outcome = checked(d, outcome)
                                 elif not isinstance(outcome, Outcome):
                                     outcome = not_outcome(d, outcome)
                         append((d, outcome))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import sys
 
 from ._core._finalize import log_extra
+from ._core._plan import cells_of
 from ._core._types import Target, exhausted
 from ._core._writes import check_outcome
 from ._deadlines import log
@@ -60,6 +61,10 @@ class OnError:
                              "to leave pending)")
         else:
             self.text = f"outcome {on_error!r}"
+        cells = cells_of(target)
+        # the outcome kinds whose writes check_outcome always passes here (an
+        # ACK or DROP where the form has a gate and no Cluster slot to check)
+        self.free = tuple(cells.removals) if cells.gated and not target.cluster else ()
         again = self.again
         self.warn_repeats = target.max_attempts is None and (
             isinstance(again, Backoff) or again.is_retry)
@@ -166,6 +171,8 @@ class OnError:
         """An outcome with writes this subscription cannot commit (a key in
         another Cluster slot, a form without a gate ...) is a handler error:
         its ``ValueError`` is logged and ``on_error`` applies."""
+        if outcome.kind in self.free:  # (a tuple: `in` by identity first)
+            return outcome
         try:
             check_outcome(self.target, d, outcome)
         except ValueError:

@@ -8,14 +8,51 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
+from itertools import chain
 
 __all__ = [
-    "SCRIPTS", "Arg", "Command", "Script", "command_keys", "describe", "group_names",
-    "script_of", "split_field",
+    "SCRIPTS", "Arg", "Command", "Script", "Spliced", "command_keys", "describe", "group_names",
+    "script_of", "splice", "split_field",
 ]
 
 Arg = bytes | str | int | float
 Command = Sequence[Arg]
+
+
+
+class Spliced(tuple):  # type: ignore[type-arg]
+    """A command made of segments of arguments, some of them the same object
+    again (one outcome's encoded writes in the part of every delivery that
+    returned it, in a batched call): a tuple of all its arguments, as any
+    command, that the transport packs segment by segment, each distinct
+    segment object once (:meth:`packed`; packing is most of what a write
+    costs the client).  Made by :func:`splice` only: its arguments are its
+    segments' in order."""
+
+    segments: Sequence[Sequence[Arg]]
+
+    def packed(self, pack: Callable[[tuple[Arg, ...]], bytes]) -> bytes:
+        """The command's RESP bytes, ``pack`` (``hiredis.pack_command``)
+        packing each distinct segment: the same bytes ``pack(self)`` gives."""
+        done: dict[int, bytes] = {}
+        out = [b"*%d\r\n" % len(self)]
+        for seg in self.segments:
+            if not seg:
+                continue
+            b = done.get(id(seg))
+            if b is None:
+                p = pack(tuple(seg))
+                b = done[id(seg)] = p[p.index(b"\n") + 1:]  # without its "*<n>" line
+            out.append(b)
+        return b"".join(out)
+
+
+def splice(segments: Sequence[Sequence[Arg]]) -> Spliced:
+    """The command of ``segments`` (not empty), in order (see :class:`Spliced`)."""
+    c = Spliced(chain.from_iterable(segments))
+    c.segments = segments
+    return c
+
 
 SCRIPTS: dict[bytes, Script] = {}
 """Every script by its sha: its source (loaded on ``NOSCRIPT``) and its name

@@ -25,22 +25,22 @@ What the core decides:
   original (ACK and DROP on a stream or a reliable list,
   :func:`~._plan.plain_removals`) get no plan each: one
   :func:`~._plan.removal_commands` removes them all (one ``XACK`` of every
-  id on a stream).  Everything else gets its :func:`~._plan.plan`.
+  id on a stream); ACKs and DROPs carrying writes on a stream get none
+  either: their batched calls are built at once (``_hot_writes``).
+  Everything else gets its :func:`~._plan.plan`.
 * **The first round** (:func:`~._batch.first_round`): single-``XACK`` plans merge
   per stream and group, apart from the hot path's ``XACK`` (whose own count
   settles its removals: a short one is ``gate_closed``); a plan of two ungated
-  steps (a copy to another Redis Cluster slot, then the removal of the
-  original) sends only its copy; its removal goes in a later round, once
-  the copy's reply was a success.  A removal never follows a copy that
-  failed, did not run, or whose outcome is unknown.
+  steps (a copy to another Redis Cluster slot, then the removal) sends only
+  its copy, the removal once the copy's reply was a success (never after a
+  copy that failed, did not run, or whose outcome is unknown).
 * **Batched scripts**: the two-step deliveries of a batch that share their
   keys (RETRY copies, dead letters, durable delays on one stream) go in one
-  batched script call (:func:`~._batch.first_round`); its reply has one
-  element per delivery, settled as that delivery's own script's reply
-  would be: an element that did not run sends that delivery's own script
-  again (alone, after a pause), a final one fails that delivery only.  An
-  error reply to the whole call, or a round trip that failed, is handled
-  as for any command (the call sent again whole: every delivery is gated).
+  batched script call; its reply has one element per delivery, settled as
+  that delivery's own script's reply would be (one that did not run sends
+  that delivery's own script again, alone, after a pause; a final one fails
+  that delivery only).  An error reply to the whole call, or a round trip
+  that failed, is handled as for any command.
 * **Error replies** (:func:`~._replies.classify`): one that did not run
   (OOM, BUSY, READONLY ...) is sent again, alone, after a pause; a final
   one is logged with its command and key, counted, and makes its
@@ -52,11 +52,11 @@ What the core decides:
   object -- the reader's -- numbers the removals once before the first send
   (``prepare``), again before every resend (``resend``: the copies held
   *now*), and learns what Redis answered (``settle``).
-* **Effects** are counted from the replies (``_settlement``, :func:`~._plan.settle`),
-  with the runtime ``retry_after`` copies to hand the scheduler (only for plans
-  whose removal was confirmed; on cancellation every one, duplicate never
-  loss), the log records to emit and the stream ids to forget (the shell is
-  told a :class:`~._settlement.Step` after each round, a
+* **Effects** are counted from the replies (``_settlement``), with the
+  runtime ``retry_after`` copies to hand the scheduler (only for plans whose
+  removal was confirmed; on cancellation every one, duplicate never loss),
+  the records to log and the stream ids to forget (a
+  :class:`~._settlement.Step` after each round, a
   :class:`~._settlement.Settlement` at the end).
 """
 
@@ -75,6 +75,7 @@ from .._outcome import ACK, DROP, Backoff, Outcome, OutcomeKind, WithWrites
 from ._batch import BATCHED, batch_replies, fast_index, fast_owner, first_round
 from ._commands import Command
 from ._gates import Gates, Item
+from ._hot_writes import HotWrites
 from ._plan import cells_of, plain_removals, plan, plan_dead, removal_commands, stream_removals
 from ._replies import FINAL, classify, describe_error
 from ._settlement import (
@@ -85,6 +86,7 @@ from ._settlement import (
     batched_elements,
     count_removals,
     cut_warning,
+    held_on_cancel,
     held_warning,
     log_extra,
     settle_plans,
@@ -116,8 +118,8 @@ class FinalizerCore:
     ``gates``: the reader's counted gates (reliable lists), or None.
     """
 
-    __slots__ = ("_counted", "_cut_warned", "_held_warned", "_kinds", "_lists", "_names", "_stream", "gates",
-                 "name", "removals", "target")
+    __slots__ = ("_cells", "_counted", "_cut_warned", "_held_warned", "_hot", "_kinds", "_lists",
+                 "_names", "_stream", "gates", "name", "removals", "target")
 
     def __init__(self, target: Target, *, gates: Gates | None = None) -> None:
         self.target = target
@@ -128,7 +130,8 @@ class FinalizerCore:
         self._names = tuple((k, k._value_, e._value_) for k, e in self.removals.items())
         self._cut_warned = False  # claiming: a retry_after longer than min_idle was logged
         self._held_warned = False  # a runtime retry_after's copy in memory was logged
-        cells = cells_of(target)
+        cells = self._cells = cells_of(target)
+        self._hot = HotWrites.applies(cells, target, gates)  # ACKs and DROPs with writes
         self._stream = cells.by_id
         self._lists = cells.counted  # the hot path: one LREM per element
         # nothing to remove (Pub/Sub, simple lists): ACK and DROP are counted only
@@ -190,9 +193,9 @@ class FinalizeBatch:
 
     __slots__ = (
         "_answered", "_answers", "_attempt", "_commands", "_core", "_debug", "_fast_failed",
-        "_fast_replies", "_first", "_got", "_ids", "_items", "_kinds", "_n_fast", "_owners", "_plans",
-        "_recount", "_removed", "_rest",
-        "_returned", "_tally", "_unsure", "backoffs", "outcomes", "records", "refused",
+        "_fast_replies", "_first", "_got", "_hot", "_hot_calls", "_ids", "_items", "_kinds",
+        "_n_fast", "_n_hot", "_owners", "_plans", "_recount", "_removed", "_rest", "_returned",
+        "_tally", "_unsure", "backoffs", "outcomes", "records", "refused",
     )
 
     def __init__(self, core: FinalizerCore, items: Sequence[Item], debug: bool) -> None:
@@ -211,6 +214,8 @@ class FinalizeBatch:
         retries = core._stream  # a stream: a RETRY's plan, without _plan_for's checks
         target = core.target
         outcomes = self.outcomes
+        hot: list[tuple[Delivery, WithWrites]] = []
+        hot_ok = core._hot
         # the common batch: one hot-path outcome object for every delivery (a
         # handler returning ACK): its lists built in C, no loop in Python
         first = items[0][1] if items else None
@@ -219,6 +224,9 @@ class FinalizeBatch:
                 and [*map(_OUTCOME, items)].count(first) == len(items)):
             removed = [*map(_DELIVERY, items)]
             kinds = [first.kind] * len(removed)
+            todo = ()
+        elif hot_ok and first.__class__ is WithWrites and HotWrites.every(items, removable):
+            hot = [*items]  # type: ignore[list-item]
             todo = ()
         elif core._counted and items:
             # Pub/Sub, simple lists: an ACK or a DROP sends nothing, it is only
@@ -243,6 +251,10 @@ class FinalizeBatch:
                     kinds.append(kind)
                     continue
                 p = core._plan_for(d, outcome, self)
+            elif (outcome.__class__ is WithWrites and hot_ok and outcome.kind in removable
+                  and outcome.writes):
+                hot.append((d, outcome))  # counted by HotWrites
+                continue
             elif isinstance(outcome, Plan):
                 p = outcome
             else:
@@ -277,7 +289,12 @@ class FinalizeBatch:
             self._got: list[list[Any]] = [[] for _ in plans]  # per plan: its replies so far
         else:
             commands, owners, rest = fast, None, []
-            self._got = rest
+            self._got = []
+        self._hot = hw = HotWrites(target, core._cells, hot, self.outcomes) if hot else None
+        self._hot_calls = self._n_hot = 0
+        if hw is not None:  # its calls after the plain removals (whose replies come first)
+            commands, owners = hw.place(commands, owners, len(fast))
+            self._hot_calls, self._n_hot = len(hw.calls), len(hot)
         gates = core.gates
         if gates is not None:
             # the reader's say on the commands (counted gates for identical
@@ -321,14 +338,14 @@ class FinalizeBatch:
             raise RuntimeError("failed(): no round is outstanding")
         if classify(err) is FINAL:
             return self.receive([err] * len(commands))
-        # Did not run, or outcome unknown: every command is idempotent or
-        # gated (a two-step ungated plan's removal is only sent once its copy
-        # succeeded): send the same round again.
+        # Did not run, or outcome unknown: every command is idempotent or gated (a two-step
+        # ungated plan's removal is only sent once its copy succeeded): the same round again.
         self._unsure = self._recount = True
         self._attempt += 1
         return Step(1, self._attempt, [(
             _WARNING, "%s: finalization of %d deliveries failed (%s); sending again",
-            (core.name, len(self._plans) + len(self._removed), err), {"subscription": core.name},
+            (core.name, len(self._plans) + len(self._removed) + self._n_hot, err),
+            {"subscription": core.name},
         )])
 
     def receive(self, replies: Sequence[Any]) -> Step:
@@ -380,7 +397,13 @@ class FinalizeBatch:
         errors = 0
         records: list[Record] = []
         deferred = ""
+        if self._hot_calls and self._hot is not None:  # the hot path's calls (``_hot_writes``)
+            k, n, self._hot_calls = self._n_fast, self._hot_calls, 0
+            errors, deferred = self._hot.receive(core.target, replies[k:k + n], self._plans,
+                                                 self._returned, got, rest, again, again_owners, records)
         for cmd, r, own in zip(commands, replies, owners, strict=True):
+            if not own:  # a hot-path call, read above
+                continue
             if len(own) > 1 and cmd[0] == b"EVALSHA" and cmd[1] in BATCHED:
                 # a batched script call: its short reply read back as one element
                 # per delivery (plan, ``batch_replies``), each settled as the
@@ -441,19 +464,9 @@ class FinalizeBatch:
 
     # -- the end -----------------------------------------------------------------
     def cancelled(self) -> list[tuple[float, tuple[Command, ...]]]:
-        """Cancelled (shutdown deadline) with the outcome unknown: a runtime
-        ``retry_after``'s removal may have been applied, so its copy must
-        still go out -- every plan's ``(delay, removal + later)``.
-
-        The removal goes first again, so the original cannot come back beside
-        its copy (the removal may never have been sent): on a stream it is
-        the gated script that answers from this finalization's own receipt
-        (``STREAM_REMOVE_RECEIPT``), so the copy follows only when this
-        finalization removed the original -- a racing finalization that got
-        there first closes it (``_plan.chain_stops``); should the removal
-        fail, the copy is not sent either and the original stays pending."""
-        return [(p.delay, (*p.commands, *p.later))
-                for _, p in self._plans if p.delay is not None and p.later]
+        """Cancelled (shutdown deadline) with the outcome unknown: the runtime
+        copies to hold (:func:`~._settlement.held_on_cancel`)."""
+        return held_on_cancel(self._plans)
 
     def result(self) -> Settlement:
         """The batch's settlement (``_settlement``), once :meth:`commands` is empty."""
@@ -478,8 +491,10 @@ class FinalizeBatch:
                 self._fast_failed, self._n_fast, self._fast_replies,
                 self._items if self._debug else None, effects, records)
         plans = self._plans
+        hw = self._hot
+        wrote = hw.settle(name, self._debug, effects, records) if hw is not None else []
         if plans:
             settled = settle_plans(name, plans, self._returned, self._got, self._unsure,
                                    self._debug, effects, records, later)
         return Settlement(effects, records, later, settled, closed, failed, self._ids,
-                          core.removals, removed, self._kinds, plans)
+                          core.removals, removed, self._kinds, plans, wrote)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from operator import attrgetter, itemgetter
 from typing import Any
 
 from .._delivery import Delivery
@@ -22,7 +23,7 @@ from .._outcome import Backoff, Outcome, OutcomeKind, WithWrites
 from ._commands import Command
 from ._plan import cells_of
 from ._replies import FINAL, classify, describe_error
-from ._types import FAILED, GATE_CLOSED, Effect, Plan, Target, settle
+from ._types import FAILED, GATE_CLOSED, REMOVED, Effect, Plan, Target, settle
 from ._writes import WRITES
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "count_removals",
     "cut_warning",
     "failed_removals",
+    "held_on_cancel",
     "held_warning",
     "log_extra",
     "settle_plans",
@@ -45,6 +47,9 @@ Record = tuple[int, str, tuple[object, ...], dict[str, Any]]
 ``log.log(level, message, *args, extra=extra)``."""
 
 _DEBUG = logging.DEBUG
+_DELIVERY = itemgetter(0)
+_ENTRY_ID = attrgetter("id")
+_REMOVED_BY = REMOVED
 _INFO = logging.INFO
 _WARNING = logging.WARNING
 _ERROR = logging.ERROR
@@ -256,6 +261,22 @@ def settle_plans(
     return settled_effects
 
 
+def held_on_cancel(plans: list[tuple[Delivery, Plan]]) -> list[tuple[float, tuple[Command, ...]]]:
+    """A batch cancelled (shutdown deadline) with the outcome unknown: a
+    runtime ``retry_after``'s removal may have been applied, so its copy must
+    still go out -- every plan's ``(delay, removal + later)``.
+
+    The removal goes first again, so the original cannot come back beside
+    its copy (the removal may never have been sent): on a stream it is
+    the gated script that answers from this finalization's own receipt
+    (``STREAM_REMOVE_RECEIPT``), so the copy follows only when this
+    finalization removed the original -- a racing finalization that got
+    there first closes it (``_plan.chain_stops``); should the removal
+    fail, the copy is not sent either and the original stays pending."""
+    return [(p.delay, (*p.commands, *p.later))
+            for _, p in plans if p.delay is not None and p.later]
+
+
 # -- the end -----------------------------------------------------------------------------------
 class Settlement:
     """What a finished batch did, as Redis answered.
@@ -269,13 +290,14 @@ class Settlement:
     """
 
     __slots__ = ("_closed", "_failed", "_ids", "_kinds", "_plans", "_removals", "_removed",
-                 "_settled", "effects", "later", "records")
+                 "_settled", "_wrote", "effects", "later", "records")
 
     def __init__(self, effects: dict[str, int], records: list[Record],
                  later: list[tuple[float, tuple[Command, ...]]], settled: Sequence[str],
                  closed: Sequence[int], failed: Sequence[int], ids: list[str],
                  removals: dict[OutcomeKind, Effect], removed: list[Delivery],
-                 kinds: list[OutcomeKind], plans: list[tuple[Delivery, Plan]]) -> None:
+                 kinds: list[OutcomeKind], plans: list[tuple[Delivery, Plan]],
+                 wrote: Sequence[tuple[Delivery, WithWrites]] = ()) -> None:
         self._closed = closed  # the hot path's removals that removed nothing (gate_closed)
         self._failed = failed  # those whose command got a final error reply
         self.effects = effects
@@ -287,11 +309,15 @@ class Settlement:
         self._removed = removed  # the hot path's removals, of _kinds
         self._kinds = kinds
         self._plans = plans
+        self._wrote = wrote  # the hot path's ACKs and DROPs carrying writes (``_hot_writes``)
 
     def forget(self) -> list[str]:
         """The stream ids finalized (or failed: the own-PEL re-read delivers them again)."""
         # the hot path's ids listed once (streams; other forms hold no ids)
-        return self._ids + [d.id for d, _ in self._plans if d.id is not None]
+        ids = self._ids
+        if self._wrote:  # (a stream's: every one has an id)
+            ids = [*ids, *map(_ENTRY_ID, map(_DELIVERY, self._wrote))]
+        return ids + [d.id for d, _ in self._plans if d.id is not None]
 
     def deliveries(self) -> list[tuple[Delivery, str]]:
         """Every delivery the batch finalized with its settled effect (the hot
@@ -302,7 +328,8 @@ class Settlement:
             out[i] = (out[i][0], GATE_CLOSED)
         for i in self._failed:
             out[i] = (out[i][0], FAILED)
-        return out + [(d, e) for (d, _), e in zip(self._plans, self._settled, strict=True)]
+        return (out + [(d, _REMOVED_BY[o.kind]._value_) for d, o in self._wrote]
+                + [(d, e) for (d, _), e in zip(self._plans, self._settled, strict=True)])
 
 
 def log_extra(

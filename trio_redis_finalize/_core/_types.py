@@ -21,9 +21,9 @@ import dataclasses
 import enum
 import hashlib
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from itertools import chain
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from .._delivery import Delivery
 from .._envelope import pack_parts, wrap
@@ -414,6 +414,16 @@ class Cells:
                             keys: Sequence[str | bytes]) -> Plan | None:
         """The plain removal of ``d`` (an ACK or DROP, ``effect``) carrying
         ``writes``, in one script; None: plan it as any other outcome."""
+        return None
+
+    def ack_writes_calls(self, t: Target, items: Sequence[tuple[Delivery, Outcome]],
+                         encode: Callable[[Any], tuple[Sequence[Arg], Sequence[Arg]]]
+                         ) -> list[tuple[Command, int]] | None:
+        """The batched calls of ACKs and DROPs carrying writes (``items``;
+        ``encode(outcome)``: its encoded writes and their keys), built
+        without a plan each: ``(call, deliveries it carries)`` (the
+        finalizer's hot path, ``_hot_writes``); None: this form has none
+        (every one planned)."""
         return None
 
 

@@ -25,7 +25,7 @@ from redis._parsers.base import BaseParser
 
 from .._core import _caps
 from .._core._caps import Capabilities
-from .._core._commands import Arg, Command, describe
+from .._core._commands import Arg, Command, Spliced, describe
 from .._core._replies import (
     _EXTRA,
     _WRAPPED,
@@ -222,7 +222,12 @@ class Connection:
         for c in commands:
             if c is not last:
                 last = c
-                packed = pack_command(c if c.__class__ is tuple else tuple(c))
+                if c.__class__ is tuple:
+                    packed = pack_command(c)
+                elif c.__class__ is Spliced:  # each distinct segment packed once
+                    packed = c.packed(pack_command)
+                else:
+                    packed = pack_command(tuple(c))
             append(packed)
         payload = b"".join(parts)
         try:

@@ -11,16 +11,22 @@ the stream's row (``cells.StreamCells``) lists them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from operator import itemgetter
+from collections.abc import Callable, Sequence
+from operator import attrgetter, itemgetter
+from typing import Any
 
-from .._commands import Arg, Command
-from .._types import Batcher, args_at, fields_of, fixed_at, writes_at
+from ..._delivery import Delivery
+from ..._outcome import Outcome
+from .._commands import Arg, Command, splice
+from .._lua import STREAM_BATCH_MAX, STREAM_BATCH_VALUES
+from .._types import Batcher, Target, args_at, fields_of, fixed_at, writes_at
 from . import scripts
 
-__all__ = ["BATCHED", "BATCHERS", "gate_range"]
+__all__ = ["BATCHED", "BATCHERS", "ack_writes_calls", "gate_range"]
 
 _STREAM_WRITES = scripts.STREAM_WRITES
+_DELIVERY = itemgetter(0)
+_ENTRY_ID = attrgetter("id")
 
 
 def _id_order(eid: Arg) -> tuple[int, str, int, str]:
@@ -42,10 +48,20 @@ def gate_range(ids: Sequence[Arg]) -> tuple[Arg, Arg, int]:
     # (checked with map(): no Python-level call per id)
     if first.__class__ is str and (k := first.find("-")) > 0 and set(map(type, ids)) == _STR:
         texts: Sequence[str] = ids  # type: ignore[assignment]
-        if set(map(len, texts)) == {len(first)} and set(map(itemgetter(k), texts)) == _DASH:
-            # ids of one shape (the common case): ms parts of one length, so
-            # seq parts too; such ids compare as text
-            return min(texts), max(texts), 2 * len(ids)
+        if min(map(len, texts)) > k and set(map(itemgetter(k), texts)) == _DASH:
+            if set(map(len, texts)) == {len(first)}:
+                # ids of one shape (the common case): ms parts of one length, so
+                # seq parts too; such ids compare as text
+                return min(texts), max(texts), 2 * len(ids)
+            # ms parts of one length (seq parts may differ): the smallest and
+            # largest ms compare as text; among the few ids of each, by seq
+            # (the shortest seq is the smallest, the longest the largest)
+            lo_ms, hi_ms = min(texts)[:k + 1], max(texts)[:k + 1]
+            los = [t for t in texts if t.startswith(lo_ms)]
+            his = [t for t in texts if t.startswith(hi_ms)]
+            short, long = min(map(len, los)), max(map(len, his))
+            return (min([t for t in los if len(t) == short]),
+                    max([t for t in his if len(t) == long]), 2 * len(ids))
     keys = list(map(_id_order, ids))
     lo = min(keys)
     hi = max(keys)
@@ -208,3 +224,60 @@ BATCHED: dict[object, Batcher] = {
     _COPY_BATCH.sha: _COPIES, _ZADD_BATCH.sha: _Delays("0"), _WB.sha: _ACK_WRITES,
 }
 """The batched scripts they go in, by sha (``Cells.batched``)."""
+
+
+def ack_writes_calls(t: Target, how: str, items: Sequence[tuple[Delivery, Outcome]],
+                     encode: Callable[[Any], tuple[Sequence[Arg], Sequence[Arg]]]
+                     ) -> list[tuple[Command, int]]:
+    """The ``STREAM_WRITES_ACK_BATCH`` calls of ACKs and DROPs carrying writes
+    (``items``: each delivery and its outcome; the finalizer's hot path for
+    them, ``_core._hot_writes``), built directly: ``(call, how many
+    deliveries it carries)``, in order.  ``encode(outcome)``: its writes as
+    the script reads them (``_writes.encode_writes``) and the keys they
+    name, once per outcome object in a row.
+
+    The calls are the ones :func:`~.._batch.first_round` makes of those
+    deliveries' own ``STREAM_WRITES`` plans (``_AckWrites``: at most
+    ``STREAM_BATCH_MAX`` deliveries and about ``STREAM_BATCH_VALUES`` values
+    each, every key once), without a plan per delivery; one delivery too
+    goes as a batched call (its reply read the same way).
+    """
+    src = t.source
+    head = (t.group, how)
+    ids: list[Arg] = [*map(_ENTRY_ID, map(_DELIVERY, items))]
+    out: list[tuple[Command, int]] = []
+    n = len(items)
+    i = 0
+    last: object = None
+    w: tuple[Sequence[Arg], Sequence[Arg]] = ((), ())
+    while i < n:
+        # segments: the call's head, then each delivery's id and its
+        # outcome's encoded writes (the same list object while the outcome
+        # object is the same: packed once, see ``Spliced``)
+        segments: list[Sequence[Arg]] = [()]
+        keys: dict[Arg, None] = {}
+        size = 0
+        j = i
+        end = min(n, i + STREAM_BATCH_MAX)
+        new = True
+        while j < end:
+            o = items[j][1]
+            if o is not last:
+                w = encode(o)
+                last = o
+                new = True
+            enc = w[0]
+            width = 1 + len(enc)
+            if size + width > STREAM_BATCH_VALUES and j > i:
+                break
+            segments.append((ids[j],))
+            segments.append(enc)
+            if new:  # (the writes of one outcome object: their keys once)
+                keys.update(dict.fromkeys(w[1]))
+                new = False
+            size += width
+            j += 1
+        segments[0] = _WB.command((src, *keys), (*head, *gate_range(ids[i:j])))
+        out.append((splice(segments), j - i))
+        i = j
+    return out

@@ -75,7 +75,7 @@ from .._types import (
     ms,
 )
 from . import scripts
-from .batches import BATCHED, BATCHERS
+from .batches import BATCHED, BATCHERS, ack_writes_calls
 
 __all__ = [
     "RECEIPT_SUFFIX",
@@ -303,6 +303,11 @@ class StreamCells(Cells):
         src = t.source
         return Plan(effect, (_STREAM_WRITES.command(
             (src, src, *keys), (t.group, d.id, "ack", copy_how(t), 0, *writes)),))
+
+    def ack_writes_calls(self, t: Target, items: Sequence[tuple[Delivery, Outcome]],
+                         encode: Callable[[Any], tuple[Sequence[Arg], Sequence[Arg]]]
+                         ) -> list[tuple[Command, int]] | None:
+        return ack_writes_calls(t, copy_how(t), items, encode)
 
     def with_writes(self, t: Target, commands: Sequence[Command], writes: Sequence[Arg],
                     keys: Sequence[str | bytes]) -> tuple[Command, ...] | None:

@@ -1,0 +1,219 @@
+"""The hot path of ACKs and DROPs carrying writes (``_core._hot_writes``) is
+the slow path without a plan per delivery: same calls, same settlement.
+
+Each batch is finalized twice, sans-IO: once by a core with the hot path and
+once by the same core with it off (every such outcome planned by
+``plan_writes``, put in batched calls by ``first_round``).  Both are driven
+round by round with the same fate for each delivery (written and removed, a
+closed gate, a refusal that did not run, a final error; a round trip lost
+now and then), rendered as each path's commands ask (a batched call's short
+reply, or a single script's); both must end with the same effects, the same
+ids forgotten and the same effect per delivery.  The first round's calls
+must carry the very single-script calls the slow path's plans make.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from redis import exceptions as rexc
+
+from trio_redis_finalize import ACK, DROP, RETRY, Delivery, Outcome, StreamSubscription
+from trio_redis_finalize._core._batch import batch_replies, batch_singles, is_batched
+from trio_redis_finalize._core._commands import Spliced
+from trio_redis_finalize._core._finalize import FinalizeBatch, FinalizerCore
+from trio_redis_finalize._core._hot_writes import HotWrites
+from trio_redis_finalize._core._replies import NotRunError
+from trio_redis_finalize._core._types import Target
+from trio_redis_finalize._core._writes import plan_writes
+from trio_redis_finalize._core.stream.batches import gate_range
+from trio_redis_finalize._core.stream.scripts import STREAM_WRITES, STREAM_WRITES_ACK_BATCH
+
+S, G = "{orders}", "billing"
+WRITES = [
+    ("HINCRBY", "{orders}:totals", "n", 1),
+    ("SADD", "{orders}:seen", "x"),
+    ("SET", "{orders}:last", "v"),
+    ("EXPIRE", "{orders}:seen", 60),
+]
+SHARED = [ACK.with_writes(WRITES[0]), DROP.with_writes(WRITES[1], WRITES[2]),
+          ACK.with_writes(*WRITES)]
+OOM = NotRunError("OOM command not allowed when used memory > 'maxmemory'.")
+WRONGTYPE = rexc.ResponseError("WRONGTYPE write 1 of the outcome: nothing written")
+LOST = rexc.ConnectionError("Connection lost")
+
+
+def target(how: str = "plain") -> Target:
+    kw: dict[str, Any] = {}
+    if how == "delete":
+        from trio_redis_finalize import Retention
+        kw["retention"] = Retention.DELETE_ON_FINALIZE
+    return StreamSubscription(S, G, **kw).target("c1")
+
+
+def entry(n: int, seq: int = 0) -> Delivery:
+    return Delivery(source=S, id=f"{1_700_000_000_000 + n}-{seq}", fields={b"k": b"v"},
+                    data=None, attempt=1, origin_id=f"{n}-0", mount="m")
+
+
+def cores(t: Target) -> tuple[FinalizerCore, FinalizerCore]:
+    hot, slow = FinalizerCore(t), FinalizerCore(t)
+    assert hot._hot
+    slow._hot = False
+    return hot, slow
+
+
+# -- the first round -------------------------------------------------------------------------
+
+
+def test_the_hot_calls_carry_the_slow_paths_single_scripts() -> None:
+    t = target()
+    items = [(entry(i), SHARED[i % 3]) for i in range(250)]
+    hot, slow = cores(t)
+    calls = [c for c in hot.batch(items).commands() if is_batched(c)]
+    assert len(calls) == 3  # at most STREAM_BATCH_MAX (100) deliveries a call
+    assert all(isinstance(c, Spliced) for c in calls)
+    singles = [s for c in calls for s in batch_singles(c)]
+    assert singles == [plan_writes(t, d, o).commands[0] for d, o in items]
+    # ... and the calls themselves are the slow path's first round's
+    assert calls == [tuple(c) for c in slow.batch(items).commands() if is_batched(c)]
+
+
+def test_one_delivery_goes_as_a_batched_call_read_the_same_way() -> None:
+    t = target()
+    (call,) = FinalizerCore(t).batch([(entry(1), SHARED[0])]).commands()
+    assert STREAM_WRITES_ACK_BATCH.calls(call)
+    assert batch_singles(call) == [plan_writes(t, entry(1), SHARED[0]).commands[0]]
+    assert STREAM_WRITES.calls(batch_singles(call)[0])
+
+
+def test_a_clean_reply_settles_every_delivery_at_once() -> None:
+    items = [(entry(i), SHARED[0]) for i in range(5)] + [(entry(9), SHARED[1])]
+    b = FinalizerCore(target()).batch(items)
+    assert len(b.commands()) == 1
+    b.receive([[6]])
+    assert b.commands() == []
+    done = b.result()
+    assert done.effects == {"acked": 5, "dropped": 1, "writes": 5 + 2}
+    assert sorted(done.forget()) == sorted(str(d.id) for d, _ in items)
+    assert Counter(e for _, e in done.deliveries()) == {"acked": 5, "dropped": 1}
+    assert b.outcomes == {"ack": 5, "drop": 1}
+
+
+def test_mixed_batches_keep_the_plain_removals_first() -> None:
+    items = [(entry(1), ACK), (entry(2), SHARED[0]), (entry(3), RETRY), (entry(4), ACK)]
+    cmds = FinalizerCore(target()).batch(items).commands()
+    assert cmds[0][0] == "XACK" and STREAM_WRITES_ACK_BATCH.calls(cmds[1])
+    assert len(cmds) == 3  # the XACK, the writes' call, the RETRY's copy
+
+
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 12)), min_size=1, max_size=60))
+def test_gate_range_is_the_smallest_and_largest_id(parts: list[tuple[int, int]]) -> None:
+    ids = [f"{1_700_000_000_000 + ms}-{10 ** (seq // 3) + seq}" for ms, seq in parts]
+
+    def order(i: str) -> tuple[int, int]:
+        ms, seq = i.split("-")
+        return int(ms), int(seq)
+
+    assert gate_range(ids) == (min(ids, key=order), max(ids, key=order), 2 * len(ids))
+    assert gate_range([*ids, "5-1"])[0] == "5-1"  # ms parts of other lengths too
+
+
+# -- the two paths driven alike ------------------------------------------------------------
+
+FATES = ["ok", "ok", "ok", "closed", "oom", "final", "lost"]
+
+
+def _reply(cmd: Any, fate: dict[str, str], round_no: int) -> Any:
+    """The reply to ``cmd`` when each delivery (by entry id) meets its fate,
+    as this command asks: a batched call's short reply, a single script's."""
+    if cmd[0] == "XACK":
+        return len(cmd) - 3
+    if is_batched(cmd):
+        singles = batch_singles(cmd)
+        elements = [_single(s, fate, round_no) for s in singles]
+        out: list[Any] = [len(elements)]
+        for at, e in enumerate(elements, 1):
+            if e is not _WRITTEN:
+                out += [at, e]
+        return out
+    r = _single(cmd, fate, round_no)
+    return 1 if r is _WRITTEN else r
+
+
+_WRITTEN = object()
+
+
+def _single(cmd: Any, fate: dict[str, str], round_no: int) -> Any:
+    if STREAM_WRITES.calls(cmd):
+        what = fate.get(str(STREAM_WRITES.field(cmd, "id")), "ok")
+        if what == "closed":
+            return False
+        if what == "oom" and round_no == 0:  # refused once: not run, sent again
+            return OOM
+        if what == "final":
+            return WRONGTYPE
+    return _WRITTEN
+
+
+def _drive(b: FinalizeBatch, fate: dict[str, str], lost: int) -> list[int]:
+    """Every round answered; the round ``lost`` (if any) lost once."""
+    errors = []
+    round_no = 0
+    while cmds := b.commands():
+        if round_no == lost:
+            lost = -1
+            errors.append(b.failed(LOST).errors)
+            continue
+        replies = [_reply(c, fate, round_no) for c in cmds]
+        for c, r in zip(cmds, replies, strict=True):
+            if is_batched(c) and isinstance(r, list):
+                assert batch_replies(r, len(batch_singles(c))) is not None
+        errors.append(b.receive(replies).errors)
+        round_no += 1
+        assert round_no < 20
+    return errors
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["shared0", "shared1", "shared2", "fresh", "ACK",
+                                           "RETRY"]),
+                          st.sampled_from(FATES)), min_size=1, max_size=130),
+       st.integers(-1, 2), st.sampled_from(["plain", "delete"]), st.randoms())
+def test_the_hot_path_settles_as_the_slow_path(
+    spec: list[tuple[str, str]], lost: int, how: str, rnd: random.Random
+) -> None:
+    t = target(how)
+    items: list[tuple[Delivery, Outcome]] = []
+    fate: dict[str, str] = {}
+    for i, (kind, what) in enumerate(spec):
+        d = entry(i, seq=rnd.choice([0, 0, 7, 12]))
+        o: Outcome = {"shared0": SHARED[0], "shared1": SHARED[1], "shared2": SHARED[2],
+                      "ACK": ACK, "RETRY": RETRY}.get(kind) or rnd.choice([ACK, DROP]).with_writes(
+            ("HINCRBY", "{orders}:c", str(i), i))
+        items.append((d, o))
+        assert d.id is not None
+        fate[d.id] = what
+    hot, slow = cores(t)
+    results = []
+    for core in (hot, slow):
+        b = core.batch(items)
+        errors = _drive(b, fate, lost)
+        done = b.result()
+        results.append((b.outcomes, sum(errors), done.effects, sorted(done.forget()),
+                        sorted((d.id, e) for d, e in done.deliveries())))
+    assert results[0] == results[1]
+
+
+def test_every_is_told_in_c_and_refuses_a_mix() -> None:
+    removable = FinalizerCore(target())._kinds
+    items: Sequence[tuple[Delivery, object]] = [(entry(1), SHARED[0]), (entry(2), SHARED[1])]
+    assert HotWrites.every(items, removable)
+    assert not HotWrites.every([*items, (entry(3), ACK)], removable)
+    assert not HotWrites.every([(entry(3), RETRY.with_writes(WRITES[0]))], removable)
+    assert not HotWrites.every([(entry(3), ACK.with_writes())], removable)
