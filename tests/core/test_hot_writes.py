@@ -23,7 +23,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from redis import exceptions as rexc
 
-from trio_redis_finalize import ACK, DROP, RETRY, Delivery, Outcome, StreamSubscription
+from trio_redis_finalize import (
+    ACK,
+    DROP,
+    RETRY,
+    Delivery,
+    Outcome,
+    ReliableListSubscription,
+    StreamSubscription,
+)
 from trio_redis_finalize._core._batch import batch_replies, batch_singles, is_batched
 from trio_redis_finalize._core._commands import Spliced
 from trio_redis_finalize._core._finalize import FinalizeBatch, FinalizerCore
@@ -31,6 +39,8 @@ from trio_redis_finalize._core._hot_writes import HotWrites
 from trio_redis_finalize._core._replies import NotRunError
 from trio_redis_finalize._core._types import Target
 from trio_redis_finalize._core._writes import plan_writes
+from trio_redis_finalize._core.reliable_list.gates import ListGates
+from trio_redis_finalize._core.reliable_list.scripts import LIST_WRITES, LIST_WRITES_REMOVE_BATCH
 from trio_redis_finalize._core.stream.batches import gate_range
 from trio_redis_finalize._core.stream.scripts import STREAM_WRITES, STREAM_WRITES_ACK_BATCH
 
@@ -134,6 +144,8 @@ def _reply(cmd: Any, fate: dict[str, str], round_no: int) -> Any:
     as this command asks: a batched call's short reply, a single script's."""
     if cmd[0] == "XACK":
         return len(cmd) - 3
+    if cmd[0] == "LREM":
+        return 1
     if is_batched(cmd):
         singles = batch_singles(cmd)
         elements = [_single(s, fate, round_no) for s in singles]
@@ -150,8 +162,10 @@ _WRITTEN = object()
 
 
 def _single(cmd: Any, fate: dict[str, str], round_no: int) -> Any:
-    if STREAM_WRITES.calls(cmd):
-        what = fate.get(str(STREAM_WRITES.field(cmd, "id")), "ok")
+    key = (str(STREAM_WRITES.field(cmd, "id")) if STREAM_WRITES.calls(cmd)
+           else repr(LIST_WRITES.field(cmd, "element")) if LIST_WRITES.calls(cmd) else None)
+    if key is not None:
+        what = fate.get(key, "ok")
         if what == "closed":
             return False
         if what == "oom" and round_no == 0:  # refused once: not run, sent again
@@ -217,3 +231,95 @@ def test_every_is_told_in_c_and_refuses_a_mix() -> None:
     assert not HotWrites.every([*items, (entry(3), ACK)], removable)
     assert not HotWrites.every([(entry(3), RETRY.with_writes(WRITES[0]))], removable)
     assert not HotWrites.every([(entry(3), ACK.with_writes())], removable)
+
+
+# -- a reliable list: its counted gates number the hot calls as the slow path's -----------
+
+
+def element(i: int, body: bytes) -> Delivery:
+    return Delivery(source="{jobs}", id=None, fields={}, data=body, attempt=1,
+                    origin_id=f"o-{i}", raw=body, mount="m")
+
+
+def list_core(t: Target, raws: Sequence[bytes]) -> FinalizerCore:
+    gates = ListGates()
+    gates.target = t
+    for r in raws:
+        gates.hold(r)
+    return FinalizerCore(t, gates=gates)
+
+
+def test_a_reliable_lists_hot_calls_carry_its_single_scripts() -> None:
+    t = ReliableListSubscription("{jobs}").target("c1")
+    items = [(element(i, b"same" if i % 4 == 0 else b"job-%d" % i), SHARED[i % 3])
+             for i in range(120)]
+    hot = list_core(t, [d.raw or b"" for d, _ in items])
+    assert hot._hot
+    calls = [c for c in hot.batch(items).commands() if LIST_WRITES_REMOVE_BATCH.calls(c)]
+    assert len(calls) == 2
+    singles = [s for c in calls for s in batch_singles(c)]
+    # each identical element's removal numbered on the copies held (30, 29, ... 1)
+    assert [LIST_WRITES.field(s, "n") for s in singles if LIST_WRITES.field(s, "element") == b"same"] \
+        == list(range(30, 0, -1))
+    plain = [s for s in singles if LIST_WRITES.field(s, "element") != b"same"]
+    assert plain == [plan_writes(t, d, o).commands[0] for d, o in items if d.raw != b"same"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["shared0", "shared1", "fresh", "ACK", "RETRY"]),
+                          st.sampled_from([b"a", b"b", b"c", b"d", b"e", b"f"]),
+                          st.sampled_from(FATES)), min_size=1, max_size=120),
+       st.integers(-1, 2))
+def test_a_reliable_lists_hot_path_settles_as_the_slow_path(
+    spec: list[tuple[str, bytes, str]], lost: int
+) -> None:
+    t = ReliableListSubscription("{jobs}").target("c1")
+    items: list[tuple[Delivery, Outcome]] = []
+    fate: dict[str, str] = {}
+    for i, (kind, body, what) in enumerate(spec):
+        o: Outcome = {"shared0": SHARED[0], "shared1": SHARED[1], "ACK": ACK,
+                      "RETRY": RETRY}.get(kind) or ACK.with_writes(("INCRBY", "{jobs}:n", i))
+        if kind in ("ACK", "RETRY"):
+            # other bytes than the writes': counted gates number removals in the
+            # order sent, and the plain ones go first on either path
+            body = b"plain-" + body
+        items.append((element(i, body), o))
+        fate.setdefault(repr(body), what)  # (identical elements: one fate)
+    raws = [d.raw or b"" for d, _ in items]
+    hot, slow = list_core(t, raws), list_core(t, raws)
+    slow._hot = False
+    results = []
+    for core in (hot, slow):
+        b = core.batch(items)
+        errors = _drive(b, fate, lost)
+        done = b.result()
+        g = core.gates
+        assert isinstance(g, ListGates)
+        results.append((b.outcomes, sum(errors), done.effects, done.forget(),
+                        sorted((d.origin_id, e) for d, e in done.deliveries()),
+                        dict(g.in_hand), dict(g.unsent), g.leftover, g.rescan_wanted))
+    assert results[0] == results[1]
+
+
+def test_an_element_not_run_in_a_batched_call_is_settled_by_its_resend_only() -> None:
+    """A batched call of removals with writes whose element did not run (OOM
+    in the script) sends that element again alone: only the resend's reply
+    settles its counted gate (once; before, the batched reply's error counted
+    too: one copy forgotten twice, a leftover that was none)."""
+    t = ReliableListSubscription("{jobs}").target("c1")
+    items: list[tuple[Delivery, Outcome]] = [(element(0, b"x"), SHARED[0]),
+                                             (element(1, b"x"), SHARED[0]),
+                                             (element(2, b"x"), SHARED[0])]
+    core = list_core(t, [b"x", b"x", b"x", b"x"])  # one more copy held by another handler
+    b = core.batch(items)
+    assert len(b.commands()) == 1
+    b.receive([[3, 2, OOM]])
+    (single,) = b.commands()
+    assert LIST_WRITES.calls(single)
+    b.receive([1])
+    assert b.commands() == []
+    done = b.result()
+    assert done.effects == {"acked": 3, "writes": 3}
+    g = core.gates
+    assert isinstance(g, ListGates)
+    assert g.in_hand == {b"x": 1} and g.leftover == {} and not g.rescan_wanted

@@ -9,10 +9,11 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Sequence
 from itertools import chain
+from typing import Any
 
 __all__ = [
     "SCRIPTS", "Arg", "Command", "Script", "Spliced", "command_keys", "describe", "group_names",
-    "script_of", "splice", "split_field",
+    "script_of", "splice", "splice_batches", "split_field",
 ]
 
 Arg = bytes | str | int | float
@@ -52,6 +53,57 @@ def splice(segments: Sequence[Sequence[Arg]]) -> Spliced:
     c = Spliced(chain.from_iterable(segments))
     c.segments = segments
     return c
+
+
+def splice_batches(
+    items: Sequence[tuple[object, object]], prefixes: Sequence[Sequence[Arg]],
+    encode: Callable[[Any], tuple[Sequence[Arg], Sequence[Arg]]],
+    head: Callable[[Sequence[Arg], int, int], Command], cap: int, room: int,
+) -> list[tuple[Command, int]]:
+    """Batched script calls of ``items`` (deliveries and their outcomes), each
+    delivery's part its ``prefixes[i]`` then its outcome's encoded writes
+    (``encode(outcome)``: those and the keys they name, once per outcome
+    object in a row): ``(call, how many deliveries it carries)``, in order.
+
+    A call carries at most ``cap`` deliveries and about ``room`` values (one
+    delivery at least), as ``_batch.first_round`` batches parts;
+    ``head(keys, i, j)``: the call up to the parts, for ``items[i:j]`` and
+    the keys their writes name (each once).  The calls are :class:`Spliced`:
+    one outcome's writes, the same list object, packed once.
+    """
+    out: list[tuple[Command, int]] = []
+    n = len(items)
+    i = 0
+    last: object = None
+    w: tuple[Sequence[Arg], Sequence[Arg]] = ((), ())
+    while i < n:
+        segments: list[Sequence[Arg]] = [()]
+        keys: dict[Arg, None] = {}
+        size = 0
+        j = i
+        end = min(n, i + cap)
+        new = True
+        while j < end:
+            o = items[j][1]
+            if o is not last:
+                w = encode(o)
+                last = o
+                new = True
+            enc = w[0]
+            width = len(prefixes[j]) + len(enc)
+            if size + width > room and j > i:
+                break
+            segments.append(prefixes[j])
+            segments.append(enc)
+            if new:  # (the writes of one outcome object: their keys once)
+                keys.update(dict.fromkeys(w[1]))
+                new = False
+            size += width
+            j += 1
+        segments[0] = head(list(keys), i, j)
+        out.append((splice(segments), j - i))
+        i = j
+    return out
 
 
 SCRIPTS: dict[bytes, Script] = {}

@@ -131,7 +131,7 @@ class FinalizerCore:
         self._cut_warned = False  # claiming: a retry_after longer than min_idle was logged
         self._held_warned = False  # a runtime retry_after's copy in memory was logged
         cells = self._cells = cells_of(target)
-        self._hot = HotWrites.applies(cells, target, gates)  # ACKs and DROPs with writes
+        self._hot = HotWrites.applies(cells, target)  # ACKs and DROPs with writes
         self._stream = cells.by_id
         self._lists = cells.counted  # the hot path: one LREM per element
         # nothing to remove (Pub/Sub, simple lists): ACK and DROP are counted only
@@ -291,10 +291,9 @@ class FinalizeBatch:
             commands, owners, rest = fast, None, []
             self._got = []
         self._hot = hw = HotWrites(target, core._cells, hot, self.outcomes) if hot else None
-        self._hot_calls = self._n_hot = 0
+        self._hot_calls, self._n_hot = (len(hw.calls), len(hot)) if hw is not None else (0, 0)
         if hw is not None:  # its calls after the plain removals (whose replies come first)
             commands, owners = hw.place(commands, owners, len(fast))
-            self._hot_calls, self._n_hot = len(hw.calls), len(hot)
         gates = core.gates
         if gates is not None:
             # the reader's say on the commands (counted gates for identical
@@ -344,7 +343,7 @@ class FinalizeBatch:
         self._attempt += 1
         return Step(1, self._attempt, [(
             _WARNING, "%s: finalization of %d deliveries failed (%s); sending again",
-            (core.name, len(self._plans) + len(self._removed) + self._n_hot, err),
+            (core.name, self._n_hot + len(self._plans) + len(self._removed), err),
             {"subscription": core.name},
         )])
 
@@ -399,8 +398,9 @@ class FinalizeBatch:
         deferred = ""
         if self._hot_calls and self._hot is not None:  # the hot path's calls (``_hot_writes``)
             k, n, self._hot_calls = self._n_fast, self._hot_calls, 0
-            errors, deferred = self._hot.receive(core.target, replies[k:k + n], self._plans,
-                                                 self._returned, got, rest, again, again_owners, records)
+            errors, deferred = self._hot.receive(
+                core.target, commands[k:k + n], replies[k:k + n], self._plans, self._returned, got,
+                rest, again, again_owners, records, (self._answered, self._answers) if track else None)
         for cmd, r, own in zip(commands, replies, owners, strict=True):
             if not own:  # a hot-path call, read above
                 continue

@@ -88,12 +88,13 @@ class HotWrites:
         """The deliveries whose call answered every one written and removed."""
 
     @staticmethod
-    def applies(cells: Cells, t: Target, gates: object) -> bool:
+    def applies(cells: Cells, t: Target) -> bool:
         """Whether a subscription's ACKs and DROPs carrying writes take the
         hot path: where its form builds their batched calls, not in Redis
-        Cluster (``plan_writes`` checks each write's hash slot there) nor
-        with counted gates (a reliable list's identical elements)."""
-        return cells.ack_writes_calls(t, [], encode) is not None and not t.cluster and gates is None
+        Cluster (``plan_writes`` checks each write's hash slot there).  A
+        reliable list's counted gates number its calls as the slow path's
+        (``ListGates.prepare``, ``resend``) and learn what they answered."""
+        return cells.ack_writes_calls(t, [], encode) is not None and not t.cluster
 
     @staticmethod
     def every(items: Sequence[tuple[Delivery, object]], removable: tuple[OutcomeKind, ...]) -> bool:
@@ -112,24 +113,31 @@ class HotWrites:
         return ([*commands[:k], *self.calls, *commands[k:]],
                 [*owners[:k], *[()] * len(self.calls), *owners[k:]])
 
-    def receive(self, t: Target, replies: Sequence[Any], plans: list[tuple[Delivery, Plan]],
-                returned: list[Any], got: list[list[Any]], rest: list[list[Command]],
-                again: list[Command],
-                again_owners: list[tuple[int, ...]], records: list[Record]) -> tuple[int, str]:
-        """The replies to :attr:`calls`: those of one delivery each settled
-        now, the others' deliveries materialized into ``plans`` (with
-        ``returned`` and ``got``) and read as the slow path reads a batched
-        call; ``(errors, deferred)`` as ``batched_elements``."""
+    def receive(self, t: Target, calls: Sequence[Command], replies: Sequence[Any],
+                plans: list[tuple[Delivery, Plan]], returned: list[Any], got: list[list[Any]],
+                rest: list[list[Command]], again: list[Command],
+                again_owners: list[tuple[int, ...]], records: list[Record],
+                answered: tuple[list[Command], list[Any]] | None) -> tuple[int, str]:
+        """The replies to :attr:`calls` as sent (``calls``: a reliable list's
+        counted gates may have numbered them): those of one delivery each
+        settled now, the others' deliveries materialized into ``plans`` (with
+        ``returned``, ``got`` and ``rest``) and read as the slow path reads a
+        batched call; ``(errors, deferred)`` as ``batched_elements``.
+        ``answered``: where the calls answered go, and their replies, as the
+        slow path records them for the counted gates (None: no gates)."""
         name = t.name
         items = self.items
         errors = 0
         deferred = ""
         at = 0
-        for cmd, r, n in zip(self.calls, replies, self.sizes, strict=True):
+        for cmd, r, n in zip(calls, replies, self.sizes, strict=True):
             mine = items[at:at + n]
             at += n
             if r.__class__ is list and len(r) == 1 and r[0] == n:
                 self.done += mine  # every one written and removed
+                if answered is not None:
+                    answered[0].append(cmd)
+                    answered[1].append(r)
                 continue
             js = tuple(range(len(plans), len(plans) + n))
             for d, o in mine:
@@ -139,12 +147,15 @@ class HotWrites:
                 rest.append([])
             elements = batch_replies(r, n)
             if elements is not None:
+                if answered is not None:
+                    answered[0].append(cmd)
+                    answered[1].append(r)
                 e, first = batched_elements(name, elements, js, plans, got, again, again_owners,
                                             records)
                 errors += e
                 deferred = deferred or first
                 continue
-            if r.__class__ is list or not isinstance(r, Exception):
+            if not isinstance(r, Exception):
                 r = rexc.ResponseError(f"a batched script answered {r!r:.200} to {n} deliveries")
             if classify(r) is not FINAL:  # did not run: the call again (one: its own script)
                 if not again:
@@ -158,6 +169,9 @@ class HotWrites:
             errors += 1
             records.append((_ERROR, "%s: finalization command failed: %s",
                             (name, describe_error(r, cmd)), {"subscription": name}))
+            if answered is not None:  # (a call that did not run is not answered)
+                answered[0].append(cmd)
+                answered[1].append(r)
             for j in js:
                 got[j].append(r)
         return errors, deferred

@@ -315,7 +315,7 @@ class Settlement:
         """The stream ids finalized (or failed: the own-PEL re-read delivers them again)."""
         # the hot path's ids listed once (streams; other forms hold no ids)
         ids = self._ids
-        if self._wrote:  # (a stream's: every one has an id)
+        if self._wrote and self._wrote[0][0].id is not None:  # (a stream's: every one has an id)
             ids = [*ids, *map(_ENTRY_ID, map(_DELIVERY, self._wrote))]
         return ids + [d.id for d, _ in self._plans if d.id is not None]
 

@@ -48,7 +48,8 @@ from ..._delivery import Delivery
 from ..._keys import derived, same_slot
 from ..._outcome import Outcome, OutcomeKind
 from ..._subscription import DelayedRetry
-from .._commands import Arg, Command, Script
+from .. import _lua
+from .._commands import Arg, Command, Script, splice_batches
 from .._types import (
     REMOVED,
     Batcher,
@@ -152,6 +153,7 @@ def _list_dead(t: Target, d: Delivery, reason: str) -> Plan:
 
 _RETRY, _REJECT, _RETRY_AFTER = OutcomeKind.RETRY, OutcomeKind.REJECT, OutcomeKind.RETRY_AFTER
 _RAW = operator.attrgetter("raw")
+_DELIVERY = operator.itemgetter(0)
 _repeat = itertools.repeat
 
 
@@ -211,6 +213,22 @@ class ReliableListCells(Cells):
             return None
         p = t.processing  # LREM: the script's 'remove'
         return Plan(effect, (_LIST_WRITES.command((p, p, p, *keys), (d.raw, "remove", *writes, 1)),))
+
+    def ack_writes_calls(self, t: Target, items: Sequence[tuple[Delivery, Outcome]],
+                         encode: Callable[[Any], tuple[Sequence[Arg], Sequence[Arg]]]
+                         ) -> list[tuple[Command, int]] | None:
+        # LIST_WRITES_REMOVE_BATCH calls, each element's n 1 (the counted
+        # gates number identical elements before the first send: ListGates.prepare)
+        p = t.processing
+        raws = [*map(_RAW, map(_DELIVERY, items))]
+        if None in raws:
+            return None
+
+        def head(keys: Sequence[Arg], i: int, j: int) -> Command:
+            return _REMOVE_BATCH.command((p, *keys), ())
+
+        return splice_batches(items, [(r, 1) for r in raws], encode, head,
+                              _lua.STREAM_BATCH_MAX, _lua.STREAM_BATCH_VALUES)
 
     def with_writes(self, t: Target, commands: Sequence[Command], writes: Sequence[Arg],
                     keys: Sequence[str | bytes]) -> tuple[Command, ...] | None:

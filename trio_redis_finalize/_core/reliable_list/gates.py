@@ -38,6 +38,7 @@ from redis import exceptions as rexc
 from .._batch import batch_replies, is_batched
 from .._commands import Command
 from .._finalize import Item
+from .._replies import FINAL, classify
 from .._types import FAILED, GATE_CLOSED, Target
 from .cells import (
     counted_removals,
@@ -256,7 +257,9 @@ class ListGates:
         for cmd, r in zip(commands, replies, strict=True):
             if is_batched(cmd):  # removals with writes: each element's own reply
                 for x, n, er in _batch_removals(cmd, r):
-                    self._settled(x, n, er)
+                    # (one that did not run was sent again alone: that reply settles it)
+                    if not (isinstance(er, Exception) and classify(er) is not FINAL):
+                        self._settled(x, n, er)
                 continue
             element = list_removal(t, cmd)
             if element is None:

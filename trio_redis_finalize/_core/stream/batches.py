@@ -17,7 +17,7 @@ from typing import Any
 
 from ..._delivery import Delivery
 from ..._outcome import Outcome
-from .._commands import Arg, Command, splice
+from .._commands import Arg, Command, splice_batches
 from .._lua import STREAM_BATCH_MAX, STREAM_BATCH_VALUES
 from .._types import Batcher, Target, args_at, fields_of, fixed_at, writes_at
 from . import scripts
@@ -242,42 +242,11 @@ def ack_writes_calls(t: Target, how: str, items: Sequence[tuple[Delivery, Outcom
     each, every key once), without a plan per delivery; one delivery too
     goes as a batched call (its reply read the same way).
     """
-    src = t.source
-    head = (t.group, how)
+    src, group = t.source, t.group
     ids: list[Arg] = [*map(_ENTRY_ID, map(_DELIVERY, items))]
-    out: list[tuple[Command, int]] = []
-    n = len(items)
-    i = 0
-    last: object = None
-    w: tuple[Sequence[Arg], Sequence[Arg]] = ((), ())
-    while i < n:
-        # segments: the call's head, then each delivery's id and its
-        # outcome's encoded writes (the same list object while the outcome
-        # object is the same: packed once, see ``Spliced``)
-        segments: list[Sequence[Arg]] = [()]
-        keys: dict[Arg, None] = {}
-        size = 0
-        j = i
-        end = min(n, i + STREAM_BATCH_MAX)
-        new = True
-        while j < end:
-            o = items[j][1]
-            if o is not last:
-                w = encode(o)
-                last = o
-                new = True
-            enc = w[0]
-            width = 1 + len(enc)
-            if size + width > STREAM_BATCH_VALUES and j > i:
-                break
-            segments.append((ids[j],))
-            segments.append(enc)
-            if new:  # (the writes of one outcome object: their keys once)
-                keys.update(dict.fromkeys(w[1]))
-                new = False
-            size += width
-            j += 1
-        segments[0] = _WB.command((src, *keys), (*head, *gate_range(ids[i:j])))
-        out.append((splice(segments), j - i))
-        i = j
-    return out
+
+    def head(keys: Sequence[Arg], i: int, j: int) -> Command:
+        return _WB.command((src, *keys), (group, how, *gate_range(ids[i:j])))
+
+    return splice_batches(items, [(i,) for i in ids], encode, head, STREAM_BATCH_MAX,
+                          STREAM_BATCH_VALUES)
