@@ -4,7 +4,9 @@ No server: each batch is driven as the finalizer drives it
 (``FinalizeBatch`` -> ``commands()`` -> ``receive(replies)`` until done ->
 ``result()`` -> ``forget()``), answered with success replies at once.  It
 shows what finalization costs the process beside the round trips, and keeps
-the hot path (a batch of plain ACKs on a stream: one XACK) honest.  Best of
+the hot path (a batch of plain ACKs on a stream: one XACK) honest; last,
+batches of ACKs carrying writes (one ``HINCRBY``, the same outcome for all;
+the five writes of ``workloads.five_writes``, built per message).  Best of
 ``ROUNDS`` rounds, microseconds per batch and per delivery.
 
     python -m benchmarks.finalize_core
@@ -28,6 +30,16 @@ def _stream_items(n: int, outcome: Any) -> tuple[Target, list[Item]]:
     t = StreamSubscription("orders", "billing").target("c1")
     return t, [(Delivery(source="orders", id=f"{i}-0", fields={b"k": b"v"}, data=None, attempt=1,
                          origin_id=f"{i}-0", mount=t.name), outcome) for i in range(n)]
+
+
+def _five_writes_items(n: int) -> tuple[Target, list[Item]]:
+    """``n`` ACKs on a stream, each carrying the five writes of
+    ``workloads.five_writes`` built from its id (the outcomes built before
+    the clock starts: the core's cost only)."""
+    from .workloads import five_outcome
+
+    t, items = _stream_items(n, ACK)
+    return t, [(d, five_outcome(d)) for d, _ in items]
 
 
 def _list_items(n: int) -> tuple[Target, list[Item]]:
@@ -90,6 +102,9 @@ def main() -> None:
         ("1000 DROP, stream", *_stream_items(1000, DROP), 200),
         ("1000 ACK, reliable list (LREM each)", *_list_items(1000), 200),
         ("1000 RETRY, stream (a plan each)", *_stream_items(1000, RETRY), 10),
+        ("100 ACK + HINCRBY, stream", *_stream_items(100, ACK.with_writes(("HINCRBY", "t", "n", 1))),
+         200),
+        ("100 ACK + five writes each, stream", *_five_writes_items(100), 100),
     ]
     for name, t, items, reps in cases:
         s = _per_batch(t, items, reps)

@@ -37,6 +37,16 @@ the machine is doing.  This module counts, per message:
   one ``XACK``, pipelined; ratios to this row) and the library's
   ``stream_zadd_ack_batch``, one call per batch (their round trip: the
   reads and the finalization; the copies wait in the delay set).
+* **writes** (client and server): stream ACKs carrying one ``HINCRBY``, or
+  the five writes of ``workloads.five_writes`` built per message from its
+  id (a counter, a set member, an event, a hash field, an expiry; the
+  library's handler returns ``ACK.with_writes(...)`` per message), against
+  the raw pipeline of the same writes of each entry and the batch's
+  ``XACK`` (not exactly once).  On the server, the library's commands are
+  the first round of its finalizer's sans-IO core
+  (``FinalizerCore(target).batch(items).commands()``), so the count follows
+  whatever the finalizer sends; both check that every entry was finalized
+  and its writes applied once.
 
 Callgrind runs a process about 50 times slower; a time-driven part of a
 contender (the library's flusher, timers, the 50 ms poll of its counters)
@@ -124,9 +134,12 @@ def _child(contender: str, url: str, n: int) -> None:
         "stream floor + decode": lambda c, p: w.ovl_ack(c, n, decode=True),
         "stream library": lambda c, p: w.lib_stream(url, c, n),
         "stream library batch": lambda c, p: w.lib_stream(url, c, n, batch=True),
-        "stream floor + write": lambda c, p: w.ovl_ack(c, n, writes=True),
+        "stream floor + write": lambda c, p: w.ovl_ack(c, n, writes=1),
         "stream library + write": lambda c, p: w.lib_stream(
             url, c, n, outcome=ACK.with_writes(("HINCRBY", w.TOTALS, "n", 1))),
+        "stream floor + five writes": lambda c, p: w.ovl_ack(c, n, writes=5),
+        "stream library + five writes": lambda c, p: w.lib_stream(
+            url, c, n, outcome_of=w.five_outcome),
         "list floor": lambda c, p: w.ovl_reliable(c, n),
         "list floor + call": lambda c, p: w.ovl_reliable(c, n, calls=True),
         "list floor + decode": lambda c, p: w.ovl_reliable(c, n, decode=True),
@@ -237,6 +250,8 @@ def _client_table(url: str, tmp: Path, n: int, only: list[str]) -> None:
                                        "stream library batch"]),
         ("stream ACK carrying one write (HINCRBY)", ["stream floor + write",
                                                     "stream library + write"]),
+        ("stream ACK carrying five writes (HINCRBY, SADD, XADD, HSET, EXPIRE; built per message)",
+         ["stream floor + five writes", "stream library + five writes"]),
         ("reliable list ACK", ["list floor", "list floor + call", "list floor + decode",
                                "list library", "list library batch"]),
         ("reliable list ACK carrying one write (HINCRBY)", ["list floor + write",
@@ -257,7 +272,7 @@ def _client_table(url: str, tmp: Path, n: int, only: list[str]) -> None:
             per = (big - small) / (n - N_SMALL)
             floor = floor or per
             label = contender.split(" ", 1)[1]
-            print(f"    {label:14} {per:9,.0f}   {per / floor:5.2f}x of the floor  "
+            print(f"    {label:20} {per:9,.0f}   {per / floor:5.2f}x of the floor  "
                   f"({time.perf_counter() - start:.0f} s)", flush=True)
 
 
@@ -469,20 +484,58 @@ def _server_table(binary: str, tmp: Path, n: int) -> None:
               f"{trip / floors[1]:5.2f}x", flush=True)
 
 
-def _count_server_writes(binary: str, library: bool, n: int, tmp: Path) -> int:
-    """The server's instructions finalizing ``n`` ACKs that carry one write
-    each: the raw client's pipeline (a ``HINCRBY`` per entry and one ``XACK``
-    of the batch: not exactly once), or what the library's finalizer sends
-    for a batch of them (its first round, ``_batch.first_round``: one
-    ``stream_writes_ack_batch`` call, or in a checkout before it a
-    ``stream_writes`` script per entry: gate, type check, write, ``XACK``)."""
-    from trio_redis_finalize import Delivery, StreamSubscription
-    from trio_redis_finalize._core._writes import plan_writes
+def _library_rounds(target: Any, items: list[Any]) -> list[Command]:
+    """The first round the library's finalizer sends for ``items``
+    (``(delivery, outcome)`` pairs of one batch): its sans-IO core's
+    (``FinalizerCore(target).batch(items).commands()``), or in a checkout
+    before that core (``TRF_BENCH_LIB``) ``_batch.first_round`` of each
+    outcome's ``plan_writes`` plan."""
+    try:
+        core = internal("_finalize").FinalizerCore
+    except (ModuleNotFoundError, AttributeError):  # an older checkout
+        from trio_redis_finalize._core._writes import plan_writes
 
-    first_round = internal("_batch").first_round
+        return list(internal("_batch").first_round((), [plan_writes(target, d, o)
+                                                         for d, o in items])[0])
+    return list(core(target).batch(items).commands())
+
+
+def _writes_commands(target: Any, entries: list[Any], writes: int, library: bool) -> list[Command]:
+    """What finalizes one batch of ``entries`` (``(id, flat)`` as read) as ACKs
+    carrying writes: ``writes`` 1, one ``HINCRBY``; 5, the five writes of
+    ``workloads.five_writes`` (values from each entry).  The raw client's
+    pipeline (the writes of each entry and one ``XACK`` of the batch: not
+    exactly once), or the library's (:func:`_library_rounds`)."""
+    from trio_redis_finalize import Delivery
+
+    from . import workloads as w
+
+    one = ("HINCRBY", w.TOTALS, "n", 1)
+    if not library:
+        cmds: list[Command] = ([one for _ in entries] if writes == 1 else
+                               [c for eid, _ in entries for c in w.five_writes(eid)])
+        return [*cmds, ("XACK", "s", "g", *[eid for eid, _ in entries])]
+    outcome = ACK.with_writes(one)
+    items = []
+    for eid, flat in entries:
+        i = eid.decode() if isinstance(eid, bytes) else eid
+        d = Delivery(source="s", id=i, fields={}, data=None, attempt=1, origin_id=i,
+                     flat=tuple(flat))
+        items.append((d, outcome if writes == 1 else w.five_outcome(d)))
+    return _library_rounds(target, items)
+
+
+def _count_server_writes(binary: str, library: bool, n: int, tmp: Path, writes: int = 1) -> int:
+    """The server's instructions finalizing ``n`` ACKs that carry ``writes``
+    writes each (1 or 5, see :func:`_writes_commands`): the raw client's
+    pipeline, or what the library's finalizer sends for a batch of them (one
+    ``stream_writes_ack_batch`` call or a few, or in a checkout before it a
+    ``stream_writes`` script per entry: gate, type check, writes, ``XACK``)."""
+    from trio_redis_finalize import StreamSubscription
+
+    from . import workloads as w
 
     target = StreamSubscription("s", "g").target("me")
-    outcome = ACK.with_writes(("HINCRBY", "totals", "n", 1))
     with _server_under_callgrind(binary, tmp, "server-writes") as (proc, url, out):
         async def run() -> None:
             await _listening(url)
@@ -494,44 +547,40 @@ def _count_server_writes(binary: str, library: bool, n: int, tmp: Path) -> int:
                 while reply := await c.execute("XREADGROUP", "GROUP", "g", "me", "COUNT", BATCH,
                                                "STREAMS", "s", ">"):
                     batches.append(reply[0][1])
-                plans: list[list[Command]] = []
-                for b in batches:
-                    if library:
-                        plans.append(first_round((), [plan_writes(target, Delivery(
-                            source="s", id=eid.decode(), fields={}, data=None, attempt=1,
-                            origin_id=eid.decode(), flat=tuple(flat)), outcome)
-                            for eid, flat in b])[0])
-                    else:
-                        plans.append([*[("HINCRBY", "totals", "n", 1) for _ in b],
-                                      ("XACK", "s", "g", *[eid for eid, _ in b])])
+                plans = [_writes_commands(target, b, writes, library) for b in batches]
                 # loads the scripts: the library's first round for two ids not pending
-                # (their gates closed: nothing written), the raw pipeline's first HINCRBY
-                warm = first_round((), [plan_writes(target, Delivery(
-                    source="s", id=eid, fields={}, data=None, attempt=1, origin_id=eid,
-                    flat=()), outcome) for eid in ("0-1", "0-2")])[0] if library else plans[0][:1]
+                # (their gates closed: nothing written), the raw pipeline's first write
+                warm = (_writes_commands(target, [(b"0-1", []), (b"0-2", [])], writes, True)
+                        if library else plans[0][:1])
                 await c.pipeline(warm, raise_on_error=False)
-                await c.execute("HSET", "totals", "n", 0)
+                await c.execute("DEL", *w.WRITE_KEYS)
                 _control(proc.pid, "on")
                 for p in plans:
-                    await c.pipeline(p)
+                    replies = await c.pipeline(p, raise_on_error=False)
+                    bad = [r for r in replies if isinstance(r, Exception)]
+                    if bad:
+                        raise RuntimeError(f"instructions: {bad[0]}")
                 _control(proc.pid, "off")
-                if int((await c.execute("XPENDING", "s", "g"))[0]) > 1 or int(
-                        await c.execute("HGET", "totals", "n")) < n - 1:
+                if int((await c.execute("XPENDING", "s", "g"))[0]):
                     raise RuntimeError("instructions: the ACKs with writes were not all finalized")
+                await w._check_writes(c, n)
 
         trio.run(run)
     return sum(_parts(out).values())
 
 
 def _server_writes_table(binary: str, tmp: Path, n: int) -> None:
-    print(f"server ({binary}): instructions per ACK carrying one write ({n:,} entries, "
-          f"{BATCH} per pipeline)", flush=True)
-    floor = 0.0
-    for label, library in (("raw: HINCRBY each + XACK, pipelined", False),
-                           ("library: its finalizer's batch", True)):
-        per = _count_server_writes(binary, library, n, tmp) / n
-        floor = floor or per
-        print(f"    {label:36} {per:9,.0f}   {per / floor:5.2f}x", flush=True)
+    print(f"server ({binary}): instructions per ACK carrying writes ({n:,} entries, "
+          f"{BATCH} per pipeline); the library's: what its finalizer sends", flush=True)
+    for writes, title, raw in (
+            (1, "one write (HINCRBY)", "raw: HINCRBY each + XACK, pipelined"),
+            (5, "five writes (HINCRBY, SADD, XADD, HSET, EXPIRE)", "raw: the five each + XACK")):
+        print(f"  {title}")
+        floor = 0.0
+        for label, library in ((raw, False), ("library: its finalizer's batch", True)):
+            per = _count_server_writes(binary, library, n, tmp, writes) / n
+            floor = floor or per
+            print(f"    {label:36} {per:9,.0f}   {per / floor:5.2f}x", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
