@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import ClassVar, Final
 
 from ._value import immutable, setters
-from ._writes import Write, check_writes
+from ._writes import Write, checked_writes
 
 __all__ = [
     "ACK", "DROP", "REJECT", "RETRY", "Backoff", "Outcome", "OutcomeKind", "Rejected", "WithWrites",
@@ -57,6 +57,10 @@ class Outcome:
 
     writes: ClassVar[tuple[Write, ...]] = ()
     """The writes it carries (none; see :meth:`with_writes`)."""
+    write_parts: ClassVar[tuple[str | bytes | int, ...]] = ()
+    """Its writes as a finalization script reads them, without their count (private)."""
+    write_keys: ClassVar[tuple[str | bytes, ...]] = ()
+    """The keys its writes touch, in order, each once (private)."""
 
     def with_writes(self, *writes: Sequence[object]) -> Outcome:
         """This outcome, carrying Redis writes committed with its finalization.
@@ -77,8 +81,11 @@ class Outcome:
                 declared keys (the user guide lists them), bad arguments, or
                 more than the bounds allow (64 writes, 4,096 values, 1 MiB).
         """
-        checked = check_writes(writes)
-        return WithWrites(self.kind, self.delay, self.reason, (*self.writes, *checked))
+        checked, parts, keys = checked_writes(writes)
+        if self.writes:  # adds to the writes it carries
+            parts = (*self.write_parts, *parts)
+            keys = tuple(dict.fromkeys((*self.write_keys, *keys)))
+        return WithWrites(self.kind, self.delay, self.reason, (*self.writes, *checked), parts, keys)
 
 
 ACK: Final = Outcome(OutcomeKind.ACK)
@@ -128,6 +135,11 @@ class WithWrites(Outcome):
     """An outcome with writes (made by :meth:`Outcome.with_writes`)."""
 
     writes: tuple[Write, ...] = ()  # type: ignore[misc]  # a slot over Outcome's ClassVar
+    # what the finalization script reads of them, made with them (``_writes.checked_writes``)
+    write_parts: tuple[str | bytes | int, ...] = dataclasses.field(  # type: ignore[misc]
+        default=(), compare=False, repr=False)
+    write_keys: tuple[str | bytes, ...] = dataclasses.field(  # type: ignore[misc]
+        default=(), compare=False, repr=False)
 
     def __repr__(self) -> str:
         return f"{Outcome.__repr__(self)}.with_writes({', '.join(map(repr, self.writes))})"

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = [
     "MAX_WRITES", "MAX_WRITE_BYTES", "MAX_WRITE_VALUES", "WRITE_COMMANDS", "Write",
-    "check_writes", "write_keys",
+    "check_writes", "checked_writes", "write_keys",
 ]
 
 Write = tuple[str | bytes, ...]
@@ -78,6 +79,7 @@ MAX_WRITE_BYTES = 1 << 20
 
 
 _TEXT = frozenset({str, bytes})
+_TEXT_INT = frozenset({str, bytes, int})
 
 
 def _value(i: int, j: int, v: object) -> str | bytes:
@@ -90,6 +92,28 @@ def _value(i: int, j: int, v: object) -> str | bytes:
     return repr(v) if isinstance(v, float) else str(v)
 
 
+def _normal(i: int, w: object) -> tuple[tuple[Any, ...], tuple[str, int, int | None, int | None]]:
+    """The write ``writes[i]`` as a tuple naming its command as listed, and
+    the command's spec (what :func:`checked_writes` takes as it is: any other
+    sequence, a name in another case or in bytes).
+
+    Raises:
+        ValueError: no command as a sequence, or one not allowed.
+    """
+    if (w.__class__ is not tuple and w.__class__ is not list
+            and (isinstance(w, (str, bytes)) or not isinstance(w, Sequence))) or not w:
+        raise ValueError(f"writes[{i}] must be a command as a tuple, e.g. "
+                         f"('HINCRBY', 'totals', 'eur', 5), got {w!r}")
+    seq: Sequence[Any] = w
+    name = seq[0]
+    name = name.decode() if isinstance(name, bytes) else name
+    spec = WRITE_COMMANDS.get(name.upper()) if isinstance(name, str) else None
+    if spec is None:
+        raise ValueError(f"writes[{i}]: {seq[0]!r} is not a write an outcome may carry "
+                         f"(deterministic writes on declared keys: {', '.join(WRITE_COMMANDS)})")
+    return (name.upper(), *seq[1:]), spec
+
+
 def check_writes(writes: Sequence[object]) -> tuple[Write, ...]:
     """``writes`` normalised: each a tuple ``(NAME, arg, ...)`` of a command
     in :data:`WRITE_COMMANDS`, within the bounds.
@@ -100,44 +124,63 @@ def check_writes(writes: Sequence[object]) -> tuple[Write, ...]:
             is not bytes/str/int/float, or past :data:`MAX_WRITES`,
             :data:`MAX_WRITE_VALUES` or :data:`MAX_WRITE_BYTES`.
     """
+    return checked_writes(writes)[0]
+
+
+def checked_writes(
+    writes: Sequence[Any],
+) -> tuple[tuple[Write, ...], tuple[str | bytes | int, ...], tuple[str | bytes, ...]]:
+    """:func:`check_writes`, and in the same pass what a finalization script
+    reads of them: per write its count of values, its key's type ('' for
+    any), the command (the script's layout without the count of writes, see
+    ``_core._writes.encode_writes``), and the keys they touch (in order, each
+    once: :func:`write_keys`).
+
+    Raises:
+        ValueError: as :func:`check_writes`.
+    """
     if len(writes) > MAX_WRITES:
         raise ValueError(f"writes: at most {MAX_WRITES} writes per outcome, got {len(writes)}")
     out: list[Write] = []
+    parts: list[str | bytes | int] = []
+    keys: dict[str | bytes, None] = {}
     values = size = 0
+    spec_of = WRITE_COMMANDS.get
     for i, w in enumerate(writes):
-        if (w.__class__ is not tuple and w.__class__ is not list
-                and (isinstance(w, (str, bytes)) or not isinstance(w, Sequence))) or not w:
-            raise ValueError(f"writes[{i}] must be a command as a tuple, e.g. "
-                             f"('HINCRBY', 'totals', 'eur', 5), got {w!r}")
-        name = w[0]
-        spec = WRITE_COMMANDS.get(name) if name.__class__ is str else None
+        # the common write first: a tuple naming its command as listed; its
+        # values all text (kept as it is) or text and integers (made text)
+        spec = spec_of(w[0]) if w.__class__ is tuple and w else None
         if spec is None:
-            name = name.decode() if isinstance(name, bytes) else name
-            spec = WRITE_COMMANDS.get(name.upper()) if isinstance(name, str) else None
-        if spec is None:
-            raise ValueError(f"writes[{i}]: {w[0]!r} is not a write an outcome may carry "
-                             f"(deterministic writes on declared keys: {', '.join(WRITE_COMMANDS)})")
-        name = name.upper()
-        _, least, most, _ = spec
-        if len(w) < least or (most is not None and len(w) > most):
+            w, spec = _normal(i, w)
+        want, least, most, nkeys = spec
+        n = len(w)
+        if n < least or (most is not None and n > most):
             bound = f"{least}" if most == least else f"{least} to {most}" if most else f"at least {least}"
-            raise ValueError(f"writes[{i}]: {name} takes {bound} values (the name included), "
-                             f"got {len(w)}")
-        args = tuple(w[1:])
-        if not _TEXT.issuperset(map(type, args)):  # (numbers and the rest: one by one)
-            args = tuple(_value(i, j, v) for j, v in enumerate(args, 1))
-        if name in ("HSET",) and len(args) % 2 == 0:
-            raise ValueError(f"writes[{i}]: HSET takes a key and field value pairs, got {len(args)} "
+            raise ValueError(f"writes[{i}]: {w[0]} takes {bound} values (the name included), "
+                             f"got {n}")
+        types = set(map(type, w))
+        if not types <= _TEXT:
+            if types <= _TEXT_INT:  # (a bool is of its own type: not here)
+                w = tuple([str(a) if a.__class__ is int else a for a in w])
+            else:  # floats and the rest: one by one
+                w = (w[0], *(_value(i, j, v) for j, v in enumerate(w[1:], 1)))
+        if n % 2 == 1 and w[0] == "HSET":
+            raise ValueError(f"writes[{i}]: HSET takes a key and field value pairs, got {n - 1} "
                              "arguments")
-        values += 1 + len(args)
-        size += len(name) + sum(len(a) for a in args)
-        out.append((name, *args))
+        values += n
+        size += sum(map(len, w))
+        out.append(w)
+        parts += (n, want)
+        parts += w
+        if nkeys == 1:
+            keys[w[1]] = None
+        else:
+            keys.update(dict.fromkeys(w[1:] if nkeys is None else w[1:1 + nkeys]))
     if values > MAX_WRITE_VALUES:
         raise ValueError(f"writes: at most {MAX_WRITE_VALUES} values per outcome, got {values}")
     if size > MAX_WRITE_BYTES:
         raise ValueError(f"writes: at most {MAX_WRITE_BYTES} bytes per outcome, got {size}")
-    return tuple(out)
-
+    return tuple(out), tuple(parts), tuple(keys)
 
 def write_keys(writes: Sequence[Write]) -> list[str | bytes]:
     """The keys the (checked) ``writes`` touch, in order, each once."""

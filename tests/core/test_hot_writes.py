@@ -323,3 +323,36 @@ def test_an_element_not_run_in_a_batched_call_is_settled_by_its_resend_only() ->
     g = core.gates
     assert isinstance(g, ListGates)
     assert g.in_hand == {b"x": 1} and g.leftover == {} and not g.rescan_wanted
+
+
+# -- an outcome's writes encoded once, as they are checked --------------------------------
+
+_VALUE = st.one_of(st.text(max_size=6), st.binary(max_size=6), st.integers(-10**6, 10**6),
+                   st.floats(allow_nan=False, allow_infinity=False, width=32))
+_WRITE = st.one_of(
+    st.tuples(st.sampled_from(["HINCRBY", "hincrby", b"HINCRBY"]), st.text(min_size=1, max_size=5),
+              st.text(max_size=3), st.integers(-9, 9)),
+    st.tuples(st.sampled_from(["SADD", "ZREM", "LPUSH"]), st.text(min_size=1, max_size=5), _VALUE,
+              _VALUE),
+    st.tuples(st.sampled_from(["DEL", "UNLINK"]), st.text(min_size=1, max_size=5),
+              st.text(min_size=1, max_size=5)),
+    st.tuples(st.just("SET"), st.binary(min_size=1, max_size=5), _VALUE),
+    st.tuples(st.just("EXPIRE"), st.text(min_size=1, max_size=5), st.integers(1, 10**6)),
+)
+
+
+@given(st.lists(_WRITE, min_size=1, max_size=6), st.lists(_WRITE, max_size=4))
+def test_an_outcomes_writes_are_encoded_as_the_script_reads_them(
+    first: list[tuple[Any, ...]], more: list[tuple[Any, ...]]
+) -> None:
+    from trio_redis_finalize._core._writes import encode_writes
+    from trio_redis_finalize._writes import check_writes, write_keys
+
+    o = ACK.with_writes(*first)
+    if more:
+        o = o.with_writes(*more)
+    writes = check_writes([*first, *more])
+    assert o.writes == writes
+    assert [len(writes), *o.write_parts] == encode_writes(writes)
+    assert list(o.write_keys) == write_keys(writes)
+    assert o == ACK.with_writes(*first, *more)  # (the encodings compare as nothing)

@@ -85,7 +85,8 @@ def splice_batches(
         new = True
         while j < end:
             o = items[j][1]
-            if o is not last:
+            again = o is last
+            if not again:
                 w = encode(o)
                 last = o
                 new = True
@@ -93,8 +94,11 @@ def splice_batches(
             width = len(prefixes[j]) + len(enc)
             if size + width > room and j > i:
                 break
-            segments.append(prefixes[j])
-            segments.append(enc)
+            if again:  # the writes packed once for the run of this outcome
+                segments.append(prefixes[j])
+                segments.append(enc)
+            else:  # (one segment: one packing less for an outcome seen once)
+                segments.append([*prefixes[j], *enc])
             if new:  # (the writes of one outcome object: their keys once)
                 keys.update(dict.fromkeys(w[1]))
                 new = False

@@ -37,13 +37,12 @@ from redis import exceptions as rexc
 
 from .._delivery import Delivery
 from .._outcome import OutcomeKind, WithWrites
-from .._writes import write_keys
 from ._batch import batch_replies, fast_owner
 from ._commands import Arg, Command
 from ._replies import FINAL, classify, describe_error
 from ._settlement import Record, batched_elements, log_extra
 from ._types import REMOVED, Cells, Plan, Target
-from ._writes import WRITES, encode_writes, plan_writes
+from ._writes import WRITES, plan_writes
 
 __all__ = ["HotWrites", "effect_of", "encode"]
 
@@ -57,10 +56,10 @@ _EFFECTS = tuple((k, k._value_, e._value_) for k, e in REMOVED.items())
 _EFFECT_OF = {k._value_: e._value_ for k, e in REMOVED.items()}
 
 
-def encode(o: WithWrites) -> tuple[list[Arg], list[str | bytes]]:
-    """An outcome's writes as a script reads them, and the keys they name."""
-    ws = o.writes
-    return encode_writes(ws), write_keys(ws)
+def encode(o: WithWrites) -> tuple[list[Arg], Sequence[str | bytes]]:
+    """An outcome's writes as a script reads them, and the keys they name
+    (made with the outcome: ``_writes.checked_writes``)."""
+    return [len(o.writes), *o.write_parts], o.write_keys
 
 
 class HotWrites:
