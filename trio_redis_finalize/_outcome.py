@@ -83,9 +83,10 @@ class Outcome:
         """
         checked, parts, keys = checked_writes(writes)
         if self.writes:  # adds to the writes it carries
+            checked = (*self.writes, *checked)
             parts = (*self.write_parts, *parts)
             keys = tuple(dict.fromkeys((*self.write_keys, *keys)))
-        return WithWrites(self.kind, self.delay, self.reason, (*self.writes, *checked), parts, keys)
+        return _with_writes(self.kind, self.delay, self.reason, checked, parts, keys)
 
 
 ACK: Final = Outcome(OutcomeKind.ACK)
@@ -143,6 +144,27 @@ class WithWrites(Outcome):
 
     def __repr__(self) -> str:
         return f"{Outcome.__repr__(self)}.with_writes({', '.join(map(repr, self.writes))})"
+
+
+_SET_KIND, _SET_DELAY, _SET_REASON = (getattr(Outcome, n).__set__ for n in ("kind", "delay", "reason"))
+_SET_WRITES, _SET_PARTS, _SET_KEYS = (
+    getattr(WithWrites, n).__set__ for n in ("writes", "write_parts", "write_keys"))
+_new = object.__new__
+
+
+def _with_writes(kind: OutcomeKind, delay: float, reason: str, writes: tuple[Write, ...],
+                 parts: tuple[str | bytes | int, ...], keys: tuple[str | bytes, ...]) -> WithWrites:
+    """``WithWrites(kind, delay, reason, writes, parts, keys)``, its fields set
+    by their slots (no Python ``__init__`` per outcome: a handler makes one per
+    message)."""
+    o = _new(WithWrites)
+    _SET_KIND(o, kind)
+    _SET_DELAY(o, delay)
+    _SET_REASON(o, reason)
+    _SET_WRITES(o, writes)
+    _SET_PARTS(o, parts)
+    _SET_KEYS(o, keys)
+    return o
 
 
 def retry_after(delay: float) -> Outcome:
