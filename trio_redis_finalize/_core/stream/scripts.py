@@ -327,7 +327,9 @@ return r
 #   id, nw, its writes as STREAM_WRITES reads them)
 # Each delivery as STREAM_WRITES with op 'ack' (the ACK or DROP of an outcome carrying
 # writes): its gate, its writes' key types checked (a refusal: nothing of
-# it written, its error), its writes run in order, its removal.  The
+# it written, its error; each key's type read once per call, the writes of
+# the deliveries before it seen, see ``_lua_writes``), its writes run in
+# order, its removal.  The
 # removals of the deliveries written go in one XACK (XDEL, XACKDEL) at the
 # end of the same script, so a crash finds each delivery written and
 # removed, or neither, as with its single script.  The writes run in a
@@ -346,8 +348,7 @@ local i, k, last = 6, 0, #argv
 while i <= last do
   local id = argv[i]
   local nw = tonumber(argv[i + 1])
-  local to = i + 2
-  for w = 1, nw do to = to + 2 + tonumber(argv[to]) end
+  local to
   k = k + 1
 """
     + BATCH_GATE
@@ -355,12 +356,9 @@ while i <= last do
   if open then
 """
     + batch_writes("i + 2")
-    + """
-    local wrote = ok
-"""
     + BATCH_SETTLE
     + """
-  i = to
+  i = to or wskip(i + 2, nw)
 end
 """
     + BATCH_TAIL,

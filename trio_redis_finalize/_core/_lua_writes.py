@@ -1,0 +1,166 @@
+"""The Lua of an outcome's writes (see ``_writes``), run in its form's gated
+step: the checks before anything is written (``wcheck``), the writes
+(``wapply``), both in a batched script's loop (``wrun``, ``batch_writes``)
+or after a single script's gate (``run_writes``).  Composed into the
+scripts by ``_lua``'s users (``_lua`` re-exports these).  Text only.
+"""
+
+from __future__ import annotations
+
+__all__ = ["WRITES_LUA", "batch_writes", "run_writes"]
+
+
+def _fresh_int(call: str, why: str) -> str:
+    """Lua, in WRITES_LUA's checks: the value ``redis.call(<call>)`` reads must
+    be an integer where no earlier write of the outcome touched it (``fresh``);
+    else ``why``."""
+    return f"""      if fresh then
+        local v = redis.call({call})
+        if v and wnotint(v) then return {why} end
+      end end,"""
+
+
+# Lua: the writes at ARGV[i] ..: for each, its count of values, the type its
+# key must have ('' for any), then the command (name, arguments).
+# ``wcheck(i, nw)``: an error reply naming the write and the key when a key
+# holds another type, or a value the write would certainly be refused on
+# when run (see below); else the index after the writes.  ``wapply(i, nw)``
+# runs them (and answers that index); ``wrun`` both, ``wskip`` only that index.
+#
+# A write that passes the type check may still fail when run, after the
+# writes before it were applied (scripts do not roll back): those would be
+# applied again at every redelivery.  So for every write after the first
+# (the first failing applies nothing: no check, no cost for the common
+# outcome of one write), what Redis will certainly refuse is refused here
+# first, before anything is written: ``INCR``, ``DECR``,
+# ``INCRBY``, ``DECRBY`` on a value, or by an increment, that is no integer
+# as Redis reads one (digits, an optional ``-``, no leading zero: its
+# ``string2ll``), ``HINCRBY`` likewise on the field's value, and ``PFADD``
+# on a string that is not a HyperLogLog (no ``HYLL`` header).  A value is
+# judged only where no earlier write of the same outcome touched its key
+# (which could change it).  What stays unchecked (an overflow, floats, a
+# damaged HyperLogLog body) is the README's "a write refused at run time".
+#
+# The types are read once per key and script call (``wtype``, a batch's
+# deliveries share it): ``wtype[key] = t`` says the key holds a t or nothing
+# (a typed write may empty its key: HDEL, SREM, ZREM, LTRIM; a removal of
+# the script's own only empties one), so t is trusted only when it is the
+# type wanted; else TYPE reads it.  A typed write that ran sets its type;
+# an any-type write (SET, DEL, EXPIRE ...) forgets every argument's.
+WRITES_LUA = """
+local wvalue
+local wtype = {}
+local function wchecks()
+  local function wnotint(v)
+    return not string.find(v, '^%-?%d+$') or string.find(v, '^%-?0.') ~= nil or v == '-0'
+  end
+  -- each: (index of the write, whether its key's value is as it finds it: no
+  -- earlier write of the outcome touched it) -> why it would fail, or nil
+  local t = {
+    INCR = function(i, fresh)
+""" + _fresh_int("'GET', ARGV[i + 3]", "'the value is not an integer'") + """
+    INCRBY = function(i, fresh)
+      if wnotint(ARGV[i + 4]) then return 'the increment is not an integer' end
+""" + _fresh_int("'GET', ARGV[i + 3]", "'the value is not an integer'") + """
+    HINCRBY = function(i, fresh)
+      if wnotint(ARGV[i + 5]) then return 'the increment is not an integer' end
+""" + _fresh_int("'HGET', ARGV[i + 3], ARGV[i + 4]",
+                 "'the field ' .. ARGV[i + 4] .. ' holds no integer'") + """
+    PFADD = function(i, fresh)
+      if fresh and redis.call('EXISTS', ARGV[i + 3]) == 1 and
+         redis.call('GETRANGE', ARGV[i + 3], 0, 3) ~= 'HYLL' then
+        return 'the key holds a string that is not a HyperLogLog'
+      end end,
+  }
+  t.DECR, t.DECRBY = t.INCR, t.INCRBY
+  return t
+end
+local function wcheck(i, nw)
+  local touched
+  if nw > 1 then
+    touched = {}
+    wvalue = wvalue or wchecks()
+  end
+  for w = 1, nw do
+    local argc = tonumber(ARGV[i])
+    local want = ARGV[i + 1]
+    if want ~= '' then
+      local key = ARGV[i + 3]
+      if wtype[key] ~= want then
+        local t = redis.call('TYPE', key)['ok']
+        if t ~= 'none' and t ~= want then
+          wtype[key] = t
+          return nil, 'WRONGTYPE write ' .. w .. ' of the outcome (' .. ARGV[i + 2] .. ' ' ..
+            key .. '): the key holds a ' .. t .. ', not a ' .. want .. '; nothing written'
+        end
+        wtype[key] = want
+      end
+      local check = w > 1 and wvalue[ARGV[i + 2]]
+      if check then
+        local why = check(i, not touched[key])
+        if why then
+          return nil, 'ERR write ' .. w .. ' of the outcome (' .. ARGV[i + 2] .. ' ' .. key ..
+            ') would fail: ' .. why .. '; nothing written'
+        end
+      end
+    end
+    -- (every argument: a DEL names many keys; one more marked only spares a check)
+    if touched then
+      for a = i + 3, i + 1 + argc do touched[ARGV[a]] = true end
+    end
+    i = i + 2 + argc
+  end
+  return i
+end
+local function wapply(i, nw)
+  for w = 1, nw do
+    local argc = tonumber(ARGV[i])
+    local want = ARGV[i + 1]
+    redis.call(unpack(ARGV, i + 2, i + 1 + argc))
+    if want ~= '' then
+      wtype[ARGV[i + 3]] = want
+    else
+      for a = i + 3, i + 1 + argc do wtype[ARGV[a]] = nil end
+    end
+    i = i + 2 + argc
+  end
+  return i
+end
+local function wrun(i, nw)
+  local at, why = wcheck(i, nw)
+  if not at then return nil, why end
+  return wapply(i, nw)
+end
+local function wskip(i, nw)
+  for w = 1, nw do i = i + 2 + tonumber(ARGV[i]) end
+  return i
+end
+"""
+
+
+def run_writes(at: int) -> str:
+    """Lua, after a writes script's gate: the writes whose count is ``ARGV[at]``
+    (then the writes themselves) checked, refused as a whole, or run; ``i``
+    is left at the op's own arguments."""
+    return f"""
+local nw = tonumber(ARGV[{at}])
+local i, why = wcheck({at + 1}, nw)
+if not i then return redis.error_reply(why) end
+wapply({at + 1}, nw)
+"""
+
+def batch_writes(at: str) -> str:
+    """Lua, in a batched writes script's loop, for an open delivery whose
+    writes start at ``ARGV[at]`` (``nw`` of them): checked, then run, in one
+    ``pcall`` (``wrun``); ``wrote`` whether they all ran (then ``to`` the
+    index after them), else ``r`` the error (a table, as ``redis.pcall``
+    answers it)."""
+    return f"""
+    local wrote, r, why = pcall(wrun, {at}, nw)
+    if wrote and r then
+      to = r
+    else
+      if wrote then r = {{err = why}} elseif type(r) ~= 'table' then r = {{err = tostring(r)}} end
+      wrote = false
+    end
+"""
