@@ -226,8 +226,8 @@ local bad = {}
 local i, k, last = 1, 0, #argv
 while i <= last do
   local e = argv[i]
-  local n = tonumber(argv[i + 1])
-  local nw = tonumber(argv[i + 2])
+  local n = wnum[argv[i + 1]]
+  local nw = wnum[argv[i + 2]]
   local to
   k = k + 1
   local at = rpcall('LPOS', list, e, 'RANK', -n)

@@ -347,7 +347,7 @@ STREAM_WRITES_ACK_BATCH = Script(
 local i, k, last = 6, 0, #argv
 while i <= last do
   local id = argv[i]
-  local nw = tonumber(argv[i + 1])
+  local nw = wnum[argv[i + 1]]
   local to
   k = k + 1
 """
