@@ -130,6 +130,20 @@ local function wapply(i, nw)
   return i
 end
 local function wrun(i, nw)
+  if nw == 1 then
+    -- (the common outcome, inline: wcheck only for a type not known; a typed
+    -- write's key then holds the type its check cached)
+    local argc, want, key = wnum[ARGV[i]], ARGV[i + 1], ARGV[i + 3]
+    if want ~= '' and wtype[key] ~= want then
+      local at, why = wcheck(i, 1)
+      if not at then return nil, why end
+    end
+    redis.call(unpack(ARGV, i + 2, i + 1 + argc))
+    if want == '' then
+      for a = i + 3, i + 1 + argc do wtype[ARGV[a]] = nil end
+    end
+    return i + 2 + argc
+  end
   local at, why = wcheck(i, nw)
   if not at then return nil, why end
   return wapply(i, nw)
