@@ -198,6 +198,41 @@ async def test_a_key_of_another_type_is_refused_to_every_delivery_writing_it(
     assert await client.execute("GET", K) == b"text"
 
 
+async def test_value_checks_judge_only_what_no_earlier_write_of_the_outcome_touched(
+    client: Client
+) -> None:
+    """The value checks of writes after the first (an outcome's own, beside
+    the type cache): a value Redis would refuse is refused before anything of
+    the outcome is written, unless an earlier write of the same outcome names
+    its key (which could change it: not judged, run as it comes)."""
+    await client.execute("SET", "{c}text", "abc")
+    await client.execute("HSET", "{c}h", "f", "text")
+    answers, pending = await _stream_call(client, [
+        [("SADD", OTHER, "1"), ("INCR", "{c}text")],  # refused: not an integer
+        [("SADD", OTHER, "2"), ("INCRBY", "{c}n", "1.5")],  # refused: the increment
+        [("SADD", OTHER, "3"), ("HINCRBY", "{c}h", "f", 1)],  # refused: the field
+        [("SADD", OTHER, "4"), ("PFADD", "{c}text", "a")],  # refused: not a HyperLogLog
+        [("HSET", "{c}h", "f", "5"), ("HINCRBY", "{c}h", "f", 1)],  # touched: 6
+        [("DEL", OTHER, "{c}text"), ("INCR", "{c}text")],  # touched (DEL's 2nd key): 1
+        [("SET", "{c}t2", "x"), ("SADD", OTHER, "7"), ("INCR", "{c}t2")],  # run, refused at
+    ])                                                                    # run time
+    whys = ["the value is not an integer", "the increment is not an integer",
+            "the field f holds no integer", "not a HyperLogLog"]
+    for k, why in enumerate(whys):
+        a = answers[k]
+        assert isinstance(a, rexc.ResponseError), (k, a)
+        assert str(a).startswith("write 2 of the outcome") and why in str(a), str(a)
+        assert "nothing written" in str(a)
+    assert answers[4:6] == [1, 1]
+    assert isinstance(answers[6], rexc.ResponseError) and "write" not in str(answers[6])
+    assert pending == ["1-1", "1-2", "1-3", "1-4", "1-7"]
+    assert await client.execute("HGET", "{c}h", "f") == b"6"
+    assert await client.execute("GET", "{c}text") == b"1"
+    # the 7th: its writes before the refused one applied (as its single script leaves them)
+    assert await client.execute("GET", "{c}t2") == b"x"
+    assert await client.execute("SMEMBERS", OTHER) == [b"7"]
+
+
 async def _type_reads(c: Client) -> int:
     """TYPE calls the server counted (scripts' calls included)."""
     info = await c.execute("INFO", "commandstats")

@@ -78,12 +78,21 @@ local function wchecks()
   t.DECR, t.DECRBY = t.INCR, t.INCRBY
   return t
 end
-local function wcheck(i, nw)
-  local touched
-  if nw > 1 then
-    touched = {}
-    wvalue = wvalue or wchecks()
+-- whether a write from ARGV[from] up to ARGV[to] (not included) names v
+-- (every argument: a DEL names many keys; one more seen only spares a check)
+local function wtouched(from, to, v)
+  while from < to do
+    local argc = wnum[ARGV[from]]
+    for a = from + 3, from + 1 + argc do
+      if ARGV[a] == v then return true end
+    end
+    from = from + 2 + argc
   end
+  return false
+end
+local function wcheck(i, nw)
+  local from = i
+  if nw > 1 then wvalue = wvalue or wchecks() end
   for w = 1, nw do
     local argc = wnum[ARGV[i]]
     local want = ARGV[i + 1]
@@ -100,16 +109,12 @@ local function wcheck(i, nw)
       end
       local check = w > 1 and wvalue[ARGV[i + 2]]
       if check then
-        local why = check(i, not touched[key])
+        local why = check(i, not wtouched(from, i, key))
         if why then
           return nil, 'ERR write ' .. w .. ' of the outcome (' .. ARGV[i + 2] .. ' ' .. key ..
             ') would fail: ' .. why .. '; nothing written'
         end
       end
-    end
-    -- (every argument: a DEL names many keys; one more marked only spares a check)
-    if touched then
-      for a = i + 3, i + 1 + argc do touched[ARGV[a]] = true end
     end
     i = i + 2 + argc
   end
