@@ -46,13 +46,16 @@ def _fresh_int(call: str, why: str) -> str:
 # (a typed write may empty its key: HDEL, SREM, ZREM, LTRIM; a removal of
 # the script's own only empties one), so t is trusted only when it is the
 # type wanted; else TYPE reads it.  A typed write that ran sets its type;
-# an any-type write (SET, DEL, EXPIRE ...) forgets every argument's.
+# SET and SETNX (the writes that may give a key another type) forget their
+# key's; the other any-type writes (DEL, UNLINK, EXPIRE*, PERSIST) remove a
+# key or leave it as it is: what a type remembered already allows for.
 WRITES_LUA = """
 local ARGV = ARGV  -- (an upvalue: a global is a table lookup)
 -- wnum[s]: tonumber(s), each distinct s converted once (tonumber is ~1,000 instructions)
 local wnum = setmetatable({}, {__index = function(t, s) local n = tonumber(s); t[s] = n; return n end})
 local wvalue
 local wtype = {}
+local wsets = {SET = true, SETNX = true}  -- the writes that may give a key another type
 local function wchecks()
   local function wnotint(v)
     return not string.find(v, '^%-?%d+$') or string.find(v, '^%-?0.') ~= nil or v == '-0'
@@ -127,8 +130,8 @@ local function wapply(i, nw)
     redis.call(unpack(ARGV, i + 2, i + 1 + argc))
     if want ~= '' then
       wtype[ARGV[i + 3]] = want
-    else
-      for a = i + 3, i + 1 + argc do wtype[ARGV[a]] = nil end
+    elseif wsets[ARGV[i + 2]] then
+      wtype[ARGV[i + 3]] = nil
     end
     i = i + 2 + argc
   end
@@ -144,9 +147,7 @@ local function wrun(i, nw)
       if not at then return nil, why end
     end
     redis.call(unpack(ARGV, i + 2, i + 1 + argc))
-    if want == '' then
-      for a = i + 3, i + 1 + argc do wtype[ARGV[a]] = nil end
-    end
+    if want == '' and wsets[ARGV[i + 2]] then wtype[key] = nil end
     return i + 2 + argc
   end
   local at, why = wcheck(i, nw)
