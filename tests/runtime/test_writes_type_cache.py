@@ -260,6 +260,32 @@ async def test_identical_keys_across_a_hundred_deliveries_are_read_once(client: 
     assert await _type_reads(client) == 2
 
 
+async def test_a_single_script_reads_a_key_its_writes_share_once(client: Client) -> None:
+    """A single writes script (an outcome finalized alone) keeps the cache for
+    its own writes: three writes on one hash and an expiry, one TYPE; a
+    SET between two hash writes is read again (and the second then fails at
+    run time, its writes before it applied, as before the cache)."""
+    await client.execute("XGROUP", "CREATE", S, G, "0", "MKSTREAM")
+    await client.execute("XADD", S, "1-1", "f", "v")
+    await client.execute("XADD", S, "1-2", "f", "v")
+    await client.execute("XREADGROUP", "GROUP", G, "c1", "STREAMS", S, ">")
+    t = _stream_target()
+    await client.execute("CONFIG", "RESETSTAT")
+    (cmd,) = plan_writes(t, _entry("1-1"), ACK.with_writes(
+        ("HSET", K, "f", "v"), ("HINCRBY", K, "n", 1), ("EXPIRE", K, 1000),
+        ("HINCRBY", K, "n", 2))).commands
+    (reply,) = await client.pipeline([cmd])
+    assert reply == 1 and await client.execute("HGET", K, "n") == b"3"
+    assert await _type_reads(client) == 1
+    (cmd,) = plan_writes(t, _entry("1-2"), ACK.with_writes(
+        ("HINCRBY", K, "n", 1), ("SET", K, "text"), ("HINCRBY", K, "n", 1))).commands
+    (reply,) = await client.pipeline([cmd], raise_on_error=False)
+    assert isinstance(reply, rexc.ResponseError) and "of the outcome" not in str(reply)
+    assert await client.execute("GET", K) == b"text"
+    pending = await client.execute("XPENDING", S, G, "-", "+", 10)
+    assert [p[0] for p in pending] == [b"1-2"]  # not removed
+
+
 async def test_a_list_batch_shares_the_cache_across_its_elements(client: Client) -> None:
     """LIST_WRITES_REMOVE_BATCH: element 1 HINCRBYs k (a hash), element 2 SETs
     it, element 3's SADD + HINCRBY k is refused by the check (nothing of it

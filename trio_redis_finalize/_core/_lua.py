@@ -7,8 +7,8 @@ the server's clock (``NOW_MS``), an XADD of any width (``LUA_XADD*``), how
 a stream's original is removed (``HOW``), the frame of a batched call
 (``batch_head`` ... ``BATCH_TAIL``), a delay-set member's decoding and the
 movers' loop (``DECODE``, ``MOVE_HEAD``, ``MOVE_TAIL``), and an outcome's
-writes (``WRITES_LUA``, ``run_writes``, ``batch_writes``: written in
-``_lua_writes``, re-exported here).  Each script's
+writes (``WRITES_LUA``, ``BATCH_WRITES_LUA``, ``run_writes``,
+``batch_writes``: written in ``_lua_writes``, re-exported here).  Each script's
 layout (``Script(keys=..., argv=...)``, see ``_commands``) is declared
 beside it, under its ``# KEYS`` / ``# ARGV`` header.  Text only: nothing
 here runs a script.
@@ -16,14 +16,14 @@ here runs a script.
 
 from __future__ import annotations
 
-from ._lua_writes import WRITES_LUA, batch_writes, run_writes
+from ._lua_writes import BATCH_WRITES_LUA, WRITES_LUA, batch_writes, run_writes
 
 __all__ = [
-    "BATCH_GATE", "BATCH_LISTED", "BATCH_SETTLE", "BATCH_TAIL", "DECODE", "HOW", "LUA_XADD",
-    "LUA_XADD_ANY", "LUA_XADD_CAPPED", "LUA_XADD_CAPPED_TO", "LUA_XADD_TO", "MOVE_ARGV",
-    "MOVE_HEAD", "MOVE_TAIL", "NOW_MS", "SERVER_TIME", "STREAM_BATCH_MAX", "STREAM_BATCH_VALUES",
-    "STREAM_GATE", "UNPACK_MAX", "WRITES_LUA", "ZADD_DUE", "batch_head", "batch_writes",
-    "list_gate", "run_writes",
+    "BATCH_GATE", "BATCH_LISTED", "BATCH_SETTLE", "BATCH_TAIL", "BATCH_WRITES_LUA", "DECODE",
+    "HOW", "LUA_XADD", "LUA_XADD_ANY", "LUA_XADD_CAPPED", "LUA_XADD_CAPPED_TO", "LUA_XADD_TO",
+    "MOVE_ARGV", "MOVE_HEAD", "MOVE_TAIL", "NOW_MS", "SERVER_TIME", "STREAM_BATCH_MAX",
+    "STREAM_BATCH_VALUES", "STREAM_GATE", "UNPACK_MAX", "WRITES_LUA", "ZADD_DUE", "batch_head",
+    "batch_writes", "list_gate", "run_writes",
 ]
 
 # -- the gates, the server's clock, an XADD of any width ---------------------------------
@@ -354,7 +354,7 @@ MOVE_ARGV = ("limit", "width?", "reserve_ms?")
 """The ARGV of a delay-set mover (what MOVE_HEAD reads)."""
 
 # -- exactly-once effects: an outcome's writes in its finalization (see ``_writes``) --------
-# (WRITES_LUA, run_writes, batch_writes: in ``_lua_writes``, re-exported here)
+# (WRITES_LUA, BATCH_WRITES_LUA, run_writes, batch_writes: in ``_lua_writes``, re-exported here)
 
 ZADD_DUE = (
     NOW_MS

@@ -7,7 +7,7 @@ scripts by ``_lua``'s users (``_lua`` re-exports these).  Text only.
 
 from __future__ import annotations
 
-__all__ = ["WRITES_LUA", "batch_writes", "run_writes"]
+__all__ = ["BATCH_WRITES_LUA", "WRITES_LUA", "batch_writes", "run_writes"]
 
 
 def _fresh_int(call: str, why: str) -> str:
@@ -18,6 +18,20 @@ def _fresh_int(call: str, why: str) -> str:
         local v = redis.call({call})
         if v and wnotint(v) then return {why} end
       end end,"""
+
+
+_WNUM = """
+-- wnum[s]: tonumber(s), each distinct s converted once (tonumber is ~1,000 instructions)
+local wnum = setmetatable({}, {__index = function(t, s) local n = tonumber(s); t[s] = n; return n end})
+"""
+
+
+def _memo(x: str) -> str:
+    return f"wnum[{x}]"
+
+
+def _tonumber(x: str) -> str:
+    return f"tonumber({x})"
 
 
 # Lua: the writes at ARGV[i] ..: for each, its count of values, the type its
@@ -49,13 +63,16 @@ def _fresh_int(call: str, why: str) -> str:
 # SET and SETNX (the writes that may give a key another type) forget their
 # key's; the other any-type writes (DEL, UNLINK, EXPIRE*, PERSIST) remove a
 # key or leave it as it is: what a type remembered already allows for.
-WRITES_LUA = """
+def _writes_lua(batched: bool) -> str:
+    """WRITES_LUA (``batched`` False) or BATCH_WRITES_LUA (True: also ``wnum``,
+    ``wrun``, ``wskip``; what a single script would only pay for at each call)."""
+    num = _memo if batched else _tonumber
+    def keep(assign: str) -> str:  # (a single script's one write: no later reader)
+        return assign if batched else f"if nw > 1 then {assign} end"
+    return ((_WNUM if batched else "") + """
 local ARGV = ARGV  -- (an upvalue: a global is a table lookup)
--- wnum[s]: tonumber(s), each distinct s converted once (tonumber is ~1,000 instructions)
-local wnum = setmetatable({}, {__index = function(t, s) local n = tonumber(s); t[s] = n; return n end})
-local wvalue
+local wvalue, wtouched
 local wtype = {}
-local wsets = {SET = true, SETNX = true}  -- the writes that may give a key another type
 local function wchecks()
   local function wnotint(v)
     return not string.find(v, '^%-?%d+$') or string.find(v, '^%-?0.') ~= nil or v == '-0'
@@ -79,25 +96,25 @@ local function wchecks()
       end end,
   }
   t.DECR, t.DECRBY = t.INCR, t.INCRBY
-  return t
-end
--- whether a write from ARGV[from] up to ARGV[to] (not included) names v
--- (every argument: a DEL names many keys; one more seen only spares a check)
-local function wtouched(from, to, v)
-  while from < to do
-    local argc = wnum[ARGV[from]]
-    for a = from + 3, from + 1 + argc do
-      if ARGV[a] == v then return true end
+  -- whether a write from ARGV[from] up to ARGV[to] (not included) names v
+  -- (every argument: a DEL names many keys; one more seen only spares a check)
+  local function wtouched(from, to, v)
+    while from < to do
+      local argc = """ + num("ARGV[from]") + """
+      for a = from + 3, from + 1 + argc do
+        if ARGV[a] == v then return true end
+      end
+      from = from + 2 + argc
     end
-    from = from + 2 + argc
+    return false
   end
-  return false
+  return t, wtouched
 end
 local function wcheck(i, nw)
   local from = i
-  if nw > 1 then wvalue = wvalue or wchecks() end
+  if nw > 1 and not wvalue then wvalue, wtouched = wchecks() end
   for w = 1, nw do
-    local argc = wnum[ARGV[i]]
+    local argc = """ + num("ARGV[i]") + """
     local want = ARGV[i + 1]
     if want ~= '' then
       local key = ARGV[i + 3]
@@ -108,7 +125,7 @@ local function wcheck(i, nw)
           return nil, 'WRONGTYPE write ' .. w .. ' of the outcome (' .. ARGV[i + 2] .. ' ' ..
             key .. '): the key holds a ' .. t .. ', not a ' .. want .. '; nothing written'
         end
-        wtype[key] = want
+        """ + keep("wtype[key] = want") + """
       end
       local check = w > 1 and wvalue[ARGV[i + 2]]
       if check then
@@ -125,19 +142,19 @@ local function wcheck(i, nw)
 end
 local function wapply(i, nw)
   for w = 1, nw do
-    local argc = wnum[ARGV[i]]
+    local argc = """ + num("ARGV[i]") + """
     local want = ARGV[i + 1]
     redis.call(unpack(ARGV, i + 2, i + 1 + argc))
     if want ~= '' then
-      wtype[ARGV[i + 3]] = want
-    elseif wsets[ARGV[i + 2]] then
+      """ + keep("wtype[ARGV[i + 3]] = want") + """
+    elseif ARGV[i + 2] == 'SET' or ARGV[i + 2] == 'SETNX' then  -- (another type: a string)
       wtype[ARGV[i + 3]] = nil
     end
     i = i + 2 + argc
   end
   return i
 end
-local function wrun(i, nw)
+""" + ("""local function wrun(i, nw)
   if nw == 1 then
     -- (the common outcome, inline: wcheck only for a type not known; a typed
     -- write's key then holds the type its check cached)
@@ -147,7 +164,9 @@ local function wrun(i, nw)
       if not at then return nil, why end
     end
     redis.call(unpack(ARGV, i + 2, i + 1 + argc))
-    if want == '' and wsets[ARGV[i + 2]] then wtype[key] = nil end
+    if want == '' and (ARGV[i + 2] == 'SET' or ARGV[i + 2] == 'SETNX') then
+      wtype[key] = nil
+    end
     return i + 2 + argc
   end
   local at, why = wcheck(i, nw)
@@ -158,7 +177,14 @@ local function wskip(i, nw)
   for w = 1, nw do i = i + 2 + wnum[ARGV[i]] end
   return i
 end
-"""
+""" if batched else ""))
+
+
+WRITES_LUA = _writes_lua(batched=False)
+"""The writes' Lua of a single script (``run_writes``)."""
+BATCH_WRITES_LUA = _writes_lua(batched=True)
+"""The writes' Lua of a batched script (``batch_writes``): also ``wnum``, ``wrun``
+and ``wskip``."""
 
 
 def run_writes(at: int) -> str:

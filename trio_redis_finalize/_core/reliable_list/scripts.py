@@ -20,6 +20,7 @@ from __future__ import annotations
 from .._commands import Script
 from .._lua import (
     BATCH_LISTED,
+    BATCH_WRITES_LUA,
     MOVE_ARGV,
     MOVE_HEAD,
     MOVE_TAIL,
@@ -218,7 +219,7 @@ return r
 # not removed) and the call goes on.  Its reply as STREAM_COPY_ACK_BATCH's
 # (an element not listed: written and removed, the single script's 1).
 LIST_WRITES_REMOVE_BATCH = Script(
-    WRITES_LUA
+    BATCH_WRITES_LUA
     + """
 local argv, list = ARGV, KEYS[1]
 local rpcall, type, tonumber = redis.pcall, type, tonumber

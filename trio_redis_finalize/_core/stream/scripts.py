@@ -23,6 +23,7 @@ from .._lua import (
     BATCH_GATE,
     BATCH_SETTLE,
     BATCH_TAIL,
+    BATCH_WRITES_LUA,
     HOW,
     LUA_XADD,
     LUA_XADD_ANY,
@@ -342,7 +343,7 @@ return r
 # the single script's 1).
 STREAM_WRITES_ACK_BATCH = Script(
     batch_head(3)
-    + WRITES_LUA
+    + BATCH_WRITES_LUA
     + """
 local i, k, last = 6, 0, #argv
 while i <= last do
