@@ -7,7 +7,8 @@ the server's clock (``NOW_MS``), an XADD of any width (``LUA_XADD*``), how
 a stream's original is removed (``HOW``), the frame of a batched call
 (``batch_head`` ... ``BATCH_TAIL``), a delay-set member's decoding and the
 movers' loop (``DECODE``, ``MOVE_HEAD``, ``MOVE_TAIL``), and an outcome's
-writes (``WRITES_LUA``, ``run_writes``, ``batch_writes``).  Each script's
+writes (``WRITES_LUA``, ``BATCH_WRITES_LUA``, ``run_writes``,
+``batch_writes``: written in ``_lua_writes``, re-exported here).  Each script's
 layout (``Script(keys=..., argv=...)``, see ``_commands``) is declared
 beside it, under its ``# KEYS`` / ``# ARGV`` header.  Text only: nothing
 here runs a script.
@@ -15,12 +16,14 @@ here runs a script.
 
 from __future__ import annotations
 
+from ._lua_writes import BATCH_WRITES_LUA, WRITES_LUA, batch_writes, run_writes
+
 __all__ = [
-    "BATCH_GATE", "BATCH_LISTED", "BATCH_SETTLE", "BATCH_TAIL", "DECODE", "HOW", "LUA_XADD",
-    "LUA_XADD_ANY", "LUA_XADD_CAPPED", "LUA_XADD_CAPPED_TO", "LUA_XADD_TO", "MOVE_ARGV",
-    "MOVE_HEAD", "MOVE_TAIL", "NOW_MS", "SERVER_TIME", "STREAM_BATCH_MAX", "STREAM_BATCH_VALUES",
-    "STREAM_GATE", "UNPACK_MAX", "WRITES_LUA", "ZADD_DUE", "batch_head", "batch_writes",
-    "list_gate", "run_writes",
+    "BATCH_GATE", "BATCH_LISTED", "BATCH_SETTLE", "BATCH_TAIL", "BATCH_WRITES_LUA", "DECODE",
+    "HOW", "LUA_XADD", "LUA_XADD_ANY", "LUA_XADD_CAPPED", "LUA_XADD_CAPPED_TO", "LUA_XADD_TO",
+    "MOVE_ARGV", "MOVE_HEAD", "MOVE_TAIL", "NOW_MS", "SERVER_TIME", "STREAM_BATCH_MAX",
+    "STREAM_BATCH_VALUES", "STREAM_GATE", "UNPACK_MAX", "WRITES_LUA", "ZADD_DUE", "batch_head",
+    "batch_writes", "list_gate", "run_writes",
 ]
 
 # -- the gates, the server's clock, an XADD of any width ---------------------------------
@@ -351,105 +354,7 @@ MOVE_ARGV = ("limit", "width?", "reserve_ms?")
 """The ARGV of a delay-set mover (what MOVE_HEAD reads)."""
 
 # -- exactly-once effects: an outcome's writes in its finalization (see ``_writes``) --------
-
-def _fresh_int(call: str, why: str) -> str:
-    """Lua, in WRITES_LUA's checks: the value ``redis.call(<call>)`` reads must
-    be an integer where no earlier write of the outcome touched it (``fresh``);
-    else ``why``."""
-    return f"""      if fresh then
-        local v = redis.call({call})
-        if v and wnotint(v) then return {why} end
-      end end,"""
-
-
-# Lua: the writes at ARGV[i] ..: for each, its count of values, the type its
-# key must have ('' for any), then the command (name, arguments).
-# ``wcheck(i, nw)``: an error reply naming the write and the key when a key
-# holds another type, or a value the write would certainly be refused on
-# when run (see below); else the index after the writes.  ``wapply(i, nw)``
-# runs them.
-#
-# A write that passes the type check may still fail when run, after the
-# writes before it were applied (scripts do not roll back): those would be
-# applied again at every redelivery.  So for every write after the first
-# (the first failing applies nothing: no check, no cost for the common
-# outcome of one write), what Redis will certainly refuse is refused here
-# first, before anything is written: ``INCR``, ``DECR``,
-# ``INCRBY``, ``DECRBY`` on a value, or by an increment, that is no integer
-# as Redis reads one (digits, an optional ``-``, no leading zero: its
-# ``string2ll``), ``HINCRBY`` likewise on the field's value, and ``PFADD``
-# on a string that is not a HyperLogLog (no ``HYLL`` header).  A value is
-# judged only where no earlier write of the same outcome touched its key
-# (which could change it).  What stays unchecked (an overflow, floats, a
-# damaged HyperLogLog body) is the README's "a write refused at run time".
-WRITES_LUA = """
-local wvalue
-local function wchecks()
-  local function wnotint(v)
-    return not string.find(v, '^%-?%d+$') or string.find(v, '^%-?0.') ~= nil or v == '-0'
-  end
-  -- each: (index of the write, whether its key's value is as it finds it: no
-  -- earlier write of the outcome touched it) -> why it would fail, or nil
-  local t = {
-    INCR = function(i, fresh)
-""" + _fresh_int("'GET', ARGV[i + 3]", "'the value is not an integer'") + """
-    INCRBY = function(i, fresh)
-      if wnotint(ARGV[i + 4]) then return 'the increment is not an integer' end
-""" + _fresh_int("'GET', ARGV[i + 3]", "'the value is not an integer'") + """
-    HINCRBY = function(i, fresh)
-      if wnotint(ARGV[i + 5]) then return 'the increment is not an integer' end
-""" + _fresh_int("'HGET', ARGV[i + 3], ARGV[i + 4]",
-                 "'the field ' .. ARGV[i + 4] .. ' holds no integer'") + """
-    PFADD = function(i, fresh)
-      if fresh and redis.call('EXISTS', ARGV[i + 3]) == 1 and
-         redis.call('GETRANGE', ARGV[i + 3], 0, 3) ~= 'HYLL' then
-        return 'the key holds a string that is not a HyperLogLog'
-      end end,
-  }
-  t.DECR, t.DECRBY = t.INCR, t.INCRBY
-  return t
-end
-local function wcheck(i, nw)
-  local touched
-  if nw > 1 then
-    touched = {}
-    wvalue = wvalue or wchecks()
-  end
-  for w = 1, nw do
-    local argc = tonumber(ARGV[i])
-    local want = ARGV[i + 1]
-    if want ~= '' then
-      local key = ARGV[i + 3]
-      local t = redis.call('TYPE', key)['ok']
-      if t ~= 'none' and t ~= want then
-        return nil, 'WRONGTYPE write ' .. w .. ' of the outcome (' .. ARGV[i + 2] .. ' ' ..
-          key .. '): the key holds a ' .. t .. ', not a ' .. want .. '; nothing written'
-      end
-      local check = w > 1 and wvalue[ARGV[i + 2]]
-      if check then
-        local why = check(i, not touched[key])
-        if why then
-          return nil, 'ERR write ' .. w .. ' of the outcome (' .. ARGV[i + 2] .. ' ' .. key ..
-            ') would fail: ' .. why .. '; nothing written'
-        end
-      end
-    end
-    -- (every argument: a DEL names many keys; one more marked only spares a check)
-    if touched then
-      for a = i + 3, i + 1 + argc do touched[ARGV[a]] = true end
-    end
-    i = i + 2 + argc
-  end
-  return i
-end
-local function wapply(i, nw)
-  for w = 1, nw do
-    local argc = tonumber(ARGV[i])
-    redis.call(unpack(ARGV, i + 2, i + 1 + argc))
-    i = i + 2 + argc
-  end
-end
-"""
+# (WRITES_LUA, BATCH_WRITES_LUA, run_writes, batch_writes: in ``_lua_writes``, re-exported here)
 
 ZADD_DUE = (
     NOW_MS
@@ -460,33 +365,3 @@ ZADD_DUE = (
 )
 """Lua of the writes scripts' ``zadd``: the copy ``ARGV[i + 1]`` into the delay
 set ``KEYS[2]``, due ``ARGV[i]`` ms from the server's clock (``r``)."""
-
-
-def run_writes(at: int) -> str:
-    """Lua, after a writes script's gate: the writes whose count is ``ARGV[at]``
-    (then the writes themselves) checked, refused as a whole, or run; ``i``
-    is left at the op's own arguments."""
-    return f"""
-local nw = tonumber(ARGV[{at}])
-local i, why = wcheck({at + 1}, nw)
-if not i then return redis.error_reply(why) end
-wapply({at + 1}, nw)
-"""
-
-def batch_writes(at: str) -> str:
-    """Lua, in a batched writes script's loop, for an open delivery whose
-    writes start at ``ARGV[at]`` (``nw`` of them): checked (``wcheck``), then
-    run (``wapply``), each in a ``pcall``; ``ok`` whether they all ran, else
-    ``r`` the error (a table, as ``redis.pcall`` answers it)."""
-    return f"""
-    local ok, at, why = pcall(wcheck, {at}, nw)
-    local r
-    if ok and at then
-      ok, r = pcall(wapply, {at}, nw)
-    elseif ok then
-      ok, r = false, {{err = why}}
-    else
-      r = at
-    end
-    if not ok and type(r) ~= 'table' then r = {{err = tostring(r)}} end
-"""

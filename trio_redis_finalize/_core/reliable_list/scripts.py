@@ -20,6 +20,7 @@ from __future__ import annotations
 from .._commands import Script
 from .._lua import (
     BATCH_LISTED,
+    BATCH_WRITES_LUA,
     MOVE_ARGV,
     MOVE_HEAD,
     MOVE_TAIL,
@@ -210,14 +211,15 @@ return r
 # Each element as LIST_WRITES with op 'remove' (the ACK or DROP of an outcome carrying
 # writes), in order: its gate (at least n copies in the processing list),
 # its writes' key types checked (a refusal: nothing of it written, its
-# error), its writes run, then one copy removed -- at once, so that the
+# error; each key's type read once per call, as in STREAM_WRITES_ACK_BATCH),
+# its writes run, then one copy removed -- at once, so that the
 # next element's gate counts what is left (identical elements).  The writes
 # run in a ``pcall``, as in STREAM_WRITES_ACK_BATCH: a write refused at run
 # time is that element's error (the writes before it applied, the element
 # not removed) and the call goes on.  Its reply as STREAM_COPY_ACK_BATCH's
 # (an element not listed: written and removed, the single script's 1).
 LIST_WRITES_REMOVE_BATCH = Script(
-    WRITES_LUA
+    BATCH_WRITES_LUA
     + """
 local argv, list = ARGV, KEYS[1]
 local rpcall, type, tonumber = redis.pcall, type, tonumber
@@ -225,26 +227,24 @@ local bad = {}
 local i, k, last = 1, 0, #argv
 while i <= last do
   local e = argv[i]
-  local n = tonumber(argv[i + 1])
-  local nw = tonumber(argv[i + 2])
-  local to = i + 3
-  for w = 1, nw do to = to + 2 + tonumber(argv[to]) end
+  local n = wnum[argv[i + 1]]
+  local nw = wnum[argv[i + 2]]
+  local to
   k = k + 1
-  local ok, at = pcall(redis.call, 'LPOS', list, e, 'RANK', -n)
-  if not ok then  -- as the single script's error (the list of another type)
-    if type(at) ~= 'table' then at = {err = tostring(at)} end
+  local at = rpcall('LPOS', list, e, 'RANK', -n)
+  if type(at) == 'table' then  -- as the single script's error (the list of another type)
     bad[#bad + 1] = k
     bad[#bad + 1] = at
   elseif at then
 """
     + batch_writes("i + 3")
     + """
-    if ok then
+    if wrote then
       rpcall('LREM', list, -1, e)
 """
     + BATCH_LISTED
     + """
-  i = to
+  i = to or wskip(i + 3, nw)
 end
 return {k, unpack(bad)}
 """,

@@ -23,6 +23,7 @@ from .._lua import (
     BATCH_GATE,
     BATCH_SETTLE,
     BATCH_TAIL,
+    BATCH_WRITES_LUA,
     HOW,
     LUA_XADD,
     LUA_XADD_ANY,
@@ -327,7 +328,9 @@ return r
 #   id, nw, its writes as STREAM_WRITES reads them)
 # Each delivery as STREAM_WRITES with op 'ack' (the ACK or DROP of an outcome carrying
 # writes): its gate, its writes' key types checked (a refusal: nothing of
-# it written, its error), its writes run in order, its removal.  The
+# it written, its error; each key's type read once per call, the writes of
+# the deliveries before it seen, see ``_lua_writes``), its writes run in
+# order, its removal.  The
 # removals of the deliveries written go in one XACK (XDEL, XACKDEL) at the
 # end of the same script, so a crash finds each delivery written and
 # removed, or neither, as with its single script.  The writes run in a
@@ -340,14 +343,13 @@ return r
 # the single script's 1).
 STREAM_WRITES_ACK_BATCH = Script(
     batch_head(3)
-    + WRITES_LUA
+    + BATCH_WRITES_LUA
     + """
 local i, k, last = 6, 0, #argv
 while i <= last do
   local id = argv[i]
-  local nw = tonumber(argv[i + 1])
-  local to = i + 2
-  for w = 1, nw do to = to + 2 + tonumber(argv[to]) end
+  local nw = wnum[argv[i + 1]]
+  local to
   k = k + 1
 """
     + BATCH_GATE
@@ -355,12 +357,9 @@ while i <= last do
   if open then
 """
     + batch_writes("i + 2")
-    + """
-    local wrote = ok
-"""
     + BATCH_SETTLE
     + """
-  i = to
+  i = to or wskip(i + 2, nw)
 end
 """
     + BATCH_TAIL,

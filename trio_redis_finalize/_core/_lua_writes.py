@@ -1,0 +1,223 @@
+"""The Lua of an outcome's writes (see ``_writes``), run in its form's gated
+step: the checks before anything is written (``wcheck``), the writes
+(``wapply``), both in a batched script's loop (``wrun``, ``batch_writes``)
+or after a single script's gate (``run_writes``).  Composed into the
+scripts by ``_lua``'s users (``_lua`` re-exports these).  Text only.
+"""
+
+from __future__ import annotations
+
+__all__ = ["BATCH_WRITES_LUA", "WRITES_LUA", "batch_writes", "run_writes"]
+
+
+def _fresh_int(call: str, why: str) -> str:
+    """Lua, in WRITES_LUA's checks: the value ``redis.call(<call>)`` reads must
+    be an integer where no earlier write of the outcome touched it (``fresh``);
+    else ``why``."""
+    return f"""      if fresh then
+        local v = redis.call({call})
+        if v and wnotint(v) then return {why} end
+      end end,"""
+
+
+_WNUM = """
+-- wnum[s]: tonumber(s), each distinct s converted once (tonumber is ~1,000 instructions)
+local wnum = setmetatable({}, {__index = function(t, s) local n = tonumber(s); t[s] = n; return n end})
+"""
+
+
+def _memo(x: str) -> str:
+    return f"wnum[{x}]"
+
+
+def _tonumber(x: str) -> str:
+    return f"tonumber({x})"
+
+
+# Lua: the writes at ARGV[i] ..: for each, its count of values, the type its
+# key must have ('' for any), then the command (name, arguments).
+# ``wcheck(i, nw)``: an error reply naming the write and the key when a key
+# holds another type, or a value the write would certainly be refused on
+# when run (see below); else the index after the writes.  ``wapply(i, nw)``
+# runs them (and answers that index); ``wrun`` both, ``wskip`` only that index.
+#
+# A write that passes the type check may still fail when run, after the
+# writes before it were applied (scripts do not roll back): those would be
+# applied again at every redelivery.  So for every write after the first
+# (the first failing applies nothing: no check, no cost for the common
+# outcome of one write), what Redis will certainly refuse is refused here
+# first, before anything is written: ``INCR``, ``DECR``,
+# ``INCRBY``, ``DECRBY`` on a value, or by an increment, that is no integer
+# as Redis reads one (digits, an optional ``-``, no leading zero: its
+# ``string2ll``), ``HINCRBY`` likewise on the field's value, and ``PFADD``
+# on a string that is not a HyperLogLog (no ``HYLL`` header).  A value is
+# judged only where no earlier write of the same outcome touched its key
+# (which could change it).  What stays unchecked (an overflow, floats, a
+# damaged HyperLogLog body) is the README's "a write refused at run time".
+#
+# The types are read once per key and script call (``wtype``, a batch's
+# deliveries share it): ``wtype[key] = t`` says the key holds a t or nothing
+# (a typed write may empty its key: HDEL, SREM, ZREM, LTRIM; a removal of
+# the script's own only empties one), so t is trusted only when it is the
+# type wanted; else TYPE reads it.  A typed write that ran sets its type;
+# SET and SETNX (the writes that may give a key another type) forget their
+# key's; the other any-type writes (DEL, UNLINK, EXPIRE*, PERSIST) remove a
+# key or leave it as it is: what a type remembered already allows for.
+def _writes_lua(batched: bool) -> str:
+    """WRITES_LUA (``batched`` False) or BATCH_WRITES_LUA (True: also ``wnum``,
+    ``wrun``, ``wskip``; what a single script would only pay for at each call)."""
+    num = _memo if batched else _tonumber
+    def keep(assign: str) -> str:  # (a single script's one write: no later reader)
+        return assign if batched else f"if nw > 1 then {assign} end"
+    return ((_WNUM if batched else "") + """
+local ARGV = ARGV  -- (an upvalue: a global is a table lookup)
+local wvalue, wtouched
+local wtype = {}
+local function wchecks()
+  local function wnotint(v)
+    return not string.find(v, '^%-?%d+$') or string.find(v, '^%-?0.') ~= nil or v == '-0'
+  end
+  -- each: (index of the write, whether its key's value is as it finds it: no
+  -- earlier write of the outcome touched it) -> why it would fail, or nil
+  local t = {
+    INCR = function(i, fresh)
+""" + _fresh_int("'GET', ARGV[i + 3]", "'the value is not an integer'") + """
+    INCRBY = function(i, fresh)
+      if wnotint(ARGV[i + 4]) then return 'the increment is not an integer' end
+""" + _fresh_int("'GET', ARGV[i + 3]", "'the value is not an integer'") + """
+    HINCRBY = function(i, fresh)
+      if wnotint(ARGV[i + 5]) then return 'the increment is not an integer' end
+""" + _fresh_int("'HGET', ARGV[i + 3], ARGV[i + 4]",
+                 "'the field ' .. ARGV[i + 4] .. ' holds no integer'") + """
+    PFADD = function(i, fresh)
+      if fresh and redis.call('EXISTS', ARGV[i + 3]) == 1 and
+         redis.call('GETRANGE', ARGV[i + 3], 0, 3) ~= 'HYLL' then
+        return 'the key holds a string that is not a HyperLogLog'
+      end end,
+  }
+  t.DECR, t.DECRBY = t.INCR, t.INCRBY
+  -- whether a write from ARGV[from] up to ARGV[to] (not included) names v
+  -- (every argument: a DEL names many keys; one more seen only spares a check)
+  local function wtouched(from, to, v)
+    while from < to do
+      local argc = """ + num("ARGV[from]") + """
+      for a = from + 3, from + 1 + argc do
+        if ARGV[a] == v then return true end
+      end
+      from = from + 2 + argc
+    end
+    return false
+  end
+  return t, wtouched
+end
+local function wcheck(i, nw)
+  local from = i
+  if nw > 1 and not wvalue then wvalue, wtouched = wchecks() end
+  for w = 1, nw do
+    local argc = """ + num("ARGV[i]") + """
+    local want = ARGV[i + 1]
+    if want ~= '' then
+      local key = ARGV[i + 3]
+      if wtype[key] ~= want then
+        local t = redis.call('TYPE', key)['ok']
+        if t ~= 'none' and t ~= want then
+          wtype[key] = t
+          return nil, 'WRONGTYPE write ' .. w .. ' of the outcome (' .. ARGV[i + 2] .. ' ' ..
+            key .. '): the key holds a ' .. t .. ', not a ' .. want .. '; nothing written'
+        end
+        """ + keep("wtype[key] = want") + """
+      end
+      local check = w > 1 and wvalue[ARGV[i + 2]]
+      if check then
+        local why = check(i, not wtouched(from, i, key))
+        if why then
+          return nil, 'ERR write ' .. w .. ' of the outcome (' .. ARGV[i + 2] .. ' ' .. key ..
+            ') would fail: ' .. why .. '; nothing written'
+        end
+      end
+    end
+    i = i + 2 + argc
+  end
+  return i
+end
+local function wapply(i, nw)
+  for w = 1, nw do
+    local argc = """ + num("ARGV[i]") + """
+    local want = ARGV[i + 1]
+    redis.call(unpack(ARGV, i + 2, i + 1 + argc))
+    if want ~= '' then
+      """ + keep("wtype[ARGV[i + 3]] = want") + """
+    elseif ARGV[i + 2] == 'SET' or ARGV[i + 2] == 'SETNX' then  -- (another type: a string)
+      wtype[ARGV[i + 3]] = nil
+    end
+    i = i + 2 + argc
+  end
+  return i
+end
+""" + ("""local function wrun(i, nw)
+  if nw == 1 then
+    -- (the common outcome, inline: wcheck only for a type not known; a typed
+    -- write's key then holds the type its check cached)
+    local argc, want, key = wnum[ARGV[i]], ARGV[i + 1], ARGV[i + 3]
+    if want ~= '' and wtype[key] ~= want then
+      local at, why = wcheck(i, 1)
+      if not at then return nil, why end
+    end
+    redis.call(unpack(ARGV, i + 2, i + 1 + argc))
+    if want == '' and (ARGV[i + 2] == 'SET' or ARGV[i + 2] == 'SETNX') then
+      wtype[key] = nil
+    end
+    return i + 2 + argc
+  end
+  local at, why = wcheck(i, nw)
+  if not at then return nil, why end
+  return wapply(i, nw)
+end
+local function wskip(i, nw)
+  for w = 1, nw do i = i + 2 + wnum[ARGV[i]] end
+  return i
+end
+""" if batched else ""))
+
+
+WRITES_LUA = _writes_lua(batched=False)
+"""The writes' Lua of a single script (``run_writes``)."""
+BATCH_WRITES_LUA = _writes_lua(batched=True)
+"""The writes' Lua of a batched script (``batch_writes``): also ``wnum``, ``wrun``
+and ``wskip``."""
+
+
+def run_writes(at: int) -> str:
+    """Lua, after a writes script's gate: the writes whose count is ``ARGV[at]``
+    (then the writes themselves) checked, refused as a whole, or run; ``i``
+    is left at the op's own arguments."""
+    return f"""
+local nw = tonumber(ARGV[{at}])
+local i, why = wcheck({at + 1}, nw)
+if not i then return redis.error_reply(why) end
+wapply({at + 1}, nw)
+"""
+
+# Where a batched ACK carrying one HINCRBY spends the server's instructions
+# (Redis 7.0.15, callgrind, per delivery, 100 per call; the raw pipeline of a
+# HINCRBY each and one XACK: 9.8k), parts added one by one: the EVALSHA, the
+# XACK and the id 6.0k; the other 7 values of its ARGV (~0.75k each) 11.7k;
+# the HINCRBY's redis.call 18.2k; the gate's XPENDING of the range 27.3k
+# (2.8k to build each row, 5.2k to make it Lua tables); this file's checks
+# and the loop's bookkeeping: 29.7k (3.0x).  With no value but the id ~21k
+# (2.1x): the gate's read is most of what a raw pipeline does not pay.
+def batch_writes(at: str) -> str:
+    """Lua, in a batched writes script's loop, for an open delivery whose
+    writes start at ``ARGV[at]`` (``nw`` of them): checked, then run, in one
+    ``pcall`` (``wrun``); ``wrote`` whether they all ran (then ``to`` the
+    index after them), else ``r`` the error (a table, as ``redis.pcall``
+    answers it)."""
+    return f"""
+    local wrote, r, why = pcall(wrun, {at}, nw)
+    if wrote and r then
+      to = r
+    else
+      if wrote then r = {{err = why}} elseif type(r) ~= 'table' then r = {{err = tostring(r)}} end
+      wrote = false
+    end
+"""
