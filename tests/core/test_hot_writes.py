@@ -124,6 +124,8 @@ def test_mixed_batches_keep_the_plain_removals_first() -> None:
 
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 12)), min_size=1, max_size=60))
 def test_gate_range_is_the_smallest_and_largest_id(parts: list[tuple[int, int]]) -> None:
+    """Exact (a wider range lets other consumers' pending entries take the
+    rows its COUNT allows), also for seq parts of several lengths, one ms or many."""
     ids = [f"{1_700_000_000_000 + ms}-{10 ** (seq // 3) + seq}" for ms, seq in parts]
 
     def order(i: str) -> tuple[int, int]:
@@ -131,6 +133,8 @@ def test_gate_range_is_the_smallest_and_largest_id(parts: list[tuple[int, int]])
         return int(ms), int(seq)
 
     assert gate_range(ids) == (min(ids, key=order), max(ids, key=order), 2 * len(ids))
+    one_ms = [f"1700000000000-{seq}" for _, seq in parts]
+    assert gate_range(one_ms)[:2] == (min(one_ms, key=order), max(one_ms, key=order))
     assert gate_range([*ids, "5-1"])[0] == "5-1"  # ms parts of other lengths too
 
 

@@ -227,7 +227,7 @@ class ReliableListCells(Cells):
         def head(keys: Sequence[Arg], i: int, j: int) -> Command:
             return _REMOVE_BATCH.command((p, *keys), ())
 
-        return splice_batches(items, [(r, 1) for r in raws], encode, head,
+        return splice_batches(items, [*zip(raws, itertools.repeat(1))], encode, head,
                               _lua.STREAM_BATCH_MAX, _lua.STREAM_BATCH_VALUES)
 
     def with_writes(self, t: Target, commands: Sequence[Command], writes: Sequence[Arg],

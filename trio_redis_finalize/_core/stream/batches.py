@@ -12,8 +12,9 @@ the stream's row (``cells.StreamCells``) lists them.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import compress
 from operator import attrgetter, itemgetter
-from typing import Any
+from typing import Any, cast
 
 from ..._delivery import Delivery
 from ..._outcome import Outcome
@@ -37,31 +38,35 @@ def _id_order(eid: Arg) -> tuple[int, str, int, str]:
     return len(ms_), ms_, len(seq), seq
 
 
-_STR = {str}
-_DASH = {"-"}
 
 
 def gate_range(ids: Sequence[Arg]) -> tuple[Arg, Arg, int]:
     """``lo, hi, count`` of a batched call's gates (see ``scripts``): the
-    smallest and largest of ``ids``, and at most twice as many rows."""
-    first = ids[0]
-    # (checked with map(): no Python-level call per id)
-    if first.__class__ is str and (k := first.find("-")) > 0 and set(map(type, ids)) == _STR:
-        texts: Sequence[str] = ids  # type: ignore[assignment]
-        if min(map(len, texts)) > k and set(map(itemgetter(k), texts)) == _DASH:
-            if set(map(len, texts)) == {len(first)}:
-                # ids of one shape (the common case): ms parts of one length, so
-                # seq parts too; such ids compare as text
-                return min(texts), max(texts), 2 * len(ids)
-            # ms parts of one length (seq parts may differ): the smallest and
-            # largest ms compare as text; among the few ids of each, by seq
-            # (the shortest seq is the smallest, the longest the largest)
-            lo_ms, hi_ms = min(texts)[:k + 1], max(texts)[:k + 1]
-            los = [t for t in texts if t.startswith(lo_ms)]
-            his = [t for t in texts if t.startswith(hi_ms)]
-            short, long = min(map(len, los)), max(map(len, his))
-            return (min([t for t in los if len(t) == short]),
-                    max([t for t in his if len(t) == long]), 2 * len(ids))
+    smallest and largest of ``ids``, and at most twice as many rows.
+
+    Ids as text (``ms-seq``, decimal, no leading zeros) of one length compare
+    as text: where two differ first, a digit against a digit, or the dash of
+    the shorter ms against a digit (``-`` sorts first).  Of several lengths
+    but one ms (a burst), the smallest is the smallest of the shortest, the
+    largest the largest of the longest.  Found in C: a few passes over the
+    ids, no call per id; anything else by each id's order.
+    """
+    if ids[0].__class__ is str:
+        texts = cast("Sequence[str]", ids)
+        try:
+            lens = [*map(len, texts)]
+            lo_t, hi_t = min(texts), max(texts)  # (TypeError: not all text)
+        except TypeError:
+            pass
+        else:
+            short, long = min(lens), max(lens)
+            if short == long:
+                return lo_t, hi_t, 2 * len(ids)
+            k = lo_t.find("-")
+            if k > 0 and hi_t.startswith(lo_t[:k + 1]):
+                # (every id between the two by text shares their "ms-")
+                return (min(compress(texts, map(short.__eq__, lens))),
+                        max(compress(texts, map(long.__eq__, lens))), 2 * len(ids))
     keys = list(map(_id_order, ids))
     lo = min(keys)
     hi = max(keys)
@@ -248,5 +253,4 @@ def ack_writes_calls(t: Target, how: str, items: Sequence[tuple[Delivery, Outcom
     def head(keys: Sequence[Arg], i: int, j: int) -> Command:
         return _WB.command((src, *keys), (group, how, *gate_range(ids[i:j])))
 
-    return splice_batches(items, [(i,) for i in ids], encode, head, STREAM_BATCH_MAX,
-                          STREAM_BATCH_VALUES)
+    return splice_batches(items, [*zip(ids)], encode, head, STREAM_BATCH_MAX, STREAM_BATCH_VALUES)
