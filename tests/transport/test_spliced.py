@@ -36,3 +36,16 @@ async def test_a_server_runs_a_spliced_command_as_its_tuple(redis_url: str) -> N
             (n, same) = await client.pipeline([c, ("LRANGE", "spliced", 0, -1)])
     assert n == 7
     assert same == [b"x\r\n", b"7", "\u00e9".encode(), b"\x00", b"x\r\n", b"7", "\u00e9".encode()]
+
+
+@given(st.lists(st.tuples(st.integers(0, 2**48), st.integers(0, 2**20)), min_size=1, max_size=40),
+       st.lists(ARG, max_size=8))
+def test_a_keyed_batch_packs_as_its_arguments(ids: list[tuple[int, int]], part: list[Arg]) -> None:
+    """A batch of one outcome for every stream id: every id packed at once,
+    cut at its line ends, the part's bytes put between (``splice_keyed``)."""
+    from trio_redis_finalize._core._commands import splice_keyed
+
+    texts = [f"{ms}-{seq}" for ms, seq in ids]
+    c = splice_keyed((b"EVALSHA", "sha", 1, "s", "g"), texts, part)
+    assert list(c) == [b"EVALSHA", "sha", 1, "s", "g", *(a for t in texts for a in (t, *part))]
+    assert c.packed(pack_command) == pack_command(tuple(c))

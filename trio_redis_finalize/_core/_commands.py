@@ -14,7 +14,7 @@ from typing import Any
 
 __all__ = [
     "SCRIPTS", "Arg", "Command", "Script", "Spliced", "command_keys", "describe", "group_names",
-    "script_of", "splice", "splice_batches", "split_field",
+    "script_of", "splice", "splice_batches", "splice_keyed", "split_field",
 ]
 
 Arg = bytes | str | int | float
@@ -36,6 +36,14 @@ class Spliced(tuple):  # type: ignore[type-arg]
     def packed(self, pack: Callable[[tuple[Arg, ...]], bytes]) -> bytes:
         """The command's RESP bytes, ``pack`` (``hiredis.pack_command``)
         packing each distinct segment: the same bytes ``pack(self)`` gives."""
+        keyed = self.__dict__.get("keyed")
+        if keyed is not None:  # (see splice_keyed)
+            head, ids, part = keyed
+            h, p, e = pack(tuple(head)), pack(tuple(ids)), pack(tuple(part))
+            lines = p.split(b"\r\n")  # "*n", then "$len", id for each id, ""
+            body = b"\r\n".join(chain.from_iterable(
+                zip(lines[1:-1:2], lines[2:-1:2], repeat(e[e.index(b"\n") + 1:-2]))))
+            return b"".join((b"*%d\r\n" % len(self), h[h.index(b"\n") + 1:], body, b"\r\n"))
         done: dict[int, bytes] = {}
         out = [b"*%d\r\n" % len(self)]
         for seg in self.segments:
@@ -56,10 +64,22 @@ def splice(segments: Sequence[Sequence[Arg]]) -> Spliced:
     return c
 
 
+def splice_keyed(head: Command, ids: Sequence[str], part: Sequence[Arg]) -> Spliced:
+    """``head``, then for each of ``ids`` the id and ``part`` (the same
+    values): a batch of deliveries known by id that all returned one outcome.
+    Packed with every id at once (:meth:`Spliced.packed` cuts their packing
+    at its line ends: the ids are a stream's, ``ms-seq``, never a CR or LF)."""
+    c = splice([head, *chain.from_iterable(zip(zip(ids), repeat(part)))])
+    if part:  # (no part: packed segment by segment)
+        c.keyed = (head, ids, part)  # type: ignore[attr-defined]
+    return c
+
+
 def splice_batches(
     items: Sequence[tuple[object, object]], prefixes: Sequence[Sequence[Arg]],
     encode: Callable[[Any], tuple[Sequence[Arg], Sequence[Arg]]],
     head: Callable[[Sequence[Arg], int, int], Command], cap: int, room: int,
+    ids: Sequence[str] | None = None,
 ) -> list[tuple[Command, int]]:
     """Batched script calls of ``items`` (deliveries and their outcomes), each
     delivery's part its ``prefixes[i]`` then its outcome's encoded writes
@@ -70,7 +90,9 @@ def splice_batches(
     delivery at least), as ``_batch.first_round`` batches parts;
     ``head(keys, i, j)``: the call up to the parts, for ``items[i:j]`` and
     the keys their writes name (each once).  The calls are :class:`Spliced`:
-    one outcome's writes, the same list object, packed once.
+    one outcome's writes, the same list object, packed once.  ``ids``: the
+    prefixes are these stream ids alone (:func:`splice_keyed`, when every
+    delivery returned one outcome object).
     """
     out: list[tuple[Command, int]] = []
     n = len(items)
@@ -82,6 +104,9 @@ def splice_batches(
         per = max(1, min(cap, room // (len(prefixes[0]) + len(enc))))
         for i in range(0, n, per):
             j = min(n, i + per)
+            if ids is not None:
+                out.append((splice_keyed(head(once, i, j), ids[i:j], enc), j - i))
+                continue
             parts = [head(once, i, j), *chain.from_iterable(zip(prefixes[i:j], repeat(enc)))]
             out.append((splice(parts), j - i))
         return out

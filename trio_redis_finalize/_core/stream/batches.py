@@ -253,4 +253,5 @@ def ack_writes_calls(t: Target, how: str, items: Sequence[tuple[Delivery, Outcom
     def head(keys: Sequence[Arg], i: int, j: int) -> Command:
         return _WB.command((src, *keys), (group, how, *gate_range(ids[i:j])))
 
-    return splice_batches(items, [*zip(ids)], encode, head, STREAM_BATCH_MAX, STREAM_BATCH_VALUES)
+    return splice_batches(items, [*zip(ids)], encode, head, STREAM_BATCH_MAX, STREAM_BATCH_VALUES,
+                          ids)  # type: ignore[arg-type]
