@@ -41,7 +41,7 @@ from ._shutdown import FINALIZE_GRACE, cleanup
 from ._stats import DURATION_BOUNDS, MountStats
 from ._work_queue import WorkQueue
 
-__all__ = ["GiveBack", "HandlerPool", "own_exit"]
+__all__ = ["GiveBack", "HandlerPool", "hand_on", "own_exit"]
 
 _FLUSH_EVERY = 0.05
 _SLOW_CALL = 0.0005
@@ -223,8 +223,7 @@ class HandlerPool:
             if results:
                 batch = results[:]
                 results.clear()
-                with cleanup(FINALIZE_GRACE):
-                    await send.send(batch)
+                await hand_on(send, batch)
 
     async def _batch_loop(self, send: Send[list[Item]], results: list[Item]) -> None:
         """``batch=True``: call the handler on every delivery waiting in the
@@ -265,8 +264,8 @@ class HandlerPool:
                 took = monotonic() - start
                 counts[bisect_left(DURATION_BOUNDS, took)] += 1
                 durations.sum += took
-            with cleanup(FINALIZE_GRACE):  # the call returned: its outcomes must go on
-                await send.send(list(zip(batch, outcomes, strict=True)))
+            # the call returned: its outcomes must go on
+            await hand_on(send, list(zip(batch, outcomes, strict=True)))
 
     async def _flusher(self, waiting: list[tuple[list[Item], Send[list[Item]]]]) -> None:
         """Hand on outcomes that wait in a handler task's list while it runs a slow
@@ -283,12 +282,33 @@ class HandlerPool:
                     found = True
                     batch = results[:]
                     results.clear()
-                    # taken out of the list: must reach the finalizer
-                    with cleanup(FINALIZE_GRACE):
-                        await send.send(batch)
+                    await hand_on(send, batch)  # taken out of the list: must reach the finalizer
             if not found:
                 self._flusher_wake = anyio.Event()
                 self._flusher_idle = True
+
+
+async def hand_on(send: Send[list[Item]], items: list[Item]) -> None:
+    """Hand outcomes no handler holds any more to the finalizer: they must get there.
+
+    At once when the channel has room (``send_nowait``: no checkpoint, so
+    neither a cancellation nor a deadline can cut it); else the wait for room
+    is shielded and has no deadline of its own.  The finalizer drains the
+    channel until its own deadline (``Budget.finalizer`` at a shutdown), then
+    closes it: ``BrokenResourceError``, and the deliveries stay pending.
+
+    A deadline here would drop the outcomes without a word while the
+    finalizer is merely slow (Redis unreachable for longer, a loaded
+    machine that left the task unscheduled past it): their deliveries would
+    stay held by this consumer, finalized by nobody, until a restart.
+    """
+    try:
+        send.send_nowait(items)
+        return
+    except anyio.WouldBlock:
+        pass
+    with anyio.CancelScope(shield=True):
+        await send.send(items)
 
 
 def own_exit(e: BaseException) -> bool:

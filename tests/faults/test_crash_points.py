@@ -279,7 +279,6 @@ class Case:
     batched: list[Any] = dataclasses.field(default_factory=list)  # replies to batched calls
     calls: list[Call] = dataclasses.field(default_factory=list)
     crashed: bool = False
-    stalled: str = ""  # a first life that left an element behind nobody holds (see _run)
     list_copies: int = 0
     leaked: int = 0  # retention: entries left in the stream after recovery and a trim
     names: set[str] = dataclasses.field(default_factory=set)  # the commands sent (first life)
@@ -352,12 +351,6 @@ async def _settled(client: Client, consumer: Any, form: str) -> bool:
     return not last or info.get(G.encode()) == last[0][0]
 
 
-def _held(consumer: Any) -> bool:
-    """Whether anything of ``consumer`` is held: scheduled, in hand or in flight."""
-    return bool(len(consumer.scheduler)
-                or any(m.in_hand or m.stats.in_flight for m in consumer.mounts))
-
-
 async def _unsettled(client: Client, consumer: Any, form: str) -> str:
     """What :func:`_settled` still finds to do (a failure's message)."""
     held = {m.name: (len(m.in_hand), m.stats.in_flight) for m in consumer.mounts}
@@ -394,17 +387,8 @@ async def _run(client: FaultClient, case: Case, *, stop_when_fired: bool, budget
                         return
                     calm = calm + 1 if await _settled(client, consumer, case.path.form) else 0
             if bound.cancelled_caught:
-                why = await _unsettled(client, consumer, case.path.form)
-                if case.path.form == "list" and not _held(consumer):
-                    # An element left in the processing list that nothing holds
-                    # (no handler, nothing scheduled): a reliable list rescans only
-                    # when it has a reason to, so it waits for the restart below,
-                    # which delivers it (seen twice in CI under load, batch
-                    # handlers, a fault before the first command; an open issue).
-                    # The restart and the checker still judge what is left.
-                    case.stalled = why
-                    return
-                raise AssertionError(f"{case.label}: not settled within {budget} s: {why}")
+                raise AssertionError(f"{case.label}: not settled within {budget} s: "
+                                     f"{await _unsettled(client, consumer, case.path.form)}")
     except BaseExceptionGroup as eg:
         crash, rest = eg.split(Crash)
         if crash is None:

@@ -1,0 +1,90 @@
+"""Outcomes on their way from the handlers to the finalizer are never dropped.
+
+A handler's outcomes travel to the mount's finalizer over a bounded channel.
+While the finalizer is stuck on a stalled request (Redis silent for a
+while), the channel fills and the handlers wait for room.  Before the fix, a
+batch handler's outcomes (and those the flusher hands on) were sent under a
+deadline of ``FINALIZE_GRACE``: once it ran out they were dropped without a
+word, and their deliveries stayed held by the consumer, finalized by nobody,
+until a restart (seen in CI as a reliable-list element left in the
+processing list).  A real stalled request (the fault client's ``cancel``
+fault: no reply until the request's timeout) fills the channel here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import anyio
+import pytest
+from _procs import eventually
+from faults.shim import FaultMode, open_fault_client
+
+from trio_redis_finalize import (
+    ACK,
+    Delivery,
+    Outcome,
+    ReliableListSubscription,
+    StreamSubscription,
+    _finalizer,
+    _handlers,
+    open_consumer,
+)
+from trio_redis_finalize._transport import Client
+
+pytestmark = pytest.mark.timeout(90)
+
+N = 30
+
+
+async def _left(client: Client, form: str) -> int:
+    """Messages not finalized yet: pending or unread (stream), queued or in processing (list)."""
+    if form == "stream":
+        pending = int((await client.execute("XPENDING", "s", "g"))[0])
+        info = {g[1]: g[7] for g in await client.execute("XINFO", "GROUPS", "s")}
+        last = await client.execute("XREVRANGE", "s", "+", "-", "COUNT", 1)
+        return pending + (0 if info.get(b"g") == last[0][0] else 1)
+    return sum(await client.pipeline([("LLEN", "q"), ("LLEN", "q:processing")]))
+
+
+@pytest.mark.parametrize("form", ["stream", "list"])
+async def test_a_batch_handlers_outcomes_wait_for_a_stalled_finalizer(
+    redis_url: str, client: Client, form: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the finalizer's first request stalls 1 s; a deadline on the hand-over
+    # shorter than that (the old code's FINALIZE_GRACE) dropped outcomes
+    monkeypatch.setattr(_finalizer, "FINALIZE_TIMEOUT", 1.0)
+    monkeypatch.setattr(_handlers, "FINALIZE_GRACE", 0.05)
+    sub = (StreamSubscription("s", "g", block=0.05) if form == "stream"
+           else ReliableListSubscription("q", processing="q:processing", block=0.05))
+    if form == "stream":
+        await client.execute("XGROUP", "CREATE", "s", "g", "$", "MKSTREAM")
+    calls: dict[bytes | None, int] = {}
+
+    async def handler(ds: Sequence[Delivery]) -> Outcome:
+        for d in ds:
+            key = d.data if form == "list" else d.fields[b"n"]
+            calls[key] = calls.get(key, 0) + 1
+        return ACK
+
+    async with open_fault_client(redis_url) as faulty, \
+            open_consumer(faulty, name="c", shutdown_grace=1.0) as consumer:
+        faulty.arm(0, FaultMode.BEFORE, cancel=True)  # its first finalization: no reply for 1 s
+        await consumer.mount(sub, handler, batch=True)
+        # one message per read (each a batch handler call, a list of outcomes
+        # on the channel): more lists than the channel holds while it stalls
+        for i in range(N):
+            body = str(i).encode()
+            if form == "stream":
+                await client.execute("XADD", "s", "*", "n", body)
+            else:
+                await client.execute("LPUSH", "q", body)
+            await anyio.sleep(0.02)
+        await eventually(lambda: faulty.fired is not None, 10, "the stalled finalization")
+
+        async def done() -> bool:
+            return await _left(client, form) == 0
+
+        await eventually(done, 30, lambda: f"every message finalized ({calls=})")
+        assert sorted(calls) == sorted(str(i).encode() for i in range(N))
+        assert set(calls.values()) == {1}, calls  # none handed over again: none was dropped
