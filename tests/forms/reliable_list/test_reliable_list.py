@@ -31,12 +31,14 @@ from trio_redis_finalize import (
     DelayedRetry,
     Delivery,
     ReliableListSubscription,
+    _backoffs,
     open_consumer,
     retry_after,
 )
 from trio_redis_finalize._core._types import content_origin
 from trio_redis_finalize._core.reliable_list.liveness import bumped, heartbeat_key, registry_key
 from trio_redis_finalize._envelope import MAGIC, unwrap, wrap
+from trio_redis_finalize._forms.reliable_list import reader as _reader
 from trio_redis_finalize._transport import Client, open_client
 
 # -- the table, cell by cell ------------------------------------------------------
@@ -512,3 +514,38 @@ def test_round_trip_under_asyncio(redis_url: str) -> None:
         return [(d.data, d.attempt) for d in seen]
 
     assert anyio.run(main, backend="asyncio") == [(b"aio", 1), (b"aio", 2)]
+
+
+async def test_an_element_left_unheld_is_delivered_again_by_the_periodic_rescan(
+    redis_url: str, client: Client, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A failed element left in the processing list without a timer (the
+    waiting set full: ``MAX_WAITING`` 0 here) is delivered again, as its next
+    attempt, by the periodic rescan (``_RESCAN_EVERY``, 0.5 s here; a minute
+    by default) while traffic keeps the reader reading: not only after a read
+    error or a restart, as a stream's own PEL is looked at every minute."""
+    monkeypatch.setattr(_reader, "_RESCAN_EVERY", 0.5)
+    monkeypatch.setattr(_backoffs, "MAX_WAITING", 0)
+    calls: list[int] = []
+
+    async def handle(d: Delivery) -> Any:
+        if d.data == b"p":
+            calls.append(d.attempt)
+            if d.attempt == 1:
+                raise RuntimeError("fails once")
+        return ACK
+
+    async def traffic() -> None:
+        while True:
+            await client.execute("LPUSH", Q, b"n")
+            await trio.sleep(0.01)
+
+    await client.execute("LPUSH", Q, b"p")
+    async with open_consumer(redis_url, name="c1", shutdown_grace=1.0) as consumer, \
+            trio.open_nursery() as nursery:
+        await consumer.mount(sub(block=1.0), handle)
+        nursery.start_soon(traffic)
+        await eventually(lambda: len(calls) >= 2, timeout=20, what="attempt 2 of 'p'")
+        nursery.cancel_scope.cancel()
+        assert effects(consumer).get("left_pending") == 1
+    assert calls == [1, 2]

@@ -49,6 +49,11 @@ _PREFETCH_MAX = 64
 _CHUNK_WORK = 0.01
 """Seconds of handler work one prefetch aims at (fast handlers: bigger batches)."""
 _BYTES = {bytes}  # the types of a read's replies when none is an error
+_RESCAN_EVERY = 60.0
+"""Seconds between two rescans of the processing list, whatever the traffic
+(as a stream looks at its own PEL): an element left there that this reader
+does not hold (a full waiting set, a delayed copy Redis refused) is
+delivered again within this bound, not at the next restart."""
 
 
 class ReliableListReader:
@@ -60,7 +65,7 @@ class ReliableListReader:
       other consumers get the rest).  The client-side deadline of a read is
       ``block`` + 1 s.
     * Crash recovery and ``on_error=Backoff()``: the processing list's rescan
-      (at start, after a read error) and the redeliveries of failed elements
+      (at start, after a read error, every minute) and the redeliveries of failed elements
       are :class:`~.recovery.ListRecovery`'s (:attr:`pending`).
     * Identical elements: the finalizer asks the reader's counted gates
       (:attr:`gates`, a ``_core.reliable_list.gates.ListGates``) for the commands of
@@ -99,6 +104,7 @@ class ReliableListReader:
         self._next_move = 0.0
         self._target: Target | None = None
         self._rescan_planned = False
+        self._next_rescan = 0.0  # the periodic rescan (_RESCAN_EVERY)
         self._started = False  # a catch_up went through (the first rescan bumps counters)
         self._previous = 0  # elements the previous turn handed over
         self._blmove: Command = ()
@@ -171,6 +177,7 @@ class ReliableListReader:
         await self._liveness.register(ctx)  # the first heartbeat: the claim of the consumer name
         self._blmove = ("BLMOVE", sub.queue, t.processing, "RIGHT", "LEFT")
         self._lmove = ("LMOVE", sub.queue, t.processing, "RIGHT", "LEFT")
+        self._next_rescan = anyio.current_time() + _RESCAN_EVERY
 
     def background(self, ctx: Context) -> Sequence[Callable[[], Coroutine[Any, Any, None]]]:
         live = self._liveness
@@ -183,16 +190,19 @@ class ReliableListReader:
         self._rescan_planned = True  # at start: the previous process's; later: a lost read's
 
     async def catch_up(self, ctx: Context, conn: Connection) -> None:
-        """Due durable copies onto the queue, then the rescan when one is planned or wanted."""
-        if (ctx.target.delayed_retry is DelayedRetry.DURABLE_ZSET
-                and anyio.current_time() >= self._next_move):
+        """Due durable copies onto the queue, then the rescan when one is
+        planned, wanted, or due (every :data:`_RESCAN_EVERY` seconds)."""
+        now = anyio.current_time()
+        if ctx.target.delayed_retry is DelayedRetry.DURABLE_ZSET and now >= self._next_move:
             wait = await self._move_due(ctx)
-            self._next_move = anyio.current_time() + wait
+            now = anyio.current_time()
+            self._next_move = now + wait
         recheck = self._recovery.recheck_at
-        if (self._rescan_planned or self._gates.rescan_wanted
-                or (recheck is not None and anyio.current_time() >= recheck)):
+        if (self._rescan_planned or self._gates.rescan_wanted or now >= self._next_rescan
+                or (recheck is not None and now >= recheck)):
             await self._recovery.rescan(conn, ctx, start=not self._started)
             self._rescan_planned = False
+            self._next_rescan = now + _RESCAN_EVERY
         self._started = True  # drive() is started after the first catch_up that went through
 
     async def turn(self, ctx: Context, conn: Connection) -> None:

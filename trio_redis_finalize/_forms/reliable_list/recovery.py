@@ -3,7 +3,7 @@ reader does not hand over by reading (the list's mirror of a stream's
 own-PEL recovery), and the Backoff redeliveries.
 
 * **rescan** (:meth:`ListRecovery.rescan`, a step of the read loop's catch-up:
-  at start and after a read error): the processing list is read; what it
+  at start, after a read error and every minute): the processing list is read; what it
   holds that the reader does not hold (as a multiset:
   ``_core.reliable_list.liveness.stranded``) is delivered again, its retry
   counter bumped in place first (:data:`BUMP`) when it counts as an attempt;
@@ -160,7 +160,7 @@ class ListRecovery:
     def leave_pending(self, ctx: Context, deliveries: Sequence[Delivery]) -> None:
         """Forget failed elements without a timer (the mount's waiting set is
         full): they stay in the processing list, not held, for the next rescan
-        (after a read error, at a start), which delivers them again counted as
+        (every minute, after a read error, at a start), which delivers them again counted as
         an attempt."""
         leave = self._gates.leave
         for d in deliveries:
