@@ -354,12 +354,17 @@ async def _settled(client: Client, consumer: Any, form: str) -> bool:
 async def _unsettled(client: Client, consumer: Any, form: str) -> str:
     """What :func:`_settled` still finds to do (a failure's message)."""
     held = {m.name: (len(m.in_hand), m.stats.in_flight) for m in consumer.mounts}
+    gates = ""
     if form == "list":
         left = await client.pipeline([("LLEN", Q), ("LLEN", PROCESSING), ("ZCARD", Q_DELAYS)])
+        # what each reader's gates hold, by element: in hand, left over, delayed
+        gates = ", gates " + repr([(dict(g.in_hand), g.leftover, g.delayed)
+                                   for g in (m.reader.gates for m in consumer.mounts)])
     else:
         left = [await client.execute("XPENDING", S, G), await client.execute("ZCARD", S_DELAYS),
                 await client.execute("XINFO", "GROUPS", S)]
-    return f"scheduled {len(consumer.scheduler)}, (in hand, in flight) {held}, Redis {left!r}"
+    return (f"scheduled {len(consumer.scheduler)}, (in hand, in flight) {held}, "
+            f"Redis {left!r}{gates}")
 
 
 def _not_collateral(e: BaseException) -> bool:
