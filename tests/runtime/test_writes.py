@@ -19,6 +19,7 @@ import pytest
 import trio
 from _batch_writes import assert_batch_is_its_singles, pending_six, send
 from _paths import ROOT
+from _procs import always
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
@@ -655,12 +656,9 @@ async def test_writes_a_subscription_cannot_commit_are_a_handler_error(url: str)
     async with open_client(url) as c:
         await c.execute("XADD", S, "*", "f", "v")
 
-    async def handle(d: Delivery) -> Outcome:
-        return RETRY.with_writes(INCR)
-
     async with open_consumer(url) as consumer:
         sub = StreamSubscription(S, G, mode=Mode.CLAIMING, block=0.05, min_idle=0.5)
-        await consumer.mount(sub, handle, on_error=DROP)
+        await consumer.mount(sub, always(RETRY.with_writes(INCR)), on_error=DROP)
         with trio.fail_after(10):
             while not consumer.stats()[sub.name]["effects"].get("dropped"):
                 await trio.sleep(0.02)
