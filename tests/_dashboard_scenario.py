@@ -11,7 +11,7 @@ minutes overdue.
 
 from __future__ import annotations
 
-import anyio
+from collections.abc import Awaitable, Callable
 
 from trio_redis_finalize import (
     ACK,
@@ -20,10 +20,10 @@ from trio_redis_finalize import (
     Mode,
     Outcome,
     StreamSubscription,
-    open_consumer,
 )
 from trio_redis_finalize._core.stream import liveness as presence
 from trio_redis_finalize._transport import Client
+from trio_redis_finalize.pytest_plugin import consume_until
 
 STREAM = "orders"
 GROUP = "billing"
@@ -42,6 +42,21 @@ def totals(flat: list[bytes]) -> dict[str, int]:
     return out
 
 
+async def _consume_with_history(url: str, name: str, sub: StreamSubscription,
+                                handle: Callable[[Delivery], Awaitable[Outcome]],
+                                written: Callable[[], Awaitable[bool]]) -> None:
+    """``sub`` consumed by consumer ``name``, its history written every 50 ms,
+    until ``written()`` (within 20 s)."""
+    from trio_redis_finalize import _history
+
+    every = _history.EVERY
+    _history.EVERY = 0.05
+    try:
+        await consume_until(url, sub, handle, written, timeout=20, name=name, shutdown_grace=1.0)
+    finally:
+        _history.EVERY = every
+
+
 async def make_trouble(url: str, client: Client, stream: str = STREAM, *, lag: int = LAG) -> None:
     from trio_redis_finalize import _history
 
@@ -52,25 +67,13 @@ async def make_trouble(url: str, client: Client, stream: str = STREAM, *, lag: i
     async def handle(d: Delivery) -> Outcome:
         return RETRY if d.fields[b"bad"] == b"yes" else ACK
 
-    every = _history.EVERY
-    _history.EVERY = 0.05
-    try:
-        async with open_consumer(url, name="worker-1", shutdown_grace=1.0) as consumer:
-            await consumer.mount(StreamSubscription(stream, group=GROUP, max_attempts=1, dead_letter=dead,
-                                                    block=0.1), handle)
-            with anyio.fail_after(20):
-                while int(await client.execute("XLEN", dead) if await client.execute(
-                        "EXISTS", dead) else 0) < BAD or not await client.execute(
-                            "EXISTS", _history.history_key(stream, GROUP)):
-                    await anyio.sleep(0.02)
-                while True:  # every delivery written to the history
-                    got = await client.execute("HGETALL", _history.history_key(stream, GROUP))
-                    counts = totals(got)
-                    if counts.get("ack") == 4 - BAD and counts.get("dead") == BAD:
-                        break
-                    await anyio.sleep(0.02)
-    finally:
-        _history.EVERY = every
+    async def written() -> bool:  # the dead letters, and every delivery in the history
+        counts = totals(await client.execute("HGETALL", _history.history_key(stream, GROUP)))
+        return (int(await client.execute("XLEN", dead)) >= BAD
+                and counts.get("ack") == 4 - BAD and counts.get("dead") == BAD)
+
+    sub = StreamSubscription(stream, group=GROUP, max_attempts=1, dead_letter=dead, block=0.1)
+    await _consume_with_history(url, "worker-1", sub, handle, written)
     # a consumer that read three entries and died
     for n in range(STRANDED):
         await client.execute("XADD", stream, "*", "n", f"s{n}")
@@ -98,14 +101,9 @@ async def make_healthy(url: str, client: Client, stream: str = "payments", group
     async def handle(d: Delivery) -> Outcome:
         return RETRY if d.attempt == 1 and int(d.fields[b"n"]) % 7 == 0 else ACK
 
-    every = _history.EVERY
-    _history.EVERY = 0.05
-    try:
-        async with open_consumer(url, name="ledger-1", shutdown_grace=1.0) as consumer:
-            await consumer.mount(StreamSubscription(stream, group=group, block=0.1), handle)
-            with anyio.fail_after(20):
-                while totals(await client.execute("HGETALL", _history.history_key(stream, group))
-                             ).get("ack") != n:
-                    await anyio.sleep(0.02)
-    finally:
-        _history.EVERY = every
+    async def written() -> bool:
+        return totals(await client.execute("HGETALL", _history.history_key(stream, group))
+                      ).get("ack") == n
+
+    await _consume_with_history(url, "ledger-1", StreamSubscription(stream, group=group, block=0.1),
+                                handle, written)

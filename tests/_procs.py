@@ -17,7 +17,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -74,6 +74,15 @@ def assert_immutable(d: Delivery, names: tuple[str, ...]) -> None:
             delattr(d, name)
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         d.nope  # type: ignore[attr-defined]  # noqa: B018
+
+
+def always(outcome: Outcome) -> Callable[[Delivery], Awaitable[Outcome]]:
+    """A handler that answers every delivery with ``outcome`` and keeps nothing."""
+
+    async def handler(d: Delivery) -> Outcome:
+        return outcome
+
+    return handler
 
 
 class Recorder:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import trio
-from _procs import eventually
+from _procs import always, eventually
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -150,10 +150,7 @@ async def test_prometheus_scraped_over_http_from_another_thread(redis_url: str, 
         async with open_consumer(redis_url, name="c1") as consumer:
             register(consumer, registry)
 
-            async def handle(d: Delivery) -> Outcome:
-                return ACK
-
-            await consumer.mount(SUB, handle)
+            await consumer.mount(SUB, always(ACK))
             await client.pipeline([("XADD", S, "*", "n", str(i)) for i in range(300)])
 
             def get() -> str:
@@ -178,13 +175,10 @@ async def test_prometheus_scraped_over_http_from_another_thread(redis_url: str, 
 async def test_prometheus_several_consumers_share_one_collector(redis_url: str) -> None:
     registry = CollectorRegistry()
 
-    async def handle(d: Delivery) -> Outcome:
-        return ACK
-
     lst = ListSubscription("jobs", block=0.05)
     async with open_consumer(redis_url, name="a") as a, open_consumer(redis_url, name="b") as b:
-        await a.mount(lst, handle)
-        await b.mount(lst, handle)
+        await a.mount(lst, always(ACK))
+        await b.mount(lst, always(ACK))
         collector = register(a, registry, labels={"worker": "a"})
         assert register(b, registry, labels={"worker": "b"}) is collector
         with pytest.raises(ValueError, match="labels"):

@@ -10,6 +10,7 @@ import time
 import pytest
 import trio
 from _paths import ROOT
+from _procs import always
 
 from trio_redis_finalize import (
     ACK,
@@ -99,9 +100,7 @@ async def test_timeout_names_the_subscription_and_its_counters(redis_url: str, c
 
 
 async def test_with_a_client_and_errors_raised_as_they_are(redis_url: str) -> None:
-    async def handle(d: Delivery) -> Outcome:
-        return ACK
-
+    handle = always(ACK)
     async with open_client(redis_url) as client:
         await client.execute("SET", "notalist", "x")
         with pytest.raises(Exception, match="notalist") as info:  # mount() fails: WRONGTYPE
@@ -124,9 +123,6 @@ async def test_with_a_client_and_errors_raised_as_they_are(redis_url: str) -> No
 async def test_bad_arguments_name_the_parameter(
     redis_url: str, kwargs: dict[str, object], param: str
 ) -> None:
-    async def handle(d: Delivery) -> Outcome:
-        return ACK
-
     args: dict[str, object] = {"predicate": lambda: True, **kwargs}
     with pytest.raises(ValueError, match=param):
-        await consume_until(redis_url, ListSubscription("q"), handle, **args)  # type: ignore[arg-type]
+        await consume_until(redis_url, ListSubscription("q"), always(ACK), **args)  # type: ignore[arg-type]

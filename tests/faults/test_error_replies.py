@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import trio
-from _procs import eventually, pel_count
+from _procs import always, eventually, pel_count
 
 from faults.server_faults import busy_server
 from trio_redis_finalize import (
@@ -128,11 +128,8 @@ async def test_copies_refused_through_the_shutdown_are_counted_lost_and_logged(
         await client.execute("LPUSH", "q", b"job")
         sub = ReliableListSubscription("q", block=0.1)
 
-    async def handler(d: Delivery) -> Outcome:
-        return retry_after(60)
-
     async with open_consumer(redis_url, name="c1", shutdown_grace=0.5) as consumer:
-        await consumer.mount(sub, handler)
+        await consumer.mount(sub, always(retry_after(60)))
         await eventually(lambda: consumer.stats()[sub.name]["held"] == 1, what="copy held")
         oom.on()
     stats = consumer.stats()[sub.name]
@@ -233,11 +230,8 @@ async def test_final_error_on_delayed_copy_is_counted_not_released(
     counted as failed, never as released."""
     await client.execute("LPUSH", "l", "x")
 
-    async def handler(d: Delivery) -> Outcome:
-        return retry_after(0.3)
-
     async with open_consumer(redis_url, name="c1") as consumer:
-        await consumer.mount(ListSubscription("l", block=0.1), handler)
+        await consumer.mount(ListSubscription("l", block=0.1), always(retry_after(0.3)))
         name = consumer.mounts[0].name
         await eventually(lambda: consumer.stats()[name]["held"] == 1, what="copy held")
         await client.execute("SET", "l", "not a list")

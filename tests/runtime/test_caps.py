@@ -22,6 +22,7 @@ from typing import Any
 import hiredis
 import pytest
 from _paths import TESTS
+from _procs import always
 from hypothesis import given
 from hypothesis import strategies as st
 from redis import exceptions as rexc
@@ -260,20 +261,16 @@ async def test_a_connection_finding_less_than_was_planned_with_is_logged(
         assert client.capabilities == Capabilities(xackdel=True)
 
 
-async def _ack(d: Delivery) -> Outcome:
-    return ACK
-
-
 async def test_the_mount_plans_with_the_client_s_capabilities(redis_url: str,
                                                                redis_server: RedisServer) -> None:
     sub = StreamSubscription("orders", "billing", retention=Retention.DELETE_ON_FINALIZE, block=0.05)
     async with open_consumer(redis_url, name="c1") as consumer:
-        await consumer.mount(sub, _ack)
+        await consumer.mount(sub, always(ACK))
         [mount] = consumer.mounts
         assert mount.target.caps == expected_for(redis_server)
         assert mount.target.xackdel == (expected_for(redis_server) == NATIVE)
     async with open_client(redis_url, native=False) as client, open_consumer(client, name="c2") as c2:
-        await c2.mount(sub, _ack)
+        await c2.mount(sub, always(ACK))
         assert c2.mounts[0].target.caps == NO_CAPABILITIES and not c2.mounts[0].target.xackdel
 
 

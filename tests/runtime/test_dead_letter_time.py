@@ -20,11 +20,12 @@ import json
 import re
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import trio
+from _procs import always
 
 from trio_redis_finalize import (
     RETRY,
@@ -125,7 +126,7 @@ async def _dead_letter_all(url: str, c: Any, n: int) -> None:
     until ``DEAD`` has ``n`` entries (within 15 s)."""
     async with open_consumer(url) as consumer:
         await consumer.mount(StreamSubscription(S, "g", block=0.05, max_attempts=1,
-                                                dead_letter=DEAD), _const(RETRY))
+                                                dead_letter=DEAD), always(RETRY))
         with trio.fail_after(15):
             while await c.execute("XLEN", DEAD) < n:
                 await trio.sleep(0.02)
@@ -171,7 +172,7 @@ async def test_a_reliable_list_dead_letter_record_has_the_servers_time(url: str)
         before = await _now_ms(c)
         async with open_consumer(url) as consumer:
             await consumer.mount(ReliableListSubscription(Q, block=0.05, max_attempts=1,
-                                                          dead_letter=QDEAD), _const(RETRY))
+                                                          dead_letter=QDEAD), always(RETRY))
             with trio.fail_after(15):
                 while not await c.execute("LLEN", QDEAD):
                     await trio.sleep(0.02)
@@ -182,13 +183,6 @@ async def test_a_reliable_list_dead_letter_record_has_the_servers_time(url: str)
     text = await _cli("inspect", QDEAD, "--entries", "1", "--json", "--url", url)
     (entry,) = json.loads(text)["entries"]
     assert entry["time"].endswith("Z") and entry["dead"]["reason"].startswith("max_attempts=1")
-
-
-def _const(outcome: Outcome) -> Callable[[Delivery], Awaitable[Outcome]]:
-    async def handle(d: Delivery) -> Outcome:
-        return outcome
-
-    return handle
 
 
 async def _cli(*args: str) -> str:

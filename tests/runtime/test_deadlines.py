@@ -11,14 +11,13 @@ from collections.abc import AsyncIterator
 import anyio
 import pytest
 import trio
+from _procs import always
 from faults.chaosproxy import ChaosProxy, serving
 from redis import exceptions as rexc
 
 from trio_redis_finalize import (
     ACK,
-    Delivery,
     ListSubscription,
-    Outcome,
     ReliableListSubscription,
     StreamSubscription,
     open_consumer,
@@ -38,10 +37,6 @@ async def proxy(redis_server: RedisServer, redis_url: str) -> AsyncIterator[Chao
             p.heal()
 
 
-async def _ack(d: Delivery) -> Outcome:
-    return ACK
-
-
 SUBS = {
     "stream": (StreamSubscription("s", "g"), "TYPE on key 's'"),
     "reliable-list": (ReliableListSubscription("q"), "TYPE on key 'q'"),
@@ -58,7 +53,7 @@ async def test_mount_on_a_silent_server_fails_naming_command_and_key(
         proxy.stall()
         with trio.fail_after(16):  # mount's own bound is 15 s
             with pytest.raises(rexc.TimeoutError) as info:
-                await consumer.mount(sub, _ack)
+                await consumer.mount(sub, always(ACK))
         assert named in str(info.value), str(info.value)
         proxy.heal()
 
@@ -68,12 +63,12 @@ async def test_mount_honours_its_callers_cancellation(proxy: ChaosProxy) -> None
         proxy.stall()
         with trio.fail_after(4):  # well before any command's own deadline
             with trio.move_on_after(0.3) as scope:
-                await consumer.mount(StreamSubscription("s", "g"), _ack)
+                await consumer.mount(StreamSubscription("s", "g"), always(ACK))
         assert scope.cancelled_caught
         assert consumer.mounts == []
         proxy.heal()
         # the consumer still works: the same subscription mounts now
-        await consumer.mount(StreamSubscription("s", "g", block=0.1), _ack)
+        await consumer.mount(StreamSubscription("s", "g", block=0.1), always(ACK))
         assert len(consumer.mounts) == 1
 
 
@@ -107,13 +102,10 @@ async def test_a_shutdown_on_a_silent_server_ends_and_reports_its_held_copies(
     async with open_client(proxy.url) as client:
         await client.execute("XADD", "s", "*", "n", "1")
 
-    async def later(d: Delivery) -> Outcome:
-        return retry_after(60)
-
     sub = StreamSubscription("s", "g", block=0.1)
     with trio.fail_after(30):  # a hang fails here, not at the test's timeout
         async with open_consumer(proxy.url, name="c1", shutdown_grace=0.2) as consumer:
-            await consumer.mount(sub, later)
+            await consumer.mount(sub, always(retry_after(60)))
             while consumer.stats()[sub.name]["held"] != 1:
                 await trio.sleep(0.02)
             proxy.stall()
@@ -132,7 +124,7 @@ def test_mount_honours_cancellation_on_asyncio(redis_server: RedisServer, redis_
                 p.stall()
                 with anyio.fail_after(4):
                     with anyio.move_on_after(0.3) as scope:
-                        await consumer.mount(StreamSubscription("s", "g"), _ack)
+                        await consumer.mount(StreamSubscription("s", "g"), always(ACK))
                 assert scope.cancelled_caught
                 assert consumer.mounts == []
                 p.heal()

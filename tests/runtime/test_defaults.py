@@ -22,7 +22,7 @@ from typing import Any
 import anyio
 import pytest
 import trio
-from _procs import Recorder, eventually
+from _procs import Recorder, always, eventually
 
 from trio_redis_finalize import (
     ACK,
@@ -230,12 +230,9 @@ async def test_runtime_retry_after_is_logged_once(
 # -- maxmemory-policy ------------------------------------------------------------
 
 async def _mount_once(url: str) -> None:
-    async def handler(d: Delivery) -> Outcome:
-        return ACK
-
     with anyio.fail_after(30):
         async with open_consumer(url, name="c1") as consumer:
-            await consumer.mount(ReliableListSubscription("q"), handler)
+            await consumer.mount(ReliableListSubscription("q"), always(ACK))
 
 
 async def test_an_evicting_policy_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:

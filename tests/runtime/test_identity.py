@@ -39,7 +39,6 @@ from trio_redis_finalize import (
     ACK,
     ConsumerNameInUse,
     Delivery,
-    Mode,
     Outcome,
     ReliableListSubscription,
     StreamSubscription,
@@ -470,11 +469,10 @@ async def _main(form: str, url: str, *args: str) -> None:
 
     if form == "stream":
         stream, group, name, hb = args
-        sub: StreamSubscription | ReliableListSubscription = StreamSubscription(
-            stream, group, mode=Mode.PLAIN, heartbeat=float(hb), block=0.05)
+        sub: StreamSubscription | ReliableListSubscription = stream_sub(stream, group, float(hb))
     else:
         queue, name, hb = args
-        sub = ReliableListSubscription(queue, heartbeat=float(hb), block=0.05)
+        sub = list_sub(queue, float(hb))
     async with open_consumer(url, name=name, shutdown_grace=0.0) as consumer:
         await consumer.mount(sub, hang)
         out("R")

@@ -27,7 +27,7 @@ from typing import Any
 import anyio
 import pytest
 import trio
-from _procs import eventually
+from _procs import always, eventually
 from redis import exceptions as rexc
 
 from trio_redis_finalize import (
@@ -49,10 +49,6 @@ pytestmark = pytest.mark.timeout(90)
 
 CLI = [sys.executable, "-m", "trio_redis_finalize"]
 LOGGER = "trio_redis_finalize"
-
-
-async def _ack(d: Delivery) -> Outcome:
-    return ACK
 
 
 # -- handlers that are not async ---------------------------------------------------
@@ -83,10 +79,10 @@ async def test_mount_takes_async_callables_and_returns_a_handle(redis_url: str) 
     with anyio.fail_after(20):
         async with open_consumer(redis_url, name="c1") as consumer:
             sync_command_url(redis_url, "XADD", "s", "*", "n", "1")
-            a = await consumer.mount(StreamSubscription("s", "g"), _ack)
+            a = await consumer.mount(StreamSubscription("s", "g"), always(ACK))
             b = await consumer.mount(StreamSubscription("s", "g2"), AsyncCallable())
             c = await consumer.mount(StreamSubscription("s", "g3"),
-                                     functools.partial(_ack))
+                                     functools.partial(always(ACK)))
             assert isinstance(a, Mounted) and a.name == "stream 's' group 'g'"
             assert {a.name, b.name, c.name} == set(consumer.stats())
             await eventually(lambda: a.stats()["effects"].get("acked") == 1, timeout=10,
@@ -134,7 +130,7 @@ def test_a_lone_exception_comes_out_as_itself(redis_url: str, backend: str) -> N
     async def main() -> None:
         with anyio.fail_after(20):
             async with open_consumer(redis_url, name="c1") as consumer:
-                await consumer.mount(StreamSubscription("s", "g"), _ack)
+                await consumer.mount(StreamSubscription("s", "g"), always(ACK))
                 raise KeyError("my own")
 
     with pytest.raises(KeyError, match="my own"):
@@ -143,7 +139,7 @@ def test_a_lone_exception_comes_out_as_itself(redis_url: str, backend: str) -> N
     async def cancelled() -> bool:
         with anyio.move_on_after(0.3) as scope:
             async with open_consumer(redis_url, name="c2") as consumer:
-                await consumer.mount(StreamSubscription("s", "g"), _ack)
+                await consumer.mount(StreamSubscription("s", "g"), always(ACK))
                 await anyio.sleep(30)
         return scope.cancelled_caught
 
@@ -248,13 +244,10 @@ def test_a_sentinel_error_is_printed_once(tmp_path: Path) -> None:
 # -- inspect and dead letters ------------------------------------------------------------
 
 async def test_inspect_a_dead_letter_shows_no_delay_set(redis_url: str) -> None:
-    async def handler(d: Delivery) -> Outcome:
-        return reject("malformed")
-
     with anyio.fail_after(30):
         async with open_consumer(redis_url, name="c1") as consumer:
             sync_command_url(redis_url, "XADD", "s", "*", "n", "1")
-            h = await consumer.mount(StreamSubscription("s", "g"), handler)
+            h = await consumer.mount(StreamSubscription("s", "g"), always(reject("malformed")))
             await eventually(lambda: h.stats()["effects"].get("dead_lettered") == 1,
                              timeout=10, what="dead-lettered")
         dead = await trio.run_process([*CLI, "inspect", "{s}:dead", "--url", redis_url],

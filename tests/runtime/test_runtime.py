@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import trio
-from _procs import Recorder, effects, eventually, stats
+from _procs import Recorder, always, effects, eventually, stats
 
 from trio_redis_finalize import (
     ACK,
@@ -140,12 +140,9 @@ async def test_handler_timing_out_in_its_own_scope_counts_as_an_error(
 async def test_mount_bad_arguments_name_the_parameter(
     redis_url: str, client: Client, kwargs: dict[str, Any], param: str
 ) -> None:
-    async def handler(d: Delivery) -> Outcome:
-        return ACK
-
     async with open_consumer(redis_url, name="c1") as consumer:
         with pytest.raises(ValueError, match=param):
-            await consumer.mount(StreamSubscription(S, G, block=0.05), handler, **kwargs)
+            await consumer.mount(StreamSubscription(S, G, block=0.05), always(ACK), **kwargs)
         assert consumer.stats() == {}
         # nothing was started: no group, no stream
         assert await client.execute("EXISTS", S) == 0

@@ -17,7 +17,9 @@ from typing import Any
 
 import pytest
 import trio
+from _batch_writes import assert_batch_is_its_singles, pending_six, send
 from _paths import ROOT
+from _procs import always
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
@@ -654,12 +656,9 @@ async def test_writes_a_subscription_cannot_commit_are_a_handler_error(url: str)
     async with open_client(url) as c:
         await c.execute("XADD", S, "*", "f", "v")
 
-    async def handle(d: Delivery) -> Outcome:
-        return RETRY.with_writes(INCR)
-
     async with open_consumer(url) as consumer:
         sub = StreamSubscription(S, G, mode=Mode.CLAIMING, block=0.05, min_idle=0.5)
-        await consumer.mount(sub, handle, on_error=DROP)
+        await consumer.mount(sub, always(RETRY.with_writes(INCR)), on_error=DROP)
         with trio.fail_after(10):
             while not consumer.stats()[sub.name]["effects"].get("dropped"):
                 await trio.sleep(0.02)
@@ -792,26 +791,6 @@ def test_racing_consumers_apply_each_write_once(redis_server: RedisServer) -> No
 
 # -- a batched writes call against its singles ---------------------------------------------
 
-def _assert_batch_is_its_singles(go: Any) -> None:
-    """``go(batched)`` (answers, state): the batched call and its singles in
-    order leave the same state and answer each delivery alike (the same
-    element, or an error of the same class and message; Redis 6.2 wraps a
-    single script's error: "Error running script ...: ERR ...")."""
-    from trio_redis_finalize._core._replies import classify
-
-    def same(a: Any, b: Any) -> bool:
-        if isinstance(a, Exception) or isinstance(b, Exception):
-            return (isinstance(a, Exception) and isinstance(b, Exception)
-                    and classify(a) is classify(b) and (str(a) in str(b) or str(b) in str(a)))
-        return bool(a == b)
-
-    (batch_answers, batch_state), (single_answers, single_state) = (
-        trio.run(go, True), trio.run(go, False))
-    assert batch_state == single_state
-    assert all(same(a, b) for a, b in zip(batch_answers, single_answers, strict=True)), (
-        [str(a) for a in batch_answers], [str(b) for b in single_answers])
-
-
 _BATCH_WRITES = st.sampled_from([
     ("HINCRBY", "{o}t", "n", 1),
     ("HSET", "{o}t", "last", "x"),
@@ -845,8 +824,6 @@ def test_a_batched_writes_call_does_what_its_singles_do_in_order(
     ``STREAM_WRITES_ACK_BATCH`` call) leave Redis as their single scripts sent
     one after the other do, and answer each delivery as its single script does
     (the same element, or an error of the same class and message)."""
-    from trio_redis_finalize._core._batch import batch_replies, first_round
-
     t = _stream_target(retention=Retention.DELETE_ON_FINALIZE if deletes else None)
     plans = [plan_writes(t, _entry(eid=f"1-{k}"), (ACK if ack else DROP).with_writes(*ws))
              for k, ack, ws in picks]
@@ -859,26 +836,13 @@ def test_a_batched_writes_call_does_what_its_singles_do_in_order(
 
     async def go(batched: bool) -> tuple[list[Any], list[Any]]:
         async with open_client(redis_server.url) as c:
-            await c.execute("FLUSHALL")
-            await c.execute("XGROUP", "CREATE", S, G, "0", "MKSTREAM")
-            for k in range(6):
-                await c.execute("XADD", S, f"1-{k}", "f", "v")
-            await c.execute("XREADGROUP", "GROUP", G, "c1", "STREAMS", S, ">")
-            for k in closed:
-                await c.execute("XACK", S, G, f"1-{k}")
+            await pending_six(c, S, G, closed)
             await c.execute("SET", "{o}str", "x")
             await c.execute("HSET", "{o}h", "text", "abc")
-            if batched:
-                commands, owners, _ = first_round((), plans)
-                assert len(commands) == 1 and owners == [tuple(range(len(plans)))]
-                (reply,) = await c.pipeline(commands, raise_on_error=False)
-                answers = batch_replies(reply, len(plans))
-                assert answers is not None
-            else:
-                answers = [(await c.pipeline(p.commands, raise_on_error=False))[0] for p in plans]
+            answers = await send(c, plans, batched)
             return answers, await state(c)
 
-    _assert_batch_is_its_singles(go)
+    assert_batch_is_its_singles(go)
 
 
 @pytest.mark.timeout(300)
@@ -899,7 +863,6 @@ def test_a_batched_list_writes_call_does_what_its_singles_do_in_order(
     leave Redis as their single ``list_writes`` calls one after the other do,
     and answer each element as they do."""
     from trio_redis_finalize._core._batch import (
-        batch_replies,
         batch_singles,
         counted_removals,
         first_round,
@@ -928,15 +891,10 @@ def test_a_batched_list_writes_call_does_what_its_singles_do_in_order(
                 await c.execute("RPUSH", t.processing, *present)
             await c.execute("SET", "{o}str", "x")
             await c.execute("HSET", "{o}h", "text", "abc")
-            if batched:
-                (reply,) = await c.pipeline([call], raise_on_error=False)
-                answers = batch_replies(reply, len(plans))
-                assert answers is not None
-            else:
-                answers = [(await c.pipeline(p.commands, raise_on_error=False))[0] for p in plans]
+            answers = await send(c, plans, batched, [call])
             state = [await c.execute("HGETALL", "{o}t"), sorted(await c.execute("SMEMBERS", "{o}s")),
                      await c.execute("HGETALL", "{o}h"),
                      await c.execute("LRANGE", t.processing, 0, -1)]
             return answers, state
 
-    _assert_batch_is_its_singles(go)
+    assert_batch_is_its_singles(go)

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import trio
+from _batch_writes import assert_batch_is_its_singles, pending_six, send
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis import exceptions as rexc
@@ -24,7 +25,6 @@ from redis import exceptions as rexc
 from trio_redis_finalize import ACK, DROP, Delivery, ReliableListSubscription, StreamSubscription
 from trio_redis_finalize._core._batch import batch_replies, first_round
 from trio_redis_finalize._core._plan import list_counted
-from trio_redis_finalize._core._replies import classify
 from trio_redis_finalize._core._types import Plan, Target
 from trio_redis_finalize._core._writes import plan_writes
 from trio_redis_finalize._core.reliable_list import scripts as list_scripts
@@ -347,23 +347,6 @@ async def _keys_state(c: Client) -> list[Any]:
     return out
 
 
-def _same(a: Any, b: Any) -> bool:
-    """The same element, or an error of the same class and message (Redis 6.2
-    wraps a single script's error: "Error running script ...: ERR ...")."""
-    if isinstance(a, Exception) or isinstance(b, Exception):
-        return (isinstance(a, Exception) and isinstance(b, Exception)
-                and classify(a) is classify(b) and (str(a) in str(b) or str(b) in str(a)))
-    return bool(a == b)
-
-
-def _assert_batch_is_its_singles(go: Any) -> None:
-    (batch_answers, batch_state), (single_answers, single_state) = (
-        trio.run(go, True), trio.run(go, False))
-    assert batch_state == single_state
-    assert all(_same(a, b) for a, b in zip(batch_answers, single_answers, strict=True)), (
-        [str(a) for a in batch_answers], [str(b) for b in single_answers])
-
-
 @pytest.mark.timeout(300)
 @_PROPERTY
 @given(picks=_PICKS, closed=st.sets(st.integers(0, 5)))
@@ -381,27 +364,13 @@ def test_any_writes_in_a_stream_batch_do_what_their_singles_do(
     async def go(batched: bool) -> tuple[list[Any], list[Any]]:
         with trio.fail_after(60):
             async with open_client(redis_server.url) as c:
-                await c.execute("FLUSHALL")
-                await c.execute("XGROUP", "CREATE", S, G, "0", "MKSTREAM")
-                for k in range(6):
-                    await c.execute("XADD", S, f"1-{k}", "f", "v")
-                await c.execute("XREADGROUP", "GROUP", G, "c1", "STREAMS", S, ">")
-                for k in closed:
-                    await c.execute("XACK", S, G, f"1-{k}")
+                await pending_six(c, S, G, closed)
                 await c.execute("HSET", _KEYS[1], "n", "text")
-                if batched:
-                    commands, owners, _ = first_round((), plans)
-                    assert len(commands) == 1 and owners == [tuple(range(len(plans)))]
-                    (reply,) = await c.pipeline(commands, raise_on_error=False)
-                    answers = batch_replies(reply, len(plans))
-                    assert answers is not None
-                else:
-                    answers = [(await c.pipeline(p.commands, raise_on_error=False))[0]
-                               for p in plans]
+                answers = await send(c, plans, batched)
                 pending = [p[0] for p in await c.execute("XPENDING", S, G, "-", "+", 10)]
                 return answers, [*await _keys_state(c), pending]
 
-    _assert_batch_is_its_singles(go)
+    assert_batch_is_its_singles(go)
 
 
 @pytest.mark.timeout(300)
@@ -434,14 +403,8 @@ def test_any_writes_in_a_list_batch_do_what_their_singles_do(
                 if pushed:
                     await c.execute("RPUSH", t.processing, *pushed)
                 await c.execute("HSET", _KEYS[1], "n", "text")
-                if batched:
-                    (reply,) = await c.pipeline(commands, raise_on_error=False)
-                    answers = batch_replies(reply, len(plans))
-                    assert answers is not None
-                else:
-                    answers = [(await c.pipeline(p.commands, raise_on_error=False))[0]
-                               for p in plans]
+                answers = await send(c, plans, batched, commands)
                 return answers, [*await _keys_state(c),
                                  await c.execute("LRANGE", t.processing, 0, -1)]
 
-    _assert_batch_is_its_singles(go)
+    assert_batch_is_its_singles(go)

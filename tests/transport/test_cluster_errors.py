@@ -11,14 +11,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
-from _procs import eventually
+from _procs import always, eventually
 from faults.server_faults import OomSwitch
 from test_cluster import key_on, other_node
 
 from trio_redis_finalize import (
     RETRY,
-    Delivery,
-    Outcome,
     ReliableListSubscription,
     StreamSubscription,
     open_consumer,
@@ -45,10 +43,6 @@ def switches(cc: ClusterClient) -> Iterator[dict[int, OomSwitch]]:
             s.off()
 
 
-async def _retry(d: Delivery) -> Outcome:
-    return RETRY
-
-
 async def test_stream_dead_letter_on_another_node_under_oom(
     cc: ClusterClient, switches: dict[int, OomSwitch]
 ) -> None:
@@ -58,7 +52,7 @@ async def test_stream_dead_letter_on_another_node_under_oom(
     oom = switches[other_node(cc, "orders")[1]]  # the dead letter's node
     oom.on()
     async with open_consumer(cc, name="c1") as consumer:
-        await consumer.mount(sub, _retry)
+        await consumer.mount(sub, always(RETRY))
         name = sub.name
         await eventually(lambda: consumer.stats()[name]["finalize_errors"] >= 3,
                          what="the refused copy sent again")
@@ -81,7 +75,7 @@ async def test_reliable_list_dead_letter_on_another_node_under_oom(
     oom = switches[other_node(cc, "jobs")[1]]
     oom.on()
     async with open_consumer(cc, name="c1") as consumer:
-        await consumer.mount(sub, _retry)
+        await consumer.mount(sub, always(RETRY))
         name = sub.name
         processing = consumer.mounts[0].target.processing
         await eventually(lambda: consumer.stats()[name]["finalize_errors"] >= 3,

@@ -26,6 +26,7 @@ from typing import Any
 
 import anyio
 import pytest
+from _procs import always
 from faults.shim import FaultClient, FaultMode, open_fault_client
 from redis import exceptions as rexc
 
@@ -330,13 +331,11 @@ async def test_a_runtime_retry_after_cut_at_shutdown_publishes_only_its_own_copy
     await admin.execute("XGROUP", "CREATE", S, G, "0", "MKSTREAM")
     original = (await admin.execute("XADD", S, "*", "n", "1")).decode()
 
-    async def handle(d: Delivery) -> Outcome:
-        return retry_after(5.0).with_writes(write("A"))
-
     async with open_fault_client(redis_url) as client:
         client.arm(0, FaultMode.AFTER if mode == "after" else FaultMode.BEFORE, cancel=True)
         async with open_consumer(client, name=NAME, shutdown_grace=0.0) as consumer:
-            await consumer.mount(StreamSubscription(S, G, block=0.05), handle)
+            await consumer.mount(StreamSubscription(S, G, block=0.05),
+                                 always(retry_after(5.0).with_writes(write("A"))))
             with anyio.fail_after(10):
                 while client.fired is None:
                     await anyio.sleep(0.02)
@@ -417,11 +416,8 @@ async def test_the_value_checks_refuse_nothing_redis_runs(redis_url: str, admin:
         ("PFADD", "{orders}:hll", "y"), ("HINCRBY", EFFECTS, "n", 0), write("n"),
     )
 
-    async def handle(d: Delivery) -> Outcome:
-        return outcome
-
     async with open_client(redis_url) as client, open_consumer(client, name=NAME) as consumer:
-        await consumer.mount(StreamSubscription(S, G, block=0.05), handle)
+        await consumer.mount(StreamSubscription(S, G, block=0.05), always(outcome))
         await until_settled(admin, consumer)
         stats = consumer.stats()[SUB]
     assert stats["effects"] == {"acked": 1, "writes": 10}

@@ -26,6 +26,7 @@ import pytest
 import redis
 import trio
 from _procs import Hang, effects, eventually, stats
+from _stream import NAME, G, S, pending_of
 
 from trio_redis_finalize import (
     ACK,
@@ -39,8 +40,6 @@ from trio_redis_finalize._core._replies import BusyGroupError
 from trio_redis_finalize._core.stream import liveness as presence
 from trio_redis_finalize._transport import Client
 
-S, G = "orders", "billing"
-NAME = f"stream {S!r} group {G!r}"
 REGISTRY = presence.registry_key(S, G)
 
 
@@ -51,12 +50,6 @@ def heartbeat_key(consumer: str) -> str:
 def sub(**kw: Any) -> StreamSubscription:
     kw.setdefault("block", 0.05)
     return StreamSubscription(S, G, **kw)
-
-
-async def pending_of(client: Client, stream: str = S, group: str = G) -> dict[str, int]:
-    """Pending entries per consumer name."""
-    summary = await client.execute("XPENDING", stream, group)
-    return {c.decode(): int(n) for c, n in (summary[3] or [])}
 
 
 async def consumers(client: Client, stream: str = S, group: str = G) -> list[str]:

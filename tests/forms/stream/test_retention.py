@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 import trio
-from _procs import eventually
+from _procs import always, eventually
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -413,14 +413,10 @@ async def test_delete_on_finalize_refuses_a_stream_other_groups_read(redis_url: 
     async with open_client(redis_url, native=False) as fallback, \
             open_consumer(fallback, name="c1") as consumer:
         with pytest.raises(ValueError, match="'audit'") as info:
-            await consumer.mount(StreamSubscription(S, G, retention=DELETE), _ack)
+            await consumer.mount(StreamSubscription(S, G, retention=DELETE), always(ACK))
         assert "TRIM_ACKED" in str(info.value) and S in str(info.value)
         # TRIM_ACKED is fine there
-        await consumer.mount(StreamSubscription(S, G, retention=TRIM, block=0.05), _ack)
-
-
-async def _ack(d: Delivery) -> Outcome:
-    return ACK
+        await consumer.mount(StreamSubscription(S, G, retention=TRIM, block=0.05), always(ACK))
 
 
 async def test_a_group_added_later_is_reported(redis_url: str, client: Client, quick_trim: None,
@@ -428,7 +424,7 @@ async def test_a_group_added_later_is_reported(redis_url: str, client: Client, q
     caplog.set_level(logging.ERROR, logger="trio_redis_finalize")
     async with open_client(redis_url, native=False) as fallback, \
             open_consumer(fallback, name="c1") as consumer:  # (on 8.2 not a loss: see below)
-        await consumer.mount(StreamSubscription(S, G, retention=DELETE, block=0.05), _ack)
+        await consumer.mount(StreamSubscription(S, G, retention=DELETE, block=0.05), always(ACK))
         await client.execute("XGROUP", "CREATE", S, "late", "$")
 
         def reported() -> bool:
@@ -616,7 +612,7 @@ async def test_with_no_group_lagging_the_length_stays_bounded(
     batch = 100
     longest = 0
     async with open_consumer(redis_url, name="c1") as consumer:
-        await consumer.mount(StreamSubscription(S, G, retention=TRIM, block=0.05), _ack,
+        await consumer.mount(StreamSubscription(S, G, retention=TRIM, block=0.05), always(ACK),
                              concurrency=4)
         for _ in range(20):
             await client.pipeline([("XADD", S, "*", "n", "x")] * batch)
@@ -676,7 +672,7 @@ async def test_retention_on_redis_cluster(redis_cluster_url: str, quick_trim: No
     async with open_client(redis_cluster_url) as cc, open_consumer(cc, name="c1") as consumer:
         await consumer.mount(StreamSubscription(work, G, retention=DELETE, max_attempts=1,
                                                 dead_letter=dead, block=0.05), handle)
-        await consumer.mount(StreamSubscription(log_, G, retention=TRIM, block=0.05), _ack)
+        await consumer.mount(StreamSubscription(log_, G, retention=TRIM, block=0.05), always(ACK))
         for n in (b"ok", b"bad", b"ok"):
             await cc.execute("XADD", work, "*", "n", n)
             await cc.execute("XADD", log_, "*", "n", n)
@@ -928,12 +924,12 @@ async def test_native_mount_allows_other_groups_and_the_fallback_refuses(redis82
     async with open_client(redis82_url) as client:
         await client.execute("XGROUP", "CREATE", S, "audit", "0", "MKSTREAM")
     async with open_consumer(redis82_url, name="c1") as consumer:
-        await consumer.mount(StreamSubscription(S, G, retention=DELETE, block=0.05), _ack)
+        await consumer.mount(StreamSubscription(S, G, retention=DELETE, block=0.05), always(ACK))
         assert consumer.mounts[0].target.xackdel
     async with open_client(redis82_url, native=False) as fallback, \
             open_consumer(fallback, name="c1") as consumer:
         with pytest.raises(ValueError, match="'audit'"):
-            await consumer.mount(StreamSubscription(S, G, retention=DELETE), _ack)
+            await consumer.mount(StreamSubscription(S, G, retention=DELETE), always(ACK))
 
 
 @pytest.mark.parametrize("forced_fallback", [False, True], ids=["native", "fallback"])
@@ -948,7 +944,7 @@ async def test_native_trim_acked_passes_a_stuck_entry(redis82_url: str, quick_tr
         await client.execute("XREADGROUP", "GROUP", G, "gone", "COUNT", 1, "STREAMS", S, ">")
         await client.pipeline([("XADD", S, "*", "n", str(i)) for i in range(100)])
         async with open_consumer(client, name="c1") as consumer:
-            await consumer.mount(StreamSubscription(S, G, retention=TRIM, block=0.05), _ack)
+            await consumer.mount(StreamSubscription(S, G, retention=TRIM, block=0.05), always(ACK))
             name = name_of(S, G)
             await eventually(lambda: consumer.stats()[name]["effects"].get("acked", 0) == 100,
                              what="100 handled")

@@ -11,6 +11,7 @@ import anyio
 import pytest
 import trio
 from _procs import Monitor, Recorder, effects, eventually, stats
+from _stream import NAME, G, S, pending, xadd
 
 from trio_redis_finalize import (
     ACK,
@@ -27,9 +28,6 @@ from trio_redis_finalize import (
 )
 from trio_redis_finalize._transport import Client, open_client
 
-S, G = "orders", "billing"
-NAME = f"stream {S!r} group {G!r}"
-
 DEAD_KEYS = (b"trf-dead-reason", b"trf-dead-source", b"trf-dead-id", b"trf-dead-group",
              b"trf-dead-attempt")
 
@@ -37,21 +35,9 @@ DEAD_KEYS = (b"trf-dead-reason", b"trf-dead-source", b"trf-dead-id", b"trf-dead-
 # -- helpers ------------------------------------------------------------------
 
 
-async def pending(client: Client, stream: str = S, group: str = G) -> int:
-    return int((await client.execute("XPENDING", stream, group))[0])
-
-
 async def xrange(client: Client, stream: str = S) -> list[tuple[str, dict[bytes, bytes]]]:
     rows = await client.execute("XRANGE", stream, "-", "+")
     return [(r[0].decode(), dict(zip(r[1][::2], r[1][1::2], strict=True))) for r in rows]
-
-
-async def xadd(client: Client, stream: str = S, **fields: str) -> str:
-    args: list[str] = []
-    for k, v in fields.items():
-        args += [k, v]
-    eid = await client.execute("XADD", stream, "*", *args)
-    return str(eid.decode())
 
 
 # -- the table, cell by cell ------------------------------------------------------

@@ -15,34 +15,16 @@ import pytest
 import trio
 from _paths import TESTS
 from _procs import connection, effects, eventually, stats
+from _stream import NAME, G, S, pending, pending_of, xadd
 
 from trio_redis_finalize import ACK, Delivery, Mode, Outcome, StreamSubscription, open_consumer
 from trio_redis_finalize._transport import Client, open_client
 from trio_redis_finalize.testing import RedisServer
 
-S, G = "jobs", "workers"
-NAME = f"stream {S!r} group {G!r}"
 PROC = TESTS / "_stream_proc.py"
 
 
 # -- helpers ------------------------------------------------------------------
-
-
-async def pending_of(client: Client) -> dict[str, int]:
-    """Pending entries per consumer name."""
-    summary = await client.execute("XPENDING", S, G)
-    return {c.decode(): int(n) for c, n in (summary[3] or [])}
-
-
-async def pending(client: Client) -> int:
-    return int((await client.execute("XPENDING", S, G))[0])
-
-
-async def xadd(client: Client, **fields: str) -> str:
-    args: list[str] = []
-    for k, v in fields.items():
-        args += [k, v]
-    return str((await client.execute("XADD", S, "*", *args)).decode())
 
 
 class Recorder:
