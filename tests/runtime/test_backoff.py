@@ -440,7 +440,8 @@ async def test_reliable_list_past_the_waiting_bound_stays_in_the_processing_list
     redis_url: str, client: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Past the bound a failed element is left in the processing list, no
-    longer held, not delivered again by a timer; the stop hands it back onto
+    longer held, not delivered again by a Backoff timer (the periodic rescan
+    would, after a minute: test_reliable_list); the stop hands it back onto
     the queue, counted (its handler ran): the next consumer delivers it as
     attempt 2."""
     monkeypatch.setattr(_backoffs, "MAX_WAITING", 0)
