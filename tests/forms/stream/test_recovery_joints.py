@@ -26,6 +26,8 @@ import anyio
 import pytest
 import trio
 from _paths import TESTS
+from _procs import eventually
+from faults.cmdproxy import BLACKHOLE, CommandProxy, serving
 
 from trio_redis_finalize import (
     ACK,
@@ -52,9 +54,11 @@ from trio_redis_finalize._core._recovery import (
 )
 from trio_redis_finalize._core._types import Target
 from trio_redis_finalize._forms.stream import reader as _stream
+from trio_redis_finalize._forms.stream import waits as _waits
 from trio_redis_finalize._subscription import Form
 from trio_redis_finalize._transport import Client
 from trio_redis_finalize._work_queue import WorkQueue
+from trio_redis_finalize.testing import RedisServer
 
 S, G, Q = "jobs", "workers", "tasks"
 BAD = "{o}refused"
@@ -435,3 +439,37 @@ async def test_a_schedule_key_of_another_type_does_not_stop_the_recovery(
             while not got:
                 await trio.sleep(0.01)
     assert got == [2]  # the restart counts the attempt that may have crashed
+
+
+async def test_a_silent_link_at_a_claims_schedule_read_leaves_the_entries_pending(
+    redis_server: RedisServer, flavour: str, client: Client, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The Backoff schedule's read of entries just claimed meets a silent
+    link (a blackhole: no reply, ever, on that connection).  Its shielded
+    bound (``FINALIZE_TIMEOUT``, 0.5 s here) ends it before the request's own
+    timeout: the claim fails like a read (the reader reconnects), the
+    claimed entries stay pending for this consumer and its own-PEL recovery
+    delivers them.  Before, the cut left a name unbound and the consumer
+    died with ``UnboundLocalError``."""
+    monkeypatch.setattr(_waits, "FINALIZE_TIMEOUT", 0.5)
+    await client.execute("XGROUP", "CREATE", S, G, "0", "MKSTREAM")
+    ids = [(await client.execute("XADD", S, "*", "n", str(i))).decode() for i in range(3)]
+    await client.execute("XREADGROUP", "GROUP", G, "gone", "STREAMS", S, ">")  # pending, idle
+    got: list[tuple[str | None, int]] = []
+
+    async def handle(d: Delivery) -> Outcome:
+        got.append((d.id, d.attempt))
+        return ACK
+
+    async with serving(CommandProxy(redis_server.port, flavour=flavour)) as proxy:
+        proxy.arm(f"EVALSHA:{SCHEDULE_LEFT.name}", BLACKHOLE)
+        sub = StreamSubscription(S, G, mode=Mode.RECLAIM, min_idle=0.05, block=0.05)
+        async with open_consumer(proxy.url, name="me", shutdown_grace=1.0) as consumer:
+            await consumer.mount(sub, handle)
+
+            async def settled() -> bool:
+                return int((await client.execute("XPENDING", S, G))[0]) == 0
+
+            await eventually(settled, 20, lambda: f"every entry acked ({got=}, {proxy!r})")
+        assert proxy.fired, proxy
+    assert sorted(i for i, _ in got) == sorted(ids)

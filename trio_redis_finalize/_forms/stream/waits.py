@@ -92,14 +92,23 @@ async def claimed_waits(ctx: Context, live: list[Entry]) -> list[Entry]:
     rest (:func:`defer`), their server count set back to the attempt that
     failed (the claim counted a delivery that did not happen); returns the
     others.  Shielded (bounded): a stop in between would leave the count
-    one higher for each claim it cut."""
+    one higher for each claim it cut.
+
+    Raises ``TimeoutError`` when the bound cut the schedule's read (a silent
+    link): nothing was held, the claimed entries stay pending for this
+    consumer and the own-PEL recovery after the reconnect takes them.
+    """
+    held: set[bytes] | None = None
+    t = ctx.target
     with cleanup(FINALIZE_TIMEOUT):
         left = await scheduled(ctx, [e[0] for e in live])
         if not left:
             return live
         held = defer(ctx, live, left)
-        t = ctx.target
         p = give_back(t.source, t.group, ctx.consumer.name, claimed_waiting(held, left))
         if p is not None:
             await ctx.client.pipeline(p.commands, timeout=FINALIZE_TIMEOUT)
+    if held is None:
+        raise rexc.TimeoutError(f"reading the Backoff schedule {schedule_key(t)!r} of "
+                                f"{len(live)} claimed entries: no reply within {FINALIZE_TIMEOUT} s")
     return [e for e in live if e[0] not in held]
