@@ -223,7 +223,7 @@ class HandlerPool:
             if results:
                 batch = results[:]
                 results.clear()
-                await hand_on(send, batch)
+                await hand_on(send, batch, self.name)
 
     async def _batch_loop(self, send: Send[list[Item]], results: list[Item]) -> None:
         """``batch=True``: call the handler on every delivery waiting in the
@@ -265,7 +265,7 @@ class HandlerPool:
                 counts[bisect_left(DURATION_BOUNDS, took)] += 1
                 durations.sum += took
             # the call returned: its outcomes must go on
-            await hand_on(send, list(zip(batch, outcomes, strict=True)))
+            await hand_on(send, list(zip(batch, outcomes, strict=True)), self.name)
 
     async def _flusher(self, waiting: list[tuple[list[Item], Send[list[Item]]]]) -> None:
         """Hand on outcomes that wait in a handler task's list while it runs a slow
@@ -282,20 +282,20 @@ class HandlerPool:
                     found = True
                     batch = results[:]
                     results.clear()
-                    await hand_on(send, batch)  # taken out of the list: must reach the finalizer
+                    await hand_on(send, batch, self.name)  # taken out of the list: must reach the finalizer
             if not found:
                 self._flusher_wake = anyio.Event()
                 self._flusher_idle = True
 
 
-async def hand_on(send: Send[list[Item]], items: list[Item]) -> None:
+async def hand_on(send: Send[list[Item]], items: list[Item], name: str) -> None:
     """Hand outcomes no handler holds any more to the finalizer: they must get there.
 
     At once when the channel has room (``send_nowait``: no checkpoint, so
     neither a cancellation nor a deadline can cut it); else the wait for room
     is shielded and has no deadline of its own.  The finalizer drains the
     channel until its own deadline (``Budget.finalizer`` at a shutdown), then
-    closes it: ``BrokenResourceError``, and the deliveries stay pending.
+    closes it: the deliveries stay pending (logged).
 
     A deadline here would drop the outcomes without a word while the
     finalizer is merely slow (Redis unreachable for longer, a loaded
@@ -307,8 +307,13 @@ async def hand_on(send: Send[list[Item]], items: list[Item]) -> None:
         return
     except anyio.WouldBlock:
         pass
-    with anyio.CancelScope(shield=True):
-        await send.send(items)
+    try:
+        with anyio.CancelScope(shield=True):
+            await send.send(items)
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+        log.warning("%s: %d outcome(s) could not reach the finalizer, which has ended (the "
+                    "shutdown's deadline): their deliveries stay pending", name, len(items),
+                    extra={"subscription": name})
 
 
 def own_exit(e: BaseException) -> bool:

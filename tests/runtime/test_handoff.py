@@ -13,6 +13,8 @@ fault: no reply until the request's timeout) fills the channel here.
 
 from __future__ import annotations
 
+import logging
+import re
 from collections.abc import Sequence
 
 import anyio
@@ -28,6 +30,8 @@ from trio_redis_finalize import (
     StreamSubscription,
     _finalizer,
     _handlers,
+    _mount,
+    _shutdown,
     open_consumer,
 )
 from trio_redis_finalize._transport import Client
@@ -88,3 +92,45 @@ async def test_a_batch_handlers_outcomes_wait_for_a_stalled_finalizer(
         await eventually(done, 30, lambda: f"every message finalized ({calls=})")
         assert sorted(calls) == sorted(str(i).encode() for i in range(N))
         assert set(calls.values()) == {1}, calls  # none handed over again: none was dropped
+
+
+async def test_outcomes_the_ended_finalizer_never_took_stay_pending(
+    redis_url: str, client: Client, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The shutdown's deadline ends a finalizer still stuck on its stalled
+    request while a batch handler waits for room for its outcomes: the
+    consumer still exits (no error), the finalizer says it cut every outcome
+    the handlers returned, and their entries stay pending (none acknowledged)."""
+    monkeypatch.setattr(_finalizer, "FINALIZE_TIMEOUT", 60.0)  # the stall outlives the shutdown
+    await client.execute("XGROUP", "CREATE", "s", "g", "$", "MKSTREAM")
+    calls = 0
+
+    async def handler(ds: Sequence[Delivery]) -> Outcome:
+        nonlocal calls
+        calls += len(ds)
+        return ACK
+
+    caplog.set_level(logging.WARNING, logger="trio_redis_finalize")
+    # the finalizer's time after the handlers' deadline, and the give-back's: 1 s, not 10
+    for module in (_shutdown, _mount):
+        monkeypatch.setattr(module, "FINALIZE_GRACE", 1.0)
+    with anyio.fail_after(30):  # a bound: the shutdown takes about 0.5 + 1 s
+        async with open_fault_client(redis_url) as faulty, \
+                open_consumer(faulty, name="c", shutdown_grace=0.5) as consumer:
+            faulty.arm(0, FaultMode.BEFORE, cancel=True)
+            await consumer.mount(StreamSubscription("s", "g", block=0.05), handler, batch=True)
+            for i in range(N):
+                await client.execute("XADD", "s", "*", "n", str(i))
+                await anyio.sleep(0.02)
+            # one call's outcomes with the finalizer, four in the channel, one waiting for room
+            await eventually(lambda: calls >= 6, 10, "the channel full")
+    # every outcome a handler returned is accounted for: taken out of the channel by
+    # the ending finalizer (the one waiting for room too), none dropped unsaid
+    cut = [int(m[1]) for r in caplog.records
+           if (m := re.search(r"cut finalization with (\d+) outcome", r.getMessage()))]
+    assert cut == [calls], [r.getMessage() for r in caplog.records]
+    info = {g[1]: g for g in await client.execute("XINFO", "GROUPS", "s")}
+    pending, last = int(info[b"g"][5]), info[b"g"][7]
+    read = len(await client.execute("XRANGE", "s", "-", last))
+    assert pending == read >= 6  # every entry read is still pending: none was acknowledged
