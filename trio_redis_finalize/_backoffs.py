@@ -149,14 +149,19 @@ class Backoffs:
         cmd = schedule_command(target, waits)
         if cmd is None:
             return
-        with cleanup(CLOSING_TIMEOUT):
+        failed: object = None
+        with cleanup(CLOSING_TIMEOUT) as scope:
             try:
                 await self.ctx.client.pipeline([cmd], timeout=CLOSING_TIMEOUT)
             except (rexc.RedisError, OSError) as e:
-                log.warning("%s: writing the Backoff due times of %d deliveries to %r failed (%s); "
-                            "a restart before they are due delivers them at once", self.name,
-                            len(waits), schedule_key(target), e,
-                            extra={"subscription": self.name})
+                failed = e
+        if scope.cancelled_caught:  # its bound ran out before the request's own timeout
+            failed = f"no reply within {CLOSING_TIMEOUT} s"
+        if failed is not None:
+            log.warning("%s: writing the Backoff due times of %d deliveries to %r failed (%s); "
+                        "a restart before they are due delivers them at once", self.name,
+                        len(waits), schedule_key(target), failed,
+                        extra={"subscription": self.name})
 
     def refused(self, deliveries: list[Delivery]) -> None:
         """Deliveries whose finalization Redis refused for good (they stay
