@@ -1141,6 +1141,9 @@ def test_property_batched_calls_carry_each_plan_once_and_settle_per_element(
 @settings(max_examples=200, deadline=None)
 @given(ids=st.lists(st.tuples(st.integers(0, 2**48), st.integers(0, 2**20)), min_size=1,
                     max_size=50))
+# of one length, their ms parts not: they do not compare as text (found by Hypothesis)
+@example(ids=[(2, 1000), (1000, 0)])
+@example(ids=[(101, 1000), (100000, 0)])
 def test_gate_range_bounds_every_id(ids: list[tuple[int, int]]) -> None:
     from trio_redis_finalize._core._batch import gate_range
 

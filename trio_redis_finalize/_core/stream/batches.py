@@ -12,7 +12,7 @@ the stream's row (``cells.StreamCells``) lists them.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from itertools import compress
+from itertools import compress, repeat
 from operator import attrgetter, itemgetter
 from typing import Any, cast
 
@@ -44,12 +44,13 @@ def gate_range(ids: Sequence[Arg]) -> tuple[Arg, Arg, int]:
     """``lo, hi, count`` of a batched call's gates (see ``scripts``): the
     smallest and largest of ``ids``, and at most twice as many rows.
 
-    Ids as text (``ms-seq``, decimal, no leading zeros) of one length compare
-    as text: where two differ first, a digit against a digit, or the dash of
-    the shorter ms against a digit (``-`` sorts first).  Of several lengths
-    but one ms (a burst), the smallest is the smallest of the shortest, the
-    largest the largest of the longest.  Found in C: a few passes over the
-    ids, no call per id; anything else by each id's order.
+    Ids as text (``ms-seq``, decimal, no leading zeros) of one length whose
+    ms parts are of one length too (the dash at one place) compare as text,
+    digit against digit (``2-1000`` and ``1000-0`` are of one length, but
+    not their ms parts).  Of several lengths but one ms (a burst), the
+    smallest is the smallest of the shortest, the largest the largest of
+    the longest.  Found in C: a few passes over the ids, no call per id;
+    anything else by each id's order.
     """
     if ids[0].__class__ is str:
         texts = cast("Sequence[str]", ids)
@@ -61,7 +62,9 @@ def gate_range(ids: Sequence[Arg]) -> tuple[Arg, Arg, int]:
         else:
             short, long = min(lens), max(lens)
             if short == long:
-                return lo_t, hi_t, 2 * len(ids)
+                dashes = [*map(str.find, texts, repeat("-"))]
+                if min(dashes) == max(dashes):
+                    return lo_t, hi_t, 2 * len(ids)
             k = lo_t.find("-")
             if k > 0 and hi_t.startswith(lo_t[:k + 1]):
                 # (every id between the two by text shares their "ms-")
