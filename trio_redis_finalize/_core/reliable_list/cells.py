@@ -49,6 +49,7 @@ from ..._keys import derived, same_slot
 from ..._outcome import Outcome, OutcomeKind
 from ..._subscription import DelayedRetry
 from .. import _lua
+from .._carrying import Carry, argv_at, carry_writes
 from .._commands import Arg, Command, Script, splice_batches
 from .._types import (
     REMOVED,
@@ -232,29 +233,23 @@ class ReliableListCells(Cells):
 
     def with_writes(self, t: Target, commands: Sequence[Command], writes: Sequence[Arg],
                     keys: Sequence[str | bytes]) -> tuple[Command, ...] | None:
-        out: list[Command] = []
-        carried = False
-        for cmd in commands:
-            step: Command | None = None
-            if cmd[0] == "LREM":
-                p, raw = cmd[1], cmd[3]
-                step = _LIST_WRITES.command((p, p, p, *keys), (raw, "remove", *writes, 1))
-            elif cmd[0] == b"EVALSHA":
-                carry = _CARRY.get(cmd[1])
-                if carry is not None:
-                    step = carry(cmd, writes, keys)
-            if step is None:  # a step before the removal (a copy to another Cluster slot): as it is
-                out.append(cmd)
-            else:
-                out.append(step)
-                carried = True
-        return tuple(out) if carried else None
+        return carry_writes(commands, writes, keys, _lrem_with_writes, _CARRY)
 
 
 RELIABLE_LIST = ReliableListCells()
 """The reliable list's row of ``_plan.CELLS``."""
 
 _LIST_WRITES = scripts.LIST_WRITES
+
+
+def _lrem_with_writes(commands: Sequence[Command], i: int, writes: Sequence[Arg],
+                      keys: Sequence[Any]) -> tuple[Command, int] | None:
+    """The plain removal ``LREM p -1 e`` as ``LIST_WRITES`` 'remove'."""
+    cmd = commands[i]
+    if cmd[0] != "LREM":
+        return None
+    p, raw = cmd[1], cmd[3]
+    return _LIST_WRITES.command((p, p, p, *keys), (raw, "remove", *writes, 1)), 1
 
 
 def _copy_remove_with_writes(cmd: Command, writes: Sequence[Arg], keys: Sequence[Any]) -> Command:
@@ -276,7 +271,7 @@ def _zadd_remove_with_writes(cmd: Command, writes: Sequence[Arg], keys: Sequence
     return _LIST_WRITES.command((p, delays, p, *keys), (element, "zadd", *writes, delay, mem, 1))
 
 
-_CARRY: dict[object, Callable[[Command, Sequence[Arg], Sequence[Any]], Command]] = {
+_CARRY: dict[object, Carry] = {
     scripts.LIST_COPY_REMOVE.sha: _copy_remove_with_writes,
     scripts.LIST_ZADD_REMOVE.sha: _zadd_remove_with_writes,
 }
@@ -353,10 +348,9 @@ class _RemoveWrites(Batcher):
     __slots__ = ()
 
     def part(self, cmd: Command) -> tuple[tuple[Arg, ...], tuple[Arg, ...]] | None:
-        nk = cmd[2]
-        if nk.__class__ is not int or nk < 3 or len(cmd) < 7 + nk:
+        at = argv_at(cmd, 3, 4)
+        if at is None:
             return None
-        at = 3 + nk  # ARGV[1]
         p = cmd[_PROCESSING]
         if cmd[at + _LW_OP] != "remove" or not p == cmd[_LW_DEST] == cmd[_LW_WHY]:
             return None

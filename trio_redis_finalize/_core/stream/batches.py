@@ -18,6 +18,7 @@ from typing import Any, cast
 
 from ..._delivery import Delivery
 from ..._outcome import Outcome
+from .._carrying import argv_at
 from .._commands import Arg, Command, splice_batches
 from .._lua import STREAM_BATCH_MAX, STREAM_BATCH_VALUES
 from .._types import Batcher, Target, args_at, fields_of, fixed_at, writes_at
@@ -187,10 +188,9 @@ class _AckWrites(Batcher):
     __slots__ = ()
 
     def part(self, cmd: Command) -> tuple[tuple[Arg, ...], tuple[Arg, ...]] | None:
-        nk = cmd[2]
-        if nk.__class__ is not int or nk < 2 or len(cmd) < 9 + nk:
+        at = argv_at(cmd, 2, 6)
+        if at is None:
             return None
-        at = 3 + nk  # ARGV[1]
         if cmd[at + _W_OP] != "ack" or cmd[_W_STREAM] != cmd[_W_DEST] or cmd[at + _W_CAP] != 0:
             return None
         return ((_WB.sha, cmd[_W_STREAM], cmd[at + _W_GROUP], cmd[at + _W_HOW]),

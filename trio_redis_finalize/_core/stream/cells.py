@@ -51,6 +51,7 @@ from ..._keys import derived, same_slot
 from ..._outcome import Outcome, OutcomeKind
 from ..._subscription import DelayedRetry, Mode, Retention
 from .. import _lua
+from .._carrying import Carry, carry_writes
 from .._commands import Arg, Command, Script
 from .._types import (
     DEAD_ATTEMPT,
@@ -311,35 +312,7 @@ class StreamCells(Cells):
 
     def with_writes(self, t: Target, commands: Sequence[Command], writes: Sequence[Arg],
                     keys: Sequence[str | bytes]) -> tuple[Command, ...] | None:
-        out: list[Command] = []
-        carried = False
-        i = 0
-        while i < len(commands):
-            cmd = commands[i]
-            head = cmd[0]
-            step: Command | None = None
-            if head == "XACK":
-                src, group, eid = cmd[1], cmd[2], cmd[3]
-                delete = i + 1 < len(commands) and commands[i + 1][0] == "XDEL"
-                out.append(_STREAM_WRITES.command(
-                    (src, src, *keys), (group, eid, "ack", "1" if delete else "0", 0, *writes)))
-                carried = True
-                i += 2 if delete else 1
-                continue
-            if head == "XACKDEL":  # Redis 8.2: XACKDEL key group ACKED IDS 1 id
-                src, group, eid = cmd[1], cmd[2], cmd[6]
-                step = _STREAM_WRITES.command((src, src, *keys), (group, eid, "ack", "x", 0, *writes))
-            elif head == b"EVALSHA":
-                carry = _CARRY.get(cmd[1])
-                if carry is not None:
-                    step = carry(cmd, writes, keys)
-            if step is None:  # a step before the removal (a copy to another Cluster slot): as it is
-                out.append(cmd)
-            else:
-                out.append(step)
-                carried = True
-            i += 1
-        return tuple(out) if carried else None
+        return carry_writes(commands, writes, keys, _ack_with_writes, _CARRY)
 
 
 STREAM = StreamCells()
@@ -349,6 +322,23 @@ _STREAM_WRITES = scripts.STREAM_WRITES
 
 
 # -- an outcome's writes in a gated step: each gated script, as STREAM_WRITES ----------------------
+
+def _ack_with_writes(commands: Sequence[Command], i: int, writes: Sequence[Arg],
+                     keys: Sequence[Any]) -> tuple[Command, int] | None:
+    """A plain removal as ``STREAM_WRITES`` 'ack': ``XACK`` (with the ``XDEL``
+    after it, if any: both in the one step) or ``XACKDEL``."""
+    cmd = commands[i]
+    head = cmd[0]
+    if head == "XACK":
+        src, group, eid = cmd[1], cmd[2], cmd[3]
+        delete = i + 1 < len(commands) and commands[i + 1][0] == "XDEL"
+        return _STREAM_WRITES.command(
+            (src, src, *keys), (group, eid, "ack", "1" if delete else "0", 0, *writes)), 2 if delete else 1
+    if head == "XACKDEL":  # Redis 8.2: XACKDEL key group ACKED IDS 1 id
+        src, group, eid = cmd[1], cmd[2], cmd[6]
+        return _STREAM_WRITES.command((src, src, *keys), (group, eid, "ack", "x", 0, *writes)), 1
+    return None
+
 
 def _receipt_with_writes(cmd: Command, writes: Sequence[Arg], keys: Sequence[Any]) -> Command:
     """A runtime retry_after's removal (``STREAM_REMOVE_RECEIPT``): the writes
@@ -385,7 +375,7 @@ def _zadd_with_writes(script: Script, how: str) -> Callable[[Command, Sequence[A
     return carry
 
 
-_CARRY: dict[object, Callable[[Command, Sequence[Arg], Sequence[Any]], Command]] = {
+_CARRY: dict[object, Carry] = {
     scripts.STREAM_REMOVE_RECEIPT.sha: _receipt_with_writes,
     scripts.STREAM_COPY_ACK.sha: _copy_with_writes,
     scripts.STREAM_COPY_ACK_EX.sha: _copy_ex_with_writes,
