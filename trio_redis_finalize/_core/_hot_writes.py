@@ -94,7 +94,7 @@ class HotWrites:
         Cluster (``plan_writes`` checks each write's hash slot there).  A
         reliable list's counted gates number its calls as the slow path's
         (``ListGates.prepare``, ``resend``) and learn what they answered."""
-        return cells.ack_writes_calls(t, [], encode) is not None and not t.cluster
+        return cells.writes_calls and not t.cluster
 
     @staticmethod
     def every(items: Sequence[tuple[Delivery, object]], removable: tuple[OutcomeKind, ...]) -> bool:
