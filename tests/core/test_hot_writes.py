@@ -378,6 +378,6 @@ def test_an_outcomes_writes_are_encoded_as_the_script_reads_them(
         o = o.with_writes(*more)
     writes = check_writes([*first, *more])
     assert o.writes == writes
-    assert [len(writes), *o.write_parts] == encode_writes(writes)
+    assert list(o.write_parts) == encode_writes(writes)  # (their count first)
     assert list(o.write_keys) == write_keys(writes)
     assert o == ACK.with_writes(*first, *more)  # (the encodings compare as nothing)

@@ -57,10 +57,10 @@ _EFFECTS = tuple((k, k._value_, e._value_) for k, e in REMOVED.items())
 _EFFECT_OF = {k._value_: e._value_ for k, e in REMOVED.items()}
 
 
-def encode(o: WithWrites) -> tuple[list[Arg], Sequence[str | bytes]]:
-    """An outcome's writes as a script reads them, and the keys they name
-    (made with the outcome: ``_writes.checked_writes``)."""
-    return [len(o.writes), *o.write_parts], o.write_keys
+def encode(o: WithWrites) -> tuple[Sequence[Arg], Sequence[str | bytes]]:
+    """An outcome's writes as a script reads them (their count first), and
+    the keys they name: made with the outcome (``_writes.checked_writes``)."""
+    return o.write_parts, o.write_keys
 
 
 class HotWrites:
