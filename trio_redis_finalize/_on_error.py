@@ -78,15 +78,16 @@ class OnError:
                         batch, result, "one outcome carrying writes for a batch of "
                         f"{len(batch)} deliveries would commit its writes {len(batch)} times: "
                         "return one outcome per delivery")
-                return [self.checked(batch[0], result)]
+                return [result if result.kind in self.free else self.checked(batch[0], result)]
             return [result] * len(batch)
         if isinstance(result, (list, tuple)) and len(result) == len(batch):
             out: list[Outcome | Backoff] = []
+            free = self.free
             for d, o in zip(batch, result, strict=True):
                 if o.__class__ is Outcome:
                     out.append(o)
                 elif o.__class__ is WithWrites:
-                    out.append(self.checked(d, o))
+                    out.append(o if o.kind in free else self.checked(d, o))
                 else:
                     out.append(self.not_outcome(d, o))
             return out
@@ -170,9 +171,10 @@ class OnError:
     def checked(self, d: Delivery, outcome: Outcome) -> Outcome | Backoff:
         """An outcome with writes this subscription cannot commit (a key in
         another Cluster slot, a form without a gate ...) is a handler error:
-        its ``ValueError`` is logged and ``on_error`` applies."""
-        if outcome.kind in self.free:  # (a tuple: `in` by identity first)
-            return outcome
+        its ``ValueError`` is logged and ``on_error`` applies.  Called only
+        for a kind not in :attr:`free` (the kinds whose writes always pass;
+        a tuple: ``in`` by identity first): its callers (``_handlers``,
+        :meth:`batch_outcomes`) test that once, where the outcome arrives."""
         try:
             check_outcome(self.target, d, outcome)
         except ValueError:

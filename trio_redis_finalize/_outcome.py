@@ -58,7 +58,7 @@ class Outcome:
     writes: ClassVar[tuple[Write, ...]] = ()
     """The writes it carries (none; see :meth:`with_writes`)."""
     write_parts: ClassVar[tuple[str | bytes | int, ...]] = ()
-    """Its writes as a finalization script reads them, without their count (private)."""
+    """Its writes as a finalization script reads them, their count first (private)."""
     write_keys: ClassVar[tuple[str | bytes, ...]] = ()
     """The keys its writes touch, in order, each once (private)."""
 
@@ -84,7 +84,7 @@ class Outcome:
         checked, parts, keys = checked_writes(writes)
         if self.writes:  # adds to the writes it carries
             checked = (*self.writes, *checked)
-            parts = (*self.write_parts, *parts)
+            parts = (len(checked), *self.write_parts[1:], *parts[1:])
             keys = tuple(dict.fromkeys((*self.write_keys, *keys)))
         return _with_writes(self.kind, self.delay, self.reason, checked, parts, keys)
 

@@ -131,8 +131,8 @@ def checked_writes(
     writes: Sequence[Any],
 ) -> tuple[tuple[Write, ...], tuple[str | bytes | int, ...], tuple[str | bytes, ...]]:
     """:func:`check_writes`, and in the same pass what a finalization script
-    reads of them: per write its count of values, its key's type ('' for
-    any), the command (the script's layout without the count of writes, see
+    reads of them: the count of writes, then per write its count of values,
+    its key's type ('' for any) and the command (the script's layout,
     ``_core._writes.encode_writes``), and the keys they touch (in order, each
     once: :func:`write_keys`).
 
@@ -142,7 +142,7 @@ def checked_writes(
     if len(writes) > MAX_WRITES:
         raise ValueError(f"writes: at most {MAX_WRITES} writes per outcome, got {len(writes)}")
     out: list[Write] = []
-    parts: list[str | bytes | int] = []
+    parts: list[str | bytes | int] = [len(writes)]  # (each one a write, or refused)
     keys: dict[str | bytes, None] = {}
     values = size = 0
     spec_of = WRITE_COMMANDS.get

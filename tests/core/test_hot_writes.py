@@ -71,6 +71,27 @@ def entry(n: int, seq: int = 0) -> Delivery:
                     data=None, attempt=1, origin_id=f"{n}-0", mount="m")
 
 
+def test_a_forms_writes_calls_says_whether_its_cells_build_them() -> None:
+    """``Cells.writes_calls`` (what ``HotWrites.applies`` reads) is whether
+    the form's ``ack_writes_calls`` builds batched calls; Redis Cluster
+    plans every one (each write's hash slot checked)."""
+    from trio_redis_finalize import ChannelSubscription, ListSubscription, PatternSubscription
+    from trio_redis_finalize._core._hot_writes import encode
+    from trio_redis_finalize._core._plan import cells_of
+
+    subs = [StreamSubscription(S, G), ReliableListSubscription("{jobs}"), ListSubscription("q"),
+            ChannelSubscription("ch"), PatternSubscription("p.*")]
+    built = []
+    for sub in subs:
+        t = sub.target("c1")
+        cells = cells_of(t)
+        built.append(cells.writes_calls)
+        assert cells.writes_calls == (cells.ack_writes_calls(t, [], encode) is not None)
+        assert HotWrites.applies(cells, t) == cells.writes_calls
+        assert not HotWrites.applies(cells, sub.target("c1", cluster=True))
+    assert built == [True, True, False, False, False]
+
+
 def cores(t: Target) -> tuple[FinalizerCore, FinalizerCore]:
     hot, slow = FinalizerCore(t), FinalizerCore(t)
     assert hot._hot
@@ -357,6 +378,6 @@ def test_an_outcomes_writes_are_encoded_as_the_script_reads_them(
         o = o.with_writes(*more)
     writes = check_writes([*first, *more])
     assert o.writes == writes
-    assert [len(writes), *o.write_parts] == encode_writes(writes)
+    assert list(o.write_parts) == encode_writes(writes)  # (their count first)
     assert list(o.write_keys) == write_keys(writes)
     assert o == ACK.with_writes(*first, *more)  # (the encodings compare as nothing)

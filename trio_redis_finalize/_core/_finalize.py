@@ -177,7 +177,6 @@ class FinalizerCore:
         return p
 
 
-
 class FinalizeBatch:
     """One batch of outcomes being finalized (see the module docstring).
 
@@ -194,7 +193,7 @@ class FinalizeBatch:
     __slots__ = (
         "_answered", "_answers", "_attempt", "_commands", "_core", "_debug", "_fast_failed",
         "_fast_replies", "_first", "_got", "_hot", "_hot_calls", "_ids", "_items", "_kinds",
-        "_n_fast", "_n_hot", "_owners", "_plans", "_recount", "_removed", "_rest", "_returned",
+        "_n_fast", "_owners", "_plans", "_recount", "_removed", "_rest", "_returned",
         "_tally", "_unsure", "backoffs", "outcomes", "records", "refused",
     )
 
@@ -291,7 +290,7 @@ class FinalizeBatch:
             commands, owners, rest = fast, None, []
             self._got = []
         self._hot = hw = HotWrites(target, core._cells, hot, self.outcomes) if hot else None
-        self._hot_calls, self._n_hot = (len(hw.calls), len(hot)) if hw is not None else (0, 0)
+        self._hot_calls = len(hw.calls) if hw is not None else 0
         if hw is not None:  # its calls after the plain removals (whose replies come first)
             commands, owners = hw.place(commands, owners, len(fast))
         gates = core.gates
@@ -341,9 +340,10 @@ class FinalizeBatch:
         # ungated plan's removal is only sent once its copy succeeded): the same round again.
         self._unsure = self._recount = True
         self._attempt += 1
+        hw = self._hot  # (its deliveries: hw.items)
         return Step(1, self._attempt, [(
             _WARNING, "%s: finalization of %d deliveries failed (%s); sending again",
-            (core.name, self._n_hot + len(self._plans) + len(self._removed), err),
+            (core.name, len(self._plans) + len(self._removed) + (len(hw.items) if hw else 0), err),
             {"subscription": core.name},
         )])
 

@@ -48,6 +48,7 @@ __all__ = ["HotWrites", "effect_of", "encode"]
 
 _DEBUG = 10
 _ERROR = 40
+_CALL = itemgetter(0)
 _OUTCOME = itemgetter(1)
 _KIND = attrgetter("kind")
 _WRITES_OF = attrgetter("writes")
@@ -56,20 +57,21 @@ _EFFECTS = tuple((k, k._value_, e._value_) for k, e in REMOVED.items())
 _EFFECT_OF = {k._value_: e._value_ for k, e in REMOVED.items()}
 
 
-def encode(o: WithWrites) -> tuple[list[Arg], Sequence[str | bytes]]:
-    """An outcome's writes as a script reads them, and the keys they name
-    (made with the outcome: ``_writes.checked_writes``)."""
-    return [len(o.writes), *o.write_parts], o.write_keys
+def encode(o: WithWrites) -> tuple[Sequence[Arg], Sequence[str | bytes]]:
+    """An outcome's writes as a script reads them (their count first), and
+    the keys they name: made with the outcome (``_writes.checked_writes``)."""
+    return o.write_parts, o.write_keys
 
 
 class HotWrites:
     """One batch's ACKs and DROPs carrying writes on the hot path.
 
     ``calls``: the batched calls to send in the first round (after the
-    plain removals), each with how many of ``items`` it carries, in order.
+    plain removals), each with how many of ``items`` it carries, in order:
+    ``(call, n)`` pairs.
     """
 
-    __slots__ = ("calls", "done", "items", "sizes")
+    __slots__ = ("calls", "done", "items")
 
     def __init__(self, t: Target, cells: Cells, items: list[tuple[Delivery, WithWrites]],
                  outcomes: dict[str, int]) -> None:
@@ -81,8 +83,7 @@ class HotWrites:
         built = cells.ack_writes_calls(t, items, encode)
         if built is None:
             raise ValueError(f"{t.name}: this form has no hot path for writes")
-        self.calls = [c for c, _ in built]
-        self.sizes = [n for _, n in built]
+        self.calls = built
         self.done: list[tuple[Delivery, WithWrites]] = []
         """The deliveries whose call answered every one written and removed."""
 
@@ -93,7 +94,7 @@ class HotWrites:
         Cluster (``plan_writes`` checks each write's hash slot there).  A
         reliable list's counted gates number its calls as the slow path's
         (``ListGates.prepare``, ``resend``) and learn what they answered."""
-        return cells.ack_writes_calls(t, [], encode) is not None and not t.cluster
+        return cells.writes_calls and not t.cluster
 
     @staticmethod
     def every(items: Sequence[tuple[Delivery, object]], removable: tuple[OutcomeKind, ...]) -> bool:
@@ -109,8 +110,9 @@ class HotWrites:
         (whose replies come first), their owners ``()``: no plan's."""
         if owners is None:  # plain removals only: each its own (``_batch.fast_owner``)
             owners = [(fast_owner(i),) for i in range(k)]
-        return ([*commands[:k], *self.calls, *commands[k:]],
-                [*owners[:k], *[()] * len(self.calls), *owners[k:]])
+        calls = self.calls
+        return ([*commands[:k], *map(_CALL, calls), *commands[k:]],
+                [*owners[:k], *[()] * len(calls), *owners[k:]])
 
     def receive(self, t: Target, calls: Sequence[Command], replies: Sequence[Any],
                 plans: list[tuple[Delivery, Plan]], returned: list[Any], got: list[list[Any]],
@@ -129,7 +131,7 @@ class HotWrites:
         errors = 0
         deferred = ""
         at = 0
-        for cmd, r, n in zip(calls, replies, self.sizes, strict=True):
+        for cmd, r, (_, n) in zip(calls, replies, self.calls, strict=True):
             mine = items[at:at + n]
             at += n
             if r.__class__ is list and len(r) == 1 and r[0] == n:

@@ -362,6 +362,8 @@ class Cells:
     """Deliveries are known by an entry id (a stream), else by their bytes."""
     counted: ClassVar[bool] = False
     """Removals of identical elements are counted (a reliable list: ``ListGates``)."""
+    writes_calls: ClassVar[bool] = False
+    """ACKs and DROPs carrying writes are built as batched calls, no plan each (:meth:`ack_writes_calls`)."""
     removals: ClassVar[Mapping[OutcomeKind, Effect]] = NOTHING_REMOVED
     """The outcome kinds finalized by the plain removal of the original
     (``_plan.plain_removals``), with their effects."""

@@ -166,6 +166,7 @@ class ReliableListCells(Cells):
     noun: ClassVar[str] = "reliable list"
     gated: ClassVar[bool] = True
     counted: ClassVar[bool] = True
+    writes_calls: ClassVar[bool] = True
     removals = REMOVED
 
     def plan(self, t: Target, d: Delivery, outcome: Outcome) -> Plan:

@@ -217,6 +217,7 @@ class StreamCells(Cells):
     noun: ClassVar[str] = "stream"
     gated: ClassVar[bool] = True
     by_id: ClassVar[bool] = True
+    writes_calls: ClassVar[bool] = True
     removals = REMOVED
     batchers = BATCHERS
     batched = BATCHED
