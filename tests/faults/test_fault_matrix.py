@@ -75,6 +75,7 @@ from trio_redis_finalize import (
     ACK,
     DROP,
     RETRY,
+    Backoff,
     ChannelSubscription,
     DelayedRetry,
     Delivery,
@@ -88,6 +89,7 @@ from trio_redis_finalize import (
     retry_after,
 )
 from trio_redis_finalize._core._caps import Capabilities
+from trio_redis_finalize._core._recovery import SCHEDULE, schedule_key, schedule_member
 from trio_redis_finalize._core._types import content_origin
 from trio_redis_finalize._core.reliable_list import liveness as reliable
 from trio_redis_finalize._core.stream import liveness as presence
@@ -104,8 +106,17 @@ Q_PROC_DEAD = "{jobs}:processing:" + DEAD_NAME
 SL = "plain-jobs"
 CHAN = "events"
 MAX_ATTEMPTS = 3
-# what each plan's handler calls are: ack, drop: 1; retry, later: 2; dead: max_attempts
-CALLS = {"ack": 1, "drop": 1, "retry": 2, "later": 2, "dead": MAX_ATTEMPTS}
+# what each plan's handler calls are: ack, drop: 1; retry, later: 2; dead: max_attempts.
+# Under on_error=Backoff: "raise" raises once, then ACKs; "fail" always raises (the
+# dead letter after max_attempts).  "twin": an ACK, its element pushed twice (identical
+# bytes: counted removals).  "hold": an ACK, its handler holding on until the
+# shutdown begins (what was read meanwhile is given back unstarted).
+CALLS = {"ack": 1, "drop": 1, "retry": 2, "later": 2, "dead": MAX_ATTEMPTS,
+         "raise": 2, "fail": MAX_ATTEMPTS, "twin": 1, "hold": 1}
+DEAD_PLANS = ("dead", "fail")
+COPIES = {"twin": 2}
+"""Identical copies pushed of a plan's element (list forms; 1 unless named)."""
+QUICK_BACKOFF = Backoff(base=0.05, cap=0.1, window=0)
 
 
 # -- timers: short, as in test_crash_points ----------------------------------
@@ -183,6 +194,16 @@ class Workload:
     dead_letter: str | None = None
     writes: bool = False  # each message's last outcome carries a write (exactly-once effects)
     batch: bool = False  # mounted with batch=True: one handler call per read's deliveries
+    on_error: Backoff | None = None  # mounted with this on_error (None: the default)
+    # the seeded delivery failed in its previous life under a Backoff that is not
+    # due yet: its due time (SCHEDULE_MS from the seeding) is in the schedule
+    scheduled: bool = False
+    # a first life stops while a "hold" handler runs (what was read and not
+    # started is given back); a second life then does the rest
+    stop_early: bool = False
+
+
+SCHEDULE_MS = 400
 
 
 def _stream(**kw: Any) -> Callable[[], StreamSubscription]:
@@ -214,6 +235,20 @@ WORKLOADS = [
     Workload("stream-claiming", "stream", ("XPENDING", "XAUTOCLAIM", "EVALSHA:stream_lease"),
              _stream(mode=Mode.CLAIMING, min_idle=0.6), plans=("ack", "retry", "drop"),
              seed="dead", dead_letter=S_DEAD),
+    # on_error=Backoff: the due times written (backoff_schedule) and the redelivery
+    # (stream_redeliver); the own PEL's entry failed in a previous life, its Backoff
+    # not due yet: the recovery reads the schedule and lets it wait out the rest
+    Workload("stream-backoff", "stream",
+             ("EVALSHA:backoff_schedule", "EVALSHA:stream_redeliver",
+              "EVALSHA:backoff_schedule_left", "XRANGE"),
+             _stream(), plans=("ack", "raise", "raise", "fail"), seed="own", scheduled=True,
+             dead_letter=S_DEAD, on_error=QUICK_BACKOFF),
+    # a claim of a stopped consumer's entry whose Backoff is not due yet: it waits
+    # out the rest (its count given back: XCLAIM ... RETRYCOUNT), then the redelivery
+    Workload("stream-reclaim-backoff", "stream",
+             ("EVALSHA:backoff_schedule_left", "XCLAIM", "EVALSHA:stream_redeliver"),
+             _stream(mode=Mode.RECLAIM, min_idle=0.6), plans=("ack", "raise", "ack"),
+             seed="dead", scheduled=True, dead_letter=S_DEAD, on_error=QUICK_BACKOFF),
     Workload("stream-delete", "stream",
              (Native("xackdel", "XACKDEL", "XDEL"), "EVALSHA:stream_copy_ack_ex", "COMMAND"),
              _stream(retention=Retention.DELETE_ON_FINALIZE), dead_letter=S_DEAD),
@@ -271,6 +306,21 @@ WORKLOADS = [
     Workload("list-durable", "list",
              ("EVALSHA:list_zadd_remove", "EVALSHA:move_due_to_list"),
              _rlist(**DURABLE), dead_letter=Q_DEAD),
+    # on_error=Backoff on a reliable list: the due times written, the bump of a
+    # redelivery, the rescan at start reading the schedule of its own element (failed
+    # in a previous life, not due yet); a runtime retry_after's delayed copy; identical
+    # elements held at once, whose removals are counted (list_remove)
+    Workload("list-backoff", "list",
+             ("EVALSHA:backoff_schedule", "EVALSHA:backoff_schedule_left",
+              "EVALSHA:reliable_list_bump", "EVALSHA:reliable_list_delayed_copy",
+              "EVALSHA:list_remove"),
+             _rlist(), plans=("raise", "later", "twin", "fail"), seed="own", scheduled=True,
+             dead_letter=Q_DEAD, on_error=QUICK_BACKOFF),
+    # a stop while a handler runs: what was read and not started is given back
+    # onto the queue (uncounted), and a second life handles it as a first attempt
+    Workload("list-give-back", "list", ("EVALSHA:reliable_list_give_back",),
+             _rlist(), plans=("hold", "ack", "ack", "ack"), concurrency=1, stop_early=True,
+             dead_letter=Q_DEAD),
     Workload("simple-list", "simple", ("BRPOP", "LPUSH"),
              lambda: ListSubscription(SL, block=0.05), plans=("ack", "later")),
     Workload("channel", "channel", ("SUBSCRIBE", "PUBLISH"),
@@ -309,6 +359,8 @@ class Case:
     plan: dict[str, str] = dataclasses.field(default_factory=dict)  # origin -> plan
     calls: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # origin -> attempts
     finished: set[str] = dataclasses.field(default_factory=set)  # ACK / DROP returned
+    done: Counter[str] = dataclasses.field(default_factory=Counter)  # ACK / DROP returns
+    copies: Counter[str] = dataclasses.field(default_factory=Counter)  # identical copies pushed
     seeded: set[str] = dataclasses.field(default_factory=set)  # pending from a "previous life"
     remounted: str = ""
 
@@ -330,10 +382,13 @@ class Case:
             out = retry_after(0.05) if first else ACK
         elif plan == "dead":
             out = RETRY
+        elif plan == "fail" or (plan == "raise" and first):
+            raise RuntimeError(f"planned failure of {origin} at attempt {d.attempt}")
         else:
             out = ACK
         if out in (ACK, DROP):
             self.finished.add(origin)
+            self.done[origin] += 1
         if self.workload.writes and (out in (ACK, DROP) or d.attempt >= MAX_ATTEMPTS):
             # the message's one effect, committed with its last finalization
             out = out.with_writes(("HINCRBY", effects_key(self.workload), origin, 1))
@@ -369,6 +424,8 @@ async def _produce(admin: Client, case: Case) -> None:
             if w.seed == "registered":  # as the library registers it; no heartbeat key
                 await admin.execute("HSET", presence.registry_key(S, G), DEAD_NAME, "1500 plain")
             case.seeded.add(ids[0])
+            if w.scheduled:
+                await _schedule(admin, w.make().target(owner), ids[0], None)
         return
     if w.form == "list":
         await _push_plans(admin, case, Q)
@@ -380,18 +437,31 @@ async def _produce(admin: Client, case: Case) -> None:
             await admin.execute("LPUSH", Q_PROC, own)
             await admin.execute("LPUSH", Q_PROC_DEAD, dead)
             await admin.execute("HSET", reliable.registry_key(Q), DEAD_NAME, Q_PROC_DEAD)
+            if w.scheduled:
+                await _schedule(admin, w.make().target(NAME), None, own)
         return
     if w.form == "simple":
         await _push_plans(admin, case, SL)
 
 
+async def _schedule(admin: Client, t: Any, entry_id: str | None, raw: bytes | None) -> None:
+    """A seeded delivery's attempt 1 failed under a Backoff due ``SCHEDULE_MS``
+    from now: its due time in the schedule, as the library writes it."""
+    member = schedule_member(t, entry_id, raw)
+    await admin.evalsha(SCHEDULE, (schedule_key(t),), [member, SCHEDULE_MS, 1])
+
+
 async def _push_plans(admin: Client, case: Case, key: str) -> None:
-    """The workload's elements (``<plan>:<i>``) pushed onto list ``key``, each
-    one's plan noted by its content origin."""
+    """The workload's elements (``<plan>:<i>``) pushed onto list ``key`` (``COPIES``
+    identical ones of a plan that names some), each one's plan noted by its
+    content origin."""
     for i, plan in enumerate(case.workload.plans):
         element = f"{plan}:{i}".encode()
-        case.plan[content_origin(element)] = plan
-        await admin.execute("LPUSH", key, element)
+        origin = content_origin(element)
+        case.plan[origin] = plan
+        case.copies[origin] = COPIES.get(plan, 1)
+        for _ in range(case.copies[origin]):
+            await admin.execute("LPUSH", key, element)
 
 
 def _scheduler_busy(consumer: Any) -> bool:
@@ -423,6 +493,13 @@ async def _pending_work(admin: Client, case: Case, consumer: Any) -> str:
         n = int(await admin.execute("LLEN", SL))
         return f"list: {n} queued" if n else ""
     return ""
+
+
+async def _read_all(admin: Client, state: dict[str, Any]) -> None:
+    """Until a "hold" handler runs and the reader has read the whole queue
+    (what it does not hand to a handler waits, read and not started)."""
+    while not state["holding"] or int(await admin.execute("LLEN", Q)):
+        await anyio.sleep(0.01)
 
 
 def _channel_done(case: Case) -> str:
@@ -463,8 +540,14 @@ async def run_case(server: RedisServer, proxy: CommandProxy, case: Case) -> list
 
     async def handle(d: Delivery) -> Outcome:
         out = case.outcome(d)
-        if case.plan.get(d.origin_id) in slow and len(case.calls[d.origin_id]) == 1:
+        plan = case.plan.get(d.origin_id)
+        if plan in slow and len(case.calls[d.origin_id]) == 1:
             await anyio.sleep(0.5)  # longer than min_idle / 3: the lease is renewed
+        elif plan == "hold":
+            state["holding"] = True
+            while not state["stopping"]:
+                await anyio.sleep(0.01)
+            await anyio.sleep(0.05)  # the shutdown has begun: nothing new is started
         return out
 
     async def handle_all(ds: list[Delivery]) -> list[Outcome]:
@@ -481,27 +564,42 @@ async def run_case(server: RedisServer, proxy: CommandProxy, case: Case) -> list
         # a periodic task (heartbeat, reaper, lease) meets one error per period
         per_error = 0.9 if case.kind in PERIODIC_KINDS else 0.3
         budget = 4.0 + (per_error * len(faults) if case.group == "errors" else 0.0)
-        state: dict[str, Any] = {"what": "mount", "hung": False, "consumer": None}
+        state: dict[str, Any] = {"what": "mount", "hung": False, "consumer": None,
+                                 "holding": False, "stopping": not w.stop_early}
 
         # the detection runs in the handshake, whose deadline is the URL's
         # connect timeout (5 s): short here, as the other deadlines are (1 s: a
         # loaded CI machine took more than 0.5 s to connect and shake hands)
         url = proxy.url + ("?timeout=1.0" if case.kind == "COMMAND" else "")
 
-        async def body() -> None:
+        options: dict[str, Any] = {"concurrency": w.concurrency}
+        if w.on_error is not None:
+            options["on_error"] = w.on_error
+
+        async def life() -> None:
             async with open_consumer(url, name=NAME, shutdown_grace=0.5) as consumer:
                 state["consumer"] = consumer
                 if w.batch:
-                    await consumer.mount(w.make(), handle_all, concurrency=w.concurrency,
-                                         batch=True)
+                    await consumer.mount(w.make(), handle_all, batch=True, **options)
                 else:
-                    await consumer.mount(w.make(), handle, concurrency=w.concurrency)
+                    await consumer.mount(w.make(), handle, **options)
                 state["what"] = "consume"
                 if w.form == "channel":
                     await _run_channel(admin, case, consumer)
+                if not state["stopping"]:
+                    await _read_all(admin, state)
+                    state["stopping"] = True  # the handler lets go as the shutdown begins
+                    state["what"] = "shutdown of the first life"
+                    return
                 await _settle(admin, case, consumer)
                 stats.update(consumer.stats()[w.make().name])
                 state["what"] = "shutdown"
+
+        async def body() -> None:
+            if not state["stopping"]:  # a first life, stopped early
+                await life()
+                state["what"] = "mount"
+            await life()
 
         left = ""
         try:
@@ -601,18 +699,20 @@ async def _judge(admin: Client, case: Case, stats: dict[str, Any]) -> list[str]:
     read_lost: list[str] = []  # a simple list's messages no handler saw, gone
     for origin, plan in case.plan.items():
         calls = case.calls.get(origin, [])
-        finalized = origin in case.finished or dead[origin] >= 1
-        if not finalized and not present[origin]:
-            lost = (f"LOST message {origin} ({plan}): handler calls at attempts "
-                    f"{calls}, not finalized, nothing of it left in Redis")
+        n = case.copies.get(origin) or 1  # identical copies pushed
+        # copies finalized (a handler's ACK / DROP, the dead letter) or still in Redis
+        if min(case.done[origin] + dead[origin], n) + present[origin] < n:
+            lost = (f"LOST message {origin} ({plan}, {n} cop{'y' if n == 1 else 'ies'}): "
+                    f"handler calls at attempts {calls}, not finalized, nothing of it left "
+                    f"in Redis")
             if w.form == "simple" and not calls:
                 read_lost.append(lost)  # judged below
             else:
                 problems.append(lost)
-        if len(calls) > CALLS[plan] + duplicating:
+        if len(calls) > CALLS[plan] * n + duplicating:
             problems.append(f"DUPLICATE: message {origin} ({plan}) handled {len(calls)} times "
-                            f"(attempts {calls}); the handler asked for {CALLS[plan]}")
-        if plan == "dead" and dead[origin] and len(calls) < MAX_ATTEMPTS:
+                            f"(attempts {calls}); the handler asked for {CALLS[plan] * n}")
+        if plan in DEAD_PLANS and dead[origin] and len(calls) < MAX_ATTEMPTS:
             problems.append(f"ATTEMPTS: message {origin} dead-lettered after {len(calls)} handler "
                             f"call(s) (attempts {calls}), max_attempts={MAX_ATTEMPTS}")
         if calls and calls[0] != 1 and origin not in case.seeded:
@@ -621,9 +721,9 @@ async def _judge(admin: Client, case: Case, stats: dict[str, Any]) -> list[str]:
         if any(a > MAX_ATTEMPTS for a in calls) and w.form in ("stream", "list"):
             problems.append(f"ATTEMPTS: message {origin} handled at attempts {calls} > "
                             f"max_attempts={MAX_ATTEMPTS}")
-        if dead[origin] > 1:
+        if dead[origin] > n:
             problems.append(f"DUPLICATE: message {origin} dead-lettered {dead[origin]} times")
-        if plan != "dead" and dead[origin]:
+        if plan not in DEAD_PLANS and dead[origin]:
             problems.append(f"message {origin} ({plan}) in the dead letter")
     # A simple list is at-most-once: a BRPOP whose reply is lost takes its element
     # with it (documented), the fault's or one later than block + READ_MARGIN on a
