@@ -32,6 +32,10 @@ consumer's entries idle enough).  For an armed ``(kind, k)`` the k-th request of
   :func:`wrapped` gives the Redis 6.2 form of an error raised inside a
   script (``-ERR Error running script ... -READONLY``).
 
+A reply can be rewritten per kind (:attr:`CommandProxy.rewrites`): e.g. the
+node addresses of ``CLUSTER SLOTS``, so that a cluster client's connections
+to a one-node Redis Cluster go through the proxy too.
+
 Once a connection sent ``SUBSCRIBE``/``PSUBSCRIBE`` its replies are no longer
 one per request (pushed messages): from then on they are forwarded as they
 come (faults still apply to the requests).
@@ -42,7 +46,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -162,7 +166,7 @@ def kind_of(args: Sequence[bytes], scripts: dict[bytes, str] | None = None) -> s
             return "XREADGROUP>" if last and all(i == b">" for i in last) else "XREADGROUP0"
     if name == "XPENDING" and len(args) > 3 and args[3].upper() == b"IDLE":
         return "XPENDING IDLE"
-    if name in ("XGROUP", "SCRIPT", "CLIENT", "CONFIG", "XINFO") and len(args) > 1:
+    if name in ("XGROUP", "SCRIPT", "CLIENT", "CONFIG", "XINFO", "CLUSTER") and len(args) > 1:
         return f"{name} {args[1].upper().decode(errors='replace')}"
     return name
 
@@ -309,7 +313,8 @@ class _Conn:
                     await self._to_client(bytes(out))
                     await self.proxy._reset(self)
                     return
-                out += frame
+                rewrite = self.proxy.rewrites.get(slot.kind)
+                out += frame if rewrite is None else rewrite(frame)
             while self.slots and self.slots[0].inject is not None:
                 out += self.slots.popleft().inject or b""
             await self._to_client(bytes(out))
@@ -332,6 +337,8 @@ class CommandProxy:
         self.seen: collections.Counter[str] = collections.Counter()
         """Requests per kind since the last :meth:`reset`."""
         self.fired: list[Fired] = []
+        self.rewrites: dict[str, Callable[[bytes], bytes]] = {}
+        """kind -> a function of its reply (the RESP frame) that the client gets instead."""
         self._armed: dict[tuple[str, int], Fault] = {}
         self._conns: dict[int, _Conn] = {}
         self._next_id = 0
