@@ -23,6 +23,7 @@ from _paths import TESTS
 from _procs import eventually
 from hypothesis import given
 from hypothesis import strategies as st
+from redis import exceptions as rexc
 
 from trio_redis_finalize import (
     ACK,
@@ -40,6 +41,7 @@ from trio_redis_finalize import (
     _backoffs,
     open_consumer,
 )
+from trio_redis_finalize._core.reliable_list.liveness import BUMP
 from trio_redis_finalize._core.reliable_list.scripts import LIST_REMOVE
 from trio_redis_finalize._envelope import unwrap
 from trio_redis_finalize._transport import Client, Command, open_client, parse_url
@@ -672,6 +674,52 @@ async def test_reliable_list_bump_waits_for_a_removal_of_identical_bytes_on_the_
     finally:
         await slow.aclose()
     assert sorted(seen) == [1, 1, 2], seen
+    assert await llen(client, Q) == 0 and await llen(client, processing("c1")) == 0
+
+
+class LostBump(Client):
+    """A client whose first reliable-list bump runs on the server and loses
+    its reply (a connection error after Redis answered), and whose second
+    bump goes out ``delay`` seconds late."""
+
+    delay = 1.5
+    bumps = 0
+
+    async def pipeline(self, commands: Sequence[Command], **kw: Any) -> list[Any]:
+        if any(c[0] == b"EVALSHA" and c[1] == BUMP.sha for c in commands):
+            self.bumps += 1
+            if self.bumps == 1:
+                await super().pipeline(commands, **kw)
+                raise rexc.ConnectionError("the reply was lost")
+            if self.bumps == 2:
+                await trio.sleep(self.delay)
+        return await super().pipeline(commands, **kw)
+
+
+async def test_reliable_list_a_bump_applied_with_its_reply_lost_is_delivered_soon(
+    redis_url: str, client: Client
+) -> None:
+    """An element fails and waits; its redelivery's bump runs but its reply is
+    lost (the element now has its new bytes in the processing list), so the
+    redelivery is tried again -- and the rescan asked for runs while that
+    second bump is on the way (the new bytes held for it).  The second bump
+    finds the old bytes gone: the new ones, held by nobody now, must be
+    delivered soon (the rescan), not by the periodic one a minute later."""
+    await client.execute("LPUSH", Q, b"job")
+    h = Failing(ok_at=2)
+    # block 1 s: the reader looks at the processing list once a turn, while the
+    # second bump waits
+    sub = ReliableListSubscription(Q, block=1.0)
+    lossy = LostBump(parse_url(redis_url), max_connections=32)
+    try:
+        async with open_consumer(lossy, name="c1") as consumer:
+            await consumer.mount(sub, h, on_error=FAST)
+            await eventually(lambda: effects(consumer, sub).get("acked") == 1, timeout=10,
+                             what="acknowledged at attempt 2")
+            assert lossy.bumps == 2
+    finally:
+        await lossy.aclose()
+    assert h.attempts == [1, 2]
     assert await llen(client, Q) == 0 and await llen(client, processing("c1")) == 0
 
 

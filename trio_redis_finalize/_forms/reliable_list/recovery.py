@@ -100,7 +100,9 @@ class ListRecovery:
         new bytes, so a rescan meanwhile delivers neither; removals sent
         meanwhile count (``_plan.list_counted``) neither: the old copy is no
         longer theirs, the new one not yet in the list.  An element gone
-        meanwhile (reaped after a lapsed heartbeat) is forgotten.
+        meanwhile (reaped after a lapsed heartbeat) is forgotten, and a rescan
+        asked for: the bump of an earlier try whose reply was lost may have
+        applied, its new bytes in the list and held by nobody.
 
         Identical elements: a bump takes one copy of the bytes out of the
         processing list like a removal, but on its own connection, so it is
@@ -147,6 +149,9 @@ class ListRecovery:
                 dec(held, e)
                 if next(replies) is None:  # gone from the processing list meanwhile
                     dec(held, n)
+                    # (or bumped by an earlier try whose reply was lost: its new
+                    # bytes, held by nobody now, are the rescan's to deliver)
+                    self._gates.rescan_wanted = True
                     log.warning("%s: a failed element (origin %s, attempt %d) is no longer in "
                                 "processing list %r; not delivered again", ctx.name,
                                 d.origin_id, d.attempt, t.processing)
