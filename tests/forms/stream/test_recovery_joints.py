@@ -272,8 +272,9 @@ async def test_the_backoff_schedule_survives_graceful_restarts(
                     dead_at = trio.current_time()
     attempts = [a for _, a in calls]
     tolerance = 0.02  # the server's ms, and the clocks' reads
-    if stream and sub.mode is Mode.CLAIMING:
-        # a stop that cuts a claim (XAUTOCLAIM) after the server ran it counts
+    if stream and sub.mode is not Mode.PLAIN:
+        # a stop that cuts a claim (XAUTOCLAIM: CLAIMING, and RECLAIM, whose claim
+        # takes its own entry back after a restart) after the server ran it counts
         # one more delivery (documented): an attempt may be skipped, never early
         assert attempts[0] == 1 and attempts == sorted(set(attempts)) and attempts[-1] <= 3, calls
     else:
@@ -463,7 +464,9 @@ async def test_a_silent_link_at_a_claims_schedule_read_leaves_the_entries_pendin
 
     async with serving(CommandProxy(redis_server.port, flavour=flavour)) as proxy:
         proxy.arm(f"EVALSHA:{SCHEDULE_LEFT.name}", BLACKHOLE)
-        sub = StreamSubscription(S, G, mode=Mode.RECLAIM, min_idle=0.05, block=0.05)
+        # idle past min_idle only after mount() returned: the claim that meets the
+        # silent link is a running reader's (one before would fail mount() itself)
+        sub = StreamSubscription(S, G, mode=Mode.RECLAIM, min_idle=1.0, block=0.05)
         async with open_consumer(proxy.url, name="me", shutdown_grace=1.0) as consumer:
             await consumer.mount(sub, handle)
 
