@@ -218,7 +218,9 @@ class Workload:
     cluster: bool = False
 
 
-SCHEDULE_MS = 400
+SCHEDULE_MS = 1500
+"""Far enough ahead that the consumer's start (its first recovery or claim) finds
+it not due even on a loaded CI machine (400 ms was not, with two burners)."""
 
 
 def _stream(**kw: Any) -> Callable[[], StreamSubscription]:
