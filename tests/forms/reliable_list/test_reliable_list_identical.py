@@ -630,7 +630,13 @@ async def test_identical_elements_among_unique_ones_in_fast_batches(
 ) -> None:
     """Copies of X among unique elements, no-op handlers (big batches: the
     hot path's removals counted in C), every third removal's reply lost and
-    resent: each element is delivered and acknowledged once, nothing left."""
+    resent: each element is delivered and removed once, nothing left.
+
+    A resent removal of X while the reader's read of another X is on its way
+    removes that X (counting cannot tell it from the one its first send
+    removed, see ``ReliableListReader``): the read X is handled all the same
+    and its own removal is counted ``gate_closed``, at most once per lost
+    removal of X (seen in CI with two burners)."""
     elements = [b"X" if i % 7 == 0 else f"u{i}".encode() for i in range(200)]
     await client.execute("LPUSH", Q, *elements)
     seen: list[bytes] = []
@@ -643,10 +649,15 @@ async def test_identical_elements_among_unique_ones_in_fast_batches(
     async with losing_consumer(redis_url) as (lc, consumer):
         lc.lose(removes_from(proc("c1")), times=10, every=3)
         await consumer.mount(sub(), h, concurrency=2)
-        await eventually(lambda: effects(consumer).get("acked", 0) >= len(elements), timeout=20,
-                         what="all acknowledged")
+        def done() -> int:
+            e = effects(consumer)
+            return int(e.get("acked", 0) + e.get("gate_closed", 0))
+
+        await eventually(lambda: done() >= len(elements), timeout=20, what="all removed")
         await trio.sleep(0.3)
         assert lc.lost
-        assert effects(consumer).get("acked") == len(elements)
-    assert sorted(seen) == sorted(elements)
+        assert done() == len(elements)
+        lost_x = sum(1 for cmd, _ in lc.lost if b"X" in cmd)
+        assert effects(consumer).get("gate_closed", 0) <= lost_x, (effects(consumer), lc.lost)
+    assert sorted(seen) == sorted(elements)  # each delivered (and handled) once
     assert await left_behind(client) == ([], [])

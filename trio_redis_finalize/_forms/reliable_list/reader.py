@@ -75,11 +75,14 @@ class ReliableListReader:
       never removes a copy another handler still holds; the gates count
       answered removals down.  What counting cannot tell apart: a
       removal of X resent after an unknown outcome while a read of another
-      X also lost its reply and the rescan has not adopted it yet - "sent
-      removal applied + one stranded X" and "removal not applied" leave the
-      same list, and the resend removes one X.  For a copying removal
-      (RETRY, dead letter, delay) the stranded X lives on as the second copy;
-      for ACK / DROP it is gone (two lost replies on identical bytes).
+      X is on its way (its reply not read yet) or lost its reply and the
+      rescan has not adopted it yet - "sent removal applied + one unheld X"
+      and "removal not applied" leave the same list, and the resend removes
+      one X.  For a copying removal (RETRY, dead letter, delay) that X lives
+      on as the second copy; for ACK / DROP it is gone.  A read on its way
+      is then handed over as usual: its handler runs and its removal finds
+      its gate closed (counted ``gate_closed``, not ``acked``): each X was
+      handled once and removed once, one counter says so otherwise.
     * Dead consumers, heartbeat, the stop's hand-back and deregistration:
       :class:`~.liveness.ListLiveness`.
     * Shutdown: elements read but never handed to a handler go back onto the
