@@ -282,7 +282,8 @@ class HandlerPool:
                     found = True
                     batch = results[:]
                     results.clear()
-                    await hand_on(send, batch, self.name)  # taken out of the list: must reach the finalizer
+                    # taken out of the list: must reach the finalizer
+                    await hand_on(send, batch, self.name)
             if not found:
                 self._flusher_wake = anyio.Event()
                 self._flusher_idle = True
@@ -303,11 +304,11 @@ async def hand_on(send: Send[list[Item]], items: list[Item], name: str) -> None:
     stay held by this consumer, finalized by nobody, until a restart.
     """
     try:
-        send.send_nowait(items)
-        return
-    except anyio.WouldBlock:
-        pass
-    try:
+        try:
+            send.send_nowait(items)
+            return
+        except anyio.WouldBlock:
+            pass
         with anyio.CancelScope(shield=True):
             await send.send(items)
     except (anyio.BrokenResourceError, anyio.ClosedResourceError):
