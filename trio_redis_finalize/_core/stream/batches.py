@@ -39,8 +39,6 @@ def _id_order(eid: Arg) -> tuple[int, str, int, str]:
     return len(ms_), ms_, len(seq), seq
 
 
-
-
 def gate_range(ids: Sequence[Arg]) -> tuple[Arg, Arg, int]:
     """``lo, hi, count`` of a batched call's gates (see ``scripts``): the
     smallest and largest of ``ids``, and at most twice as many rows.
@@ -62,13 +60,11 @@ def gate_range(ids: Sequence[Arg]) -> tuple[Arg, Arg, int]:
             pass
         else:
             short, long = min(lens), max(lens)
-            if short == long:
-                # the dash of each at one place: every long-th character from
-                # the first id's dash on (a join and a slice, in C)
-                k = lo_t.find("-")
-                if "".join(texts)[k::long] == "-" * len(texts):
-                    return lo_t, hi_t, 2 * len(ids)
             k = lo_t.find("-")
+            # one length, the dash of each at one place: every long-th character
+            # from the first id's dash on (a join and a slice, in C)
+            if short == long and "".join(texts)[k::long] == "-" * len(texts):
+                return lo_t, hi_t, 2 * len(ids)
             if k > 0 and hi_t.startswith(lo_t[:k + 1]):
                 # (every id between the two by text shares their "ms-")
                 return (min(compress(texts, map(short.__eq__, lens))),
