@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 import random
 
-__all__ = ["FINALIZE_TIMEOUT", "READ_MARGIN", "SETUP_PATIENCE", "backoff", "log", "sole"]
+__all__ = ["FINALIZE_TIMEOUT", "OWN_LOOK_EVERY", "READ_MARGIN", "SETUP_PATIENCE", "backoff", "log",
+           "sole"]
 
 log = logging.getLogger("trio_redis_finalize")
 
@@ -25,6 +26,11 @@ SETUP_PATIENCE = 15.0
 """Seconds ``mount()`` keeps trying a set-up the server refused for now (OOM, BUSY, LOADING ...)."""
 READ_MARGIN = 1.0
 """Seconds a blocking read may exceed its ``block`` before it counts as lost."""
+OWN_LOOK_EVERY = 60.0
+"""Seconds between two looks of a consumer at what it holds in Redis, whatever
+the traffic: a stream's own PEL, a reliable list's processing list.  What is
+pending there and not held in memory (left without a timer, stranded by a
+lost reply) is delivered again within this bound, not at the next restart."""
 
 
 def backoff(attempt: int, *, base: float = 0.05, cap: float = 2.0) -> float:

@@ -31,7 +31,7 @@ from ..._core._types import Effect, Plan, Target
 from ..._core.reliable_list.gates import ListGates
 from ..._core.reliable_list.liveness import GIVE_BACK
 from ..._core.reliable_list.scripts import MOVE_DUE_TO_LIST
-from ..._deadlines import READ_MARGIN, backoff, log
+from ..._deadlines import OWN_LOOK_EVERY, READ_MARGIN, backoff, log
 from ..._delivery import Delivery
 from ..._subscription import DelayedRetry
 from ..._transport import Connection
@@ -49,11 +49,11 @@ _PREFETCH_MAX = 64
 _CHUNK_WORK = 0.01
 """Seconds of handler work one prefetch aims at (fast handlers: bigger batches)."""
 _BYTES = {bytes}  # the types of a read's replies when none is an error
-_RESCAN_EVERY = 60.0
+_RESCAN_EVERY = OWN_LOOK_EVERY
 """Seconds between two rescans of the processing list, whatever the traffic
-(as a stream looks at its own PEL): an element left there that this reader
-does not hold (a full waiting set, a delayed copy Redis refused) is
-delivered again within this bound, not at the next restart."""
+(the stream's own-PEL look has the same period): an element left there that
+this reader does not hold (a full waiting set, a delayed copy Redis refused)
+is delivered again within it."""
 
 
 class ReliableListReader:

@@ -24,7 +24,7 @@ from ..._core._types import Plan
 from ..._core.stream.decode import as_str, id_key, read_entries
 from ..._core.stream.liveness import lease_every
 from ..._core.stream.scripts import move_due_to_stream
-from ..._deadlines import FINALIZE_TIMEOUT, READ_MARGIN, log
+from ..._deadlines import FINALIZE_TIMEOUT, OWN_LOOK_EVERY, READ_MARGIN, log
 from ..._delivery import Delivery
 from ..._subscription import DelayedRetry, Mode
 from ..._transport import Client, Connection
@@ -38,8 +38,9 @@ from .retention import check_retention, trim
 
 __all__ = ["MIN_IDLE_FLOOR", "StreamReader", "StreamSubscription"]
 
-_RECOVER_EVERY = 60.0
-"""Seconds between two looks at the own PEL (PLAIN, RECLAIM), whatever the traffic."""
+_RECOVER_EVERY = OWN_LOOK_EVERY
+"""Seconds between two looks at the own PEL (PLAIN, RECLAIM), whatever the traffic
+(the reliable list's rescan has the same period)."""
 _MOVE_RETRY = 5.0
 """Seconds before a move of due copies that Redis refused is tried again."""
 
