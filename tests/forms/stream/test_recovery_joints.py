@@ -15,6 +15,7 @@ Timeouts are bounds, never expectations."""
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import signal
 import subprocess
@@ -476,3 +477,36 @@ async def test_a_silent_link_at_a_claims_schedule_read_leaves_the_entries_pendin
             await eventually(settled, 20, lambda: f"every entry acked ({got=}, {proxy!r})")
         assert proxy.fired, proxy
     assert sorted(i for i, _ in got) == sorted(ids)
+
+
+async def test_a_silent_link_at_the_schedule_write_is_said_and_the_retry_still_comes(
+    redis_server: RedisServer, flavour: str, client: Client, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The write of a failed delivery's Backoff due time meets a silent link:
+    its shielded bound (``CLOSING_TIMEOUT``, 0.3 s here) ends it before the
+    request's own timeout.  That is logged as a failed write is (before, it
+    passed in silence), and the delivery still comes back as attempt 2 (the
+    due time is kept in memory; only a restart before it would deliver it
+    at once)."""
+    monkeypatch.setattr(_backoffs, "CLOSING_TIMEOUT", 0.3)
+    await client.execute("XGROUP", "CREATE", S, G, "0", "MKSTREAM")
+    await client.execute("XADD", S, "*", "n", "1")
+    got: list[int] = []
+
+    async def handle(d: Delivery) -> Outcome:
+        got.append(d.attempt)
+        if d.attempt == 1:
+            raise RuntimeError("fails once")
+        return ACK
+
+    caplog.set_level(logging.WARNING, logger="trio_redis_finalize")
+    async with serving(CommandProxy(redis_server.port, flavour=flavour)) as proxy:
+        proxy.arm("EVALSHA:backoff_schedule", BLACKHOLE)
+        async with open_consumer(proxy.url, name="me", shutdown_grace=1.0) as consumer:
+            await consumer.mount(StreamSubscription(S, G, block=0.05), handle,
+                                 on_error=Backoff(base=0.05, cap=0.05))
+            await eventually(lambda: got == [1, 2], 20, lambda: f"attempt 2 ({got=}, {proxy!r})")
+        assert proxy.fired, proxy
+    said = [r.getMessage() for r in caplog.records if "writing the Backoff due times" in r.getMessage()]
+    assert said and "no reply within 0.3 s" in said[0], said
