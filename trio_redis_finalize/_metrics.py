@@ -148,38 +148,57 @@ def read_samples(consumer: Consumer, backlogs: Mapping[str, Backlog] | None = No
 
 
 _Kind = Literal["counter", "gauge", "histogram"]
-_FAMILIES: dict[str, tuple[str, _Kind, tuple[str, ...], str]] = {
-    # key: (name after the prefix, type, labels after the base ones, help)
-    "read": ("deliveries_read", "counter", (),
-             "Deliveries read from Redis, counted when read (redeliveries included), before any "
-             "handler call; not handler calls."),
-    "outcomes": ("handler_outcomes", "counter", ("outcome",),
-                 "Handler calls by the outcome they returned (ack, retry, drop, retry_after); a "
-                 "raise counts as the on_error outcome (backoff under on_error=Backoff)."),
-    "duration": ("handler_duration_seconds", "histogram", (), "Seconds each handler call took."),
-    "effects": ("effects", "counter", ("effect",),
-                "What finalization did in Redis, counted once Redis confirmed it (acked, copied, "
-                "delayed, dead_lettered, refused, lost_before_handling, ...)."),
-    "errors": ("errors", "counter", ("kind",),
-               "Errors by kind: handler raised or returned no outcome, finalization and read "
-               "errors; and consumer groups recreated."),
-    "in_flight": ("in_flight", "gauge", (), "Handler calls running now."),
-    "held": ("held_copies", "gauge", (),
-             "Runtime retry_after copies in process memory, waiting or being sent (lost if "
-             "the process is killed)."),
-    "delay_lag": ("delay_lag_seconds", "gauge", (),
-                  "How overdue the oldest copy in the durable delay set was at the last read (0: "
-                  "none due)."),
-    "lag": ("group_lag", "gauge", (),
-            "Messages waiting to be read: entries not yet delivered to the consumer group "
-            "(stream), elements in the queue (reliable list)."),
-    "pending": ("pending", "gauge", (),
-                "Messages read and not yet finalized: the group's pending entries (stream), this "
-                "consumer's processing list (reliable list)."),
-    "idle": ("oldest_pending_idle_seconds", "gauge", (),
-             "Idle seconds of the group's longest-idle pending entry (0: none pending)."),
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Spec:
+    """A metric family as :func:`families` builds it."""
+
+    name: str
+    """After the prefix (``trf_`` + ``effects`` is ``trf_effects_total``)."""
+    kind: _Kind
+    labels: tuple[str, ...] = ()
+    """The labels after the base ones (``LABELS``, the exporter's)."""
+
+
+_FAMILIES: dict[str, _Spec] = {
+    "read": _Spec("deliveries_read", "counter"),
+    "outcomes": _Spec("handler_outcomes", "counter", ("outcome",)),
+    "duration": _Spec("handler_duration_seconds", "histogram"),
+    "effects": _Spec("effects", "counter", ("effect",)),
+    "errors": _Spec("errors", "counter", ("kind",)),
+    "in_flight": _Spec("in_flight", "gauge"),
+    "held": _Spec("held_copies", "gauge"),
+    "delay_lag": _Spec("delay_lag_seconds", "gauge"),
+    "lag": _Spec("group_lag", "gauge"),
+    "pending": _Spec("pending", "gauge"),
+    "idle": _Spec("oldest_pending_idle_seconds", "gauge"),
 }
-"""The metric families :func:`families` builds, in their order."""
+"""The metric families :func:`families` builds, in their order, by the key
+their samples are added up under (their help texts: :data:`_HELP`)."""
+_HELP: dict[str, str] = {
+    "read": "Deliveries read from Redis, counted when read (redeliveries included), before any "
+            "handler call; not handler calls.",
+    "outcomes": "Handler calls by the outcome they returned (ack, retry, drop, retry_after); a "
+                "raise counts as the on_error outcome (backoff under on_error=Backoff).",
+    "duration": "Seconds each handler call took.",
+    "effects": "What finalization did in Redis, counted once Redis confirmed it (acked, copied, "
+               "delayed, dead_lettered, refused, lost_before_handling, ...).",
+    "errors": "Errors by kind: handler raised or returned no outcome, finalization and read "
+              "errors; and consumer groups recreated.",
+    "in_flight": "Handler calls running now.",
+    "held": "Runtime retry_after copies in process memory, waiting or being sent (lost if the "
+            "process is killed).",
+    "delay_lag": "How overdue the oldest copy in the durable delay set was at the last read (0: "
+                 "none due).",
+    "lag": "Messages waiting to be read: entries not yet delivered to the consumer group "
+           "(stream), elements in the queue (reliable list).",
+    "pending": "Messages read and not yet finalized: the group's pending entries (stream), this "
+               "consumer's processing list (reliable list).",
+    "idle": "Idle seconds of the group's longest-idle pending entry (0: none pending).",
+}
+"""Each family's help text, as the exporters show it."""
+assert _HELP.keys() == _FAMILIES.keys()
 
 
 def families(
@@ -199,8 +218,8 @@ def families(
         prefix: the start of every name (``trf`` gives ``trf_effects_total``).
     """
     base_names = (*LABELS, *label_names)
-    fams = {key: Family(f"{prefix}_{name}", kind, text, (*base_names, *extra))
-            for key, (name, kind, extra, text) in _FAMILIES.items()}
+    fams = {key: Family(f"{prefix}_{spec.name}", spec.kind, _HELP[key], (*base_names, *spec.labels))
+            for key, spec in _FAMILIES.items()}
     acc: dict[str, dict[tuple[str, ...], Any]] = {k: {} for k in fams}
 
     def add(family: str, labels: tuple[str, ...], value: float) -> None:

@@ -20,10 +20,11 @@ input (unknown URL scheme, unreachable server, missing key, bad argument, a
 factory module that fails to import, a factory that raises or mounts
 nothing): one line on stderr, no traceback.
 
-One module per command, each with its parser's options and what it runs
-(``run``, ``inspect``, ``requeue``, ``demo``, ``dashboard``); what they share in
-``_common``; the queues' state ``inspect`` and the dashboard read in
-``_queues``; here only the parser they make together and :func:`main`.
+One module per command (``run``, ``inspect``, ``requeue``, ``demo``,
+``dashboard``), each with its parser's options and what it runs, and
+declaring its row of :data:`COMMANDS` (a ``_common.Command``); what they
+share in ``_common``; the queues' state ``inspect`` and the dashboard read
+in ``_queues``; here only the table, the parser it makes and :func:`main`.
 """
 
 from __future__ import annotations
@@ -35,15 +36,17 @@ from typing import NoReturn
 from redis import exceptions as rexc
 
 from . import dashboard, demo, inspect, requeue, run
-from ._common import PROG, CliError, command, leaves, one_line
+from ._common import PROG, CliError, Command, leaves, one_line
 
-__all__ = ["CliError", "build_parser", "main"]
+__all__ = ["COMMANDS", "CliError", "build_parser", "main"]
 
 
-_COMMANDS = (("demo", demo), ("run", run), ("inspect", inspect), ("requeue", requeue),
-             ("dashboard", dashboard))
-"""Each command's module: its ``HELP``, ``DESCRIPTION``, ``arguments(parser)`` and
-``execute(args)``, in the order ``--help`` lists them."""
+COMMANDS: tuple[Command, ...] = (
+    demo.COMMAND, run.COMMAND, inspect.COMMAND, requeue.COMMAND, dashboard.COMMAND,
+)
+"""The command line's table: a row per command (its name, its options, what it
+runs and its help texts, declared in its module), in the order ``--help``
+lists them."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -64,9 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
-    for name, module in _COMMANDS:
-        p = command(sub, module.execute, name, help=module.HELP, description=module.DESCRIPTION)
-        module.arguments(p)
+    for row in COMMANDS:
+        row.add_to(sub)
     return parser
 
 

@@ -1,7 +1,8 @@
 """What every command of the command line shares: :class:`CliError` (bad
 input), the program's name and default URL, aligned tables (``rich`` on a
-terminal when installed), one-line error texts, the URL and key checks, and
-the argparse pieces each command's parser is built from.
+terminal when installed), one-line error texts, the URL and key checks,
+the argparse pieces each command's parser is built from, and
+:class:`Command`, the row of the command line's table each command declares.
 
 The bottom of ``_cli``: the commands (``run``, ``inspect``, ``requeue``,
 ``demo``, ``dashboard``) import from here, never from each other's parsers or
@@ -11,6 +12,7 @@ from ``_cli/__init__`` (the parser and ``main``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import sys
@@ -19,7 +21,7 @@ from typing import Any, TypeVar
 
 from .._transport import Client, parse_url
 
-__all__ = ["DEFAULT_URL", "PROG", "CliError", "print_table"]
+__all__ = ["DEFAULT_URL", "PROG", "CliError", "Command", "print_table"]
 
 PROG = "trio-redis-finalize"
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
@@ -165,11 +167,24 @@ def url_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
-def command(
-    sub: argparse._SubParsersAction[Any],
-    func: Callable[[argparse.Namespace], int], name: str, *, help: str, description: str,
-) -> argparse.ArgumentParser:
-    """The sub-command ``name``, run as ``func(args)``."""
-    p: argparse.ArgumentParser = sub.add_parser(name, help=help, description=description)
-    p.set_defaults(func=func)
-    return p
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """One command of the command line: its row of ``_cli.COMMANDS`` (each
+    command's module declares its own as ``COMMAND``)."""
+
+    name: str
+    arguments: Callable[[argparse.ArgumentParser], None]
+    """Adds the command's options to its parser."""
+    execute: Callable[[argparse.Namespace], int]
+    """Runs the command with the parsed arguments: the exit code."""
+    help: str
+    """Its line in ``--help``'s list."""
+    description: str
+    """What its own ``--help`` says first."""
+
+    def add_to(self, sub: argparse._SubParsersAction[Any]) -> None:
+        """This command's parser in ``sub``, run as :attr:`execute`."""
+        p: argparse.ArgumentParser = sub.add_parser(self.name, help=self.help,
+                                                    description=self.description)
+        p.set_defaults(func=self.execute)
+        self.arguments(p)

@@ -12,9 +12,9 @@ import sys
 
 import anyio
 
-from ._common import CliError, check_url, port, url_arg
+from ._common import CliError, Command, check_url, port, url_arg
 
-__all__ = ["DESCRIPTION", "HELP", "arguments", "execute"]
+__all__ = ["COMMAND", "arguments", "execute"]
 
 log = logging.getLogger("trio_redis_finalize.dashboard")
 
@@ -24,16 +24,6 @@ def _basic(text: str) -> tuple[str, str]:
     if not sep or not user or not password:
         raise argparse.ArgumentTypeError("must look like USER:PASSWORD")
     return user, password
-
-
-HELP = "serve the web dashboard: health, dead letters, the last hour (needs the [dashboard] extra)"
-"""The ``dashboard`` command in ``--help``'s list."""
-DESCRIPTION = ("Serve the web dashboard on http://HOST:PORT/: every subscription found "
-               "(problems first: stranded entries, lapsed consumers, overdue delays, growing "
-               "dead letters) with lag, pending, delay set, dead letters and the last hour; a "
-               "page per subscription and per dead letter (requeue, delete: confirmed, "
-               "logged). Read-only unless --token or --basic-auth is given.")
-"""What ``dashboard --help`` says first."""
 
 
 def arguments(p: argparse.ArgumentParser) -> None:
@@ -87,3 +77,15 @@ def execute(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 0
     return 0
+
+
+COMMAND = Command(
+    "dashboard", arguments, execute,
+    help="serve the web dashboard: health, dead letters, the last hour (needs the [dashboard] extra)",
+    description=("Serve the web dashboard on http://HOST:PORT/: every subscription found "
+                 "(problems first: stranded entries, lapsed consumers, overdue delays, growing "
+                 "dead letters) with lag, pending, delay set, dead letters and the last hour; a "
+                 "page per subscription and per dead letter (requeue, delete: confirmed, "
+                 "logged). Read-only unless --token or --basic-auth is given."),
+)
+"""This command's row of ``_cli.COMMANDS``."""

@@ -28,23 +28,13 @@ from .._consumer import Consumer, open_consumer
 from .._forms.reliable_list import ReliableListSubscription
 from .._forms.stream import StreamSubscription
 from .._transport import Client, open_client
-from ._common import CliError, check_url, positive_int, print_table
+from ._common import CliError, Command, check_url, positive_int, print_table
 from ._monitor import Monitor, observed_table
 from ._scenarios import COLUMNS, EXPECTED, Form, Observed, _forms, _handler, _produce
 
-__all__ = ["DESCRIPTION", "HELP", "arguments", "demo", "execute", "server_name"]
+__all__ = ["COMMAND", "arguments", "demo", "execute", "server_name"]
 
 TIMEOUT = 20.0
-
-
-HELP = "every form x every outcome against a real server; prints the observed table"
-"""The ``demo`` command in ``--help``'s list."""
-DESCRIPTION = ("Mount one subscription of every form (stream, claiming stream, stream with "
-               "a durable delay set, reliable list, simple list, channel, pattern), produce "
-               "messages whose handlers return every outcome, record with MONITOR the "
-               "Redis commands each finalization issued, print them as a form x outcome "
-               "table and check that nothing was lost (last line 'lost: N'; exit 1 if N > 0).")
-"""What ``demo --help`` says first."""
 
 
 def arguments(p: argparse.ArgumentParser) -> None:
@@ -294,3 +284,15 @@ def demo(url: str | None, *, verbose: bool = False, per_cell: int = 3) -> int:
             _out("stopped the private redis-server")
     _out(f"lost: {lost}")
     return code
+
+
+COMMAND = Command(
+    "demo", arguments, execute,
+    help="every form x every outcome against a real server; prints the observed table",
+    description=("Mount one subscription of every form (stream, claiming stream, stream with "
+                 "a durable delay set, reliable list, simple list, channel, pattern), produce "
+                 "messages whose handlers return every outcome, record with MONITOR the "
+                 "Redis commands each finalization issued, print them as a form x outcome "
+                 "table and check that nothing was lost (last line 'lost: N'; exit 1 if N > 0)."),
+)
+"""This command's row of ``_cli.COMMANDS``."""

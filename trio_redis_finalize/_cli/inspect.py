@@ -20,6 +20,7 @@ from .._subscription import DEAD_SUFFIX, default_dead_letter
 from .._transport import open_client
 from ._common import (
     CliError,
+    Command,
     as_str,
     check_url,
     key_type,
@@ -39,21 +40,7 @@ from ._queues import (
 )
 from .requeue import refusal
 
-__all__ = ["DESCRIPTION", "HELP", "arguments", "execute", "print_inspect"]
-
-
-HELP = "show a stream's or list's state: groups, pending, delay set, dead letter"
-"""The ``inspect`` command in ``--help``'s list."""
-DESCRIPTION = ("For a stream: length, consumer groups (consumers, pending, last delivered id, "
-               "oldest needed entry, lag, oldest idle pending entry), consumers, the oldest "
-               "entry any group still needs and how many entries below it a trim "
-               "(Retention.TRIM_ACKED) would remove. For a list: length and the "
-               "processing lists ({KEY}:processing:* and those registered in "
-               "{KEY}:list-consumers:<KEY>) "
-               "with their owners' heartbeat age. "
-               "For both: the delay set ({KEY}:delayed unless --delay-key) and, with "
-               "--dead-letter, the dead letter's length.")
-"""What ``inspect --help`` says first."""
+__all__ = ["COMMAND", "arguments", "execute", "print_inspect"]
 
 
 def arguments(p: argparse.ArgumentParser) -> None:
@@ -247,3 +234,19 @@ def execute(args: argparse.Namespace) -> int:
     else:
         print_inspect(info)
     return 0
+
+
+COMMAND = Command(
+    "inspect", arguments, execute,
+    help="show a stream's or list's state: groups, pending, delay set, dead letter",
+    description=("For a stream: length, consumer groups (consumers, pending, last delivered id, "
+                 "oldest needed entry, lag, oldest idle pending entry), consumers, the oldest "
+                 "entry any group still needs and how many entries below it a trim "
+                 "(Retention.TRIM_ACKED) would remove. For a list: length and the "
+                 "processing lists ({KEY}:processing:* and those registered in "
+                 "{KEY}:list-consumers:<KEY>) "
+                 "with their owners' heartbeat age. "
+                 "For both: the delay set ({KEY}:delayed unless --delay-key) and, with "
+                 "--dead-letter, the dead letter's length."),
+)
+"""This command's row of ``_cli.COMMANDS``."""

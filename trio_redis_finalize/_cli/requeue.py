@@ -26,6 +26,7 @@ from .._transport import Client, open_client
 from ._common import (
     PROG,
     CliError,
+    Command,
     as_str,
     check_url,
     key_type,
@@ -143,20 +144,6 @@ async def refusal(client: Client, dead: str, kind: str) -> str | None:
     return None
 
 
-HELP = "move dead-lettered messages back onto a queue"
-"""The ``requeue`` command in ``--help``'s list."""
-DESCRIPTION = ("Move messages from DEAD_LETTER (oldest first) back to --to, with their "
-               "retry counter reset and their origin id kept. Stream entries lose the "
-               "trf-dead-* fields; each move is one script gated on the entry still being in "
-               "the dead letter (copy first, then XDEL / RPOP), so racing requeues move a "
-               "message once; a list element's reason record ({DEAD_LETTER}:why) goes with "
-               "it. Refused, unless --force: a stream whose entries lack the trf-dead-* "
-               "fields, a list whose elements have no reason record (not a dead letter this "
-               "library wrote), a stream a consumer group reads with entries pending, a list "
-               "consumers are reading.")
-"""What ``requeue --help`` says first."""
-
-
 def arguments(p: argparse.ArgumentParser) -> None:
     """The ``requeue`` command's options (run as :func:`execute`)."""
     p.add_argument("dead_letter", metavar="DEAD_LETTER", help="the dead-letter stream or list")
@@ -201,3 +188,19 @@ def execute(args: argparse.Namespace) -> int:
     moved = anyio.run(_requeue, url, args.dead_letter, args.to, args.limit, args.force, backend="trio")
     print(f"requeued {moved} message{'s' if moved != 1 else ''} from {args.dead_letter} to {args.to}")
     return 0
+
+
+COMMAND = Command(
+    "requeue", arguments, execute,
+    help="move dead-lettered messages back onto a queue",
+    description=("Move messages from DEAD_LETTER (oldest first) back to --to, with their "
+                 "retry counter reset and their origin id kept. Stream entries lose the "
+                 "trf-dead-* fields; each move is one script gated on the entry still being in "
+                 "the dead letter (copy first, then XDEL / RPOP), so racing requeues move a "
+                 "message once; a list element's reason record ({DEAD_LETTER}:why) goes with "
+                 "it. Refused, unless --force: a stream whose entries lack the trf-dead-* "
+                 "fields, a list whose elements have no reason record (not a dead letter this "
+                 "library wrote), a stream a consumer group reads with entries pending, a list "
+                 "consumers are reading."),
+)
+"""This command's row of ``_cli.COMMANDS``."""

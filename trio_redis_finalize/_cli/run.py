@@ -30,6 +30,7 @@ from .._transport import open_client, parse_url
 from ._common import (
     PROG,
     CliError,
+    Command,
     as_str,
     check_url,
     describe,
@@ -40,20 +41,10 @@ from ._common import (
 )
 
 __all__ = [
-    "DESCRIPTION", "HELP", "SIGNAL_DEBOUNCE", "arguments", "execute", "load_factory", "shutdown_summary",
+    "COMMAND", "SIGNAL_DEBOUNCE", "arguments", "execute", "load_factory", "shutdown_summary",
 ]
 
 log = logging.getLogger("trio_redis_finalize.cli")
-
-
-HELP = "run a consumer whose subscriptions your code mounts"
-"""The ``run`` command in ``--help``'s list."""
-DESCRIPTION = ("Import MODULE, open a consumer and await FACTORY(consumer), e.g. "
-               "'async def setup(consumer): await consumer.mount(StreamSubscription(...), "
-               "handle)'; then run until SIGINT or SIGTERM: the first stops gracefully "
-               "(in-flight handlers finish, outcomes are finalized), a second exits at once "
-               "(code 128+signal). Logs go to stderr. The current directory is importable.")
-"""What ``run --help`` says first."""
 
 
 def arguments(p: argparse.ArgumentParser) -> None:
@@ -292,3 +283,14 @@ def _run_workers(args: argparse.Namespace, url: str) -> int:
     code: int = anyio.run(_workers.supervise, argvs, names)
     return code
 
+
+COMMAND = Command(
+    "run", arguments, execute,
+    help="run a consumer whose subscriptions your code mounts",
+    description=("Import MODULE, open a consumer and await FACTORY(consumer), e.g. "
+                 "'async def setup(consumer): await consumer.mount(StreamSubscription(...), "
+                 "handle)'; then run until SIGINT or SIGTERM: the first stops gracefully "
+                 "(in-flight handlers finish, outcomes are finalized), a second exits at once "
+                 "(code 128+signal). Logs go to stderr. The current directory is importable."),
+)
+"""This command's row of ``_cli.COMMANDS``."""

@@ -1,20 +1,22 @@
-"""An outcome's writes carried by a form's gated steps (sans-IO): what the
-stream's and the reliable list's cells share of it.
+"""What the gated forms' cells share (sans-IO): the stream's and the reliable list's.
 
-:func:`carry_writes` walks a plan's commands for ``Cells.with_writes`` (each
-form says how its own commands and gated scripts carry the writes);
-:func:`argv_at` reads where a built script call's arguments start, for the
-batchers that take calls carrying writes apart.
+:class:`GatedCells` is the row of a form whose originals are removed behind a
+gate: ACK and DROP remove the original, and an outcome's writes ride on the
+step that removes it (:meth:`~GatedCells.with_writes`, walked by
+:func:`carry_writes`: each form says how its own commands and gated scripts
+carry the writes); :func:`argv_at` reads where a built script call's
+arguments start, for the batchers that take calls carrying writes apart.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from ._commands import Arg, Command
+from ._types import REMOVED, Cells, Target
 
-__all__ = ["Carry", "OwnCarry", "argv_at", "carry_writes"]
+__all__ = ["Carry", "GatedCells", "OwnCarry", "argv_at", "carry_writes"]
 
 Carry = Callable[[Command, Sequence[Arg], Sequence[Any]], Command]
 """A gated script's call as the step carrying an outcome's writes (encoded;
@@ -63,3 +65,32 @@ def argv_at(cmd: Command, keys: int, args: int) -> int | None:
     if nk.__class__ is not int or nk < keys or len(cmd) < 3 + nk + args:
         return None
     return 3 + nk
+
+
+class GatedCells(Cells):
+    """The row of a gated form (the stream's, the reliable list's): ACK and
+    DROP remove the original, ACKs and DROPs carrying writes go as batched
+    calls, and any step that removes the original can carry an outcome's
+    writes."""
+
+    __slots__ = ()
+
+    gated: ClassVar[bool] = True
+    writes_calls: ClassVar[bool] = True
+    removals = REMOVED
+    carry: ClassVar[Mapping[object, Carry]] = {}
+    """The gated scripts of this form's plans that remove the original, by
+    sha: how each becomes the step that carries an outcome's writes."""
+
+    def with_writes(self, t: Target, commands: Sequence[Command], writes: Sequence[Arg],
+                    keys: Sequence[str | bytes]) -> tuple[Command, ...] | None:
+        # a gated script as carry says, the form's own removal as own_with_writes
+        return carry_writes(commands, writes, keys, self.own_with_writes, self.carry)
+
+    def own_with_writes(self, commands: Sequence[Command], i: int, writes: Sequence[Arg],
+                        keys: Sequence[Any]) -> tuple[Command, int] | None:
+        """The form's own command ``commands[i]`` (not a script: a plain
+        removal) as the step carrying ``writes`` (encoded; their ``keys``), and
+        how many commands from ``i`` that step stands for (:data:`OwnCarry`);
+        None: it carries none."""
+        raise NotImplementedError

@@ -49,12 +49,11 @@ from ..._keys import derived, same_slot
 from ..._outcome import Outcome, OutcomeKind
 from ..._subscription import DelayedRetry
 from .. import _lua
-from .._carrying import Carry, argv_at, carry_writes
+from .._carrying import Carry, GatedCells, argv_at
 from .._commands import Arg, Command, Script, splice_batches
 from .._types import (
     REMOVED,
     Batcher,
-    Cells,
     Effect,
     Plan,
     Target,
@@ -158,16 +157,13 @@ _DELIVERY = operator.itemgetter(0)
 _repeat = itertools.repeat
 
 
-class ReliableListCells(Cells):
+class ReliableListCells(GatedCells):
     """The reliable list's row (see the module docstring)."""
 
     __slots__ = ()
 
     noun: ClassVar[str] = "reliable list"
-    gated: ClassVar[bool] = True
     counted: ClassVar[bool] = True
-    writes_calls: ClassVar[bool] = True
-    removals = REMOVED
 
     def plan(self, t: Target, d: Delivery, outcome: Outcome) -> Plan:
         kind = outcome.kind
@@ -232,25 +228,20 @@ class ReliableListCells(Cells):
         return splice_batches(items, [*zip(raws, itertools.repeat(1))], encode, head,
                               _lua.STREAM_BATCH_MAX, _lua.STREAM_BATCH_VALUES)
 
-    def with_writes(self, t: Target, commands: Sequence[Command], writes: Sequence[Arg],
-                    keys: Sequence[str | bytes]) -> tuple[Command, ...] | None:
-        return carry_writes(commands, writes, keys, _lrem_with_writes, _CARRY)
+    def own_with_writes(self, commands: Sequence[Command], i: int, writes: Sequence[Arg],
+                        keys: Sequence[Any]) -> tuple[Command, int] | None:
+        # the plain removal LREM p -1 e as LIST_WRITES 'remove'
+        cmd = commands[i]
+        if cmd[0] != "LREM":
+            return None
+        p, raw = cmd[1], cmd[3]
+        return _LIST_WRITES.command((p, p, p, *keys), (raw, "remove", *writes, 1)), 1
 
 
 RELIABLE_LIST = ReliableListCells()
 """The reliable list's row of ``_plan.CELLS``."""
 
 _LIST_WRITES = scripts.LIST_WRITES
-
-
-def _lrem_with_writes(commands: Sequence[Command], i: int, writes: Sequence[Arg],
-                      keys: Sequence[Any]) -> tuple[Command, int] | None:
-    """The plain removal ``LREM p -1 e`` as ``LIST_WRITES`` 'remove'."""
-    cmd = commands[i]
-    if cmd[0] != "LREM":
-        return None
-    p, raw = cmd[1], cmd[3]
-    return _LIST_WRITES.command((p, p, p, *keys), (raw, "remove", *writes, 1)), 1
 
 
 def _copy_remove_with_writes(cmd: Command, writes: Sequence[Arg], keys: Sequence[Any]) -> Command:
@@ -278,6 +269,7 @@ _CARRY: dict[object, Carry] = {
 }
 """The gated scripts of the list's plans that remove the original, by sha:
 how each becomes a step that carries an outcome's writes."""
+ReliableListCells.carry = _CARRY
 
 
 # -- counted removals (identical elements; see the module docstring) -------------------------------

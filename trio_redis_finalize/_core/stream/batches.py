@@ -11,6 +11,7 @@ the stream's row (``cells.StreamCells``) lists them.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from itertools import compress
 from operator import attrgetter, itemgetter
@@ -95,16 +96,14 @@ _HOW, _CAP, _FIELDS_EX = (fixed_at(_COPY_EX, n) for n in ("how", "cap", "fields.
 _DELAY_ARGS = slice(_ID, fixed_at(_ZADD_BY_HOW["0"], "member") + 1)  # id, delay_ms, member
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
 class _Copies(Batcher):
     """``STREAM_COPY_ACK`` or, ``ex``, ``STREAM_COPY_ACK_EX`` calls (RETRY
     copies, dead letters) in ``STREAM_COPY_ACK_BATCH`` calls keyed by stream,
     destination, group, how (delete) and cap; the part of each: id, n, its
     n fields."""
 
-    __slots__ = ("ex",)
-
-    def __init__(self, ex: bool) -> None:
-        self.ex = ex
+    ex: bool
 
     def part(self, cmd: Command) -> tuple[tuple[Arg, ...], tuple[Arg, ...]] | None:
         if cmd[2] != 2:
@@ -142,15 +141,13 @@ class _Copies(Batcher):
         return out
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
 class _Delays(Batcher):
     """A durable delay's script (how it removes: ``how``), in
     ``STREAM_ZADD_ACK_BATCH`` calls keyed by stream, delay set, group and
     how; the part of each: id, delay_ms, member."""
 
-    __slots__ = ("how",)
-
-    def __init__(self, how: str) -> None:
-        self.how = how
+    how: str
 
     def part(self, cmd: Command) -> tuple[tuple[Arg, ...], tuple[Arg, ...]] | None:
         if cmd[2] != 2:

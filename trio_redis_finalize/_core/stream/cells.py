@@ -51,7 +51,7 @@ from ..._keys import derived, same_slot
 from ..._outcome import Outcome, OutcomeKind
 from ..._subscription import DelayedRetry, Mode, Retention
 from .. import _lua
-from .._carrying import Carry, carry_writes
+from .._carrying import Carry, GatedCells
 from .._commands import Arg, Command, Script
 from .._types import (
     DEAD_ATTEMPT,
@@ -63,7 +63,6 @@ from .._types import (
     DEAD_TIME,
     RECEIPTED,
     REMOVED,
-    Cells,
     Effect,
     Plan,
     Target,
@@ -209,16 +208,13 @@ _CLAIMING = Mode.CLAIMING
 _COPIED, _LEFT_PENDING = Effect.COPIED, Effect.LEFT_PENDING
 
 
-class StreamCells(Cells):
+class StreamCells(GatedCells):
     """The stream's row (see the module docstring)."""
 
     __slots__ = ()
 
     noun: ClassVar[str] = "stream"
-    gated: ClassVar[bool] = True
     by_id: ClassVar[bool] = True
-    writes_calls: ClassVar[bool] = True
-    removals = REMOVED
     batchers = BATCHERS
     batched = BATCHED
 
@@ -311,9 +307,21 @@ class StreamCells(Cells):
                          ) -> list[tuple[Command, int]] | None:
         return ack_writes_calls(t, copy_how(t), items, encode)
 
-    def with_writes(self, t: Target, commands: Sequence[Command], writes: Sequence[Arg],
-                    keys: Sequence[str | bytes]) -> tuple[Command, ...] | None:
-        return carry_writes(commands, writes, keys, _ack_with_writes, _CARRY)
+    def own_with_writes(self, commands: Sequence[Command], i: int, writes: Sequence[Arg],
+                        keys: Sequence[Any]) -> tuple[Command, int] | None:
+        # a plain removal as STREAM_WRITES 'ack': XACK (with the XDEL after it,
+        # if any: both in the one step) or XACKDEL
+        cmd = commands[i]
+        head = cmd[0]
+        if head == "XACK":
+            src, group, eid = cmd[1], cmd[2], cmd[3]
+            delete = i + 1 < len(commands) and commands[i + 1][0] == "XDEL"
+            how, used = ("1", 2) if delete else ("0", 1)
+            return _STREAM_WRITES.command((src, src, *keys), (group, eid, "ack", how, 0, *writes)), used
+        if head == "XACKDEL":  # Redis 8.2: XACKDEL key group ACKED IDS 1 id
+            src, group, eid = cmd[1], cmd[2], cmd[6]
+            return _STREAM_WRITES.command((src, src, *keys), (group, eid, "ack", "x", 0, *writes)), 1
+        return None
 
 
 STREAM = StreamCells()
@@ -323,23 +331,6 @@ _STREAM_WRITES = scripts.STREAM_WRITES
 
 
 # -- an outcome's writes in a gated step: each gated script, as STREAM_WRITES ----------------------
-
-def _ack_with_writes(commands: Sequence[Command], i: int, writes: Sequence[Arg],
-                     keys: Sequence[Any]) -> tuple[Command, int] | None:
-    """A plain removal as ``STREAM_WRITES`` 'ack': ``XACK`` (with the ``XDEL``
-    after it, if any: both in the one step) or ``XACKDEL``."""
-    cmd = commands[i]
-    head = cmd[0]
-    if head == "XACK":
-        src, group, eid = cmd[1], cmd[2], cmd[3]
-        delete = i + 1 < len(commands) and commands[i + 1][0] == "XDEL"
-        return _STREAM_WRITES.command(
-            (src, src, *keys), (group, eid, "ack", "1" if delete else "0", 0, *writes)), 2 if delete else 1
-    if head == "XACKDEL":  # Redis 8.2: XACKDEL key group ACKED IDS 1 id
-        src, group, eid = cmd[1], cmd[2], cmd[6]
-        return _STREAM_WRITES.command((src, src, *keys), (group, eid, "ack", "x", 0, *writes)), 1
-    return None
-
 
 def _receipt_with_writes(cmd: Command, writes: Sequence[Arg], keys: Sequence[Any]) -> Command:
     """A runtime retry_after's removal (``STREAM_REMOVE_RECEIPT``): the writes
@@ -386,4 +377,5 @@ _CARRY: dict[object, Carry] = {
 }
 """The gated scripts of the stream's plans that remove the original, by sha:
 how each becomes a step that carries an outcome's writes."""
+StreamCells.carry = _CARRY
 
