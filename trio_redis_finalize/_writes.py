@@ -78,10 +78,6 @@ MAX_WRITE_BYTES = 1 << 20
 """Bytes of one outcome's writes together, at most (1 MiB)."""
 
 
-_TEXT = frozenset({str, bytes})
-_TEXT_INT = frozenset({str, bytes, int})
-
-
 def _value(i: int, j: int, v: object) -> str | bytes:
     if isinstance(v, (bytes, str)):
         return v
@@ -158,19 +154,33 @@ def checked_writes(
             bound = f"{least}" if most == least else f"{least} to {most}" if most else f"at least {least}"
             raise ValueError(f"writes[{i}]: {w[0]} takes {bound} values (the name included), "
                              f"got {n}")
-        types = set(map(type, w))
-        if not types <= _TEXT:
-            if types <= _TEXT_INT:  # (a bool is of its own type: not here)
-                w = tuple([str(a) if a.__class__ is int else a for a in w])
-            else:  # floats and the rest: one by one
-                w = (w[0], *(_value(i, j, v) for j, v in enumerate(w[1:], 1)))
+        # one pass over the values: their size while all are text (the
+        # common write, kept as it is); at a value that is not, the write
+        # again, each value made text
+        before = size
+        for v in w:
+            if v.__class__ is str or v.__class__ is bytes:
+                size += len(v)
+            else:
+                size = before
+                texts: list[str | bytes] = []
+                for v in w:
+                    c = v.__class__
+                    if c is int:
+                        v = str(v)
+                    elif c is not str and c is not bytes:
+                        v = _value(i, len(texts), v)
+                    size += len(v)
+                    texts.append(v)
+                w = tuple(texts)
+                break
         if n % 2 == 1 and w[0] == "HSET":
             raise ValueError(f"writes[{i}]: HSET takes a key and field value pairs, got {n - 1} "
                              "arguments")
         values += n
-        size += sum(map(len, w))
         out.append(w)
-        parts += (n, want)
+        parts.append(n)
+        parts.append(want)
         parts += w
         if nkeys == 1:
             keys[w[1]] = None
