@@ -7,7 +7,7 @@ new entries goes through :class:`OwnPel`: the own-PEL recovery (``XPENDING``
 the reaper of dead consumers took (``liveness.StreamPresence`` calls
 :meth:`OwnPel.claiming` and :meth:`OwnPel.adopt`), and the Backoff
 redelivery (the mount's :class:`~._port.Pending` hooks).  Which
-attempt each entry counts is ``_core/stream/attempts.py``'s; entries whose
+attempt each entry counts is ``_core/stream/decode.py``'s; entries whose
 Backoff is not due yet wait (``waits.py``).  Everything is handed over
 through the mount's :class:`~._port.Context` (:func:`hand_over`), never
 through the reader: ``reader.py`` imports this module, not the reverse.
@@ -27,15 +27,19 @@ from typing import Any
 import anyio
 
 from ..._core._types import Plan
-from ..._core.stream.attempts import (
+from ..._core.stream.decode import (
     AS_IS,
+    Entry,
     as_handed,
+    as_str,
     give_back,
+    id_key,
     lapsed_own,
+    lost_entry,
     recovered,
     redelivered,
+    stream_deliveries,
 )
-from ..._core.stream.decode import Entry, as_str, id_key, lost_entry, stream_deliveries
 from ..._core.stream.scripts import REDELIVER
 from ..._deadlines import FINALIZE_TIMEOUT, log
 from ..._delivery import Delivery
@@ -242,7 +246,7 @@ class OwnPel:
         bodies, the count set to exactly what the next attempt is; only if
         still as idle as seen, so an entry another consumer claimed
         meanwhile stays there).  The attempt counted is
-        :func:`~._core.stream.attempts.recovered`'s: ``start`` (the first
+        :func:`~._core.stream.decode.recovered`'s: ``start`` (the first
         look after a (re)start) one more than the server count, a crash may
         have interrupted the handler; later (after a read error,
         periodically) an entry above the last id this reader was handed came

@@ -6,7 +6,7 @@ When the own-PEL recovery or a claim (``own_pel.py``) finds such an entry
 (this consumer restarted while it waited, or its consumer stopped), it
 waits out the rest here: held by the mount (``Context.defer``) and
 delivered again as its next attempt when due (``OwnPel.redeliver``).  The
-attempt it is held as is ``_core/stream/attempts.waiting``'s.
+attempt it is held as is ``_core/stream/decode.waiting``'s.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from redis import exceptions as rexc
 
 from ..._core._recovery import SCHEDULE_LEFT, schedule_key, schedule_left
 from ..._core._replies import NOT_RUN, classify
-from ..._core.stream.attempts import claimed_waiting, give_back, waiting
-from ..._core.stream.decode import Entry, stream_deliveries
+from ..._core.stream.decode import Entry, claimed_waiting, give_back, stream_deliveries, waiting
 from ..._deadlines import FINALIZE_TIMEOUT, log
 from ..._shutdown import cleanup
 from .._port import Context
