@@ -16,7 +16,7 @@ delivery count)`` (``_core._types.attempt_of``, read here), past
 whenever it takes an entry of its own PEL again, sets a count back, or
 claims one.  Those rules are written below, once each, as pure functions
 of ``(id, count)`` pairs; ``_forms/stream/own_pel.py`` and
-``_forms/stream/waits.py`` send the commands they shape:
+``_forms/stream/pending.py`` send the commands they shape:
 
 * :func:`recovered`: the own-PEL recovery (``XPENDING`` then ``XCLAIM ...
   RETRYCOUNT n``): at a (re)start one more than the server count (a crash
