@@ -40,6 +40,9 @@ The modules are printed in groups:
 
 "Own" is the first two groups; the reader's calls into other modules are
 counted too ("returns to the reader": each such call returns to it once).
+The own groups are the same from run to run; the shared ones grow by
+``_core/_caps`` and ``_transport/_keepalive`` in a run where the client's
+pool happens to dial a connection during the catch-up (all its others busy).
 """
 
 from __future__ import annotations
