@@ -11,8 +11,9 @@ than ``--peers``) are passed on to the ``main(argv)`` of every named module.
 Modules are found by listing this directory: every ``*.py`` whose name does
 not start with ``_`` (so ``__init__``, ``__main__`` and ``_common`` are skipped).
 Optional modules run only when named: ``peers`` (it installs a third-party
-package into a virtualenv of its own; also with ``--peers``) and
-``instructions`` (it counts instructions under valgrind, a few minutes).
+package into a virtualenv of its own; also with ``--peers``),
+``instructions`` (it counts instructions under valgrind, a few minutes) and
+``catch_up`` (not a timing: the modules one stream catch-up passes through).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import time
 import traceback
 from pathlib import Path
 
-OPTIONAL = ("instructions", "peers")
+OPTIONAL = ("catch_up", "instructions", "peers")
 
 
 def discover() -> list[str]:

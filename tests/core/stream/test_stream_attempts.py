@@ -1,4 +1,4 @@
-"""The stream's attempt rules, sans-IO (``_core/stream/attempts.py``): which
+"""The stream's attempt rules, sans-IO (in ``_core/stream/decode.py``): which
 attempt a recovered, claimed, given-back or redelivered entry counts.  No
 server: the commands these rules shape run against one in
 ``tests/forms/stream/test_recovery.py`` and ``test_recovery_joints.py``."""
@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from trio_redis_finalize._core._types import Effect
-from trio_redis_finalize._core.stream.attempts import (
+from trio_redis_finalize._core.stream.decode import (
     AS_IS,
     as_handed,
     claimed_waiting,

@@ -54,8 +54,8 @@ from trio_redis_finalize._core._recovery import (
     schedule_member,
 )
 from trio_redis_finalize._core._types import Target
+from trio_redis_finalize._forms.stream import own_pel as _own_pel
 from trio_redis_finalize._forms.stream import reader as _stream
-from trio_redis_finalize._forms.stream import waits as _waits
 from trio_redis_finalize._subscription import Form
 from trio_redis_finalize._transport import Client
 from trio_redis_finalize._work_queue import WorkQueue
@@ -453,7 +453,7 @@ async def test_a_silent_link_at_a_claims_schedule_read_leaves_the_entries_pendin
     claimed entries stay pending for this consumer and its own-PEL recovery
     delivers them.  Before, the cut left a name unbound and the consumer
     died with ``UnboundLocalError``."""
-    monkeypatch.setattr(_waits, "FINALIZE_TIMEOUT", 0.5)
+    monkeypatch.setattr(_own_pel, "FINALIZE_TIMEOUT", 0.5)
     await client.execute("XGROUP", "CREATE", S, G, "0", "MKSTREAM")
     ids = [(await client.execute("XADD", S, "*", "n", str(i))).decode() for i in range(3)]
     await client.execute("XREADGROUP", "GROUP", G, "gone", "STREAMS", S, ">")  # pending, idle

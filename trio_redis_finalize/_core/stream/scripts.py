@@ -462,7 +462,7 @@ return xadd_any(KEYS[1], ARGV[1], ARGV, 2)
 # Each entry still pending for the consumer is claimed by it again (idle 0)
 # with its delivery count set to ``count``: its reply is the entry; 0 when
 # it is not pending for the consumer (any more); 1 when the stream no longer
-# has it (deleted while pending).  The attempt it sets: ``attempts.redelivered``.
+# has it (deleted while pending).  The attempt it sets: ``decode.redelivered``.
 REDELIVER = Script(
     """
 local out = {}

@@ -1,9 +1,10 @@
 """The stream form's home: :class:`StreamSubscription` (PLAIN, RECLAIM, CLAIMING).
 
 Beside it: ``reader.py`` (the read steps), ``own_pel.py`` (the own PEL taken
-back: recovery, claims, Backoff redelivery), ``waits.py`` (Backoffs that
-are not due yet), ``liveness.py`` (heartbeat, registry, reaper) and
-``retention.py`` (the trim); their sans-IO rules are in ``_core/stream/``.
+back, a catch-up's I/O: recovery, claims, the reaper's take, Backoffs not
+due yet), ``pending.py`` (the Backoff redelivery), ``liveness.py``
+(heartbeat, registry, reaper) and ``retention.py`` (the trim); their sans-IO
+rules are in ``_core/stream/``.
 """
 
 from __future__ import annotations

@@ -1,16 +1,25 @@
-"""The stream's own PEL taken back: recovery, claims, the reaper's take, Backoff redelivery.
+"""The stream's own PEL taken back, a catch-up's I/O: recovery, claims, the reaper's take.
 
 Whatever the reader takes into this consumer's PEL other than by a read of
 new entries goes through :class:`OwnPel`: the own-PEL recovery (``XPENDING``
 + ``XCLAIM ... RETRYCOUNT n``), the claims of RECLAIM and CLAIMING
-(``XAUTOCLAIM``, the counts it set, the ids that vanished meanwhile), what
-the reaper of dead consumers took (``liveness.StreamPresence`` calls
-:meth:`OwnPel.claiming` and :meth:`OwnPel.adopt`), and the Backoff
-redelivery (the mount's :class:`~._port.Pending` hooks).  Which
-attempt each entry counts is ``_core/stream/attempts.py``'s; entries whose
-Backoff is not due yet wait (``waits.py``).  Everything is handed over
+(``XAUTOCLAIM``, the counts it set, the ids that vanished meanwhile) and
+what the reaper of dead consumers took (``liveness.StreamPresence`` calls
+:meth:`OwnPel.claiming` and :meth:`OwnPel.adopt`).  Which attempt each
+entry counts is ``_core/stream/decode.py``'s.  Everything is handed over
 through the mount's :class:`~._port.Context` (:func:`hand_over`), never
 through the reader: ``reader.py`` imports this module, not the reverse.
+The Backoff redelivery (the mount's :class:`~._port.Pending` hooks) is
+``pending.py``'s; it hands over through :meth:`OwnPel.deliver_taken`.
+
+**Backoffs not due yet.**  A delivery that failed under ``on_error=Backoff()``
+stays in the PEL, its due time kept in Redis (``_core._recovery``'s
+schedule, by the server's clock).  When the recovery or a claim finds such
+an entry (this consumer restarted while it waited, or its consumer
+stopped), it waits out the rest: held by the mount (``Context.defer``,
+:func:`defer`) and delivered again as its next attempt when due
+(``pending.StreamPending.redeliver``), held as the attempt that failed
+(``_core/stream/decode.waiting``).
 
 ``claim_read`` (Redis 8.4, ``_core._caps``): ``XREADGROUP ... CLAIM
 min-idle`` would replace ``Mode.CLAIMING``'s ``XAUTOCLAIM``
@@ -25,28 +34,35 @@ from functools import partial
 from typing import Any
 
 import anyio
+from redis import exceptions as rexc
 
+from ..._core._recovery import SCHEDULE_LEFT, schedule_key, schedule_left
+from ..._core._replies import NOT_RUN, classify
 from ..._core._types import Plan
-from ..._core.stream.attempts import (
+from ..._core.stream.decode import (
     AS_IS,
+    Entry,
     as_handed,
+    as_str,
+    claimed_waiting,
     give_back,
+    id_key,
     lapsed_own,
+    lost_entry,
     recovered,
-    redelivered,
+    stream_deliveries,
+    waiting,
 )
-from ..._core.stream.decode import Entry, as_str, id_key, lost_entry, stream_deliveries
-from ..._core.stream.scripts import REDELIVER
 from ..._deadlines import FINALIZE_TIMEOUT, log
 from ..._delivery import Delivery
+from ..._shutdown import cleanup
 from ..._subscription import Mode
 from ..._transport import Connection
 from .._port import Context, Item
 from .._read_loop import retry_not_run
 from . import StreamSubscription
-from .waits import claimed_waits, recovered_waits
 
-__all__ = ["OwnPel", "hand_over"]
+__all__ = ["OwnPel", "claimed_waits", "defer", "hand_over", "recovered_waits", "scheduled"]
 
 _CLAIM_EVERY_MAX = 30.0
 _CLAIMED_TIMEOUT = 5.0
@@ -56,7 +72,7 @@ already, a second claim would cost another."""
 
 
 async def hand_over(ctx: Context, entries: list[Entry], counts: dict[bytes, int] | None = None) -> None:
-    """Hand entries over (decoded by :func:`~._core._decode.stream_deliveries`,
+    """Hand entries over (decoded by :func:`~._core.stream.decode.stream_deliveries`,
     ``counts``: their delivery counts, 1 when not in it) through
     ``Context.deliver``, the runtime's one hand-over: it gives back what a
     shutdown cut before a handler had it (:meth:`OwnPel.abandon`: their
@@ -128,9 +144,99 @@ async def ack_vanished(ctx: Context, start: str, end: str, claimed: set[bytes], 
         lo = "(" + as_str(rows[-1][0])
 
 
+# -- Backoffs not due yet (see the module docstring) ----------------------------
+
+async def scheduled(ctx: Context, ids: Sequence[bytes]) -> dict[bytes, tuple[float, int]]:
+    """Ids among ``ids`` whose Backoff is not due yet (``_core._recovery``'s
+    schedule, by the server's clock): id -> (seconds left, the attempt
+    that failed)."""
+    if not ids:
+        return {}
+    t = ctx.target
+    try:
+        reply = await ctx.client.evalsha(SCHEDULE_LEFT, (schedule_key(t),), list(ids),
+                                         timeout=FINALIZE_TIMEOUT)
+    except rexc.ResponseError as e:
+        if classify(e) is NOT_RUN:
+            raise
+        # final (the key is of another type ...): recovery goes on without it
+        log.warning("%s: reading the Backoff schedule %r failed (%s); %d recovered entries "
+                    "are delivered now", ctx.name, schedule_key(t), e, len(ids),
+                    extra={"subscription": ctx.name})
+        return {}
+    return {eid: got for eid, got in zip(ids, schedule_left(reply), strict=True) if got[0] > 0}
+
+
+def defer(ctx: Context, entries: Sequence[Entry], left: dict[bytes, tuple[float, int]]) -> set[bytes]:
+    """Entries in the own PEL whose Backoff is not due yet (``left``: seconds
+    left, the attempt that failed): they wait, held, and come back as
+    their next attempt when due (the mount's redeliverer,
+    ``pending.StreamPending.redeliver``).  Returns the ids that wait (the
+    others: deliver now)."""
+    if not left:
+        return set()
+    counts = waiting(left)
+    ready, _direct = stream_deliveries(ctx.target, [e for e in entries if e[0] in left], counts)
+    held: set[bytes] = set()
+    for d in ready:
+        assert d.id is not None
+        eid = d.id.encode()
+        if ctx.defer(d, left[eid][0]):
+            held.add(eid)
+    if held:
+        log.info("%s: %d recovered entries wait out the rest of their Backoff (kept in %r) "
+                 "before they are delivered again: %s", ctx.name, len(held),
+                 schedule_key(ctx.target), ", ".join(sorted(e.decode() for e in held)[:20]),
+                 extra={"subscription": ctx.name})
+    return held
+
+
+async def recovered_waits(ctx: Context, rows: list[list[Any]]) -> set[bytes]:
+    """Of own pending entries (``XPENDING`` rows, none held), those whose
+    Backoff is not due yet, set waiting (:func:`defer`) as the attempt
+    they failed at (the schedule's; the redelivery sets the server count
+    one higher)."""
+    left = await scheduled(ctx, [r[0] for r in rows])
+    if not left:
+        return set()
+    ids = list(left)
+    found = await ctx.client.pipeline([("XRANGE", ctx.target.source, eid, eid) for eid in ids],
+                                      timeout=FINALIZE_TIMEOUT)
+    entries: list[Entry] = [(hit[0][0], hit[0][1]) for hit in found if hit]
+    return defer(ctx, entries, left)
+
+
+async def claimed_waits(ctx: Context, live: list[Entry]) -> list[Entry]:
+    """Of entries just claimed, those whose Backoff is not due yet (their
+    consumer stopped while they waited, or this one restarted) wait out the
+    rest (:func:`defer`), their server count set back to the attempt that
+    failed (the claim counted a delivery that did not happen); returns the
+    others.  Shielded (bounded): a stop in between would leave the count
+    one higher for each claim it cut.
+
+    Raises ``TimeoutError`` when the bound cut the schedule's read (a silent
+    link): nothing was held, the claimed entries stay pending for this
+    consumer and the own-PEL recovery after the reconnect takes them.
+    """
+    held: set[bytes] | None = None
+    t = ctx.target
+    with cleanup(FINALIZE_TIMEOUT):
+        left = await scheduled(ctx, [e[0] for e in live])
+        if not left:
+            return live
+        held = defer(ctx, live, left)
+        p = give_back(t.source, t.group, ctx.consumer.name, claimed_waiting(held, left))
+        if p is not None:
+            await ctx.client.pipeline(p.commands, timeout=FINALIZE_TIMEOUT)
+    if held is None:
+        raise rexc.TimeoutError(f"reading the Backoff schedule {schedule_key(t)!r} of "
+                                f"{len(live)} claimed entries: no reply within {FINALIZE_TIMEOUT} s")
+    return [e for e in live if e[0] not in held]
+
+
 class OwnPel:
-    """This consumer's PEL, taken back (see the module docstring); the mount's
-    :class:`~._port.Pending` hooks of a stream."""
+    """This consumer's PEL, taken back (see the module docstring); the reader's
+    give-back of what a stop cut (:meth:`abandon`)."""
 
     def __init__(self, sub: StreamSubscription) -> None:
         self.sub = sub
@@ -155,7 +261,7 @@ class OwnPel:
         # Ids given back unstarted at shutdown (abandon): handed back at the stop.
         self.abandoned: set[str] = set()
 
-    # -- the mount's Pending hooks (on_error=Backoff, a stop) ---------------------
+    # -- the mount's give-back (a stop, a cancelled hand-over) ----------------------
     def abandon(self, deliveries: Sequence[Delivery]) -> Plan | None:
         """Give deliveries read but never started back to the PEL, uncounted.
 
@@ -167,71 +273,6 @@ class OwnPel:
         given = as_handed([d.id for d in deliveries if d.id is not None], self._given)
         self.abandoned.update(eid for eid, _ in given)
         return give_back(self.sub.stream, self.sub.group, self.me, given)
-
-    async def redeliver(self, ctx: Context, deliveries: Sequence[Delivery]) -> list[Delivery]:
-        """Deliver again, as their next attempt, entries whose handler failed.
-
-        Called by the mount once their :class:`~trio_redis_finalize.Backoff`
-        delay is over.  They stayed in the PEL, held by this consumer (the
-        lease kept other consumers off them).  One script takes each back
-        only while it is still pending for this consumer (``XPENDING ... me``,
-        then ``XCLAIM ... 0 id RETRYCOUNT attempt+1``): its body, and a server
-        delivery count that already counts the attempt about to be made, so a
-        crash during it is counted (the next start adds one) and a crash
-        before it is too (still the failed attempt's count).  An entry another
-        consumer took meanwhile (a lease that lapsed) is forgotten, logged;
-        so is one whose group was destroyed meanwhile (recreated at the last
-        id this reader delivered, its PEL gone) -- as a RETRY of an entry
-        being handled then finds its gate closed.  One deleted from the
-        stream meanwhile is acknowledged and reported lost.
-        Raises (nothing delivered, nothing changed but idempotent counts) when
-        the script gets no answer.  Returns what is to be tried again a moment
-        later (nothing, for a stream).
-        """
-        sub = self.sub
-        me = ctx.consumer.name
-        failed: list[tuple[str, int]] = []
-        for d in deliveries:
-            assert d.id is not None
-            failed.append((d.id, d.attempt))
-        nexts = redelivered(failed)
-        args: list[str | int] = [sub.group, me]
-        for eid, n in nexts:
-            args += [eid, n]
-        reply = await ctx.client.evalsha(REDELIVER, (sub.stream,), args, timeout=FINALIZE_TIMEOUT)
-        held = ctx.in_hand
-        entries: list[Entry] = []
-        counts: dict[bytes, int] = {}
-        gone: list[bytes] = []
-        for d, (_, n), r in zip(deliveries, nexts, reply, strict=True):
-            assert d.id is not None
-            if isinstance(r, list) and len(r) == 2 and isinstance(r[1], list):
-                entries.append((r[0], r[1]))
-                counts[r[0]] = n
-                continue
-            held.discard(d.id)
-            if r == 0:
-                log.warning("%s: entry %s (attempt %d) is no longer pending for this consumer "
-                            "(claimed by another, or acknowledged); not delivered again",
-                            ctx.name, d.id, d.attempt,
-                            extra={"subscription": ctx.name, "entry_id": d.id, "attempt": d.attempt})
-            else:
-                gone.append(d.id.encode())
-        await self._deliver_taken(ctx, entries, counts, gone)
-        return []  # nothing to try again later
-
-    def leave_pending(self, ctx: Context, deliveries: Sequence[Delivery]) -> None:
-        """Forget failed entries without a timer (the mount's waiting set is
-        full): they stay in the PEL, for the own-PEL re-read (after a read
-        error, at a start, and every minute while no entry is in hand) and,
-        in RECLAIM and CLAIMING, for a claim once idle ``min_idle``."""
-        ctx.in_hand.difference_update([d.id for d in deliveries if d.id is not None])
-
-    def hold_again(self, ctx: Context, d: Delivery) -> None:
-        """A delivery whose finalization Redis refused for good, still in the
-        PEL: held (leased) again until :meth:`redeliver` takes it back."""
-        if d.id is not None:
-            ctx.in_hand.add(d.id)
 
     # -- recovery ---------------------------------------------------------------
     async def recover(self, conn: Connection, ctx: Context, *, start: bool = False) -> None:
@@ -305,7 +346,7 @@ class OwnPel:
                 [("XRANGE", sub.stream, eid, eid) for eid in missing], timeout=FINALIZE_TIMEOUT
             )
             gone = [eid for eid, hit in zip(missing, found, strict=True) if not hit]
-        await self._deliver_taken(ctx, entries, dict.fromkeys(got, n), gone)
+        await self.deliver_taken(ctx, entries, dict.fromkeys(got, n), gone)
         for eid in ids:
             self._taking.pop(eid, None)
 
@@ -367,7 +408,7 @@ class OwnPel:
             # this one restarted): they wait out the rest, as the attempt they
             # failed at (the claim counted one more)
             live = await claimed_waits(ctx, live)
-            await self._deliver_taken(ctx, live, counts, [])
+            await self.deliver_taken(ctx, live, counts, [])
         for e in claimed:
             self._taking.pop(e[0], None)
         self.unsure = False
@@ -393,13 +434,13 @@ class OwnPel:
         # until handed over: a recovery after a failure in between counts them alike
         self._taking.update(counts)
         try:
-            await self._deliver_taken(ctx, entries, counts, gone)
+            await self.deliver_taken(ctx, entries, counts, gone)
         finally:
             for eid in ids:
                 self._taking.pop(eid, None)
 
     # -- handing over -------------------------------------------------------------
-    async def _deliver_taken(self, ctx: Context, entries: list[Entry], counts: dict[bytes, int],
+    async def deliver_taken(self, ctx: Context, entries: list[Entry], counts: dict[bytes, int],
                              gone: Sequence[bytes]) -> None:
         """Entries taken into the own PEL (a recovery, a claim, a redelivery, the
         reaper), with the delivery count each has now: the ids the stream no

@@ -4,8 +4,9 @@
 mount: the group, one ``XREADGROUP`` per turn, the lease of entries in hand,
 the moves of due durable copies, and the order of what is due before a read.
 What it takes back into its own PEL otherwise (recovery, claims, the reaper's
-take, Backoff redelivery) is :class:`~.own_pel.OwnPel`'s; the heartbeat and
-reaper are :class:`~.liveness.StreamPresence`'s; the trim is ``retention``'s.
+take) is :class:`~.own_pel.OwnPel`'s, the Backoff redelivery
+:class:`~.pending.StreamPending`'s; the heartbeat and reaper are
+:class:`~.liveness.StreamPresence`'s; the trim is ``retention``'s.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from .._read_loop import check_type, reader_connection
 from . import MIN_IDLE_FLOOR, StreamSubscription
 from .liveness import StreamPresence
 from .own_pel import OwnPel, hand_over
+from .pending import StreamPending
 from .retention import check_retention, trim
 
 __all__ = ["MIN_IDLE_FLOOR", "StreamReader", "StreamSubscription"]
@@ -74,8 +76,10 @@ class StreamReader:
         self._next_recover = 0.0
         # The group was destroyed: recreate it before the next read.
         self._regroup = False
-        # recovery, claims, the reaper's take, Backoff redelivery; the last id handed
+        # recovery, claims, the reaper's take; the last id handed
         self.own_pel = own = OwnPel(sub)
+        # Backoff redelivery (the mount's Pending hooks)
+        self._pending = StreamPending(own)
         # the heartbeat, the reaper of dead consumers, the hand-back at a stop
         self._presence = StreamPresence(sub.stream, sub.group, sub.mode, sub.min_idle,
                                         sub.heartbeat, sub.count, own.claiming, own.adopt)
@@ -83,7 +87,7 @@ class StreamReader:
     @property
     def pending(self) -> Pending:
         """The own PEL: failed deliveries stay pending (``redeliver``, ``leave_pending``)."""
-        return self.own_pel
+        return self._pending
 
     gates = None  # nothing counted: ids are unique
 
