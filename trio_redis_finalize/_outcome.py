@@ -9,9 +9,9 @@ import enum
 import math
 import random
 from collections.abc import Sequence
-from typing import ClassVar, Final
+from typing import Any, ClassVar, Final
 
-from ._value import immutable, setters
+from ._value import builder, immutable, setters
 from ._writes import Write, checked_writes
 
 __all__ = [
@@ -146,25 +146,24 @@ class WithWrites(Outcome):
         return f"{Outcome.__repr__(self)}.with_writes({', '.join(map(repr, self.writes))})"
 
 
-_SET_KIND, _SET_DELAY, _SET_REASON = (getattr(Outcome, n).__set__ for n in ("kind", "delay", "reason"))
-_SET_WRITES, _SET_PARTS, _SET_KEYS = (
-    getattr(WithWrites, n).__set__ for n in ("writes", "write_parts", "write_keys"))
-_new = object.__new__
+_WithWritesBuilder: Any = builder(WithWrites)  # (Any: its fields assigned, which the type refuses)
 
 
 def _with_writes(kind: OutcomeKind, delay: float, reason: str, writes: tuple[Write, ...],
                  parts: tuple[str | bytes | int, ...], keys: tuple[str | bytes, ...]) -> WithWrites:
-    """``WithWrites(kind, delay, reason, writes, parts, keys)``, its fields set
-    by their slots (no Python ``__init__`` per outcome: a handler makes one per
-    message)."""
-    o = _new(WithWrites)
-    _SET_KIND(o, kind)
-    _SET_DELAY(o, delay)
-    _SET_REASON(o, reason)
-    _SET_WRITES(o, writes)
-    _SET_PARTS(o, parts)
-    _SET_KEYS(o, keys)
-    return o
+    """``WithWrites(kind, delay, reason, writes, parts, keys)``, built on its
+    mutable twin (``_value.builder``: plain slot stores, no Python
+    ``__init__`` per outcome: a handler makes one per message)."""
+    o = _WithWritesBuilder()
+    o.kind = kind
+    o.delay = delay
+    o.reason = reason
+    o.writes = writes
+    o.write_parts = parts
+    o.write_keys = keys
+    o.__class__ = WithWrites  # frozen from here on
+    made: WithWrites = o
+    return made
 
 
 def retry_after(delay: float) -> Outcome:
