@@ -1,0 +1,89 @@
+"""A reliable list's joints against a real server: where two finalizations of
+identical bytes meet, or a finalization meets the reader's rescan.
+
+* an element of a batched removal-with-writes call refused (OOM inside the
+  script) is sent again alone; its counted gate is settled by that resend
+  only, so an identical copy another handler still holds stays held and the
+  periodic rescan does not hand it to a second handler (stop 40's fix, which
+  had only its sans-IO test).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+from _procs import eventually
+from _rlist import Q, effects, lrange, proc, sub
+
+from trio_redis_finalize import ACK, Delivery, Outcome, open_consumer
+from trio_redis_finalize._forms.reliable_list import reader as _reader
+from trio_redis_finalize._forms.reliable_list.recovery import ListRecovery
+from trio_redis_finalize._transport import Client
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def count_rescans(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the processing list's rescans that went through (``[n]``); the
+    rescan itself is the package's."""
+    done = [0]
+    real = ListRecovery.rescan
+
+    async def rescan(self: ListRecovery, *a: Any, **kw: Any) -> None:
+        await real(self, *a, **kw)
+        done[0] += 1
+
+    monkeypatch.setattr(ListRecovery, "rescan", rescan)
+    return done
+
+
+async def test_an_identical_copy_in_hand_is_not_rescanned_after_a_refused_batched_write(
+    redis_url: str, client: Client, oom: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Four copies of ``job``; the first one's handler holds it; the fourth's
+    ACK with a write is refused (OOM inside ``LIST_WRITES_REMOVE_BATCH``) and
+    sent again alone until memory is back.  The held copy stays held: the
+    periodic rescan (0.3 s here) does not deliver it again while its handler
+    runs, and each copy is handled and written once.
+
+    Before stop 40's fix (``ListGates.settle`` settled such an element from the
+    batched reply *and* from its resend) one held copy was forgotten twice and
+    a false leftover recorded: the rescan handed the held copy to a second
+    handler (attempt 2), five handler calls for four copies."""
+    monkeypatch.setattr(_reader, "_RESCAN_EVERY", 0.3)
+    rescans = count_rescans(monkeypatch)
+    await client.execute("LPUSH", Q, *[b"job"] * 4)
+    calls: list[int] = []
+    release, refused = trio.Event(), trio.Event()
+
+    async def handler(d: Delivery) -> Outcome:
+        calls.append(d.attempt)
+        if len(calls) == 1:
+            await release.wait()  # this copy stays in hand meanwhile
+        elif len(calls) == 4:
+            oom.on()
+            refused.set()
+        return ACK.with_writes(("HINCRBY", "totals", "n", 1))
+
+    async with open_consumer(redis_url, name="c1", shutdown_grace=2.0) as consumer:
+        await consumer.mount(sub(block=0.1), handler, concurrency=2)
+        await refused.wait()
+        name = consumer.mounts[0].name
+        await eventually(lambda: consumer.stats()[name]["finalize_errors"] >= 2,
+                         what="the refused write sent again")
+        oom.off()
+        await eventually(lambda: effects(consumer).get("acked") == 3, what="three copies acked")
+        assert await lrange(client, proc("c1")) == [b"job"]  # the held one
+        # two rescans that started after the three were settled
+        seen = rescans[0]
+        await eventually(lambda: rescans[0] >= seen + 2, what="two more rescans")
+        assert calls == [1, 1, 1, 1], f"the copy in hand was delivered again: {calls}"
+        release.set()
+        await eventually(lambda: effects(consumer).get("acked") == 4, what="the held copy acked")
+        e = effects(consumer)
+        assert e.get("gate_closed", 0) == 0 and e.get("writes") == 4, e
+    assert calls == [1, 1, 1, 1]
+    assert await client.execute("HGET", "totals", "n") == b"4"
+    assert await lrange(client, proc("c1")) == [] and await lrange(client, Q) == []
