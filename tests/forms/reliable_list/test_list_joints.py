@@ -5,7 +5,11 @@ identical bytes meet, or a finalization meets the reader's rescan.
   script) is sent again alone; its counted gate is settled by that resend
   only, so an identical copy another handler still holds stays held and the
   periodic rescan does not hand it to a second handler (stop 40's fix, which
-  had only its sans-IO test).
+  had only its sans-IO test);
+* an element waiting out its ``Backoff`` in the processing list of a
+  consumer that stopped (gracefully, or died) is moved back onto the queue
+  by a live consumer's reaper only once it is due: the schedule outlives the
+  process, as a stream's claim of a stopped consumer's entry honours it.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import trio
 from _procs import eventually
 from _rlist import Q, effects, lrange, proc, sub
 
-from trio_redis_finalize import ACK, Delivery, Outcome, open_consumer
+from trio_redis_finalize import ACK, Backoff, Delivery, Outcome, _shutdown, open_consumer
+from trio_redis_finalize._core.reliable_list.liveness import registry_key
 from trio_redis_finalize._forms.reliable_list import reader as _reader
 from trio_redis_finalize._forms.reliable_list.recovery import ListRecovery
 from trio_redis_finalize._transport import Client
@@ -87,3 +92,57 @@ async def test_an_identical_copy_in_hand_is_not_rescanned_after_a_refused_batche
     assert calls == [1, 1, 1, 1]
     assert await client.execute("HGET", "totals", "n") == b"4"
     assert await lrange(client, proc("c1")) == [] and await lrange(client, Q) == []
+
+
+WINDOW = 5.0
+
+
+@pytest.mark.parametrize("stop", ["graceful", "lapsed"])
+async def test_a_stopped_consumers_waiting_element_is_reaped_only_once_due(
+    redis_url: str, client: Client, monkeypatch: pytest.MonkeyPatch, stop: str,
+) -> None:
+    """Consumer ``a`` fails ``job`` (``Backoff`` with a floor of 5 s:
+    ``window`` 5, ``max_attempts`` 2) and stops while it waits: gracefully
+    (the element stays in its processing list with its schedule, its last
+    heartbeat lapses about 2.5 s later), or without a hand-back (a crash: its
+    heartbeat lapses).  Consumer ``b``'s reaper moves it back onto the queue
+    once ``a``'s heartbeat lapsed -- and, the schedule outliving the process,
+    not before it is due: attempt 2 comes no sooner than 5 s after attempt 1
+    failed.  Before, the reaper moved it at once and ``b`` handled attempt 2
+    about 2.5 s after the failure."""
+    monkeypatch.setattr(_shutdown, "FINALIZE_GRACE", 1.0)  # a's last heartbeat: 0.5 + 1 + 1 s
+    failed: list[float] = []
+    seen: list[tuple[float, int]] = []
+
+    async def fail(d: Delivery) -> Outcome:
+        failed.append(trio.current_time())
+        raise RuntimeError("fails once")
+
+    async def record(d: Delivery) -> Outcome:
+        seen.append((trio.current_time(), d.attempt))
+        return ACK
+
+    backoff = Backoff(base=0.01, cap=0.01, window=WINDOW)
+    schedule = proc("a") + ":backoff"
+    with trio.fail_after(40):  # a bound
+        async with open_consumer(redis_url, name="a", shutdown_grace=0.5) as a:
+            await a.mount(sub(heartbeat=1.0, max_attempts=2), fail, on_error=backoff)
+            await client.execute("LPUSH", Q, b"job")
+            await eventually(lambda: client.execute("ZCARD", schedule), 10,
+                             "the due time written")
+            if stop == "lapsed":  # no hand-back, no deregistration: as a crash leaves it
+                monkeypatch.setattr(a.mounts[0], "deregister", _nothing)
+        assert await lrange(client, proc("a")) == [b"job"]  # left waiting, with its schedule
+        assert await client.execute("HEXISTS", registry_key(Q), "a") == 1
+        async with open_consumer(redis_url, name="b") as b:
+            await b.mount(sub(heartbeat=1.0, max_attempts=2), record, on_error=backoff)
+            await eventually(lambda: seen, 20, "attempt 2 handled by b")
+            await eventually(lambda: effects(b).get("acked") == 1, 10, "acked")
+    assert [at for _, at in seen] == [2], seen
+    early = failed[0] + WINDOW - seen[0][0]
+    assert early <= 0.05, f"attempt 2 came {early:.2f} s before its Backoff was due"
+    assert await lrange(client, proc("a")) == [] and await lrange(client, Q) == []
+
+
+async def _nothing() -> None:
+    return None
