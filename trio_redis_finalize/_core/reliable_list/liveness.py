@@ -60,7 +60,9 @@ a dead consumer holds (the stream's side: ``_core.stream.liveness``):
   so what it takes is handed over in turn with the reads.
 * **What is taken.**  A dead list consumer's whole processing list goes back
   onto the queue (page by page, each element's counter bumped in its
-  bytes): nobody else can hold those elements, so no idle guard is needed.
+  bytes): nobody else can hold those elements, so no idle guard is needed;
+  only an element waiting out its Backoff (the schedule beside that list)
+  stays until it is due, as a claimed stream entry waits out the rest.
   A dead stream consumer's entries are claimed into the reaper's own PEL
   (``XCLAIM ... RETRYCOUNT``) only once idle its ``heartbeat`` (the idle
   guard: an entry whose lease a live owner still renews is never taken) and

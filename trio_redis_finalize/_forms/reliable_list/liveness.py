@@ -19,7 +19,8 @@ stream's liveness); this module sends the commands and keeps the times:
   registry (both namings) is read; a registered consumer whose heartbeat key
   is gone (``PTTL`` -2) is dead: its processing list goes back onto the
   queue page by page (:data:`REAP`, gated on the key still being absent,
-  each element's counter bumped);
+  each element's counter bumped), but for the elements waiting out a
+  Backoff (the schedule beside that list): those go once due;
 * **hand-back** (:meth:`ListLiveness.hand_back`, phase 6 of the shutdown):
   what is left in the own processing list goes back onto the queue at once
   (:data:`STOP`), then the consumer deregisters once the list is empty;
@@ -28,6 +29,7 @@ stream's liveness); this module sends the commands and keeps the times:
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections import Counter
@@ -37,6 +39,8 @@ from redis import exceptions as rexc
 
 from ..._core._commands import Command
 from ..._core._identity import claim, heartbeat_value, renew
+from ..._core._recovery import SCHEDULE_LEFT, schedule_key, schedule_left, schedule_member
+from ..._core._replies import NOT_RUN, classify
 from ..._core.reliable_list.liveness import (
     REAP,
     STOP,
@@ -85,6 +89,7 @@ class ListLiveness:
         self.sub = sub
         self._name_hold = NameHold()  # this consumer name's heartbeat (_identity)
         self._lapse: float | None = None  # seconds until the first live peer's heartbeat lapses
+        self._due_in: float | None = None  # seconds until a dead one's first waiting element is due
         self._looked = False  # the first look for dead consumers (at mount) was made
 
     # -- heartbeat ------------------------------------------------------------------
@@ -138,6 +143,8 @@ class ListLiveness:
                 await self.reap(ctx)
                 if self._lapse is not None:
                     wait = min(wait, self._lapse + _LAPSE_MARGIN)
+                if self._due_in is not None:
+                    wait = min(wait, self._due_in + _LAPSE_MARGIN)
             except (rexc.ConnectionError, rexc.TimeoutError, rexc.ResponseError, OSError) as e:
                 log.warning("%s: looking for dead consumers failed: %s", ctx.name, e)
             await anyio.sleep(wait)
@@ -148,6 +155,7 @@ class ListLiveness:
         client = ctx.client
         me = ctx.consumer.name.encode()
         self._lapse = None
+        self._due_in = None
         flat, old = await client.pipeline(
             [("HGETALL", registry_key(sub.queue)), ("HGETALL", legacy_registry_key(sub.queue))],
             timeout=FINALIZE_TIMEOUT)
@@ -177,6 +185,33 @@ class ListLiveness:
             await self._watch_notes(ctx, watch)
         return moved
 
+    async def _not_due(self, ctx: Context, processing: str, page: list[bytes]) -> set[int]:
+        """The indexes of ``page`` (elements of a dead consumer's processing
+        list) whose Backoff is not due yet, by the schedule beside that list
+        (``_core._recovery``, the server's clock): a restart of that name
+        would let them wait out the rest, and so does the reaper.  The
+        reaper's next look comes no later than the first is due
+        (``_due_in``).  A schedule that cannot be read for good (a key of
+        another type): none waits, as the rescan does."""
+        t = dataclasses.replace(ctx.target, processing=processing)
+        members = [schedule_member(t, None, e) or b"" for e in page]
+        try:
+            reply = await ctx.client.evalsha(SCHEDULE_LEFT, (schedule_key(t),), members,
+                                             timeout=FINALIZE_TIMEOUT)
+        except rexc.ResponseError as err:
+            if classify(err) is NOT_RUN:
+                raise
+            log.warning("%s: reading the Backoff schedule %r failed (%s); the elements of dead "
+                        "consumer's processing list %r go back onto the queue now", ctx.name,
+                        schedule_key(t), err, processing, extra={"subscription": ctx.name})
+            return set()
+        out: set[int] = set()
+        for i, (left, _) in enumerate(schedule_left(reply)):
+            if left > 0:
+                out.add(i)
+                self._due_in = left if self._due_in is None else min(self._due_in, left)
+        return out
+
     def _keys_of(self, name: str, old_naming: bool) -> tuple[str, str]:
         """A consumer's heartbeat key and registry, in the naming it registered with."""
         q = self.sub.queue
@@ -202,16 +237,24 @@ class ListLiveness:
 
     async def _reap_one(self, ctx: Context, name: str, processing: str,
                         old_naming: bool = False) -> int:
+        """Move a dead consumer's processing list back onto the queue, page by
+        page; an element waiting out its Backoff (its schedule beside that
+        list, :meth:`_not_due`) stays until it is due (the list then stays
+        registered, and the reaper looks again by then)."""
         sub = self.sub
         client = ctx.client
         keys = (processing, sub.queue, *self._keys_of(name, old_naming))
         total = 0
+        kept = 0  # elements left waiting: at the head of the list, each page read after them
         for _ in range(_REAP_ROUNDS):
-            page: list[bytes] = await client.execute("LRANGE", processing, 0, _REAP_PAGE - 1,
-                                                     timeout=FINALIZE_TIMEOUT)
+            page: list[bytes] = await client.execute(
+                "LRANGE", processing, kept, kept + _REAP_PAGE - 1, timeout=FINALIZE_TIMEOUT)
+            wait = await self._not_due(ctx, processing, page) if page else set()
+            kept += len(wait)
             args: list[bytes | str] = [name]
-            for e in page:  # newest first (see REAP)
-                args += [e, bumped(e) or e]
+            for i, e in enumerate(page):  # newest first (see REAP)
+                if i not in wait:
+                    args += [e, bumped(e) or e]
             n = int(await client.evalsha(REAP, keys, args, timeout=FINALIZE_TIMEOUT))
             if n < 0:
                 break  # it came back
@@ -220,6 +263,10 @@ class ListLiveness:
                 # its delayed copies' receipts: a dead consumer resends none
                 await client.execute("DEL", receipts_key(processing), timeout=FINALIZE_TIMEOUT)
                 break
+        if kept:
+            log.info("%s: %d element(s) in processing list %r of dead consumer %r wait out the "
+                     "rest of their Backoff before they go back onto the queue", ctx.name, kept,
+                     processing, name, extra={"subscription": ctx.name})
         if total:
             ctx.stats.effects["recovered"] += total
             log.warning("%s: consumer %r stopped its heartbeat; moved %d element(s) of its "
@@ -273,7 +320,7 @@ class ListLiveness:
         if kept and int(left) <= kept:
             log.info("%s: consumer %r stopped with %d element(s) waiting for their Backoff in "
                      "processing list %r: delivered when due by this name started again, or by "
-                     "a live consumer once its heartbeat lapses", ctx.name, me, int(left),
+                     "a live consumer once its heartbeat lapsed and they are due", ctx.name, me, int(left),
                      t.processing, extra={"subscription": ctx.name})
         elif int(left):
             log.warning("%s: consumer %r stopped with elements left in processing list %r; a "
