@@ -146,3 +146,45 @@ async def test_a_stopped_consumers_waiting_element_is_reaped_only_once_due(
 
 async def _nothing() -> None:
     return None
+
+
+async def test_a_restart_with_another_processing_list_takes_the_old_ones_elements(
+    redis_url: str, client: Client, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Consumer ``a`` (processing list ``p1``) dies while its handler holds
+    ``job`` (no hand-back: as a crash leaves it); it is started again under
+    its name with changed settings, ``processing="p2"``.  The element left in
+    ``p1`` is delivered again (attempt 2, counted as after any crash): the
+    restart's claim re-registers ``a`` with ``p2``, so nobody else would ever
+    look at ``p1`` again.  Consumer ``b`` runs all along.  Before, ``job``
+    stayed in ``p1``, held by nobody, for good."""
+    started = trio.Event()
+    seen: list[tuple[str, int]] = []
+
+    async def hang(d: Delivery) -> Outcome:
+        started.set()
+        await trio.sleep_forever()
+        raise AssertionError("not reached")
+
+    def record(who: str) -> Any:
+        async def handler(d: Delivery) -> Outcome:
+            seen.append((who, d.attempt))
+            return ACK
+        return handler
+
+    with trio.fail_after(40):  # a bound
+        async with open_consumer(redis_url, name="a", shutdown_grace=0.0) as a:
+            await a.mount(sub(heartbeat=0.5, processing="{jobs}:p1"), hang)
+            await client.execute("LPUSH", Q, b"job")
+            await started.wait()
+            monkeypatch.setattr(a.mounts[0], "deregister", _nothing)  # no hand-back
+        assert await lrange(client, "{jobs}:p1") == [b"job"]
+        async with open_consumer(redis_url, name="a", takeover=True) as a2, \
+                open_consumer(redis_url, name="b") as b:
+            await a2.mount(sub(heartbeat=0.5, processing="{jobs}:p2"), record("a"))
+            await b.mount(sub(heartbeat=0.5), record("b"))
+            await eventually(lambda: seen, 15, "the element left in p1 delivered again")
+            await eventually(lambda: effects(a2).get("acked", 0) + effects(b).get("acked", 0)
+                             == 1, 10, "acked")
+    assert [at for _, at in seen] == [2], seen
+    assert await lrange(client, "{jobs}:p1") == [] and await lrange(client, Q) == []
