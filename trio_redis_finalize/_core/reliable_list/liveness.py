@@ -87,7 +87,7 @@ from .._lua import WRITES_LUA
 from .._types import content_origin
 
 __all__ = [
-    "BUMP", "DELAYED_COPY", "GIVE_BACK", "REAP", "STOP", "bumped", "dec", "delayed_copy",
+    "ADOPT", "BUMP", "DELAYED_COPY", "GIVE_BACK", "REAP", "STOP", "bumped", "dec", "delayed_copy",
     "doubtful", "heartbeat_key", "legacy_heartbeat_key", "legacy_registry_key", "receipts_key",
     "registry_key", "stop_args", "stranded",
 ]
@@ -164,6 +164,28 @@ return n
 """,
     name="reliable_list_reap", keys=("processing", "queue", "heartbeat", "registry"),
     argv=("consumer", "[element, copy]..."),
+)
+
+# KEYS: processing (the processing list this consumer name was registered
+#   with before), queue, registry
+# ARGV: consumer (its name), registration (its processing list now),
+#   [element, copy]... (each element and its rewritten copy, newest first)
+# A consumer started again under its name with another processing list
+# (changed settings) after its previous process left elements in the old
+# one: its claim re-registered the name with the new list, so no reaper
+# looks at the old one again.  Its elements go back onto the queue as
+# :data:`REAP` moves a dead consumer's (counted), gated on the registry
+# naming this consumer with the new list still (the name is this
+# process's).  Returns the number moved, or -1 when the name is registered
+# otherwise now.
+ADOPT = Script(
+    """
+if redis.call('HGET', KEYS[3], ARGV[1]) ~= ARGV[2] then return -1 end
+""" + _move_back(3) + """
+return n
+""",
+    name="reliable_list_adopt", keys=("processing", "queue", "registry"),
+    argv=("consumer", "registration", "[element, copy]..."),
 )
 
 # KEYS: processing (the own processing list), queue, heartbeat (the own

@@ -42,6 +42,7 @@ from ..._core._identity import claim, heartbeat_value, renew
 from ..._core._recovery import SCHEDULE_LEFT, schedule_key, schedule_left, schedule_member
 from ..._core._replies import NOT_RUN, classify
 from ..._core.reliable_list.liveness import (
+    ADOPT,
     REAP,
     STOP,
     bumped,
@@ -101,9 +102,47 @@ class ListLiveness:
                 legacy_heartbeat_key(sub.queue, me), legacy_registry_key(sub.queue))
         value = heartbeat_value(ctx.consumer.token, sub.heartbeat)
         processing = ctx.target.processing
+        # what the name was registered with before (another processing list: changed settings)
+        found = await ctx.client.pipeline(
+            [("HGETALL", registry_key(sub.queue)), ("HGET", legacy_registry_key(sub.queue), me)],
+            timeout=FINALIZE_TIMEOUT)
+        flat, legacy = found
+        before = dict(zip(flat[::2], flat[1::2], strict=True))
         await self._name_hold.claim(
             ctx, lambda takeover: claim(keys, value, sub.heartbeat, takeover, me, processing),
             heartbeat_key(sub.queue, me), legacy_heartbeat_key(sub.queue, me), FINALIZE_TIMEOUT)
+        others = {p for n, p in before.items() if n != me.encode()}
+        for old in (before.get(me.encode()), legacy):
+            if old is not None and old != processing.encode() and old not in others:
+                await self._adopt(ctx, old.decode())
+
+    async def _adopt(self, ctx: Context, old: str) -> None:
+        """Move what the processing list this name was registered with before
+        holds back onto the queue (counted, as the reaper would: the process
+        before may have been handling it), page by page (:data:`ADOPT`): the
+        name now registers another list, and no reaper looks at this one again."""
+        sub = self.sub
+        me = ctx.consumer.name
+        keys = (old, sub.queue, registry_key(sub.queue))
+        total = 0
+        for _ in range(_REAP_ROUNDS):
+            page: list[bytes] = await ctx.client.execute("LRANGE", old, 0, _REAP_PAGE - 1,
+                                                         timeout=FINALIZE_TIMEOUT)
+            if not page:
+                await ctx.client.execute("DEL", receipts_key(old), timeout=FINALIZE_TIMEOUT)
+                break
+            args: list[bytes | str] = [me, ctx.target.processing]
+            for e in page:  # newest first (see REAP)
+                args += [e, bumped(e) or e]
+            n = int(await ctx.client.evalsha(ADOPT, keys, args, timeout=FINALIZE_TIMEOUT))
+            if n <= 0:
+                break  # registered otherwise now, or nothing moved (a page another one took)
+            total += n
+        if total:
+            ctx.stats.effects["recovered"] += total
+            log.warning("%s: consumer %r was registered with processing list %r before (its "
+                        "settings changed); moved %d element(s) left there back onto the queue",
+                        ctx.name, me, old, total, extra={"subscription": ctx.name})
 
     def beat(self, ctx: Context, ttl: float) -> Command:
         """A heartbeat, only while the key is this process's (``_core._identity``)."""
