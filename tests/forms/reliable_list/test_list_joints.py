@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import anyio
 import pytest
 import trio
 from _procs import eventually
@@ -188,3 +189,88 @@ async def test_a_restart_with_another_processing_list_takes_the_old_ones_element
                              == 1, 10, "acked")
     assert [at for _, at in seen] == [2], seen
     assert await lrange(client, "{jobs}:p1") == [] and await lrange(client, Q) == []
+
+
+# -- a consumer stalled past its heartbeat (SIGSTOP) ---------------------------------------
+
+class Proc:
+    """``tests/_list_proc.py`` as a child process; its stdout lines."""
+
+    def __init__(self, proc: Any) -> None:
+        self.proc = proc
+        self.buf = b""
+        self.lines: list[list[str]] = []
+
+    async def read(self, until: Any, timeout: float) -> bool:
+        """Read lines until one matches ``until`` (True) or ``timeout`` passes (False)."""
+        with trio.move_on_after(timeout):
+            while True:
+                while b"\n" in self.buf:
+                    line, _, self.buf = self.buf.partition(b"\n")
+                    words = line.decode().split()
+                    self.lines.append(words)
+                    if until is not None and until(words):
+                        return True
+                self.buf += await self.proc.stdout.receive()
+        return False
+
+    def started(self) -> list[str]:
+        return [w[1] for w in self.lines if w[:1] == ["H"]]
+
+
+async def test_a_stalled_consumer_does_not_start_what_was_moved_back_meanwhile(
+    redis_url: str, client: Client,
+) -> None:
+    """Consumer A (a process, concurrency 1, 1 s per element, heartbeat 1 s)
+    reads its first elements and starts one; it is stopped (SIGSTOP) 3.5 s,
+    longer than its heartbeat, and consumer B's reaper moves A's processing
+    list back onto the queue: B handles all six.  Resumed, A finishes the one
+    it had begun (its finalization finds its gate closed: no second write)
+    and starts none of those it had read and not begun -- they are B's now
+    (at most one: the handler task may take the next one before A learns
+    its list was moved), as a stalled stream consumer leaves what another
+    claimed meanwhile."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from _paths import TESTS
+
+    names = [f"e{i}" for i in range(6)]
+    await client.execute("LPUSH", Q, *names)
+    proc = await anyio.open_process(
+        [sys.executable, str(TESTS / "_list_proc.py"), redis_url, Q, "a", "1.0", "1.0"],
+        stdout=subprocess.PIPE, stderr=None,
+    )
+    a = Proc(proc)
+    started_by_b: list[str] = []
+    try:
+        assert await a.read(lambda w: w[:1] == ["H"], 20), a.lines
+        os.kill(proc.pid, signal.SIGSTOP)
+        stopped = trio.current_time()
+
+        async def slow(d: Delivery) -> Outcome:
+            started_by_b.append((d.data or b"").decode())
+            await trio.sleep(6.0)
+            return ACK.with_writes(("HINCRBY", "done", (d.data or b"").decode(), 1))
+
+        async with open_consumer(redis_url, name="b", shutdown_grace=0.0) as consumer:
+            await consumer.mount(sub(heartbeat=1.0), slow, concurrency=10)
+            with trio.fail_after(15):  # a bound
+                while len(set(started_by_b)) < 6:
+                    await trio.sleep(0.02)
+            await trio.sleep(max(0.0, 3.5 - (trio.current_time() - stopped)))
+            os.kill(proc.pid, signal.SIGCONT)
+            await a.read(None, 2.5)  # A runs 2.5 s: at 1 s per element, time to start 2 more
+            started_by_a = a.started()
+            assert sorted(set(started_by_b)) == names
+            assert len(started_by_a) <= 2, (started_by_a, a.lines)  # at most one after the resume
+        done = await client.execute("HGETALL", "done")
+        counts = {done[i].decode(): int(done[i + 1]) for i in range(0, len(done), 2)}
+        assert set(counts.values()) <= {1}, counts  # each element's write once
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        with trio.fail_after(5):
+            await proc.wait()
