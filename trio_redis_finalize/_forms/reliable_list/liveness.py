@@ -33,6 +33,7 @@ import dataclasses
 import random
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 
 import anyio
 from redis import exceptions as rexc
@@ -86,8 +87,11 @@ class ListLiveness:
       registry entry deleted).
     """
 
-    def __init__(self, sub: ReliableListSubscription) -> None:
+    def __init__(self, sub: ReliableListSubscription,
+                 lapsed: Callable[[Context], Awaitable[object]] | None = None) -> None:
         self.sub = sub
+        self._lapsed = lapsed  # called after a beat that came too late to keep the key alive
+        self.beat_at = 0.0  # when the last heartbeat that went through was sent
         self._name_hold = NameHold()  # this consumer name's heartbeat (_identity)
         self._lapse: float | None = None  # seconds until the first live peer's heartbeat lapses
         self._due_in: float | None = None  # seconds until a dead one's first waiting element is due
@@ -102,6 +106,7 @@ class ListLiveness:
                 legacy_heartbeat_key(sub.queue, me), legacy_registry_key(sub.queue))
         value = heartbeat_value(ctx.consumer.token, sub.heartbeat)
         processing = ctx.target.processing
+        self.beat_at = anyio.current_time()
         # what the name was registered with before (another processing list: changed settings)
         found = await ctx.client.pipeline(
             [("HGETALL", registry_key(sub.queue)), ("HGET", legacy_registry_key(sub.queue), me)],
@@ -152,16 +157,42 @@ class ListLiveness:
                      heartbeat_value(ctx.consumer.token, sub.heartbeat), ttl, me,
                      ctx.target.processing)
 
+    def late(self) -> bool:
+        """Whether no heartbeat went through for ``heartbeat`` seconds: the key
+        may have lapsed, and a live consumer moved the processing list back
+        onto the queue (this process stalled, its event loop blocked, or Redis
+        was out of reach)."""
+        return anyio.current_time() - self.beat_at >= self.sub.heartbeat
+
+    async def renew_now(self, ctx: Context) -> None:
+        """A heartbeat now (the key back, if it lapsed: no reaper moves anything from then on)."""
+        sent = anyio.current_time()
+        await self._name_hold.renew(ctx, self.beat(ctx, self.sub.heartbeat), FINALIZE_TIMEOUT)
+        self.beat_at = max(self.beat_at, sent)
+
     async def heartbeat(self, ctx: Context) -> None:
-        every = self.sub.heartbeat / 3
+        """Renew the heartbeat every ``heartbeat / 3``.  A beat that went
+        through after the key may have lapsed (:meth:`late`) calls ``lapsed``
+        (the reader's look at what it holds that is no longer there)."""
+        sub = self.sub
+        every = sub.heartbeat / 3
         while True:
             await anyio.sleep(every)
+            was_late = self.late()
             try:
-                await self._name_hold.renew(ctx, self.beat(ctx, self.sub.heartbeat), FINALIZE_TIMEOUT)
+                await self.renew_now(ctx)
             except (rexc.ConnectionError, rexc.TimeoutError, rexc.ResponseError, OSError) as e:
                 log.warning("%s: heartbeat failed (%s); other consumers may take over this "
                             "consumer's processing list after %.1f s without one",
-                            ctx.name, e, self.sub.heartbeat)
+                            ctx.name, e, sub.heartbeat)
+                continue
+            if was_late and self._lapsed is not None:
+                try:
+                    await self._lapsed(ctx)
+                except (rexc.ConnectionError, rexc.TimeoutError, rexc.ResponseError, OSError) as e:
+                    log.warning("%s: looking at processing list %r after a late heartbeat "
+                                "failed: %s", ctx.name, ctx.target.processing, e,
+                                extra={"subscription": ctx.name})
 
     async def last_beat(self, ctx: Context) -> None:
         """The last heartbeat: the handlers and the finalizer may still finish what
