@@ -9,7 +9,12 @@ identical bytes meet, or a finalization meets the reader's rescan.
 * an element waiting out its ``Backoff`` in the processing list of a
   consumer that stopped (gracefully, or died) is moved back onto the queue
   by a live consumer's reaper only once it is due: the schedule outlives the
-  process, as a stream's claim of a stopped consumer's entry honours it.
+  process, as a stream's claim of a stopped consumer's entry honours it;
+  so for a consumer stalled past its heartbeat (SIGSTOP) while it waits;
+* a consumer started again under its name with another processing list takes
+  back what its previous process left in the old one;
+* a consumer stalled past its heartbeat (SIGSTOP) does not start, once
+  resumed, what a live consumer's reaper moved back meanwhile.
 """
 
 from __future__ import annotations
@@ -274,3 +279,69 @@ async def test_a_stalled_consumer_does_not_start_what_was_moved_back_meanwhile(
         proc.kill()
         with trio.fail_after(5):
             await proc.wait()
+
+
+@pytest.mark.parametrize("resume", ["before-due", "after-due"])
+async def test_a_waiting_element_of_a_stalled_consumer_comes_back_once_when_due(
+    redis_url: str, client: Client, resume: str,
+) -> None:
+    """Consumer A (a process, heartbeat 1 s) fails ``job``'s attempt 1;
+    attempt 2 is due 4 s later (``Backoff`` window, ``max_attempts=2``), its
+    due time written beside A's processing list.  A is stopped (SIGSTOP) at
+    once; its heartbeat lapses and consumer B's reaper finds the element
+    waiting: not moved before it is due.  A is resumed before that (its own
+    redelivery then comes when due) or after (B moved it back when due; A's
+    redelivery finds it gone).  Either way attempt 2 is handled once, no
+    sooner than due, and its write committed once."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from _paths import TESTS
+
+    await client.execute("LPUSH", Q, b"job")
+    child = await anyio.open_process(
+        [sys.executable, str(TESTS / "_list_proc.py"), redis_url, Q, "a", "1.0", "0", str(WINDOW - 1)],
+        stdout=subprocess.PIPE, stderr=None,
+    )
+    a = Proc(child)
+    window = WINDOW - 1
+    seen: list[tuple[int, float]] = []
+
+    async def record(d: Delivery) -> Outcome:
+        seen.append((d.attempt, time.monotonic()))
+        return ACK.with_writes(("HINCRBY", "done", (d.data or b"").decode(), 1))
+
+    def by_a() -> list[list[str]]:
+        return [w for w in a.lines if w[:1] == ["H"]]
+
+    try:
+        assert await a.read(lambda w: w[:1] == ["H"], 20), a.lines
+        failed_at = float(a.lines[-1][3])
+        with trio.fail_after(10):  # a bound: the due time written, then A stopped
+            while not await client.execute("ZCARD", proc("a") + ":backoff"):
+                await trio.sleep(0.01)
+        os.kill(child.pid, signal.SIGSTOP)
+        stopped = trio.current_time()
+        backoff = Backoff(base=0.01, cap=0.01, window=window)
+        async with open_consumer(redis_url, name="b", shutdown_grace=0.0) as consumer:
+            await consumer.mount(sub(heartbeat=1.0, max_attempts=2), record, on_error=backoff)
+            await trio.sleep(max(0.0, (2.0 if resume == "before-due" else 5.0)
+                                 - (trio.current_time() - stopped)))
+            os.kill(child.pid, signal.SIGCONT)
+            with trio.fail_after(20):  # a bound
+                while not seen and len(by_a()) < 2:
+                    await a.read(lambda w: w[:1] == ["H"], 0.1)
+            await a.read(None, 1.5)  # both run on
+        handled = [(at, t) for at, t in seen] + [(int(w[2]), float(w[3])) for w in by_a()[1:]]
+        assert [at for at, _ in handled] == [2], (seen, a.lines)
+        assert handled[0][1] >= failed_at + window - 0.05, (handled, failed_at)
+        assert await client.execute("HGET", "done", "job") == b"1"
+        assert await lrange(client, Q) == [] and await lrange(client, proc("a")) == []
+    finally:
+        os.kill(child.pid, signal.SIGCONT)
+        child.kill()
+        with trio.fail_after(5):
+            await child.wait()
