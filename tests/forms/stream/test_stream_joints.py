@@ -111,3 +111,57 @@ async def test_a_waiting_entry_claimed_from_a_stalled_consumer_comes_back_once_w
         proc.kill()
         with trio.fail_after(5):
             await proc.wait()
+
+
+@pytest.mark.parametrize("stop", ["graceful", "lapsed"])
+async def test_a_stopped_consumers_waiting_entry_taken_over_comes_back_only_when_due(
+    redis_url: str, client: Client, monkeypatch: pytest.MonkeyPatch, stop: str,
+) -> None:
+    """``Mode.PLAIN``: consumer A fails the entry's attempt 1 (attempt 2 due
+    4 s later: ``Backoff`` window, ``max_attempts=2``) and stops while it
+    waits: gracefully (the entry left pending with its schedule, not handed
+    back) or without deregistering (as a crash leaves it).  Consumer B's
+    reaper takes A's pending entries over once A is stopped (or its
+    heartbeat, 1 s, lapsed) and they are idle that long: the waiting entry
+    waits out the rest of its Backoff first, as a restart or a RECLAIM /
+    CLAIMING claim lets it (the schedule outlives the process).  Attempt 2
+    comes once, no sooner than due."""
+    from trio_redis_finalize import _shutdown
+
+    monkeypatch.setattr(_shutdown, "FINALIZE_GRACE", 1.0)
+    eid = (await client.execute("XADD", S, "*", "n", "1")).decode()
+    await client.execute("XGROUP", "CREATE", S, G, "0")
+    failed: list[float] = []
+    seen: list[tuple[str, int, float]] = []
+
+    async def fail(d: Delivery) -> Outcome:
+        failed.append(time.monotonic())
+        raise RuntimeError("fails once")
+
+    async def record(d: Delivery) -> Outcome:
+        assert d.id is not None
+        seen.append((d.id, d.attempt, time.monotonic()))
+        return ACK
+
+    sub = StreamSubscription(S, G, block=0.1, heartbeat=1.0, max_attempts=2)
+    backoff = Backoff(base=0.01, cap=0.01, window=WINDOW)
+    with trio.fail_after(40):  # a bound
+        async with open_consumer(redis_url, name="a", shutdown_grace=0.5) as a:
+            await a.mount(sub, fail, on_error=backoff)
+            while not await client.execute("ZCARD", f"{{{S}}}:backoff:{G}"):
+                await trio.sleep(0.01)
+            if stop == "lapsed":  # no hand-back, no deregistration: as a crash leaves it
+
+                async def nothing() -> None:
+                    return None
+
+                monkeypatch.setattr(a.mounts[0], "deregister", nothing)
+        async with open_consumer(redis_url, name="b") as b:
+            await b.mount(sub, record, on_error=backoff)
+            while not seen:
+                await trio.sleep(0.02)
+            while int((await client.execute("XPENDING", S, G))[0]):
+                await trio.sleep(0.02)
+    assert [(i, at) for i, at, _ in seen] == [(eid, 2)], seen
+    early = failed[0] + WINDOW - seen[0][2]
+    assert early <= 0.05, f"attempt 2 came {early:.2f} s before its Backoff was due"
