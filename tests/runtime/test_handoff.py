@@ -25,6 +25,7 @@ from faults.shim import FaultMode, open_fault_client
 from trio_redis_finalize import (
     ACK,
     Delivery,
+    Mode,
     Outcome,
     ReliableListSubscription,
     StreamSubscription,
@@ -153,11 +154,11 @@ async def _held_after_exit(client: Client, form: str) -> tuple[int, int]:
     return int(await client.execute("LLEN", "q:processing")), int(await client.execute("LLEN", "q"))
 
 
-@pytest.mark.parametrize("mode", [FaultMode.BEFORE, FaultMode.AFTER])
-@pytest.mark.parametrize("form", ["stream", "list"])
+@pytest.mark.parametrize("fault", [FaultMode.BEFORE, FaultMode.AFTER])
+@pytest.mark.parametrize("form", ["stream", "stream-claiming", "list"])
 async def test_the_handler_loops_own_send_cut_at_shutdown_leaves_its_deliveries_pending(
     redis_url: str, client: Client, monkeypatch: pytest.MonkeyPatch,
-    caplog: pytest.LogCaptureFixture, form: str, mode: FaultMode,
+    caplog: pytest.LogCaptureFixture, form: str, fault: FaultMode,
 ) -> None:
     """Stop 41's decision, checked: the handler loop's ordinary send (not
     ``hand_on``) keeps its checkpoint, so at a shutdown with a stalled
@@ -165,18 +166,20 @@ async def test_the_handler_loops_own_send_cut_at_shutdown_leaves_its_deliveries_
     channel.  Its outcomes are gone, but their deliveries are not: after the
     consumer exited each message is finalized once (``AFTER``: the stalled
     request ran, its reply never read) or still pending in the consumer's PEL
-    (a stream: handed back, idle) or back on the queue (a reliable list: the
-    processing list handed back, nothing left in it), and a restart delivers
-    and finalizes every one of them once."""
+    (a stream, plain or claiming: handed back, idle) or back on the queue (a
+    reliable list: the processing list handed back, nothing left in it), and
+    a restart delivers and finalizes every one of them once."""
     monkeypatch.setattr(_finalizer, "FINALIZE_TIMEOUT", 60.0)  # the stall outlives the shutdown
     for module in (_shutdown, _mount):
         monkeypatch.setattr(module, "FINALIZE_GRACE", 1.0)
     caplog.set_level(logging.WARNING, logger="trio_redis_finalize")
+    mode = Mode.CLAIMING if form == "stream-claiming" else Mode.PLAIN
+    form = form.split("-")[0]
     if form == "stream":
         await client.execute("XGROUP", "CREATE", "s", "g", "$", "MKSTREAM")
 
     def sub() -> StreamSubscription | ReliableListSubscription:
-        return (StreamSubscription("s", "g", block=0.05) if form == "stream"
+        return (StreamSubscription("s", "g", block=0.05, mode=mode) if form == "stream"
                 else ReliableListSubscription("q", processing="q:processing", block=0.05))
 
     calls: dict[bytes, int] = {}
@@ -189,7 +192,7 @@ async def test_the_handler_loops_own_send_cut_at_shutdown_leaves_its_deliveries_
     with anyio.fail_after(30):  # a bound: the shutdown takes about 0.5 + 1 s
         async with open_fault_client(redis_url) as faulty, \
                 open_consumer(faulty, name="c", shutdown_grace=0.5) as consumer:
-            faulty.arm(0, mode, cancel=True)  # the first finalization: no reply, ever
+            faulty.arm(0, fault, cancel=True)  # the first finalization: no reply, ever
             await consumer.mount(sub(), handler)
             for i in range(N):
                 body = str(i).encode()
@@ -208,7 +211,7 @@ async def test_the_handler_loops_own_send_cut_at_shutdown_leaves_its_deliveries_
     assert set(calls.values()) == {1}, calls
     first = await _finalized(client, form)
     assert set(first.values()) <= {1}, first
-    assert len(first) == (1 if mode is FaultMode.AFTER else 0), first  # the stalled request's
+    assert len(first) == (1 if fault is FaultMode.AFTER else 0), first  # the stalled request's
     held, other = await _held_after_exit(client, form)
     if form == "stream":
         # every entry read and not finalized is still pending (in the PEL)
