@@ -93,6 +93,10 @@ async def test_a_waiting_entry_claimed_from_a_stalled_consumer_comes_back_once_w
         backoff = Backoff(base=0.01, cap=0.01, window=WINDOW)
         async with open_consumer(redis_url, name="b", shutdown_grace=0.0) as consumer:
             await consumer.mount(sub, record, on_error=backoff)
+            with trio.fail_after(15):  # a bound: B claimed it (A's lease lapsed)
+                while (rows := await client.execute("XPENDING", S, G, "-", "+", 1)) \
+                        and rows[0][1] != b"b":
+                    await trio.sleep(0.02)
             # A resumed 2.5 s after its stop (before the entry is due), or 5.5 s
             await trio.sleep(max(0.0, (2.5 if resume == "before-due" else 5.5)
                                  - (trio.current_time() - stopped)))
