@@ -154,46 +154,63 @@ async def _nothing() -> None:
     return None
 
 
+@pytest.mark.parametrize("left", ["in-hand", "waiting"])
 async def test_a_restart_with_another_processing_list_takes_the_old_ones_elements(
-    redis_url: str, client: Client, monkeypatch: pytest.MonkeyPatch,
+    redis_url: str, client: Client, monkeypatch: pytest.MonkeyPatch, left: str,
 ) -> None:
     """Consumer ``a`` (processing list ``p1``) dies while its handler holds
-    ``job`` (no hand-back: as a crash leaves it); it is started again under
-    its name with changed settings, ``processing="p2"``.  The element left in
-    ``p1`` is delivered again (attempt 2, counted as after any crash): the
-    restart's claim re-registers ``a`` with ``p2``, so nobody else would ever
-    look at ``p1`` again.  Consumer ``b`` runs all along.  Before, ``job``
-    stayed in ``p1``, held by nobody, for good."""
+    ``job`` (``in-hand``), or while ``job`` waits out its ``Backoff`` after a
+    failed attempt 1 (``waiting``: due 5 s later); no hand-back, as a crash
+    leaves it.  It is started again under its name with changed settings,
+    ``processing="p2"``: it takes ``p1`` over as its own, and ``job`` is
+    delivered again as attempt 2 (counted, as after any crash), a waiting one
+    no sooner than due (its schedule moves along).  Consumer ``b`` runs
+    beside it.  Before, the restart's claim re-registered ``a`` with ``p2``
+    and ``job`` stayed in ``p1``, held by nobody, for good."""
     started = trio.Event()
-    seen: list[tuple[str, int]] = []
+    failed: list[float] = []
+    seen: list[tuple[str, int, float]] = []
 
-    async def hang(d: Delivery) -> Outcome:
+    async def first(d: Delivery) -> Outcome:
+        failed.append(trio.current_time())
         started.set()
+        if left == "waiting":
+            raise RuntimeError("fails once")
         await trio.sleep_forever()
         raise AssertionError("not reached")
 
     def record(who: str) -> Any:
         async def handler(d: Delivery) -> Outcome:
-            seen.append((who, d.attempt))
+            seen.append((who, d.attempt, trio.current_time()))
             return ACK
         return handler
 
+    backoff = Backoff(base=0.01, cap=0.01, window=WINDOW)
     with trio.fail_after(40):  # a bound
         async with open_consumer(redis_url, name="a", shutdown_grace=0.0) as a:
-            await a.mount(sub(heartbeat=0.5, processing="{jobs}:p1"), hang)
+            await a.mount(sub(heartbeat=0.5, processing="{jobs}:p1", max_attempts=2), first,
+                          on_error=backoff)
             await client.execute("LPUSH", Q, b"job")
             await started.wait()
+            if left == "waiting":
+                await eventually(lambda: client.execute("ZCARD", "{jobs}:p1:backoff"), 10,
+                                 "the due time written")
             monkeypatch.setattr(a.mounts[0], "deregister", _nothing)  # no hand-back
-        assert await lrange(client, "{jobs}:p1") == [b"job"]
+        assert len(await lrange(client, "{jobs}:p1")) == 1
         async with open_consumer(redis_url, name="a", takeover=True) as a2, \
                 open_consumer(redis_url, name="b") as b:
-            await a2.mount(sub(heartbeat=0.5, processing="{jobs}:p2"), record("a"))
-            await b.mount(sub(heartbeat=0.5), record("b"))
+            await a2.mount(sub(heartbeat=0.5, processing="{jobs}:p2", max_attempts=2),
+                           record("a"), on_error=backoff)
+            await b.mount(sub(heartbeat=0.5, max_attempts=2), record("b"), on_error=backoff)
             await eventually(lambda: seen, 15, "the element left in p1 delivered again")
             await eventually(lambda: effects(a2).get("acked", 0) + effects(b).get("acked", 0)
                              == 1, 10, "acked")
-    assert [at for _, at in seen] == [2], seen
+    assert [at for _, at, _ in seen] == [2], seen
+    if left == "waiting":
+        early = failed[0] + WINDOW - seen[0][2]
+        assert early <= 0.05, f"attempt 2 came {early:.2f} s before its Backoff was due"
     assert await lrange(client, "{jobs}:p1") == [] and await lrange(client, Q) == []
+    assert await lrange(client, "{jobs}:p2") == []
 
 
 # -- a consumer stalled past its heartbeat (SIGSTOP) ---------------------------------------

@@ -166,26 +166,40 @@ return n
     argv=("consumer", "[element, copy]..."),
 )
 
-# KEYS: processing (the processing list this consumer name was registered
-#   with before), queue, registry
-# ARGV: consumer (its name), registration (its processing list now),
-#   [element, copy]... (each element and its rewritten copy, newest first)
+# KEYS: old (the processing list this consumer name was registered with
+#   before), processing (its processing list now), registry, old_schedule,
+#   schedule (their Backoff schedules), old_receipts
+# ARGV: consumer (its name), registration (its processing list now), limit
 # A consumer started again under its name with another processing list
 # (changed settings) after its previous process left elements in the old
 # one: its claim re-registered the name with the new list, so no reaper
-# looks at the old one again.  Its elements go back onto the queue as
-# :data:`REAP` moves a dead consumer's (counted), gated on the registry
-# naming this consumer with the new list still (the name is this
-# process's).  Returns the number moved, or -1 when the name is registered
-# otherwise now.
+# looks at the old one again.  It takes the old list over as its own: up to
+# ``limit`` elements move, as they are, onto the oldest end of the new list
+# (in their order), and once the old list is empty its Backoff schedule is
+# merged into the new one's (the later due time of a member kept, the
+# longer expiry) and its receipts go; the start's rescan then counts and
+# delivers them as a restart does.  Gated on the registry naming this
+# consumer with the new list still (the name is this process's).  Returns
+# the number moved, or -1 when the name is registered otherwise now.
 ADOPT = Script(
     """
 if redis.call('HGET', KEYS[3], ARGV[1]) ~= ARGV[2] then return -1 end
-""" + _move_back(3) + """
+local n, limit = 0, tonumber(ARGV[3])
+while n < limit and redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT') do n = n + 1 end
+if redis.call('LLEN', KEYS[1]) == 0 then
+  if redis.call('EXISTS', KEYS[4]) == 1 then
+    local ttl = math.max(redis.call('PTTL', KEYS[4]), redis.call('PTTL', KEYS[5]))
+    redis.call('ZUNIONSTORE', KEYS[5], 2, KEYS[5], KEYS[4], 'AGGREGATE', 'MAX')
+    if ttl > 0 then redis.call('PEXPIRE', KEYS[5], ttl) end
+    redis.call('DEL', KEYS[4])
+  end
+  redis.call('DEL', KEYS[6])
+end
 return n
 """,
-    name="reliable_list_adopt", keys=("processing", "queue", "registry"),
-    argv=("consumer", "registration", "[element, copy]..."),
+    name="reliable_list_adopt",
+    keys=("old", "processing", "registry", "old_schedule", "schedule", "old_receipts"),
+    argv=("consumer", "registration", "limit"),
 )
 
 # KEYS: processing (the own processing list), queue, heartbeat (the own

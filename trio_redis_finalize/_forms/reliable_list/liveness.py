@@ -122,32 +122,29 @@ class ListLiveness:
                 await self._adopt(ctx, old.decode())
 
     async def _adopt(self, ctx: Context, old: str) -> None:
-        """Move what the processing list this name was registered with before
-        holds back onto the queue (counted, as the reaper would: the process
-        before may have been handling it), page by page (:data:`ADOPT`): the
-        name now registers another list, and no reaper looks at this one again."""
+        """Take over the processing list this name was registered with before
+        (:data:`ADOPT`): what it holds moves into this one, its Backoff
+        schedule with it, so the start's rescan counts and delivers those
+        elements as a restart does (those waiting out a Backoff wait out the
+        rest); the name now registers this list, and no reaper looks at the
+        old one again."""
         sub = self.sub
-        me = ctx.consumer.name
-        keys = (old, sub.queue, registry_key(sub.queue))
+        t = ctx.target
+        was = dataclasses.replace(t, processing=old)
+        keys = (old, t.processing, registry_key(sub.queue), schedule_key(was), schedule_key(t),
+                receipts_key(old))
         total = 0
         for _ in range(_REAP_ROUNDS):
-            page: list[bytes] = await ctx.client.execute("LRANGE", old, 0, _REAP_PAGE - 1,
-                                                         timeout=FINALIZE_TIMEOUT)
-            if not page:
-                await ctx.client.execute("DEL", receipts_key(old), timeout=FINALIZE_TIMEOUT)
-                break
-            args: list[bytes | str] = [me, ctx.target.processing]
-            for e in page:  # newest first (see REAP)
-                args += [e, bumped(e) or e]
-            n = int(await ctx.client.evalsha(ADOPT, keys, args, timeout=FINALIZE_TIMEOUT))
+            n = int(await ctx.client.evalsha(ADOPT, keys, (ctx.consumer.name, t.processing,
+                                                           _REAP_PAGE), timeout=FINALIZE_TIMEOUT))
             if n <= 0:
-                break  # registered otherwise now, or nothing moved (a page another one took)
+                break  # all moved (or the name is registered otherwise now)
             total += n
         if total:
-            ctx.stats.effects["recovered"] += total
             log.warning("%s: consumer %r was registered with processing list %r before (its "
-                        "settings changed); moved %d element(s) left there back onto the queue",
-                        ctx.name, me, old, total, extra={"subscription": ctx.name})
+                        "settings changed); took over the %d element(s) left there (delivered "
+                        "again as after a restart)", ctx.name, ctx.consumer.name, old, total,
+                        extra={"subscription": ctx.name})
 
     def beat(self, ctx: Context, ttl: float) -> Command:
         """A heartbeat, only while the key is this process's (``_core._identity``)."""
