@@ -21,8 +21,9 @@ import sys
 import time
 
 import trio
+from _procs import serve
 
-from trio_redis_finalize import ACK, Backoff, Delivery, Outcome, ReliableListSubscription, open_consumer
+from trio_redis_finalize import ACK, Delivery, Outcome, ReliableListSubscription
 
 
 def out(line: str) -> None:
@@ -40,17 +41,8 @@ async def main(url: str, queue: str, name: str, heartbeat: float, sleep: float,
         out(f"A {data}")
         return ACK.with_writes(("HINCRBY", "done", data, 1))
 
-    if window is None:
-        sub = ReliableListSubscription(queue, heartbeat=heartbeat, block=0.1)
-    else:
-        sub = ReliableListSubscription(queue, heartbeat=heartbeat, block=0.1, max_attempts=2)
-    async with open_consumer(url, name=name, shutdown_grace=0.0) as consumer:
-        if window is None:
-            await consumer.mount(sub, handler)
-        else:
-            await consumer.mount(sub, handler, on_error=Backoff(base=0.01, cap=0.01, window=window))
-        out("R")
-        await trio.sleep_forever()
+    sub = ReliableListSubscription(queue, heartbeat=heartbeat, block=0.1)
+    await serve(url, name, sub, handler, window)
 
 
 if __name__ == "__main__":

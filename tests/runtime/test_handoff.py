@@ -52,6 +52,17 @@ async def _left(client: Client, form: str) -> int:
     return sum(await client.pipeline([("LLEN", "q"), ("LLEN", "q:processing")]))
 
 
+async def _produce(client: Client, form: str) -> None:
+    """N messages, one every 0.02 s (most reads then take one)."""
+    for i in range(N):
+        body = str(i).encode()
+        if form == "stream":
+            await client.execute("XADD", "s", "*", "n", body)
+        else:
+            await client.execute("LPUSH", "q", body)
+        await anyio.sleep(0.02)
+
+
 @pytest.mark.parametrize("form", ["stream", "list"])
 async def test_a_batch_handlers_outcomes_wait_for_a_stalled_finalizer(
     redis_url: str, client: Client, form: str, monkeypatch: pytest.MonkeyPatch
@@ -78,13 +89,7 @@ async def test_a_batch_handlers_outcomes_wait_for_a_stalled_finalizer(
         await consumer.mount(sub, handler, batch=True)
         # one message per read (each a batch handler call, a list of outcomes
         # on the channel): more lists than the channel holds while it stalls
-        for i in range(N):
-            body = str(i).encode()
-            if form == "stream":
-                await client.execute("XADD", "s", "*", "n", body)
-            else:
-                await client.execute("LPUSH", "q", body)
-            await anyio.sleep(0.02)
+        await _produce(client, form)
         await eventually(lambda: faulty.fired is not None, 10, "the stalled finalization")
 
         async def done() -> bool:
@@ -194,13 +199,7 @@ async def test_the_handler_loops_own_send_cut_at_shutdown_leaves_its_deliveries_
                 open_consumer(faulty, name="c", shutdown_grace=0.5) as consumer:
             faulty.arm(0, fault, cancel=True)  # the first finalization: no reply, ever
             await consumer.mount(sub(), handler)
-            for i in range(N):
-                body = str(i).encode()
-                if form == "stream":
-                    await client.execute("XADD", "s", "*", "n", body)
-                else:
-                    await client.execute("LPUSH", "q", body)
-                await anyio.sleep(0.02)
+            await _produce(client, form)
             # the finalizer stuck, the channel full, the handler loop's own
             # send waiting for room (the flusher idle: no hand_on of its waits)
             mount = consumer.mounts[0]

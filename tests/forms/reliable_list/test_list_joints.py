@@ -19,12 +19,15 @@ identical bytes meet, or a finalization meets the reader's rescan.
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from typing import Any
 
-import anyio
 import pytest
 import trio
-from _procs import eventually
+from _paths import TESTS
+from _procs import child_lines, eventually
 from _rlist import Q, effects, lrange, proc, sub
 
 from trio_redis_finalize import ACK, Backoff, Delivery, Outcome, _shutdown, open_consumer
@@ -215,29 +218,7 @@ async def test_a_restart_with_another_processing_list_takes_the_old_ones_element
 
 # -- a consumer stalled past its heartbeat (SIGSTOP) ---------------------------------------
 
-class Proc:
-    """``tests/_list_proc.py`` as a child process; its stdout lines."""
-
-    def __init__(self, proc: Any) -> None:
-        self.proc = proc
-        self.buf = b""
-        self.lines: list[list[str]] = []
-
-    async def read(self, until: Any, timeout: float) -> bool:
-        """Read lines until one matches ``until`` (True) or ``timeout`` passes (False)."""
-        with trio.move_on_after(timeout):
-            while True:
-                while b"\n" in self.buf:
-                    line, _, self.buf = self.buf.partition(b"\n")
-                    words = line.decode().split()
-                    self.lines.append(words)
-                    if until is not None and until(words):
-                        return True
-                self.buf += await self.proc.stdout.receive()
-        return False
-
-    def started(self) -> list[str]:
-        return [w[1] for w in self.lines if w[:1] == ["H"]]
+LIST_PROC = str(TESTS / "_list_proc.py")
 
 
 async def test_a_stalled_consumer_does_not_start_what_was_moved_back_meanwhile(
@@ -252,50 +233,33 @@ async def test_a_stalled_consumer_does_not_start_what_was_moved_back_meanwhile(
     (at most one: the handler task may take the next one before A learns
     its list was moved), as a stalled stream consumer leaves what another
     claimed meanwhile."""
-    import os
-    import signal
-    import subprocess
-    import sys
-
-    from _paths import TESTS
-
     names = [f"e{i}" for i in range(6)]
     await client.execute("LPUSH", Q, *names)
-    proc = await anyio.open_process(
-        [sys.executable, str(TESTS / "_list_proc.py"), redis_url, Q, "a", "1.0", "1.0"],
-        stdout=subprocess.PIPE, stderr=None,
-    )
-    a = Proc(proc)
     started_by_b: list[str] = []
-    try:
+
+    async def slow(d: Delivery) -> Outcome:
+        started_by_b.append((d.data or b"").decode())
+        await trio.sleep(6.0)
+        return ACK.with_writes(("HINCRBY", "done", (d.data or b"").decode(), 1))
+
+    async with child_lines(LIST_PROC, redis_url, Q, "a", "1.0", "1.0") as a:
         assert await a.read(lambda w: w[:1] == ["H"], 20), a.lines
-        os.kill(proc.pid, signal.SIGSTOP)
+        os.kill(a.proc.pid, signal.SIGSTOP)
         stopped = trio.current_time()
-
-        async def slow(d: Delivery) -> Outcome:
-            started_by_b.append((d.data or b"").decode())
-            await trio.sleep(6.0)
-            return ACK.with_writes(("HINCRBY", "done", (d.data or b"").decode(), 1))
-
         async with open_consumer(redis_url, name="b", shutdown_grace=0.0) as consumer:
             await consumer.mount(sub(heartbeat=1.0), slow, concurrency=10)
             with trio.fail_after(15):  # a bound
                 while len(set(started_by_b)) < 6:
                     await trio.sleep(0.02)
             await trio.sleep(max(0.0, 3.5 - (trio.current_time() - stopped)))
-            os.kill(proc.pid, signal.SIGCONT)
+            os.kill(a.proc.pid, signal.SIGCONT)
             await a.read(None, 2.5)  # A runs 2.5 s: at 1 s per element, time to start 2 more
-            started_by_a = a.started()
+            started_by_a = [w[1] for w in a.words("H")]
             assert sorted(set(started_by_b)) == names
             assert len(started_by_a) <= 2, (started_by_a, a.lines)  # at most one after the resume
-        done = await client.execute("HGETALL", "done")
-        counts = {done[i].decode(): int(done[i + 1]) for i in range(0, len(done), 2)}
-        assert set(counts.values()) <= {1}, counts  # each element's write once
-    finally:
-        os.kill(proc.pid, signal.SIGCONT)
-        proc.kill()
-        with trio.fail_after(5):
-            await proc.wait()
+    done = await client.execute("HGETALL", "done")
+    counts = {done[i].decode(): int(done[i + 1]) for i in range(0, len(done), 2)}
+    assert set(counts.values()) <= {1}, counts  # each element's write once
 
 
 @pytest.mark.parametrize("resume", ["before-due", "after-due"])
@@ -310,55 +274,34 @@ async def test_a_waiting_element_of_a_stalled_consumer_comes_back_once_when_due(
     redelivery then comes when due) or after (B moved it back when due; A's
     redelivery finds it gone).  Either way attempt 2 is handled once, no
     sooner than due, and its write committed once."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from _paths import TESTS
-
-    await client.execute("LPUSH", Q, b"job")
-    child = await anyio.open_process(
-        [sys.executable, str(TESTS / "_list_proc.py"), redis_url, Q, "a", "1.0", "0", str(WINDOW - 1)],
-        stdout=subprocess.PIPE, stderr=None,
-    )
-    a = Proc(child)
     window = WINDOW - 1
+    await client.execute("LPUSH", Q, b"job")
     seen: list[tuple[int, float]] = []
 
     async def record(d: Delivery) -> Outcome:
         seen.append((d.attempt, time.monotonic()))
         return ACK.with_writes(("HINCRBY", "done", (d.data or b"").decode(), 1))
 
-    def by_a() -> list[list[str]]:
-        return [w for w in a.lines if w[:1] == ["H"]]
-
-    try:
+    async with child_lines(LIST_PROC, redis_url, Q, "a", "1.0", "0", str(window)) as a:
         assert await a.read(lambda w: w[:1] == ["H"], 20), a.lines
         failed_at = float(a.lines[-1][3])
         with trio.fail_after(10):  # a bound: the due time written, then A stopped
             while not await client.execute("ZCARD", proc("a") + ":backoff"):
                 await trio.sleep(0.01)
-        os.kill(child.pid, signal.SIGSTOP)
+        os.kill(a.proc.pid, signal.SIGSTOP)
         stopped = trio.current_time()
         backoff = Backoff(base=0.01, cap=0.01, window=window)
         async with open_consumer(redis_url, name="b", shutdown_grace=0.0) as consumer:
             await consumer.mount(sub(heartbeat=1.0, max_attempts=2), record, on_error=backoff)
             await trio.sleep(max(0.0, (2.0 if resume == "before-due" else 5.0)
                                  - (trio.current_time() - stopped)))
-            os.kill(child.pid, signal.SIGCONT)
+            os.kill(a.proc.pid, signal.SIGCONT)
             with trio.fail_after(20):  # a bound
-                while not seen and len(by_a()) < 2:
+                while not seen and len(a.words("H")) < 2:
                     await a.read(lambda w: w[:1] == ["H"], 0.1)
             await a.read(None, 1.5)  # both run on
-        handled = [(at, t) for at, t in seen] + [(int(w[2]), float(w[3])) for w in by_a()[1:]]
-        assert [at for at, _ in handled] == [2], (seen, a.lines)
-        assert handled[0][1] >= failed_at + window - 0.05, (handled, failed_at)
-        assert await client.execute("HGET", "done", "job") == b"1"
-        assert await lrange(client, Q) == [] and await lrange(client, proc("a")) == []
-    finally:
-        os.kill(child.pid, signal.SIGCONT)
-        child.kill()
-        with trio.fail_after(5):
-            await child.wait()
+        handled = [*seen, *((int(w[2]), float(w[3])) for w in a.words("H")[1:])]
+    assert [at for at, _ in handled] == [2], (seen, a.lines)
+    assert handled[0][1] >= failed_at + window - 0.05, (handled, failed_at)
+    assert await client.execute("HGET", "done", "job") == b"1"
+    assert await lrange(client, Q) == [] and await lrange(client, proc("a")) == []

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
-import anyio
 import pytest
 import trio
 from _paths import TESTS
+from _procs import child_lines
 
 from trio_redis_finalize import ACK, Backoff, Delivery, Mode, Outcome, StreamSubscription, open_consumer
 from trio_redis_finalize._transport import Client
@@ -29,29 +27,7 @@ pytestmark = pytest.mark.timeout(90)
 
 S, G = "s", "g"
 WINDOW = 4.0
-PROC = TESTS / "_stream_backoff_proc.py"
-
-
-class Proc:
-    """``tests/_stream_backoff_proc.py`` as a child process; its stdout lines."""
-
-    def __init__(self, proc: anyio.abc.Process) -> None:
-        self.proc = proc
-        self.buf = b""
-        self.lines: list[list[str]] = []
-
-    async def read(self, until: object, timeout: float) -> bool:
-        assert self.proc.stdout is not None
-        with trio.move_on_after(timeout):
-            while True:
-                while b"\n" in self.buf:
-                    line, _, self.buf = self.buf.partition(b"\n")
-                    words = line.decode().split()
-                    self.lines.append(words)
-                    if callable(until) and until(words):
-                        return True
-                self.buf += await self.proc.stdout.receive()
-        return False
+PROC = str(TESTS / "_stream_proc.py")
 
 
 @pytest.mark.parametrize("resume", ["before-due", "after-due"])
@@ -68,11 +44,6 @@ async def test_a_waiting_entry_claimed_from_a_stalled_consumer_comes_back_once_w
     handles nothing more, and nothing is left pending."""
     eid = (await client.execute("XADD", S, "*", "n", "1")).decode()
     await client.execute("XGROUP", "CREATE", S, G, "0")
-    proc = await anyio.open_process(
-        [sys.executable, str(PROC), redis_url, S, G, "a", mode.value, "1.0", str(WINDOW)],
-        stdout=subprocess.PIPE, stderr=None,
-    )
-    a = Proc(proc)
     seen: list[tuple[str, int, float]] = []
 
     async def record(d: Delivery) -> Outcome:
@@ -81,13 +52,13 @@ async def test_a_waiting_entry_claimed_from_a_stalled_consumer_comes_back_once_w
         return ACK
 
     schedule = f"{{{S}}}:backoff:{G}"
-    try:
+    async with child_lines(PROC, redis_url, S, G, "a", mode.value, "1.0", "0", str(WINDOW)) as a:
         assert await a.read(lambda w: w[:1] == ["H"], 20), a.lines
         failed_at = float(a.lines[-1][3])
         with trio.fail_after(10):  # a bound: the due time written, then A stopped
             while not await client.execute("ZCARD", schedule):
                 await trio.sleep(0.01)
-        os.kill(proc.pid, signal.SIGSTOP)
+        os.kill(a.proc.pid, signal.SIGSTOP)
         stopped = trio.current_time()
         sub = StreamSubscription(S, G, mode=mode, min_idle=1.0, block=0.1, max_attempts=2)
         backoff = Backoff(base=0.01, cap=0.01, window=WINDOW)
@@ -100,21 +71,16 @@ async def test_a_waiting_entry_claimed_from_a_stalled_consumer_comes_back_once_w
             # A resumed 2.5 s after its stop (before the entry is due), or 5.5 s
             await trio.sleep(max(0.0, (2.5 if resume == "before-due" else 5.5)
                                  - (trio.current_time() - stopped)))
-            os.kill(proc.pid, signal.SIGCONT)
+            os.kill(a.proc.pid, signal.SIGCONT)
             with trio.fail_after(20):  # a bound
                 while not seen:
                     await trio.sleep(0.02)
             await a.read(None, 2.0)  # A runs on 2 s
             pending = await client.execute("XPENDING", S, G)
-        assert [(i, at) for i, at, _ in seen] == [(eid, 2)], seen
-        assert seen[0][2] >= failed_at + WINDOW - 0.05, (seen, failed_at)
-        assert [w[:3] for w in a.lines if w[:1] == ["H"]] == [["H", eid, "1"]], a.lines
-        assert int(pending[0]) == 0, pending
-    finally:
-        os.kill(proc.pid, signal.SIGCONT)
-        proc.kill()
-        with trio.fail_after(5):
-            await proc.wait()
+    assert [(i, at) for i, at, _ in seen] == [(eid, 2)], seen
+    assert seen[0][2] >= failed_at + WINDOW - 0.05, (seen, failed_at)
+    assert [w[:3] for w in a.words("H")] == [["H", eid, "1"]], a.lines
+    assert int(pending[0]) == 0, pending
 
 
 @pytest.mark.parametrize("stop", ["graceful", "lapsed"])

@@ -40,8 +40,7 @@ from redis import exceptions as rexc
 
 from ..._core._commands import Command
 from ..._core._identity import claim, heartbeat_value, renew
-from ..._core._recovery import SCHEDULE_LEFT, schedule_key, schedule_left, schedule_member
-from ..._core._replies import NOT_RUN, classify
+from ..._core._recovery import schedule_key
 from ..._core.reliable_list.liveness import (
     ADOPT,
     REAP,
@@ -60,6 +59,7 @@ from ..._identity import NameHold
 from ..._shutdown import CLOSING_TIMEOUT, Budget
 from .._port import Context
 from . import ReliableListSubscription
+from .recovery import schedule_lefts
 
 __all__ = ["ListLiveness"]
 
@@ -261,19 +261,8 @@ class ListLiveness:
         (``_due_in``).  A schedule that cannot be read for good (a key of
         another type): none waits, as the rescan does."""
         t = dataclasses.replace(ctx.target, processing=processing)
-        members = [schedule_member(t, None, e) or b"" for e in page]
-        try:
-            reply = await ctx.client.evalsha(SCHEDULE_LEFT, (schedule_key(t),), members,
-                                             timeout=FINALIZE_TIMEOUT)
-        except rexc.ResponseError as err:
-            if classify(err) is NOT_RUN:
-                raise
-            log.warning("%s: reading the Backoff schedule %r failed (%s); the elements of dead "
-                        "consumer's processing list %r go back onto the queue now", ctx.name,
-                        schedule_key(t), err, processing, extra={"subscription": ctx.name})
-            return set()
         out: set[int] = set()
-        for i, (left, _) in enumerate(schedule_left(reply)):
+        for i, left in enumerate(await schedule_lefts(ctx, t, page)):
             if left > 0:
                 out.add(i)
                 self._due_in = left if self._due_in is None else min(self._due_in, left)
