@@ -244,6 +244,69 @@ class Monitor:
         raise AssertionError(f"no {command} {contains!r} from {addr} in {self.lines}")
 
 
+async def serve(url: str, name: str, sub: Any, handler: Any, window: float | None) -> None:
+    """A ``tests/_*_proc.py`` child's consumer: ``sub`` mounted as ``name``
+    (with ``window``: ``max_attempts=2`` and ``on_error=Backoff(base=0.01,
+    cap=0.01, window=window)``), ``R`` written once mounted, until killed."""
+    import dataclasses
+
+    from trio_redis_finalize import Backoff
+
+    async with open_consumer(url, name=name, shutdown_grace=0.0) as consumer:
+        if window is None:
+            await consumer.mount(sub, handler)
+        else:
+            await consumer.mount(dataclasses.replace(sub, max_attempts=2), handler,
+                                 on_error=Backoff(base=0.01, cap=0.01, window=window))
+        os.write(1, b"R\n")
+        await trio.sleep_forever()
+
+
+class ChildLines:
+    """A child process (``proc``) and its stdout, line by line: ``lines``, each
+    split in words (the ``tests/_*_proc.py`` helpers write one line per event)."""
+
+    def __init__(self, proc: anyio.abc.Process) -> None:
+        self.proc = proc
+        self.buf = b""
+        self.lines: list[list[str]] = []
+
+    async def read(self, until: Callable[[list[str]], bool] | None, timeout: float) -> bool:
+        """Read lines until one matches ``until`` (True) or ``timeout`` passes (False)."""
+        assert self.proc.stdout is not None
+        with trio.move_on_after(timeout):
+            while True:
+                while b"\n" in self.buf:
+                    line, _, self.buf = self.buf.partition(b"\n")
+                    words = line.decode().split()
+                    self.lines.append(words)
+                    if until is not None and until(words):
+                        return True
+                self.buf += await self.proc.stdout.receive()
+        return False
+
+    def words(self, first: str) -> list[list[str]]:
+        """The lines read so far that start with ``first``."""
+        return [w for w in self.lines if w[:1] == [first]]
+
+
+@asynccontextmanager
+async def child_lines(*args: str) -> AsyncIterator[ChildLines]:
+    """``python args...`` as a child process, its stdout read line by line; at
+    the end it is resumed (a test may have stopped it: SIGSTOP), killed and
+    waited for."""
+    import signal
+
+    proc = await anyio.open_process([sys.executable, *args], stdout=subprocess.PIPE, stderr=None)
+    try:
+        yield ChildLines(proc)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        with trio.fail_after(5):
+            await proc.wait()
+
+
 async def connection(client: Client, name: str) -> tuple[dict[str, str], str]:
     """The ``CLIENT LIST`` fields of the connection called ``name`` (empty:
     none now), and the whole list."""

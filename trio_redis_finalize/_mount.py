@@ -250,6 +250,11 @@ class Mount:
         self.backoffs.disown(others)
         return dropped
 
+    def drop_unstarted(self, drop: Callable[[Delivery], bool]) -> list[Delivery]:
+        """Deliveries no handler started for which ``drop`` is true: taken out of
+        the work queue, never started (returned; see ``Context.drop_unstarted``)."""
+        return self._queue.remove_where(drop)
+
     # -- lifecycle ----------------------------------------------------------
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         try:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import anyio
 
@@ -101,10 +101,17 @@ class WorkQueue:
 
     def remove(self, ids: set[str]) -> list[Delivery]:
         """Take out the deliveries no handler started whose stream id is in ``ids``."""
+        return self.remove_where(lambda d: d.id in ids)
+
+    def remove_where(self, drop: Callable[[Delivery], bool]) -> list[Delivery]:
+        """Take out the deliveries no handler started for which ``drop`` is true
+        (called once per delivery, in order)."""
         items = self.items
-        out = [d for d in items if d.id in ids]
+        out: list[Delivery] = []
+        keep: list[Delivery] = []
+        for d in items:
+            (out if drop(d) else keep).append(d)
         if out:
-            keep = [d for d in items if d.id not in ids]
             items.clear()
             items.extend(keep)
             if not items:

@@ -25,6 +25,7 @@ from faults.shim import FaultMode, open_fault_client
 from trio_redis_finalize import (
     ACK,
     Delivery,
+    Mode,
     Outcome,
     ReliableListSubscription,
     StreamSubscription,
@@ -49,6 +50,17 @@ async def _left(client: Client, form: str) -> int:
         last = await client.execute("XREVRANGE", "s", "+", "-", "COUNT", 1)
         return pending + (0 if info.get(b"g") == last[0][0] else 1)
     return sum(await client.pipeline([("LLEN", "q"), ("LLEN", "q:processing")]))
+
+
+async def _produce(client: Client, form: str) -> None:
+    """N messages, one every 0.02 s (most reads then take one)."""
+    for i in range(N):
+        body = str(i).encode()
+        if form == "stream":
+            await client.execute("XADD", "s", "*", "n", body)
+        else:
+            await client.execute("LPUSH", "q", body)
+        await anyio.sleep(0.02)
 
 
 @pytest.mark.parametrize("form", ["stream", "list"])
@@ -77,13 +89,7 @@ async def test_a_batch_handlers_outcomes_wait_for_a_stalled_finalizer(
         await consumer.mount(sub, handler, batch=True)
         # one message per read (each a batch handler call, a list of outcomes
         # on the channel): more lists than the channel holds while it stalls
-        for i in range(N):
-            body = str(i).encode()
-            if form == "stream":
-                await client.execute("XADD", "s", "*", "n", body)
-            else:
-                await client.execute("LPUSH", "q", body)
-            await anyio.sleep(0.02)
+        await _produce(client, form)
         await eventually(lambda: faulty.fired is not None, 10, "the stalled finalization")
 
         async def done() -> bool:
@@ -134,3 +140,93 @@ async def test_outcomes_the_ended_finalizer_never_took_stay_pending(
     pending, last = int(info[b"g"][5]), info[b"g"][7]
     read = len(await client.execute("XRANGE", "s", "-", last))
     assert pending == read >= 6  # every entry read is still pending: none was acknowledged
+
+
+async def _finalized(client: Client, form: str) -> dict[bytes, int]:
+    """How many times each message was finalized (each ACK carries its own ``HINCRBY``)."""
+    raw = await client.execute("HGETALL", "done")
+    return {raw[i]: int(raw[i + 1]) for i in range(0, len(raw), 2)}
+
+
+async def _held_after_exit(client: Client, form: str) -> tuple[int, int]:
+    """After the consumer exited: (messages read and still pending in its PEL /
+    its processing list, messages read at all / back on the queue)."""
+    if form == "stream":
+        info = {g[1]: g for g in await client.execute("XINFO", "GROUPS", "s")}
+        last = info[b"g"][7]
+        read = len(await client.execute("XRANGE", "s", "-", last)) if last != b"0-0" else 0
+        return int(info[b"g"][5]), read
+    return int(await client.execute("LLEN", "q:processing")), int(await client.execute("LLEN", "q"))
+
+
+@pytest.mark.parametrize("fault", [FaultMode.BEFORE, FaultMode.AFTER])
+@pytest.mark.parametrize("form", ["stream", "stream-claiming", "list"])
+async def test_the_handler_loops_own_send_cut_at_shutdown_leaves_its_deliveries_pending(
+    redis_url: str, client: Client, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture, form: str, fault: FaultMode,
+) -> None:
+    """Stop 41's decision, checked: the handler loop's ordinary send (not
+    ``hand_on``) keeps its checkpoint, so at a shutdown with a stalled
+    finalizer the grace deadline cuts it while it waits for room in the
+    channel.  Its outcomes are gone, but their deliveries are not: after the
+    consumer exited each message is finalized once (``AFTER``: the stalled
+    request ran, its reply never read) or still pending in the consumer's PEL
+    (a stream, plain or claiming: handed back, idle) or back on the queue (a
+    reliable list: the processing list handed back, nothing left in it), and
+    a restart delivers and finalizes every one of them once."""
+    monkeypatch.setattr(_finalizer, "FINALIZE_TIMEOUT", 60.0)  # the stall outlives the shutdown
+    for module in (_shutdown, _mount):
+        monkeypatch.setattr(module, "FINALIZE_GRACE", 1.0)
+    caplog.set_level(logging.WARNING, logger="trio_redis_finalize")
+    mode = Mode.CLAIMING if form == "stream-claiming" else Mode.PLAIN
+    form = form.split("-")[0]
+    if form == "stream":
+        await client.execute("XGROUP", "CREATE", "s", "g", "$", "MKSTREAM")
+
+    def sub() -> StreamSubscription | ReliableListSubscription:
+        return (StreamSubscription("s", "g", block=0.05, mode=mode) if form == "stream"
+                else ReliableListSubscription("q", processing="q:processing", block=0.05))
+
+    calls: dict[bytes, int] = {}
+
+    async def handler(d: Delivery) -> Outcome:
+        key = (d.data if form == "list" else d.fields[b"n"]) or b""
+        calls[key] = calls.get(key, 0) + 1
+        return ACK.with_writes(("HINCRBY", "done", key, 1))
+
+    with anyio.fail_after(30):  # a bound: the shutdown takes about 0.5 + 1 s
+        async with open_fault_client(redis_url) as faulty, \
+                open_consumer(faulty, name="c", shutdown_grace=0.5) as consumer:
+            faulty.arm(0, fault, cancel=True)  # the first finalization: no reply, ever
+            await consumer.mount(sub(), handler)
+            await _produce(client, form)
+            # the finalizer stuck, the channel full, the handler loop's own
+            # send waiting for room (the flusher idle: no hand_on of its waits)
+            mount = consumer.mounts[0]
+            channel = mount._outcome_send
+            await eventually(lambda: channel.statistics().tasks_waiting_send == 1
+                             and mount.pool._flusher_idle, 10, "the channel full")
+    handled = sum(calls.values())
+    assert set(calls.values()) == {1}, calls
+    first = await _finalized(client, form)
+    assert set(first.values()) <= {1}, first
+    assert len(first) == (1 if fault is FaultMode.AFTER else 0), first  # the stalled request's
+    held, other = await _held_after_exit(client, form)
+    if form == "stream":
+        # every entry read and not finalized is still pending (in the PEL)
+        assert held == other - len(first) >= handled - len(first), (held, other, first)
+    else:
+        # the processing list handed back: nothing is left held by nobody
+        assert held == 0 and other == N - len(first), (held, other, first)
+
+    # a restart delivers and finalizes every message not finalized, once
+    async with open_consumer(redis_url, name="c") as consumer:
+        await consumer.mount(sub(), handler)
+
+        async def all_done() -> bool:
+            return len(await _finalized(client, form)) == N and await _left(client, form) == 0
+
+        await eventually(all_done, 30, lambda: f"every message finalized ({calls=})")
+    done = await _finalized(client, form)
+    assert done == {str(i).encode(): 1 for i in range(N)}, done
+    assert all(calls.get(str(i).encode()) for i in range(N)), calls

@@ -103,6 +103,12 @@ class Context(Protocol):
         unstarted ones taken out of the work queue (returned), all out of ``in_hand``."""
         ...
 
+    def drop_unstarted(self, drop: Callable[[Delivery], bool]) -> list[Delivery]:
+        """Deliveries no handler started for which ``drop`` is true (a reliable
+        list's elements another consumer moved back while this one stalled):
+        taken out of the work queue, never started (returned)."""
+        ...
+
     def defer(self, d: Delivery, delay: float) -> bool:
         """A recovered delivery whose Backoff is due ``delay`` seconds from now:
         held, and delivered again as its next attempt then (the reader's

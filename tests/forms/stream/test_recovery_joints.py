@@ -27,6 +27,7 @@ import anyio
 import pytest
 import trio
 from _paths import TESTS
+from _procs import ChildLines as Proc
 from _procs import eventually
 from faults.cmdproxy import BLACKHOLE, CommandProxy, serving
 
@@ -291,29 +292,6 @@ async def test_the_backoff_schedule_survives_graceful_restarts(
 
 
 # -- 11: a stalled consumer does not take its entries back -----------------------------------
-
-class Proc:
-    """``tests/_stream_proc.py`` as a child process; its stdout lines."""
-
-    def __init__(self, proc: anyio.abc.Process) -> None:
-        self.proc = proc
-        self.buf = b""
-        self.lines: list[list[str]] = []
-
-    async def read(self, until: Callable[[list[str]], bool] | None, timeout: float) -> bool:
-        """Read lines until one matches ``until`` (True) or ``timeout`` passes (False)."""
-        assert self.proc.stdout is not None
-        with trio.move_on_after(timeout):
-            while True:
-                while b"\n" in self.buf:
-                    line, _, self.buf = self.buf.partition(b"\n")
-                    words = line.decode().split()
-                    self.lines.append(words)
-                    if until is not None and until(words):
-                        return True
-                self.buf += await self.proc.stdout.receive()
-        return False
-
 
 @pytest.mark.parametrize("mode", [Mode.RECLAIM, Mode.CLAIMING], ids=["reclaim", "claiming"])
 async def test_a_stalled_consumer_leaves_claimed_entries_with_their_new_owner(

@@ -60,7 +60,9 @@ a dead consumer holds (the stream's side: ``_core.stream.liveness``):
   so what it takes is handed over in turn with the reads.
 * **What is taken.**  A dead list consumer's whole processing list goes back
   onto the queue (page by page, each element's counter bumped in its
-  bytes): nobody else can hold those elements, so no idle guard is needed.
+  bytes): nobody else can hold those elements, so no idle guard is needed;
+  only an element waiting out its Backoff (the schedule beside that list)
+  stays until it is due, as a claimed stream entry waits out the rest.
   A dead stream consumer's entries are claimed into the reaper's own PEL
   (``XCLAIM ... RETRYCOUNT``) only once idle its ``heartbeat`` (the idle
   guard: an entry whose lease a live owner still renews is never taken) and
@@ -85,7 +87,7 @@ from .._lua import WRITES_LUA
 from .._types import content_origin
 
 __all__ = [
-    "BUMP", "DELAYED_COPY", "GIVE_BACK", "REAP", "STOP", "bumped", "dec", "delayed_copy",
+    "ADOPT", "BUMP", "DELAYED_COPY", "GIVE_BACK", "REAP", "STOP", "bumped", "dec", "delayed_copy",
     "doubtful", "heartbeat_key", "legacy_heartbeat_key", "legacy_registry_key", "receipts_key",
     "registry_key", "stop_args", "stranded",
 ]
@@ -162,6 +164,42 @@ return n
 """,
     name="reliable_list_reap", keys=("processing", "queue", "heartbeat", "registry"),
     argv=("consumer", "[element, copy]..."),
+)
+
+# KEYS: old (the processing list this consumer name was registered with
+#   before), processing (its processing list now), registry, old_schedule,
+#   schedule (their Backoff schedules), old_receipts
+# ARGV: consumer (its name), registration (its processing list now), limit
+# A consumer started again under its name with another processing list
+# (changed settings) after its previous process left elements in the old
+# one: its claim re-registered the name with the new list, so no reaper
+# looks at the old one again.  It takes the old list over as its own: up to
+# ``limit`` elements move, as they are, onto the oldest end of the new list
+# (in their order), and once the old list is empty its Backoff schedule is
+# merged into the new one's (the later due time of a member kept, the
+# longer expiry) and its receipts go; the start's rescan then counts and
+# delivers them as a restart does.  Gated on the registry naming this
+# consumer with the new list still (the name is this process's).  Returns
+# the number moved, or -1 when the name is registered otherwise now.
+ADOPT = Script(
+    """
+if redis.call('HGET', KEYS[3], ARGV[1]) ~= ARGV[2] then return -1 end
+local n, limit = 0, tonumber(ARGV[3])
+while n < limit and redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT') do n = n + 1 end
+if redis.call('LLEN', KEYS[1]) == 0 then
+  if redis.call('EXISTS', KEYS[4]) == 1 then
+    local ttl = math.max(redis.call('PTTL', KEYS[4]), redis.call('PTTL', KEYS[5]))
+    redis.call('ZUNIONSTORE', KEYS[5], 2, KEYS[5], KEYS[4], 'AGGREGATE', 'MAX')
+    if ttl > 0 then redis.call('PEXPIRE', KEYS[5], ttl) end
+    redis.call('DEL', KEYS[4])
+  end
+  redis.call('DEL', KEYS[6])
+end
+return n
+""",
+    name="reliable_list_adopt",
+    keys=("old", "processing", "registry", "old_schedule", "schedule", "old_receipts"),
+    argv=("consumer", "registration", "limit"),
 )
 
 # KEYS: processing (the own processing list), queue, heartbeat (the own

@@ -19,7 +19,8 @@ stream's liveness); this module sends the commands and keeps the times:
   registry (both namings) is read; a registered consumer whose heartbeat key
   is gone (``PTTL`` -2) is dead: its processing list goes back onto the
   queue page by page (:data:`REAP`, gated on the key still being absent,
-  each element's counter bumped);
+  each element's counter bumped), but for the elements waiting out a
+  Backoff (the schedule beside that list): those go once due;
 * **hand-back** (:meth:`ListLiveness.hand_back`, phase 6 of the shutdown):
   what is left in the own processing list goes back onto the queue at once
   (:data:`STOP`), then the consumer deregisters once the list is empty;
@@ -28,16 +29,20 @@ stream's liveness); this module sends the commands and keeps the times:
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 
 import anyio
 from redis import exceptions as rexc
 
 from ..._core._commands import Command
 from ..._core._identity import claim, heartbeat_value, renew
+from ..._core._recovery import schedule_key
 from ..._core.reliable_list.liveness import (
+    ADOPT,
     REAP,
     STOP,
     bumped,
@@ -54,6 +59,7 @@ from ..._identity import NameHold
 from ..._shutdown import CLOSING_TIMEOUT, Budget
 from .._port import Context
 from . import ReliableListSubscription
+from .recovery import schedule_lefts
 
 __all__ = ["ListLiveness"]
 
@@ -81,10 +87,14 @@ class ListLiveness:
       registry entry deleted).
     """
 
-    def __init__(self, sub: ReliableListSubscription) -> None:
+    def __init__(self, sub: ReliableListSubscription,
+                 lapsed: Callable[[Context], Awaitable[object]] | None = None) -> None:
         self.sub = sub
+        self._lapsed = lapsed  # called after a beat that came too late to keep the key alive
+        self.beat_at = 0.0  # when the last heartbeat that went through was sent
         self._name_hold = NameHold()  # this consumer name's heartbeat (_identity)
         self._lapse: float | None = None  # seconds until the first live peer's heartbeat lapses
+        self._due_in: float | None = None  # seconds until a dead one's first waiting element is due
         self._looked = False  # the first look for dead consumers (at mount) was made
 
     # -- heartbeat ------------------------------------------------------------------
@@ -96,9 +106,45 @@ class ListLiveness:
                 legacy_heartbeat_key(sub.queue, me), legacy_registry_key(sub.queue))
         value = heartbeat_value(ctx.consumer.token, sub.heartbeat)
         processing = ctx.target.processing
+        self.beat_at = anyio.current_time()
+        # what the name was registered with before (another processing list: changed settings)
+        found = await ctx.client.pipeline(
+            [("HGETALL", registry_key(sub.queue)), ("HGET", legacy_registry_key(sub.queue), me)],
+            timeout=FINALIZE_TIMEOUT)
+        flat, legacy = found
+        before = dict(zip(flat[::2], flat[1::2], strict=True))
         await self._name_hold.claim(
             ctx, lambda takeover: claim(keys, value, sub.heartbeat, takeover, me, processing),
             heartbeat_key(sub.queue, me), legacy_heartbeat_key(sub.queue, me), FINALIZE_TIMEOUT)
+        others = {p for n, p in before.items() if n != me.encode()}
+        for old in (before.get(me.encode()), legacy):
+            if old is not None and old != processing.encode() and old not in others:
+                await self._adopt(ctx, old.decode())
+
+    async def _adopt(self, ctx: Context, old: str) -> None:
+        """Take over the processing list this name was registered with before
+        (:data:`ADOPT`): what it holds moves into this one, its Backoff
+        schedule with it, so the start's rescan counts and delivers those
+        elements as a restart does (those waiting out a Backoff wait out the
+        rest); the name now registers this list, and no reaper looks at the
+        old one again."""
+        sub = self.sub
+        t = ctx.target
+        was = dataclasses.replace(t, processing=old)
+        keys = (old, t.processing, registry_key(sub.queue), schedule_key(was), schedule_key(t),
+                receipts_key(old))
+        total = 0
+        for _ in range(_REAP_ROUNDS):
+            n = int(await ctx.client.evalsha(ADOPT, keys, (ctx.consumer.name, t.processing,
+                                                           _REAP_PAGE), timeout=FINALIZE_TIMEOUT))
+            if n <= 0:
+                break  # all moved (or the name is registered otherwise now)
+            total += n
+        if total:
+            log.warning("%s: consumer %r was registered with processing list %r before (its "
+                        "settings changed); took over the %d element(s) left there (delivered "
+                        "again as after a restart)", ctx.name, ctx.consumer.name, old, total,
+                        extra={"subscription": ctx.name})
 
     def beat(self, ctx: Context, ttl: float) -> Command:
         """A heartbeat, only while the key is this process's (``_core._identity``)."""
@@ -108,16 +154,42 @@ class ListLiveness:
                      heartbeat_value(ctx.consumer.token, sub.heartbeat), ttl, me,
                      ctx.target.processing)
 
+    def late(self) -> bool:
+        """Whether no heartbeat went through for ``heartbeat`` seconds: the key
+        may have lapsed, and a live consumer moved the processing list back
+        onto the queue (this process stalled, its event loop blocked, or Redis
+        was out of reach)."""
+        return anyio.current_time() - self.beat_at >= self.sub.heartbeat
+
+    async def renew_now(self, ctx: Context) -> None:
+        """A heartbeat now (the key back, if it lapsed: no reaper moves anything from then on)."""
+        sent = anyio.current_time()
+        await self._name_hold.renew(ctx, self.beat(ctx, self.sub.heartbeat), FINALIZE_TIMEOUT)
+        self.beat_at = max(self.beat_at, sent)
+
     async def heartbeat(self, ctx: Context) -> None:
-        every = self.sub.heartbeat / 3
+        """Renew the heartbeat every ``heartbeat / 3``.  A beat that went
+        through after the key may have lapsed (:meth:`late`) calls ``lapsed``
+        (the reader's look at what it holds that is no longer there)."""
+        sub = self.sub
+        every = sub.heartbeat / 3
         while True:
             await anyio.sleep(every)
+            was_late = self.late()
             try:
-                await self._name_hold.renew(ctx, self.beat(ctx, self.sub.heartbeat), FINALIZE_TIMEOUT)
+                await self.renew_now(ctx)
             except (rexc.ConnectionError, rexc.TimeoutError, rexc.ResponseError, OSError) as e:
                 log.warning("%s: heartbeat failed (%s); other consumers may take over this "
                             "consumer's processing list after %.1f s without one",
-                            ctx.name, e, self.sub.heartbeat)
+                            ctx.name, e, sub.heartbeat)
+                continue
+            if was_late and self._lapsed is not None:
+                try:
+                    await self._lapsed(ctx)
+                except (rexc.ConnectionError, rexc.TimeoutError, rexc.ResponseError, OSError) as e:
+                    log.warning("%s: looking at processing list %r after a late heartbeat "
+                                "failed: %s", ctx.name, ctx.target.processing, e,
+                                extra={"subscription": ctx.name})
 
     async def last_beat(self, ctx: Context) -> None:
         """The last heartbeat: the handlers and the finalizer may still finish what
@@ -138,6 +210,8 @@ class ListLiveness:
                 await self.reap(ctx)
                 if self._lapse is not None:
                     wait = min(wait, self._lapse + _LAPSE_MARGIN)
+                if self._due_in is not None:
+                    wait = min(wait, self._due_in + _LAPSE_MARGIN)
             except (rexc.ConnectionError, rexc.TimeoutError, rexc.ResponseError, OSError) as e:
                 log.warning("%s: looking for dead consumers failed: %s", ctx.name, e)
             await anyio.sleep(wait)
@@ -148,6 +222,7 @@ class ListLiveness:
         client = ctx.client
         me = ctx.consumer.name.encode()
         self._lapse = None
+        self._due_in = None
         flat, old = await client.pipeline(
             [("HGETALL", registry_key(sub.queue)), ("HGETALL", legacy_registry_key(sub.queue))],
             timeout=FINALIZE_TIMEOUT)
@@ -177,6 +252,22 @@ class ListLiveness:
             await self._watch_notes(ctx, watch)
         return moved
 
+    async def _not_due(self, ctx: Context, processing: str, page: list[bytes]) -> set[int]:
+        """The indexes of ``page`` (elements of a dead consumer's processing
+        list) whose Backoff is not due yet, by the schedule beside that list
+        (``_core._recovery``, the server's clock): a restart of that name
+        would let them wait out the rest, and so does the reaper.  The
+        reaper's next look comes no later than the first is due
+        (``_due_in``).  A schedule that cannot be read for good (a key of
+        another type): none waits, as the rescan does."""
+        t = dataclasses.replace(ctx.target, processing=processing)
+        out: set[int] = set()
+        for i, left in enumerate(await schedule_lefts(ctx, t, page)):
+            if left > 0:
+                out.add(i)
+                self._due_in = left if self._due_in is None else min(self._due_in, left)
+        return out
+
     def _keys_of(self, name: str, old_naming: bool) -> tuple[str, str]:
         """A consumer's heartbeat key and registry, in the naming it registered with."""
         q = self.sub.queue
@@ -202,16 +293,24 @@ class ListLiveness:
 
     async def _reap_one(self, ctx: Context, name: str, processing: str,
                         old_naming: bool = False) -> int:
+        """Move a dead consumer's processing list back onto the queue, page by
+        page; an element waiting out its Backoff (its schedule beside that
+        list, :meth:`_not_due`) stays until it is due (the list then stays
+        registered, and the reaper looks again by then)."""
         sub = self.sub
         client = ctx.client
         keys = (processing, sub.queue, *self._keys_of(name, old_naming))
         total = 0
+        kept = 0  # elements left waiting: at the head of the list, each page read after them
         for _ in range(_REAP_ROUNDS):
-            page: list[bytes] = await client.execute("LRANGE", processing, 0, _REAP_PAGE - 1,
-                                                     timeout=FINALIZE_TIMEOUT)
+            page: list[bytes] = await client.execute(
+                "LRANGE", processing, kept, kept + _REAP_PAGE - 1, timeout=FINALIZE_TIMEOUT)
+            wait = await self._not_due(ctx, processing, page) if page else set()
+            kept += len(wait)
             args: list[bytes | str] = [name]
-            for e in page:  # newest first (see REAP)
-                args += [e, bumped(e) or e]
+            for i, e in enumerate(page):  # newest first (see REAP)
+                if i not in wait:
+                    args += [e, bumped(e) or e]
             n = int(await client.evalsha(REAP, keys, args, timeout=FINALIZE_TIMEOUT))
             if n < 0:
                 break  # it came back
@@ -220,6 +319,10 @@ class ListLiveness:
                 # its delayed copies' receipts: a dead consumer resends none
                 await client.execute("DEL", receipts_key(processing), timeout=FINALIZE_TIMEOUT)
                 break
+        if kept:
+            log.info("%s: %d element(s) in processing list %r of dead consumer %r wait out the "
+                     "rest of their Backoff before they go back onto the queue", ctx.name, kept,
+                     processing, name, extra={"subscription": ctx.name})
         if total:
             ctx.stats.effects["recovered"] += total
             log.warning("%s: consumer %r stopped its heartbeat; moved %d element(s) of its "
@@ -273,7 +376,7 @@ class ListLiveness:
         if kept and int(left) <= kept:
             log.info("%s: consumer %r stopped with %d element(s) waiting for their Backoff in "
                      "processing list %r: delivered when due by this name started again, or by "
-                     "a live consumer once its heartbeat lapses", ctx.name, me, int(left),
+                     "a live consumer once its heartbeat lapsed and they are due", ctx.name, me, int(left),
                      t.processing, extra={"subscription": ctx.name})
         elif int(left):
             log.warning("%s: consumer %r stopped with elements left in processing list %r; a "

@@ -29,9 +29,9 @@ from ..._core._finalize import Gates
 from ..._core._replies import describe_error
 from ..._core._types import Effect, Plan, Target
 from ..._core.reliable_list.gates import ListGates
-from ..._core.reliable_list.liveness import GIVE_BACK
+from ..._core.reliable_list.liveness import GIVE_BACK, dec
 from ..._core.reliable_list.scripts import MOVE_DUE_TO_LIST
-from ..._deadlines import OWN_LOOK_EVERY, READ_MARGIN, backoff, log
+from ..._deadlines import FINALIZE_TIMEOUT, OWN_LOOK_EVERY, READ_MARGIN, backoff, log
 from ..._delivery import Delivery
 from ..._subscription import DelayedRetry
 from ..._transport import Connection
@@ -113,8 +113,9 @@ class ReliableListReader:
         self._blmove: Command = ()
         self._lmove: Command = ()
         self._abandoned = 0  # elements given back unstarted at the shutdown (abandon)
+        self._handing: list[Delivery] | None = None  # a read's, while the hand-over waits for room
         self._recovery = ListRecovery(sub, self._gates)
-        self._liveness = ListLiveness(sub)
+        self._liveness = ListLiveness(sub, self._lapsed)
 
     @property
     def pending(self) -> Pending:
@@ -232,6 +233,10 @@ class ReliableListReader:
             await anyio.sleep(backoff(0))  # a little (the elements read are handed over)
         if not elements:
             return
+        if self._liveness.late():  # the read may have come back after a reaper moved them
+            elements = await self._lapsed(ctx, elements, renew=True)
+            if not elements:
+                return
         gates = self._gates
         gates.unsent.update(elements)  # held (_hold), all at once
         gates.in_hand.update(elements)
@@ -239,9 +244,67 @@ class ReliableListReader:
         before = anyio.current_time()
         # the one hand-over: cut by the shutdown before a handler had them, they
         # go back onto the queue (abandon; the finalizer counts the gates)
-        await ctx.deliver(ready, direct, give_back=True)
+        self._handing = ready
+        try:
+            await ctx.deliver(ready, direct, give_back=True)
+        finally:
+            self._handing = None
         self._tune(anyio.current_time() - before, self._previous)
         self._previous = len(elements)
+
+    async def _lapsed(self, ctx: Context, read: Sequence[bytes] = (),
+                      renew: bool = False) -> list[bytes]:
+        """No heartbeat went through for ``heartbeat`` seconds (this process
+        stalled): a live consumer may have moved the processing list back onto
+        the queue meanwhile, and be handling those elements.  Once the key is
+        back (``renew``: sent here first; no reaper moves anything from then
+        on), what this reader holds is compared with the processing list: the
+        elements no handler started that are no longer there are dropped,
+        never started, whether in the work queue or waiting for room there (a
+        handler running one finishes; its removal finds its gate closed), as
+        a stalled stream consumer drops what was claimed from it; of ``read``
+        (a read's elements not handed over yet), those still there are
+        returned.  Identical bytes are told apart by count only: a
+        copy whose removal is answered meanwhile may make one copy too many
+        look gone; dropped, it stays in the processing list, unheld, for the
+        next rescan."""
+        if renew:
+            await self._liveness.renew_now(ctx)
+        t = ctx.target
+        items: list[bytes] = await ctx.client.execute("LRANGE", t.processing, 0, -1,
+                                                      timeout=FINALIZE_TIMEOUT)
+        there = Counter(items)
+        gates = self._gates
+        held = gates.in_hand
+        gone = {e: k - there[e] for e, k in held.items() if k > there[e]}
+
+        def take(d: Delivery) -> bool:
+            k = gone.get(d.raw or b"", 0)
+            if k <= 0:
+                return False
+            gone[d.raw or b""] = k - 1
+            return True
+
+        dropped = ctx.drop_unstarted(take) if gone else []
+        waiting = self._handing  # a read's deliveries waiting for room in the work queue
+        if gone and waiting:
+            keep: list[Delivery] = []
+            for d in waiting:
+                (dropped if take(d) else keep).append(d)
+            waiting[:] = keep  # in place: the work queue takes them from this list once it has room
+        for d in dropped:
+            if d.raw is not None:
+                dec(gates.unsent, d.raw)
+                dec(gates.in_hand, d.raw)
+        room = Counter({e: k - held.get(e, 0) for e, k in there.items() if k > held.get(e, 0)})
+        kept = [e for e in read if dec(room, e)]
+        if dropped or len(kept) < len(read):
+            log.warning("%s: %d element(s) read and not started are no longer in processing "
+                        "list %r (moved back onto the queue while this consumer stalled past "
+                        "its heartbeat); not started here", ctx.name,
+                        len(dropped) + len(read) - len(kept), t.processing,
+                        extra={"subscription": ctx.name})
+        return kept
 
     def failed(self, ctx: Context, err: Exception) -> float | None:
         self._rescan_planned = True  # a lost BLMOVE reply strands an element

@@ -30,7 +30,7 @@ from redis import exceptions as rexc
 from ..._core._decode import list_delivery
 from ..._core._recovery import SCHEDULE_LEFT, schedule_key, schedule_left, schedule_member
 from ..._core._replies import NOT_RUN, classify
-from ..._core._types import Plan
+from ..._core._types import Plan, Target
 from ..._core.reliable_list.gates import ListGates
 from ..._core.reliable_list.liveness import BUMP, bumped, dec, doubtful, stranded
 from ..._deadlines import FINALIZE_TIMEOUT, log
@@ -39,11 +39,30 @@ from ..._transport import Connection
 from .._port import Context
 from . import ReliableListSubscription
 
-__all__ = ["ListRecovery"]
+__all__ = ["ListRecovery", "schedule_lefts"]
 
 _RECHECK = 1.0
 """Seconds after a rescan that may have taken a stranded copy for an identical
 one finalized meanwhile before the processing list is looked at again."""
+
+
+async def schedule_lefts(ctx: Context, t: Target, elements: Sequence[bytes]) -> list[float]:
+    """Seconds until each of ``elements`` of processing list ``t.processing``
+    is due by its Backoff schedule (``_core._recovery``, the server's clock;
+    0: due, or not scheduled).  A schedule that cannot be read for good (its
+    key of another type ...): all due, logged; one that did not run raises."""
+    members = [schedule_member(t, None, e) or b"" for e in elements]
+    try:
+        reply = await ctx.client.evalsha(SCHEDULE_LEFT, (schedule_key(t),), members,
+                                         timeout=FINALIZE_TIMEOUT)
+    except rexc.ResponseError as err:
+        if classify(err) is NOT_RUN:
+            raise
+        log.warning("%s: reading the Backoff schedule %r failed (%s); %d element(s) of "
+                    "processing list %r are delivered now", ctx.name, schedule_key(t), err,
+                    len(elements), t.processing, extra={"subscription": ctx.name})
+        return [0.0] * len(elements)
+    return [left for left, _ in schedule_left(reply)]
 
 
 class ListRecovery:
@@ -189,19 +208,9 @@ class ListRecovery:
         server's clock: a restart while they waited): held, they wait out the
         rest and come back as their next attempt (the mount's redeliverer)."""
         t = ctx.target
-        members = [schedule_member(t, None, e) or b"" for e, _ in elements]
-        try:
-            reply = await ctx.client.evalsha(SCHEDULE_LEFT, (schedule_key(t),), members,
-                                             timeout=FINALIZE_TIMEOUT)
-        except rexc.ResponseError as err:
-            if classify(err) is NOT_RUN:
-                raise
-            # final (the key is of another type ...): the rescan goes on without it
-            log.warning("%s: reading the Backoff schedule %r failed (%s); %d element(s) are "
-                        "delivered now", ctx.name, schedule_key(t), err, len(elements))
-            return set()
+        lefts = await schedule_lefts(ctx, t, [e for e, _ in elements])
         out: set[int] = set()
-        for i, ((e, _), (left, _a)) in enumerate(zip(elements, schedule_left(reply), strict=True)):
+        for i, ((e, _), left) in enumerate(zip(elements, lefts, strict=True)):
             if left <= 0:
                 continue
             d, plan = list_delivery(t, self.sub.queue, e)

@@ -434,6 +434,8 @@ class OwnPel:
         # until handed over: a recovery after a failure in between counts them alike
         self._taking.update(counts)
         try:
+            # failed under a Backoff and not due yet: they wait out the rest, as a claim's
+            entries = await claimed_waits(ctx, entries) if entries else entries
             await self.deliver_taken(ctx, entries, counts, gone)
         finally:
             for eid in ids:
