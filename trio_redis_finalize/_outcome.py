@@ -229,7 +229,8 @@ class Backoff:
     to a sorted set beside the source (``{stream}:backoff:<group>``, or
     ``<processing list>:backoff``; each expires a minute after its last due
     time).  A consumer that restarts (gracefully or after a crash) -- or
-    that claims the entry of a stopped consumer -- lets a delivery still
+    that claims the entry of a stopped consumer, or takes over a dead or
+    stopped consumer's work -- lets a delivery still
     waiting wait out the rest, then delivers it as its next attempt; only a
     stop between the failure and that write (one round trip) loses the
     schedule, and the delivery is then recovered at once, as before.
