@@ -44,9 +44,10 @@ below) when shutdown begins (``t0``), times every phase.
    lapse): each mount's reader gets its ``closed`` step (``CLOSING_TIMEOUT``,
    all at once).  A stream consumer runs one script
    (``_core._presence.STOP``): what is still pending for it -- read and not
-   started (its count set back by phase 3), cut by the grace, waiting for a
-   backoff -- is made idle at once (``XCLAIM ... IDLE``, owner and delivery
-   count unchanged), its heartbeat key is deleted and its registration
+   started (its count set back by phase 3, or here should the finalizer
+   never have sent that give-back: stuck on a stalled request), cut by the
+   grace, waiting for a backoff -- is made idle at once (``XCLAIM ... IDLE``,
+   owner and delivery count unchanged), its heartbeat key is deleted and its registration
    becomes the stopped mark, which the group's live consumers honour at their
    next look (they probe the registry every ``STOP_PROBE`` = 0.5 s): they
    take those entries within about a second, at the attempt each had (a cut
@@ -54,7 +55,8 @@ below) when shutdown begins (``t0``), times every phase.
    their delay).  With nothing pending it is deleted from the group and the
    registry.  A reliable-list consumer moves what is left in its processing
    list back onto the queue (a cut or waiting element counted, as the reaper
-   would), then deletes its heartbeat key and registration.  "handed back N"
+   would; one given back unstarted whose give-back was never answered, not),
+   then deletes its heartbeat key and registration.  "handed back N"
    is logged once per mount.  Should this step fail (the server silent), the
    last heartbeat (phase 1) lapses and a live consumer takes the work over,
    as after a crash.

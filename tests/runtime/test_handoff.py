@@ -230,3 +230,77 @@ async def test_the_handler_loops_own_send_cut_at_shutdown_leaves_its_deliveries_
     done = await _finalized(client, form)
     assert done == {str(i).encode(): 1 for i in range(N)}, done
     assert all(calls.get(str(i).encode()) for i in range(N)), calls
+
+
+async def _read(client: Client, form: str) -> int:
+    """Messages read and not finalized: pending (stream), in the processing list (list)."""
+    if form == "stream":
+        return int((await client.execute("XPENDING", "s", "g"))[0])
+    return int(await client.execute("LLEN", "q:processing"))
+
+
+@pytest.mark.parametrize("form", ["stream", "list"])
+async def test_deliveries_no_handler_started_come_back_at_their_attempt_past_a_stalled_finalizer(
+    redis_url: str, client: Client, monkeypatch: pytest.MonkeyPatch, form: str,
+) -> None:
+    """docs/guarantees.rst: what was read and never started at a graceful
+    stop is given back without counting an attempt (stream: its delivery
+    count set back; reliable list: back onto the queue, uncounted).  Here
+    the finalizer is stuck on its first request (no reply until long after
+    the shutdown) when the stop gives them back: a restart must still
+    deliver every message no handler started at attempt 1 -- only the one
+    whose ACK stalled (``0``) and the one whose handler the grace cut
+    (``1``) ran, and come back at attempt 2."""
+    monkeypatch.setattr(_finalizer, "FINALIZE_TIMEOUT", 60.0)  # the stall outlives the shutdown
+    for module in (_shutdown, _mount):
+        monkeypatch.setattr(module, "FINALIZE_GRACE", 1.0)
+    n = 10
+    if form == "stream":
+        await client.execute("XGROUP", "CREATE", "s", "g", "$", "MKSTREAM")
+    for i in range(n):
+        if form == "stream":
+            await client.execute("XADD", "s", "*", "n", str(i))
+        else:
+            await client.execute("LPUSH", "q", str(i))
+
+    def sub() -> StreamSubscription | ReliableListSubscription:
+        return (StreamSubscription("s", "g", block=0.05) if form == "stream"
+                else ReliableListSubscription("q", processing="q:processing", block=0.05))
+
+    first: dict[bytes, list[int]] = {}
+    second: dict[bytes, list[int]] = {}
+    seen = first
+
+    async def handler(d: Delivery) -> Outcome:
+        key = (d.data if form == "list" else d.fields[b"n"]) or b""
+        seen.setdefault(key, []).append(d.attempt)
+        if seen is first and key == b"1":
+            await anyio.sleep_forever()  # started: cut by the grace, its attempt counts
+        return ACK
+
+    with anyio.fail_after(30):  # a bound: the shutdown takes about 0.5 + 1 s
+        async with open_fault_client(redis_url) as faulty, \
+                open_consumer(faulty, name="c", shutdown_grace=0.5) as consumer:
+            faulty.arm(0, FaultMode.BEFORE, cancel=True)  # 0's ACK: no reply, ever
+            await consumer.mount(sub(), handler)
+            await eventually(lambda: faulty.fired is not None, 10, "the stalled finalization")
+
+            async def read_ahead() -> bool:  # 0, 1 and at least two no handler started
+                return await _read(client, form) >= 4
+
+            await eventually(read_ahead, 10, "deliveries read ahead of the handler")
+    assert sorted(first) == [b"0", b"1"], first  # no other handler started
+
+    # a restart (same name) delivers every message not finalized
+    seen = second
+    async with open_consumer(redis_url, name="c") as consumer:
+        await consumer.mount(sub(), handler)
+
+        async def all_done() -> bool:
+            return await _left(client, form) == 0
+
+        await eventually(all_done, 30, lambda: f"every message finalized ({second=})")
+    # the two that ran: their attempt counted; the rest: as if never read
+    expected = {str(i).encode(): [2 if i < 2 else 1] for i in range(n)}
+    wrong = {k: v for k, v in second.items() if expected.get(k) != v}
+    assert second == expected, f"attempts seen after the restart, not as expected: {wrong}"

@@ -99,6 +99,9 @@ class ListGates:
         self.forget: list[bytes] = []
         self.rescan_wanted = False
         self.target: Target | None = None
+        # elements given back unstarted (the reader's abandon) whose give-back
+        # was not answered yet: still held, but no handler ran on them
+        self.giving: Counter[bytes] = Counter()
 
     def hold(self, raw: bytes) -> None:
         """One more copy of ``raw`` delivered."""
@@ -267,6 +270,7 @@ class ListGates:
                 for g in back[::2] if back is not None else ():
                     if isinstance(g, bytes):
                         dec(held, g)
+                        dec(self.giving, g)
                 continue
             self._settled(element, list_copies(cmd), r)
 

@@ -331,7 +331,8 @@ class ListLiveness:
         return total
 
     # -- the stop ---------------------------------------------------------------------
-    async def hand_back(self, ctx: Context, held: dict[bytes, int], abandoned: int) -> None:
+    async def hand_back(self, ctx: Context, held: dict[bytes, int], abandoned: int,
+                        late: int = 0) -> None:
         """After the shutdown: hand back onto the queue what is left in the
         processing list (cut by the grace, waiting for a backoff: counted as
         an attempt, as the reaper would, but at once; stranded by a read cut
@@ -340,7 +341,9 @@ class ListLiveness:
 
         ``held``: what a handler ran on (held, or left pending after a
         failure), a multiset counted down as the pages go; ``abandoned``: the
-        elements the reader gave back unstarted at the shutdown (logged)."""
+        elements the reader gave back unstarted at the shutdown (logged);
+        ``late``: how many of those are still here (their give-back was never
+        answered), moved back here, uncounted (not in ``held``)."""
         sub = self.sub
         me = ctx.consumer.name
         t = ctx.target
@@ -371,8 +374,9 @@ class ListLiveness:
             ctx.stats.effects["handed_back"] += moved
             log.info("%s: consumer %r handed back %d element(s) onto the queue: %d read and not "
                      "started (their attempt not counted), %d left by handlers cut by the grace "
-                     "or held for a backoff (counted)", ctx.name, me, abandoned + moved,
-                     abandoned, moved, extra={"subscription": ctx.name})
+                     "or held for a backoff (counted)", ctx.name, me,
+                     abandoned + max(moved - late, 0), abandoned, max(moved - late, 0),
+                     extra={"subscription": ctx.name})
         if kept and int(left) <= kept:
             log.info("%s: consumer %r stopped with %d element(s) waiting for their Backoff in "
                      "processing list %r: delivered when due by this name started again, or by "

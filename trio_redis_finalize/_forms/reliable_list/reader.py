@@ -138,6 +138,7 @@ class ReliableListReader:
         """
         raws = [d.raw for d in deliveries if d.raw is not None]
         self._abandoned += len(raws)
+        self._gates.giving.update(raws)  # until its reply: no attempt of theirs to count
         return self._give_back_plan(raws)
 
     def _give_back_plan(self, raws: Sequence[bytes]) -> Plan | None:
@@ -319,6 +320,9 @@ class ReliableListReader:
         """After the shutdown: what is left in the processing list back onto
         the queue, then deregister (:meth:`~.liveness.ListLiveness.hand_back`)."""
         # what a handler ran on (held, or left pending after a failure): counted down
-        # as the pages go
-        held = dict(Counter(self._gates.in_hand) + Counter(self._gates.leftover))
-        await self._liveness.hand_back(ctx, held, self._abandoned)
+        # as the pages go; not what was given back unstarted and is still held
+        # (the finalizer never sent its give-back: stalled until the deadline)
+        gates = self._gates
+        late = gates.giving
+        held = dict(Counter(gates.in_hand) + Counter(gates.leftover) - late)
+        await self._liveness.hand_back(ctx, held, self._abandoned, sum(late.values()))

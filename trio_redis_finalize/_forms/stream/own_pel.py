@@ -258,8 +258,10 @@ class OwnPel:
         # count (AS_IS: the server count as it is), until handed over: a
         # recovery after a failure in between counts them alike (no bump twice).
         self._taking: dict[bytes, int | None] = {}
-        # Ids given back unstarted at shutdown (abandon): handed back at the stop.
-        self.abandoned: set[str] = set()
+        # Ids given back unstarted at shutdown (abandon), with the delivery count
+        # each was handed with: handed back at the stop (the reader's ``closed``
+        # sets back those whose give-back the finalizer never sent).
+        self.abandoned: dict[str, int] = {}
 
     # -- the mount's give-back (a stop, a cancelled hand-over) ----------------------
     def abandon(self, deliveries: Sequence[Delivery]) -> Plan | None:
@@ -271,7 +273,7 @@ class OwnPel:
         a handler call that never happened.
         """
         given = as_handed([d.id for d in deliveries if d.id is not None], self._given)
-        self.abandoned.update(eid for eid, _ in given)
+        self.abandoned.update(given)
         return give_back(self.sub.stream, self.sub.group, self.me, given)
 
     # -- recovery ---------------------------------------------------------------

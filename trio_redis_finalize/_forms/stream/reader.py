@@ -22,11 +22,12 @@ from redis import exceptions as rexc
 from ..._core._recovery import LEASE, lease_lost
 from ..._core._replies import NOT_RUN, BusyGroupError, classify, error_code
 from ..._core._types import Plan
-from ..._core.stream.decode import as_str, id_key, read_entries
+from ..._core.stream.decode import as_str, give_back, id_key, read_entries
 from ..._core.stream.liveness import lease_every
 from ..._core.stream.scripts import move_due_to_stream
 from ..._deadlines import FINALIZE_TIMEOUT, OWN_LOOK_EVERY, READ_MARGIN, log
 from ..._delivery import Delivery
+from ..._shutdown import CLOSING_TIMEOUT
 from ..._subscription import DelayedRetry, Mode
 from ..._transport import Client, Connection
 from .._delay_set import move_due
@@ -228,8 +229,34 @@ class StreamReader:
         once idle ``heartbeat``)."""
         waiting = {d.id for d in ctx.backing_off()}
         ids = [i for i in (*ctx.in_hand, *self.own_pel.abandoned) if i not in waiting]
+        try:
+            await self._set_back(ctx)
+        except (rexc.RedisError, OSError) as e:
+            log.warning("%s: setting back the delivery counts of entries read and not started "
+                        "failed (%s): they come back one attempt higher", ctx.name, e,
+                        extra={"subscription": ctx.name})
         await self._presence.deregister(
             ctx, ids, whole=self.sub.mode is not Mode.CLAIMING and not waiting)
+
+    async def _set_back(self, ctx: Context) -> None:
+        """The give-back of the entries read and not started at the stop, once
+        more, for those the finalizer never sent it for (stuck on a stalled
+        request until the shutdown's deadline): each still pending for this
+        consumer with the delivery count it was handed with gets its count set
+        back now (``XCLAIM ... RETRYCOUNT``), so the hand-back returns it at
+        the attempt it had.  One whose count was set back already, or pending
+        for another consumer now, is left as it is."""
+        given = self.own_pel.abandoned
+        if not given:
+            return
+        sub, me = self.sub, ctx.consumer.name
+        ids = sorted(given, key=id_key)
+        rows = await ctx.client.pipeline(
+            [("XPENDING", sub.stream, sub.group, i, i, 1, me) for i in ids], timeout=CLOSING_TIMEOUT)
+        late = [(i, given[i]) for i, r in zip(ids, rows, strict=True) if r and int(r[0][3]) == given[i]]
+        p = give_back(sub.stream, sub.group, me, late)
+        if p is not None:
+            await ctx.client.pipeline(list(p.commands), timeout=CLOSING_TIMEOUT)
 
     def _plan_recovery(self) -> None:
         """Look at the own PEL before the next read (CLAIMING: its claims do)."""
