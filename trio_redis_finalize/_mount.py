@@ -200,7 +200,11 @@ class Mount:
         queue; simple list, ``RPUSH`` back; Pub/Sub, logged and gone), with
         ``direct``'s plans not sent yet: handed to the finalizer on ``send``,
         shielded, within ``FINALIZE_GRACE``; should that fail (the finalizer
-        gone) they stay where they are (pending; a simple list's are lost), logged."""
+        gone) they stay where they are (pending; a simple list's are lost),
+        logged.  Streams and reliable lists finish it at their readers'
+        ``closed`` step (the stop, after the finalizer ended: a stream's counts
+        set back there, a reliable list's hand-back does not count them), also
+        when the finalizer took the give-back but never sent it."""
         items = list(direct)
         plan = self.reader.abandon(unstarted) if unstarted else None
         if plan is not None:
