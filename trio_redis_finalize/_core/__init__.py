@@ -18,12 +18,14 @@ What every form shares:
 * ``_batch``: a finalizer batch's first round (fast path, XACK merging, batched calls).
 * ``_finalize``, ``_settlement``, ``_gates``: a finalizer batch from outcomes to settled
   effects: every round, resend, count and log record (the finalizer task only does the I/O).
-* ``_writes``: an outcome's writes, in its form's gated step.
+* ``_writes``: an outcome's writes, in its form's gated step; ``_carrying``: what
+  the gated forms' cells share (``GatedCells``); ``_hot_writes``: ACKs and DROPs
+  carrying writes without a plan per delivery.
 * ``_decode``: what every form's decoding of a read shares.
 * ``_identity``, ``_recovery``, ``_caps``: one process per consumer name; refused
   finalizations, Backoff schedules and leases; what the server can do.
 
-A form's own rules: ``stream/`` (cells, batched calls, attempts, decoding,
+A form's own rules: ``stream/`` (cells, batched calls, decoding with the attempt rules,
 liveness and the look at a group, retention, scripts) and ``reliable_list/``
 (cells, counted gates, liveness, scripts).
 """
