@@ -372,11 +372,11 @@ class ListLiveness:
             return
         if moved or abandoned:
             ctx.stats.effects["handed_back"] += moved
+            counted = max(moved - late, 0)  # (the late give-backs: among the abandoned)
             log.info("%s: consumer %r handed back %d element(s) onto the queue: %d read and not "
                      "started (their attempt not counted), %d left by handlers cut by the grace "
-                     "or held for a backoff (counted)", ctx.name, me,
-                     abandoned + max(moved - late, 0), abandoned, max(moved - late, 0),
-                     extra={"subscription": ctx.name})
+                     "or held for a backoff (counted)", ctx.name, me, abandoned + counted,
+                     abandoned, counted, extra={"subscription": ctx.name})
         if kept and int(left) <= kept:
             log.info("%s: consumer %r stopped with %d element(s) waiting for their Backoff in "
                      "processing list %r: delivered when due by this name started again, or by "
