@@ -29,12 +29,15 @@ import trio
 from _paths import TESTS
 from _procs import child_lines, eventually
 from _rlist import Q, effects, lrange, proc, sub
+from faults.cmdproxy import BLACKHOLE, LOST, CommandProxy, error, serving
 
 from trio_redis_finalize import ACK, Backoff, Delivery, Outcome, _shutdown, open_consumer
-from trio_redis_finalize._core.reliable_list.liveness import registry_key
+from trio_redis_finalize._core.reliable_list.liveness import ADOPT, registry_key
+from trio_redis_finalize._forms.reliable_list import liveness as _list_liveness
 from trio_redis_finalize._forms.reliable_list import reader as _reader
 from trio_redis_finalize._forms.reliable_list.recovery import ListRecovery
 from trio_redis_finalize._transport import Client
+from trio_redis_finalize.testing import RedisServer
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -305,3 +308,52 @@ async def test_a_waiting_element_of_a_stalled_consumer_comes_back_once_when_due(
     assert handled[0][1] >= failed_at + window - 0.05, (handled, failed_at)
     assert await client.execute("HGET", "done", "job") == b"1"
     assert await lrange(client, Q) == [] and await lrange(client, proc("a")) == []
+
+
+@pytest.mark.parametrize("fault", ["lost", "blackhole", "OOM", "READONLY"])
+async def test_a_fault_at_the_take_over_of_the_old_processing_list_leaves_it_to_the_next_mount(
+    redis_server: RedisServer, flavour: str, client: Client, monkeypatch: pytest.MonkeyPatch,
+    fault: str,
+) -> None:
+    """As above (``in-hand``), but the restart's ``reliable_list_adopt`` meets a
+    lost reply, a silent link or a refusal: that ``mount()`` may fail (in time,
+    with an error); mounted again, with no fault, the consumer still takes
+    ``p1`` over and ``job`` is delivered once more, as attempt 2.  The old
+    list must not be forgotten because the claim re-registered the name with
+    ``p2`` before the take-over failed."""
+    started = trio.Event()
+    seen: list[int] = []
+
+    async def first(d: Delivery) -> Outcome:
+        started.set()
+        await trio.sleep_forever()
+        raise AssertionError("not reached")
+
+    async def record(d: Delivery) -> Outcome:
+        seen.append(d.attempt)
+        return ACK
+
+    faults = {"lost": LOST, "blackhole": BLACKHOLE}
+    with trio.fail_after(60):  # a bound
+        async with open_consumer(redis_server.url, name="a", shutdown_grace=0.0) as a:
+            await a.mount(sub(heartbeat=0.5, processing="{jobs}:p1"), first)
+            await client.execute("LPUSH", Q, b"job")
+            await started.wait()
+            monkeypatch.setattr(a.mounts[0], "deregister", _nothing)  # no hand-back
+        monkeypatch.setattr(_list_liveness, "FINALIZE_TIMEOUT", 0.5)
+        async with serving(CommandProxy(redis_server.port, flavour=flavour)) as proxy:
+            proxy.arm(f"EVALSHA:{ADOPT.name}", faults.get(fault) or error(fault))
+            try:
+                async with open_consumer(proxy.url, name="a", takeover=True) as a2:
+                    await a2.mount(sub(heartbeat=0.5, processing="{jobs}:p2"), record)
+                    await eventually(lambda: seen, 10, "job delivered again")
+            except Exception:
+                pass
+            assert proxy.fired, proxy
+        if not seen:
+            async with open_consumer(redis_server.url, name="a", takeover=True) as a3:
+                await a3.mount(sub(heartbeat=0.5, processing="{jobs}:p2"), record)
+                await eventually(lambda: seen, 15, "the element left in p1 delivered again")
+                await eventually(lambda: effects(a3).get("acked", 0) == 1, 10, "acked")
+    assert seen == [2], seen
+    assert await lrange(client, "{jobs}:p1") == [] and await lrange(client, Q) == []

@@ -88,7 +88,8 @@ from .._types import content_origin
 
 __all__ = [
     "ADOPT", "BUMP", "DELAYED_COPY", "GIVE_BACK", "REAP", "STOP", "bumped", "dec", "delayed_copy",
-    "doubtful", "heartbeat_key", "legacy_heartbeat_key", "legacy_registry_key", "receipts_key",
+    "doubtful", "heartbeat_key", "legacy_heartbeat_key", "legacy_registry_key", "moved_key",
+    "receipts_key",
     "registry_key", "stop_args", "stranded",
 ]
 
@@ -96,6 +97,13 @@ __all__ = [
 def registry_key(queue: str) -> str:
     """The hash of the queue's consumers (name -> processing list)."""
     return named(queue, "list-consumers")
+
+
+def moved_key(queue: str) -> str:
+    """The hash of the processing lists consumer names left for another
+    (changed settings: old list -> the name), until :data:`ADOPT` emptied
+    them: a take-over that failed is made again at the name's next mount."""
+    return named(queue, "list-moved")
 
 
 def heartbeat_key(queue: str, consumer: str) -> str:
@@ -168,7 +176,7 @@ return n
 
 # KEYS: old (the processing list this consumer name was registered with
 #   before), processing (its processing list now), registry, old_schedule,
-#   schedule (their Backoff schedules), old_receipts
+#   schedule (their Backoff schedules), old_receipts, moved (moved_key)
 # ARGV: consumer (its name), registration (its processing list now), limit
 # A consumer started again under its name with another processing list
 # (changed settings) after its previous process left elements in the old
@@ -177,7 +185,7 @@ return n
 # ``limit`` elements move, as they are, onto the oldest end of the new list
 # (in their order), and once the old list is empty its Backoff schedule is
 # merged into the new one's (the later due time of a member kept, the
-# longer expiry) and its receipts go; the start's rescan then counts and
+# longer expiry), its receipts go and so does its note in moved; the start's rescan then counts and
 # delivers them as a restart does.  Gated on the registry naming this
 # consumer with the new list still (the name is this process's).  Returns
 # the number moved, or -1 when the name is registered otherwise now.
@@ -194,11 +202,12 @@ if redis.call('LLEN', KEYS[1]) == 0 then
     redis.call('DEL', KEYS[4])
   end
   redis.call('DEL', KEYS[6])
+  redis.call('HDEL', KEYS[7], KEYS[1])
 end
 return n
 """,
     name="reliable_list_adopt",
-    keys=("old", "processing", "registry", "old_schedule", "schedule", "old_receipts"),
+    keys=("old", "processing", "registry", "old_schedule", "schedule", "old_receipts", "moved"),
     argv=("consumer", "registration", "limit"),
 )
 

@@ -50,6 +50,7 @@ from ..._core.reliable_list.liveness import (
     heartbeat_key,
     legacy_heartbeat_key,
     legacy_registry_key,
+    moved_key,
     receipts_key,
     registry_key,
     stop_args,
@@ -107,19 +108,26 @@ class ListLiveness:
         value = heartbeat_value(ctx.consumer.token, sub.heartbeat)
         processing = ctx.target.processing
         self.beat_at = anyio.current_time()
-        # what the name was registered with before (another processing list: changed settings)
-        found = await ctx.client.pipeline(
-            [("HGETALL", registry_key(sub.queue)), ("HGET", legacy_registry_key(sub.queue), me)],
-            timeout=FINALIZE_TIMEOUT)
-        flat, legacy = found
+        # what the name was registered with before (another processing list:
+        # changed settings), and what an earlier take-over of such a list left
+        moved = moved_key(sub.queue)
+        flat, legacy, noted = await ctx.client.pipeline(
+            [("HGETALL", registry_key(sub.queue)), ("HGET", legacy_registry_key(sub.queue), me),
+             ("HGETALL", moved)], timeout=FINALIZE_TIMEOUT)
         before = dict(zip(flat[::2], flat[1::2], strict=True))
+        mine = me.encode()
+        others = {p for n, p in before.items() if n != mine}
+        left = [p for p, n in zip(noted[::2], noted[1::2], strict=True) if n == mine]
+        olds = [p for p in dict.fromkeys((before.get(mine), legacy, *left))
+                if p is not None and p != processing.encode() and p not in others]
+        if new := [p for p in olds if p not in left]:  # noted before the claim re-registers
+            await ctx.client.execute("HSET", moved, *[x for p in new for x in (p, me)],
+                                     timeout=FINALIZE_TIMEOUT)
         await self._name_hold.claim(
             ctx, lambda takeover: claim(keys, value, sub.heartbeat, takeover, me, processing),
             heartbeat_key(sub.queue, me), legacy_heartbeat_key(sub.queue, me), FINALIZE_TIMEOUT)
-        others = {p for n, p in before.items() if n != me.encode()}
-        for old in (before.get(me.encode()), legacy):
-            if old is not None and old != processing.encode() and old not in others:
-                await self._adopt(ctx, old.decode())
+        for old in olds:
+            await self._adopt(ctx, old.decode())
 
     async def _adopt(self, ctx: Context, old: str) -> None:
         """Take over the processing list this name was registered with before
@@ -132,7 +140,7 @@ class ListLiveness:
         t = ctx.target
         was = dataclasses.replace(t, processing=old)
         keys = (old, t.processing, registry_key(sub.queue), schedule_key(was), schedule_key(t),
-                receipts_key(old))
+                receipts_key(old), moved_key(sub.queue))
         total = 0
         for _ in range(_REAP_ROUNDS):
             n = int(await ctx.client.evalsha(ADOPT, keys, (ctx.consumer.name, t.processing,
