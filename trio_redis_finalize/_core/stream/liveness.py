@@ -1,9 +1,11 @@
-"""Stream consumers' liveness, sans-IO: heartbeat keys, the group's registry,
-the lease period, the reaper's and the stop's scripts.
+"""Stream consumers' liveness, sans-IO: the heartbeat, the lease period, the
+stop's script.
 
-What a look at the group decides (who is alive, who is dead, what to take,
-what to warn about) is in :mod:`.survey` (its names are re-exported here);
-``_forms/stream/liveness.py`` sends the commands and keeps the times.
+A look at the group -- the keys it reads, what it decides (who is alive, who
+is dead, what to take, what to warn about) and the reaper's script -- is in
+:mod:`.survey` (its names are re-exported here): one module for all a
+catch-up's look uses.  ``_forms/stream/liveness.py`` sends the commands and
+keeps the times.
 
 A stream mount keeps two keys beside its stream (in its hash slot):
 
@@ -96,14 +98,13 @@ The mirror paragraph is in ``_core/reliable_list/liveness.py``.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Collection, Sequence
 
-from ..._keys import derived, named
 from ..._subscription import Mode
 from .._commands import Command, Script
 from .._identity import HEARTBEAT_FLOOR, claim, heartbeat_value, renew
 from .survey import (
+    REAP,
     Heartbeat,
     Peer,
     Reap,
@@ -111,10 +112,14 @@ from .survey import (
     Registration,
     Survey,
     consumer_rows,
+    heartbeat_key,
+    legacy_heartbeat_key,
+    legacy_registry_key,
     parse_reap,
     peers,
     registration,
     registry,
+    registry_key,
     survey,
     warnings,
     watch_notes,
@@ -139,30 +144,6 @@ HANDED_BACK_IDLE_MS = 10**12
 back: past every ``heartbeat`` and ``min_idle``, below the server's clock
 (``XCLAIM ... IDLE`` must not reach before the epoch)."""
 
-
-
-@functools.lru_cache(maxsize=4096)
-def registry_key(stream: str, group: str) -> str:
-    """The hash of the library's consumers of ``group`` (name -> registration)."""
-    return named(stream, "stream-consumers", group)
-
-
-@functools.lru_cache(maxsize=4096)
-def heartbeat_key(stream: str, group: str, consumer: str) -> str:
-    """The key whose TTL says ``consumer`` of ``group`` is alive."""
-    return named(stream, "stream-heartbeat", group, consumer)
-
-
-@functools.lru_cache(maxsize=4096)
-def legacy_registry_key(stream: str, group: str) -> str:
-    """:func:`registry_key` of the naming before (not one-to-one; read only)."""
-    return derived(stream, f":consumers:{group}")
-
-
-@functools.lru_cache(maxsize=4096)
-def legacy_heartbeat_key(stream: str, group: str, consumer: str) -> str:
-    """:func:`heartbeat_key` of the naming before (not one-to-one; read only)."""
-    return derived(stream, f":heartbeat:{group}:{consumer}")
 
 
 def lease_every(mode: Mode, min_idle: float, heartbeat: float) -> float:
@@ -226,54 +207,6 @@ def stop_probe(flat: Sequence[bytes], me: str, seen: Collection[tuple[str, float
             out.append((name, reg.at))
     return out
 
-
-# KEYS: stream, heartbeat (the dead consumer's heartbeat key), registry
-# ARGV: group, dead (the dead consumer), me, min_idle_ms, page, ids... (id, id, ...)
-# Gated on the heartbeat key being absent (the consumer came back: -1).
-# Takes each id (the reaper looked them up: XPENDING ... IDLE, at most `page`)
-# that is still pending for the dead consumer and idle `min idle`, with its
-# delivery count one higher (the crash counts as an attempt); one another
-# consumer took meanwhile is not pending for the dead one any more, one
-# touched since is not idle enough: racing reapers take each entry once.
-# Then, when nothing is pending for the dead consumer any more, deletes it
-# from the group and from the registry.
-# Returns {taken, gone, wait, forgotten}: taken = {id, fields, count} each;
-# gone = ids the stream no longer has (Redis 6.2 claims them as nil, 7+ drops
-# them from the PEL); wait = ms until the next entry left is idle enough (-1:
-# none left, or page 0: nothing is to be taken); forgotten = 1 when the
-# consumer was deleted.
-REAP = Script(
-    """
-if redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
-local group, dead, me = ARGV[1], ARGV[2], ARGV[3]
-local min_idle, page = tonumber(ARGV[4]), tonumber(ARGV[5])
-local taken, gone = {}, {}
-for i = 6, #ARGV do
-  local p = redis.call('XPENDING', KEYS[1], group, 'IDLE', min_idle, ARGV[i], ARGV[i], 1, dead)
-  if #p > 0 then
-    local n = tonumber(p[1][4]) + 1
-    local c = redis.call('XCLAIM', KEYS[1], group, me, 0, ARGV[i], 'RETRYCOUNT', n)
-    if c[1] then taken[#taken + 1] = {c[1][1], c[1][2], n} else gone[#gone + 1] = ARGV[i] end
-  end
-end
-local rest = redis.call('XPENDING', KEYS[1], group, '-', '+', math.max(page, 1), dead)
-if #rest == 0 then
-  redis.call('XGROUP', 'DELCONSUMER', KEYS[1], group, dead)
-  redis.call('HDEL', KEYS[3], dead)
-  return {taken, gone, -1, 1}
-end
-local wait = -1
-if page > 0 then
-  for _, r in ipairs(rest) do
-    local w = math.max(0, min_idle - tonumber(r[3]))
-    if wait < 0 or w < wait then wait = w end
-  end
-end
-return {taken, gone, wait, 0}
-""",
-    name="stream_reap", keys=("stream", "heartbeat", "registry"),
-    argv=("group", "dead", "me", "min_idle_ms", "page", "ids..."),
-)
 
 # KEYS: stream, heartbeat (the own heartbeat key), registry
 # ARGV: group, consumer, stopped (the stopped mark), idle_ms, all (1: the

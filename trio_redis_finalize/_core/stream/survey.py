@@ -5,30 +5,62 @@ decides (:func:`survey`): ``XINFO CONSUMERS`` (:func:`consumer_rows`), the
 registry (``HGETALL``, :func:`registry`) and the ``PTTL`` of each registered
 consumer's heartbeat key sort its consumers into alive, stopped, lapsed and
 none (:func:`peers`; the states are described in :mod:`.liveness`, which
-holds the keys, the heartbeat and the scripts); a lapsed or stopped one's
-entries are taken by :data:`~.liveness.REAP` calls (:class:`Reap`, its reply
+holds the heartbeat, the lease and the stop); a lapsed or stopped one's
+entries are taken by :data:`REAP` calls (:class:`Reap`, its reply
 :func:`parse_reap`), stranded work is warned about (:func:`warnings`,
-:func:`watch_notes`).  ``_forms/stream/liveness.py`` sends the commands.
+:func:`watch_notes`).  The keys a look reads are named here
+(:func:`registry_key`, :func:`heartbeat_key`, and those of the naming before),
+and the heartbeat writes them.  ``_forms/stream/liveness.py`` sends the
+commands.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import logging
 import time
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
+from ..._keys import derived, named
 from ..._subscription import Mode
-from .._commands import Command
+from .._commands import Command, Script
 from .._finalize import Record
 from .decode import Entry
 
 __all__ = [
-    "Heartbeat", "Peer", "Reap", "Reaped", "Registration", "Survey", "consumer_rows",
-    "parse_reap", "peers", "registration", "registry", "survey", "warnings", "watch_notes",
+    "REAP", "Heartbeat", "Peer", "Reap", "Reaped", "Registration", "Survey", "consumer_rows",
+    "heartbeat_key", "legacy_heartbeat_key", "legacy_registry_key", "parse_reap", "peers",
+    "registration", "registry", "registry_key", "survey", "warnings", "watch_notes",
 ]
+
+
+# -- the keys a look reads (the heartbeat writes them: :mod:`.liveness`) ----------------
+
+@functools.lru_cache(maxsize=4096)
+def registry_key(stream: str, group: str) -> str:
+    """The hash of the library's consumers of ``group`` (name -> registration)."""
+    return named(stream, "stream-consumers", group)
+
+
+@functools.lru_cache(maxsize=4096)
+def heartbeat_key(stream: str, group: str, consumer: str) -> str:
+    """The key whose TTL says ``consumer`` of ``group`` is alive."""
+    return named(stream, "stream-heartbeat", group, consumer)
+
+
+@functools.lru_cache(maxsize=4096)
+def legacy_registry_key(stream: str, group: str) -> str:
+    """:func:`registry_key` of the naming before (not one-to-one; read only)."""
+    return derived(stream, f":consumers:{group}")
+
+
+@functools.lru_cache(maxsize=4096)
+def legacy_heartbeat_key(stream: str, group: str, consumer: str) -> str:
+    """:func:`heartbeat_key` of the naming before (not one-to-one; read only)."""
+    return derived(stream, f":heartbeat:{group}:{consumer}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -152,7 +184,7 @@ def peers(rows: Sequence[tuple[str, int, int | None]], registered: Mapping[str, 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Reap:
-    """One :data:`~.liveness.REAP` call a look decided."""
+    """One :data:`REAP` call a look decided."""
 
     peer: Peer
     page: int
@@ -165,7 +197,7 @@ class Reap:
         return max(1, round(self.min_idle * 1000))
 
     def candidates(self, stream: str, group: str) -> Command:
-        """The ``XPENDING`` of the entries :data:`~.liveness.REAP` is to take (idle enough, one page)."""
+        """The ``XPENDING`` of the entries :data:`REAP` is to take (idle enough, one page)."""
         return ("XPENDING", stream, group, "IDLE", self.min_idle_ms, "-", "+", self.page,
                 self.peer.name)
 
@@ -190,7 +222,7 @@ class Survey:
 def survey(me: str, mode: Mode, heartbeat: float, page: int, found: Sequence[Peer]) -> Survey:
     """Sort the group's consumers (see the module docstring) for consumer ``me``.
 
-    ``page``: entries one :data:`~.liveness.REAP` takes at most.  A dead consumer's
+    ``page``: entries one :data:`REAP` takes at most.  A dead consumer's
     entries are taken once idle its own registered heartbeat (this
     consumer's ``heartbeat`` when unreadable).
     """
@@ -210,7 +242,7 @@ def survey(me: str, mode: Mode, heartbeat: float, page: int, found: Sequence[Pee
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Reaped:
-    """A :data:`~.liveness.REAP` reply."""
+    """A :data:`REAP` reply."""
 
     entries: list[Entry]
     counts: dict[bytes, int]
@@ -222,7 +254,7 @@ class Reaped:
 
 
 def parse_reap(reply: Any) -> Reaped | None:
-    """A :data:`~.liveness.REAP` reply; None when the consumer's heartbeat came back."""
+    """A :data:`REAP` reply; None when the consumer's heartbeat came back."""
     if not isinstance(reply, list):
         return None
     taken, gone, wait, forgotten = reply
@@ -316,3 +348,54 @@ def watch_notes(name: str, found: Survey, now: float) -> list[Record]:
                     (name, _n(p.pending), p.name, _utc(now + p.ttl), p.ttl),
                     {"subscription": name}))
     return out
+
+
+# -- the take-over of a lapsed or stopped consumer's entries ----------------------------
+
+# KEYS: stream, heartbeat (the dead consumer's heartbeat key), registry
+# ARGV: group, dead (the dead consumer), me, min_idle_ms, page, ids... (id, id, ...)
+# Gated on the heartbeat key being absent (the consumer came back: -1).
+# Takes each id (the reaper looked them up: XPENDING ... IDLE, at most `page`)
+# that is still pending for the dead consumer and idle `min idle`, with its
+# delivery count one higher (the crash counts as an attempt); one another
+# consumer took meanwhile is not pending for the dead one any more, one
+# touched since is not idle enough: racing reapers take each entry once.
+# Then, when nothing is pending for the dead consumer any more, deletes it
+# from the group and from the registry.
+# Returns {taken, gone, wait, forgotten}: taken = {id, fields, count} each;
+# gone = ids the stream no longer has (Redis 6.2 claims them as nil, 7+ drops
+# them from the PEL); wait = ms until the next entry left is idle enough (-1:
+# none left, or page 0: nothing is to be taken); forgotten = 1 when the
+# consumer was deleted.
+REAP = Script(
+    """
+if redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
+local group, dead, me = ARGV[1], ARGV[2], ARGV[3]
+local min_idle, page = tonumber(ARGV[4]), tonumber(ARGV[5])
+local taken, gone = {}, {}
+for i = 6, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], group, 'IDLE', min_idle, ARGV[i], ARGV[i], 1, dead)
+  if #p > 0 then
+    local n = tonumber(p[1][4]) + 1
+    local c = redis.call('XCLAIM', KEYS[1], group, me, 0, ARGV[i], 'RETRYCOUNT', n)
+    if c[1] then taken[#taken + 1] = {c[1][1], c[1][2], n} else gone[#gone + 1] = ARGV[i] end
+  end
+end
+local rest = redis.call('XPENDING', KEYS[1], group, '-', '+', math.max(page, 1), dead)
+if #rest == 0 then
+  redis.call('XGROUP', 'DELCONSUMER', KEYS[1], group, dead)
+  redis.call('HDEL', KEYS[3], dead)
+  return {taken, gone, -1, 1}
+end
+local wait = -1
+if page > 0 then
+  for _, r in ipairs(rest) do
+    local w = math.max(0, min_idle - tonumber(r[3]))
+    if wait < 0 or w < wait then wait = w end
+  end
+end
+return {taken, gone, wait, 0}
+""",
+    name="stream_reap", keys=("stream", "heartbeat", "registry"),
+    argv=("group", "dead", "me", "min_idle_ms", "page", "ids..."),
+)

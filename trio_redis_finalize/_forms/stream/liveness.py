@@ -45,13 +45,17 @@ from ..._core._replies import FINAL, classify, error_code
 from ..._core.stream.decode import Entry
 from ..._core.stream.liveness import (
     HANDED_BACK_IDLE_MS,
-    REAP,
     STOP,
     STOP_PROBE,
-    Heartbeat,
-    Survey,
     beat,
     claim_name,
+    stop_probe,
+    stopped_value,
+)
+from ..._core.stream.survey import (
+    REAP,
+    Heartbeat,
+    Survey,
     consumer_rows,
     heartbeat_key,
     legacy_heartbeat_key,
@@ -60,8 +64,6 @@ from ..._core.stream.liveness import (
     peers,
     registry,
     registry_key,
-    stop_probe,
-    stopped_value,
     survey,
     warnings,
     watch_notes,
@@ -82,7 +84,7 @@ _LAPSE_MARGIN = 0.005
 Adopt = Callable[[Context, list[bytes], list[Entry], dict[bytes, int], list[bytes]],
                  Awaitable[None]]
 """The own PEL's hand-over (``own_pel.OwnPel.adopt``) of what a
-:data:`~._core.stream.liveness.REAP` of the
+:data:`~._core.stream.survey.REAP` of the
 candidate ids took into its PEL (the entries, the delivery count each has
 now) and of the ids the stream no longer has."""
 
@@ -90,7 +92,7 @@ now) and of the ids the stream no longer has."""
 class StreamPresence:
     """The heartbeat, reaper and deregistration of one stream mount (see the module docstring).
 
-    ``claiming(ids)``: called before a :data:`~._core.stream.liveness.REAP` that
+    ``claiming(ids)``: called before a :data:`~._core.stream.survey.REAP` that
     may take ``ids`` is sent (a reply lost then may have moved them into the
     own PEL unseen, their count raised already); ``adopt``: called with what
     it took.
@@ -189,7 +191,7 @@ class StreamPresence:
         """Look at the group, take over dead consumers, warn about stranded work.
 
         Per dead consumer whose entries are to be taken: an ``XPENDING ...
-        IDLE`` of one page of candidates, then :data:`~._core.stream.liveness.REAP`
+        IDLE`` of one page of candidates, then :data:`~._core.stream.survey.REAP`
         (which takes each only while still pending for it and idle enough).
 
         Errors propagate (a step of the read loop: logged, backed off, tried
