@@ -237,13 +237,52 @@ def test_requeue_one_asks_first_then_moves_it_back(redis_url: str, backend: str,
         status, _, html = await b.post(DEAD_PATH + "/delete", {"scope": "all"})
         assert f"This will delete 1 message from {DEAD}" in html
         status, _, _ = await b.post(DEAD_PATH + "/delete", {"scope": "all", "confirm": "yes"})
-        assert status == 303 and not await client.execute("EXISTS", DEAD)
+        assert status == 303 and int(await client.execute("XLEN", DEAD)) == 0  # (XTRIM: key kept)
 
     caplog.set_level(logging.INFO, "trio_redis_finalize.dashboard")
     run_with_client(backend, redis_url, main, trouble=True)
     logged = [r.getMessage() for r in caplog.records if r.name == "trio_redis_finalize.dashboard"]
     assert any(re.search(r"ops requeued 1 message from \{orders\}:dead \(scope ids", m) for m in logged)
     assert any("ops deleted 1 message" in m for m in logged)
+
+
+def confirmation(html: str) -> dict[str, list[str]]:
+    """The confirmation form's hidden fields, as a browser posts them."""
+    out: dict[str, list[str]] = {}
+    for name, value in re.findall(r"<input type='hidden' name='([^']*)' value='([^']*)'>", html):
+        out.setdefault(unescape(name), []).append(unescape(value))
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_confirmation_acts_only_on_what_its_dry_run_counted(redis_url: str, backend: str) -> None:
+    """A consumer dead-letters while the operator reads the confirmation: the
+    confirmed requeue (by reason) and delete (all) act on the entries the dry
+    run counted, and the one written since stays.  Before, the confirmation
+    planned again and the delete took the newer entry too, unseen."""
+    async def main(client: Client) -> None:
+        b = Browser(dashboard.app(client, token="t"), {"authorization": "Bearer t"})
+        await b.get(DEAD_PATH)
+        ids = await dead_ids(client)
+        ((_, flat),) = await client.execute("XRANGE", DEAD, ids[0], ids[0])
+        reason = dict(zip(flat[::2], flat[1::2], strict=True))[b"trf-dead-reason"].decode()
+
+        async def dead_lettered_meanwhile() -> str:  # a copy of a dead letter, its reason alike
+            return (await client.execute("XADD", DEAD, "*", *flat)).decode()
+
+        status, _, html = await b.post(DEAD_PATH + "/requeue", {"scope": "reason", "reason": reason})
+        assert status == 200 and f"requeue {BAD} messages" in html
+        late = await dead_lettered_meanwhile()
+        status, _, _ = await b.post(DEAD_PATH + "/requeue", confirmation(html))
+        assert status == 303 and await dead_ids(client) == [late]
+        status, _, html = await b.post(DEAD_PATH + "/delete", {"scope": "all"})
+        assert f"This will delete 1 message from {DEAD}" in html
+        later = await dead_lettered_meanwhile()
+        status, headers, _ = await b.post(DEAD_PATH + "/delete", confirmation(html))
+        assert status == 303 and "deleted+1+message" in headers["location"]
+        assert await dead_ids(client) == [later]
+
+    run_with_client(backend, redis_url, main, trouble=True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -9,6 +9,8 @@ the server), and the history record's bounds and faults.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from typing import Any
 
@@ -17,6 +19,7 @@ import pytest
 from _dashboard_scenario import BAD, DEAD, GROUP, LAG, STRANDED, STREAM, make_trouble
 
 from trio_redis_finalize import Mode, _history
+from trio_redis_finalize._core._plan import why_key
 from trio_redis_finalize._core.stream import liveness as presence
 from trio_redis_finalize._dashboard import _render
 from trio_redis_finalize._dashboard._data import LAG_CAP, Row, dead_letter, overview, subscription
@@ -271,6 +274,43 @@ async def test_a_reliable_list_in_trouble(redis_url: str) -> None:
         assert await apply(client, p) == 2
         assert int(await client.execute("LLEN", "jobs")) == before + 2
         assert not await client.execute("EXISTS", "{jobs}:dead")
+
+
+async def test_a_confirmed_list_action_acts_only_on_what_its_dry_run_counted(redis_url: str) -> None:
+    """A list dead letter that grew between the dry run and the confirmation (a
+    consumer dead-lettered meanwhile, ``LPUSH`` at the head): a delete of all
+    deletes nothing and says so; a requeue of all moves only the oldest it
+    counted.  Before, both acted on the whole list: the delete lost a dead
+    letter nobody was shown."""
+    from trio_redis_finalize._dashboard._actions import ActionError, apply, plan, seen_of
+
+    dead = "{mail}:dead"
+    async with open_client(redis_url) as client:
+        await client.execute("LPUSH", dead, b"d1", b"d2")
+        dry = await plan(client, dead, "delete", "all", force=True)
+        assert dry.count == 2 and dry.upto is not None
+        await client.execute("LPUSH", dead, b"late")  # dead-lettered while the operator reads
+        now = await plan(client, dead, "delete", "all", force=True)
+        with pytest.raises(ActionError, match="changed since the dry run"):
+            await apply(client, now, force=True, seen=seen_of(now, str(dry.count), dry.upto))
+        assert await client.execute("LRANGE", dead, 0, -1) == [b"late", b"d2", b"d1"]
+        # as counted (a dry run after the change): deleted
+        again = await plan(client, dead, "delete", "all", force=True)
+        assert await apply(client, again, force=True,
+                           seen=seen_of(again, str(again.count), again.upto)) == 3
+        assert not await client.execute("EXISTS", dead)
+        # requeue: the dead letter's oldest name their queue ("mail"); one more arrives after
+        await client.execute("LPUSH", dead, b"r1", b"r2")
+        records = [json.dumps({"source": "mail", "reason": "x"}) for _ in range(2)]
+        for element, record in zip((b"r1", b"r2"), records, strict=True):
+            await client.execute("HSET", why_key(dead), hashlib.sha1(element).hexdigest(), record)
+        dry = await plan(client, dead, "requeue", "all", force=True)
+        assert (dry.count, dry.targets) == (2, {"mail": 2})
+        await client.execute("LPUSH", dead, b"r3")
+        now = await plan(client, dead, "requeue", "all", force=True)
+        assert await apply(client, now, force=True, seen=seen_of(now, str(dry.count), dry.upto)) == 2
+        assert await client.execute("LRANGE", dead, 0, -1) == [b"r3"]
+        assert sorted(await client.execute("LRANGE", "mail", 0, -1)) == [b"r1", b"r2"]
 
 
 @pytest.mark.parametrize("fault", ["lost", "BUSY", "READONLY"])

@@ -29,7 +29,7 @@ from starlette.routing import Route
 from .._cli._common import key_type
 from .._transport import Client, ClusterClient, SentinelClient, parse_url
 from . import _render as render
-from ._actions import ActionError, apply, plan
+from ._actions import ActionError, apply, plan, seen_of
 from ._data import dead_letter, overview, subscription
 from ._discover import Found, Sub, discover
 
@@ -249,7 +249,7 @@ def build(settings: Settings, root_path: str = "") -> Starlette:
             if one("confirm") != "yes":
                 log.info("dashboard: %s asked to %s (dry run)", user, p.describe())
                 return page(request, "Confirm", render.confirm_page(p, root, request.state.csrf, force))
-            n = await apply(client, p, force)
+            n = await apply(client, p, force, seen_of(p, one("count"), one("upto")))
         except ActionError as err:
             log.warning("dashboard: %s: %s %s refused: %s", user, name, key, err)
             return page(request, "Refused", render.message_page("Refused", str(err), back, "bad"), status=409)

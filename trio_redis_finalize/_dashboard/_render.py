@@ -282,7 +282,8 @@ def dead_page(info: dict[str, Any], root: str, csrf: str, read_only: bool, reaso
 
 
 def confirm_page(p: Plan, root: str, csrf: str, force: bool) -> str:
-    fields: dict[str, Any] = {"scope": p.scope, "reason": p.reason, "confirm": "yes"}
+    fields: dict[str, Any] = {"scope": p.scope, "reason": p.reason, "confirm": "yes",
+                              "count": p.count, "upto": p.upto}  # what the confirmation acts on
     ids = "".join(f"<input type='hidden' name='id' value='{e(i)}'>" for i in p.ids)
     refusal = ""
     if p.refusal:

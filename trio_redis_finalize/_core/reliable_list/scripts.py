@@ -34,7 +34,8 @@ from .._lua import (
 
 __all__ = [
     "LIST_COPY_REMOVE", "LIST_DEAD_PUSH", "LIST_REMOVE", "LIST_WRITES", "LIST_WRITES_REMOVE_BATCH",
-    "LIST_ZADD_REMOVE", "MOVE_DUE_TO_LIST", "REQUEUE_LIST", "REQUEUE_LIST_FORGET", "why_pop",
+    "LIST_ZADD_REMOVE", "MOVE_DUE_TO_LIST", "REQUEUE_LIST", "REQUEUE_LIST_FORGET", "DELETE_LIST_DEAD",
+    "why_pop",
 ]
 
 # KEYS: processing (the processing list)
@@ -286,4 +287,22 @@ if redis.call('LREM', KEYS[1], -1, ARGV[1]) == 0 then return 0 end
 return 1
 """,
     name="requeue_list_forget", keys=("dead", "why"), argv=("element",),
+)
+
+# KEYS: dead (the dead letter), why (its reason hash)
+# ARGV: count, newest (the SHA-1, hex, of the element at the head) -- what the
+#   dry run of the delete saw
+# The delete of a whole list dead letter, confirmed by an operator: only while
+# it is as the dry run counted it (as long, the same newest element), so a
+# dead letter pushed since (LPUSH, at the head) is never deleted unseen.
+# Returns the count deleted, or -1 (changed: nothing deleted).
+DELETE_LIST_DEAD = Script(
+    """
+local n = redis.call('LLEN', KEYS[1])
+if n ~= tonumber(ARGV[1]) then return -1 end
+if n > 0 and redis.sha1hex(redis.call('LINDEX', KEYS[1], 0)) ~= ARGV[2] then return -1 end
+redis.call('DEL', KEYS[1], KEYS[2])
+return n
+""",
+    name="delete_list_dead", keys=("dead", "why"), argv=("count", "newest"),
 )
