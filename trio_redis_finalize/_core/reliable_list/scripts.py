@@ -290,8 +290,9 @@ return 1
 )
 
 # KEYS: dead (the dead letter), why (its reason hash)
-# ARGV: count, newest (the SHA-1, hex, of the element at the head) -- what the
-#   dry run of the delete saw
+# ARGV: count, newest
+# (what the dry run of the delete saw: the length, the SHA-1 in hex of the
+# element at the head)
 # The delete of a whole list dead letter, confirmed by an operator: only while
 # it is as the dry run counted it (as long, the same newest element), so a
 # dead letter pushed since (LPUSH, at the head) is never deleted unseen.
