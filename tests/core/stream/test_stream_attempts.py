@@ -12,6 +12,7 @@ from trio_redis_finalize._core._types import Effect
 from trio_redis_finalize._core.stream.decode import (
     AS_IS,
     GIVE_BACK,
+    GIVE_BACK_PER_CALL,
     as_handed,
     claimed_waiting,
     give_back,
@@ -124,6 +125,17 @@ def test_give_back_is_one_owner_checked_call(items: list[tuple[bytes, int]]) -> 
     assert GIVE_BACK.field(cmd, "stream") == "s"
     assert (GIVE_BACK.field(cmd, "group"), GIVE_BACK.field(cmd, "consumer")) == ("g", "me")
     assert GIVE_BACK.groups(cmd, "id") == [(eid, n, max(n - 1, 0)) for eid, n in items]
+
+
+def test_a_long_give_back_is_cut_into_calls() -> None:
+    """GIVE_BACK_PER_CALL entries per call, every entry once, in order."""
+    items = [(f"{i}-0", 1 + i % 3) for i in range(2 * GIVE_BACK_PER_CALL + 1)]
+    plan = give_back("s", "g", "me", items)
+    assert plan is not None
+    assert len(plan.commands) == 3
+    assert all(GIVE_BACK.calls(c) for c in plan.commands)
+    got = [g for c in plan.commands for g in GIVE_BACK.groups(c, "id")]
+    assert got == [(eid, n, n - 1) for eid, n in items]
 
 
 def test_give_back_of_str_ids_as_the_stop_sends_it() -> None:

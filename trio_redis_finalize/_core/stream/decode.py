@@ -58,9 +58,9 @@ from .._plan import plan_dead, plan_foreign, plan_lost
 from .._types import Effect, Plan, Target, attempt_of
 
 __all__ = [
-    "AS_IS", "GIVE_BACK", "Entry", "as_handed", "as_str", "claimed_waiting", "give_back", "given_back",
-    "id_key", "lapsed_own", "lost_entry", "read_entries", "recovered", "redelivered",
-    "set_back_claimed", "stream_deliveries", "waiting",
+    "AS_IS", "GIVE_BACK", "GIVE_BACK_PER_CALL", "Entry", "as_handed", "as_str", "claimed_waiting",
+    "give_back", "given_back", "id_key", "lapsed_own", "lost_entry", "read_entries", "recovered",
+    "redelivered", "set_back_claimed", "stream_deliveries", "waiting",
 ]
 
 log = logging.getLogger("trio_redis_finalize")
@@ -309,21 +309,27 @@ return out
 """,
     name="stream_give_back", keys=("stream",), argv=("group", "consumer", "[id, count, n]..."),
 )
+GIVE_BACK_PER_CALL = 500
+"""Entries per :data:`GIVE_BACK` call: a long give-back does not hold the
+server in one script (as the lease's calls)."""
 
 
 def give_back(stream: str, group: str, me: str, items: Iterable[tuple[I, int]]) -> Plan | None:
-    """The :data:`GIVE_BACK` call that gives ``items`` (id, the delivery count
-    each was handed with) back to ``me``'s PEL uncounted (:func:`given_back`),
-    each only while still pending for ``me`` at that count; None when there
-    is nothing to give back.  Safe to send again (a second call finds the
-    count set back and leaves it)."""
+    """The :data:`GIVE_BACK` calls (one per :data:`GIVE_BACK_PER_CALL` items)
+    that give ``items`` (id, the delivery count ``me`` knows it at: handed
+    with, or set by its own claim) back to ``me``'s PEL uncounted
+    (:func:`given_back`), each only while still pending for ``me`` at that
+    count; None when there is nothing to give back.  Safe to send again (a
+    second call finds the count set back and leaves it)."""
     items = list(items)
-    if not items:
-        return None
-    args: list[Arg] = [group, me]
-    for (eid, count), (_, n) in zip(items, given_back(items), strict=True):
-        args += [eid, count, n]
-    return Plan(Effect.NOTHING, (GIVE_BACK.command((stream,), args),))
+    commands: list[Command] = []
+    for i in range(0, len(items), GIVE_BACK_PER_CALL):
+        part = items[i:i + GIVE_BACK_PER_CALL]
+        args: list[Arg] = [group, me]
+        for (eid, count), (_, n) in zip(part, given_back(part), strict=True):
+            args += [eid, count, n]
+        commands.append(GIVE_BACK.command((stream,), args))
+    return Plan(Effect.NOTHING, tuple(commands)) if commands else None
 
 
 def set_back_claimed(stream: str, group: str, me: str, items: Iterable[tuple[I, int]]) -> Plan | None:
