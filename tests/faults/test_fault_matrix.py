@@ -339,6 +339,11 @@ WORKLOADS = [
     Workload("list-give-back", "list", ("EVALSHA:reliable_list_give_back",),
              _rlist(), plans=("hold", "ack", "ack", "ack"), concurrency=1, stop_early=True,
              dead_letter=Q_DEAD),
+    # the same on a stream: the entries read and not started get their count set
+    # back (one owner-checked script, sent by the finalizer and again at the stop)
+    Workload("stream-give-back", "stream", ("EVALSHA:stream_give_back",),
+             _stream(), plans=("hold", "ack", "ack", "ack"), concurrency=1, stop_early=True,
+             dead_letter=S_DEAD),
     # Redis Cluster, the dead letter in another slot than the source: the copy
     # with the server's time (stream_xadd, list_dead_push), then the removal
     Workload("stream-cluster", "stream", ("EVALSHA:stream_xadd",),
@@ -519,13 +524,17 @@ async def _pending_work(admin: Client, case: Case, consumer: Any) -> str:
     return ""
 
 
-async def _read_all(admin: Client, state: dict[str, Any]) -> None:
+async def _read_all(admin: Client, state: dict[str, Any], case: Case) -> None:
     """Until a "hold" handler runs and the reader has read the whole queue
-    (what it does not hand to a handler waits, read and not started), or
-    for a second after the handler began (a reader that reads no further)."""
+    (a stream: every entry pending; what it does not hand to a handler waits,
+    read and not started), or for a second after the handler began (a reader
+    that reads no further)."""
     while not state["holding"]:
         await anyio.sleep(0.01)
     with anyio.move_on_after(1.0):
+        if case.workload.form == "stream":
+            while int((await admin.execute("XPENDING", S, G))[0]) < len(case.plan):
+                await anyio.sleep(0.01)
         while int(await admin.execute("LLEN", Q)):
             await anyio.sleep(0.01)
 
@@ -617,7 +626,7 @@ async def run_case(server: RedisServer, proxy: CommandProxy, case: Case) -> list
                 if w.form == "channel":
                     await _run_channel(admin, case, consumer)
                 if not state["stopping"]:
-                    await _read_all(admin, state)
+                    await _read_all(admin, state, case)
                     state["stopping"] = True  # the handler lets go as the shutdown begins
                     state["what"] = "shutdown of the first life"
                     return

@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 from trio_redis_finalize._core._types import Effect
 from trio_redis_finalize._core.stream.decode import (
     AS_IS,
+    GIVE_BACK,
+    GIVE_BACK_PER_CALL,
     as_handed,
     claimed_waiting,
     give_back,
@@ -18,6 +20,7 @@ from trio_redis_finalize._core.stream.decode import (
     lapsed_own,
     recovered,
     redelivered,
+    set_back_claimed,
     waiting,
 )
 
@@ -105,8 +108,50 @@ def test_a_given_back_entry_recovered_at_a_start_counts_the_attempt_it_had(
 
 
 @given(st.lists(st.tuples(ids, st.integers(0, 20)), unique_by=lambda r: r[0], max_size=10))
-def test_give_back_commands(items: list[tuple[bytes, int]]) -> None:
+def test_give_back_is_one_owner_checked_call(items: list[tuple[bytes, int]]) -> None:
+    """The give-back is one GIVE_BACK call: each entry with the count it was
+    handed with (the script's check: still pending for ``me`` at that count,
+    so a claim another consumer made meanwhile keeps its entry) and the
+    count it is set back to; never a plain ``XCLAIM ... 0``, which takes an
+    entry from whoever holds it."""
     plan = give_back("s", "g", "me", items)
+    if not items:
+        assert plan is None
+        return
+    assert plan is not None
+    assert plan.effect is Effect.NOTHING and plan.gated  # safe to send again
+    [cmd] = plan.commands
+    assert GIVE_BACK.calls(cmd)
+    assert GIVE_BACK.field(cmd, "stream") == "s"
+    assert (GIVE_BACK.field(cmd, "group"), GIVE_BACK.field(cmd, "consumer")) == ("g", "me")
+    assert GIVE_BACK.groups(cmd, "id") == [(eid, n, max(n - 1, 0)) for eid, n in items]
+
+
+def test_a_long_give_back_is_cut_into_calls() -> None:
+    """GIVE_BACK_PER_CALL entries per call, every entry once, in order."""
+    items = [(f"{i}-0", 1 + i % 3) for i in range(2 * GIVE_BACK_PER_CALL + 1)]
+    plan = give_back("s", "g", "me", items)
+    assert plan is not None
+    assert len(plan.commands) == 3
+    assert all(GIVE_BACK.calls(c) for c in plan.commands)
+    got = [g for c in plan.commands for g in GIVE_BACK.groups(c, "id")]
+    assert got == [(eid, n, n - 1) for eid, n in items]
+
+
+def test_give_back_of_str_ids_as_the_stop_sends_it() -> None:
+    """The stop's second give-back (the reader's ``closed`` step) sends the
+    ids it was handed as text, each with its count: the same call."""
+    plan = give_back("s", "g", "me", {"1-0": 1, "2-0": 3}.items())
+    assert plan is not None
+    [cmd] = plan.commands
+    assert GIVE_BACK.groups(cmd, "id") == [("1-0", 1, 0), ("2-0", 3, 2)]
+
+
+@given(st.lists(st.tuples(ids, st.integers(0, 20)), unique_by=lambda r: r[0], max_size=10))
+def test_set_back_claimed_commands(items: list[tuple[bytes, int]]) -> None:
+    """Entries this consumer has just claimed and lets wait out their Backoff:
+    ``XCLAIM ... RETRYCOUNT n JUSTID``, one per count."""
+    plan = set_back_claimed("s", "g", "me", items)
     if not items:
         assert plan is None
         return

@@ -28,7 +28,11 @@ of ``(id, count)`` pairs; ``_forms/stream/own_pel.py`` and
   (:data:`AS_IS`: its claim counted it already) -- no bump twice;
 * :func:`given_back`: a delivery handed back unstarted (a stop, a cancelled
   hand-over, an own entry a claim took while its handler still runs) has
-  its count set one lower, ``XCLAIM ... RETRYCOUNT n-1`` (:func:`give_back`);
+  its count set one lower (:func:`give_back`: :data:`GIVE_BACK`, ``XCLAIM
+  ... RETRYCOUNT n-1`` only while it is still pending for this consumer at
+  the count it was handed with, so a claim another consumer made meanwhile
+  keeps its entry); a claimed entry that waits out its Backoff is set back
+  to the attempt that failed (:func:`set_back_claimed`);
 * :func:`as_handed`, :func:`lapsed_own`, :func:`claimed_waiting`: the count
   each kind of entry is given back from;
 * :func:`waiting`: a recovered or claimed entry whose Backoff is not due is
@@ -48,15 +52,15 @@ from typing import Any, TypeVar
 
 from ..._delivery import Delivery
 from ..._envelope import GROUP_FIELD, ORIGIN_FIELD, RETRIES_FIELD, TRACEPARENT_FIELD, TRACESTATE_FIELD
-from .._commands import Command
+from .._commands import Arg, Command, Script
 from .._decode import Original, OriginalBuilder
 from .._plan import plan_dead, plan_foreign, plan_lost
 from .._types import Effect, Plan, Target, attempt_of
 
 __all__ = [
-    "AS_IS", "Entry", "as_handed", "as_str", "claimed_waiting", "give_back", "given_back", "id_key",
-    "lapsed_own", "lost_entry", "read_entries", "recovered", "redelivered", "stream_deliveries",
-    "waiting",
+    "AS_IS", "GIVE_BACK", "GIVE_BACK_PER_CALL", "Entry", "as_handed", "as_str", "claimed_waiting",
+    "give_back", "given_back", "id_key", "lapsed_own", "lost_entry", "read_entries", "recovered",
+    "redelivered", "set_back_claimed", "stream_deliveries", "waiting",
 ]
 
 log = logging.getLogger("trio_redis_finalize")
@@ -277,10 +281,63 @@ def given_back(items: Iterable[tuple[I, int]]) -> list[tuple[I, int]]:
     return [(eid, max(n - 1, 0)) for eid, n in items]
 
 
+# KEYS: stream
+# ARGV: group, consumer, [id, count, n]... (count: the delivery count the
+#   entry was handed with; n: the count it is set back to, see given_back)
+# The give-back (give_back), checked and done in one step: each entry still
+# pending for the consumer at delivery count ``count`` is claimed by it again
+# (idle 0, ``JUSTID``) with its count set to ``n``.  One pending for another
+# consumer (a claim took it meanwhile: that consumer's delivery now, which a
+# plain ``XCLAIM ... 0`` would take back and count lower), for nobody
+# (finalized, deleted), or at another count (set back already: a resend, or
+# the stop's second give-back) is left as it is.  For each id: 1 set back, 0
+# left.  (As ``scripts.REDELIVER``, which sets the count of a Backoff
+# redelivery.)
+GIVE_BACK = Script(
+    """
+local out = {}
+for i = 3, #ARGV, 3 do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2])
+  if #p == 1 and p[1][4] == tonumber(ARGV[i + 1]) then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'RETRYCOUNT', ARGV[i + 2], 'JUSTID')
+    out[#out + 1] = 1
+  else
+    out[#out + 1] = 0
+  end
+end
+return out
+""",
+    name="stream_give_back", keys=("stream",), argv=("group", "consumer", "[id, count, n]..."),
+)
+GIVE_BACK_PER_CALL = 500
+"""Entries per :data:`GIVE_BACK` call: a long give-back does not hold the
+server in one script (as the lease's calls)."""
+
+
 def give_back(stream: str, group: str, me: str, items: Iterable[tuple[I, int]]) -> Plan | None:
-    """The ``XCLAIM ... RETRYCOUNT n JUSTID`` commands (one per count) that give
-    ``items`` (id, delivery count now) back to ``me``'s PEL uncounted
-    (:func:`given_back`); None when there is nothing to give back."""
+    """The :data:`GIVE_BACK` calls (one per :data:`GIVE_BACK_PER_CALL` items)
+    that give ``items`` (id, the delivery count ``me`` knows it at: handed
+    with, or set by its own claim) back to ``me``'s PEL uncounted
+    (:func:`given_back`), each only while still pending for ``me`` at that
+    count; None when there is nothing to give back.  Safe to send again (a
+    second call finds the count set back and leaves it)."""
+    items = list(items)
+    commands: list[Command] = []
+    for i in range(0, len(items), GIVE_BACK_PER_CALL):
+        part = items[i:i + GIVE_BACK_PER_CALL]
+        args: list[Arg] = [group, me]
+        for (eid, count), (_, n) in zip(part, given_back(part), strict=True):
+            args += [eid, count, n]
+        commands.append(GIVE_BACK.command((stream,), args))
+    return Plan(Effect.NOTHING, tuple(commands)) if commands else None
+
+
+def set_back_claimed(stream: str, group: str, me: str, items: Iterable[tuple[I, int]]) -> Plan | None:
+    """The ``XCLAIM ... RETRYCOUNT n JUSTID`` commands (one per count) that set
+    the counts of entries ``me`` has just claimed one lower (``items``: id,
+    the count it is given back from, :func:`claimed_waiting`'s: not read from
+    the server, so not checked as :func:`give_back` checks it); None when
+    there is nothing to set back."""
     by_count: dict[int, list[I]] = {}
     for eid, n in given_back(items):
         by_count.setdefault(n, []).append(eid)

@@ -50,6 +50,7 @@ from ..._core.stream.decode import (
     lapsed_own,
     lost_entry,
     recovered,
+    set_back_claimed,
     stream_deliveries,
     waiting,
 )
@@ -225,7 +226,7 @@ async def claimed_waits(ctx: Context, live: list[Entry]) -> list[Entry]:
         if not left:
             return live
         held = defer(ctx, live, left)
-        p = give_back(t.source, t.group, ctx.consumer.name, claimed_waiting(held, left))
+        p = set_back_claimed(t.source, t.group, ctx.consumer.name, claimed_waiting(held, left))
         if p is not None:
             await ctx.client.pipeline(p.commands, timeout=FINALIZE_TIMEOUT)
     if held is None:
@@ -270,7 +271,11 @@ class OwnPel:
         Each stays pending for this consumer (recovered at restart, or claimed
         by another in RECLAIM/CLAIMING), its server delivery count set back by
         one with ``XCLAIM ... RETRYCOUNT`` so the next delivery does not count
-        a handler call that never happened.
+        a handler call that never happened -- in one script
+        (``decode.GIVE_BACK``), only while it is still pending for this
+        consumer at the count it was handed with: one another consumer
+        claimed meanwhile (its lease stopped with the reader at the
+        shutdown's start, or a stall past ``min_idle``) stays its delivery.
         """
         given = as_handed([d.id for d in deliveries if d.id is not None], self._given)
         self.abandoned.update(given)

@@ -241,20 +241,16 @@ class StreamReader:
     async def _set_back(self, ctx: Context) -> None:
         """The give-back of the entries read and not started at the stop, once
         more, for those the finalizer never sent it for (stuck on a stalled
-        request until the shutdown's deadline): each still pending for this
-        consumer with the delivery count it was handed with gets its count set
-        back now (``XCLAIM ... RETRYCOUNT``), so the hand-back returns it at
-        the attempt it had.  One whose count was set back already, or pending
-        for another consumer now, is left as it is."""
+        request until the shutdown's deadline): the same script
+        (``decode.GIVE_BACK``) sets back the count of each entry still pending
+        for this consumer with the delivery count it was handed with, so the
+        hand-back returns it at the attempt it had.  One whose count was set
+        back already, or pending for another consumer now (a claim took it
+        meanwhile), is left as it is -- checked in the script itself, so no
+        claim can come in between the check and the set-back."""
         given = self.own_pel.abandoned
-        if not given:
-            return
-        sub, me = self.sub, ctx.consumer.name
-        ids = sorted(given, key=id_key)
-        rows = await ctx.client.pipeline(
-            [("XPENDING", sub.stream, sub.group, i, i, 1, me) for i in ids], timeout=CLOSING_TIMEOUT)
-        late = [(i, given[i]) for i, r in zip(ids, rows, strict=True) if r and int(r[0][3]) == given[i]]
-        p = give_back(sub.stream, sub.group, me, late)
+        sub = self.sub
+        p = give_back(sub.stream, sub.group, ctx.consumer.name, given.items())
         if p is not None:
             await ctx.client.pipeline(list(p.commands), timeout=CLOSING_TIMEOUT)
 
