@@ -1,0 +1,228 @@
+"""Where a consumer's memory meets Redis, and two finalizations of one
+delivery meet: the durable delay set, the Backoff schedule, the copy
+markers and the dead letter, against real consumer processes stopped
+(SIGSTOP) or killed (SIGKILL) at the joint.
+
+Consumer A is ``tests/_delay_proc.py`` in its own process; consumer B runs
+here.  Timeouts are bounds, never expectations; a wait that proves an
+absence is a bound too (what would come, came by then).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import _delay_proc
+import pytest
+import trio
+from _paths import TESTS
+from _procs import Recorder, eventually
+
+from trio_redis_finalize import (
+    ACK,
+    DelayedRetry,
+    ReliableListSubscription,
+    StreamSubscription,
+    open_consumer,
+    retry_after,
+)
+from trio_redis_finalize._transport import Client
+
+pytestmark = pytest.mark.timeout(120)
+
+PROC = TESTS / "_delay_proc.py"
+HEARTBEAT = 1.0
+"""The heartbeat of both consumers: B's reaper takes A's entries this long after A stopped."""
+
+
+@asynccontextmanager
+async def consumer_a(url: str, way: str, delay: float, **options: object) -> AsyncIterator[trio.Process]:
+    """``_delay_proc.py`` as consumer ``a``; resumed (it may be stopped) and killed at the end."""
+    args = [f"{k}={v}" for k, v in options.items()]
+    proc = await trio.lowlevel.open_process(
+        [sys.executable, str(PROC), url, way, "a", str(delay), *args], stdout=subprocess.DEVNULL)
+    try:
+        yield proc
+    finally:
+        if proc.returncode is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+        with trio.fail_after(10):
+            await proc.wait()
+
+
+async def calls(client: Client) -> list[str]:
+    return [c.decode() for c in await client.execute("LRANGE", "calls", 0, -1)]
+
+
+async def pending(client: Client) -> int:
+    return int((await client.execute("XPENDING", "s", "g"))[0])
+
+
+# -- 1. a durable copy planned by a stalled consumer, its entry settled by another -----------
+
+async def test_a_stalled_consumer_s_durable_retry_after_for_an_entry_taken_over_and_acked(
+    redis_url: str, client: Client,
+) -> None:
+    """A (a process) handles the entry and stalls (SIGSTOP) before its handler
+    returns ``retry_after`` through the durable delay set.  B's reaper takes
+    the entry over once A's heartbeat lapsed and ACKs it.  A, resumed, returns
+    its ``retry_after``: the gate is closed, so no copy goes into the delay
+    set, none comes back, nobody handles the message again."""
+    eid = (await client.execute("XADD", "s", "*", "k", "v")).decode()
+    rec = Recorder(lambda d: ACK)
+    delay = 0.5
+    async with consumer_a(redis_url, "durable", delay, hold=2.0, heartbeat=HEARTBEAT) as a:
+        await eventually(lambda: client.execute("LLEN", "calls"), timeout=20, what="A's call")
+        os.kill(a.pid, signal.SIGSTOP)
+        sub = _delay_proc.subscription("durable", heartbeat=str(HEARTBEAT))
+        async with open_consumer(redis_url, name="b", shutdown_grace=0.0) as b:
+            await b.mount(sub, rec)
+            await eventually(lambda: rec.seen, timeout=20, what="B's take-over")
+            await eventually(lambda: equals(pending(client), 0), what="B's ACK")
+            os.kill(a.pid, signal.SIGCONT)
+            await eventually(lambda: _done(client), timeout=20, what="A's handler returned")
+            # a copy A added would be in the set, then (due after `delay`) moved
+            # back within a block and handled by B: all of it by then
+            in_set = 0
+            with trio.move_on_after(delay + 2.0):
+                while len(rec.seen) == 1 and not in_set:
+                    in_set = await client.execute("ZCARD", "{s}:delayed")
+                    await trio.sleep(0.02)
+    assert [d.id for d in rec.seen] == [eid], [(d.id, d.attempt) for d in rec.seen]
+    assert in_set == 0
+    assert await client.execute("XLEN", "s") == 1  # no copy written back
+    assert await pending(client) == 0
+
+
+async def _done(client: Client) -> bool:
+    return any(c.startswith("done") for c in await calls(client))
+
+
+async def equals(value: object, expected: object) -> bool:
+    return await value == expected  # type: ignore[misc]
+
+
+# -- 3. the dead letter of a delivery finalized by two consumers at its last attempt ----------
+
+@pytest.mark.parametrize("way", ["runtime", "claiming", "reliable"])
+async def test_a_last_attempt_failed_by_a_stalled_consumer_and_its_taker_is_dead_lettered_once(
+    redis_url: str, client: Client, way: str,
+) -> None:
+    """``max_attempts=1``: A (a process) handles the message and stalls
+    (SIGSTOP) before its handler returns RETRY, which at the last attempt is
+    a dead letter.  B takes the message over (the reaper once A's heartbeat
+    lapsed; CLAIMING: its claim once idle ``min_idle``), one attempt past the
+    limit: dead-lettered without calling B's handler.  A, resumed, dead-
+    letters it too: its gate is closed.  One dead letter, the original gone."""
+    stream = way != "reliable"
+    if stream:
+        await client.execute("XADD", "s", "*", "k", "v")
+    else:
+        await client.execute("LPUSH", "q", b"job")
+    dead = "{s}:dead" if stream else "{q}:dead"
+    rec = Recorder(lambda d: ACK)
+    options = {"heartbeat": HEARTBEAT, "max_attempts": 1}
+
+    async def dead_count() -> int:
+        return int(await client.execute("XLEN" if stream else "LLEN", dead))
+
+    async with consumer_a(redis_url, way, 0.1, hold=2.0, outcome="retry", **options) as a:
+        await eventually(lambda: client.execute("LLEN", "calls"), timeout=20, what="A's call")
+        os.kill(a.pid, signal.SIGSTOP)
+        sub = _delay_proc.subscription(way, **{k: str(v) for k, v in options.items()})
+        async with open_consumer(redis_url, name="b", shutdown_grace=0.0) as b:
+            await b.mount(sub, rec)
+            await eventually(dead_count, timeout=20, what="B's dead letter")
+            os.kill(a.pid, signal.SIGCONT)
+            await eventually(lambda: _done(client), timeout=20, what="A's handler returned")
+            with trio.move_on_after(2.0):  # A's dead letter would be written by then
+                while await dead_count() < 2:
+                    await trio.sleep(0.02)
+            n = await dead_count()
+    assert rec.seen == []
+    assert n == 1
+    if stream:
+        assert await pending(client) == 0
+        assert await client.execute("XLEN", "s") == 1
+    else:
+        assert await client.execute("LLEN", "q") == 0
+        for name in ("a", "b"):
+            assert await client.execute("LLEN", f"{{q}}:processing:{name}") == 0
+
+
+# -- 2. a crash while a delayed retry waits, and a restart under the same name ---------------
+
+@pytest.mark.parametrize("way", ["claiming", "reliable"])
+async def test_a_retry_after_waiting_through_a_crash_comes_back_once_at_its_next_attempt(
+    redis_url: str, client: Client, way: str,
+) -> None:
+    """A (a process) returns ``retry_after`` at attempt 1 and is SIGKILLed
+    while the retry waits (CLAIMING: in the PEL; reliable list: the original
+    in the processing list, the copy in memory).  Started again under its
+    name, the consumer delivers the message once, as attempt 2 (the handler's
+    one run is counted once), and nothing is left pending."""
+    if way == "claiming":
+        first = (await client.execute("XADD", "s", "*", "k", "v")).decode()
+    else:
+        await client.execute("LPUSH", "q", b"job")
+    async with consumer_a(redis_url, way, 30.0, hold=0.01) as a:
+        await eventually(lambda: _done(client), timeout=20, what="A's handler returning")
+        if way == "claiming":  # the retry_after answered: left pending, not leased
+            await eventually(lambda: _idle_at_least(client, 0.3), what="the entry left to wait")
+        a.kill()  # (the reliable list: its copy held, or about to be: the same attempt)
+    rec = Recorder(lambda d: ACK)
+    async with open_consumer(redis_url, name="a", shutdown_grace=0.0) as again:
+        await again.mount(_delay_proc.subscription(way), rec)
+        await eventually(lambda: rec.seen, timeout=20, what="the message after the restart")
+        await trio.sleep(1.0)  # a second delivery would come by then
+    assert [d.attempt for d in rec.seen] == [2], [(d.id, d.attempt) for d in rec.seen]
+    if way == "claiming":
+        assert rec.seen[0].id == first
+        assert await pending(client) == 0
+    else:
+        assert await client.execute("LLEN", "{q}:processing:a") == 0
+        assert await client.execute("LLEN", "q") == 0
+
+
+async def _idle_at_least(client: Client, seconds: float) -> bool:
+    rows = await client.execute("XPENDING", "s", "g", "-", "+", 1)
+    return bool(rows) and int(rows[0][2]) >= seconds * 1000
+
+
+# -- the durable delay set belongs to one source ------------------------------------------------
+
+@pytest.mark.parametrize("second", ["stream", "reliable list"])
+async def test_a_delay_set_named_for_two_sources_is_refused_at_mount(
+    redis_url: str, client: Client, second: str,
+) -> None:
+    """A delay-set member names no destination: every reader that moves due
+    copies out of a ``delay_key`` writes them to its *own* source.  Two
+    durable subscriptions of different sources sharing one ``delay_key``
+    would hand one's delayed copies to the other (a stream's copy addressed
+    to its group, read by another stream's group of another name, is
+    acknowledged unhandled: lost).  The second mount is refused, naming the
+    parameter and both sources; the first one's copies keep coming back to it."""
+    for i in range(5):
+        await client.execute("XADD", "s1", "*", "n", str(i))
+    first = Recorder(lambda d: retry_after(0.2) if d.attempt == 1 else ACK)
+    other = Recorder(lambda d: ACK)
+    durable = DelayedRetry.DURABLE_ZSET
+    sub = (StreamSubscription("s2", "g2", delayed_retry=durable, delay_key="delays", block=0.1)
+           if second == "stream" else
+           ReliableListSubscription("q2", delayed_retry=durable, delay_key="delays", block=0.1))
+    async with open_consumer(redis_url, name="c", shutdown_grace=0.0) as c:
+        await c.mount(StreamSubscription("s1", "g1", delayed_retry=durable, delay_key="delays",
+                                         block=0.1), first)
+        with pytest.raises(ValueError, match=r"delay_key.*'delays'.*'s1'") as info:
+            await c.mount(sub, other)
+        assert ("s2" if second == "stream" else "q2") in str(info.value)
+        await eventually(lambda: len(first.seen) == 10, what="every copy back in s1")
+    assert sorted(d.attempt for d in first.seen) == [1] * 5 + [2] * 5
+    assert other.seen == []
+    assert await client.execute("ZCARD", "delays") == 0
