@@ -12,7 +12,8 @@ Options (``tests/runtime/test_memory_joints.py``): ``hold=S`` the handler
 sleeps S seconds after it recorded the call and records ``done <attempt>
 <origin id>`` on ``calls`` before it returns; ``heartbeat=S`` and
 ``max_attempts=N`` are the subscription's; ``outcome=retry`` returns
-``RETRY`` instead of ``retry_after(DELAY)``.
+``RETRY`` instead of ``retry_after(DELAY)``; ``hang_at=N`` the handler
+hangs at attempt N, after it recorded the call (until the process is killed).
 """
 
 from __future__ import annotations
@@ -63,10 +64,13 @@ def subscription(way: str, **options: str) -> StreamSubscription | ReliableListS
 async def main(url: str, way: str, name: str, delay: float, options: dict[str, str]) -> None:
     hold = float(options.get("hold", 0))
     later = RETRY if options.get("outcome") == "retry" else retry_after(delay)
+    hang_at = int(options.get("hang_at", 0))
     async with open_client(url) as client, open_consumer(url, name=name) as consumer:
 
         async def handler(d: Delivery) -> Outcome:
             await client.execute("RPUSH", "calls", f"{d.attempt} {d.origin_id}")
+            if d.attempt == hang_at:
+                await trio.sleep_forever()
             if hold:
                 await trio.sleep(hold)
                 await client.execute("RPUSH", "calls", f"done {d.attempt} {d.origin_id}")
