@@ -26,6 +26,8 @@ from _procs import Recorder, eventually
 from trio_redis_finalize import (
     ACK,
     DelayedRetry,
+    Delivery,
+    Outcome,
     ReliableListSubscription,
     StreamSubscription,
     open_consumer,
@@ -254,3 +256,43 @@ async def test_a_crash_during_a_copy_s_handler_counts_its_attempt(
         await trio.sleep(0.5)  # a second delivery would come by then
     assert [d.attempt for d in rec.seen] == [3], [(d.id, d.attempt) for d in rec.seen]
     assert await pending(client) == 0
+
+
+# -- one processing list, one consumer ------------------------------------------------------------
+
+async def test_a_processing_list_another_live_consumer_registered_is_refused(
+    redis_url: str, client: Client,
+) -> None:
+    """``processing=`` names *this consumer's* processing list.  A second
+    consumer name mounting the same queue with the same explicit list (the
+    same settings deployed in two processes) would take the first one's
+    elements in hand for its own: its start's rescan delivers every one of
+    them again (bumped), and each is handled twice without any fault.  The
+    second mount is refused, naming the parameter and the consumer; the
+    first consumer's messages are handled once."""
+    seen: list[tuple[str, bytes | None, int]] = []
+    release = trio.Event()
+
+    async def slow(d: Delivery) -> Outcome:
+        seen.append(("c1", d.data, d.attempt))
+        await release.wait()
+        return ACK
+
+    async def other(d: Delivery) -> Outcome:
+        seen.append(("c2", d.data, d.attempt))
+        return ACK
+
+    sub = ReliableListSubscription("q", processing="jobs:processing", block=0.1)
+    async with open_consumer(redis_url, name="c1", shutdown_grace=5.0) as c1:
+        await c1.mount(sub, slow, concurrency=3)
+        for i in range(3):
+            await client.execute("LPUSH", "q", f"m{i}")
+        await eventually(lambda: len(seen) == 3, what="c1 handling three")
+        async with open_consumer(redis_url, name="c2", shutdown_grace=0.0) as c2:
+            with pytest.raises(ValueError, match=r"processing.*'jobs:processing'.*'c1'"):
+                await c2.mount(sub, other)
+            await trio.sleep(0.5)  # a rescan of c2's would have delivered them by then
+        release.set()
+        await eventually(lambda: equals(client.execute("LLEN", "jobs:processing"), 0),
+                         what="c1's ACKs")
+    assert sorted(seen) == [("c1", f"m{i}".encode(), 1) for i in range(3)], sorted(seen)
