@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from typing import Any
 
 import trio
 
@@ -53,7 +54,7 @@ def subscription(way: str, **options: str) -> StreamSubscription | ReliableListS
         sub = ReliableListSubscription("q", block=0.1)
     else:
         raise ValueError(f"way: unknown {way!r}")
-    changes: dict[str, float | int] = {}
+    changes: dict[str, Any] = {}
     if "heartbeat" in options:
         changes["heartbeat"] = float(options["heartbeat"])
     if "max_attempts" in options:

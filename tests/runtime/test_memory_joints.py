@@ -6,6 +6,13 @@ markers and the dead letter, against real consumer processes stopped
 Consumer A is ``tests/_delay_proc.py`` in its own process; consumer B runs
 here.  Timeouts are bounds, never expectations; a wait that proves an
 absence is a bound too (what would come, came by then).
+
+Three tests here fail on the code they were written against, each for a
+fix in a module another developer holds (the branch's report has them):
+``test_a_crash_during_a_copy_s_handler_counts_its_attempt`` (the stream's
+attempt rule, ``_core/stream/decode``) and
+``test_a_processing_list_another_live_consumer_registered_is_refused``
+(``_forms/reliable_list/liveness``).
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 
 import _delay_proc
@@ -66,6 +73,21 @@ async def pending(client: Client) -> int:
     return int((await client.execute("XPENDING", "s", "g"))[0])
 
 
+async def _done(client: Client) -> bool:
+    """A's handler recorded ``done`` (it returns next)."""
+    return any(c.startswith("done") for c in await calls(client))
+
+
+async def equals(value: Awaitable[object], expected: object) -> bool:
+    return bool(await value == expected)
+
+
+async def _idle_at_least(client: Client, seconds: float) -> bool:
+    """The one entry of ``s`` pending in ``g`` has been idle ``seconds`` (not leased)."""
+    rows = await client.execute("XPENDING", "s", "g", "-", "+", 1)
+    return bool(rows) and int(rows[0][2]) >= seconds * 1000
+
+
 # -- 1. a durable copy planned by a stalled consumer, its entry settled by another -----------
 
 async def test_a_stalled_consumer_s_durable_retry_after_for_an_entry_taken_over_and_acked(
@@ -100,14 +122,6 @@ async def test_a_stalled_consumer_s_durable_retry_after_for_an_entry_taken_over_
     assert in_set == 0
     assert await client.execute("XLEN", "s") == 1  # no copy written back
     assert await pending(client) == 0
-
-
-async def _done(client: Client) -> bool:
-    return any(c.startswith("done") for c in await calls(client))
-
-
-async def equals(value: object, expected: object) -> bool:
-    return await value == expected  # type: ignore[misc]
 
 
 # -- 3. the dead letter of a delivery finalized by two consumers at its last attempt ----------
@@ -190,11 +204,6 @@ async def test_a_retry_after_waiting_through_a_crash_comes_back_once_at_its_next
     else:
         assert await client.execute("LLEN", "{q}:processing:a") == 0
         assert await client.execute("LLEN", "q") == 0
-
-
-async def _idle_at_least(client: Client, seconds: float) -> bool:
-    rows = await client.execute("XPENDING", "s", "g", "-", "+", 1)
-    return bool(rows) and int(rows[0][2]) >= seconds * 1000
 
 
 # -- the durable delay set belongs to one source ------------------------------------------------
@@ -296,3 +305,39 @@ async def test_a_processing_list_another_live_consumer_registered_is_refused(
         await eventually(lambda: equals(client.execute("LLEN", "jobs:processing"), 0),
                          what="c1's ACKs")
     assert sorted(seen) == [("c1", f"m{i}".encode(), 1) for i in range(3)], sorted(seen)
+
+
+# -- a runtime copy held in memory while its original is reaped ----------------------------------
+
+async def test_a_held_copy_of_a_stalled_list_consumer_whose_original_was_reaped_is_not_pushed(
+    redis_url: str, client: Client,
+) -> None:
+    """Reliable list, runtime ``retry_after(2)``: A (a process) holds the copy
+    in memory, the original in its processing list.  A stalls (SIGSTOP) past
+    its heartbeat; B's reaper moves the original back onto the queue (counted)
+    and B handles it as attempt 2.  A, resumed after its timer's due time,
+    sends its delayed copy: the gate (A's processing list holding the
+    original) is closed, so no copy is pushed and the message is not handled
+    a third time."""
+    await client.execute("LPUSH", "q", b"job")
+    rec = Recorder(lambda d: ACK)
+    delay = 2.0
+    async with consumer_a(redis_url, "reliable", delay, hold=0.01, heartbeat=HEARTBEAT) as a:
+        await eventually(lambda: _done(client), timeout=20, what="A's handler returning")
+        os.kill(a.pid, signal.SIGSTOP)
+        stopped = trio.current_time()
+        sub = _delay_proc.subscription("reliable", heartbeat=str(HEARTBEAT))
+        async with open_consumer(redis_url, name="b", shutdown_grace=0.0) as b:
+            await b.mount(sub, rec)
+            await eventually(lambda: rec.seen, timeout=20, what="B's delivery of the reaped job")
+            await eventually(lambda: equals(client.execute("LLEN", "{q}:processing:b"), 0),
+                             what="B's ACK")
+            await trio.sleep(max(0.0, delay + 0.5 - (trio.current_time() - stopped)))
+            os.kill(a.pid, signal.SIGCONT)
+            # A's timer is due: its copy, were it pushed, would be B's within a block
+            with trio.move_on_after(3.0):
+                while len(rec.seen) == 1:
+                    await trio.sleep(0.02)
+    assert [(d.data, d.attempt) for d in rec.seen] == [(b"job", 2)], rec.seen
+    assert await client.execute("LLEN", "q") == 0
+    assert await client.execute("LLEN", "{q}:processing:a") == 0
