@@ -241,27 +241,32 @@ async def test_a_delay_set_named_for_two_sources_is_refused_at_mount(
 
 # -- a crash during the handler of a copy ---------------------------------------------------------
 
+@pytest.mark.parametrize("who", ["restart", "reaper"])
 @pytest.mark.parametrize("way", ["retry", "durable"])
 async def test_a_crash_during_a_copy_s_handler_counts_its_attempt(
-    redis_url: str, client: Client, way: str,
+    redis_url: str, client: Client, way: str, who: str,
 ) -> None:
     """A (a process) answers attempt 1 with RETRY (or a durable ``retry_after``):
     a copy carrying ``retries 1`` comes back as attempt 2, and A is SIGKILLed
-    while its handler runs.  Started again under its name, the consumer
-    delivers the copy as attempt 3: the crash counts that attempt, as it does
-    for an original (a poison copy that kills its consumer reaches
-    ``max_attempts`` in as many handler calls as an original would)."""
+    while its handler runs.  Started again under its name (``restart``), or
+    taken over by another consumer's reaper once A's heartbeat lapsed
+    (``reaper``), the copy comes back as attempt 3: the crash counts that
+    attempt, as it does for an original (a poison copy that kills its
+    consumer reaches ``max_attempts`` in as many handler calls as an
+    original would)."""
     await client.execute("XADD", "s", "*", "k", "v")
-    opts = {"outcome": "retry"} if way == "retry" else {}
+    opts: dict[str, object] = {"outcome": "retry"} if way == "retry" else {}
+    opts["heartbeat"] = HEARTBEAT
     async with consumer_a(redis_url, "durable", 0.05, hang_at=2, **opts) as a:
         await eventually(lambda: equals(client.execute("LLEN", "calls"), 2), timeout=20,
                          what="A's attempt 2")
         a.kill()
     assert [c.split()[0] for c in await calls(client)] == ["1", "2"]
     rec = Recorder(lambda d: ACK)
-    async with open_consumer(redis_url, name="a", shutdown_grace=0.0) as again:
-        await again.mount(_delay_proc.subscription("durable"), rec)
-        await eventually(lambda: rec.seen, timeout=20, what="the copy after the restart")
+    name = "a" if who == "restart" else "b"
+    async with open_consumer(redis_url, name=name, shutdown_grace=0.0) as again:
+        await again.mount(_delay_proc.subscription("durable", heartbeat=str(HEARTBEAT)), rec)
+        await eventually(lambda: rec.seen, timeout=20, what=f"the copy after the {who}")
         await trio.sleep(0.5)  # a second delivery would come by then
     assert [d.attempt for d in rec.seen] == [3], [(d.id, d.attempt) for d in rec.seen]
     assert await pending(client) == 0
