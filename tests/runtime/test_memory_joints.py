@@ -28,7 +28,7 @@ import _delay_proc
 import pytest
 import trio
 from _paths import TESTS
-from _procs import Recorder, eventually
+from _procs import Recorder, child_lines, eventually
 
 from trio_redis_finalize import (
     ACK,
@@ -346,3 +346,58 @@ async def test_a_held_copy_of_a_stalled_list_consumer_whose_original_was_reaped_
     assert [(d.data, d.attempt) for d in rec.seen] == [(b"job", 2)], rec.seen
     assert await client.execute("LLEN", "q") == 0
     assert await client.execute("LLEN", "{q}:processing:a") == 0
+
+
+# -- what a consumer that never comes back leaves in Redis ---------------------------------------
+
+@pytest.mark.parametrize("form", ["stream", "reliable list"])
+async def test_a_dead_consumer_s_waiting_failure_leaves_nothing_without_a_ttl(
+    redis_url: str, client: Client, form: str,
+) -> None:
+    """A (a process) fails a message (``Backoff``, attempt 2 due 2 s later,
+    its due time in the schedule) and is SIGKILLed while it waits; its name
+    never comes back.  B's reaper lets the message wait out its Backoff,
+    takes it over and B handles it as attempt 2.  Once B stopped cleanly,
+    what A left is gone or expires (the Backoff schedule), and nothing of the
+    library's stays in Redis without a TTL (A is out of the group and the
+    registry; the stream itself is the user's)."""
+    stream = form == "stream"
+    if stream:
+        await client.execute("XADD", "s", "*", "k", "v")
+        args = [str(TESTS / "_stream_proc.py"), redis_url, "s", "g", "a", "plain", "60", "0",
+                "2.0", str(HEARTBEAT)]
+        schedule = "{s}:backoff:g"
+        sub: StreamSubscription | ReliableListSubscription = StreamSubscription(
+            "s", "g", heartbeat=HEARTBEAT, block=0.1)
+    else:
+        await client.execute("LPUSH", "q", b"job")
+        args = [str(TESTS / "_list_proc.py"), redis_url, "q", "a", str(HEARTBEAT), "0", "2.0"]
+        schedule = "{q}:processing:a:backoff"
+        sub = ReliableListSubscription("q", heartbeat=HEARTBEAT, block=0.1)
+    rec = Recorder(lambda d: ACK)
+    async with child_lines(*args) as a:
+        assert await a.read(lambda w: w[:1] == ["H"], 20), a.lines
+        await eventually(lambda: client.execute("EXISTS", schedule), what="A's schedule written")
+        os.kill(a.proc.pid, signal.SIGKILL)  # (reaped by child_lines at the end)
+        async with open_consumer(redis_url, name="b", shutdown_grace=0.0) as b:
+            await b.mount(sub, rec)
+            await eventually(lambda: rec.seen, timeout=20, what="B's delivery of A's message")
+            if stream:
+                await eventually(lambda: equals(pending(client), 0), what="B's ACK")
+                await eventually(lambda: _consumers(client, ["b"]), what="A out of the group")
+            else:
+                await eventually(lambda: equals(client.execute("LLEN", "{q}:processing:b"), 0),
+                                 what="B's ACK")
+    assert [d.attempt for d in rec.seen] == [2]
+    left = {k.decode(): int(await client.execute("PTTL", k))
+            for k in await client.execute("KEYS", "*")}
+    forever = sorted(k for k, ttl in left.items() if ttl < 0 and k not in ("s", "done"))
+    assert forever == [], left
+    if stream:
+        assert await _consumers(client, []), await client.execute("XINFO", "CONSUMERS", "s", "g")
+
+
+async def _consumers(client: Client, names: list[str]) -> bool:
+    """The consumers of ``s``'s group ``g`` are ``names``."""
+    rows = await client.execute("XINFO", "CONSUMERS", "s", "g")
+    return sorted(dict(zip(r[::2], r[1::2], strict=False))[b"name"].decode() for r in rows) == names
