@@ -7,7 +7,7 @@ Consumer A is ``tests/_delay_proc.py`` in its own process; consumer B runs
 here.  Timeouts are bounds, never expectations; a wait that proves an
 absence is a bound too (what would come, came by then).
 
-Three tests here fail on the code they were written against, each for a
+Two tests here (five cases) fail on the code they were written against, each for a
 fix in a module another developer holds (the branch's report has them):
 ``test_a_crash_during_a_copy_s_handler_counts_its_attempt`` (the stream's
 attempt rule, ``_core/stream/decode``) and
