@@ -1,22 +1,32 @@
 """A consumer process for the SIGKILL tests of ``test_delayed_retry``.
 
-Usage: ``python tests/_delay_proc.py URL WAY NAME DELAY``
+Usage: ``python tests/_delay_proc.py URL WAY NAME DELAY [KEY=VALUE ...]``
 
 Mounts, as consumer NAME, the subscription :func:`subscription` gives for
 WAY (``runtime``, ``durable``, ``claiming``: stream ``s`` group ``g``;
 ``reliable``: reliable list ``q``).  The handler records ``<attempt> <origin
 id>`` with RPUSH on the list ``calls`` and returns ``retry_after(DELAY)`` on
 the first attempt, ``ACK`` after.  Runs until it is killed.
+
+Options (``tests/runtime/test_memory_joints.py``): ``hold=S`` the handler
+sleeps S seconds after it recorded the call and records ``done <attempt>
+<origin id>`` on ``calls`` before it returns; ``heartbeat=S`` and
+``max_attempts=N`` are the subscription's; ``outcome=retry`` returns
+``RETRY`` instead of ``retry_after(DELAY)``; ``hang_at=N`` the handler
+hangs at attempt N, after it recorded the call (until the process is killed).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+from typing import Any
 
 import trio
 
 from trio_redis_finalize import (
     ACK,
+    RETRY,
     DelayedRetry,
     Delivery,
     Mode,
@@ -31,29 +41,47 @@ from trio_redis_finalize._transport import open_client
 CLAIMING_MIN_IDLE = 0.5
 
 
-def subscription(way: str) -> StreamSubscription | ReliableListSubscription:
+def subscription(way: str, **options: str) -> StreamSubscription | ReliableListSubscription:
+    """WAY's subscription, with the ``heartbeat`` and ``max_attempts`` of ``options``."""
+    sub: StreamSubscription | ReliableListSubscription
     if way == "runtime":
-        return StreamSubscription("s", "g", block=0.1)
-    if way == "durable":
-        return StreamSubscription("s", "g", delayed_retry=DelayedRetry.DURABLE_ZSET, block=0.1)
-    if way == "claiming":
-        return StreamSubscription("s", "g", mode=Mode.CLAIMING, min_idle=CLAIMING_MIN_IDLE, block=0.1)
-    if way == "reliable":
-        return ReliableListSubscription("q", block=0.1)
-    raise ValueError(f"way: unknown {way!r}")
+        sub = StreamSubscription("s", "g", block=0.1)
+    elif way == "durable":
+        sub = StreamSubscription("s", "g", delayed_retry=DelayedRetry.DURABLE_ZSET, block=0.1)
+    elif way == "claiming":
+        sub = StreamSubscription("s", "g", mode=Mode.CLAIMING, min_idle=CLAIMING_MIN_IDLE, block=0.1)
+    elif way == "reliable":
+        sub = ReliableListSubscription("q", block=0.1)
+    else:
+        raise ValueError(f"way: unknown {way!r}")
+    changes: dict[str, Any] = {}
+    if "heartbeat" in options:
+        changes["heartbeat"] = float(options["heartbeat"])
+    if "max_attempts" in options:
+        changes["max_attempts"] = int(options["max_attempts"])
+    return dataclasses.replace(sub, **changes) if changes else sub
 
 
-async def main(url: str, way: str, name: str, delay: float) -> None:
+async def main(url: str, way: str, name: str, delay: float, options: dict[str, str]) -> None:
+    hold = float(options.get("hold", 0))
+    later = RETRY if options.get("outcome") == "retry" else retry_after(delay)
+    hang_at = int(options.get("hang_at", 0))
     async with open_client(url) as client, open_consumer(url, name=name) as consumer:
 
         async def handler(d: Delivery) -> Outcome:
             await client.execute("RPUSH", "calls", f"{d.attempt} {d.origin_id}")
-            return retry_after(delay) if d.attempt == 1 else ACK
+            if d.attempt == hang_at:
+                await trio.sleep_forever()
+            if hold:
+                await trio.sleep(hold)
+                await client.execute("RPUSH", "calls", f"done {d.attempt} {d.origin_id}")
+            return later if d.attempt == 1 else ACK
 
-        await consumer.mount(subscription(way), handler)
+        await consumer.mount(subscription(way, **options), handler)
         await trio.sleep_forever()
 
 
 if __name__ == "__main__":
     url, way, name, delay = sys.argv[1:5]
-    trio.run(main, url, way, name, float(delay))
+    opts = dict(a.split("=", 1) for a in sys.argv[5:])
+    trio.run(main, url, way, name, float(delay), opts)

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python tests/_stream_proc.py URL STREAM GROUP CONSUMER MODE MIN_IDLE [SLEEP [WINDOW]]
+    python tests/_stream_proc.py URL STREAM GROUP CONSUMER MODE MIN_IDLE [SLEEP [WINDOW [HEARTBEAT]]]
 
 ``MODE`` is a :class:`~trio_redis_finalize.Mode` value (``plain``, ``reclaim``,
 ``claiming``).  The handler writes ``H <id> <attempt>`` to stdout, sleeps
@@ -10,6 +10,7 @@ Usage::
 With ``WINDOW``: ``max_attempts=2``, ``on_error=Backoff(base=0.01, cap=0.01,
 window=WINDOW)`` (attempt 2 due ``WINDOW`` s after attempt 1 failed); the
 ``H`` line ends with ``time.monotonic()`` and attempt 1 raises.
+``HEARTBEAT``: the subscription's (default 30 s).
 ``R`` is written once the subscription is mounted.  Lines are written with
 ``os.write`` (unbuffered): a SIGKILL loses none that were written.
 """
@@ -31,7 +32,7 @@ def out(line: str) -> None:
 
 
 async def main(url: str, stream: str, group: str, name: str, mode: str, min_idle: float,
-               sleep: float, window: float | None) -> None:
+               sleep: float, window: float | None, heartbeat: float) -> None:
     async def handler(d: Delivery) -> Outcome:
         if window is None:
             out(f"H {d.id} {d.attempt}")
@@ -43,7 +44,8 @@ async def main(url: str, stream: str, group: str, name: str, mode: str, min_idle
         out(f"A {d.id}")
         return ACK
 
-    sub = StreamSubscription(stream, group, mode=Mode(mode), min_idle=min_idle, block=0.1)
+    sub = StreamSubscription(stream, group, mode=Mode(mode), min_idle=min_idle, block=0.1,
+                             heartbeat=heartbeat)
     await serve(url, name, sub, handler, window)
 
 
@@ -51,4 +53,5 @@ if __name__ == "__main__":
     url, stream, group, name, mode, min_idle = sys.argv[1:7]
     sleep = float(sys.argv[7]) if len(sys.argv) > 7 else 3600.0
     window = float(sys.argv[8]) if len(sys.argv) > 8 else None
-    trio.run(main, url, stream, group, name, mode, float(min_idle), sleep, window)
+    heartbeat = float(sys.argv[9]) if len(sys.argv) > 9 else 30.0
+    trio.run(main, url, stream, group, name, mode, float(min_idle), sleep, window, heartbeat)

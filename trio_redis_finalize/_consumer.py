@@ -16,6 +16,7 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 from redis import exceptions as rexc
 
+from ._core._types import Target
 from ._core._writes import plan_outcome
 from ._deadlines import log, sole
 from ._delivery import Delivery
@@ -26,7 +27,7 @@ from ._mount import Mount
 from ._outcome import Backoff, Outcome
 from ._scheduler import Scheduler
 from ._shutdown import CLOSE_MARGIN, Budget, cleanup_until
-from ._subscription import Subscription
+from ._subscription import DelayedRetry, Subscription
 from ._transport import Client, ClusterClient, open_client
 
 __all__ = ["Consumer", "Mounted", "check_async", "evicting_policy", "open_consumer"]
@@ -102,6 +103,25 @@ class Mounted:
 
     def __repr__(self) -> str:
         return f"<Mounted {self.name}>"
+
+
+def _check_delay_key(target: Target, mounts: list[Mount]) -> None:
+    """Refuse a durable delay set already named by a mount of another source.
+
+    A delay-set member names no destination: each reader moves every due
+    copy of its ``delay_key`` to its own source, so two sources sharing one
+    would take each other's copies (a stream copy addressed to a group the
+    other stream has not: acknowledged unhandled, lost)."""
+    if target.delayed_retry is not DelayedRetry.DURABLE_ZSET:
+        return
+    for m in mounts:
+        t = m.target
+        if (t.delayed_retry is DelayedRetry.DURABLE_ZSET and t.delay_key == target.delay_key
+                and t.source != target.source):
+            raise ValueError(
+                f"delay_key: {target.delay_key!r} is the durable delay set of {t.source!r} "
+                f"({m.name}) already; {target.source!r} ({target.name}) needs its own (each "
+                f"reader moves every due copy of its delay set to its own source)")
 
 
 class Consumer:
@@ -195,7 +215,8 @@ class Consumer:
         Raises:
             ValueError: bad ``concurrency`` / ``on_error`` / ``handler`` /
                 ``takeover``; the same subscription mounted already on this
-                consumer.
+                consumer; a durable ``delay_key`` that a mount of another
+                source on this consumer names already.
             TypeError: ``handler`` is a plain ``def`` function or a lambda
                 (not ``async def``): each delivery would fail; the message
                 names it.
@@ -232,6 +253,7 @@ class Consumer:
         if any(m.name == target.name for m in self._mounts):
             raise ValueError(f"subscription: {target.name} is already mounted on consumer "
                              f"{self.name!r} (a second mount would handle everything twice)")
+        _check_delay_key(target, self._mounts)
         spec = FORMS[target.form]
         if spec.uses_caps:
             # what the stream's server can do beyond Redis 6.2: the plans choose
