@@ -591,8 +591,8 @@ class StreamMachine(Base):
                 self.unread[key] -= 1
                 self.pending[d.id] = (c, 1, d.origin_id, d.retries)
             _, count, _, retries = self.pending[d.id]
-            if d.attempt != max(retries + 1, count):
-                raise Violation(f"{d.id}: attempt {d.attempt}, expected max({retries}+1, {count})")
+            if d.attempt != retries + count:
+                raise Violation(f"{d.id}: attempt {d.attempt}, expected {retries} + {count}")
         self.hand[c].extend(stub.got)
 
     async def _finalize_direct(self, client: FaultClient, c: str, stub: Stub) -> None:

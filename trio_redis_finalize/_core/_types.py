@@ -171,8 +171,8 @@ PlanBuilder = builder(Plan, init=True)
 
 
 def attempt_of(retries: int, delivery_count: int = 1) -> int:
-    """Attempt number of a delivery: ``max(header retries + 1, server count)``."""
-    return max(retries + 1, delivery_count)
+    """Attempt number of a delivery: ``header retries + server count``."""
+    return retries + max(delivery_count, 1)
 
 
 def content_origin(payload: bytes) -> str:

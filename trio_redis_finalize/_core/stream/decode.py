@@ -10,8 +10,9 @@ What every form shares (the :class:`~.._decode.Original` an entry read once
 becomes, the envelope of list elements and payloads) stays in
 ``_core/_decode.py``.
 
-The attempt of a stream delivery is ``max(header retries + 1, server
-delivery count)`` (``_core._types.attempt_of``, read here), past
+The attempt of a stream delivery is ``header retries + server delivery
+count`` (``_core._types.attempt_of``, read here: every delivery of a copy
+counts, a crash during its handler too), past
 ``max_attempts`` a dead letter; the reader keeps the server count honest
 whenever it takes an entry of its own PEL again, sets a count back, or
 claims one.  Those rules are written below, once each, as pure functions
@@ -60,7 +61,7 @@ from .._types import Effect, Plan, Target, attempt_of
 __all__ = [
     "AS_IS", "GIVE_BACK", "GIVE_BACK_PER_CALL", "Entry", "as_handed", "as_str", "claimed_waiting",
     "give_back", "given_back", "id_key", "lapsed_own", "lost_entry", "read_entries", "recovered",
-    "redelivered", "set_back_claimed", "stream_deliveries", "waiting",
+    "redelivered", "retries_of", "set_back_claimed", "stream_deliveries", "waiting",
 ]
 
 log = logging.getLogger("trio_redis_finalize")
@@ -75,6 +76,20 @@ _SPECIAL = _HEADERS | {TRACEPARENT_FIELD, TRACESTATE_FIELD}
 """Field names an original without trace context has none of."""
 
 
+
+
+def retries_of(flat: Sequence[bytes] | None) -> int:
+    """The retry counter of an entry's field list (its last ``RETRIES_FIELD``; 0 without
+    one, or a corrupt one)."""
+    r = 0
+    if flat is not None:
+        for k, v in zip(flat[::2], flat[1::2], strict=False):
+            if k == RETRIES_FIELD:
+                try:
+                    r = max(int(v), 0)
+                except ValueError:
+                    r = 0
+    return r
 
 
 def as_str(b: bytes | str) -> str:
@@ -139,7 +154,7 @@ def stream_deliveries(
     taken out of ``fields`` and ``flat`` (a repeated one: its last value
     counts, as in a mapping); the trace context (``traceparent``,
     ``tracestate``) out of ``fields`` only (``flat`` is what copies carry;
-    ``field_list`` leaves it out); the attempt is ``max(retries + 1, count)``.
+    ``field_list`` leaves it out); the attempt is ``retries + count``.
     Without a handler: a copy another group wrote (acknowledged as
     foreign), a corrupt retry counter or an attempt past ``max_attempts``
     (dead letter), an entry deleted while pending (acknowledged, lost).

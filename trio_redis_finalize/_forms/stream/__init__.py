@@ -129,7 +129,8 @@ class StreamSubscription(Subscription):
             stranded.
 
     Attempts count handler calls that may have happened.  ``attempt`` is
-    ``max(header retries + 1, server delivery count)``, and the reader keeps
+    ``header retries + server delivery count`` (a copy counts its own
+    deliveries on top of the attempts before it), and the reader keeps
     the server count honest: a read whose reply was lost, a re-read of its
     own PEL while a delivery is in flight and a delivery given back unstarted
     at shutdown do not count (recovery inside a running process takes its

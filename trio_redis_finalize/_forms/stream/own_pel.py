@@ -50,6 +50,7 @@ from ..._core.stream.decode import (
     lapsed_own,
     lost_entry,
     recovered,
+    retries_of,
     set_back_claimed,
     stream_deliveries,
     waiting,
@@ -176,7 +177,9 @@ def defer(ctx: Context, entries: Sequence[Entry], left: dict[bytes, tuple[float,
     others: deliver now)."""
     if not left:
         return set()
-    counts = waiting(left)
+    # the schedule keeps the attempt that failed; its count is that less the header's retries
+    counts = waiting({eid: (s, a - retries_of(flat)) for eid, flat in entries if eid in left
+                      for s, a in [left[eid]]})
     ready, _direct = stream_deliveries(ctx.target, [e for e in entries if e[0] in left], counts)
     held: set[bytes] = set()
     for d in ready:
@@ -226,7 +229,9 @@ async def claimed_waits(ctx: Context, live: list[Entry]) -> list[Entry]:
         if not left:
             return live
         held = defer(ctx, live, left)
-        p = set_back_claimed(t.source, t.group, ctx.consumer.name, claimed_waiting(held, left))
+        rebased = {eid: (s, a - retries_of(flat)) for eid, flat in live if eid in held
+                   for s, a in [left[eid]]}
+        p = set_back_claimed(t.source, t.group, ctx.consumer.name, claimed_waiting(held, rebased))
         if p is not None:
             await ctx.client.pipeline(p.commands, timeout=FINALIZE_TIMEOUT)
     if held is None:

@@ -58,7 +58,7 @@ class StreamPending:
         failed: list[tuple[str, int]] = []
         for d in deliveries:
             assert d.id is not None
-            failed.append((d.id, d.attempt))
+            failed.append((d.id, d.attempt - d.retries))  # the count of this entry's attempt
         nexts = redelivered(failed)
         args: list[str | int] = [sub.group, me]
         for eid, n in nexts:
