@@ -39,7 +39,9 @@ class ReliableListSubscription(Subscription):
     Args:
         queue: the list producers LPUSH onto.
         processing: this consumer's processing list (default
-            ``{queue}:processing:<consumer name>``).
+            ``{queue}:processing:<consumer name>``), one consumer's own: a
+            mount under another name is refused (``ValueError``) while the
+            consumer registered with it is alive.
         delayed_retry: RUNTIME (default) or DURABLE_ZSET for ``retry_after``.
         max_attempts: attempts before a RETRY (or a failure under
             ``Backoff``) goes to ``dead_letter``; default 10

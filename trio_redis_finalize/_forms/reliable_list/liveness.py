@@ -117,6 +117,14 @@ class ListLiveness:
         before = dict(zip(flat[::2], flat[1::2], strict=True))
         mine = me.encode()
         others = {p for n, p in before.items() if n != mine}
+        sharing = [n.decode() for n, p in before.items() if n != mine and p == processing.encode()]
+        for other in sharing:  # one processing list, one consumer: a live one's is its own
+            if await ctx.client.execute("EXISTS", heartbeat_key(sub.queue, other),
+                                        timeout=FINALIZE_TIMEOUT):
+                raise ValueError(
+                    f"processing: {processing!r} is the processing list of live consumer "
+                    f"{other!r} of queue {sub.queue!r}; consumer {me!r} needs its own (the "
+                    f"default {{queue}}:processing:<consumer> is one per name)")
         left = [p for p, n in zip(noted[::2], noted[1::2], strict=True) if n == mine]
         olds = [p for p in dict.fromkeys((before.get(mine), legacy, *left))
                 if p is not None and p != processing.encode() and p not in others]
