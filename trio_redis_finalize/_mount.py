@@ -36,9 +36,9 @@ describes what happens to in-flight deliveries.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio.abc import TaskStatus
@@ -146,6 +146,7 @@ class Mount:
         # per-minute counts in Redis for the dashboard, written beside the reader (_history)
         self._history = History.of(target.form, target.source, target.group, self.stats)
         self._history_scope = anyio.CancelScope()
+        self._holding_scope = anyio.CancelScope()  # the reader's holding task (a stream's lease)
         osend, orecv = anyio.create_memory_object_stream[list[Item]](max(4, 2 * concurrency))
         self._outcome_send: Send[list[Item]] = osend
         self._outcome_recv: Recv[list[Item]] = orecv
@@ -237,6 +238,13 @@ class Mount:
         """The deliveries waiting for their Backoff (see ``Context.backing_off``)."""
         return self.backoffs.backing_off()
 
+    def leased(self) -> list[str]:
+        """The stream ids whose lease is kept (see ``Context.leased``)."""
+        if not self.pool.stopping:
+            return sorted(self.in_hand)
+        unstarted = {d.id for d in self._queue.items}
+        return sorted(i for i in self.in_hand if i not in unstarted)
+
     def defer(self, d: Delivery, delay: float) -> bool:
         """A recovered delivery whose Backoff is due in ``delay`` seconds waits
         (``Backoffs.defer``); False: the caller delivers it now."""
@@ -267,7 +275,9 @@ class Mount:
                     self._reader_outcomes = self._outcome_send.clone()
                     handler_senders = [self._outcome_send.clone() for _ in range(self.concurrency)]
                     await self._outcome_send.aclose()
-                    tg.start_soon(self.finalizer.run, self._outcome_recv)
+                    tg.start_soon(self._finalize)
+                    if (holding := self.reader.holding(self)) is not None:
+                        tg.start_soon(self._hold, holding)
                     tg.start_soon(self.pool.run, handler_senders, self._give_back)
                     await tg.start(self._read)
                     self.reading = True
@@ -300,6 +310,16 @@ class Mount:
         finally:
             self._queue.close()
             self._history_scope.cancel()  # the history lives as long as the reader
+
+    async def _finalize(self) -> None:
+        try:
+            await self.finalizer.run(self._outcome_recv)
+        finally:
+            self._holding_scope.cancel()  # what the handlers held is finalized, or left
+
+    async def _hold(self, holding: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        with self._holding_scope:
+            await holding()
 
     async def _record_history(self, history: History) -> None:
         with self._history_scope:

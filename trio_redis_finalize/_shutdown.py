@@ -13,6 +13,10 @@ below) when shutdown begins (``t0``), times every phase.
    the delivery counts set back; reliable list: the give-back script moves
    them back to the queue; simple list: ``RPUSH`` back), with the plans it
    had not sent yet, handed to the finalizer within ``FINALIZE_GRACE``.  The
+   stream's lease is not the reader's: it goes on until the finalizer ends
+   (phase 4), for the entries whose handler runs or whose outcome is on its
+   way (a claiming peer never takes an entry still being handled), no longer
+   for those no handler started.  The
    reader's ``closing`` step (a stream's or reliable list's last heartbeat, whose TTL,
    :meth:`Budget.heartbeat_ttl`, covers the phases below so that no other
    consumer reaps the processing list meanwhile) gets ``CLOSING_TIMEOUT``.

@@ -124,6 +124,12 @@ class Context(Protocol):
         Redis: a stop leaves them pending, not handed back)."""
         ...
 
+    def leased(self) -> list[str]:
+        """The stream ids whose lease is kept now: ``in_hand``; once the
+        shutdown began, not those no handler started (none will start here:
+        a claiming peer may take them; the rest are given back)."""
+        ...
+
 
 class Steps(Protocol[C]):
     """What a form's reader supplies to :func:`drive` (see the module docstring)."""
@@ -190,6 +196,14 @@ class Reader(Steps[Any], Protocol):
 
     def abandon(self, deliveries: Sequence[Delivery]) -> Plan | None:
         """Commands that give back deliveries read but never started (or None)."""
+        ...
+
+    def holding(self, ctx: Context) -> Callable[[], Coroutine[Any, Any, None]] | None:
+        """A task that keeps what this mount's handlers hold from other
+        consumers (a stream's lease), run by the mount from its start until
+        its finalizer ends (phase 4 of the shutdown): unlike ``background``,
+        it outlives the reading, so a handler still running in the
+        shutdown's grace keeps its entry.  None: the form needs none."""
         ...
 
     async def closed(self, ctx: Context) -> None:

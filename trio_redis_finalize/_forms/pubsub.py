@@ -137,6 +137,10 @@ class PubSubReader:
     pending = None  # nothing stays pending (at-most-once)
     gates = None
 
+    def holding(self, ctx: Context) -> None:
+        """Nothing to keep beyond the reading (see ``Reader.holding``)."""
+        return None
+
     def abandon(self, deliveries: Sequence[Delivery]) -> Plan | None:
         if deliveries:
             log.warning("%s: %d received message(s) not handled at shutdown (Pub/Sub is "

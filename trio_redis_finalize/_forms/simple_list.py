@@ -70,6 +70,10 @@ class ListReader:
     pending = None  # nothing stays pending (at-most-once)
     gates = None
 
+    def holding(self, ctx: Context) -> None:
+        """Nothing to keep beyond the reading (see ``Reader.holding``)."""
+        return None
+
     def abandon(self, deliveries: Sequence[Delivery]) -> Plan | None:
         """RPUSH the elements back, the oldest last (BRPOP takes it first again)."""
         raws = [d.raw for d in deliveries if d.raw is not None]

@@ -6,9 +6,10 @@ finalizer's plan in phase 3, sent once more by the reader's ``closed``
 step), so it comes back at the attempt it had.  Here:
 
 * a claiming peer (RECLAIM, CLAIMING, a process of its own) takes those
-  entries while the stop is held up by a long handler (the stopping reader's
-  lease ends with it): the give-back leaves them with the peer, at the
-  peer's count, and each is handled once, by the peer;
+  entries while the stop is held up by a long handler (once the stop began,
+  the lease keeps only what a handler started, ``Context.leased``): the
+  give-back leaves them with the peer, at the peer's count, and each is
+  handled once, by the peer; the long handler's own entry stays with it;
 * the give-back's own request meets a fault (the command proxy): its reply
   lost, a silent link, an error reply instead of running.  The entries stay
   pending and a restart delivers them at the attempt they had (or one
@@ -69,10 +70,11 @@ async def test_the_give_back_leaves_an_entry_a_claiming_peer_took_during_the_sto
     redis_url: str, client: Client, mode: Mode,
 ) -> None:
     """Consumer A (here) reads five entries; its one handler holds the first
-    (concurrency 1), the other four wait unstarted.  A's stop begins: its
-    reader, and with it the lease of the four, ends; the handler holds on
+    (concurrency 1), the other four wait unstarted.  A's stop begins: the
+    lease of the four ends (none will start here); the handler holds on
     (keeping its own entry's lease by hand, with the library's owner-checked
-    lease script, so the peer takes only what no handler started).  Peer B
+    lease script: A is PLAIN, its lease renews every ``heartbeat / 3``, and
+    B claims what is idle 1 s).  Peer B
     (a process, ``mode``, ``min_idle`` 1 s) claims the four (their count 2:
     a claim counts) and begins the first; B is then stopped (SIGSTOP) so
     nothing moves while A's handler lets go and A's give-back and hand-back
@@ -88,8 +90,8 @@ async def test_the_give_back_leaves_an_entry_a_claiming_peer_took_during_the_sto
         seen_a.append((d.id, d.attempt))
         if d.id == ids[0]:
             holding.set()
-            while not release.is_set():  # its lease, by hand: the reader's ended with the stop
-                await client.evalsha(LEASE, (S,), (G, "a", ids[0]))
+            while not release.is_set():  # its lease, by hand: A (PLAIN) leases every 10 s,
+                await client.evalsha(LEASE, (S,), (G, "a", ids[0]))  # B claims after 1 s
                 with trio.move_on_after(0.1):
                     await release.wait()
         return ACK
@@ -139,6 +141,54 @@ async def test_the_give_back_leaves_an_entry_a_claiming_peer_took_during_the_sto
     assert seen_a == [(ids[0], 1)], seen_a
     handled = sorted((w[1], w[2]) for w in b.words("H"))
     assert handled == sorted((i, "2") for i in ids[1:]), b.lines
+
+
+async def test_a_handler_running_through_the_stop_keeps_its_entry_from_a_claiming_peer(
+    redis_url: str, client: Client,
+) -> None:
+    """A (RECLAIM, ``min_idle`` 3 s: its lease renews every second) reads one
+    entry; its handler runs on through A's stop (grace 60 s) for four times
+    ``min_idle`` while peer B (a process, RECLAIM, ``min_idle`` 3 s) reads
+    and claims.  The entry stays A's and B never starts it: A's lease
+    (``Reader.holding``) runs until A's finalizer ends, past its reader.
+    Before, the lease ended with the reader at the stop's first phase and B
+    claimed the entry once idle 3 s, running its handler a second time beside
+    A's."""
+    await client.execute("XGROUP", "CREATE", S, G, "0", "MKSTREAM")
+    eid = (await client.execute("XADD", S, "*", "n", "0")).decode()
+    holding, release, stop, a_done = trio.Event(), trio.Event(), trio.Event(), trio.Event()
+
+    async def hold(d: Delivery) -> Outcome:
+        holding.set()
+        await release.wait()
+        return ACK
+
+    async def life_a(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with open_consumer(redis_url, name="a", shutdown_grace=60.0) as a:
+            await a.mount(StreamSubscription(S, G, mode=Mode.RECLAIM, min_idle=3.0, block=0.05),
+                          hold)
+            task_status.started()
+            await stop.wait()
+        a_done.set()
+
+    with trio.fail_after(60):  # a bound
+        async with trio.open_nursery() as nursery:
+            await nursery.start(life_a)
+            await holding.wait()
+            stop.set()  # A's stop begins: its reader ends, its handler runs on
+            async with child_lines(PROC, redis_url, S, G, "b", "reclaim", "3.0", "1.0") as b:
+                assert await b.read(lambda w: w == ["R"], 20), b.lines
+                end = trio.current_time() + 12.0  # B's claims look, four min_idles long
+                while trio.current_time() < end:
+                    await b.read(lambda w: w[:1] == ["H"], 0.2)
+                    assert not b.words("H"), f"B started A's entry, its handler still running: {b.lines}"
+                    assert (await _pending(client))[eid][0] == "a"
+                release.set()
+                with trio.fail_after(20):  # a bound
+                    await a_done.wait()
+                assert await _pending(client) == {}  # A's ACK
+                await b.read(None, 0.5)
+                assert not b.words("H"), b.lines
 
 
 # -- faults at the give-back's own request ------------------------------------------------

@@ -129,6 +129,10 @@ class ReliableListReader:
         removals (``_core.reliable_list.gates``)."""
         return self._gates
 
+    def holding(self, ctx: Context) -> None:
+        """Nothing to keep beyond the reading (see ``Reader.holding``)."""
+        return None
+
     def abandon(self, deliveries: Sequence[Delivery]) -> Plan | None:
         """Give elements read but never started (shutdown) back to the queue.
 

@@ -1,8 +1,9 @@
 """The stream's reader: the read steps of :class:`~.StreamSubscription`.
 
 :class:`StreamReader` is what :func:`~._read_loop.drive` runs for a stream
-mount: the group, one ``XREADGROUP`` per turn, the lease of entries in hand,
-the moves of due durable copies, and the order of what is due before a read.
+mount: the group, one ``XREADGROUP`` per turn, the lease of entries in hand
+(``holding``: it outlives the reading, to the end of the shutdown's
+finalizing), the moves of due durable copies, and the order of what is due before a read.
 What it takes back into its own PEL otherwise (recovery, claims, the reaper's
 take) is :class:`~.own_pel.OwnPel`'s, the Backoff redelivery
 :class:`~.pending.StreamPending`'s; the heartbeat and reaper are
@@ -53,7 +54,8 @@ class StreamReader:
 
     The steps of :func:`~._read_loop.drive`: ``setup`` (key types, the group,
     the retention's precondition, the first heartbeat), ``background`` (the
-    heartbeat, the lease of entries in hand, the retention trim),
+    heartbeat, the retention trim), ``holding`` (the lease of entries in hand,
+    run by the mount until its finalizer ends),
     ``connected`` (plans a look at the own PEL), ``catch_up`` (a destroyed
     group recreated, due durable copies moved back, the own PEL recovered,
     dead consumers taken over (``liveness``), claims (``own_pel``)), ``turn`` (one
@@ -97,6 +99,12 @@ class StreamReader:
         (:meth:`~.own_pel.OwnPel.abandon`)."""
         return self.own_pel.abandon(deliveries)
 
+    def holding(self, ctx: Context) -> Callable[[], Coroutine[Any, Any, None]]:
+        """The lease of the entries in hand, kept until the finalizer ends
+        (``Context.leased``: in the shutdown, those whose handler runs or whose
+        outcome is on its way; see :meth:`_lease`)."""
+        return partial(self._lease, ctx)
+
     # -- the read loop's steps (_read_loop.drive) --------------------------------
     async def setup(self, ctx: Context) -> None:
         """Key types, the group (created when missing), the retention's
@@ -118,7 +126,7 @@ class StreamReader:
 
     def background(self, ctx: Context) -> Sequence[Callable[[], Coroutine[Any, Any, None]]]:
         tasks: list[Callable[[], Coroutine[Any, Any, None]]] = [
-            partial(self._presence.beats, ctx), partial(self._lease, ctx),
+            partial(self._presence.beats, ctx),
         ]
         sub = self.sub
         if sub.retention is not None:
@@ -314,6 +322,12 @@ class StreamReader:
         key vanish (evicted, flushed); should one lapse all the same, the
         claim that finds it keeps it with its handler (see :meth:`_claim`).
 
+        It runs until the mount's finalizer ends (``holding``), past the
+        reader: through a shutdown's grace a handler still running keeps its
+        entry (and an outcome on its way to the finalizer its own), while what
+        no handler started is no longer renewed (``Context.leased``: a claiming
+        peer may take it; the give-back leaves it with the peer).
+
         Only entries still pending for this consumer are renewed, checked in
         the same script (``_core._recovery.LEASE``): after a stall longer
         than ``min_idle`` (a stopped process, a blocked event loop) another
@@ -327,7 +341,7 @@ class StreamReader:
         interval = lease_every(sub.mode, sub.min_idle, sub.heartbeat)
         while True:
             await anyio.sleep(interval)
-            ids = sorted(ctx.in_hand)
+            ids = ctx.leased()
             for i in range(0, len(ids), 500):
                 part = ids[i : i + 500]
                 try:
