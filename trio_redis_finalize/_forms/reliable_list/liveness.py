@@ -33,7 +33,7 @@ import dataclasses
 import random
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import anyio
 from redis import exceptions as rexc
@@ -89,9 +89,9 @@ class ListLiveness:
     """
 
     def __init__(self, sub: ReliableListSubscription,
-                 lapsed: Callable[[Context], Awaitable[object]] | None = None) -> None:
+                 stalled: Callable[[Context], object] | None = None) -> None:
         self.sub = sub
-        self._lapsed = lapsed  # called after a beat that came too late to keep the key alive
+        self._stalled = stalled  # called (before the beat is sent) when a beat comes too late
         self.beat_at = 0.0  # when the last heartbeat that went through was sent
         self._name_hold = NameHold()  # this consumer name's heartbeat (_identity)
         self._lapse: float | None = None  # seconds until the first live peer's heartbeat lapses
@@ -184,28 +184,23 @@ class ListLiveness:
         self.beat_at = max(self.beat_at, sent)
 
     async def heartbeat(self, ctx: Context) -> None:
-        """Renew the heartbeat every ``heartbeat / 3``.  A beat that went
-        through after the key may have lapsed (:meth:`late`) calls ``lapsed``
-        (the reader's look at what it holds that is no longer there)."""
+        """Renew the heartbeat every ``heartbeat / 3``.  A beat about to be sent
+        after the key may have lapsed (:meth:`late`) first calls ``stalled``
+        (the reader drops what no handler started, for a rescan once the key
+        is back), before anything is sent: a renewal that fails then starts
+        nothing meanwhile."""
         sub = self.sub
         every = sub.heartbeat / 3
         while True:
             await anyio.sleep(every)
-            was_late = self.late()
+            if self.late() and self._stalled is not None:
+                self._stalled(ctx)
             try:
                 await self.renew_now(ctx)
             except (rexc.ConnectionError, rexc.TimeoutError, rexc.ResponseError, OSError) as e:
                 log.warning("%s: heartbeat failed (%s); other consumers may take over this "
                             "consumer's processing list after %.1f s without one",
                             ctx.name, e, sub.heartbeat)
-                continue
-            if was_late and self._lapsed is not None:
-                try:
-                    await self._lapsed(ctx)
-                except (rexc.ConnectionError, rexc.TimeoutError, rexc.ResponseError, OSError) as e:
-                    log.warning("%s: looking at processing list %r after a late heartbeat "
-                                "failed: %s", ctx.name, ctx.target.processing, e,
-                                extra={"subscription": ctx.name})
 
     async def last_beat(self, ctx: Context) -> None:
         """The last heartbeat: the handlers and the finalizer may still finish what

@@ -31,7 +31,7 @@ from ..._core._types import Effect, Plan, Target
 from ..._core.reliable_list.gates import ListGates
 from ..._core.reliable_list.liveness import GIVE_BACK, dec
 from ..._core.reliable_list.scripts import MOVE_DUE_TO_LIST
-from ..._deadlines import FINALIZE_TIMEOUT, OWN_LOOK_EVERY, READ_MARGIN, backoff, log
+from ..._deadlines import OWN_LOOK_EVERY, READ_MARGIN, backoff, log
 from ..._delivery import Delivery
 from ..._subscription import DelayedRetry
 from ..._transport import Connection
@@ -115,7 +115,7 @@ class ReliableListReader:
         self._abandoned = 0  # elements given back unstarted at the shutdown (abandon)
         self._handing: list[Delivery] | None = None  # a read's, while the hand-over waits for room
         self._recovery = ListRecovery(sub, self._gates)
-        self._liveness = ListLiveness(sub, self._lapsed)
+        self._liveness = ListLiveness(sub, self._stalled)
 
     @property
     def pending(self) -> Pending:
@@ -200,12 +200,16 @@ class ReliableListReader:
 
     async def catch_up(self, ctx: Context, conn: Connection) -> None:
         """Due durable copies onto the queue, then the rescan when one is
-        planned, wanted, or due (every :data:`_RESCAN_EVERY` seconds)."""
+        planned, wanted, or due (every :data:`_RESCAN_EVERY` seconds); after a
+        late heartbeat (:meth:`_stalled`), the heartbeat renewed before it."""
         now = anyio.current_time()
         if ctx.target.delayed_retry is DelayedRetry.DURABLE_ZSET and now >= self._next_move:
             wait = await self._move_due(ctx)
             now = anyio.current_time()
             self._next_move = now + wait
+        if self._liveness.late():  # the key may have lapsed: back before the rescan
+            self._stalled(ctx)  # (no reaper moves what it delivers once the key is back)
+            await self._liveness.renew_now(ctx)
         recheck = self._recovery.recheck_at
         if (self._rescan_planned or self._gates.rescan_wanted or now >= self._next_rescan
                 or (recheck is not None and now >= recheck)):
@@ -239,9 +243,8 @@ class ReliableListReader:
         if not elements:
             return
         if self._liveness.late():  # the read may have come back after a reaper moved them
-            elements = await self._lapsed(ctx, elements, renew=True)
-            if not elements:
-                return
+            self._stalled(ctx, len(elements))  # left in the processing list for the rescan
+            return
         gates = self._gates
         gates.unsent.update(elements)  # held (_hold), all at once
         gates.in_hand.update(elements)
@@ -257,59 +260,42 @@ class ReliableListReader:
         self._tune(anyio.current_time() - before, self._previous)
         self._previous = len(elements)
 
-    async def _lapsed(self, ctx: Context, read: Sequence[bytes] = (),
-                      renew: bool = False) -> list[bytes]:
+    def _stalled(self, ctx: Context, read: int = 0) -> None:
         """No heartbeat went through for ``heartbeat`` seconds (this process
-        stalled): a live consumer may have moved the processing list back onto
-        the queue meanwhile, and be handling those elements.  Once the key is
-        back (``renew``: sent here first; no reaper moves anything from then
-        on), what this reader holds is compared with the processing list: the
-        elements no handler started that are no longer there are dropped,
-        never started, whether in the work queue or waiting for room there (a
-        handler running one finishes; its removal finds its gate closed), as
-        a stalled stream consumer drops what was claimed from it; of ``read``
-        (a read's elements not handed over yet), those still there are
-        returned.  Identical bytes are told apart by count only: a
-        copy whose removal is answered meanwhile may make one copy too many
-        look gone; dropped, it stays in the processing list, unheld, for the
-        next rescan."""
-        if renew:
-            await self._liveness.renew_now(ctx)
-        t = ctx.target
-        items: list[bytes] = await ctx.client.execute("LRANGE", t.processing, 0, -1,
-                                                      timeout=FINALIZE_TIMEOUT)
-        there = Counter(items)
+        stalled, or Redis was out of reach): the key may have lapsed, and a
+        live consumer moved the processing list back onto the queue and be
+        handling those elements.  Nothing read and not started is started
+        before that is known: at once, before anything is sent, every
+        delivery no handler started is dropped, whether in the work queue or
+        waiting for room there (a handler running one finishes; its removal
+        finds its gate as the other consumer left it), and a rescan is
+        wanted.  The rescan (:meth:`catch_up`) renews the heartbeat first
+        (the key back: no reaper moves anything from then on), then delivers
+        what the processing list still holds that no handler has, as it
+        is (not an attempt).  So a renewal or a read of the list that fails
+        (lost, silent, refused) starts nothing: they are tried again, the
+        dropped elements waiting in the processing list meanwhile.
+        ``read``: the elements of a read not handed over (left there too)."""
         gates = self._gates
-        held = gates.in_hand
-        gone = {e: k - there[e] for e, k in held.items() if k > there[e]}
-
-        def take(d: Delivery) -> bool:
-            k = gone.get(d.raw or b"", 0)
-            if k <= 0:
-                return False
-            gone[d.raw or b""] = k - 1
-            return True
-
-        dropped = ctx.drop_unstarted(take) if gone else []
+        dropped = ctx.drop_unstarted(lambda d: True)
         waiting = self._handing  # a read's deliveries waiting for room in the work queue
-        if gone and waiting:
-            keep: list[Delivery] = []
-            for d in waiting:
-                (dropped if take(d) else keep).append(d)
-            waiting[:] = keep  # in place: the work queue takes them from this list once it has room
+        if waiting:
+            taken = {id(d) for d in dropped}
+            dropped += [d for d in waiting if id(d) not in taken]
+            waiting.clear()  # in place: the work queue takes them from this list once it has room
         for d in dropped:
             if d.raw is not None:
                 dec(gates.unsent, d.raw)
                 dec(gates.in_hand, d.raw)
-        room = Counter({e: k - held.get(e, 0) for e, k in there.items() if k > held.get(e, 0)})
-        kept = [e for e in read if dec(room, e)]
-        if dropped or len(kept) < len(read):
-            log.warning("%s: %d element(s) read and not started are no longer in processing "
-                        "list %r (moved back onto the queue while this consumer stalled past "
-                        "its heartbeat); not started here", ctx.name,
-                        len(dropped) + len(read) - len(kept), t.processing,
+        gates.rescan_wanted = True
+        if dropped or read:
+            log.warning("%s: no heartbeat went through for %.1f s (this consumer stalled, or "
+                        "Redis was out of reach): %d element(s) read and not started are not "
+                        "started now; those still in processing list %r are delivered again "
+                        "once the heartbeat is renewed (a live consumer may have moved the "
+                        "others back onto the queue meanwhile)", ctx.name, self.sub.heartbeat,
+                        len(dropped) + read, ctx.target.processing,
                         extra={"subscription": ctx.name})
-        return kept
 
     def failed(self, ctx: Context, err: Exception) -> float | None:
         self._rescan_planned = True  # a lost BLMOVE reply strands an element
