@@ -21,7 +21,7 @@ from typing import Any
 from .._core._plan import why_key
 from .._core._types import DEAD_FIELDS
 from .._core.reliable_list.liveness import heartbeat_key, registry_key
-from .._core.stream import liveness as presence
+from .._core.stream import survey as presence
 from .._core.stream.retention import GroupNeed, group_rows, oldest_needed
 from .._envelope import ORIGIN_FIELD, RETRIES_FIELD, CorruptEnvelope, unwrap
 from .._keys import derived_prefix

@@ -29,7 +29,7 @@ from redis import exceptions as rexc
 from .._cli import _queues as queues
 from .._cli._common import as_str, key_type, pairs
 from .._core.reliable_list.liveness import heartbeat_key, registry_key
-from .._core.stream import liveness as presence
+from .._core.stream import survey as presence
 from .._history import buckets
 from .._transport import Client
 from ._discover import DeadLetter, Found, Sub

@@ -8,20 +8,17 @@ from __future__ import annotations
 import logging
 
 from trio_redis_finalize._core._identity import RENEW
-from trio_redis_finalize._core.stream.liveness import (
+from trio_redis_finalize._core.stream.liveness import beat, lease_every, stop_probe, stopped_value
+from trio_redis_finalize._core.stream.survey import (
     Heartbeat,
     Registration,
-    beat,
     consumer_rows,
     heartbeat_key,
-    lease_every,
     parse_reap,
     peers,
     registration,
     registry,
     registry_key,
-    stop_probe,
-    stopped_value,
     survey,
     warnings,
     watch_notes,

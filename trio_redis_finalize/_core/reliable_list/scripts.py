@@ -33,9 +33,17 @@ from .._lua import (
 )
 
 __all__ = [
-    "DELETE_LIST_DEAD", "LIST_COPY_REMOVE", "LIST_DEAD_PUSH", "LIST_REMOVE", "LIST_WRITES",
-    "LIST_WRITES_REMOVE_BATCH", "LIST_ZADD_REMOVE", "MOVE_DUE_TO_LIST", "REQUEUE_LIST",
-    "REQUEUE_LIST_FORGET", "why_pop",
+    "DELETE_LIST_DEAD",
+    "LIST_COPY_REMOVE",
+    "LIST_DEAD_PUSH",
+    "LIST_REMOVE",
+    "LIST_WRITES",
+    "LIST_WRITES_REMOVE_BATCH",
+    "LIST_ZADD_REMOVE",
+    "MOVE_DUE_TO_LIST",
+    "REQUEUE_LIST",
+    "REQUEUE_LIST_FORGET",
+    "why_pop",
 ]
 
 # KEYS: processing (the processing list)

@@ -3,8 +3,8 @@ stop's script.
 
 A look at the group -- the keys it reads, what it decides (who is alive, who
 is dead, what to take, what to warn about) and the reaper's script -- is in
-:mod:`.survey` (its names are re-exported here): one module for all a
-catch-up's look uses.  ``_forms/stream/liveness.py`` sends the commands and
+:mod:`.survey` (the key names are re-exported here: the heartbeat writes
+them): one module for all a catch-up's look uses.  ``_forms/stream/liveness.py`` sends the commands and
 keeps the times.
 
 A stream mount keeps two keys beside its stream (in its hash slot):
@@ -103,34 +103,12 @@ from collections.abc import Collection, Sequence
 from ..._subscription import Mode
 from .._commands import Command, Script
 from .._identity import HEARTBEAT_FLOOR, claim, heartbeat_value, renew
-from .survey import (
-    REAP,
-    Heartbeat,
-    Peer,
-    Reap,
-    Reaped,
-    Registration,
-    Survey,
-    consumer_rows,
-    heartbeat_key,
-    legacy_heartbeat_key,
-    legacy_registry_key,
-    parse_reap,
-    peers,
-    registration,
-    registry,
-    registry_key,
-    survey,
-    warnings,
-    watch_notes,
-)
+from .survey import heartbeat_key, legacy_heartbeat_key, legacy_registry_key, registry, registry_key
 
 __all__ = [
-    "HANDED_BACK_IDLE_MS", "HEARTBEAT_FLOOR", "REAP", "STOP", "STOP_PROBE", "Heartbeat",
-    "Peer", "Reap", "Reaped", "Registration", "Survey", "beat", "claim_name", "consumer_rows",
-    "heartbeat_key", "lease_every", "legacy_heartbeat_key", "legacy_registry_key", "parse_reap",
-    "peers", "registration", "registration_value", "registry", "registry_key", "stop_probe",
-    "stopped_value", "survey", "warnings", "watch_notes",
+    "HANDED_BACK_IDLE_MS", "HEARTBEAT_FLOOR", "STOP", "STOP_PROBE", "beat", "claim_name",
+    "heartbeat_key", "lease_every", "legacy_heartbeat_key", "legacy_registry_key",
+    "registration_value", "registry_key", "stop_probe", "stopped_value",
 ]
 
 STOP_PROBE = 0.5
