@@ -7,7 +7,9 @@ scripts by ``_lua``'s users (``_lua`` re-exports these).  Text only.
 
 from __future__ import annotations
 
-__all__ = ["BATCH_WRITES_LUA", "WRITES_LUA", "batch_writes", "run_writes"]
+from .._writes import WRITE_COMMANDS
+
+__all__ = ["BATCH_WRITES_LUA", "WRITES_LUA", "WTYPE_LUA", "batch_writes", "run_writes"]
 
 
 def _fresh_int(call: str, why: str) -> str:
@@ -18,6 +20,40 @@ def _fresh_int(call: str, why: str) -> str:
         local v = redis.call({call})
         if v and wnotint(v) then return {why} end
       end end,"""
+
+
+# The type a write's key must have (or hold nothing) is a function of its
+# command's name (``_writes.WRITE_COMMANDS``, the one source): the scripts
+# know it, the client does not send it (one value less per write to format,
+# parse and hand to Lua: ~1k server instructions).  A batched script builds
+# the table ``WTYPE`` (name -> type, nil for any type) once per call (~8k
+# instructions: 80 per delivery of a batch of 100; a lookup ~0.1k); a single
+# script, one outcome's writes, compares the name instead (``_wtype_is``:
+# ~70 instructions a comparison, no table to build).
+def _typed() -> dict[str, list[str]]:
+    """The typed writes' names by the type their key must have, as listed."""
+    by: dict[str, list[str]] = {}
+    for name, spec in WRITE_COMMANDS.items():
+        if spec[0]:
+            if not (name.isidentifier() and name.isupper() and spec[0].isalpha()):
+                raise ValueError(f"WRITE_COMMANDS: {name!r} ({spec[0]!r}) cannot be written in Lua")
+            by.setdefault(spec[0], []).append(name)
+    return by
+
+
+WTYPE_LUA = "local WTYPE = {" + ", ".join(
+    f"{n} = '{want}'" for want, names in _typed().items() for n in names) + "}\n"
+"""Lua: the table ``WTYPE[name]`` of a batched script (see ``_typed``)."""
+
+
+def _wtype_is(name: str) -> str:
+    """Lua statements (in ``wcheck``'s loop): ``local want``, the type the
+    write named ``name`` wants, by comparisons of the name (a single script's)."""
+    out = ["local want"]
+    for k, (want, names) in enumerate(_typed().items()):
+        cond = " or ".join(f"{name} == '{n}'" for n in names)
+        out.append(f"{'if' if k == 0 else 'elseif'} {cond} then want = '{want}'")
+    return "\n    ".join([*out, "end"])
 
 
 _WNUM = """
@@ -34,8 +70,9 @@ def _tonumber(x: str) -> str:
     return f"tonumber({x})"
 
 
-# Lua: the writes at ARGV[i] ..: for each, its count of values, the type its
-# key must have ('' for any), then the command (name, arguments).
+# Lua: the writes at ARGV[i] ..: for each, its count of values, then the
+# command (name, arguments); the type its key must have is the script's own
+# (``WTYPE[name]``, from ``WRITE_COMMANDS``; nil for any type).
 # ``wcheck(i, nw)``: an error reply naming the write and the key when a key
 # holds another type, or a value the write would certainly be refused on
 # when run (see below); else the index after the writes.  ``wapply(i, nw)``
@@ -56,7 +93,9 @@ def _tonumber(x: str) -> str:
 # damaged HyperLogLog body) is the README's "a write refused at run time".
 #
 # The types are read once per key and script call (``wtype``, a batch's
-# deliveries share it): ``wtype[key] = t`` says the key holds a t or nothing
+# deliveries share it; a single script checks its one outcome's writes once,
+# then runs them: its ``wapply`` keeps no type, none is read after):
+# ``wtype[key] = t`` says the key holds a t or nothing
 # (a typed write may empty its key: HDEL, SREM, ZREM, LTRIM; a removal of
 # the script's own only empties one), so t is trusted only when it is the
 # type wanted; else TYPE reads it.  A typed write that ran sets its type;
@@ -69,7 +108,8 @@ def _writes_lua(batched: bool) -> str:
     num = _memo if batched else _tonumber
     def keep(assign: str) -> str:  # (a single script's one write: no later reader)
         return assign if batched else f"if nw > 1 then {assign} end"
-    return ((_WNUM if batched else "") + """
+    want = "local want = WTYPE[name]" if batched else _wtype_is("name")
+    return ((_WNUM + WTYPE_LUA if batched else "") + """
 local ARGV = ARGV  -- (an upvalue: a global is a table lookup)
 local wvalue, wtouched
 local wtype = {}
@@ -81,17 +121,17 @@ local function wchecks()
   -- earlier write of the outcome touched it) -> why it would fail, or nil
   local t = {
     INCR = function(i, fresh)
-""" + _fresh_int("'GET', ARGV[i + 3]", "'the value is not an integer'") + """
+""" + _fresh_int("'GET', ARGV[i + 2]", "'the value is not an integer'") + """
     INCRBY = function(i, fresh)
-      if wnotint(ARGV[i + 4]) then return 'the increment is not an integer' end
-""" + _fresh_int("'GET', ARGV[i + 3]", "'the value is not an integer'") + """
+      if wnotint(ARGV[i + 3]) then return 'the increment is not an integer' end
+""" + _fresh_int("'GET', ARGV[i + 2]", "'the value is not an integer'") + """
     HINCRBY = function(i, fresh)
-      if wnotint(ARGV[i + 5]) then return 'the increment is not an integer' end
-""" + _fresh_int("'HGET', ARGV[i + 3], ARGV[i + 4]",
-                 "'the field ' .. ARGV[i + 4] .. ' holds no integer'") + """
+      if wnotint(ARGV[i + 4]) then return 'the increment is not an integer' end
+""" + _fresh_int("'HGET', ARGV[i + 2], ARGV[i + 3]",
+                 "'the field ' .. ARGV[i + 3] .. ' holds no integer'") + """
     PFADD = function(i, fresh)
-      if fresh and redis.call('EXISTS', ARGV[i + 3]) == 1 and
-         redis.call('GETRANGE', ARGV[i + 3], 0, 3) ~= 'HYLL' then
+      if fresh and redis.call('EXISTS', ARGV[i + 2]) == 1 and
+         redis.call('GETRANGE', ARGV[i + 2], 0, 3) ~= 'HYLL' then
         return 'the key holds a string that is not a HyperLogLog'
       end end,
   }
@@ -101,10 +141,10 @@ local function wchecks()
   local function wtouched(from, to, v)
     while from < to do
       local argc = """ + num("ARGV[from]") + """
-      for a = from + 3, from + 1 + argc do
+      for a = from + 2, from + argc do
         if ARGV[a] == v then return true end
       end
-      from = from + 2 + argc
+      from = from + 1 + argc
     end
     return false
   end
@@ -115,66 +155,77 @@ local function wcheck(i, nw)
   if nw > 1 and not wvalue then wvalue, wtouched = wchecks() end
   for w = 1, nw do
     local argc = """ + num("ARGV[i]") + """
-    local want = ARGV[i + 1]
-    if want ~= '' then
-      local key = ARGV[i + 3]
+    local name = ARGV[i + 1]
+    """ + want + """
+    if want then
+      local key = ARGV[i + 2]
       if wtype[key] ~= want then
         local t = redis.call('TYPE', key)['ok']
         if t ~= 'none' and t ~= want then
           wtype[key] = t
-          return nil, 'WRONGTYPE write ' .. w .. ' of the outcome (' .. ARGV[i + 2] .. ' ' ..
+          return nil, 'WRONGTYPE write ' .. w .. ' of the outcome (' .. name .. ' ' ..
             key .. '): the key holds a ' .. t .. ', not a ' .. want .. '; nothing written'
         end
         """ + keep("wtype[key] = want") + """
       end
-      local check = w > 1 and wvalue[ARGV[i + 2]]
+      local check = w > 1 and wvalue[name]
       if check then
         local why = check(i, not wtouched(from, i, key))
         if why then
-          return nil, 'ERR write ' .. w .. ' of the outcome (' .. ARGV[i + 2] .. ' ' .. key ..
+          return nil, 'ERR write ' .. w .. ' of the outcome (' .. name .. ' ' .. key ..
             ') would fail: ' .. why .. '; nothing written'
         end
       end
     end
-    i = i + 2 + argc
+    i = i + 1 + argc
   end
   return i
 end
-local function wapply(i, nw)
+""" + ("""local function wapply(i, nw)
   for w = 1, nw do
-    local argc = """ + num("ARGV[i]") + """
-    local want = ARGV[i + 1]
-    redis.call(unpack(ARGV, i + 2, i + 1 + argc))
-    if want ~= '' then
-      """ + keep("wtype[ARGV[i + 3]] = want") + """
-    elseif ARGV[i + 2] == 'SET' or ARGV[i + 2] == 'SETNX' then  -- (another type: a string)
-      wtype[ARGV[i + 3]] = nil
+    local argc = wnum[ARGV[i]]
+    local name = ARGV[i + 1]
+    redis.call(unpack(ARGV, i + 1, i + argc))
+    local want = WTYPE[name]
+    if want then
+      wtype[ARGV[i + 2]] = want
+    elseif name == 'SET' or name == 'SETNX' then  -- (another type: a string)
+      wtype[ARGV[i + 2]] = nil
     end
-    i = i + 2 + argc
+    i = i + 1 + argc
   end
   return i
 end
-""" + ("""local function wrun(i, nw)
+""" if batched else """local function wapply(i, nw)  -- (its one wcheck ran: no type read after)
+  for w = 1, nw do
+    local argc = tonumber(ARGV[i])
+    redis.call(unpack(ARGV, i + 1, i + argc))
+    i = i + 1 + argc
+  end
+  return i
+end
+""") + ("""local function wrun(i, nw)
   if nw == 1 then
     -- (the common outcome, inline: wcheck only for a type not known; a typed
     -- write's key then holds the type its check cached)
-    local argc, want, key = wnum[ARGV[i]], ARGV[i + 1], ARGV[i + 3]
-    if want ~= '' and wtype[key] ~= want then
+    local argc, name, key = wnum[ARGV[i]], ARGV[i + 1], ARGV[i + 2]
+    local want = WTYPE[name]
+    if want and wtype[key] ~= want then
       local at, why = wcheck(i, 1)
       if not at then return nil, why end
     end
-    redis.call(unpack(ARGV, i + 2, i + 1 + argc))
-    if want == '' and (ARGV[i + 2] == 'SET' or ARGV[i + 2] == 'SETNX') then
+    redis.call(unpack(ARGV, i + 1, i + argc))
+    if not want and (name == 'SET' or name == 'SETNX') then
       wtype[key] = nil
     end
-    return i + 2 + argc
+    return i + 1 + argc
   end
   local at, why = wcheck(i, nw)
   if not at then return nil, why end
   return wapply(i, nw)
 end
 local function wskip(i, nw)
-  for w = 1, nw do i = i + 2 + wnum[ARGV[i]] end
+  for w = 1, nw do i = i + 1 + wnum[ARGV[i]] end
   return i
 end
 """ if batched else ""))
