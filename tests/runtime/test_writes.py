@@ -404,10 +404,16 @@ _EACH = {
 }
 
 
-async def test_the_scripts_know_the_type_each_write_wants(client: Client) -> None:
-    """The type a write's key must have is the scripts' own table, made from
-    WRITE_COMMANDS (the client sends none): every command on a key of
-    another type is refused by name and the type it wants, or runs (any type)."""
+@pytest.mark.parametrize("how", ["single", "batched short", "batched long"])
+async def test_the_scripts_know_the_type_each_write_wants(client: Client, how: str) -> None:
+    """The type a write's key must have is the scripts' own, made from
+    WRITE_COMMANDS (the client sends none): every command on a key of another
+    type is refused by name and the type it wants, or runs (any type) -- in a
+    single script (comparisons of the name), a short batched call (the same)
+    and a long one (its table ``WTYPE``, from ``WTYPE_AT`` values)."""
+    from trio_redis_finalize._core._batch import batch_replies, first_round
+    from trio_redis_finalize._core._lua_writes import WTYPE_AT
+
     assert set(_EACH) == set(WRITE_COMMANDS)
     t = _stream_target()
     refused = {}
@@ -416,11 +422,29 @@ async def test_the_scripts_know_the_type_each_write_wants(client: Client) -> Non
         await client.execute("DEL", "{o}k")
         await client.execute(*(("HSET", "{o}k", "f", "v") if want == "string" else ("SET", "{o}k", "1")))
         d = await _pending(client)
-        (cmd,) = plan_writes(t, d, ACK.with_writes((name, "{o}k", *args))).commands
+        plans = [plan_writes(t, d, ACK.with_writes((name, "{o}k", *args)))]
+        if how != "single":  # a second delivery (long: its writes enough for the table)
+            pad = await _pending(client)
+            n = WTYPE_AT // 6 + 1 if how == "batched long" else 1  # (6 values a HINCRBY)
+            plans.append(plan_writes(t, pad, ACK.with_writes(*[("HINCRBY", "{o}pad", "n", 1)] * n)))
+        if how == "single":
+            (cmd,) = plans[0].commands
+        else:
+            (cmd,), _, _ = first_round((), plans)
+            assert cmd[1] == stream_scripts.STREAM_WRITES_ACK_BATCH.sha
+            assert (len(cmd) - 3 - int(cmd[2]) >= WTYPE_AT) is (how == "batched long")
         try:
-            assert await run(client, cmd) == 1, name
+            reply = await run(client, cmd)
         except rexc.ResponseError as e:
-            refused[name] = str(e)
+            reply = e
+        if how != "single":
+            elements = batch_replies(reply, len(plans))
+            assert elements is not None and elements[1] == 1, (name, reply)
+            reply = elements[0]
+        if isinstance(reply, rexc.ResponseError):
+            refused[name] = str(reply)
+        else:
+            assert reply == 1, (name, reply)
     assert set(refused) == {n for n, spec in WRITE_COMMANDS.items() if spec[0]}
     for name, message in refused.items():
         other = "hash" if WRITE_COMMANDS[name][0] == "string" else "string"

@@ -25,35 +25,61 @@ def _fresh_int(call: str, why: str) -> str:
 # The type a write's key must have (or hold nothing) is a function of its
 # command's name (``_writes.WRITE_COMMANDS``, the one source): the scripts
 # know it, the client does not send it (one value less per write to format,
-# parse and hand to Lua: ~1k server instructions).  A batched script builds
-# the table ``WTYPE`` (name -> type, nil for any type) once per call (~8k
-# instructions: 80 per delivery of a batch of 100; a lookup ~0.1k); a single
-# script, one outcome's writes, compares the name instead (``_wtype_is``:
-# ~70 instructions a comparison, no table to build).
-def _typed() -> dict[str, list[str]]:
-    """The typed writes' names by the type their key must have, as listed."""
-    by: dict[str, list[str]] = {}
-    for name, spec in WRITE_COMMANDS.items():
-        if spec[0]:
-            if not (name.isidentifier() and name.isupper() and spec[0].isalpha()):
-                raise ValueError(f"WRITE_COMMANDS: {name!r} ({spec[0]!r}) cannot be written in Lua")
-            by.setdefault(spec[0], []).append(name)
-    return by
+# parse and hand to Lua: ~1k server instructions).  Two ways to look it up
+# (Redis 7.0, callgrind): comparing the name (``_wtype_is``: its length,
+# then the names of that length; nothing to build, a few hundred
+# instructions a lookup), or the table ``WTYPE`` (name -> type, nil for any
+# type: ~7.4k instructions to build at each script call, ~300 an entry,
+# then ~0.1k a lookup).  A single script (one outcome's writes) compares; a
+# batched one builds the table when its call is long enough for its
+# lookups to pay for it (``WTYPE_AT`` values), else compares too.  (One
+# value less costs the server ~0.7k; a lookup by comparisons 0.4k-0.9k, by
+# the table ~0.1k: a call too short for the table pays about what it did.)
+def _typed() -> dict[str, str]:
+    """The typed writes' names and the type their key must have, as listed."""
+    typed = {name: spec[0] for name, spec in WRITE_COMMANDS.items() if spec[0]}
+    for name, want in typed.items():
+        if not (name.isidentifier() and name.isupper() and want.isalpha()):
+            raise ValueError(f"WRITE_COMMANDS: {name!r} ({want!r}) cannot be written in Lua")
+    return typed
 
 
-WTYPE_LUA = "local WTYPE = {" + ", ".join(
-    f"{n} = '{want}'" for want, names in _typed().items() for n in names) + "}\n"
-"""Lua: the table ``WTYPE[name]`` of a batched script (see ``_typed``)."""
+WTYPE_AT = 64
+"""Values of a batched call (``#ARGV``) from which it builds the table
+``WTYPE`` (about a dozen lookups: where they cost what the table does)."""
+
+WTYPE_LUA = f"local WTYPE = #ARGV >= {WTYPE_AT} and {{" + ", ".join(
+    f"{n} = '{want}'" for n, want in _typed().items()) + "}\n"
+"""Lua: a batched script's table ``WTYPE[name]`` (see ``_typed``), or
+false in a call too short for it."""
 
 
-def _wtype_is(name: str) -> str:
-    """Lua statements (in ``wcheck``'s loop): ``local want``, the type the
-    write named ``name`` wants, by comparisons of the name (a single script's)."""
-    out = ["local want"]
-    for k, (want, names) in enumerate(_typed().items()):
-        cond = " or ".join(f"{name} == '{n}'" for n in names)
-        out.append(f"{'if' if k == 0 else 'elseif'} {cond} then want = '{want}'")
-    return "\n    ".join([*out, "end"])
+def _wtype_is(name: str, indent: str) -> str:
+    """Lua statements: ``want`` set to the type the write named ``name``
+    wants (left nil: any type), by comparisons: its length first, the
+    lengths with the most typed names first (see ``_typed``)."""
+    by_len: dict[int, dict[str, list[str]]] = {}
+    for n, want in _typed().items():
+        by_len.setdefault(len(n), {}).setdefault(want, []).append(n)
+    lines = [f"local wl = #{name}"]
+    ordered = sorted(by_len.items(), key=lambda lw: -sum(map(len, lw[1].values())))
+    for k, (length, wants) in enumerate(ordered):
+        lines.append(f"{'if' if k == 0 else 'elseif'} wl == {length} then")
+        for j, (want, names) in enumerate(wants.items()):
+            cond = " or ".join(f"{name} == '{n}'" for n in names)
+            lines.append(f"  {'if' if j == 0 else 'elseif'} {cond} then want = '{want}'")
+        lines.append("  end")
+    return f"\n{indent}".join([*lines, "end"])
+
+
+def _want(batched: bool, name: str, indent: str) -> str:
+    """Lua statements: ``want`` (a local declared before) set to the type the
+    write named ``name`` wants (nil: any type): a single script's
+    comparisons, a batched one's table where it built one."""
+    if not batched:
+        return _wtype_is(name, indent)
+    return (f"if WTYPE then want = WTYPE[{name}] else\n{indent}  "
+            + _wtype_is(name, indent + "  ") + f"\n{indent}end")
 
 
 _WNUM = """
@@ -73,9 +99,10 @@ def _tonumber(x: str) -> str:
 # Lua: the writes at ARGV[i] ..: for each, its count of values, then the
 # command (name, arguments); the type its key must have is the script's own
 # (``WTYPE[name]``, from ``WRITE_COMMANDS``; nil for any type).
-# ``wcheck(i, nw)``: an error reply naming the write and the key when a key
+# ``wcheck(i, nw, want1)``: an error reply naming the write and the key when a key
 # holds another type, or a value the write would certainly be refused on
-# when run (see below); else the index after the writes.  ``wapply(i, nw)``
+# when run (see below); else the index after the writes (``want1``: the
+# first write's type, when its caller looked it up).  ``wapply(i, nw)``
 # runs them (and answers that index); ``wrun`` both, ``wskip`` only that index.
 #
 # A write that passes the type check may still fail when run, after the
@@ -108,9 +135,9 @@ def _writes_lua(batched: bool) -> str:
     num = _memo if batched else _tonumber
     def keep(assign: str) -> str:  # (a single script's one write: no later reader)
         return assign if batched else f"if nw > 1 then {assign} end"
-    want = "local want = WTYPE[name]" if batched else _wtype_is("name")
-    return ((_WNUM + WTYPE_LUA if batched else "") + """
+    return ((_WNUM if batched else "") + """
 local ARGV = ARGV  -- (an upvalue: a global is a table lookup)
+""" + (WTYPE_LUA if batched else "") + """
 local wvalue, wtouched
 local wtype = {}
 local function wchecks()
@@ -150,13 +177,17 @@ local function wchecks()
   end
   return t, wtouched
 end
-local function wcheck(i, nw)
+local function wcheck(i, nw, want1)
   local from = i
   if nw > 1 and not wvalue then wvalue, wtouched = wchecks() end
   for w = 1, nw do
     local argc = """ + num("ARGV[i]") + """
     local name = ARGV[i + 1]
-    """ + want + """
+    local want = want1
+    want1 = nil
+    if not want then
+      """ + _want(batched, "name", "      ") + """
+    end
     if want then
       local key = ARGV[i + 2]
       if wtype[key] ~= want then
@@ -186,7 +217,8 @@ end
     local argc = wnum[ARGV[i]]
     local name = ARGV[i + 1]
     redis.call(unpack(ARGV, i + 1, i + argc))
-    local want = WTYPE[name]
+    local want
+    """ + _want(True, "name", "    ") + """
     if want then
       wtype[ARGV[i + 2]] = want
     elseif name == 'SET' or name == 'SETNX' then  -- (another type: a string)
@@ -209,9 +241,10 @@ end
     -- (the common outcome, inline: wcheck only for a type not known; a typed
     -- write's key then holds the type its check cached)
     local argc, name, key = wnum[ARGV[i]], ARGV[i + 1], ARGV[i + 2]
-    local want = WTYPE[name]
+    local want
+    """ + _want(batched, "name", "    ") + """
     if want and wtype[key] ~= want then
-      local at, why = wcheck(i, 1)
+      local at, why = wcheck(i, 1, want)
       if not at then return nil, why end
     end
     redis.call(unpack(ARGV, i + 1, i + argc))
@@ -257,6 +290,8 @@ wapply({at + 1}, nw)
 # (2.8k to build each row, 5.2k to make it Lua tables); this file's checks
 # and the loop's bookkeeping: 29.7k (3.0x).  With no value but the id ~21k
 # (2.1x): the gate's read is most of what a raw pipeline does not pay.
+# (Measured when the call still carried each write's key type: one value
+# fewer per write since, ``WTYPE``.)
 def batch_writes(at: str) -> str:
     """Lua, in a batched writes script's loop, for an open delivery whose
     writes start at ``ARGV[at]`` (``nw`` of them): checked, then run, in one
