@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .._writes import WRITE_COMMANDS
 
-__all__ = ["BATCH_WRITES_LUA", "WRITES_LUA", "WTYPE_LUA", "batch_writes", "run_writes"]
+__all__ = ["BATCH_WRITES_LUA", "WRITES_LUA", "batch_writes", "run_writes"]
 
 
 def _fresh_int(call: str, why: str) -> str:
@@ -25,16 +25,16 @@ def _fresh_int(call: str, why: str) -> str:
 # The type a write's key must have (or hold nothing) is a function of its
 # command's name (``_writes.WRITE_COMMANDS``, the one source): the scripts
 # know it, the client does not send it (one value less per write to format,
-# parse and hand to Lua: ~1k server instructions).  Two ways to look it up
-# (Redis 7.0, callgrind): comparing the name (``_wtype_is``: its length,
-# then the names of that length; nothing to build, a few hundred
-# instructions a lookup), or the table ``WTYPE`` (name -> type, nil for any
-# type: ~7.4k instructions to build at each script call, ~300 an entry,
-# then ~0.1k a lookup).  A single script (one outcome's writes) compares; a
-# batched one builds the table when its call is long enough for its
-# lookups to pay for it (``WTYPE_AT`` values), else compares too.  (One
-# value less costs the server ~0.7k; a lookup by comparisons 0.4k-0.9k, by
-# the table ~0.1k: a call too short for the table pays about what it did.)
+# parse and hand to Lua: ~0.7k server instructions, Redis 7.0, callgrind).
+# Two ways to look it up: comparing the name (``_wtype_is``: its length,
+# then the names of that length; nothing to build, 0.4k-0.9k a lookup), or
+# the table ``WTYPE`` (name -> type, nil for any type: ~7.4k to build at
+# each script call, ~300 an entry, then ~0.1k a lookup).  A single script
+# (one outcome's writes) compares; a batched one builds the table when its
+# call is long enough for its lookups to pay for it (``WTYPE_AT`` values),
+# else compares too (its functions written twice, one pair of closures
+# made per call): a short call costs the server about what it did with the
+# type sent, a long one less.
 def _typed() -> dict[str, str]:
     """The typed writes' names and the type their key must have, as listed."""
     typed = {name: spec[0] for name, spec in WRITE_COMMANDS.items() if spec[0]}
@@ -48,10 +48,8 @@ WTYPE_AT = 64
 """Values of a batched call (``#ARGV``) from which it builds the table
 ``WTYPE`` (about a dozen lookups: where they cost what the table does)."""
 
-WTYPE_LUA = f"local WTYPE = #ARGV >= {WTYPE_AT} and {{" + ", ".join(
-    f"{n} = '{want}'" for n, want in _typed().items()) + "}\n"
-"""Lua: a batched script's table ``WTYPE[name]`` (see ``_typed``), or
-false in a call too short for it."""
+WTYPE_LUA = "local WTYPE = {" + ", ".join(f"{n} = '{want}'" for n, want in _typed().items()) + "}"
+"""Lua: the table ``WTYPE[name]`` (see ``_typed``)."""
 
 
 def _wtype_is(name: str, indent: str) -> str:
@@ -72,14 +70,16 @@ def _wtype_is(name: str, indent: str) -> str:
     return f"\n{indent}".join([*lines, "end"])
 
 
-def _want(batched: bool, name: str, indent: str) -> str:
-    """Lua statements: ``want`` (a local declared before) set to the type the
-    write named ``name`` wants (nil: any type): a single script's
-    comparisons, a batched one's table where it built one."""
-    if not batched:
-        return _wtype_is(name, indent)
-    return (f"if WTYPE then want = WTYPE[{name}] else\n{indent}  "
-            + _wtype_is(name, indent + "  ") + f"\n{indent}end")
+def _want(table: bool, indent: str, given: str = "") -> str:
+    """Lua statements: ``local want``, the type the write named ``name``
+    wants (nil: any type), from the table ``WTYPE`` or by comparisons (then
+    ``given``, a type its caller looked up, spares them; it is cleared)."""
+    if table:
+        return "local want = WTYPE[name]"
+    if not given:
+        return f"local want\n{indent}" + _wtype_is("name", indent)
+    return (f"local want = {given}\n{indent}{given} = nil\n{indent}if not want then\n{indent}  "
+            + _wtype_is("name", indent + "  ") + f"\n{indent}end")
 
 
 _WNUM = """
@@ -97,8 +97,8 @@ def _tonumber(x: str) -> str:
 
 
 # Lua: the writes at ARGV[i] ..: for each, its count of values, then the
-# command (name, arguments); the type its key must have is the script's own
-# (``WTYPE[name]``, from ``WRITE_COMMANDS``; nil for any type).
+# command (name, arguments); the type its key must have ('want', nil for
+# any type) the script looks up by the name (above).
 # ``wcheck(i, nw, want1)``: an error reply naming the write and the key when a key
 # holds another type, or a value the write would certainly be refused on
 # when run (see below); else the index after the writes (``want1``: the
@@ -133,11 +133,8 @@ def _writes_lua(batched: bool) -> str:
     """WRITES_LUA (``batched`` False) or BATCH_WRITES_LUA (True: also ``wnum``,
     ``wrun``, ``wskip``; what a single script would only pay for at each call)."""
     num = _memo if batched else _tonumber
-    def keep(assign: str) -> str:  # (a single script's one write: no later reader)
-        return assign if batched else f"if nw > 1 then {assign} end"
     return ((_WNUM if batched else "") + """
 local ARGV = ARGV  -- (an upvalue: a global is a table lookup)
-""" + (WTYPE_LUA if batched else "") + """
 local wvalue, wtouched
 local wtype = {}
 local function wchecks()
@@ -177,17 +174,34 @@ local function wchecks()
   end
   return t, wtouched
 end
-local function wcheck(i, nw, want1)
+""" + (f"""local wcheck, wapply, wrun
+if #ARGV >= {WTYPE_AT} then  -- (a long call: the table pays)
+{WTYPE_LUA}
+{_functions(True, True)}else
+{_functions(True, False)}end
+local function wskip(i, nw)
+  for w = 1, nw do i = i + 1 + wnum[ARGV[i]] end
+  return i
+end
+""" if batched else _functions(False, False)))
+
+
+def _functions(batched: bool, table: bool) -> str:
+    """Lua: ``wcheck``, ``wapply`` and (``batched``) ``wrun``, assigned to
+    locals declared before (a batched script's) or declared, their lookups
+    of a write's type from the table ``WTYPE`` (``table``) or by comparisons."""
+    num = _memo if batched else _tonumber
+    def keep(assign: str) -> str:  # (a single script's one write: no later reader)
+        return assign if batched else f"if nw > 1 then {assign} end"
+    def define(name: str) -> str:
+        return f"{name} = function" if batched else f"local function {name}"
+    return define("wcheck") + """(i, nw, want1)
   local from = i
   if nw > 1 and not wvalue then wvalue, wtouched = wchecks() end
   for w = 1, nw do
     local argc = """ + num("ARGV[i]") + """
     local name = ARGV[i + 1]
-    local want = want1
-    want1 = nil
-    if not want then
-      """ + _want(batched, "name", "      ") + """
-    end
+    """ + _want(table, "    ", "want1" if batched else "") + """
     if want then
       local key = ARGV[i + 2]
       if wtype[key] ~= want then
@@ -212,13 +226,12 @@ local function wcheck(i, nw, want1)
   end
   return i
 end
-""" + ("""local function wapply(i, nw)
+""" + (define("wapply") + """(i, nw)
   for w = 1, nw do
     local argc = wnum[ARGV[i]]
     local name = ARGV[i + 1]
     redis.call(unpack(ARGV, i + 1, i + argc))
-    local want
-    """ + _want(True, "name", "    ") + """
+    """ + _want(table, "    ") + """
     if want then
       wtype[ARGV[i + 2]] = want
     elseif name == 'SET' or name == 'SETNX' then  -- (another type: a string)
@@ -228,7 +241,7 @@ end
   end
   return i
 end
-""" if batched else """local function wapply(i, nw)  -- (its one wcheck ran: no type read after)
+""" if batched else define("wapply") + """(i, nw)  -- (its one wcheck ran: no type read after)
   for w = 1, nw do
     local argc = tonumber(ARGV[i])
     redis.call(unpack(ARGV, i + 1, i + argc))
@@ -236,13 +249,12 @@ end
   end
   return i
 end
-""") + ("""local function wrun(i, nw)
+""") + (define("wrun") + """(i, nw)
   if nw == 1 then
     -- (the common outcome, inline: wcheck only for a type not known; a typed
     -- write's key then holds the type its check cached)
     local argc, name, key = wnum[ARGV[i]], ARGV[i + 1], ARGV[i + 2]
-    local want
-    """ + _want(batched, "name", "    ") + """
+    """ + _want(table, "    ") + """
     if want and wtype[key] ~= want then
       local at, why = wcheck(i, 1, want)
       if not at then return nil, why end
@@ -257,11 +269,7 @@ end
   if not at then return nil, why end
   return wapply(i, nw)
 end
-local function wskip(i, nw)
-  for w = 1, nw do i = i + 1 + wnum[ARGV[i]] end
-  return i
-end
-""" if batched else ""))
+""" if batched else "")
 
 
 WRITES_LUA = _writes_lua(batched=False)
