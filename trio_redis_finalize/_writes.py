@@ -26,7 +26,7 @@ Write = tuple[str | bytes, ...]
 arguments as ``bytes`` or ``str`` (numbers are turned into their text)."""
 
 # name -> (the type its key must have, or hold nothing: "" for any type (the
-#          scripts' own table of it is made from this one: ``_core._lua_writes``);
+#          scripts' lookups of it are made from this table: ``_core._lua_writes``);
 #          fewest values (the name included); most values, or None;
 #          how many keys, from the first argument on: 1, or None for all of them)
 WRITE_COMMANDS: dict[str, tuple[str, int, int | None, int | None]] = {

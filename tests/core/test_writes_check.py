@@ -57,7 +57,7 @@ def reference(writes: Any) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any,
         if name == "HSET" and len(values) % 2 == 1:
             raise ValueError("pairs")
         out.append(values)
-        parts += [len(values), *values]  # (the key's type: the script's own table)
+        parts += [len(values), *values]  # (the key's type: the script looks it up)
         keys.update(dict.fromkeys(values[1:] if nkeys is None else values[1:1 + nkeys]))
     if sum(map(len, out)) > MAX_WRITE_VALUES:
         raise ValueError("values")

@@ -63,8 +63,8 @@ WRITES = "writes"
 
 def encode_writes(writes: tuple[Write, ...]) -> list[Arg]:
     """The writes as the scripts read them: ``nw``, then per write its count of
-    values and the command (the type its key must have: the script's
-    ``WTYPE[name]``, see ``_lua_writes``)."""
+    values and the command (the type its key must have the script looks up
+    by the command's name, see ``_lua_writes``)."""
     out: list[Arg] = [len(writes)]
     for w in writes:
         out.append(len(w))
