@@ -25,7 +25,8 @@ Write = tuple[str | bytes, ...]
 """One write as normalised: the command name (upper-case ``str``), then its
 arguments as ``bytes`` or ``str`` (numbers are turned into their text)."""
 
-# name -> (the type its key must have, or hold nothing: "" for any type;
+# name -> (the type its key must have, or hold nothing: "" for any type (the
+#          scripts' lookups of it are made from this table: ``_core._lua_writes``);
 #          fewest values (the name included); most values, or None;
 #          how many keys, from the first argument on: 1, or None for all of them)
 WRITE_COMMANDS: dict[str, tuple[str, int, int | None, int | None]] = {
@@ -127,10 +128,10 @@ def checked_writes(
     writes: Sequence[Any],
 ) -> tuple[tuple[Write, ...], tuple[str | bytes | int, ...], tuple[str | bytes, ...]]:
     """:func:`check_writes`, and in the same pass what a finalization script
-    reads of them: the count of writes, then per write its count of values,
-    its key's type ('' for any) and the command (the script's layout,
-    ``_core._writes.encode_writes``), and the keys they touch (in order, each
-    once: :func:`write_keys`).
+    reads of them: the count of writes, then per write its count of values
+    and the command (the script's layout, ``_core._writes.encode_writes``;
+    the type a key must have the script looks up by the command's name), and
+    the keys they touch (in order, each once: :func:`write_keys`).
 
     Raises:
         ValueError: as :func:`check_writes`.
@@ -148,7 +149,7 @@ def checked_writes(
         spec = spec_of(w[0]) if w.__class__ is tuple and w else None
         if spec is None:
             w, spec = _normal(i, w)
-        want, least, most, nkeys = spec
+        _, least, most, nkeys = spec
         n = len(w)
         if n < least or (most is not None and n > most):
             bound = f"{least}" if most == least else f"{least} to {most}" if most else f"at least {least}"
@@ -180,7 +181,6 @@ def checked_writes(
         values += n
         out.append(w)
         parts.append(n)
-        parts.append(want)
         parts += w
         if nkeys == 1:
             keys[w[1]] = None

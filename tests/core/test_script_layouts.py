@@ -235,7 +235,7 @@ def test_fields_by_name() -> None:
     assert s.key_at("processing") == 3 and s.calls(dead) and not s.calls(("LREM", "p", -1, b"e"))
 
     w = list_scripts.LIST_WRITES
-    cmd = w.command(("p", "p", "p", "k"), (b"e", "remove", 1, 3, "string", "SET", "k", "v", 4))
+    cmd = w.command(("p", "p", "p", "k"), (b"e", "remove", 1, 3, "SET", "k", "v", 4))
     assert w.field(cmd, "op") == "remove" and w.field(cmd, "n") == 4
     assert w.rest(cmd, "write_keys") == ("k",)
     assert w.replace(cmd, "n", 1)[-1] == 1

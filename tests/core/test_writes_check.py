@@ -50,14 +50,14 @@ def reference(writes: Any) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any,
         if not isinstance(name, str) or name.upper() not in WRITE_COMMANDS:
             raise ValueError("not allowed")
         name = name.upper()
-        want, least, most, nkeys = WRITE_COMMANDS[name]
+        _, least, most, nkeys = WRITE_COMMANDS[name]
         if len(w) < least or (most is not None and len(w) > most):
             raise ValueError("arity")
         values = (name, *map(_text, w[1:]))
         if name == "HSET" and len(values) % 2 == 1:
             raise ValueError("pairs")
         out.append(values)
-        parts += [len(values), want, *values]
+        parts += [len(values), *values]  # (the key's type: the script looks it up)
         keys.update(dict.fromkeys(values[1:] if nkeys is None else values[1:1 + nkeys]))
     if sum(map(len, out)) > MAX_WRITE_VALUES:
         raise ValueError("values")

@@ -177,12 +177,12 @@ def test_stream_plans_carry_the_writes_in_the_gated_removal(
         assert cmd[1] == STREAM_REMOVE_RECEIPT.sha and cmd[3] == S and cmd[5:3 + nkeys] == (TOTALS,)
         assert p.later[0][4] == cmd[4]  # the copy gated on the same receipt
         args = list(cmd[3 + nkeys:])
-        assert args[3:3 + 7] == encode_writes(check_writes([INCR])) and args[2] == "0"
+        assert args[3:3 + 6] == encode_writes(check_writes([INCR])) and args[2] == "0"
         return
     assert _script_op(cmd, STREAM_WRITES) == op
     assert cmd[3] == S and TOTALS in cmd[5:3 + nkeys]
     args = list(cmd[3 + nkeys:])
-    assert args[5:5 + 7] == encode_writes(check_writes([INCR]))
+    assert args[5:5 + 6] == encode_writes(check_writes([INCR]))  # (nw, argc, the command)
     assert args[3] == ("1" if t.deletes else "0")
     plain = plan_outcome(t, d, outcome)  # no writes: the plain plan
     assert plain.effect is base.effect and [c[:2] for c in plain.commands] == [c[:2] for c in base.commands]
@@ -390,6 +390,67 @@ async def test_stream_script_checks_key_types_before_writing(client: Client) -> 
     assert await client.execute("HGET", TOTALS, "n") is None  # the first write did not run
     assert int((await client.execute("XPENDING", S, G))[0]) == 1  # still pending
     assert await client.execute("XLEN", S) == 1  # no copy
+
+
+# one write of each command an outcome may carry, on the key "{o}k"
+_EACH = {
+    "SET": ("v",), "SETNX": ("v",), "APPEND": ("v",), "INCR": (), "INCRBY": (1,),
+    "INCRBYFLOAT": (1.5,), "DECR": (), "DECRBY": (1,), "SETBIT": (1, 1), "PFADD": ("a",),
+    "HSET": ("f", "v"), "HSETNX": ("f", "v"), "HINCRBY": ("f", 1), "HINCRBYFLOAT": ("f", 1.5),
+    "HDEL": ("f",), "SADD": ("m",), "SREM": ("m",), "ZADD": (1, "m"), "ZINCRBY": (1, "m"),
+    "ZREM": ("m",), "LPUSH": ("e",), "RPUSH": ("e",), "LTRIM": (0, 1), "XADD": ("*", "f", "v"),
+    "DEL": (), "UNLINK": (), "EXPIRE": (60,), "PEXPIRE": (60_000,), "EXPIREAT": (4_000_000_000,),
+    "PEXPIREAT": (4_000_000_000_000,), "PERSIST": (),
+}
+
+
+@pytest.mark.parametrize("how", ["single", "batched short", "batched long"])
+async def test_the_scripts_know_the_type_each_write_wants(client: Client, how: str) -> None:
+    """The type a write's key must have is the scripts' own, made from
+    WRITE_COMMANDS (the client sends none): every command on a key of another
+    type is refused by name and the type it wants, or runs (any type) -- in a
+    single script (comparisons of the name), a short batched call (the same)
+    and a long one (its table ``WTYPE``, from ``WTYPE_AT`` values)."""
+    from trio_redis_finalize._core._batch import batch_replies, first_round
+    from trio_redis_finalize._core._lua_writes import WTYPE_AT
+
+    assert set(_EACH) == set(WRITE_COMMANDS)
+    t = _stream_target()
+    refused = {}
+    for name, args in _EACH.items():
+        want = WRITE_COMMANDS[name][0]
+        await client.execute("DEL", "{o}k")
+        await client.execute(*(("HSET", "{o}k", "f", "v") if want == "string" else ("SET", "{o}k", "1")))
+        d = await _pending(client)
+        plans = [plan_writes(t, d, ACK.with_writes((name, "{o}k", *args)))]
+        if how != "single":  # a second delivery (long: its writes enough for the table)
+            pad = await _pending(client)
+            n = WTYPE_AT // 6 + 1 if how == "batched long" else 1  # (6 values a HINCRBY)
+            plans.append(plan_writes(t, pad, ACK.with_writes(*[("HINCRBY", "{o}pad", "n", 1)] * n)))
+        if how == "single":
+            (cmd,) = plans[0].commands
+        else:
+            (cmd,), _, _ = first_round((), plans)
+            assert cmd[1] == stream_scripts.STREAM_WRITES_ACK_BATCH.sha
+            assert (len(cmd) - 3 - int(cmd[2]) >= WTYPE_AT) is (how == "batched long")
+        try:
+            reply = await run(client, cmd)
+        except rexc.ResponseError as e:
+            reply = e
+        if how != "single":
+            elements = batch_replies(reply, len(plans))
+            assert elements is not None and elements[1] == 1, (name, reply)
+            reply = elements[0]
+        if isinstance(reply, rexc.ResponseError):
+            refused[name] = str(reply)
+        else:
+            assert reply == 1, (name, reply)
+    assert set(refused) == {n for n, spec in WRITE_COMMANDS.items() if spec[0]}
+    for name, message in refused.items():
+        other = "hash" if WRITE_COMMANDS[name][0] == "string" else "string"
+        assert message.startswith(f"WRONGTYPE write 1 of the outcome ({name} {{o}}k): the key "
+                                  f"holds a {other}, not a {WRITE_COMMANDS[name][0]}; nothing "
+                                  "written"), message
 
 
 async def _pending_entries(client: Client, n: int) -> list[Delivery]:

@@ -7,6 +7,8 @@ scripts by ``_lua``'s users (``_lua`` re-exports these).  Text only.
 
 from __future__ import annotations
 
+from .._writes import WRITE_COMMANDS
+
 __all__ = ["BATCH_WRITES_LUA", "WRITES_LUA", "batch_writes", "run_writes"]
 
 
@@ -18,6 +20,66 @@ def _fresh_int(call: str, why: str) -> str:
         local v = redis.call({call})
         if v and wnotint(v) then return {why} end
       end end,"""
+
+
+# The type a write's key must have (or hold nothing) is a function of its
+# command's name (``_writes.WRITE_COMMANDS``, the one source): the scripts
+# know it, the client does not send it (one value less per write to format,
+# parse and hand to Lua: ~0.7k server instructions, Redis 7.0, callgrind).
+# Two ways to look it up: comparing the name (``_wtype_is``: its length,
+# then the names of that length; nothing to build, 0.4k-0.9k a lookup), or
+# the table ``WTYPE`` (name -> type, nil for any type: ~7.4k to build at
+# each script call, ~300 an entry, then ~0.1k a lookup).  A single script
+# (one outcome's writes) compares; a batched one builds the table when its
+# call is long enough for its lookups to pay for it (``WTYPE_AT`` values),
+# else compares too (its functions written twice, one pair of closures
+# made per call): a short call costs the server about what it did with the
+# type sent, a long one less.
+def _typed() -> dict[str, str]:
+    """The typed writes' names and the type their key must have, as listed."""
+    typed = {name: spec[0] for name, spec in WRITE_COMMANDS.items() if spec[0]}
+    for name, want in typed.items():
+        if not (name.isidentifier() and name.isupper() and want.isalpha()):
+            raise ValueError(f"WRITE_COMMANDS: {name!r} ({want!r}) cannot be written in Lua")
+    return typed
+
+
+WTYPE_AT = 64
+"""Values of a batched call (``#ARGV``) from which it builds the table
+``WTYPE`` (about a dozen lookups: where they cost what the table does)."""
+
+WTYPE_LUA = "local WTYPE = {" + ", ".join(f"{n} = '{want}'" for n, want in _typed().items()) + "}"
+"""Lua: the table ``WTYPE[name]`` (see ``_typed``)."""
+
+
+def _wtype_is(name: str, indent: str) -> str:
+    """Lua statements: ``want`` set to the type the write named ``name``
+    wants (left nil: any type), by comparisons: its length first, the
+    lengths with the most typed names first (see ``_typed``)."""
+    by_len: dict[int, dict[str, list[str]]] = {}
+    for n, want in _typed().items():
+        by_len.setdefault(len(n), {}).setdefault(want, []).append(n)
+    lines = [f"local wl = #{name}"]
+    ordered = sorted(by_len.items(), key=lambda lw: -sum(map(len, lw[1].values())))
+    for k, (length, wants) in enumerate(ordered):
+        lines.append(f"{'if' if k == 0 else 'elseif'} wl == {length} then")
+        for j, (want, names) in enumerate(wants.items()):
+            cond = " or ".join(f"{name} == '{n}'" for n in names)
+            lines.append(f"  {'if' if j == 0 else 'elseif'} {cond} then want = '{want}'")
+        lines.append("  end")
+    return f"\n{indent}".join([*lines, "end"])
+
+
+def _want(table: bool, indent: str, given: str = "") -> str:
+    """Lua statements: ``local want``, the type the write named ``name``
+    wants (nil: any type), from the table ``WTYPE`` or by comparisons (then
+    ``given``, a type its caller looked up, spares them; it is cleared)."""
+    if table:
+        return "local want = WTYPE[name]"
+    if not given:
+        return f"local want\n{indent}" + _wtype_is("name", indent)
+    return (f"local want = {given}\n{indent}{given} = nil\n{indent}if not want then\n{indent}  "
+            + _wtype_is("name", indent + "  ") + f"\n{indent}end")
 
 
 _WNUM = """
@@ -34,11 +96,13 @@ def _tonumber(x: str) -> str:
     return f"tonumber({x})"
 
 
-# Lua: the writes at ARGV[i] ..: for each, its count of values, the type its
-# key must have ('' for any), then the command (name, arguments).
-# ``wcheck(i, nw)``: an error reply naming the write and the key when a key
+# Lua: the writes at ARGV[i] ..: for each, its count of values, then the
+# command (name, arguments); the type its key must have ('want', nil for
+# any type) the script looks up by the name (above).
+# ``wcheck(i, nw, want1)``: an error reply naming the write and the key when a key
 # holds another type, or a value the write would certainly be refused on
-# when run (see below); else the index after the writes.  ``wapply(i, nw)``
+# when run (see below); else the index after the writes (``want1``: the
+# first write's type, when its caller looked it up).  ``wapply(i, nw)``
 # runs them (and answers that index); ``wrun`` both, ``wskip`` only that index.
 #
 # A write that passes the type check may still fail when run, after the
@@ -56,7 +120,9 @@ def _tonumber(x: str) -> str:
 # damaged HyperLogLog body) is the README's "a write refused at run time".
 #
 # The types are read once per key and script call (``wtype``, a batch's
-# deliveries share it): ``wtype[key] = t`` says the key holds a t or nothing
+# deliveries share it; a single script checks its one outcome's writes once,
+# then runs them: its ``wapply`` keeps no type, none is read after):
+# ``wtype[key] = t`` says the key holds a t or nothing
 # (a typed write may empty its key: HDEL, SREM, ZREM, LTRIM; a removal of
 # the script's own only empties one), so t is trusted only when it is the
 # type wanted; else TYPE reads it.  A typed write that ran sets its type;
@@ -67,8 +133,6 @@ def _writes_lua(batched: bool) -> str:
     """WRITES_LUA (``batched`` False) or BATCH_WRITES_LUA (True: also ``wnum``,
     ``wrun``, ``wskip``; what a single script would only pay for at each call)."""
     num = _memo if batched else _tonumber
-    def keep(assign: str) -> str:  # (a single script's one write: no later reader)
-        return assign if batched else f"if nw > 1 then {assign} end"
     return ((_WNUM if batched else "") + """
 local ARGV = ARGV  -- (an upvalue: a global is a table lookup)
 local wvalue, wtouched
@@ -81,17 +145,17 @@ local function wchecks()
   -- earlier write of the outcome touched it) -> why it would fail, or nil
   local t = {
     INCR = function(i, fresh)
-""" + _fresh_int("'GET', ARGV[i + 3]", "'the value is not an integer'") + """
+""" + _fresh_int("'GET', ARGV[i + 2]", "'the value is not an integer'") + """
     INCRBY = function(i, fresh)
-      if wnotint(ARGV[i + 4]) then return 'the increment is not an integer' end
-""" + _fresh_int("'GET', ARGV[i + 3]", "'the value is not an integer'") + """
+      if wnotint(ARGV[i + 3]) then return 'the increment is not an integer' end
+""" + _fresh_int("'GET', ARGV[i + 2]", "'the value is not an integer'") + """
     HINCRBY = function(i, fresh)
-      if wnotint(ARGV[i + 5]) then return 'the increment is not an integer' end
-""" + _fresh_int("'HGET', ARGV[i + 3], ARGV[i + 4]",
-                 "'the field ' .. ARGV[i + 4] .. ' holds no integer'") + """
+      if wnotint(ARGV[i + 4]) then return 'the increment is not an integer' end
+""" + _fresh_int("'HGET', ARGV[i + 2], ARGV[i + 3]",
+                 "'the field ' .. ARGV[i + 3] .. ' holds no integer'") + """
     PFADD = function(i, fresh)
-      if fresh and redis.call('EXISTS', ARGV[i + 3]) == 1 and
-         redis.call('GETRANGE', ARGV[i + 3], 0, 3) ~= 'HYLL' then
+      if fresh and redis.call('EXISTS', ARGV[i + 2]) == 1 and
+         redis.call('GETRANGE', ARGV[i + 2], 0, 3) ~= 'HYLL' then
         return 'the key holds a string that is not a HyperLogLog'
       end end,
   }
@@ -101,83 +165,111 @@ local function wchecks()
   local function wtouched(from, to, v)
     while from < to do
       local argc = """ + num("ARGV[from]") + """
-      for a = from + 3, from + 1 + argc do
+      for a = from + 2, from + argc do
         if ARGV[a] == v then return true end
       end
-      from = from + 2 + argc
+      from = from + 1 + argc
     end
     return false
   end
   return t, wtouched
 end
-local function wcheck(i, nw)
+""" + (f"""local wcheck, wapply, wrun
+if #ARGV >= {WTYPE_AT} then  -- (a long call: the table pays)
+{WTYPE_LUA}
+{_functions(True, True)}else
+{_functions(True, False)}end
+local function wskip(i, nw)
+  for w = 1, nw do i = i + 1 + wnum[ARGV[i]] end
+  return i
+end
+""" if batched else _functions(False, False)))
+
+
+def _functions(batched: bool, table: bool) -> str:
+    """Lua: ``wcheck``, ``wapply`` and (``batched``) ``wrun``, assigned to
+    locals declared before (a batched script's) or declared, their lookups
+    of a write's type from the table ``WTYPE`` (``table``) or by comparisons."""
+    num = _memo if batched else _tonumber
+    def keep(assign: str) -> str:  # (a single script's one write: no later reader)
+        return assign if batched else f"if nw > 1 then {assign} end"
+    def define(name: str) -> str:
+        return f"{name} = function" if batched else f"local function {name}"
+    return define("wcheck") + """(i, nw, want1)
   local from = i
   if nw > 1 and not wvalue then wvalue, wtouched = wchecks() end
   for w = 1, nw do
     local argc = """ + num("ARGV[i]") + """
-    local want = ARGV[i + 1]
-    if want ~= '' then
-      local key = ARGV[i + 3]
+    local name = ARGV[i + 1]
+    """ + _want(table, "    ", "want1" if batched else "") + """
+    if want then
+      local key = ARGV[i + 2]
       if wtype[key] ~= want then
         local t = redis.call('TYPE', key)['ok']
         if t ~= 'none' and t ~= want then
           wtype[key] = t
-          return nil, 'WRONGTYPE write ' .. w .. ' of the outcome (' .. ARGV[i + 2] .. ' ' ..
+          return nil, 'WRONGTYPE write ' .. w .. ' of the outcome (' .. name .. ' ' ..
             key .. '): the key holds a ' .. t .. ', not a ' .. want .. '; nothing written'
         end
         """ + keep("wtype[key] = want") + """
       end
-      local check = w > 1 and wvalue[ARGV[i + 2]]
+      local check = w > 1 and wvalue[name]
       if check then
         local why = check(i, not wtouched(from, i, key))
         if why then
-          return nil, 'ERR write ' .. w .. ' of the outcome (' .. ARGV[i + 2] .. ' ' .. key ..
+          return nil, 'ERR write ' .. w .. ' of the outcome (' .. name .. ' ' .. key ..
             ') would fail: ' .. why .. '; nothing written'
         end
       end
     end
-    i = i + 2 + argc
+    i = i + 1 + argc
   end
   return i
 end
-local function wapply(i, nw)
+""" + (define("wapply") + """(i, nw)
   for w = 1, nw do
-    local argc = """ + num("ARGV[i]") + """
-    local want = ARGV[i + 1]
-    redis.call(unpack(ARGV, i + 2, i + 1 + argc))
-    if want ~= '' then
-      """ + keep("wtype[ARGV[i + 3]] = want") + """
-    elseif ARGV[i + 2] == 'SET' or ARGV[i + 2] == 'SETNX' then  -- (another type: a string)
-      wtype[ARGV[i + 3]] = nil
+    local argc = wnum[ARGV[i]]
+    local name = ARGV[i + 1]
+    redis.call(unpack(ARGV, i + 1, i + argc))
+    """ + _want(table, "    ") + """
+    if want then
+      wtype[ARGV[i + 2]] = want
+    elseif name == 'SET' or name == 'SETNX' then  -- (another type: a string)
+      wtype[ARGV[i + 2]] = nil
     end
-    i = i + 2 + argc
+    i = i + 1 + argc
   end
   return i
 end
-""" + ("""local function wrun(i, nw)
+""" if batched else define("wapply") + """(i, nw)  -- (its one wcheck ran: no type read after)
+  for w = 1, nw do
+    local argc = tonumber(ARGV[i])
+    redis.call(unpack(ARGV, i + 1, i + argc))
+    i = i + 1 + argc
+  end
+  return i
+end
+""") + (define("wrun") + """(i, nw)
   if nw == 1 then
     -- (the common outcome, inline: wcheck only for a type not known; a typed
     -- write's key then holds the type its check cached)
-    local argc, want, key = wnum[ARGV[i]], ARGV[i + 1], ARGV[i + 3]
-    if want ~= '' and wtype[key] ~= want then
-      local at, why = wcheck(i, 1)
+    local argc, name, key = wnum[ARGV[i]], ARGV[i + 1], ARGV[i + 2]
+    """ + _want(table, "    ") + """
+    if want and wtype[key] ~= want then
+      local at, why = wcheck(i, 1, want)
       if not at then return nil, why end
     end
-    redis.call(unpack(ARGV, i + 2, i + 1 + argc))
-    if want == '' and (ARGV[i + 2] == 'SET' or ARGV[i + 2] == 'SETNX') then
+    redis.call(unpack(ARGV, i + 1, i + argc))
+    if not want and (name == 'SET' or name == 'SETNX') then
       wtype[key] = nil
     end
-    return i + 2 + argc
+    return i + 1 + argc
   end
   local at, why = wcheck(i, nw)
   if not at then return nil, why end
   return wapply(i, nw)
 end
-local function wskip(i, nw)
-  for w = 1, nw do i = i + 2 + wnum[ARGV[i]] end
-  return i
-end
-""" if batched else ""))
+""" if batched else "")
 
 
 WRITES_LUA = _writes_lua(batched=False)
@@ -206,6 +298,8 @@ wapply({at + 1}, nw)
 # (2.8k to build each row, 5.2k to make it Lua tables); this file's checks
 # and the loop's bookkeeping: 29.7k (3.0x).  With no value but the id ~21k
 # (2.1x): the gate's read is most of what a raw pipeline does not pay.
+# (Measured when the call still carried each write's key type: one value
+# fewer per write since, ``WTYPE``.)
 def batch_writes(at: str) -> str:
     """Lua, in a batched writes script's loop, for an open delivery whose
     writes start at ``ARGV[at]`` (``nw`` of them): checked, then run, in one

@@ -326,14 +326,14 @@ def fields_of(script: Script, cmd: Command, *names: str) -> tuple[Arg, ...]:
 
 def writes_at(cmd: Command, i: int) -> tuple[list[str | bytes], int]:
     """The keys of the encoded writes at ``cmd[i]`` (``nw``, then each write's
-    count of values, key type and command: ``_writes.encode_writes``), and
-    the index after them."""
+    count of values and command: ``_writes.encode_writes``), and the index
+    after them."""
     writes: list[tuple[Arg, ...]] = []
     j = i + 1
     for _ in range(int(cmd[i])):
         argc = int(cmd[j])
-        writes.append(tuple(cmd[j + 2:j + 2 + argc]))
-        j += 2 + argc
+        writes.append(tuple(cmd[j + 1:j + 1 + argc]))
+        j += 1 + argc
     return write_keys(writes), j  # type: ignore[arg-type]
 
 

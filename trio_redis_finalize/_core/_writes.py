@@ -50,7 +50,7 @@ from .._delivery import Delivery
 from .._errors import AckUnsupported
 from .._keys import same_slot
 from .._outcome import ACK, DROP, RETRY, Outcome, WithWrites
-from .._writes import WRITE_COMMANDS, Write, write_keys
+from .._writes import Write, write_keys
 from ._commands import Arg, Command
 from ._plan import CELLS_OF, cells_of, plan
 from ._types import REMOVED, Plan, Target
@@ -63,10 +63,12 @@ WRITES = "writes"
 
 def encode_writes(writes: tuple[Write, ...]) -> list[Arg]:
     """The writes as the scripts read them: ``nw``, then per write its count of
-    values, its key's type ('' for any) and the command."""
+    values and the command (the type its key must have the script looks up
+    by the command's name, see ``_lua_writes``)."""
     out: list[Arg] = [len(writes)]
     for w in writes:
-        out += [len(w), WRITE_COMMANDS[str(w[0])][0], *w]
+        out.append(len(w))
+        out += w
     return out
 
 

@@ -387,7 +387,7 @@ def counted_removals(cmd: Command) -> list[tuple[int, Any, Any]]:
         out.append((i + 1, cmd[i], cmd[i + 1]))
         j = i + 3
         for _ in range(int(cmd[i + 2])):
-            j += 2 + int(cmd[j])
+            j += 1 + int(cmd[j])
         i = j
     return out
 
