@@ -140,7 +140,7 @@ def checked_writes(
         raise ValueError(f"writes: at most {MAX_WRITES} writes per outcome, got {len(writes)}")
     out: list[Write] = []
     parts: list[str | bytes | int] = [len(writes)]  # (each one a write, or refused)
-    keys: dict[str | bytes, None] = {}
+    keys: dict[str | bytes, str] = {}  # key -> the type the writes so far leave it (_left)
     values = size = 0
     spec_of = WRITE_COMMANDS.get
     for i, w in enumerate(writes):
@@ -149,7 +149,7 @@ def checked_writes(
         spec = spec_of(w[0]) if w.__class__ is tuple and w else None
         if spec is None:
             w, spec = _normal(i, w)
-        _, least, most, nkeys = spec
+        want, least, most, nkeys = spec
         n = len(w)
         if n < least or (most is not None and n > most):
             bound = f"{least}" if most == least else f"{least} to {most}" if most else f"at least {least}"
@@ -183,14 +183,53 @@ def checked_writes(
         parts.append(n)
         parts += w
         if nkeys == 1:
-            keys[w[1]] = None
-        else:
-            keys.update(dict.fromkeys(w[1:] if nkeys is None else w[1:1 + nkeys]))
+            k = w[1]
+            if k in keys:
+                keys[k] = _left(i, w, want, keys[k])
+            else:
+                keys[k] = want or _ANY_LEFT.get(w[0], "")
+        else:  # DEL, UNLINK: each key left with nothing
+            keys.update(dict.fromkeys(w[1:] if nkeys is None else w[1:1 + nkeys], "none"))
     if values > MAX_WRITE_VALUES:
         raise ValueError(f"writes: at most {MAX_WRITE_VALUES} values per outcome, got {values}")
     if size > MAX_WRITE_BYTES:
         raise ValueError(f"writes: at most {MAX_WRITE_BYTES} bytes per outcome, got {size}")
     return tuple(out), tuple(parts), tuple(keys)
+
+_ANY_LEFT = {"SET": "string", "SETNX": "?"}
+"""What a write of any type leaves a key it is the first to touch: SET a
+string, SETNX a string or what Redis has (``"?"``); the others (EXPIRE ...)
+what Redis has (``""``)."""
+
+
+def _left(i: int, w: Write, want: str, prev: str) -> str:
+    """The type write ``i`` leaves its key with, the outcome's earlier writes
+    having left it ``prev`` (a type, ``"none"``, ``""``: as Redis has it,
+    ``"?"``: a string or as Redis has it).
+
+    The scripts check each key's type as Redis has it before anything is
+    written; a write whose key an earlier write of the same outcome makes
+    another type (``SET k`` then ``HSET k``, ``HSET k`` then ``SADD k``)
+    would pass that check and fail when run, after the writes before it
+    were applied: refused here instead, when the outcome is made.
+
+    Raises:
+        ValueError: naming both writes' commands and the key.
+    """
+    name, key = str(w[0]), w[1]
+    if want:
+        if prev == want or prev in ("", "none") or (prev == "?" and want == "string"):
+            return want
+        what = "may be a string (SETNX)" if prev == "?" else f"is a {prev}"
+        raise ValueError(f"writes[{i}]: {name} {key!r} needs a {want}, but after the outcome's "
+                         f"earlier writes the key {what}: it would fail once those ran (DEL it "
+                         "first, or use another key)")
+    if name == "SET":
+        return "string"
+    if name == "SETNX":
+        return "string" if prev == "none" else "?" if prev == "" else prev
+    return prev
+
 
 def write_keys(writes: Sequence[Write]) -> list[str | bytes]:
     """The keys the (checked) ``writes`` touch, in order, each once."""

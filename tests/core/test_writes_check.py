@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -38,11 +39,29 @@ def _text(v: object) -> str | bytes:
     return str(v)
 
 
+def left(name: str, want: str, prev: str | None) -> str:
+    """The type a write leaves its key with, the outcome's earlier writes
+    having left it ``prev`` (None: untouched; '': as Redis has it; '?': a
+    string or as Redis has it); ValueError for a type they make impossible."""
+    if name in ("DEL", "UNLINK"):
+        return "none"
+    if want:
+        if prev in (None, "", "none", want) or (prev == "?" and want == "string"):
+            return want
+        raise ValueError("another type")
+    if name == "SET":
+        return "string"
+    if name == "SETNX":
+        return {None: "?", "": "?", "none": "string"}.get(prev, prev)
+    return "" if prev is None else prev
+
+
 def reference(writes: Any) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]]:
     """The rules of ``checked_writes``, plainly."""
     if len(writes) > MAX_WRITES:
         raise ValueError("too many")
     out, parts, keys = [], [len(writes)], {}  # type: ignore[var-annotated]
+    types: dict[Any, str] = {}
     for w in writes:
         if isinstance(w, (str, bytes)) or not isinstance(w, (tuple, list)) or not w:
             raise ValueError("not a command")
@@ -50,7 +69,7 @@ def reference(writes: Any) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any,
         if not isinstance(name, str) or name.upper() not in WRITE_COMMANDS:
             raise ValueError("not allowed")
         name = name.upper()
-        _, least, most, nkeys = WRITE_COMMANDS[name]
+        want, least, most, nkeys = WRITE_COMMANDS[name]
         if len(w) < least or (most is not None and len(w) > most):
             raise ValueError("arity")
         values = (name, *map(_text, w[1:]))
@@ -58,7 +77,10 @@ def reference(writes: Any) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any,
             raise ValueError("pairs")
         out.append(values)
         parts += [len(values), *values]  # (the key's type: the script looks it up)
-        keys.update(dict.fromkeys(values[1:] if nkeys is None else values[1:1 + nkeys]))
+        named = values[1:] if nkeys is None else values[1:1 + nkeys]
+        keys.update(dict.fromkeys(named))
+        for k in named:
+            types[k] = left(name, want, types.get(k))
     if sum(map(len, out)) > MAX_WRITE_VALUES:
         raise ValueError("values")
     if sum(len(v) for w in out for v in w) > MAX_WRITE_BYTES:
@@ -91,9 +113,33 @@ def _either(f: Any, writes: Any) -> Any:
           ("HSET", "h", "id", "1-0"), ("EXPIRE", "s", 3600)])
 @example([("SET", "k", b"v", 1.5), ("SET", "k", 1, True)])
 @example([("HSET", "h", "f", 1, "g")])
+@example([("INCR", "n"), ("HSET", "k", "f", 1), ("SET", "k", "x"), ("HINCRBY", "k", "f", 1)])
+@example([("HSET", "k", "f", 1), ("SADD", "k", "m")])
+@example([("HSET", "k", "f", 1), ("DEL", "k"), ("SADD", "k", "m")])
+@example([("SETNX", "k", "v"), ("APPEND", "k", "w"), ("SETNX", "j", "v"), ("HSET", "j", "f", 1)])
 @example([("SADD", "k", *[b"x" * 1024] * 1000)] * 2)
 def test_checked_writes_is_the_reference(writes: list[Any]) -> None:
     got, want = _either(checked_writes, writes), _either(reference, writes)
     assert got == want
     if got is not ValueError:  # (each value its exact type: str stays str, bytes bytes)
         assert [[type(v) for v in w] for w in got[0]] == [[type(v) for v in w] for w in want[0]]
+
+
+def test_a_write_on_a_key_an_earlier_write_makes_another_type_is_refused() -> None:
+    """The scripts check each key's type as Redis has it, before anything is
+    written: a write whose key the outcome's own earlier write makes another
+    type would pass that check and fail when run, after the writes before it
+    were applied (again at each redelivery).  Refused when the outcome is made."""
+    with pytest.raises(ValueError, match=r"writes\[3\]: HINCRBY 'k' needs a hash, but .* is a string"):
+        checked_writes([("INCR", "n"), ("HSET", "k", "f", 1), ("SET", "k", "x"),
+                        ("HINCRBY", "k", "f", 1)])
+    with pytest.raises(ValueError, match=r"writes\[1\]: SADD 'k' needs a set, but .* is a hash"):
+        checked_writes([("HSET", "k", "f", 1), ("SADD", "k", "m")])
+    with pytest.raises(ValueError, match=r"may be a string \(SETNX\)"):
+        checked_writes([("SETNX", "k", "v"), ("HSET", "k", "f", 1)])
+    # what leaves the type as it was, or empties the key first, is not
+    for ok in ([("HSET", "k", "f", 1), ("HINCRBY", "k", "f", 1), ("EXPIRE", "k", 60)],
+               [("HSET", "k", "f", 1), ("DEL", "k"), ("SADD", "k", "m")],
+               [("SETNX", "k", "v"), ("APPEND", "k", "w")],
+               [("DEL", "k"), ("SETNX", "k", "v"), ("INCR", "k")]):
+        assert checked_writes(ok)[0]
