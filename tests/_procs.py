@@ -105,17 +105,18 @@ class Recorder:
 
 
 class HoldFirst(Recorder):
-    """A :class:`Recorder` whose first delivery waits for ``release`` before
-    it is answered."""
+    """A :class:`Recorder` whose first ``n`` deliveries wait for ``release``
+    before they are answered."""
 
-    def __init__(self, decide: Callable[[Delivery], Outcome] = lambda d: ACK) -> None:
+    def __init__(self, decide: Callable[[Delivery], Outcome] = lambda d: ACK, n: int = 1) -> None:
         super().__init__(decide)
         self.release = anyio.Event()
+        self.n = n
 
     async def __call__(self, d: Delivery) -> Outcome:
         self.seen.append(d)
         self.at.append(anyio.current_time())
-        if len(self.seen) == 1:
+        if len(self.seen) <= self.n:
             await self.release.wait()
         return self.decide(d)
 
@@ -395,16 +396,21 @@ if __name__ == "__main__":
     trio.run(main, sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]))
 
 
+def finalize_timers(monkeypatch: Any, grace: float, timeout: float) -> None:
+    """A cancelled finalizer gives up after ``grace`` at shutdown (its
+    ``FINALIZE_GRACE``, 10 s), a stalled request of the mount's finalizer
+    times out after ``timeout`` (its ``FINALIZE_TIMEOUT``, 5 s)."""
+    for module in (_mount, _handlers, _shutdown):
+        monkeypatch.setattr(module, "FINALIZE_GRACE", grace)
+    monkeypatch.setattr(_finalizer, "FINALIZE_TIMEOUT", timeout)
+
+
 def quick_finalize_timers(monkeypatch: object) -> None:
     """The enumerations' short deadlines: a cancelled finalizer gives up after
     0.2 s instead of 10 s at shutdown, a stalled (never cancelled) request
     times out after 0.3 s instead of 5 s."""
-    setattr_ = monkeypatch.setattr  # type: ignore[attr-defined]
-    setattr_(_mount, "FINALIZE_GRACE", 0.2)
-    setattr_(_handlers, "FINALIZE_GRACE", 0.2)
-    setattr_(_shutdown, "FINALIZE_GRACE", 0.2)
-    setattr_(_finalizer, "FINALIZE_TIMEOUT", 0.3)
-    setattr_(_scheduler, "FINALIZE_TIMEOUT", 0.3)
+    finalize_timers(monkeypatch, 0.2, 0.3)
+    monkeypatch.setattr(_scheduler, "FINALIZE_TIMEOUT", 0.3)  # type: ignore[attr-defined]
 
 
 TESTS = Path(__file__).parent

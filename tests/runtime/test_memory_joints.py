@@ -28,13 +28,11 @@ import _delay_proc
 import pytest
 import trio
 from _paths import TESTS
-from _procs import Recorder, child_lines, eventually
+from _procs import HoldFirst, Recorder, child_lines, eventually
 
 from trio_redis_finalize import (
     ACK,
     DelayedRetry,
-    Delivery,
-    Outcome,
     ReliableListSubscription,
     StreamSubscription,
     open_consumer,
@@ -80,6 +78,12 @@ async def _done(client: Client) -> bool:
 
 async def equals(value: Awaitable[object], expected: object) -> bool:
     return bool(await value == expected)
+
+
+async def assert_list_left_empty(client: Client, *consumers: str) -> None:
+    """Nothing is left in the list ``q``, nor in the processing list of any of ``consumers``."""
+    for key in ("q", *(f"{{q}}:processing:{name}" for name in consumers)):
+        assert await client.execute("LLEN", key) == 0, key
 
 
 async def _idle_at_least(client: Client, seconds: float) -> bool:
@@ -167,9 +171,7 @@ async def test_a_last_attempt_failed_by_a_stalled_consumer_and_its_taker_is_dead
         assert await pending(client) == 0
         assert await client.execute("XLEN", "s") == 1
     else:
-        assert await client.execute("LLEN", "q") == 0
-        for name in ("a", "b"):
-            assert await client.execute("LLEN", f"{{q}}:processing:{name}") == 0
+        await assert_list_left_empty(client, "a", "b")
 
 
 # -- 2. a crash while a delayed retry waits, and a restart under the same name ---------------
@@ -202,8 +204,7 @@ async def test_a_retry_after_waiting_through_a_crash_comes_back_once_at_its_next
         assert rec.seen[0].id == first
         assert await pending(client) == 0
     else:
-        assert await client.execute("LLEN", "{q}:processing:a") == 0
-        assert await client.execute("LLEN", "q") == 0
+        await assert_list_left_empty(client, "a")
 
 
 # -- the durable delay set belongs to one source ------------------------------------------------
@@ -284,32 +285,24 @@ async def test_a_processing_list_another_live_consumer_registered_is_refused(
     them again (bumped), and each is handled twice without any fault.  The
     second mount is refused, naming the parameter and the consumer; the
     first consumer's messages are handled once."""
-    seen: list[tuple[str, bytes | None, int]] = []
-    release = trio.Event()
-
-    async def slow(d: Delivery) -> Outcome:
-        seen.append(("c1", d.data, d.attempt))
-        await release.wait()
-        return ACK
-
-    async def other(d: Delivery) -> Outcome:
-        seen.append(("c2", d.data, d.attempt))
-        return ACK
-
+    slow = HoldFirst(n=3)  # c1's: the three stay in hand until released
+    other = Recorder()  # c2's
     sub = ReliableListSubscription("q", processing="jobs:processing", block=0.1)
     async with open_consumer(redis_url, name="c1", shutdown_grace=5.0) as c1:
         await c1.mount(sub, slow, concurrency=3)
         for i in range(3):
             await client.execute("LPUSH", "q", f"m{i}")
-        await eventually(lambda: len(seen) == 3, what="c1 handling three")
+        await eventually(lambda: len(slow.seen) == 3, what="c1 handling three")
         async with open_consumer(redis_url, name="c2", shutdown_grace=0.0) as c2:
             with pytest.raises(ValueError, match=r"processing.*'jobs:processing'.*'c1'"):
                 await c2.mount(sub, other)
             await trio.sleep(0.5)  # a rescan of c2's would have delivered them by then
-        release.set()
+        slow.release.set()
         await eventually(lambda: equals(client.execute("LLEN", "jobs:processing"), 0),
                          what="c1's ACKs")
-    assert sorted(seen) == [("c1", f"m{i}".encode(), 1) for i in range(3)], sorted(seen)
+    handled = sorted((d.data, d.attempt) for d in slow.seen)
+    assert handled == [(f"m{i}".encode(), 1) for i in range(3)], handled
+    assert other.seen == [], other.data
 
 
 # -- a runtime copy held in memory while its original is reaped ----------------------------------
@@ -344,8 +337,7 @@ async def test_a_held_copy_of_a_stalled_list_consumer_whose_original_was_reaped_
                 while len(rec.seen) == 1:
                     await trio.sleep(0.02)
     assert [(d.data, d.attempt) for d in rec.seen] == [(b"job", 2)], rec.seen
-    assert await client.execute("LLEN", "q") == 0
-    assert await client.execute("LLEN", "{q}:processing:a") == 0
+    await assert_list_left_empty(client, "a")
 
 
 # -- what a consumer that never comes back leaves in Redis ---------------------------------------

@@ -21,16 +21,18 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
 import trio
 from _paths import TESTS
-from _procs import child_lines, eventually
-from _rlist import Q, effects, lrange, proc, sub
+from _procs import ChildLines, Hang, Recorder, child_lines, eventually
+from _rlist import Q, as_a_crash, b_starts_all, done_counts, effects, lrange, proc, sub, text
 from faults.cmdproxy import BLACKHOLE, LOST, CommandProxy, Fault, error, serving
 
-from trio_redis_finalize import ACK, Backoff, Delivery, Outcome, _shutdown, open_consumer
+from trio_redis_finalize import Backoff, Delivery, Outcome, _shutdown, open_consumer
 from trio_redis_finalize._core._identity import CLAIM, RENEW
 from trio_redis_finalize._core._recovery import SCHEDULE_LEFT
 from trio_redis_finalize._core.reliable_list.liveness import (
@@ -53,14 +55,6 @@ FAULTS: dict[str, Fault] = {"lost": LOST, "blackhole": BLACKHOLE, "OOM": error("
 WINDOW = 5.0
 
 
-async def _nothing() -> None:
-    return None
-
-
-def text(d: Delivery) -> str:
-    return (d.data or b"").decode()
-
-
 # -- 1. the reaper's read of a dead consumer's Backoff schedule ------------------------------
 
 @pytest.mark.parametrize("fault", ["lost", "blackhole", "OOM", "READONLY"])
@@ -80,7 +74,7 @@ async def test_a_fault_at_the_reapers_schedule_read_moves_nothing_before_it_is_d
     monkeypatch.setattr(_recovery, "FINALIZE_TIMEOUT", 1.0)  # the silent link's read ends then
     failed: list[float] = []
     held = trio.Event()
-    seen: list[tuple[str, int, float]] = []
+    record = Recorder()
 
     async def first(d: Delivery) -> Outcome:
         if text(d) == "held":
@@ -88,10 +82,6 @@ async def test_a_fault_at_the_reapers_schedule_read_moves_nothing_before_it_is_d
             await trio.sleep_forever()
         failed.append(trio.current_time())
         raise RuntimeError("fails once")
-
-    async def record(d: Delivery) -> Outcome:
-        seen.append((text(d), d.attempt, trio.current_time()))
-        return ACK
 
     backoff = Backoff(base=0.01, cap=0.01, window=WINDOW)
     kind = f"EVALSHA:{SCHEDULE_LEFT.name}"
@@ -103,18 +93,20 @@ async def test_a_fault_at_the_reapers_schedule_read_moves_nothing_before_it_is_d
             await held.wait()
             await eventually(lambda: client.execute("ZCARD", proc("a") + ":backoff"), 10,
                              "the due time written")
-            monkeypatch.setattr(a.mounts[0], "deregister", _nothing)  # as a crash leaves it
+            as_a_crash(monkeypatch, a)
         assert sorted(await lrange(client, proc("a"))) == [b"held", b"wait"]
         async with serving(CommandProxy(redis_server.port, flavour=flavour)) as proxy:
             proxy.arm(kind, FAULTS[fault])
             async with open_consumer(proxy.url, name="b") as b:
                 await b.mount(sub(heartbeat=1.0, max_attempts=2), record, on_error=backoff)
                 await eventually(lambda: proxy.fired, 15, "the schedule read met the fault")
-                await eventually(lambda: len(seen) == 2, 20, "both handled by b")
+                await eventually(lambda: len(record.seen) == 2, 20, "both handled by b")
                 await eventually(lambda: effects(b).get("acked") == 2, 10, "acked")
             assert proxy.seen[kind] >= 2, proxy.seen  # the reaper looked again
-    assert sorted((e, at) for e, at, _ in seen) == [("held", 2), ("wait", 2)], seen
-    early = failed[0] + WINDOW - next(t for e, _, t in seen if e == "wait")
+    seen = sorted((text(d), d.attempt) for d in record.seen)
+    assert seen == [("held", 2), ("wait", 2)], seen
+    early = failed[0] + WINDOW - next(t for d, t in zip(record.seen, record.at, strict=True)
+                                      if text(d) == "wait")
     assert early <= 0.05, f"attempt 2 came {early:.2f} s before its Backoff was due"
     assert await lrange(client, proc("a")) == [] and await lrange(client, Q) == []
 
@@ -124,6 +116,23 @@ async def test_a_fault_at_the_reapers_schedule_read_moves_nothing_before_it_is_d
 LIST_PROC = str(TESTS / "_list_proc.py")
 STALL_CASES = [(f"EVALSHA:{RENEW.name}", f) for f in ("lost", "blackhole", "OOM")]
 STALL_CASES += [("LRANGE", f) for f in ("lost", "blackhole", "READONLY")]
+NAMES = [f"e{i}" for i in range(6)]
+
+
+@asynccontextmanager
+async def _a_stopped(
+    redis_server: RedisServer, flavour: str, client: Client, sleep: str,
+) -> AsyncIterator[tuple[CommandProxy, ChildLines]]:
+    """Consumer A (a process, through the proxy; concurrency 1, heartbeat 1 s,
+    ``sleep`` seconds per element) reads all of ``NAMES`` and starts the
+    first; then it is stopped (SIGSTOP).  Yields the proxy and A."""
+    await client.execute("LPUSH", Q, *NAMES)
+    async with serving(CommandProxy(redis_server.port, flavour=flavour)) as proxy, \
+            child_lines(LIST_PROC, proxy.url, Q, "a", "1.0", sleep) as a:
+        assert await a.read(lambda w: w[:1] == ["H"], 20), a.lines
+        await eventually(lambda: _zero(client.execute("LLEN", Q)), 10, "A read all")
+        os.kill(a.proc.pid, signal.SIGSTOP)
+        yield proxy, a
 
 
 @pytest.mark.parametrize(("kind", "fault"), STALL_CASES)
@@ -139,42 +148,21 @@ async def test_a_fault_at_a_stalled_consumers_look_does_not_start_what_was_moved
     starts none of those it had read and not begun (at most one: its handler
     task may take the next one before A learns it stalled), and each
     element's write is committed at most once and none is lost."""
-    names = [f"e{i}" for i in range(6)]
-    await client.execute("LPUSH", Q, *names)
-    started_by_b: list[str] = []
-
-    async def slow(d: Delivery) -> Outcome:
-        started_by_b.append(text(d))
-        await trio.sleep(6.0)
-        return ACK.with_writes(("HINCRBY", "done", text(d), 1))
-
-    async with serving(CommandProxy(redis_server.port, flavour=flavour)) as proxy, \
-            child_lines(LIST_PROC, proxy.url, Q, "a", "1.0", "1.0") as a:
-        assert await a.read(lambda w: w[:1] == ["H"], 20), a.lines
-        await eventually(lambda: _zero(client.execute("LLEN", Q)), 10, "A read all")
-        os.kill(a.proc.pid, signal.SIGSTOP)
+    async with _a_stopped(redis_server, flavour, client, "1.0") as (proxy, a):
         stopped = trio.current_time()
         await a.read(None, 0.2)  # what it wrote before the stop
         before = len(a.words("H"))
         proxy.arm(kind, FAULTS[fault])
-        async with open_consumer(redis_server.url, name="b", shutdown_grace=0.0) as consumer:
-            await consumer.mount(sub(heartbeat=1.0), slow, concurrency=10)
-            with trio.fail_after(15):  # a bound
-                while len(set(started_by_b)) < 6:
-                    await trio.sleep(0.02)
-            await trio.sleep(max(0.0, 3.5 - (trio.current_time() - stopped)))
-            os.kill(a.proc.pid, signal.SIGCONT)
+        async with b_starts_all(redis_server.url, NAMES, a.proc.pid, stopped) as started_by_b:
             await eventually(lambda: proxy.fired, 10, "the fault fired")
             await a.read(None, 3.5)  # at 1 s per element: time to start 3 more
             after = [w[1] for w in a.words("H")[before:]]
-            assert sorted(set(started_by_b)) == names
+            assert sorted(set(started_by_b)) == NAMES
             assert len(after) <= 1, (after, a.lines)
-    done = await client.execute("HGETALL", "done")
-    counts = {done[i].decode(): int(done[i + 1]) for i in range(0, len(done), 2)}
-    assert set(counts.values()) <= {1}, counts  # each element's write once
+    counts = await done_counts(client)  # each element's write once
     left = [unwrap(e)[0].decode() for key in (Q, proc("a"), proc("b"))
             for e in await lrange(client, key)]  # (handed back by B's stop: counted)
-    lost = [n for n in names if n not in counts and n not in left]
+    lost = [n for n in NAMES if n not in counts and n not in left]
     assert not lost, (lost, counts, left)
 
 
@@ -187,13 +175,7 @@ async def test_a_fault_at_a_stalled_consumers_look_loses_nothing_still_its_own(
     processing list meets the fault; A still handles each of the six once,
     as attempt 1 (what it dropped unstarted at the late beat comes back as
     it was), and commits each write once."""
-    names = [f"e{i}" for i in range(6)]
-    await client.execute("LPUSH", Q, *names)
-    async with serving(CommandProxy(redis_server.port, flavour=flavour)) as proxy, \
-            child_lines(LIST_PROC, proxy.url, Q, "a", "1.0", "0.3") as a:
-        assert await a.read(lambda w: w[:1] == ["H"], 20), a.lines
-        await eventually(lambda: _zero(client.execute("LLEN", Q)), 10, "A read all")
-        os.kill(a.proc.pid, signal.SIGSTOP)
+    async with _a_stopped(redis_server, flavour, client, "0.3") as (proxy, a):
         proxy.arm(kind, FAULTS[fault])
         await eventually(lambda: _zero(client.execute("EXISTS", heartbeat_key(Q, "a"))), 10,
                          "A's heartbeat lapsed")
@@ -202,18 +184,15 @@ async def test_a_fault_at_a_stalled_consumers_look_loses_nothing_still_its_own(
         with trio.fail_after(30):  # a bound
             while len({w[1] for w in a.words("A")}) < 6:
                 await a.read(lambda w: w[:1] == ["A"], 1.0)
-        await eventually(lambda: _done(client, names), 10, "every write committed")
+        await eventually(lambda: _done(client, NAMES), 10, "every write committed")
         await a.read(None, 0.6)  # one more handled now would be a second time
-    assert sorted(w[1] for w in a.words("H")) == names, a.lines
+    assert sorted(w[1] for w in a.words("H")) == NAMES, a.lines
     assert {w[2] for w in a.words("H")} == {"1"}, a.lines
     assert await lrange(client, Q) == [] and await lrange(client, proc("a")) == []
 
 
 async def _done(client: Client, names: list[str]) -> bool:
-    done = await client.execute("HGETALL", "done")
-    counts = {done[i].decode(): int(done[i + 1]) for i in range(0, len(done), 2)}
-    assert set(counts.values()) <= {1}, counts
-    return sorted(counts) == names
+    return sorted(await done_counts(client)) == names
 
 
 async def _zero(n: Any) -> bool:
@@ -243,22 +222,12 @@ async def test_a_fault_at_the_take_over_of_two_noted_lists_leaves_neither_behind
     a lost reply (it ran), a silent link or a refusal (it did not).  That
     mount may fail (in time, with an error); mounted again, ``job`` is
     delivered once more, as attempt 2, and no list nor note is left behind."""
-    started = trio.Event()
-    seen: list[int] = []
-
-    async def first(d: Delivery) -> Outcome:
-        started.set()
-        await trio.sleep_forever()
-        raise AssertionError("not reached")
-
-    async def record(d: Delivery) -> Outcome:
-        seen.append(d.attempt)
-        return ACK
+    first, record = Hang(), Recorder()
 
     async def mount_p(url: str, processing: str) -> None:
         async with open_consumer(url, name="a", takeover=True) as c:
             await c.mount(sub(heartbeat=0.5, processing=processing), record)
-            await eventually(lambda: seen, 10, "job delivered again")
+            await eventually(lambda: record.seen, 10, "job delivered again")
             await eventually(lambda: effects(c).get("acked", 0) == 1, 10, "acked")
 
     monkeypatch.setattr(_list_liveness, "FINALIZE_TIMEOUT", 0.5)
@@ -266,8 +235,8 @@ async def test_a_fault_at_the_take_over_of_two_noted_lists_leaves_neither_behind
         async with open_consumer(redis_server.url, name="a", shutdown_grace=0.0) as a:
             await a.mount(sub(heartbeat=0.5, processing=P1), first)
             await client.execute("LPUSH", Q, b"job")
-            await started.wait()
-            monkeypatch.setattr(a.mounts[0], "deregister", _nothing)  # no hand-back
+            await first.started.wait()
+            as_a_crash(monkeypatch, a)
         async with serving(CommandProxy(redis_server.port, flavour=flavour)) as proxy:
             proxy.arm(ADOPT_KIND, BLACKHOLE)
             with pytest.raises(Exception):  # noqa: B017 -- the silent link's timeout
@@ -281,9 +250,9 @@ async def test_a_fault_at_the_take_over_of_two_noted_lists_leaves_neither_behind
             except Exception:
                 pass
             assert proxy.fired, proxy
-        if not seen:
+        if not record.seen:
             await mount_p(redis_server.url, P3)
-    assert seen == [2], seen
+    assert [d.attempt for d in record.seen] == [2], record.seen
     for key in (P1, P2, P3, Q):
         assert await lrange(client, key) == [], key
     assert await client.execute("HGETALL", moved_key(Q)) == []
@@ -306,25 +275,14 @@ async def test_a_fault_at_the_give_back_of_a_stop_brings_each_element_back_once(
     attempt 1 -- 2 at most where the client cannot know whether the
     give-back ran."""
     await client.execute("LPUSH", Q, b"x", b"x", b"y", b"x")
-    held = trio.Event()
-    seen: list[tuple[str, int]] = []
-
-    async def hold(d: Delivery) -> Outcome:
-        held.set()
-        await trio.sleep_forever()
-        raise AssertionError("not reached")
-
-    async def record(d: Delivery) -> Outcome:
-        seen.append((text(d), d.attempt))
-        return ACK
-
+    hold, record = Hang(), Recorder()
     kind = f"EVALSHA:{GIVE_BACK.name}"
     with trio.fail_after(60):  # a bound
         async with serving(CommandProxy(redis_server.port, flavour=flavour)) as proxy:
             proxy.arm(kind, FAULTS[fault], at=at)
             async with open_consumer(proxy.url, name="a", shutdown_grace=0.3) as a:
                 await a.mount(sub(heartbeat=1.0), hold, concurrency=1)
-                await held.wait()
+                await hold.started.wait()
                 await eventually(lambda: _zero(client.execute("LLEN", Q)), 10, "all read")
             assert proxy.fired, proxy
         assert await lrange(client, proc("a")) == []
@@ -333,6 +291,7 @@ async def test_a_fault_at_the_give_back_of_a_stop_brings_each_element_back_once(
             await b.mount(sub(heartbeat=1.0), record, concurrency=4)
             await eventually(lambda: effects(b).get("acked", 0) >= 4, 15, "all four handled")
             await trio.sleep(0.5)  # a fifth would come now
+    seen = [(text(d), d.attempt) for d in record.seen]
     assert sorted(e for e, _ in seen) == ["x", "x", "x", "y"], seen
     attempts = sorted(at for e, at in seen if e == "x")
     assert attempts[-1] == 2 and attempts[:2] in ([1, 1], [1, 2], [2, 2]), seen

@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 import trio
 from _paths import TESTS
-from _procs import child_lines, eventually
-from _rlist import Q, effects, lrange, proc, sub
+from _procs import Hang, Recorder, child_lines, eventually
+from _rlist import Q, as_a_crash, b_starts_all, done_counts, effects, lrange, proc, sub, text
 from faults.cmdproxy import BLACKHOLE, LOST, CommandProxy, error, serving
 
 from trio_redis_finalize import ACK, Backoff, Delivery, Outcome, _shutdown, open_consumer
@@ -143,7 +143,7 @@ async def test_a_stopped_consumers_waiting_element_is_reaped_only_once_due(
             await eventually(lambda: client.execute("ZCARD", schedule), 10,
                              "the due time written")
             if stop == "lapsed":  # no hand-back, no deregistration: as a crash leaves it
-                monkeypatch.setattr(a.mounts[0], "deregister", _nothing)
+                as_a_crash(monkeypatch, a)
         assert await lrange(client, proc("a")) == [b"job"]  # left waiting, with its schedule
         assert await client.execute("HEXISTS", registry_key(Q), "a") == 1
         async with open_consumer(redis_url, name="b") as b:
@@ -154,10 +154,6 @@ async def test_a_stopped_consumers_waiting_element_is_reaped_only_once_due(
     early = failed[0] + WINDOW - seen[0][0]
     assert early <= 0.05, f"attempt 2 came {early:.2f} s before its Backoff was due"
     assert await lrange(client, proc("a")) == [] and await lrange(client, Q) == []
-
-
-async def _nothing() -> None:
-    return None
 
 
 @pytest.mark.parametrize("left", ["in-hand", "waiting"])
@@ -201,7 +197,7 @@ async def test_a_restart_with_another_processing_list_takes_the_old_ones_element
             if left == "waiting":
                 await eventually(lambda: client.execute("ZCARD", "{jobs}:p1:backoff"), 10,
                                  "the due time written")
-            monkeypatch.setattr(a.mounts[0], "deregister", _nothing)  # no hand-back
+            as_a_crash(monkeypatch, a)
         assert len(await lrange(client, "{jobs}:p1")) == 1
         async with open_consumer(redis_url, name="a", takeover=True) as a2, \
                 open_consumer(redis_url, name="b") as b:
@@ -238,31 +234,15 @@ async def test_a_stalled_consumer_does_not_start_what_was_moved_back_meanwhile(
     claimed meanwhile."""
     names = [f"e{i}" for i in range(6)]
     await client.execute("LPUSH", Q, *names)
-    started_by_b: list[str] = []
-
-    async def slow(d: Delivery) -> Outcome:
-        started_by_b.append((d.data or b"").decode())
-        await trio.sleep(6.0)
-        return ACK.with_writes(("HINCRBY", "done", (d.data or b"").decode(), 1))
-
     async with child_lines(LIST_PROC, redis_url, Q, "a", "1.0", "1.0") as a:
         assert await a.read(lambda w: w[:1] == ["H"], 20), a.lines
         os.kill(a.proc.pid, signal.SIGSTOP)
-        stopped = trio.current_time()
-        async with open_consumer(redis_url, name="b", shutdown_grace=0.0) as consumer:
-            await consumer.mount(sub(heartbeat=1.0), slow, concurrency=10)
-            with trio.fail_after(15):  # a bound
-                while len(set(started_by_b)) < 6:
-                    await trio.sleep(0.02)
-            await trio.sleep(max(0.0, 3.5 - (trio.current_time() - stopped)))
-            os.kill(a.proc.pid, signal.SIGCONT)
+        async with b_starts_all(redis_url, names, a.proc.pid, trio.current_time()) as started_by_b:
             await a.read(None, 2.5)  # A runs 2.5 s: at 1 s per element, time to start 2 more
             started_by_a = [w[1] for w in a.words("H")]
             assert sorted(set(started_by_b)) == names
             assert len(started_by_a) <= 2, (started_by_a, a.lines)  # at most one after the resume
-    done = await client.execute("HGETALL", "done")
-    counts = {done[i].decode(): int(done[i + 1]) for i in range(0, len(done), 2)}
-    assert set(counts.values()) <= {1}, counts  # each element's write once
+    await done_counts(client)  # each element's write once
 
 
 @pytest.mark.parametrize("resume", ["before-due", "after-due"])
@@ -283,7 +263,7 @@ async def test_a_waiting_element_of_a_stalled_consumer_comes_back_once_when_due(
 
     async def record(d: Delivery) -> Outcome:
         seen.append((d.attempt, time.monotonic()))
-        return ACK.with_writes(("HINCRBY", "done", (d.data or b"").decode(), 1))
+        return ACK.with_writes(("HINCRBY", "done", text(d), 1))
 
     async with child_lines(LIST_PROC, redis_url, Q, "a", "1.0", "0", str(window)) as a:
         assert await a.read(lambda w: w[:1] == ["H"], 20), a.lines
@@ -321,39 +301,28 @@ async def test_a_fault_at_the_take_over_of_the_old_processing_list_leaves_it_to_
     ``p1`` over and ``job`` is delivered once more, as attempt 2.  The old
     list must not be forgotten because the claim re-registered the name with
     ``p2`` before the take-over failed."""
-    started = trio.Event()
-    seen: list[int] = []
-
-    async def first(d: Delivery) -> Outcome:
-        started.set()
-        await trio.sleep_forever()
-        raise AssertionError("not reached")
-
-    async def record(d: Delivery) -> Outcome:
-        seen.append(d.attempt)
-        return ACK
-
+    first, record = Hang(), Recorder()
     faults = {"lost": LOST, "blackhole": BLACKHOLE}
     with trio.fail_after(60):  # a bound
         async with open_consumer(redis_server.url, name="a", shutdown_grace=0.0) as a:
             await a.mount(sub(heartbeat=0.5, processing="{jobs}:p1"), first)
             await client.execute("LPUSH", Q, b"job")
-            await started.wait()
-            monkeypatch.setattr(a.mounts[0], "deregister", _nothing)  # no hand-back
+            await first.started.wait()
+            as_a_crash(monkeypatch, a)
         monkeypatch.setattr(_list_liveness, "FINALIZE_TIMEOUT", 0.5)
         async with serving(CommandProxy(redis_server.port, flavour=flavour)) as proxy:
             proxy.arm(f"EVALSHA:{ADOPT.name}", faults.get(fault) or error(fault))
             try:
                 async with open_consumer(proxy.url, name="a", takeover=True) as a2:
                     await a2.mount(sub(heartbeat=0.5, processing="{jobs}:p2"), record)
-                    await eventually(lambda: seen, 10, "job delivered again")
+                    await eventually(lambda: record.seen, 10, "job delivered again")
             except Exception:
                 pass
             assert proxy.fired, proxy
-        if not seen:
+        if not record.seen:
             async with open_consumer(redis_server.url, name="a", takeover=True) as a3:
                 await a3.mount(sub(heartbeat=0.5, processing="{jobs}:p2"), record)
-                await eventually(lambda: seen, 15, "the element left in p1 delivered again")
+                await eventually(lambda: record.seen, 15, "the element left in p1 delivered again")
                 await eventually(lambda: effects(a3).get("acked", 0) == 1, 10, "acked")
-    assert seen == [2], seen
+    assert [d.attempt for d in record.seen] == [2], record.seen
     assert await lrange(client, "{jobs}:p1") == [] and await lrange(client, Q) == []

@@ -22,26 +22,16 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Awaitable, Callable
 
 import anyio
 import pytest
 import trio
 from _paths import TESTS
-from _procs import child_lines, eventually
+from _procs import Recorder, child_lines, eventually, finalize_timers
 from faults.cmdproxy import BLACKHOLE, LOST, CommandProxy, Fault, error
 
-from trio_redis_finalize import (
-    ACK,
-    Delivery,
-    Mode,
-    Outcome,
-    StreamSubscription,
-    _finalizer,
-    _handlers,
-    _mount,
-    _shutdown,
-    open_consumer,
-)
+from trio_redis_finalize import ACK, Delivery, Mode, Outcome, StreamSubscription, open_consumer
 from trio_redis_finalize._core._recovery import LEASE
 from trio_redis_finalize._transport import Client
 from trio_redis_finalize.testing import RedisServer
@@ -63,6 +53,25 @@ async def _pending(client: Client) -> dict[str, tuple[str, int]]:
 async def _produce(client: Client) -> list[str]:
     await client.execute("XGROUP", "CREATE", S, G, "0", "MKSTREAM")
     return [(await client.execute("XADD", S, "*", "n", str(i))).decode() for i in range(N)]
+
+
+async def _all_read(client: Client) -> bool:
+    """The N entries are pending (read)."""
+    return len(await _pending(client)) == N
+
+
+async def _consumer_a(
+    url: str, sub: StreamSubscription, handler: Callable[[Delivery], Awaitable[Outcome]],
+    stop: trio.Event, done: trio.Event,
+    *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Consumer A (shutdown grace 60 s) in a task of its own: started once
+    mounted, its stop begun once ``stop`` is set; ``done`` is set when the stop ended."""
+    async with open_consumer(url, name="a", shutdown_grace=60.0) as a:
+        await a.mount(sub, handler)
+        task_status.started()
+        await stop.wait()
+    done.set()
 
 
 @pytest.mark.parametrize("mode", [Mode.RECLAIM, Mode.CLAIMING], ids=["reclaim", "claiming"])
@@ -96,22 +105,12 @@ async def test_the_give_back_leaves_an_entry_a_claiming_peer_took_during_the_sto
                     await release.wait()
         return ACK
 
-    async def life_a(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        async with open_consumer(redis_url, name="a", shutdown_grace=60.0) as a:
-            await a.mount(StreamSubscription(S, G, block=0.05, count=10), hold)
-            task_status.started()
-            await stop.wait()
-        a_done.set()
-
+    sub = StreamSubscription(S, G, block=0.05, count=10)
     with trio.fail_after(60):  # a bound
         async with trio.open_nursery() as nursery:
-            await nursery.start(life_a)
+            await nursery.start(_consumer_a, redis_url, sub, hold, stop, a_done)
             await holding.wait()
-
-            async def all_read() -> bool:
-                return len(await _pending(client)) == N
-
-            await eventually(all_read, 10, "A read every entry")
+            await eventually(lambda: _all_read(client), 10, "A read every entry")
             stop.set()  # A's stop begins: its reader (and the four's lease) ends
             async with child_lines(PROC, redis_url, S, G, "b", mode.value, "1.0", "1.0") as b:
                 assert await b.read(lambda w: w == ["R"], 20), b.lines
@@ -163,17 +162,10 @@ async def test_a_handler_running_through_the_stop_keeps_its_entry_from_a_claimin
         await release.wait()
         return ACK
 
-    async def life_a(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        async with open_consumer(redis_url, name="a", shutdown_grace=60.0) as a:
-            await a.mount(StreamSubscription(S, G, mode=Mode.RECLAIM, min_idle=3.0, block=0.05),
-                          hold)
-            task_status.started()
-            await stop.wait()
-        a_done.set()
-
+    sub = StreamSubscription(S, G, mode=Mode.RECLAIM, min_idle=3.0, block=0.05)
     with trio.fail_after(60):  # a bound
         async with trio.open_nursery() as nursery:
-            await nursery.start(life_a)
+            await nursery.start(_consumer_a, redis_url, sub, hold, stop, a_done)
             await holding.wait()
             stop.set()  # A's stop begins: its reader ends, its handler runs on
             async with child_lines(PROC, redis_url, S, G, "b", "reclaim", "3.0", "1.0") as b:
@@ -221,9 +213,7 @@ async def test_a_fault_at_the_give_back_leaves_the_entries_pending_at_their_atte
     meets ``fault``.  Nothing is lost: the four stay pending for A, and A
     started again (no fault) handles each once, at attempt 1 (2 where every
     give-back was refused, see FAULTS)."""
-    for module in (_mount, _handlers, _shutdown):
-        monkeypatch.setattr(module, "FINALIZE_GRACE", 1.0)
-    monkeypatch.setattr(_finalizer, "FINALIZE_TIMEOUT", 1.0)
+    finalize_timers(monkeypatch, grace=1.0, timeout=1.0)
     from trio_redis_finalize._core.stream.decode import GIVE_BACK
 
     faults, attempt = FAULTS[fault]
@@ -247,11 +237,7 @@ async def test_a_fault_at_the_give_back_leaves_the_entries_pending_at_their_atte
             async with open_consumer(proxy.url, name="a", shutdown_grace=5.0) as a:
                 await a.mount(StreamSubscription(S, G, block=0.05, count=10), hold)
                 await holding.wait()
-
-                async def all_read() -> bool:
-                    return len(await _pending(client)) == N
-
-                await eventually(all_read, 10, "A read every entry")
+                await eventually(lambda: _all_read(client), 10, "A read every entry")
                 for k, f in enumerate(faults):
                     proxy.arm("EVALSHA:stream_give_back", f, at=k)
                 stopping.set()
@@ -263,21 +249,17 @@ async def test_a_fault_at_the_give_back_leaves_the_entries_pending_at_their_atte
         assert left == {i: ("a", attempt - 1) for i in ids[1:]}, (fired, left)
 
         # A started again, no fault: each of the four once, at its attempt
-        again: list[tuple[str | None, int]] = []
-
-        async def record(d: Delivery) -> Outcome:
-            again.append((d.id, d.attempt))
-            return ACK
-
+        rec = Recorder()
         async with open_consumer(redis_url, name="a") as a:
-            await a.mount(StreamSubscription(S, G, block=0.05), record)
+            await a.mount(StreamSubscription(S, G, block=0.05), rec)
 
             async def all_done() -> bool:
                 return not await _pending(client)
 
-            await eventually(all_done, 20, lambda: f"every entry handled ({again})")
+            await eventually(all_done, 20, lambda: f"every entry handled ({rec.seen})")
+    again = sorted((d.id, d.attempt) for d in rec.seen)
     assert seen == [(ids[0], 1)], seen
-    assert sorted(again) == [(i, attempt) for i in ids[1:]], (fired, again)
+    assert again == [(i, attempt) for i in ids[1:]], (fired, again)
 
 
 async def test_the_give_back_script_sets_back_only_what_is_still_as_handed(client: Client) -> None:
