@@ -186,6 +186,14 @@ end
 """ if batched else _functions(False, False)))
 
 
+_NEXT_WRITE = """    i = i + 1 + argc
+  end
+  return i
+end
+"""
+"""Lua: the end of a loop over the writes (``for w = 1, nw``), the index after them answered."""
+
+
 def _functions(batched: bool, table: bool) -> str:
     """Lua: ``wcheck``, ``wapply`` and (``batched``) ``wrun``, assigned to
     locals declared before (a batched script's) or declared, their lookups
@@ -222,11 +230,7 @@ def _functions(batched: bool, table: bool) -> str:
         end
       end
     end
-    i = i + 1 + argc
-  end
-  return i
-end
-""" + (define("wapply") + """(i, nw)
+""" + _NEXT_WRITE + (define("wapply") + """(i, nw)
   for w = 1, nw do
     local argc = wnum[ARGV[i]]
     local name = ARGV[i + 1]
@@ -237,19 +241,11 @@ end
     elseif name == 'SET' or name == 'SETNX' then  -- (another type: a string)
       wtype[ARGV[i + 2]] = nil
     end
-    i = i + 1 + argc
-  end
-  return i
-end
-""" if batched else define("wapply") + """(i, nw)  -- (its one wcheck ran: no type read after)
+""" + _NEXT_WRITE if batched else define("wapply") + """(i, nw)  -- (its one wcheck ran: no type read after)
   for w = 1, nw do
     local argc = tonumber(ARGV[i])
     redis.call(unpack(ARGV, i + 1, i + argc))
-    i = i + 1 + argc
-  end
-  return i
-end
-""") + (define("wrun") + """(i, nw)
+""" + _NEXT_WRITE) + (define("wrun") + """(i, nw)
   if nw == 1 then
     -- (the common outcome, inline: wcheck only for a type not known; a typed
     -- write's key then holds the type its check cached)
