@@ -342,3 +342,51 @@ async def test_a_history_write_on_the_wire(redis_server: Any, redis_url: str, fa
         secs, _ = await admin.execute("TIME")
         counts = _history.buckets(await admin.execute("HGETALL", h.key), int(secs) // 60, 2)
         assert sum(counts["ack"]) == 7  # lost reply: 5 (ran) + 2; refused: 7 in the second write
+
+
+@pytest.mark.parametrize("fault", ["lost", "READONLY"])
+@pytest.mark.parametrize("kind", ["stream", "list"])
+async def test_a_confirmed_delete_on_the_wire(redis_server: Any, redis_url: str, kind: str,
+                                              fault: str) -> None:
+    """Through the command proxy, the confirmed delete of all (``XTRIM ... MINID``,
+    ``DELETE_LIST_DEAD``) meets a lost reply (it ran) or a refusal (it did not):
+    the action fails saying so, and the same confirmation sent again deletes
+    nothing it did not count -- a dead letter written meanwhile stays."""
+    from faults.cmdproxy import LOST, CommandProxy, error, serving
+
+    from trio_redis_finalize._dashboard._actions import ActionError, apply, plan, seen_of
+
+    dead = "{mail}:dead"
+    async with open_client(redis_url) as admin:
+        flavour = "valkey" if b"valkey" in (await admin.execute("INFO", "server")).lower() else "redis"
+        if kind == "stream":
+            for n in range(2):
+                await admin.execute("XADD", dead, "*", "n", str(n))
+        else:
+            await admin.execute("LPUSH", dead, b"d1", b"d2")
+        with anyio.fail_after(30):  # a bound
+            async with serving(CommandProxy(redis_server.port, flavour=flavour)) as proxy, \
+                    open_client(proxy.url) as client:
+                dry = await plan(client, dead, "delete", "all", force=True)
+                assert dry.count == 2
+                proxy.arm("XTRIM" if kind == "stream" else "EVALSHA:delete_list_dead",
+                          LOST if fault == "lost" else error(fault))
+                seen = seen_of(dry, str(dry.count), dry.upto)
+                with pytest.raises(Exception):  # noqa: B017 -- the lost reply's, or the refusal
+                    await apply(client, dry, force=True, seen=seen)
+                assert len(proxy.fired) == 1
+                late = (await admin.execute("XADD", dead, "*", "n", "late") if kind == "stream"
+                        else await admin.execute("LPUSH", dead, b"late"))
+                assert late
+                try:  # the confirmation again
+                    await apply(client, dry, force=True, seen=seen)
+                except ActionError as e:  # a list changed since its dry run: nothing deleted
+                    assert kind == "list" and "changed since the dry run" in str(e)
+        if kind == "stream":
+            rows = await admin.execute("XRANGE", dead, "-", "+")
+            assert [r[1] for r in rows] == [[b"n", b"late"]]
+        else:
+            left = await admin.execute("LRANGE", dead, 0, -1)
+            # lost: the delete ran, the late one stays; refused: nothing ran, the
+            # second confirmation refused (the list grew): all three stay
+            assert left == ([b"late"] if fault == "lost" else [b"late", b"d2", b"d1"])
