@@ -169,6 +169,15 @@ async def scheduled(ctx: Context, ids: Sequence[bytes]) -> dict[bytes, tuple[flo
     return {eid: got for eid, got in zip(ids, schedule_left(reply), strict=True) if got[0] > 0}
 
 
+def _as_counts(entries: Sequence[Entry], left: dict[bytes, tuple[float, int]]
+               ) -> dict[bytes, tuple[float, int]]:
+    """``left`` (seconds left, the attempt that failed, as the schedule keeps
+    them) of each of ``entries`` with that attempt as the server count it
+    is: less the entry's header retries (``_core._types.attempt_of``)."""
+    return {eid: (left[eid][0], left[eid][1] - retries_of(flat)) for eid, flat in entries
+            if eid in left}
+
+
 def defer(ctx: Context, entries: Sequence[Entry], left: dict[bytes, tuple[float, int]]) -> set[bytes]:
     """Entries in the own PEL whose Backoff is not due yet (``left``: seconds
     left, the attempt that failed): they wait, held, and come back as
@@ -177,9 +186,7 @@ def defer(ctx: Context, entries: Sequence[Entry], left: dict[bytes, tuple[float,
     others: deliver now)."""
     if not left:
         return set()
-    # the schedule keeps the attempt that failed; its count is that less the header's retries
-    counts = waiting({eid: (s, a - retries_of(flat)) for eid, flat in entries if eid in left
-                      for s, a in [left[eid]]})
+    counts = waiting(_as_counts(entries, left))
     ready, _direct = stream_deliveries(ctx.target, [e for e in entries if e[0] in left], counts)
     held: set[bytes] = set()
     for d in ready:
@@ -229,9 +236,8 @@ async def claimed_waits(ctx: Context, live: list[Entry]) -> list[Entry]:
         if not left:
             return live
         held = defer(ctx, live, left)
-        rebased = {eid: (s, a - retries_of(flat)) for eid, flat in live if eid in held
-                   for s, a in [left[eid]]}
-        p = set_back_claimed(t.source, t.group, ctx.consumer.name, claimed_waiting(held, rebased))
+        p = set_back_claimed(t.source, t.group, ctx.consumer.name,
+                             claimed_waiting(held, _as_counts(live, left)))
         if p is not None:
             await ctx.client.pipeline(p.commands, timeout=FINALIZE_TIMEOUT)
     if held is None:
