@@ -81,11 +81,10 @@ class Outcome:
                 declared keys (the user guide lists them), bad arguments, or
                 more than the bounds allow (64 writes, 4,096 values, 1 MiB).
         """
-        checked, parts, keys = checked_writes(writes)
-        if self.writes:  # adds to the writes it carries
-            checked = (*self.writes, *checked)
-            parts = (len(checked), *self.write_parts[1:], *parts[1:])
-            keys = tuple(dict.fromkeys((*self.write_keys, *keys)))
+        # adding to the writes it carries: all of them checked again together
+        # (the bounds are the outcome's; a key an earlier write made another
+        # type is refused across the two calls too)
+        checked, parts, keys = checked_writes((*self.writes, *writes) if self.writes else writes)
         return _with_writes(self.kind, self.delay, self.reason, checked, parts, keys)
 
 
