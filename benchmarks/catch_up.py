@@ -31,8 +31,8 @@ The modules are printed in groups:
 
 * **the stream's own** (``_forms/stream/``, ``_core/stream/``): the
   catch-up's logic, the reader included;
-* **the runtime's hand-over** (``_mount``, ``_work_queue``): where a
-  taken entry goes;
+* **the runtime's hand-over** (``_hand_over``, and ``_mount`` when it is
+  entered): where a taken entry goes;
 * **shared by every form**: the transport (``_transport/``), the shared
   core (``_core/_*.py``: commands, replies, plans, the Backoff schedule
   ...), the forms' shared I/O (``_forms/_*.py``) and the package's
@@ -69,7 +69,7 @@ STREAM, GROUP, ME = "walk:stream", "walk", "me"
 EACH = 2
 """Entries per part: the own PEL, the dead consumer's, the claimed."""
 
-RUNTIME = ("_mount", "_work_queue")
+RUNTIME = ("_mount", "_hand_over")
 """The runtime's modules a hand-over enters."""
 
 
@@ -119,8 +119,9 @@ class Walk:
             for m in groups[g]:
                 names = ", ".join(sorted(self.calls[m]))
                 lines.append(f"    {m:32} {sum(self.calls[m].values()):4} calls: {names}")
+        runtime = sum(m in RUNTIME for m in self.calls)
         lines.append(f"  modules: {len(self.calls)}, own: {len(self.own())} "
-                     f"({len(self.own()) - len(RUNTIME)} the stream's + {len(RUNTIME)} the runtime's), "
+                     f"({len(self.own()) - runtime} the stream's + {runtime} the runtime's), "
                      f"shared: {len(self.calls) - len(self.own())}")
         lines.append(f"  returns to the reader: {self.returns_to_reader}")
         return "\n".join(lines)

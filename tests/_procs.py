@@ -32,8 +32,8 @@ from trio_redis_finalize import (
     Outcome,
     ReliableListSubscription,
     _finalizer,
+    _hand_over,
     _handlers,
-    _mount,
     _scheduler,
     _shutdown,
     open_consumer,
@@ -400,7 +400,7 @@ def finalize_timers(monkeypatch: Any, grace: float, timeout: float) -> None:
     """A cancelled finalizer gives up after ``grace`` at shutdown (its
     ``FINALIZE_GRACE``, 10 s), a stalled request of the mount's finalizer
     times out after ``timeout`` (its ``FINALIZE_TIMEOUT``, 5 s)."""
-    for module in (_mount, _handlers, _shutdown):
+    for module in (_hand_over, _handlers, _shutdown):
         monkeypatch.setattr(module, "FINALIZE_GRACE", grace)
     monkeypatch.setattr(_finalizer, "FINALIZE_TIMEOUT", timeout)
 

@@ -4,7 +4,7 @@ Part of the runtime (``_mount``)::
 
     work queue --(one delivery at a time)--> N handler tasks --(lists of outcomes)--> finalizer
 
-The work queue (:class:`~._work_queue.WorkQueue`) takes a whole batch from
+The work queue (:class:`~._hand_over.WorkQueue`) takes a whole batch from
 the reader once it is empty, and each handler task takes one delivery at a
 time from it: fast handlers drain a batch in one task without a switch per
 delivery, slow ones share it delivery by delivery (no task idles behind
@@ -35,11 +35,11 @@ from ._deadlines import log
 from ._delivery import Delivery
 from ._forms import FORMS
 from ._forms._port import BatchHandler, ConsumerInfo, Handler, Item
+from ._hand_over import WorkQueue
 from ._on_error import OnError, shown
 from ._outcome import Backoff, Outcome, WithWrites
 from ._shutdown import FINALIZE_GRACE, cleanup
 from ._stats import DURATION_BOUNDS, MountStats
-from ._work_queue import WorkQueue
 
 __all__ = ["GiveBack", "HandlerPool", "hand_on", "own_exit"]
 
@@ -48,7 +48,7 @@ _SLOW_CALL = 0.0005
 """Seconds of a handler call after which its outcome is sent on at once."""
 
 GiveBack = Callable[[Send[list[Item]], Sequence[Delivery]], Awaitable[None]]
-"""Gives deliveries no handler started back, on a sender (``Mount._give_back``)."""
+"""Gives deliveries no handler started back, on a sender (``HandOver.give_back``, ``_hand_over``)."""
 
 
 class HandlerPool:

@@ -10,9 +10,10 @@
 
 Everything in between is bounded.  :class:`Mount` wires the parts and runs
 their lifecycle; it is the :class:`~._forms._port.Context` its reader sees,
-and :meth:`Mount.deliver` is the one hand-over of what a reader read (plans
-first, then the deliveries; cut by the shutdown, what was not handed over
-is given back).  The parts have modules of their own: the handler pool and
+whose ``deliver`` is the one hand-over of what a reader read (``_hand_over``:
+plans first, then the deliveries into the work queue; cut by the shutdown,
+what was not handed over is given back).  The parts have modules of their
+own: the hand-over and its work queue (``_hand_over``), the handler pool and
 its flusher (``_handlers``), the ``on_error`` policy (``_on_error``), the
 waiting set of deliveries backing off, with its redeliverer (``_backoffs``),
 the finalizer (``_finalizer``).  The reader owns a dedicated connection;
@@ -36,7 +37,7 @@ describes what happens to in-flight deliveries.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -54,15 +55,15 @@ from ._finalizer import Finalizer
 from ._forms import FORMS
 from ._forms._port import BatchHandler, ConsumerInfo, Handler, Item, Reader
 from ._forms._read_loop import drive, retry_not_run
+from ._hand_over import HandOver, WorkQueue
 from ._handlers import HandlerPool
 from ._history import History
 from ._on_error import OnError
 from ._outcome import Backoff, Outcome
 from ._scheduler import LaterGates
-from ._shutdown import CLOSE_MARGIN, CLOSING_TIMEOUT, FINALIZE_GRACE, Budget, cleanup, cleanup_until
+from ._shutdown import CLOSE_MARGIN, CLOSING_TIMEOUT, Budget, cleanup, cleanup_until
 from ._stats import MountStats
 from ._subscription import Subscription
-from ._work_queue import WorkQueue
 
 if TYPE_CHECKING:
     from ._scheduler import Scheduler
@@ -115,11 +116,15 @@ class Mount:
         self.name = target.name
         self.stats = MountStats(subscription=self.name)
         self.in_hand: set[str] = set()  # stream ids read and not yet finalized
-        self._ids = FORMS[target.form].by_id
         self._queue = WorkQueue()
         policy = OnError(self.name, target, on_error, self.stats)
         self.pool = HandlerPool(self.name, target, consumer, handler, self._queue, self.stats,
                                 policy, batch=batch)
+        # the reader's way in (Context.deliver, send_plans): the hand-over's own
+        self.hand_over = HandOver(self.name, self._queue, self.in_hand, self.stats,
+                                  by_id=FORMS[target.form].by_id, abandon=reader.abandon)
+        self.deliver = self.hand_over.deliver
+        self.send_plans = self.hand_over.send_plans
         # instrumentation (trio_redis_finalize.otel): learns the mount, watches finalization
         bind = getattr(handler, "trf_bind", None)
         self.settled: Callable[[list[tuple[Delivery, str]]], None] | None = bind(self) if bind else None
@@ -156,72 +161,6 @@ class Mount:
         """Deliveries whose handler call the shutdown's grace deadline cancelled
         (they stay pending on streams and reliable lists; logged)."""
         return self.pool.cut
-
-    # -- reader side --------------------------------------------------------
-    async def deliver(self, ready: Sequence[Delivery], direct: Sequence[Item] = (), *,
-                      give_back: bool = False) -> None:
-        """The one hand-over of what a reader read: ``direct`` (deliveries
-        finalized without a handler, each with its precomputed plan: dead
-        letter, lost or foreign entry) to the finalizer first, then ``ready``
-        to the handlers, all or nothing (waits while they are busy; cancelled
-        meanwhile, none of ``ready`` reached a handler).
-
-        ``give_back``: should the hand-over end early (the shutdown cancels
-        the reader), what it did not hand over goes to the finalizer at once,
-        shielded (:meth:`_give_back`): ``direct``'s plans if not sent yet, and
-        ``ready`` with the reader's ``abandon`` plan -- the shutdown's own
-        give-back (phase 3, ``_shutdown``): so its NOT_RUN retries, a reliable
-        list's counted gates and its error logs apply.  The exception goes on.
-        """
-        sent = not direct
-        try:
-            if direct:
-                await self._reader_outcomes.send(list(direct))
-                sent = True
-            if ready:
-                self.stats.received += len(ready)
-                if self._ids:  # stream entries (other forms have no id: nothing held by id)
-                    self.in_hand.update([d.id for d in ready])  # type: ignore[misc]  # it has its id
-                # all or nothing: cancelled while waiting, nothing was handed over
-                await self._queue.put(ready)
-        except BaseException:
-            if give_back:
-                await self._give_back(self._reader_outcomes, ready, () if sent else direct)
-            raise
-
-    async def send_plans(self, items: list[Item]) -> None:
-        """Send precomputed plans (dead letter, lost entry) to the finalizer."""
-        if items:
-            await self._reader_outcomes.send(items)
-
-    async def _give_back(self, send: Send[list[Item]], unstarted: Sequence[Delivery],
-                         direct: Sequence[Item] = ()) -> None:
-        """Give back deliveries read and never started (the reader's ``abandon``
-        plan: stream, delivery counts set back; reliable list, back to the
-        queue; simple list, ``RPUSH`` back; Pub/Sub, logged and gone), with
-        ``direct``'s plans not sent yet: handed to the finalizer on ``send``,
-        shielded, within ``FINALIZE_GRACE``; should that fail (the finalizer
-        gone) they stay where they are (pending; a simple list's are lost),
-        logged.  Streams and reliable lists finish it at their readers'
-        ``closed`` step (the stop, after the finalizer ended: a stream's counts
-        set back there, a reliable list's hand-back does not count them), also
-        when the finalizer took the give-back but never sent it."""
-        items = list(direct)
-        plan = self.reader.abandon(unstarted) if unstarted else None
-        if plan is not None:
-            items.append((unstarted[0], plan))
-        if not items:
-            return
-        with cleanup(FINALIZE_GRACE) as scope:
-            try:
-                await send.send(items)
-                return
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                pass
-        log.error("%s: could not give back %d deliveries read and not handled%s", self.name,
-                  len(unstarted) + len(direct),
-                  f" within {FINALIZE_GRACE:g} s" if scope.cancelled_caught else "",
-                  extra={"subscription": self.name})
 
     # -- the rest of the port (Context) -----------------------------------------
     @property
@@ -272,13 +211,13 @@ class Mount:
         try:
             with self._outer_scope:
                 async with anyio.create_task_group() as tg:
-                    self._reader_outcomes = self._outcome_send.clone()
+                    self.hand_over.send = self._outcome_send.clone()
                     handler_senders = [self._outcome_send.clone() for _ in range(self.concurrency)]
                     await self._outcome_send.aclose()
                     tg.start_soon(self._finalize)
                     if (holding := self.reader.holding(self)) is not None:
                         tg.start_soon(self._hold, holding)
-                    tg.start_soon(self.pool.run, handler_senders, self._give_back)
+                    tg.start_soon(self.pool.run, handler_senders, self.hand_over.give_back)
                     await tg.start(self._read)
                     self.reading = True
                     self._outer_scope.shield = True
@@ -291,7 +230,7 @@ class Mount:
     async def _read(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         status = _Status(task_status)
         try:
-            async with self._reader_outcomes:
+            async with self.hand_over.send:
                 with self._reader_scope:
                     pending = self.reader.pending
                     if pending is None:

@@ -8,7 +8,7 @@ below) when shutdown begins (``t0``), times every phase.
 1. **Stop reading** (at ``t0``).  Every mount's reader is cancelled, and with
    it the redeliverer: a delivery waiting for its :class:`~trio_redis_finalize.Backoff`
    delay stays pending (stream PEL, processing list), no timer is waited for.
-   A read cut while handing over (``Mount.deliver``) gives back what it had
+   A read cut while handing over (``HandOver.deliver``) gives back what it had
    not handed over, as phase 3 does: the reader's ``abandon`` plan (stream:
    the delivery counts set back; reliable list: the give-back script moves
    them back to the queue; simple list: ``RPUSH`` back), with the plans it

@@ -30,8 +30,8 @@ from trio_redis_finalize import (
     ReliableListSubscription,
     StreamSubscription,
     _finalizer,
+    _hand_over,
     _handlers,
-    _mount,
     _shutdown,
     open_consumer,
 )
@@ -119,7 +119,7 @@ async def test_outcomes_the_ended_finalizer_never_took_stay_pending(
 
     caplog.set_level(logging.WARNING, logger="trio_redis_finalize")
     # the finalizer's time after the handlers' deadline, and the give-back's: 1 s, not 10
-    for module in (_shutdown, _mount):
+    for module in (_shutdown, _hand_over):
         monkeypatch.setattr(module, "FINALIZE_GRACE", 1.0)
     with anyio.fail_after(30):  # a bound: the shutdown takes about 0.5 + 1 s
         async with open_fault_client(redis_url) as faulty, \
@@ -175,7 +175,7 @@ async def test_the_handler_loops_own_send_cut_at_shutdown_leaves_its_deliveries_
     reliable list: the processing list handed back, nothing left in it), and
     a restart delivers and finalizes every one of them once."""
     monkeypatch.setattr(_finalizer, "FINALIZE_TIMEOUT", 60.0)  # the stall outlives the shutdown
-    for module in (_shutdown, _mount):
+    for module in (_shutdown, _hand_over):
         monkeypatch.setattr(module, "FINALIZE_GRACE", 1.0)
     caplog.set_level(logging.WARNING, logger="trio_redis_finalize")
     mode = Mode.CLAIMING if form == "stream-claiming" else Mode.PLAIN
@@ -252,7 +252,7 @@ async def test_deliveries_no_handler_started_come_back_at_their_attempt_past_a_s
     whose ACK stalled (``0``) and the one whose handler the grace cut
     (``1``) ran, and come back at attempt 2."""
     monkeypatch.setattr(_finalizer, "FINALIZE_TIMEOUT", 60.0)  # the stall outlives the shutdown
-    for module in (_shutdown, _mount):
+    for module in (_shutdown, _hand_over):
         monkeypatch.setattr(module, "FINALIZE_GRACE", 1.0)
     n = 10
     if form == "stream":

@@ -22,7 +22,7 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trio_redis_finalize._work_queue import WorkQueue
+from trio_redis_finalize._hand_over import WorkQueue
 
 TIMEOUT = 100.0  # mock seconds: a test that hangs fails at once (the clock jumps)
 

@@ -91,7 +91,7 @@ class Context(Protocol):
         ``ready`` to the handlers (waits while they are busy; all or nothing).
         ``give_back``: cut midway (shutdown), what was not handed over goes to
         the finalizer, shielded: ``direct`` if not sent yet, ``ready`` with the
-        reader's ``abandon`` plan (see ``Mount.deliver``); then it raises."""
+        reader's ``abandon`` plan (see ``HandOver.deliver``, ``_hand_over``); then it raises."""
         ...
 
     async def send_plans(self, items: list[Item]) -> None:

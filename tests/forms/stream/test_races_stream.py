@@ -38,8 +38,8 @@ from trio_redis_finalize import (
     Outcome,
     Retention,
     StreamSubscription,
+    _hand_over,
     _handlers,
-    _mount,
     _shutdown,
     open_consumer,
     retry_after,
@@ -161,7 +161,7 @@ RACES = [
 @pytest.fixture(autouse=True)
 def _quick_shutdown(monkeypatch: pytest.MonkeyPatch) -> None:
     # a cut finalizer gives up after 0.3 s at shutdown instead of 10 s
-    monkeypatch.setattr(_mount, "FINALIZE_GRACE", 0.3)
+    monkeypatch.setattr(_hand_over, "FINALIZE_GRACE", 0.3)
     monkeypatch.setattr(_handlers, "FINALIZE_GRACE", 0.3)
     monkeypatch.setattr(_shutdown, "FINALIZE_GRACE", 0.3)
 

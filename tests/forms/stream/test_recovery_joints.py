@@ -57,9 +57,9 @@ from trio_redis_finalize._core._recovery import (
 from trio_redis_finalize._core._types import Target
 from trio_redis_finalize._forms.stream import own_pel as _own_pel
 from trio_redis_finalize._forms.stream import reader as _stream
+from trio_redis_finalize._hand_over import WorkQueue
 from trio_redis_finalize._subscription import Form
 from trio_redis_finalize._transport import Client
-from trio_redis_finalize._work_queue import WorkQueue
 from trio_redis_finalize.testing import RedisServer
 
 S, G, Q = "jobs", "workers", "tasks"
