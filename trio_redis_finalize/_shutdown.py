@@ -28,10 +28,12 @@ below) when shutdown begins (``t0``), times every phase.
    lists), or is gone (simple lists, Pub/Sub: at-most-once); a warning per
    subscription names those deliveries (``Mount.cut``).
 3. **One give-back plan**: what was read but no handler started goes back in
-   one plan from the reader's ``abandon`` (stream: ``XCLAIM ... RETRYCOUNT``
-   back to the count it had, so the read does not count as an attempt;
-   reliable list: back to the queue; simple list: ``RPUSH``; Pub/Sub: logged,
-   gone), handed to the finalizer within ``FINALIZE_GRACE``.
+   one plan from the reader's ``abandon`` (stream: the give-back script
+   ``stream_give_back`` sets each delivery count back to the count it had,
+   so the read does not count as an attempt, while the entry is still this
+   consumer's at the count it was handed with; reliable list: back to the
+   queue; simple list: ``RPUSH``; Pub/Sub: logged, gone), handed to the
+   finalizer within ``FINALIZE_GRACE`` (``HandOver.give_back``).
 4. **The finalizer drains** every outcome and plan it was given, to the end
    of its stream (the reader and every handler task closed their senders),
    until ``t0 + g + FINALIZE_GRACE`` (:attr:`Budget.finalizer`); each round
@@ -47,7 +49,7 @@ below) when shutdown begins (``t0``), times every phase.
 6. **Hand-back** (the stop is graceful: nothing waits for a heartbeat to
    lapse): each mount's reader gets its ``closed`` step (``CLOSING_TIMEOUT``,
    all at once).  A stream consumer runs one script
-   (``_core._presence.STOP``): what is still pending for it -- read and not
+   (``STOP``, ``_core/stream/liveness.py``): what is still pending for it -- read and not
    started (its count set back by phase 3, or here should the finalizer
    never have sent that give-back: stuck on a stalled request), cut by the
    grace, waiting for a backoff -- is made idle at once (``XCLAIM ... IDLE``,
