@@ -4,7 +4,8 @@ Shared by the stream and reliable-list readers; the move itself is one
 atomic Lua script (``MOVE_DUE_TO_STREAM`` / ``MOVE_DUE_TO_LIST``).  A stream
 member wider than :data:`MOVE_WIDTH` values is handed back by the script
 (reserved for :data:`MOVE_RESERVE_MS`, so no racing mover takes it too) and
-written here: XADD first, ZREM second (duplicate, never loss).
+written here: XADD first, ZREM second (duplicate, never loss), with the
+subscription's ``copy_maxlen`` as the script's (``_core/stream/moves``).
 """
 
 from __future__ import annotations
@@ -12,10 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .._core._replies import raise_first_error
-from .._core.stream.scripts import CORRUPT_FIELD
+from .._core.stream.moves import move_back_commands, stream_fields
 from .._deadlines import FINALIZE_TIMEOUT
-from .._envelope import CorruptEnvelope, unpack_parts
-from .._transport import Command, Script
+from .._transport import Script
 from ._port import Context
 
 __all__ = ["MOVE_LIMIT", "MOVE_RESERVE_MS", "MOVE_WIDTH", "move_due", "stream_fields"]
@@ -30,21 +30,6 @@ of the width) are handed back and written by the client."""
 
 MOVE_RESERVE_MS = 30_000
 """How long a handed-back member is hidden from other movers."""
-
-
-def stream_fields(member: bytes) -> list[bytes]:
-    """The fields the move script writes for a stream delay-set ``member``.
-
-    ``[field, value, ...]`` of a member that decodes to a unique id and
-    pairs; one field :data:`CORRUPT_FIELD` holding the member otherwise.
-    """
-    try:
-        parts = unpack_parts(member)
-    except CorruptEnvelope:
-        return [CORRUPT_FIELD, member]
-    if len(parts) >= 3 and len(parts) % 2 == 1:
-        return parts[1:]
-    return [CORRUPT_FIELD, member]
 
 
 async def move_due(ctx: Context, script: Script, block: float) -> float:
@@ -87,7 +72,7 @@ async def _move_back(ctx: Context, members: Sequence[bytes]) -> None:
     if not t.group:  # pragma: no cover - only a stream's (read by a group) are handed back
         raise ValueError(f"{t.name}: members are handed back to a stream's group only")
     client = ctx.client
-    adds: list[Command] = [("XADD", t.source, "*", *stream_fields(m)) for m in members]
+    adds = move_back_commands(t, members)  # capped at copy_maxlen, as the script's own
     replies = await client.pipeline(adds, raise_on_error=False, timeout=FINALIZE_TIMEOUT)
     written = [m for m, r in zip(members, replies, strict=True) if not isinstance(r, Exception)]
     if written:
