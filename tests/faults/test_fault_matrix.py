@@ -262,9 +262,11 @@ WORKLOADS = [
              _stream(), plans=("ack", "raise", "raise", "fail"), seed="own", scheduled=True,
              dead_letter=S_DEAD, on_error=QUICK_BACKOFF),
     # a claim of a stopped consumer's entry whose Backoff is not due yet: it waits
-    # out the rest (its count given back: XCLAIM ... RETRYCOUNT), then the redelivery
+    # out the rest (its count given back, only while still this consumer's at the
+    # claim's count: stream_give_back), then the redelivery
     Workload("stream-reclaim-backoff", "stream",
-             ("EVALSHA:backoff_schedule_left", "XCLAIM", "EVALSHA:stream_redeliver"),
+             ("EVALSHA:backoff_schedule_left", "EVALSHA:stream_give_back",
+              "EVALSHA:stream_redeliver"),
              _stream(mode=Mode.RECLAIM, min_idle=0.6), plans=("ack", "raise", "ack"),
              seed="dead", scheduled=True, dead_letter=S_DEAD, on_error=QUICK_BACKOFF),
     Workload("stream-delete", "stream",

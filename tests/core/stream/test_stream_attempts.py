@@ -150,23 +150,19 @@ def test_give_back_of_str_ids_as_the_stop_sends_it() -> None:
 @given(st.lists(st.tuples(ids, st.integers(0, 20)), unique_by=lambda r: r[0], max_size=10))
 def test_set_back_claimed_commands(items: list[tuple[bytes, int]]) -> None:
     """Entries this consumer has just claimed and lets wait out their Backoff:
-    ``XCLAIM ... RETRYCOUNT n JUSTID``, one per count."""
+    the give-back's checked script (``GIVE_BACK``), each entry set one lower
+    only while still pending for ``me`` at the count it is given back from
+    (a peer's claim in between keeps it, see ``test_claimed_set_back``)."""
     plan = set_back_claimed("s", "g", "me", items)
     if not items:
         assert plan is None
         return
     assert plan is not None
     assert plan.effect is Effect.NOTHING
-    seen: dict[bytes, int] = {}
-    for cmd in plan.commands:
-        assert list(cmd[:5]) == ["XCLAIM", "s", "g", "me", 0]
-        assert cmd[-3] == "RETRYCOUNT" and cmd[-1] == "JUSTID"
-        for eid in cmd[5:-3]:
-            assert isinstance(eid, bytes)
-            assert eid not in seen
-            seen[eid] = int(cmd[-2])
-    assert seen == {eid: max(n - 1, 0) for eid, n in items}
-    assert len(plan.commands) == len({max(n - 1, 0) for _, n in items})  # one per count
+    assert all(GIVE_BACK.calls(cmd) for cmd in plan.commands)
+    assert [GIVE_BACK.field(cmd, "consumer") for cmd in plan.commands] == ["me"] * len(plan.commands)
+    got = [g for cmd in plan.commands for g in GIVE_BACK.groups(cmd, "id")]
+    assert got == [(eid, n, max(n - 1, 0)) for eid, n in items]
 
 
 def test_counts_given_back_from() -> None:

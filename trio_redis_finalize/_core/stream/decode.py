@@ -33,7 +33,7 @@ of ``(id, count)`` pairs; ``_forms/stream/own_pel.py`` and
   ... RETRYCOUNT n-1`` only while it is still pending for this consumer at
   the count it was handed with, so a claim another consumer made meanwhile
   keeps its entry); a claimed entry that waits out its Backoff is set back
-  to the attempt that failed (:func:`set_back_claimed`);
+  to the attempt that failed (:func:`set_back_claimed`, the same script);
 * :func:`as_handed`, :func:`lapsed_own`, :func:`claimed_waiting`: the count
   each kind of entry is given back from;
 * :func:`waiting`: a recovered or claimed entry whose Backoff is not due is
@@ -348,18 +348,14 @@ def give_back(stream: str, group: str, me: str, items: Iterable[tuple[I, int]]) 
 
 
 def set_back_claimed(stream: str, group: str, me: str, items: Iterable[tuple[I, int]]) -> Plan | None:
-    """The ``XCLAIM ... RETRYCOUNT n JUSTID`` commands (one per count) that set
-    the counts of entries ``me`` has just claimed one lower (``items``: id,
-    the count it is given back from, :func:`claimed_waiting`'s: not read from
-    the server, so not checked as :func:`give_back` checks it); None when
-    there is nothing to set back."""
-    by_count: dict[int, list[I]] = {}
-    for eid, n in given_back(items):
-        by_count.setdefault(n, []).append(eid)
-    commands: list[Command] = []
-    for n, ids in by_count.items():
-        commands.append(("XCLAIM", stream, group, me, 0, *ids, "RETRYCOUNT", n, "JUSTID"))
-    return Plan(Effect.NOTHING, tuple(commands)) if commands else None
+    """The :data:`GIVE_BACK` calls that set the counts of entries ``me`` has
+    just claimed one lower (``items``: id, the count it is given back from,
+    :func:`claimed_waiting`'s), each only while still pending for ``me`` at
+    that count: a peer in RECLAIM or CLAIMING that claimed one between this
+    claim and its set-back (``me`` stalled past ``min_idle`` while reading
+    the counts and the schedule) keeps it, at its count (a plain ``XCLAIM``
+    would take it back and lower it); None when there is nothing to set back."""
+    return give_back(stream, group, me, items)
 
 
 def as_handed(ids: Iterable[I], counts: Mapping[I, int]) -> list[tuple[I, int]]:
