@@ -334,7 +334,8 @@ class Consumer:
         ``consumer.stats()[handle.name]``.
 
         Each subscription's counters: ``received`` (deliveries read, before
-        any handler call), ``handler_errors``, ``refused`` (outcomes the
+        any handler call; each once: one a reliable list dropped unstarted
+        at a late heartbeat counts when read again), ``handler_errors``, ``refused`` (outcomes the
         form cannot carry out), ``finalize_errors`` (error replies or failed
         round trips of finalization; those that did not run, or whose
         outcome is unknown, are sent again), ``read_errors``,

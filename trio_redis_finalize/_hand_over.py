@@ -182,12 +182,12 @@ class HandOver:
         list's counted gates and its error logs apply.  The exception goes on.
         """
         sent = not direct
+        self.stats.received += len(ready)  # read: counted before any wait (a drop un-counts)
         try:
             if direct:
                 await self.send.send(list(direct))
                 sent = True
             if ready:
-                self.stats.received += len(ready)
                 if self._by_id:  # stream entries (other forms have no id: nothing held by id)
                     self.in_hand.update([d.id for d in ready])  # type: ignore[misc]  # it has its id
                 # all or nothing: cancelled while waiting, nothing was handed over

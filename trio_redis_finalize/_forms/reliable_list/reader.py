@@ -283,6 +283,8 @@ class ReliableListReader:
             taken = {id(d) for d in dropped}
             dropped += [d for d in waiting if id(d) not in taken]
             waiting.clear()  # in place: the work queue takes them from this list once it has room
+        # read again by the rescan (or another consumer's now): counted there, not twice
+        ctx.stats.received -= len(dropped)
         for d in dropped:
             if d.raw is not None:
                 dec(gates.unsent, d.raw)
