@@ -4,10 +4,14 @@ A stream consumer's lease (``Reader.holding``: ``LEASE`` of ``Context.leased``
 every ``lease_every``) runs past its reader, until its finalizer ends: a
 handler still running at the stop keeps its entry from a claiming peer.
 Here a renewal during the stop's grace meets a fault (the command proxy): its
-reply lost (it ran), or an error reply instead of running (READONLY, OOM).
-The lease goes on at its next turn: the entry never idles ``min_idle``, the
-peer never starts it, the handler's ACK is committed once and the stop ends.
-Timeouts are bounds, never expectations.
+reply lost (it ran), an error reply instead of running (READONLY, OOM), or a
+silent link (no reply ever).  The lease goes on at its next turn: the entry
+never idles ``min_idle``, the peer never starts it, the handler's ACK is
+committed once and the stop ends.  A silent renewal waits at most a lease
+period (``lease_timeout``) and the next one goes out at once; before, it
+waited ``FINALIZE_TIMEOUT`` (5 s) and slept a period more: with ``min_idle``
+6 s the entry idled 9 s, the peer claimed it and ran its handler a second
+time beside the first.  Timeouts are bounds, never expectations.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import pytest
 import trio
 from _paths import TESTS
 from _procs import HoldFirst, child_lines, eventually
-from faults.cmdproxy import LOST, CommandProxy, Fault, error, serving
+from faults.cmdproxy import BLACKHOLE, LOST, CommandProxy, Fault, error, serving
 
 from trio_redis_finalize import Mode, StreamSubscription, open_consumer
 from trio_redis_finalize._core._recovery import LEASE
@@ -34,6 +38,8 @@ CASES: dict[str, tuple[float, list[tuple[int, Fault]]]] = {
     "lost": (3.0, [(0, LOST), (2, LOST)]),
     "READONLY": (3.0, [(0, error("READONLY")), (2, error("READONLY"))]),
     "OOM": (3.0, [(0, error("OOM")), (2, error("OOM"))]),
+    # a silent link: its wait bounded by the period (2 s), not FINALIZE_TIMEOUT
+    "blackhole": (6.0, [(0, BLACKHOLE)]),
 }
 
 

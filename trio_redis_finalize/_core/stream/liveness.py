@@ -106,8 +106,9 @@ from .._identity import HEARTBEAT_FLOOR, claim, heartbeat_value, renew
 from .survey import heartbeat_key, legacy_heartbeat_key, legacy_registry_key, registry, registry_key
 
 __all__ = [
-    "HANDED_BACK_IDLE_MS", "HEARTBEAT_FLOOR", "STOP", "STOP_PROBE", "beat", "claim_name",
-    "heartbeat_key", "lease_every", "legacy_heartbeat_key", "legacy_registry_key",
+    "HANDED_BACK_IDLE_MS", "HEARTBEAT_FLOOR", "LEASE_TIMEOUT_FLOOR", "STOP", "STOP_PROBE", "beat",
+    "claim_name", "heartbeat_key", "lease_every", "lease_timeout", "legacy_heartbeat_key",
+    "legacy_registry_key",
     "registration_value", "registry_key", "stop_probe", "stopped_value",
 ]
 
@@ -136,6 +137,21 @@ def lease_every(mode: Mode, min_idle: float, heartbeat: float) -> float:
     if mode is Mode.CLAIMING:
         return max(min_idle / 3, 0.001)
     return max(min(min_idle, heartbeat) / 3, 0.001)
+
+
+LEASE_TIMEOUT_FLOOR = 0.5
+"""The shortest wait for one lease renewal's reply (a period shorter than this
+is a test's: its renewals are not cut by a loaded machine's round trips)."""
+
+
+def lease_timeout(every: float, bound: float) -> float:
+    """Seconds one lease renewal may wait for its reply: its period ``every``
+    (at least :data:`LEASE_TIMEOUT_FLOOR`), at most ``bound`` (the runtime's
+    round-trip deadline).  A renewal cut by it (a silent link) is followed at
+    once by the next, due by then, on another connection: an entry in hand
+    idles about two periods at most, below the three after which a peer may
+    take it -- not the period plus the whole deadline plus a period again."""
+    return min(bound, max(every, LEASE_TIMEOUT_FLOOR))
 
 
 def registration_value(heartbeat: float, mode: Mode, at: float | None = None, *,

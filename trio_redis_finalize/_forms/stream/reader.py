@@ -24,7 +24,7 @@ from ..._core._recovery import LEASE, lease_lost
 from ..._core._replies import NOT_RUN, BusyGroupError, classify, error_code
 from ..._core._types import Plan
 from ..._core.stream.decode import as_str, give_back, id_key, read_entries
-from ..._core.stream.liveness import lease_every
+from ..._core.stream.liveness import lease_every, lease_timeout
 from ..._core.stream.scripts import move_due_to_stream
 from ..._deadlines import FINALIZE_TIMEOUT, OWN_LOOK_EVERY, READ_MARGIN, log
 from ..._delivery import Delivery
@@ -339,15 +339,17 @@ class StreamReader:
         """
         sub = self.sub
         interval = lease_every(sub.mode, sub.min_idle, sub.heartbeat)
-        while True:
-            await anyio.sleep(interval)
+        timeout, due = lease_timeout(interval, FINALIZE_TIMEOUT), anyio.current_time()
+        while True:  # every interval from the last one's start: a renewal cut late is followed at once
+            due = max(due + interval, anyio.current_time())
+            await anyio.sleep_until(due)
             ids = ctx.leased()
             for i in range(0, len(ids), 500):
                 part = ids[i : i + 500]
                 try:
                     replies = await ctx.client.evalsha(
                         LEASE, (sub.stream,), (sub.group, ctx.consumer.name, *part),
-                        timeout=FINALIZE_TIMEOUT,
+                        timeout=timeout,
                     )
                 except (rexc.ConnectionError, rexc.TimeoutError, rexc.ResponseError) as e:
                     log.warning("%s: lease renewal failed: %s", ctx.name, e,
