@@ -86,7 +86,18 @@ class Outcome:
             checked = (*self.writes, *checked)
             parts = (len(checked), *self.write_parts[1:], *parts[1:])
             keys = tuple(dict.fromkeys((*self.write_keys, *keys)))
-        return _with_writes(self.kind, self.delay, self.reason, checked, parts, keys)
+        # built on its mutable twin (``_value.builder``: plain slot stores, no
+        # Python ``__init__`` per outcome: a handler makes one per message)
+        o = _WithWritesBuilder()
+        o.kind = self.kind
+        o.delay = self.delay
+        o.reason = self.reason
+        o.writes = checked
+        o.write_parts = parts
+        o.write_keys = keys
+        o.__class__ = WithWrites  # frozen from here on
+        made: WithWrites = o
+        return made
 
 
 ACK: Final = Outcome(OutcomeKind.ACK)
@@ -147,23 +158,6 @@ class WithWrites(Outcome):
 
 
 _WithWritesBuilder: Any = builder(WithWrites)  # (Any: its fields assigned, which the type refuses)
-
-
-def _with_writes(kind: OutcomeKind, delay: float, reason: str, writes: tuple[Write, ...],
-                 parts: tuple[str | bytes | int, ...], keys: tuple[str | bytes, ...]) -> WithWrites:
-    """``WithWrites(kind, delay, reason, writes, parts, keys)``, built on its
-    mutable twin (``_value.builder``: plain slot stores, no Python
-    ``__init__`` per outcome: a handler makes one per message)."""
-    o = _WithWritesBuilder()
-    o.kind = kind
-    o.delay = delay
-    o.reason = reason
-    o.writes = writes
-    o.write_parts = parts
-    o.write_keys = keys
-    o.__class__ = WithWrites  # frozen from here on
-    made: WithWrites = o
-    return made
 
 
 def retry_after(delay: float) -> Outcome:

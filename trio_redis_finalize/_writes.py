@@ -187,10 +187,11 @@ def checked_writes(
         parts += w
         if nkeys == 1:
             k = w[1]
-            if k in keys:
-                keys[k] = _left(i, w, want, keys[k])
-            else:
+            prev = keys.get(k)
+            if prev is None:
                 keys[k] = want or _ANY_LEFT.get(w[0], "")
+            elif want or w[0] in _ANY_LEFT:  # (the others leave it as it was: EXPIRE ...)
+                keys[k] = _left(i, w, want, prev)
         else:  # DEL, UNLINK: each key left with nothing
             keys.update(dict.fromkeys(w[1:] if nkeys is None else w[1:1 + nkeys], "none"))
     if values > MAX_WRITE_VALUES:

@@ -8,9 +8,10 @@ packs a :class:`Spliced` by its :meth:`~Spliced.packed`.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
-from itertools import chain, repeat
-from operator import itemgetter
+from itertools import accumulate, chain, repeat
+from operator import is_, itemgetter
 from typing import Any
 
 __all__ = ["Arg", "Command", "Spliced", "splice", "splice_batches", "splice_keyed", "splice_rows"]
@@ -74,6 +75,7 @@ def _columns(rows: Sequence[Sequence[Arg]], pack: Callable[[tuple[Arg, ...]], by
     row: list[bytes] = []
     args: list[Any] = []  # each column substituted: its values' sizes, then the values
     run: list[Arg] = []  # the columns of one value since the last one substituted
+    made: list[tuple[tuple[Arg, ...], list[bytes], list[int]]] = []  # columns substituted
     for col in zip(*rows, strict=True):
         c0 = col[0]
         if col.count(c0) == n:  # (equal values of one class: the same bytes)
@@ -83,14 +85,20 @@ def _columns(rows: Sequence[Sequence[Arg]], pack: Callable[[tuple[Arg, ...]], by
             p = pack(tuple(run))
             row.append(p[p.index(b"\n") + 1:].replace(b"%", b"%%"))
             run = []
-        try:
-            values = ([*map(str.encode, col)] if c0.__class__ is str else
-                      [*map(b"%d".__mod__, col)] if c0.__class__ is int else [*map(b"%b".__mod__, col)])
-        except TypeError:
-            return None
+        # (a column again: the id in each write of a message's outcome)
+        known = next((m for m in made if m[0] == col), None)
+        if known is None:
+            try:
+                values = ([*map(str.encode, col)] if c0.__class__ is str else
+                          [*map(b"%d".__mod__, col)] if c0.__class__ is int else
+                          [*map(b"%b".__mod__, col)])
+            except TypeError:
+                return None
+            known = (col, values, [*map(len, values)])
+            made.append(known)
         row.append(b"$%d\r\n%b\r\n")
-        args.append(map(len, values))
-        args.append(values)
+        args.append(known[2])
+        args.append(known[1])
     if run:
         p = pack(tuple(run))
         row.append(p[p.index(b"\n") + 1:].replace(b"%", b"%%"))
@@ -102,7 +110,10 @@ _EXACT = {str, bytes, int}
 
 def splice(segments: Sequence[Sequence[Arg]]) -> Spliced:
     """The command of ``segments`` (not empty), in order (see :class:`Spliced`)."""
-    c = Spliced(chain.from_iterable(segments))
+    flat: list[Arg] = []
+    for seg in segments:  # (a list extended: each segment copied in C)
+        flat += seg
+    c = Spliced(flat)
     c.segments = segments
     return c
 
@@ -168,6 +179,22 @@ def splice_batches(
             parts = [head(once, i, j), *chain.from_iterable(zip(prefixes[i:j], repeat(enc)))]
             out.append((splice(parts), j - i))
         return out
+    outs = [*map(_SECOND, items)]
+    if n > 1 and not any(map(is_, outs, outs[1:])) and len(set(map(len, prefixes))) == 1:
+        # an outcome object each (the common batch of outcomes built per
+        # message): the calls cut where the loop below cuts them, in C
+        encoded = [*map(encode, outs)]
+        encs = [*map(_FIRST, encoded)]
+        acc = [0, *accumulate(map(len(prefixes[0]).__add__, map(len, encs)))]
+        exact = {*map(type, chain.from_iterable(prefixes))} <= _EXACT
+        i = 0
+        while i < n:
+            j = min(n, i + cap, max(i + 1, bisect_right(acc, acc[i] + room) - 1))
+            call = head(list(dict.fromkeys(chain.from_iterable(map(_SECOND, encoded[i:j])))), i, j)
+            each = [[*p, *e] for p, e in zip(prefixes[i:j], encs[i:j], strict=True)]
+            out.append((splice_rows(call, each) if exact else splice([call, *each]), j - i))
+            i = j
+        return out
     i = 0
     last: object = None
     w: tuple[Sequence[Arg], Sequence[Arg]] = ((), ())
@@ -211,4 +238,5 @@ def splice_batches(
     return out
 
 
+_FIRST = itemgetter(0)
 _SECOND = itemgetter(1)
