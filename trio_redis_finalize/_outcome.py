@@ -74,18 +74,16 @@ class Outcome:
         (every mode but a claiming RETRY, which finalizes nothing) and
         reliable lists; ACK, DROP, RETRY, ``retry_after``, REJECT and the
         dead letter a RETRY turns into at the last attempt.  Called on an
-        outcome that carries writes already, adds to them.
+        outcome that carries writes already, adds to them (checked together).
 
         Raises:
             ValueError: a command that is not a deterministic write on
                 declared keys (the user guide lists them), bad arguments, or
                 more than the bounds allow (64 writes, 4,096 values, 1 MiB).
         """
-        checked, parts, keys = checked_writes(writes)
-        if self.writes:  # adds to the writes it carries
-            checked = (*self.writes, *checked)
-            parts = (len(checked), *self.write_parts[1:], *parts[1:])
-            keys = tuple(dict.fromkeys((*self.write_keys, *keys)))
+        # (added to the writes it carries: checked with them, as one call
+        # would: a key their writes make another type, the bounds)
+        checked, parts, keys = checked_writes((*self.writes, *writes) if self.writes else writes)
         # built on its mutable twin (``_value.builder``: plain slot stores, no
         # Python ``__init__`` per outcome: a handler makes one per message)
         o = _WithWritesBuilder()

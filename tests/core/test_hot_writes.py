@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from redis import exceptions as rexc
@@ -373,11 +374,31 @@ def test_an_outcomes_writes_are_encoded_as_the_script_reads_them(
     from trio_redis_finalize._core._writes import encode_writes
     from trio_redis_finalize._writes import check_writes, write_keys
 
+    try:
+        writes = check_writes([*first, *more])
+    except ValueError:  # (writes refused together: added to an outcome, refused as well)
+        with pytest.raises(ValueError):
+            ACK.with_writes(*first).with_writes(*more)
+        return
     o = ACK.with_writes(*first)
     if more:
         o = o.with_writes(*more)
-    writes = check_writes([*first, *more])
     assert o.writes == writes
     assert list(o.write_parts) == encode_writes(writes)  # (their count first)
     assert list(o.write_keys) == write_keys(writes)
     assert o == ACK.with_writes(*first, *more)  # (the encodings compare as nothing)
+
+
+def test_writes_added_to_an_outcome_are_checked_with_its_own() -> None:
+    """``with_writes`` on an outcome carrying writes checks them all, as one
+    call would: a write whose key the outcome's earlier writes make another
+    type is refused (it would fail once those ran), and the bounds count
+    every write (here ``HINCRBY k`` then ``SADD k``, and 64 + 1 writes)."""
+    from trio_redis_finalize._writes import MAX_WRITES
+
+    with pytest.raises(ValueError, match=r"writes\[1\]: SADD 'k' needs a set, but .* is a hash"):
+        ACK.with_writes(("HINCRBY", "k", "f", 1)).with_writes(("SADD", "k", "m"))
+    with pytest.raises(ValueError, match=f"at most {MAX_WRITES} writes"):
+        ACK.with_writes(*[("INCR", "n")] * MAX_WRITES).with_writes(("INCR", "n"))
+    o = ACK.with_writes(("HSET", "k", "f", 1)).with_writes(("HINCRBY", "k", "f", 2))
+    assert o == ACK.with_writes(("HSET", "k", "f", 1), ("HINCRBY", "k", "f", 2))
