@@ -165,7 +165,8 @@ def splice_batches(
     """
     out: list[tuple[Command, int]] = []
     n = len(items)
-    if n and len(set(map(id, map(_SECOND, items)))) == 1 and len(set(map(len, prefixes))) == 1:
+    outs = [*map(_SECOND, items)]
+    if n and len(set(map(id, outs))) == 1 and len(set(map(len, prefixes))) == 1:
         # one outcome object for all, prefixes of one width (the common batch):
         # its writes encoded once, the parts interleaved in C
         enc, names = encode(items[0][1])
@@ -179,14 +180,13 @@ def splice_batches(
             parts = [head(once, i, j), *chain.from_iterable(zip(prefixes[i:j], repeat(enc)))]
             out.append((splice(parts), j - i))
         return out
-    outs = [*map(_SECOND, items)]
     if n > 1 and not any(map(is_, outs, outs[1:])) and len(set(map(len, prefixes))) == 1:
         # an outcome object each (the common batch of outcomes built per
         # message): the calls cut where the loop below cuts them, in C
         encoded = [*map(encode, outs)]
         encs = [*map(_FIRST, encoded)]
         acc = [0, *accumulate(map(len(prefixes[0]).__add__, map(len, encs)))]
-        exact = {*map(type, chain.from_iterable(prefixes))} <= _EXACT
+        exact = {*map(type, chain.from_iterable(prefixes) if ids is None else ids)} <= _EXACT
         i = 0
         while i < n:
             j = min(n, i + cap, max(i + 1, bisect_right(acc, acc[i] + room) - 1))
