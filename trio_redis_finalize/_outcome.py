@@ -74,18 +74,28 @@ class Outcome:
         (every mode but a claiming RETRY, which finalizes nothing) and
         reliable lists; ACK, DROP, RETRY, ``retry_after``, REJECT and the
         dead letter a RETRY turns into at the last attempt.  Called on an
-        outcome that carries writes already, adds to them.
+        outcome that carries writes already, adds to them (checked together).
 
         Raises:
             ValueError: a command that is not a deterministic write on
                 declared keys (the user guide lists them), bad arguments, or
                 more than the bounds allow (64 writes, 4,096 values, 1 MiB).
         """
-        # adding to the writes it carries: all of them checked again together
-        # (the bounds are the outcome's; a key an earlier write made another
-        # type is refused across the two calls too)
+        # (added to the writes it carries: checked with them, as one call
+        # would: a key their writes make another type, the bounds)
         checked, parts, keys = checked_writes((*self.writes, *writes) if self.writes else writes)
-        return _with_writes(self.kind, self.delay, self.reason, checked, parts, keys)
+        # built on its mutable twin (``_value.builder``: plain slot stores, no
+        # Python ``__init__`` per outcome: a handler makes one per message)
+        o = _WithWritesBuilder()
+        o.kind = self.kind
+        o.delay = self.delay
+        o.reason = self.reason
+        o.writes = checked
+        o.write_parts = parts
+        o.write_keys = keys
+        o.__class__ = WithWrites  # frozen from here on
+        made: WithWrites = o
+        return made
 
 
 ACK: Final = Outcome(OutcomeKind.ACK)
@@ -146,23 +156,6 @@ class WithWrites(Outcome):
 
 
 _WithWritesBuilder: Any = builder(WithWrites)  # (Any: its fields assigned, which the type refuses)
-
-
-def _with_writes(kind: OutcomeKind, delay: float, reason: str, writes: tuple[Write, ...],
-                 parts: tuple[str | bytes | int, ...], keys: tuple[str | bytes, ...]) -> WithWrites:
-    """``WithWrites(kind, delay, reason, writes, parts, keys)``, built on its
-    mutable twin (``_value.builder``: plain slot stores, no Python
-    ``__init__`` per outcome: a handler makes one per message)."""
-    o = _WithWritesBuilder()
-    o.kind = kind
-    o.delay = delay
-    o.reason = reason
-    o.writes = writes
-    o.write_parts = parts
-    o.write_keys = keys
-    o.__class__ = WithWrites  # frozen from here on
-    made: WithWrites = o
-    return made
 
 
 def retry_after(delay: float) -> Outcome:

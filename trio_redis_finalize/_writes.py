@@ -129,7 +129,8 @@ def checked_writes(
 ) -> tuple[tuple[Write, ...], tuple[str | bytes | int, ...], tuple[str | bytes, ...]]:
     """:func:`check_writes`, and in the same pass what a finalization script
     reads of them: the count of writes, then per write its count of values
-    and the command (the script's layout, ``_core._writes.encode_writes``;
+    and the command, each value ``str``, ``bytes`` or ``int`` exactly (the
+    script's layout, ``_core._writes.encode_writes``;
     the type a key must have the script looks up by the command's name), and
     the keys they touch (in order, each once: :func:`write_keys`).
 
@@ -142,6 +143,7 @@ def checked_writes(
     parts: list[str | bytes | int] = [len(writes)]  # (each one a write, or refused)
     keys: dict[str | bytes, str] = {}  # key -> the type the writes so far leave it (_left)
     values = size = 0
+    kept = False  # a value of a subclass of str or bytes, kept as it is
     spec_of = WRITE_COMMANDS.get
     for i, w in enumerate(writes):
         # the common write first: a tuple naming its command as listed; its
@@ -171,6 +173,7 @@ def checked_writes(
                         v = str(v)
                     elif c is not str and c is not bytes:
                         v = _value(i, len(texts), v)
+                        kept = kept or (v.__class__ is not str and v.__class__ is not bytes)
                     size += len(v)
                     texts.append(v)
                 w = tuple(texts)
@@ -184,17 +187,33 @@ def checked_writes(
         parts += w
         if nkeys == 1:
             k = w[1]
-            if k in keys:
-                keys[k] = _left(i, w, want, keys[k])
-            else:
+            prev = keys.get(k)
+            if prev is None:
                 keys[k] = want or _ANY_LEFT.get(w[0], "")
+            elif want or w[0] in _ANY_LEFT:  # (the others leave it as it was: EXPIRE ...)
+                keys[k] = _left(i, w, want, prev)
         else:  # DEL, UNLINK: each key left with nothing
             keys.update(dict.fromkeys(w[1:] if nkeys is None else w[1:1 + nkeys], "none"))
     if values > MAX_WRITE_VALUES:
         raise ValueError(f"writes: at most {MAX_WRITE_VALUES} values per outcome, got {values}")
     if size > MAX_WRITE_BYTES:
         raise ValueError(f"writes: at most {MAX_WRITE_BYTES} bytes per outcome, got {size}")
+    if kept:  # (the script's layout of exact classes: see _exact)
+        parts = [*map(_exact, parts)]
     return tuple(out), tuple(parts), tuple(keys)
+
+
+def _exact(v: str | bytes | int) -> str | bytes | int:
+    """``v`` of its exact class: a value of a subclass of ``str`` or
+    ``bytes`` as its text (the bytes sent), so equal values of the script's
+    layout are the same bytes (the transport packs a batch's layouts as a
+    template: ``_core._splice.splice_rows``)."""
+    if isinstance(v, str):
+        return str.__str__(v)
+    if isinstance(v, bytes):
+        return bytes.__bytes__(v)
+    return v
+
 
 _ANY_LEFT = {"SET": "string", "SETNX": "?"}
 """What a write of any type leaves a key it is the first to touch: SET a

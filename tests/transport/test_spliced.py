@@ -49,3 +49,41 @@ def test_a_keyed_batch_packs_as_its_arguments(ids: list[tuple[int, int]], part: 
     c = splice_keyed((b"EVALSHA", "sha", 1, "s", "g"), texts, part)
     assert list(c) == [b"EVALSHA", "sha", 1, "s", "g", *(a for t in texts for a in (t, *part))]
     assert c.packed(pack_command) == pack_command(tuple(c))
+
+
+_CELL = st.one_of(st.sampled_from(["HSET", "k", "%d", "é", "", "x\r\n"]),
+                  st.sampled_from([b"v", b"%s", b"\r\n"]), st.integers(-2, 2))
+
+
+@given(st.integers(0, 4).flatmap(lambda w: st.lists(st.lists(_CELL, min_size=w, max_size=w),
+                                                    min_size=2, max_size=6)))
+def test_parts_of_one_width_pack_as_their_arguments(rows: list[list[Arg]]) -> None:
+    """A batch's parts of one width (``splice_rows``: an outcome built per
+    message) are packed as a template, each column of one value once, the
+    others substituted: the bytes of the arguments whatever the values (a
+    ``%``, a line end, ``str``, ``bytes`` and ``int`` in one column)."""
+    from trio_redis_finalize._core._commands import splice_rows
+
+    c = splice_rows((b"EVALSHA", "sha", 1, "s"), rows)
+    assert list(c) == [b"EVALSHA", "sha", 1, "s", *(a for r in rows for a in r)]
+    assert c.packed(pack_command) == pack_command(tuple(c))
+
+
+def test_a_value_of_a_subclass_is_sent_as_its_text() -> None:
+    """Equal values of a batch's parts are packed once: a value of a
+    subclass of ``str`` claiming to equal another is made its own text in
+    the script's layout (``checked_writes``), so it is sent as it is."""
+    from trio_redis_finalize import ACK
+    from trio_redis_finalize._core._commands import splice_rows
+
+    class Same(str):  # equal to every string
+        def __eq__(self, other: object) -> bool:
+            return True
+
+        __hash__ = str.__hash__
+
+    parts = [ACK.with_writes(("SADD", "k", Same(v))).write_parts for v in ("a", "b", "c")]
+    assert {type(v) for p in parts for v in p} == {int, str}
+    c = splice_rows((b"EVALSHA", "sha", 1, "k"), parts)
+    assert c.packed(pack_command) == pack_command(tuple(c))
+    assert b"$1\r\nb\r\n" in c.packed(pack_command)

@@ -8,146 +8,14 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
-from itertools import chain, repeat
-from operator import itemgetter
-from typing import Any
+
+from ._splice import Arg, Command, Spliced, splice, splice_batches, splice_keyed, splice_rows
 
 __all__ = [
     "SCRIPTS", "Arg", "Command", "Script", "Spliced", "command_keys", "describe", "group_names",
-    "script_of", "splice", "splice_batches", "splice_keyed", "split_field",
+    "script_of", "splice", "splice_batches", "splice_keyed", "splice_rows", "split_field",
 ]
 
-Arg = bytes | str | int | float
-Command = Sequence[Arg]
-
-
-
-class Spliced(tuple):  # type: ignore[type-arg]
-    """A command made of segments of arguments, some of them the same object
-    again (one outcome's encoded writes in the part of every delivery that
-    returned it, in a batched call): a tuple of all its arguments, as any
-    command, that the transport packs segment by segment, each distinct
-    segment object once (:meth:`packed`; packing is most of what a write
-    costs the client).  Made by :func:`splice` only: its arguments are its
-    segments' in order."""
-
-    segments: Sequence[Sequence[Arg]]
-
-    def packed(self, pack: Callable[[tuple[Arg, ...]], bytes]) -> bytes:
-        """The command's RESP bytes, ``pack`` (``hiredis.pack_command``)
-        packing each distinct segment: the same bytes ``pack(self)`` gives."""
-        keyed = self.__dict__.get("keyed")
-        if keyed is not None:  # (see splice_keyed)
-            head, ids, part = keyed
-            h, p, e = pack(tuple(head)), pack(tuple(ids)), pack(tuple(part))
-            lines = p.split(b"\r\n")  # "*n", then "$len", id for each id, ""
-            body = b"\r\n".join(chain.from_iterable(
-                zip(lines[1:-1:2], lines[2:-1:2], repeat(e[e.index(b"\n") + 1:-2]))))
-            return b"".join((b"*%d\r\n" % len(self), h[h.index(b"\n") + 1:], body, b"\r\n"))
-        done: dict[int, bytes] = {}
-        out = [b"*%d\r\n" % len(self)]
-        for seg in self.segments:
-            if not seg:
-                continue
-            b = done.get(id(seg))
-            if b is None:
-                p = pack(tuple(seg))
-                b = done[id(seg)] = p[p.index(b"\n") + 1:]  # without its "*<n>" line
-            out.append(b)
-        return b"".join(out)
-
-
-def splice(segments: Sequence[Sequence[Arg]]) -> Spliced:
-    """The command of ``segments`` (not empty), in order (see :class:`Spliced`)."""
-    c = Spliced(chain.from_iterable(segments))
-    c.segments = segments
-    return c
-
-
-def splice_keyed(head: Command, ids: Sequence[str], part: Sequence[Arg]) -> Spliced:
-    """``head``, then for each of ``ids`` the id and ``part`` (the same
-    values): a batch of deliveries known by id that all returned one outcome.
-    Packed with every id at once (:meth:`Spliced.packed` cuts their packing
-    at its line ends: the ids are a stream's, ``ms-seq``, never a CR or LF)."""
-    c = splice([head, *chain.from_iterable(zip(zip(ids), repeat(part)))])
-    if part:  # (no part: packed segment by segment)
-        c.keyed = (head, ids, part)  # type: ignore[attr-defined]
-    return c
-
-
-def splice_batches(
-    items: Sequence[tuple[object, object]], prefixes: Sequence[Sequence[Arg]],
-    encode: Callable[[Any], tuple[Sequence[Arg], Sequence[Arg]]],
-    head: Callable[[Sequence[Arg], int, int], Command], cap: int, room: int,
-    ids: Sequence[str] | None = None,
-) -> list[tuple[Command, int]]:
-    """Batched script calls of ``items`` (deliveries and their outcomes), each
-    delivery's part its ``prefixes[i]`` then its outcome's encoded writes
-    (``encode(outcome)``: those and the keys they name, once per outcome
-    object in a row): ``(call, how many deliveries it carries)``, in order.
-
-    A call carries at most ``cap`` deliveries and about ``room`` values (one
-    delivery at least), as ``_batch.first_round`` batches parts;
-    ``head(keys, i, j)``: the call up to the parts, for ``items[i:j]`` and
-    the keys their writes name (each once).  The calls are :class:`Spliced`:
-    one outcome's writes, the same list object, packed once.  ``ids``: the
-    prefixes are these stream ids alone (:func:`splice_keyed`, when every
-    delivery returned one outcome object).
-    """
-    out: list[tuple[Command, int]] = []
-    n = len(items)
-    if n and len(set(map(id, map(_SECOND, items)))) == 1 and len(set(map(len, prefixes))) == 1:
-        # one outcome object for all, prefixes of one width (the common batch):
-        # its writes encoded once, the parts interleaved in C
-        enc, names = encode(items[0][1])
-        once = list(dict.fromkeys(names))
-        per = max(1, min(cap, room // (len(prefixes[0]) + len(enc))))
-        for i in range(0, n, per):
-            j = min(n, i + per)
-            if ids is not None:
-                out.append((splice_keyed(head(once, i, j), ids[i:j], enc), j - i))
-                continue
-            parts = [head(once, i, j), *chain.from_iterable(zip(prefixes[i:j], repeat(enc)))]
-            out.append((splice(parts), j - i))
-        return out
-    i = 0
-    last: object = None
-    w: tuple[Sequence[Arg], Sequence[Arg]] = ((), ())
-    while i < n:
-        segments: list[Sequence[Arg]] = [()]
-        keys: dict[Arg, None] = {}
-        size = 0
-        j = i
-        end = min(n, i + cap)
-        new = True
-        while j < end:
-            o = items[j][1]
-            again = o is last
-            if not again:
-                w = encode(o)
-                last = o
-                new = True
-            enc = w[0]
-            width = len(prefixes[j]) + len(enc)
-            if size + width > room and j > i:
-                break
-            if again:  # the writes packed once for the run of this outcome
-                segments.append(prefixes[j])
-                segments.append(enc)
-            else:  # (one segment: one packing less for an outcome seen once)
-                segments.append([*prefixes[j], *enc])
-            if new:  # (the writes of one outcome object: their keys once)
-                keys.update(dict.fromkeys(w[1]))
-                new = False
-            size += width
-            j += 1
-        segments[0] = head(list(keys), i, j)
-        out.append((splice(segments), j - i))
-        i = j
-    return out
-
-
-_SECOND = itemgetter(1)
 
 SCRIPTS: dict[bytes, Script] = {}
 """Every script by its sha: its source (loaded on ``NOSCRIPT``) and its name

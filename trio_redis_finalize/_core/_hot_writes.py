@@ -29,7 +29,7 @@ delivery (``tests/core/test_hot_writes.py`` holds the two together).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from operator import attrgetter, itemgetter
 from typing import Any
 
@@ -57,10 +57,10 @@ _EFFECTS = tuple((k, k._value_, e._value_) for k, e in REMOVED.items())
 _EFFECT_OF = {k._value_: e._value_ for k, e in REMOVED.items()}
 
 
-def encode(o: WithWrites) -> tuple[Sequence[Arg], Sequence[str | bytes]]:
-    """An outcome's writes as a script reads them (their count first), and
-    the keys they name: made with the outcome (``_writes.checked_writes``)."""
-    return o.write_parts, o.write_keys
+encode: Callable[[WithWrites], tuple[Sequence[Arg], Sequence[str | bytes]]] = attrgetter(
+    "write_parts", "write_keys")
+"""An outcome's writes as a script reads them (their count first), and the
+keys they name: made with the outcome (``_writes.checked_writes``; in C)."""
 
 
 class HotWrites:
