@@ -79,7 +79,7 @@ def splice_batches(
     items: Sequence[tuple[object, object]], prefixes: Sequence[Sequence[Arg]],
     encode: Callable[[Any], tuple[Sequence[Arg], Sequence[Arg]]],
     head: Callable[[Sequence[Arg], int, int], Command], cap: int, room: int,
-    ids: Sequence[str] | None = None,
+    ids: Sequence[str] | None = None, same: Arg | None = None,
 ) -> list[tuple[Command, int]]:
     """Batched script calls of ``items`` (deliveries and their outcomes), each
     delivery's part its ``prefixes[i]`` then its outcome's encoded writes
@@ -92,7 +92,8 @@ def splice_batches(
     the keys their writes name (each once).  The calls are :class:`Spliced`:
     one outcome's writes, the same list object, packed once.  ``ids``: the
     prefixes are these stream ids alone (:func:`splice_keyed`, when every
-    delivery returned one outcome object).
+    delivery returned one outcome object).  ``same``: in place of the writes
+    of an outcome that is the object before it in the call (None: in full).
     """
     out: list[tuple[Command, int]] = []
     n = len(items)
@@ -102,13 +103,13 @@ def splice_batches(
         enc, names = encode(items[0][1])
         once = list(dict.fromkeys(names))
         per = max(1, min(cap, room // (len(prefixes[0]) + len(enc))))
+        part = enc if same is None else (same,)  # (the deliveries' after the first)
         for i in range(0, n, per):
             j = min(n, i + per)
-            if ids is not None:
-                out.append((splice_keyed(head(once, i, j), ids[i:j], enc), j - i))
-                continue
-            parts = [head(once, i, j), *chain.from_iterable(zip(prefixes[i:j], repeat(enc)))]
-            out.append((splice(parts), j - i))
+            first = (*head(once, i, j), *prefixes[i], *enc)  # (the first delivery's in full)
+            out.append((splice_keyed(first, ids[i + 1:j], part) if ids and j - i > 1 else
+                        splice([first, *chain.from_iterable(zip(prefixes[i + 1:j], repeat(part)))]),
+                        j - i))
         return out
     i = 0
     last: object = None
@@ -131,7 +132,9 @@ def splice_batches(
             width = len(prefixes[j]) + len(enc)
             if size + width > room and j > i:
                 break
-            if again:  # the writes packed once for the run of this outcome
+            if again and same is not None and j > i:  # (the first of a call: in full)
+                segments.append([*prefixes[j], same])
+            elif again:  # the writes packed once for the run of this outcome
                 segments.append(prefixes[j])
                 segments.append(enc)
             else:  # (one segment: one packing less for an outcome seen once)
