@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -34,9 +34,10 @@ from trio_redis_finalize import (
     StreamSubscription,
 )
 from trio_redis_finalize._core._batch import batch_replies, batch_singles, is_batched
-from trio_redis_finalize._core._commands import Spliced
+from trio_redis_finalize._core._commands import Command, Spliced
 from trio_redis_finalize._core._finalize import FinalizeBatch, FinalizerCore
 from trio_redis_finalize._core._hot_writes import HotWrites
+from trio_redis_finalize._core._lua_writes import SAME_WRITES
 from trio_redis_finalize._core._replies import NotRunError
 from trio_redis_finalize._core._types import Target
 from trio_redis_finalize._core._writes import plan_writes
@@ -114,6 +115,51 @@ def test_the_hot_calls_carry_the_slow_paths_single_scripts() -> None:
     assert singles == [plan_writes(t, d, o).commands[0] for d, o in items]
     # ... and the calls themselves are the slow path's first round's
     assert calls == [tuple(c) for c in slow.batch(items).commands() if is_batched(c)]
+
+
+def _same_writes_parts(call: Command, same: Callable[[Any, Any], bool]) -> list[Any]:
+    """The parts of a batched call whose deliveries are ``batch_singles(call)``,
+    each one's writes ``SAME_WRITES`` where ``same(its single, the one before)``."""
+    want: list[Any] = []
+    before: Any = None
+    for x in batch_singles(call):
+        writes = x[3 + int(x[2]) + 5:]  # (after group, id, op, how, cap; no own values)
+        again = before is not None and same(x, before)
+        want += [STREAM_WRITES.field(x, "id"), *([SAME_WRITES] if again else writes)]
+        before = x
+    return want
+
+
+@pytest.mark.parametrize("layout", ["one object", "runs", "equal objects"])
+def test_writes_the_delivery_before_carried_go_once(layout: str) -> None:
+    """A delivery that returned the outcome object of the delivery before it
+    in the call carries ``SAME_WRITES`` instead of its writes (the first of
+    each call in full); the slow path sends it for equal writes of any
+    objects (it has no objects); both calls' singles are each delivery's
+    own ``STREAM_WRITES`` call."""
+    t = target()
+    if layout == "one object":
+        outs = [SHARED[2]] * 250
+    elif layout == "runs":
+        outs = [SHARED[i // 7 % 3] for i in range(250)]
+    else:
+        outs = [ACK.with_writes(*WRITES) for _ in range(250)]
+    items = [(entry(i), o) for i, o in enumerate(outs)]
+    outcome_of = {d.id: o for d, o in items}
+    hot, slow = cores(t)
+    singles = [plan_writes(t, d, o).commands[0] for d, o in items]
+    for core, same in (
+            (hot, lambda x, y: outcome_of[STREAM_WRITES.field(x, "id")]
+             is outcome_of[STREAM_WRITES.field(y, "id")]),
+            (slow, lambda x, y: x[3 + int(x[2]) + 5:] == y[3 + int(y[2]) + 5:])):
+        calls = [c for c in core.batch(items).commands() if is_batched(c)]
+        assert len(calls) == 3  # (100 deliveries a call at most)
+        assert [s for c in calls for s in batch_singles(c)] == singles
+        for c in calls:
+            parts = list(STREAM_WRITES_ACK_BATCH.rest(c, "id"))
+            assert parts == _same_writes_parts(c, same)
+            assert parts[1] != SAME_WRITES  # the first delivery's in full
+            assert (SAME_WRITES in parts) == (core is slow or layout != "equal objects")
 
 
 def test_one_delivery_goes_as_a_batched_call_read_the_same_way() -> None:

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from .._writes import WRITE_COMMANDS
 
-__all__ = ["BATCH_WRITES_LUA", "WRITES_LUA", "batch_writes", "run_writes"]
+__all__ = ["BATCH_WRITES_LUA", "SAME_WRITES", "WRITES_LUA", "batch_writes", "run_writes"]
+
+
+SAME_WRITES = "="
+"""In a batched call (``STREAM_WRITES_ACK_BATCH``), the value that stands for
+a delivery's writes when its outcome is the one of the delivery before it in
+the call: the script runs those writes again from where they are (a value
+per delivery instead of each write's: a counter every message bumps costs
+the server about an eighth less; ``benchmarks._server_parts``)."""
 
 
 def _fresh_int(call: str, why: str) -> str:
@@ -261,8 +269,20 @@ def _functions(batched: bool, table: bool) -> str:
     end
     return i + 1 + argc
   end
-  local at, why = wcheck(i, nw)
-  if not at then return nil, why end
+  -- wcheck only where it could refuse: a type not known, or a value to judge
+  -- (a batch's writes of one shape: their keys' types known after the first)
+  if not wvalue then wvalue, wtouched = wchecks() end
+  local j = i
+  for w = 1, nw do
+    local argc, name = wnum[ARGV[j]], ARGV[j + 1]
+    """ + _want(table, "    ") + """
+    if want and (wtype[ARGV[j + 2]] ~= want or w > 1 and wvalue[name]) then
+      local at, why = wcheck(i, nw)
+      if not at then return nil, why end
+      break
+    end
+    j = j + 1 + argc
+  end
   return wapply(i, nw)
 end
 """ if batched else "")
@@ -286,16 +306,13 @@ if not i then return redis.error_reply(why) end
 wapply({at + 1}, nw)
 """
 
-# Where a batched ACK carrying one HINCRBY spends the server's instructions
-# (Redis 7.0.15, callgrind, per delivery, 100 per call; the raw pipeline of a
-# HINCRBY each and one XACK: 9.8k), parts added one by one: the EVALSHA, the
-# XACK and the id 6.0k; the other 7 values of its ARGV (~0.75k each) 11.7k;
-# the HINCRBY's redis.call 18.2k; the gate's XPENDING of the range 27.3k
-# (2.8k to build each row, 5.2k to make it Lua tables); this file's checks
-# and the loop's bookkeeping: 29.7k (3.0x).  With no value but the id ~21k
-# (2.1x): the gate's read is most of what a raw pipeline does not pay.
-# (Measured when the call still carried each write's key type: one value
-# fewer per write since, ``WTYPE``.)
+# Where a batched ACK carrying writes spends the server's instructions:
+# ``python -m benchmarks._server_parts`` measures the library's call beside
+# bare loops of the same writes (fewer values, no gate; docs/performance.rst,
+# "server parts").  The gate's ranged XPENDING is about a third of an ACK
+# carrying one HINCRBY (its rows turned into Lua tables); a batched call's
+# checks cost it little when its deliveries' keys' types are known (see
+# ``wrun``: wcheck only where it could refuse).
 def batch_writes(at: str) -> str:
     """Lua, in a batched writes script's loop, for an open delivery whose
     writes start at ``ARGV[at]`` (``nw`` of them): checked, then run, in one

@@ -145,7 +145,7 @@ def splice_batches(
     items: Sequence[tuple[object, object]], prefixes: Sequence[Sequence[Arg]],
     encode: Callable[[Any], tuple[Sequence[Arg], Sequence[Arg]]],
     head: Callable[[Sequence[Arg], int, int], Command], cap: int, room: int,
-    ids: Sequence[str] | None = None,
+    ids: Sequence[str] | None = None, same: Arg | None = None,
 ) -> list[tuple[Command, int]]:
     """Batched script calls of ``items`` (deliveries and their outcomes), each
     delivery's part its ``prefixes[i]`` then its outcome's encoded writes
@@ -161,7 +161,8 @@ def splice_batches(
     and ``int`` exactly, as ``_writes.checked_writes`` makes them) packed as
     a template.  ``ids``: the
     prefixes are these stream ids alone (:func:`splice_keyed`, when every
-    delivery returned one outcome object).
+    delivery returned one outcome object).  ``same``: in place of the writes
+    of an outcome that is the object before it in the call (None: in full).
     """
     out: list[tuple[Command, int]] = []
     n = len(items)
@@ -172,13 +173,13 @@ def splice_batches(
         enc, names = encode(items[0][1])
         once = list(dict.fromkeys(names))
         per = max(1, min(cap, room // (len(prefixes[0]) + len(enc))))
+        part = enc if same is None else (same,)  # (the deliveries' after the first)
         for i in range(0, n, per):
             j = min(n, i + per)
-            if ids is not None:
-                out.append((splice_keyed(head(once, i, j), ids[i:j], enc), j - i))
-                continue
-            parts = [head(once, i, j), *chain.from_iterable(zip(prefixes[i:j], repeat(enc)))]
-            out.append((splice(parts), j - i))
+            first = (*head(once, i, j), *prefixes[i], *enc)  # (the first delivery's in full)
+            out.append((splice_keyed(first, ids[i + 1:j], part) if ids and j - i > 1 else
+                        splice([first, *chain.from_iterable(zip(prefixes[i + 1:j], repeat(part)))]),
+                        j - i))
         return out
     if n > 1 and not any(map(is_, outs, outs[1:])) and len(set(map(len, prefixes))) == 1:
         # an outcome object each (the common batch of outcomes built per
@@ -218,7 +219,9 @@ def splice_batches(
             width = len(prefixes[j]) + len(enc)
             if size + width > room and j > i:
                 break
-            if again:  # the writes packed once for the run of this outcome
+            if again and same is not None and j > i:  # (the first of a call: in full)
+                segments.append([*prefixes[j], same])
+            elif again:  # the writes packed once for the run of this outcome
                 segments.append(prefixes[j])
                 segments.append(enc)
             else:  # (one segment: one packing less for an outcome seen once)

@@ -22,6 +22,7 @@ from ..._outcome import Outcome
 from .._carrying import argv_at
 from .._commands import Arg, Command, splice_batches
 from .._lua import STREAM_BATCH_MAX, STREAM_BATCH_VALUES
+from .._lua_writes import SAME_WRITES
 from .._types import Batcher, Target, args_at, fields_of, fixed_at, writes_at
 from . import scripts
 
@@ -172,6 +173,7 @@ _W_GROUP, _W_ID, _W_OP, _W_HOW, _W_CAP, _W_WRITES = (
     args_at(_W, n) for n in ("group", "id", "op", "how", "cap", "writes..."))
 _W_STREAM, _W_DEST, _W_KEYS = (fixed_at(_W, n) for n in ("stream", "dest", "write_keys..."))
 _WB = _WRITES_BATCH
+_SAME = SAME_WRITES
 
 
 class _AckWrites(Batcher):
@@ -197,18 +199,34 @@ class _AckWrites(Batcher):
         keys = list(dict.fromkeys(k for s in singles for k in s[_W_KEYS:3 + int(s[2])]))
         gates = gate_range([s[3 + int(s[2]) + _W_ID] for s in singles])
         group, how = fields_of(_W, c, "group", "how")
-        return _WB.command((c[_W_STREAM], *keys), (group, how, *gates, *args))
+        # a delivery's writes equal to those before it: SAME_WRITES (the hot
+        # path, ack_writes_calls, sends it for one outcome object only)
+        parts: list[Arg] = []
+        before: Sequence[Arg] = ()
+        i = 0
+        while i < len(args):
+            _, j = writes_at(args, i + 1)
+            writes = args[i + 1:j]
+            parts += (args[i], _SAME) if writes == before and parts else args[i:j]
+            before, i = writes, j
+        return _WB.command((c[_W_STREAM], *keys), (group, how, *gates, *parts))
 
     def singles(self, cmd: Command) -> list[Command]:
         """Each delivery's ``STREAM_WRITES`` call, its keys those its writes name."""
         stream, group, how = fields_of(_WB, cmd, "stream", "group", "how")
         values = _WB.rest(cmd, "id")  # (id, writes...)...
         out: list[Command] = []
+        keys: list[str | bytes] = []
+        writes: Sequence[Arg] = ()
         i = 0
         while i < len(values):
-            keys, j = writes_at(values, i + 1)
+            if values[i + 1] == _SAME:  # the writes of the delivery before
+                j = i + 2
+            else:
+                keys, j = writes_at(values, i + 1)
+                writes = values[i + 1:j]
             out.append(_W.command((stream, stream, *keys),
-                                  (group, values[i], "ack", how, 0, *values[i + 1:j])))
+                                  (group, values[i], "ack", how, 0, *writes)))
             i = j
         return out
 
@@ -252,4 +270,4 @@ def ack_writes_calls(t: Target, how: str, items: Sequence[tuple[Delivery, Outcom
         return _WB.command((src, *keys), (group, how, *gate_range(ids[i:j])))
 
     return splice_batches(items, [*zip(ids)], encode, head, STREAM_BATCH_MAX, STREAM_BATCH_VALUES,
-                          ids)  # type: ignore[arg-type]
+                          ids, _SAME)  # type: ignore[arg-type]

@@ -43,6 +43,7 @@ from .._lua import (
     batch_writes,
     run_writes,
 )
+from .._lua_writes import SAME_WRITES
 
 __all__ = [
     "COPY_MARK_TTL", "CORRUPT_FIELD", "MOVE_DUE_TO_STREAM", "REDELIVER", "REQUEUE_STREAM",
@@ -325,7 +326,7 @@ return r
 #   once, declared for Redis Cluster)
 # ARGV: group, how ('0', '1' or 'x', see HOW), lo, hi, count (the gates'
 #   range, see STREAM_COPY_ACK_BATCH), [id, writes...]... (per delivery: its
-#   id, nw, its writes as STREAM_WRITES reads them)
+#   id, nw, its writes as STREAM_WRITES reads them; or its id, SAME_WRITES)
 # Each delivery as STREAM_WRITES with op 'ack' (the ACK or DROP of an outcome carrying
 # writes): its gate, its writes' key types checked (a refusal: nothing of
 # it written, its error; each key's type read once per call, the writes of
@@ -345,10 +346,11 @@ STREAM_WRITES_ACK_BATCH = Script(
     batch_head(3)
     + BATCH_WRITES_LUA
     + """
-local i, k, last = 6, 0, #argv
+local i, k, last, wa, wn = 6, 0, #argv  -- (wa, wn: the writes of the delivery before)
 while i <= last do
   local id = argv[i]
-  local nw = wnum[argv[i + 1]]
+  local at, nw, skip = i + 2, argv[i + 1]
+  if nw == '""" + SAME_WRITES + """' then at, nw, skip = wa, wn, at else nw = wnum[nw]; wa, wn = at, nw end
   local to
   k = k + 1
 """
@@ -356,10 +358,10 @@ while i <= last do
     + """
   if open then
 """
-    + batch_writes("i + 2")
+    + batch_writes("at")
     + BATCH_SETTLE
     + """
-  i = to or wskip(i + 2, nw)
+  i = skip or to or wskip(at, nw)
 end
 """
     + BATCH_TAIL,
