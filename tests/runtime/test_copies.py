@@ -38,6 +38,7 @@ from trio_redis_finalize import (
     retry_after,
 )
 from trio_redis_finalize._core._types import DEAD_FIELDS
+from trio_redis_finalize._core.stream.moves import stream_fields
 from trio_redis_finalize._core.stream.scripts import MOVE_DUE_TO_STREAM
 from trio_redis_finalize._envelope import GROUP_FIELD, pack_parts, unpack_parts
 from trio_redis_finalize._forms import _delay_set
@@ -368,7 +369,7 @@ async def test_client_writes_what_the_script_writes(redis: Client) -> None:
         await redis.execute("ZADD", DELAY_KEY, i, m)
     moved, _, first, *back = await redis.evalsha(MOVE_DUE_TO_STREAM, (DELAY_KEY, S), (128,))
     assert (moved, first, back) == (len(cases), None, [])
-    assert [f for _, f in await entries(redis)] == [_delay_set.stream_fields(m) for m in cases]
+    assert [f for _, f in await entries(redis)] == [stream_fields(m) for m in cases]
 
 
 async def test_racing_movers_write_each_handed_back_member_once(

@@ -13,12 +13,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .._core._replies import raise_first_error
-from .._core.stream.moves import move_back_commands, stream_fields
+from .._core.stream.moves import move_back_commands
 from .._deadlines import FINALIZE_TIMEOUT
 from .._transport import Script
 from ._port import Context
 
-__all__ = ["MOVE_LIMIT", "MOVE_RESERVE_MS", "MOVE_WIDTH", "move_due", "stream_fields"]
+__all__ = ["MOVE_LIMIT", "MOVE_RESERVE_MS", "MOVE_WIDTH", "move_due"]
 
 MOVE_LIMIT = 128
 """At most this many due copies move per read."""
