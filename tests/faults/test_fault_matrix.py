@@ -848,15 +848,22 @@ async def proxy(redis_server: RedisServer, flavour: str) -> AsyncIterator[Comman
 _HAPPY: dict[str, Counter[str]] = {}
 
 
-async def _happy_kinds(server: RedisServer, proxy: CommandProxy, w: Workload) -> Counter[str]:
-    """The kinds the workload sends without a fault (once per workload), and its soundness."""
-    if w.id not in _HAPPY:
+async def _happy_kinds(server: RedisServer, proxy: CommandProxy, w: Workload,
+                       kind: str) -> Counter[str]:
+    """The kinds the workload sends without a fault, and its soundness: run
+    once per workload, again (at most twice more) while ``kind`` was not
+    among them -- on a loaded machine a run can take another path (a late
+    heartbeat, other batches) that sends a kind another run does."""
+    seen = _HAPPY.setdefault(w.id, Counter())
+    for _ in range(3 if not seen else 2):
+        if seen[kind]:
+            break
         case = Case(w, "-", "none")
         problems = await run_case(server, proxy, case)
         problems = [p for p in problems if "never fired" not in p]
         assert not problems, "the workload fails without any fault:\n" + "\n".join(problems)
-        _HAPPY[w.id] = Counter(proxy.seen)
-    return _HAPPY[w.id]
+        seen.update(proxy.seen)
+    return seen
 
 
 # -- the proxy itself -----------------------------------------------------------
@@ -1027,7 +1034,7 @@ async def test_fault_matrix(redis_server: RedisServer, proxy: CommandProxy, serv
         if workload.cluster:
             server = request.getfixturevalue("one_node_cluster").servers[0]
             proxy = await stack.enter_async_context(_cluster_proxy(server, flavour))
-        happy = await _happy_kinds(server, proxy, workload)
+        happy = await _happy_kinds(server, proxy, workload, kind)
         assert happy[kind], (f"[{workload.id}] never sends {kind} without a fault (sent: "
                              f"{dict(happy)}): the matrix is out of date")
         problems = await run_case(server, proxy, Case(workload, kind, group))
