@@ -11,6 +11,10 @@ checks, no error handling, not correct finalizations -- bounds::
 
     raw        the writes and one XACK, pipelined (not exactly once)
     library    what the library's finalizer sends (STREAM_WRITES_ACK_BATCH)
+    library_nopass   the same with its pass over each delivery's writes
+               taken out (each delivery's writes run unchecked: a bound)
+    library_nopcall  the same with its writes run with no ``pcall`` (a
+               write refused at run time fails the call: a bound)
     bare       a bare loop of the writes in the library's layout (per
                delivery: id, nw, then argc, command ... per write), gated by
                the one ranged XPENDING, one XACK
@@ -42,6 +46,7 @@ from typing import Any
 import trio
 
 from trio_redis_finalize import StreamSubscription
+from trio_redis_finalize._core.stream.scripts import STREAM_WRITES_ACK_BATCH
 from trio_redis_finalize._transport import Command, open_client
 
 from . import instructions as ins
@@ -148,6 +153,28 @@ def _library(b: list[Any], n: int) -> list[Command]:
     return ins._writes_commands(target, b, n, True)
 
 
+def _edited(edit: Callable[[str], str]) -> tuple[str, Build]:
+    """The library's script with ``edit`` made to its text, and what sends it
+    (the library's calls, the edited script's sha in them)."""
+    script = STREAM_WRITES_ACK_BATCH
+    src = edit(script.source.decode())
+    sha = hashlib.sha1(src.encode()).hexdigest()
+
+    def build(b: list[Any], n: int) -> list[Command]:
+        return [(c[0], sha, *c[2:]) if c[1] == script.sha else c for c in _library(b, n)]
+    return src, build
+
+
+def _no_pass(src: str) -> str:
+    """The pass of ``_lua_writes.batch_writes`` taken out."""
+    a, b = src.index("    if wat ~= wsame then\n"), src.index("    if j then\n")
+    return src[:a] + src[b:]
+
+
+def _no_pcall(src: str) -> str:
+    return src.replace("wrote, r = pcall(wput, wat, nw)", "wrote, r = true, wput(wat, nw)")
+
+
 def _raw(b: list[Any], n: int) -> list[Command]:
     return ins._writes_commands(StreamSubscription("s", "g").target("me"), b, n, False)
 
@@ -203,8 +230,11 @@ def _variants() -> dict[str, tuple[list[str], Build, tuple[int, ...]]]:
     shape = lua(XPENDING, SHAPE)
     xack = lua("", XACK_GATE, "")
     both = (1, 5)
+    (nopass, nopass_b), (nopcall, nopcall_b) = _edited(_no_pass), _edited(_no_pcall)
     return {
         "raw": ([], _raw, both), "library": ([], _library, both),
+        "library_nopass": ([nopass], nopass_b, both),
+        "library_nopcall": ([nopcall], nopcall_b, both),
         "bare": ([bare], _layout(bare), both), "bare_nogate": ([bare0], _layout(bare0), both),
         "bare_shape": ([shape], _shape(shape), both),
         "bare_runs": ([runs], _runs(runs, False), both),

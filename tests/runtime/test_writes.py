@@ -404,35 +404,35 @@ _EACH = {
 }
 
 
-@pytest.mark.parametrize("how", ["single", "batched short", "batched long"])
+@pytest.mark.parametrize("how", ["single", "batched", "batched later"])
 async def test_the_scripts_know_the_type_each_write_wants(client: Client, how: str) -> None:
     """The type a write's key must have is the scripts' own, made from
     WRITE_COMMANDS (the client sends none): every command on a key of another
     type is refused by name and the type it wants, or runs (any type) -- in a
-    single script (comparisons of the name), a short batched call (the same)
-    and a long one (its table ``WTYPE``, from ``WTYPE_AT`` values)."""
+    single script (comparisons of the name) and in a batched call (its
+    lookups ``WKIND``, first writes, and ``WKINDN``, later writes: the
+    command as an outcome's second write, after a ``PERSIST``)."""
     from trio_redis_finalize._core._batch import batch_replies, first_round
-    from trio_redis_finalize._core._lua_writes import WTYPE_AT
 
     assert set(_EACH) == set(WRITE_COMMANDS)
     t = _stream_target()
     refused = {}
+    at = 2 if how == "batched later" else 1
     for name, args in _EACH.items():
         want = WRITE_COMMANDS[name][0]
         await client.execute("DEL", "{o}k")
         await client.execute(*(("HSET", "{o}k", "f", "v") if want == "string" else ("SET", "{o}k", "1")))
         d = await _pending(client)
-        plans = [plan_writes(t, d, ACK.with_writes((name, "{o}k", *args)))]
-        if how != "single":  # a second delivery (long: its writes enough for the table)
+        writes = [("PERSIST", "{o}other")] * (at - 1) + [(name, "{o}k", *args)]
+        plans = [plan_writes(t, d, ACK.with_writes(*writes))]
+        if how != "single":  # a second delivery: a batched call
             pad = await _pending(client)
-            n = WTYPE_AT // 6 + 1 if how == "batched long" else 1  # (6 values a HINCRBY)
-            plans.append(plan_writes(t, pad, ACK.with_writes(*[("HINCRBY", "{o}pad", "n", 1)] * n)))
+            plans.append(plan_writes(t, pad, ACK.with_writes(("HINCRBY", "{o}pad", "n", 1))))
         if how == "single":
             (cmd,) = plans[0].commands
         else:
             (cmd,), _, _ = first_round((), plans)
             assert cmd[1] == stream_scripts.STREAM_WRITES_ACK_BATCH.sha
-            assert (len(cmd) - 3 - int(cmd[2]) >= WTYPE_AT) is (how == "batched long")
         try:
             reply = await run(client, cmd)
         except rexc.ResponseError as e:
@@ -448,7 +448,7 @@ async def test_the_scripts_know_the_type_each_write_wants(client: Client, how: s
     assert set(refused) == {n for n, spec in WRITE_COMMANDS.items() if spec[0]}
     for name, message in refused.items():
         other = "hash" if WRITE_COMMANDS[name][0] == "string" else "string"
-        assert message.startswith(f"WRONGTYPE write 1 of the outcome ({name} {{o}}k): the key "
+        assert message.startswith(f"WRONGTYPE write {at} of the outcome ({name} {{o}}k): the key "
                                   f"holds a {other}, not a {WRITE_COMMANDS[name][0]}; nothing "
                                   "written"), message
 

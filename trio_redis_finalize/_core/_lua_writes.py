@@ -1,7 +1,8 @@
 """The Lua of an outcome's writes (see ``_writes``), run in its form's gated
 step: the checks before anything is written (``wcheck``), the writes
-(``wapply``), both in a batched script's loop (``wrun``, ``batch_writes``)
-or after a single script's gate (``run_writes``).  Composed into the
+(``wapply``), both in a batched script's loop (``batch_writes``: most
+deliveries cleared by a cheaper pass, run by ``wput``) or after a single
+script's gate (``run_writes``).  Composed into the
 scripts by ``_lua``'s users (``_lua`` re-exports these).  Text only.
 """
 
@@ -34,15 +35,10 @@ def _fresh_int(call: str, why: str) -> str:
 # command's name (``_writes.WRITE_COMMANDS``, the one source): the scripts
 # know it, the client does not send it (one value less per write to format,
 # parse and hand to Lua: ~0.7k server instructions, Redis 7.0, callgrind).
-# Two ways to look it up: comparing the name (``_wtype_is``: its length,
-# then the names of that length; nothing to build, 0.4k-0.9k a lookup), or
-# the table ``WTYPE`` (name -> type, nil for any type: ~7.4k to build at
-# each script call, ~300 an entry, then ~0.1k a lookup).  A single script
-# (one outcome's writes) compares; a batched one builds the table when its
-# call is long enough for its lookups to pay for it (``WTYPE_AT`` values),
-# else compares too (its functions written twice, one pair of closures
-# made per call): a short call costs the server about what it did with the
-# type sent, a long one less.
+# A single script (one outcome's writes) compares the name (``_wtype_is``:
+# its length, then the names of that length; nothing to build, 0.4k-0.9k a
+# lookup).  A batched one looks a name up in ``WKIND`` (``_BATCH``): the
+# comparisons run once per name and call, then ~0.1k a lookup.
 def _typed() -> dict[str, str]:
     """The typed writes' names and the type their key must have, as listed."""
     typed = {name: spec[0] for name, spec in WRITE_COMMANDS.items() if spec[0]}
@@ -52,12 +48,9 @@ def _typed() -> dict[str, str]:
     return typed
 
 
-WTYPE_AT = 64
-"""Values of a batched call (``#ARGV``) from which it builds the table
-``WTYPE`` (about a dozen lookups: where they cost what the table does)."""
-
-WTYPE_LUA = "local WTYPE = {" + ", ".join(f"{n} = '{want}'" for n, want in _typed().items()) + "}"
-"""Lua: the table ``WTYPE[name]`` (see ``_typed``)."""
+VALUE_CHECKED = ("INCR", "INCRBY", "DECR", "DECRBY", "HINCRBY", "PFADD")
+"""The writes whose value ``wcheck`` judges when they are not an outcome's
+first (``wchecks``' table; a test holds the two together)."""
 
 
 def _wtype_is(name: str, indent: str) -> str:
@@ -78,16 +71,10 @@ def _wtype_is(name: str, indent: str) -> str:
     return f"\n{indent}".join([*lines, "end"])
 
 
-def _want(table: bool, indent: str, given: str = "") -> str:
+def _want(indent: str) -> str:
     """Lua statements: ``local want``, the type the write named ``name``
-    wants (nil: any type), from the table ``WTYPE`` or by comparisons (then
-    ``given``, a type its caller looked up, spares them; it is cleared)."""
-    if table:
-        return "local want = WTYPE[name]"
-    if not given:
-        return f"local want\n{indent}" + _wtype_is("name", indent)
-    return (f"local want = {given}\n{indent}{given} = nil\n{indent}if not want then\n{indent}  "
-            + _wtype_is("name", indent + "  ") + f"\n{indent}end")
+    wants (nil: any type), by comparisons."""
+    return f"local want\n{indent}" + _wtype_is("name", indent)
 
 
 _WNUM = """
@@ -107,11 +94,12 @@ def _tonumber(x: str) -> str:
 # Lua: the writes at ARGV[i] ..: for each, its count of values, then the
 # command (name, arguments); the type its key must have ('want', nil for
 # any type) the script looks up by the name (above).
-# ``wcheck(i, nw, want1)``: an error reply naming the write and the key when a key
+# ``wcheck(i, nw)``: an error reply naming the write and the key when a key
 # holds another type, or a value the write would certainly be refused on
-# when run (see below); else the index after the writes (``want1``: the
-# first write's type, when its caller looked it up).  ``wapply(i, nw)``
-# runs them (and answers that index); ``wrun`` both, ``wskip`` only that index.
+# when run (see below); else the index after the writes.  ``wapply(i, nw)``
+# runs them (and answers that index); a batched script's ``wslow`` both,
+# ``wput`` only runs them (its pass cleared them, ``_BATCH``), ``wskip``
+# only answers that index.
 #
 # A write that passes the type check may still fail when run, after the
 # writes before it were applied (scripts do not roll back): those would be
@@ -139,7 +127,8 @@ def _tonumber(x: str) -> str:
 # key or leave it as it is: what a type remembered already allows for.
 def _writes_lua(batched: bool) -> str:
     """WRITES_LUA (``batched`` False) or BATCH_WRITES_LUA (True: also ``wnum``,
-    ``wrun``, ``wskip``; what a single script would only pay for at each call)."""
+    ``WKIND``, ``wslow``, ``wput``, ``wskip``; what a single script would only
+    pay for at each call)."""
     num = _memo if batched else _tonumber
     return ((_WNUM if batched else "") + """
 local ARGV = ARGV  -- (an upvalue: a global is a table lookup)
@@ -182,16 +171,7 @@ local function wchecks()
   end
   return t, wtouched
 end
-""" + (f"""local wcheck, wapply, wrun
-if #ARGV >= {WTYPE_AT} then  -- (a long call: the table pays)
-{WTYPE_LUA}
-{_functions(True, True)}else
-{_functions(True, False)}end
-local function wskip(i, nw)
-  for w = 1, nw do i = i + 1 + wnum[ARGV[i]] end
-  return i
-end
-""" if batched else _functions(False, False)))
+""" + (_BATCH if batched else _functions()))
 
 
 _NEXT_WRITE = """    i = i + 1 + argc
@@ -202,23 +182,25 @@ end
 """Lua: the end of a loop over the writes (``for w = 1, nw``), the index after them answered."""
 
 
-def _functions(batched: bool, table: bool) -> str:
-    """Lua: ``wcheck``, ``wapply`` and (``batched``) ``wrun``, assigned to
-    locals declared before (a batched script's) or declared, their lookups
-    of a write's type from the table ``WTYPE`` (``table``) or by comparisons."""
-    num = _memo if batched else _tonumber
-    def keep(assign: str) -> str:  # (a single script's one write: no later reader)
-        return assign if batched else f"if nw > 1 then {assign} end"
-    def define(name: str) -> str:
-        return f"{name} = function" if batched else f"local function {name}"
-    return define("wcheck") + """(i, nw, want1)
+def _functions() -> str:
+    """Lua: a single script's ``wcheck`` and ``wapply``, their lookups of a
+    write's type by comparisons."""
+    return """local function wcheck(i, nw)
   local from = i
   if nw > 1 and not wvalue then wvalue, wtouched = wchecks() end
   for w = 1, nw do
-    local argc = """ + num("ARGV[i]") + """
+    local argc = tonumber(ARGV[i])
     local name = ARGV[i + 1]
-    """ + _want(table, "    ", "want1" if batched else "") + """
-    if want then
+    """ + _want("    ") + """
+""" + _CHECK_TYPE.replace("KEEP", "if nw > 1 then wtype[key] = want end") + """
+""" + _NEXT_WRITE + """local function wapply(i, nw)  -- (its one wcheck ran: no type read after)
+  for w = 1, nw do
+    local argc = tonumber(ARGV[i])
+    redis.call(unpack(ARGV, i + 1, i + argc))
+""" + _NEXT_WRITE
+
+
+_CHECK_TYPE = """    if want then
       local key = ARGV[i + 2]
       if wtype[key] ~= want then
         local t = redis.call('TYPE', key)['ok']
@@ -227,7 +209,7 @@ def _functions(batched: bool, table: bool) -> str:
           return nil, 'WRONGTYPE write ' .. w .. ' of the outcome (' .. name .. ' ' ..
             key .. '): the key holds a ' .. t .. ', not a ' .. want .. '; nothing written'
         end
-        """ + keep("wtype[key] = want") + """
+        KEEP
       end
       local check = w > 1 and wvalue[name]
       if check then
@@ -237,62 +219,90 @@ def _functions(batched: bool, table: bool) -> str:
             ') would fail: ' .. why .. '; nothing written'
         end
       end
-    end
-""" + _NEXT_WRITE + (define("wapply") + """(i, nw)
+    end"""
+"""Lua, in ``wcheck``'s loop: the write at ``ARGV[i]`` (``w``-th, ``name``,
+wanting ``want``) refused, or its key's type kept (``KEEP``)."""
+
+
+# A batched script's writes (BATCH_WRITES_LUA, ``batch_writes``).  Per
+# delivery the common case is a pass over its writes that reads no key and
+# judges no value: each write's key of the type remembered (``wtype``), no
+# value to judge (``WKIND`` says, per name: the type its key wants; ``'?'``
+# for a later write whose value ``wcheck`` judges, ``VALUE_CHECKED``; false
+# for SET and SETNX, which forget their key's type; ``''`` any other), then
+# the writes run (``wput``) in a ``pcall``.  Any write the pass cannot
+# clear sends the delivery to ``wcheck`` (TYPE reads, value checks), then
+# ``wapply`` (the writes, each typed one's key remembered), as before.
+# The pass is inline in the script's loop (its tables locals, no call) and
+# ``wput`` keeps no types: where the pass cleared every write, each typed
+# write's key is remembered as the type it wants already, and stays so
+# (a typed write keeps its key's type or empties it).
+#
+# A delivery whose writes are the ones the delivery before it ran
+# (SAME_WRITES), after a pass that cleared them all with no SET or SETNX
+# among them, skips the pass (``wsame``): those writes left each typed
+# key with its type or nothing, and no value was to judge, so the pass
+# would clear them again.
+_BATCH = """
+local wcall, wunpack, pcall = redis.call, unpack, pcall
+local function wkind(t, name, later)
+  local want
+  """ + _wtype_is("name", "  ") + """
+  if want then
+    if later and (""" + " or ".join(f"name == '{n}'" for n in VALUE_CHECKED) + """) then want = '?' end
+  elseif name == 'SET' or name == 'SETNX' then
+    want = false
+  else
+    want = ''
+  end
+  t[name] = want
+  return want
+end
+-- WKIND[name]: as an outcome's first write, WKINDN: as a later one (above)
+local WKIND = setmetatable({}, {__index = function(t, name) return wkind(t, name, false) end})
+local WKINDN = setmetatable({}, {__index = function(t, name) return wkind(t, name, true) end})
+local wsame  -- (the index of the writes that may skip the pass)
+local function wcheck(i, nw)
+  local from = i
+  if nw > 1 and not wvalue then wvalue, wtouched = wchecks() end
   for w = 1, nw do
     local argc = wnum[ARGV[i]]
     local name = ARGV[i + 1]
-    redis.call(unpack(ARGV, i + 1, i + argc))
-    """ + _want(table, "    ") + """
-    if want then
-      wtype[ARGV[i + 2]] = want
-    elseif name == 'SET' or name == 'SETNX' then  -- (another type: a string)
-      wtype[ARGV[i + 2]] = nil
-    end
-""" + _NEXT_WRITE if batched else define("wapply") + """(i, nw)  -- (its one wcheck ran: no type read after)
+    local want = WKIND[name]
+    if want == '' then want = nil end
+""" + _CHECK_TYPE.replace("KEEP", "wtype[key] = want") + """
+""" + _NEXT_WRITE + """local function wapply(i, nw)
   for w = 1, nw do
-    local argc = tonumber(ARGV[i])
-    redis.call(unpack(ARGV, i + 1, i + argc))
-""" + _NEXT_WRITE) + (define("wrun") + """(i, nw)
-  if nw == 1 then
-    -- (the common outcome, inline: wcheck only for a type not known; a typed
-    -- write's key then holds the type its check cached)
-    local argc, name, key = wnum[ARGV[i]], ARGV[i + 1], ARGV[i + 2]
-    """ + _want(table, "    ") + """
-    if want and wtype[key] ~= want then
-      local at, why = wcheck(i, 1, want)
-      if not at then return nil, why end
-    end
-    redis.call(unpack(ARGV, i + 1, i + argc))
-    if not want and (name == 'SET' or name == 'SETNX') then
-      wtype[key] = nil
-    end
-    return i + 1 + argc
-  end
-  -- wcheck only where it could refuse: a type not known, or a value to judge
-  -- (a batch's writes of one shape: their keys' types known after the first)
-  if not wvalue then wvalue, wtouched = wchecks() end
-  local j = i
-  for w = 1, nw do
-    local argc, name = wnum[ARGV[j]], ARGV[j + 1]
-    """ + _want(table, "    ") + """
-    if want and (wtype[ARGV[j + 2]] ~= want or w > 1 and wvalue[name]) then
-      local at, why = wcheck(i, nw)
-      if not at then return nil, why end
-      break
-    end
-    j = j + 1 + argc
-  end
+    local argc = wnum[ARGV[i]]
+    local name = ARGV[i + 1]
+    wcall(wunpack(ARGV, i + 1, i + argc))
+    local want = WKIND[name]
+    if want ~= '' then wtype[ARGV[i + 2]] = want or nil end  -- (SET, SETNX: nil)
+""" + _NEXT_WRITE + """local function wslow(i, nw)
+  local at, why = wcheck(i, nw)
+  if not at then return nil, why end
   return wapply(i, nw)
 end
-""" if batched else "")
+local function wput(i, nw)
+  for w = 1, nw do
+    local argc = wnum[ARGV[i]]
+    wcall(wunpack(ARGV, i + 1, i + argc))
+    i = i + 1 + argc
+  end
+  return i
+end
+local function wskip(i, nw)
+  for w = 1, nw do i = i + 1 + wnum[ARGV[i]] end
+  return i
+end
+"""
 
 
 WRITES_LUA = _writes_lua(batched=False)
 """The writes' Lua of a single script (``run_writes``)."""
 BATCH_WRITES_LUA = _writes_lua(batched=True)
-"""The writes' Lua of a batched script (``batch_writes``): also ``wnum``, ``wrun``
-and ``wskip``."""
+"""The writes' Lua of a batched script (``batch_writes``): also ``wnum``,
+``WKIND``, ``wslow``, ``wput`` and ``wskip``."""
 
 
 def run_writes(at: int) -> str:
@@ -310,20 +320,48 @@ wapply({at + 1}, nw)
 # ``python -m benchmarks._server_parts`` measures the library's call beside
 # bare loops of the same writes (fewer values, no gate; docs/performance.rst,
 # "server parts").  The gate's ranged XPENDING is about a third of an ACK
-# carrying one HINCRBY (its rows turned into Lua tables); a batched call's
-# checks cost it little when its deliveries' keys' types are known (see
-# ``wrun``: wcheck only where it could refuse).
+# carrying one HINCRBY (~8.5k a delivery: its rows made and turned into Lua
+# tables; read in RESP3, ``redis.setresp(3)``, the same on Redis 7.0 and
+# 8.2).  With five writes the pass over them is ~6.3k a delivery (~1.3k a
+# write: their lookups, each a table read; it replaced a check loop and
+# type keeping in ``wapply`` of ~10k), their ``pcall`` ~0.5k; a delivery
+# carrying the writes of the one before it (SAME_WRITES) skips the pass.
 def batch_writes(at: str) -> str:
     """Lua, in a batched writes script's loop, for an open delivery whose
-    writes start at ``ARGV[at]`` (``nw`` of them): checked, then run, in one
-    ``pcall`` (``wrun``); ``wrote`` whether they all ran (then ``to`` the
-    index after them), else ``r`` the error (a table, as ``redis.pcall``
-    answers it)."""
+    writes start at ``ARGV[at]`` (``nw`` of them): the pass over them (or
+    none, ``wsame``), then in one ``pcall`` the writes run (``wput``), or
+    checked and run (``wslow``: a write the pass did not clear); ``wrote``
+    whether they all ran (then ``to`` the index after them), else ``r`` the
+    error (a table, as ``redis.pcall`` answers it)."""
     return f"""
-    local wrote, r, why = pcall(wrun, {at}, nw)
+    local wat, wrote, r, why = {at}
+    local j = wat
+    if wat ~= wsame then
+      wsame = wat
+      local kind = WKIND
+      for w = 1, nw do
+        local key, want = ARGV[j + 2], kind[ARGV[j + 1]]
+        if want ~= wtype[key] then
+          if want == false then
+            wtype[key], wsame = nil, nil
+          elseif want ~= '' then
+            j, wsame = nil, nil
+            break
+          end
+        end
+        j = j + 1 + wnum[ARGV[j]]
+        kind = WKINDN
+      end
+    end
+    if j then
+      wrote, r = pcall(wput, wat, nw)
+    else
+      wrote, r, why = pcall(wslow, wat, nw)
+    end
     if wrote and r then
       to = r
     else
+      wsame = nil
       if wrote then r = {{err = why}} elseif type(r) ~= 'table' then r = {{err = tostring(r)}} end
       wrote = false
     end
