@@ -13,7 +13,11 @@ sleeps S seconds after it recorded the call and records ``done <attempt>
 <origin id>`` on ``calls`` before it returns; ``heartbeat=S`` and
 ``max_attempts=N`` are the subscription's; ``outcome=retry`` returns
 ``RETRY`` instead of ``retry_after(DELAY)``; ``hang_at=N`` the handler
-hangs at attempt N, after it recorded the call (until the process is killed).
+hangs at attempt N, after it recorded the call (until the process is killed);
+``stamp=1`` records, with RPUSH on the list ``stamps``, the server's clock
+(``TIME``, in ms) just before the handler returns; ``min_idle=S`` is the
+claiming subscription's; ``timeout=S`` bounds the scheduler's requests (the
+write of a held copy's due time) to S seconds instead of 5.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from trio_redis_finalize import (
     Outcome,
     ReliableListSubscription,
     StreamSubscription,
+    _scheduler,
     open_consumer,
     retry_after,
 )
@@ -42,7 +47,7 @@ CLAIMING_MIN_IDLE = 0.5
 
 
 def subscription(way: str, **options: str) -> StreamSubscription | ReliableListSubscription:
-    """WAY's subscription, with the ``heartbeat`` and ``max_attempts`` of ``options``."""
+    """WAY's subscription, with the ``heartbeat``, ``max_attempts`` and ``min_idle`` of ``options``."""
     sub: StreamSubscription | ReliableListSubscription
     if way == "runtime":
         sub = StreamSubscription("s", "g", block=0.1)
@@ -59,13 +64,24 @@ def subscription(way: str, **options: str) -> StreamSubscription | ReliableListS
         changes["heartbeat"] = float(options["heartbeat"])
     if "max_attempts" in options:
         changes["max_attempts"] = int(options["max_attempts"])
+    if "min_idle" in options:
+        changes["min_idle"] = float(options["min_idle"])
     return dataclasses.replace(sub, **changes) if changes else sub
+
+
+async def server_ms(client: Any) -> int:
+    """The server's clock, in ms (``TIME``)."""
+    sec, usec = await client.execute("TIME")
+    return int(sec) * 1000 + int(usec) // 1000
 
 
 async def main(url: str, way: str, name: str, delay: float, options: dict[str, str]) -> None:
     hold = float(options.get("hold", 0))
     later = RETRY if options.get("outcome") == "retry" else retry_after(delay)
     hang_at = int(options.get("hang_at", 0))
+    stamp = options.get("stamp") == "1"
+    if "timeout" in options:
+        _scheduler.FINALIZE_TIMEOUT = float(options["timeout"])
     async with open_client(url) as client, open_consumer(url, name=name) as consumer:
 
         async def handler(d: Delivery) -> Outcome:
@@ -75,6 +91,8 @@ async def main(url: str, way: str, name: str, delay: float, options: dict[str, s
             if hold:
                 await trio.sleep(hold)
                 await client.execute("RPUSH", "calls", f"done {d.attempt} {d.origin_id}")
+            if stamp:
+                await client.execute("RPUSH", "stamps", await server_ms(client))
             return later if d.attempt == 1 else ACK
 
         await consumer.mount(subscription(way, **options), handler)

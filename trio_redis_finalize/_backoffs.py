@@ -64,8 +64,8 @@ class Backoffs:
     client, stats, ``in_hand``), passed on to the ``pending`` hooks (None:
     nothing stays pending, nothing waits here); ``settled``: the
     instrumentation's view of finalizations (``trf_bind``), or None;
-    ``backs_off``: ``on_error`` is a Backoff here (recovered deliveries
-    not due yet may wait: :meth:`defer`).
+    ``backs_off``: ``on_error`` is a Backoff here (the mount has the due
+    times it answers written: :meth:`schedule`).
     """
 
     def __init__(self, ctx: Context, pending: Pending | None,
@@ -183,11 +183,13 @@ class Backoffs:
                         extra=log_extra(self.name, d, None, "failed"))
 
     def defer(self, d: Delivery, delay: float) -> bool:
-        """A delivery recovered (a restart, a claim) whose Backoff due time is
-        ``delay`` seconds ahead: it waits (held) and is then delivered again as
-        its next attempt; False when it cannot wait here (on_error is not a
-        Backoff now, or no room): the caller delivers it now."""
-        if not self.backs_off or len(self.waiting) >= MAX_WAITING:
+        """A delivery recovered (a restart, a claim, a reaper's take) whose due
+        time in the schedule (a Backoff's, or a reliable list's runtime
+        ``retry_after``'s) is ``delay`` seconds ahead: it waits (held) and is
+        then delivered again as its next attempt, whatever ``on_error`` is now;
+        False when it cannot wait here (a form with nothing pending, or no
+        room): the caller delivers it now."""
+        if self.pending is None or len(self.waiting) >= MAX_WAITING:
             return False
         if d.id is not None:
             self.ctx.in_hand.add(d.id)

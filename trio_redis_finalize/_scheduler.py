@@ -11,6 +11,7 @@ from anyio.abc import TaskStatus
 from redis import exceptions as rexc
 
 from ._core._commands import Command, describe
+from ._core._recovery import SCHEDULE
 from ._core._replies import FINAL, classify, describe_error
 from ._core._types import FAILED, GATE_CLOSED, chain_stops
 from ._core._writes import WRITES
@@ -21,18 +22,21 @@ if TYPE_CHECKING:
     from ._stats import MountStats
     from ._transport import Client
 
-__all__ = ["LaterGates", "Owner", "Scheduler"]
+__all__ = ["DueTimes", "LaterGates", "Owner", "Scheduler"]
 
 
 @runtime_checkable
 class LaterGates(Protocol):
     """A mount's say on its delayed copies' commands (a reliable list's
-    counted gates, ``_core._list_gates.ListGates``): each is numbered when
+    counted gates, ``_core.reliable_list.gates.ListGates``): each is numbered when
     it is sent (``send_later``) and settled from its final reply
     (``later_answered``: the effect and the writes to count, or None: the
-    scheduler's own reading)."""
+    scheduler's own reading); ``due_of``: where a copy's due time is written
+    once it is held (schedule key, member, attempt), or None."""
 
     def send_later(self, cmd: Command) -> Command: ...
+
+    def due_of(self, cmd: Command) -> tuple[str, bytes, int] | None: ...
 
     def later_answered(self, cmd: Command, r: object) -> tuple[str, int] | None: ...
 
@@ -61,7 +65,8 @@ class Scheduler:
     copy-then-``LREM`` script, the original staying in the processing list
     meanwhile: the mount's ``later_gates`` number it when it is sent and give
     it a receipt, so a resend learns whether its first send committed, and
-    settle it from its reply -- its writes are counted then, once committed).
+    settle it from its reply -- its writes are counted then, once committed;
+    the copy's due time is written to Redis, see below).
     They wait in one heap, ordered by due time, served by one task (not a
     task per copy); due copies go out in pipelined batches.
 
@@ -87,6 +92,17 @@ class Scheduler:
       then); the second kind is logged and counted ``held_lost``
       (:meth:`abandon`).
 
+    * A reliable list's copy has its due time written beside the processing
+      list (``later_gates.due_of``: the ``Backoff`` schedule, by the server's
+      clock), by a second task beside the copies' (``DueTimes``), as
+      soon as it is held: a crash of the process leaves the original in the
+      processing list, and its recovery (a restart under the same name,
+      another consumer's reaper) lets it wait out the rest of its delay
+      instead of delivering it at once.  A write that fails is sent again
+      (after a backoff, with the delay that is left) until the copy is due;
+      one refused for good is logged (a restart before the due time then
+      delivers the original at once: early, never lost).
+
     ``held_by(mount)`` is what ``consumer.stats()[name]["held"]`` shows: the
     copies of that mount in memory, waiting for their due time or being sent
     (from the batch taken out of the heap until what Redis answered settled
@@ -99,6 +115,7 @@ class Scheduler:
 
     def __init__(self, client: Client, max_held: int = 10_000) -> None:
         self.client = client
+        self._dues = DueTimes(client)  # of held reliable-list copies
         self.max_held = max_held
         self._heap: list[tuple[float, int, Owner, tuple[Command, ...]]] = []
         self._seq = itertools.count()
@@ -154,7 +171,12 @@ class Scheduler:
                 self._overflow = 0
             self._now.append((mount, commands))
         else:
-            self._push(anyio.current_time() + delay, mount, commands)
+            due = anyio.current_time() + delay
+            self._push(due, mount, commands)
+            gates = mount.later_gates
+            where = gates.due_of(commands[0]) if gates is not None and commands else None
+            if where is not None:  # a reliable list's: its due time goes to Redis too
+                self._dues.add(due, mount, where)
         self._wake.set()
 
     def _take_due(self, now: float) -> list[tuple[Owner, tuple[Command, ...]]]:
@@ -167,7 +189,13 @@ class Scheduler:
         return batch
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._dues.run)
+            task_status.started()
+            await self._send_due()
+
+    async def _send_due(self) -> None:
+        """The copies' task: send what is due (see the class docstring)."""
         while True:
             if self._closing:
                 await anyio.sleep_forever()
@@ -222,6 +250,7 @@ class Scheduler:
         :meth:`abandon` to count and report once the scheduler has stopped.
         """
         self._closing = True
+        self._dues.closing = True  # the copies go out now: their due times no longer matter
         async with self._sending:  # a batch being sent by run() is settled first
             batch = list(self._now)
             self._now.clear()
@@ -373,3 +402,77 @@ class Scheduler:
                 log.warning("sending delayed copies deferred by the server (%s); sending "
                             "them again", deferred)
             live[:] = step
+
+
+_DUES_AT_ONCE = 1000
+"""At most this many due times are written in one round trip."""
+
+
+class DueTimes:
+    """The due times of held reliable-list copies, written to Redis by one
+    task (:meth:`run`, beside the scheduler's copies task; see
+    :class:`Scheduler`).  ``closing``: the shutdown publishes the copies
+    (``Scheduler.flush``), nothing more is written."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self.closing = False
+        # (due, mount, schedule key, member, attempt), in the order held
+        self._dues: list[tuple[float, Owner, str, bytes, int]] = []
+        self._wake = anyio.Event()
+
+    def add(self, due: float, mount: Owner, where: tuple[str, bytes, int]) -> None:
+        """A copy held until ``due`` (the scheduler's clock): its due time is to
+        be written to ``where`` (``LaterGates.due_of``)."""
+        self._dues.append((due, mount, *where))
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Write the due times of held reliable-list copies (see the class
+        docstring): one ``SCHEDULE`` call per schedule key and round trip,
+        each member due in what is left of its delay.  Sent again after a
+        backoff while it did not run or its outcome is unknown (``ZADD GT``:
+        a resend never moves a due time earlier), dropped once its copy is
+        due, or the shutdown publishes the copies (``Scheduler.flush``)."""
+        failures = 0
+        while True:
+            if not self._dues:
+                self._wake = anyio.Event()
+                await self._wake.wait()
+                continue
+            now = anyio.current_time()
+            dues = [x for x in self._dues[:_DUES_AT_ONCE] if x[0] > now] if not self.closing else []
+            del self._dues[:_DUES_AT_ONCE]
+            by_key: dict[str, list[tuple[float, Owner, str, bytes, int]]] = {}
+            for x in dues:
+                by_key.setdefault(x[2], []).append(x)
+            keys = list(by_key)
+            cmds = [SCHEDULE.command((k,), [a for due, _, _, member, attempt in by_key[k]
+                                            for a in (member, max(1, round((due - now) * 1000)),
+                                                      attempt)])
+                    for k in keys]
+            if not cmds:
+                continue
+            again: list[tuple[float, Owner, str, bytes, int]] = []
+            try:
+                replies: list[Any] = await self.client.pipeline(
+                    cmds, raise_on_error=False, timeout=FINALIZE_TIMEOUT)
+            except (rexc.RedisError, OSError) as e:
+                replies = [e] * len(cmds)
+            for k, r in zip(keys, replies, strict=True):
+                if not isinstance(r, Exception):
+                    continue
+                mine = by_key[k]
+                if isinstance(r, rexc.ResponseError) and classify(r) is FINAL:
+                    log.warning("%s: writing the due times of %d runtime retry_after copies to %r "
+                                "failed (%s); a restart before they are due delivers their "
+                                "originals at once", mine[0][1].name, len(mine), k, r,
+                                extra={"subscription": mine[0][1].name})
+                    continue
+                again += mine
+            if again:
+                self._dues[:0] = again  # before those held meanwhile: the oldest first
+                await anyio.sleep(backoff(failures, cap=5.0))
+                failures += 1
+            else:
+                failures = 0

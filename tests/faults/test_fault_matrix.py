@@ -336,6 +336,11 @@ WORKLOADS = [
               "EVALSHA:list_remove"),
              _rlist(), plans=("raise", "later", "twin", "fail"), seed="own", scheduled=True,
              dead_letter=Q_DEAD, on_error=QUICK_BACKOFF),
+    # a reliable list's runtime retry_after: the held copy's due time written
+    # beside the processing list (backoff_schedule; no Backoff here), sent again
+    # after a fault until the copy is due
+    Workload("list-later", "list", ("EVALSHA:backoff_schedule",),
+             _rlist(), plans=("later", "later", "ack"), dead_letter=Q_DEAD),
     # a stop while a handler runs: what was read and not started is given back
     # onto the queue (uncounted), and a second life handles it as a first attempt
     Workload("list-give-back", "list", ("EVALSHA:reliable_list_give_back",),

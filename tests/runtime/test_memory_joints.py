@@ -184,12 +184,14 @@ async def test_a_retry_after_waiting_through_a_crash_comes_back_once_at_its_next
     while the retry waits (CLAIMING: in the PEL; reliable list: the original
     in the processing list, the copy in memory).  Started again under its
     name, the consumer delivers the message once, as attempt 2 (the handler's
-    one run is counted once), and nothing is left pending."""
+    one run is counted once), and nothing is left pending.  (The delay, 2 s,
+    is short: its due time outlives the process on a reliable list, so the
+    restart waits it out; ``test_retry_after_restart`` checks that.)"""
     if way == "claiming":
         first = (await client.execute("XADD", "s", "*", "k", "v")).decode()
     else:
         await client.execute("LPUSH", "q", b"job")
-    async with consumer_a(redis_url, way, 30.0, hold=0.01) as a:
+    async with consumer_a(redis_url, way, 2.0, hold=0.01) as a:
         await eventually(lambda: _done(client), timeout=20, what="A's handler returning")
         if way == "claiming":  # the retry_after answered: left pending, not leased
             await eventually(lambda: _idle_at_least(client, 0.3), what="the entry left to wait")

@@ -21,7 +21,11 @@ that script then (its ``n`` taken from what is held at that moment, as any
 removal's) and gives it a receipt token (``_reliable.DELAYED_COPY``), so that
 a resend after a lost reply learns whether its own first send committed;
 :meth:`ListGates.later_answered` settles it from the reply, with the effect
-and the writes to count.
+and the writes to count.  Its due time is written beside the processing list
+too (:meth:`ListGates.due_of` says where; the scheduler writes it), in the
+``Backoff`` schedule, so that the original's recovery after a crash (the
+rescan of a restart under the same name, another consumer's reaper) lets it
+wait out the rest of its delay.
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ from redis import exceptions as rexc
 
 from .._batch import batch_replies, is_batched
 from .._commands import Command
+from .._decode import list_delivery
 from .._finalize import Item
+from .._recovery import schedule_key, schedule_member
 from .._replies import FINAL, classify
 from .._types import FAILED, GATE_CLOSED, Target
 from .cells import (
@@ -305,6 +311,22 @@ class ListGates:
         del self.forget[:FORGET_AT_ONCE]
         return delayed_copy(t.processing, queue, element, copy, uuid.uuid4().bytes, n,
                             forget, writes, wkeys)
+
+    def due_of(self, cmd: Command) -> tuple[str, bytes, int] | None:
+        """Where the due time of a runtime ``retry_after`` copy the scheduler
+        starts holding (``cmd``: its first step, as the plan built it) is
+        written: ``(schedule key, member, the attempt that asked for it)`` in
+        the ``Backoff`` schedule of this processing list
+        (``_core._recovery.SCHEDULE``, by the element's digest); None when
+        ``cmd`` is not such a copy of this processing list."""
+        t = self.target
+        first = None if t is None else runtime_copy(t, cmd)
+        if t is None or first is None:
+            return None
+        element = first[0]
+        member = schedule_member(t, None, element)
+        assert member is not None
+        return schedule_key(t), member, list_delivery(t, t.source, element)[0].attempt
 
     def later_answered(self, cmd: Command, r: object) -> tuple[str, int] | None:
         """The scheduler calls this with the reply to ``cmd`` (a command

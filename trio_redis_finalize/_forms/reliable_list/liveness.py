@@ -20,7 +20,8 @@ stream's liveness); this module sends the commands and keeps the times:
   is gone (``PTTL`` -2) is dead: its processing list goes back onto the
   queue page by page (:data:`REAP`, gated on the key still being absent,
   each element's counter bumped), but for the elements waiting out a
-  Backoff (the schedule beside that list): those go once due;
+  Backoff or a runtime ``retry_after`` (the schedule beside that list):
+  those go once due;
 * **hand-back** (:meth:`ListLiveness.hand_back`, phase 6 of the shutdown):
   what is left in the own processing list goes back onto the queue at once
   (:data:`STOP`), then the consumer deregisters once the list is empty;

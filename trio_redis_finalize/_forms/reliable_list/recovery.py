@@ -7,8 +7,9 @@ own-PEL recovery), and the Backoff redeliveries.
   holds that the reader does not hold (as a multiset:
   ``_core.reliable_list.liveness.stranded``) is delivered again, its retry
   counter bumped in place first (:data:`BUMP`) when it counts as an attempt;
-  an element whose Backoff is not due yet (a restart while it waited) is
-  held and waits out the rest;
+  an element whose Backoff, or runtime ``retry_after``, is not due yet (a
+  restart while it waited: the scheduler wrote the copy's due time) is held
+  and waits out the rest;
 * **Backoff** (the mount's :class:`~.._port.Pending` hooks:
   :meth:`~ListRecovery.redeliver`, :meth:`~ListRecovery.leave_pending`,
   :meth:`~ListRecovery.hold_again`): a failed element waits in the
@@ -204,9 +205,10 @@ class ListRecovery:
 
     async def _waits(self, ctx: Context, elements: list[tuple[bytes, bool]]) -> set[int]:
         """Of elements a rescan found (``stranded``), the indexes of those whose
-        Backoff is not due yet (``_core._recovery``'s schedule, by the
-        server's clock: a restart while they waited): held, they wait out the
-        rest and come back as their next attempt (the mount's redeliverer)."""
+        Backoff or runtime ``retry_after`` is not due yet (``_core._recovery``'s
+        schedule, by the server's clock: a restart while they waited): held,
+        they wait out the rest and come back as their next attempt (the
+        mount's redeliverer), whatever ``on_error`` is now."""
         t = ctx.target
         lefts = await schedule_lefts(ctx, t, [e for e, _ in elements])
         out: set[int] = set()
