@@ -7,7 +7,9 @@
   attempt, :func:`refused_delay` seconds after the refusal -- on every form,
   under traffic too (the mount's redeliverer, as for a ``Backoff``).
 * **The Backoff schedule in Redis.**  When a failed delivery starts waiting
-  for its ``Backoff`` delay, its due time is written to a sorted set
+  for its ``Backoff`` delay (and when a reliable list's runtime
+  ``retry_after`` copy starts waiting in the scheduler, its original left
+  in the processing list), its due time is written to a sorted set
   (:func:`schedule_key`, scored with the server's clock: :data:`SCHEDULE`);
   the recovery after a restart reads it (:data:`SCHEDULE_LEFT`) and lets a
   delivery whose due time is still ahead wait out the rest instead of

@@ -372,15 +372,22 @@ def cut_warning(name: str, min_idle: float, d: Delivery, outcome: Outcome) -> Re
 def held_warning(t: Target, d: Delivery, outcome: Outcome) -> tuple[str, tuple[object, ...],
                                                                    dict[str, Any]]:
     """The line logged once per subscription at its first runtime
-    ``retry_after``: the copy waits in process memory, a crash before the
-    delay ends loses it, and what keeps it in Redis."""
+    ``retry_after``: the copy waits in process memory; what a crash before
+    the delay ends does to it (a stream's, Pub/Sub's or a simple list's is
+    lost; a reliable list's original stays in its processing list, and its
+    recovery waits out the delay written beside it), and what keeps the
+    copy itself in Redis."""
     cells = cells_of(t)
+    crash = ("a crash before the delay ends loses it" if cells.by_id or not cells.gated else
+             "a crash before the delay ends leaves the original in the processing list "
+             f"{t.processing!r}, delivered again by the restart or a reaper once its due time "
+             "(written beside it) has passed, or at once where that write failed")
     if cells.gated:  # the forms that hold what they read have a durable delay set
         keep = ("delayed_retry=DelayedRetry.DURABLE_ZSET keeps it in Redis (the delay set "
                 f"{t.delay_key!r})")
     else:
         keep = (f"a {cells.noun} has no durable delay (a StreamSubscription or "
                 "ReliableListSubscription with delayed_retry=DelayedRetry.DURABLE_ZSET has)")
-    return ("%s: %r keeps its copy in process memory (DelayedRetry.RUNTIME, the default): a "
-            "crash before the delay ends loses it; %s (logged once per subscription)",
-            (t.name, outcome, keep), log_extra(t.name, d, outcome))
+    return ("%s: %r keeps its copy in process memory (DelayedRetry.RUNTIME, the default): "
+            "%s; %s (logged once per subscription)",
+            (t.name, outcome, crash, keep), log_extra(t.name, d, outcome))
