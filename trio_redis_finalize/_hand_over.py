@@ -5,11 +5,12 @@ precomputed plans to the finalizer first, then the deliveries into the
 :class:`WorkQueue`, all or nothing; cut by the shutdown, what it did not hand
 over is given back (:meth:`HandOver.give_back`, also the handler pool's
 give-back of what no handler started).  The handler tasks take from the
-queue (``_handlers``).
+queue (``_handlers``), as long as the reader's :class:`Lease` holds.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -27,7 +28,33 @@ if TYPE_CHECKING:
     from ._forms._port import Item
     from ._stats import MountStats
 
-__all__ = ["HandOver", "WorkQueue"]
+__all__ = ["HandOver", "Lease", "WorkQueue"]
+
+
+def _nothing() -> None:
+    return None
+
+
+class Lease:
+    """Until when the deliveries a reader read are still its own to start.
+
+    ``until``: on the ``time.monotonic`` clock; a handler task starts no
+    delivery at or past it (``HandlerPool._handler_loop`` compares it with
+    the time it reads anyway, once per run of calls).  ``lapsed``: called by
+    a handler task that found it past, must take every delivery no handler
+    started out of the work queue (a reliable list's drop,
+    ``ReliableListReader._stalled``).  A reliable list's is its heartbeat's
+    (``ListLiveness``: the last heartbeat that went through, sent at ``t``,
+    keeps the key at least until ``t + heartbeat``; past that a live
+    consumer's reaper may have moved the processing list back onto the queue
+    and be handling it).  Other forms: never lapses (their lease is another:
+    a stream's entries stay this consumer's until a peer claims them)."""
+
+    __slots__ = ("lapsed", "until")
+
+    def __init__(self) -> None:
+        self.until = math.inf
+        self.lapsed: Callable[[], object] = _nothing
 
 
 class WorkQueue:
@@ -48,9 +75,10 @@ class WorkQueue:
     queue is empty, :meth:`emptied` when a producer waits for ``room``.
     """
 
-    __slots__ = ("closed", "idle", "items", "room", "waking")
+    __slots__ = ("closed", "idle", "items", "lease", "room", "waking")
 
-    def __init__(self) -> None:
+    def __init__(self, lease: Lease | None = None) -> None:
+        self.lease = lease if lease is not None else Lease()  # handlers start nothing past it
         self.items: deque[Delivery] = deque()
         self.idle: deque[anyio.Event] = deque()  # handler tasks waiting for work
         self.waking = 0  # of those, woken and not yet running

@@ -17,7 +17,8 @@ calls the handler on a read's whole batch at once instead.
 What a handler's failure becomes is the ``on_error`` policy's
 (``_on_error``).  :meth:`HandlerPool.run` is the hot path: one delivery
 costs no call and no object beyond the handler's own call and its outcome
-tuple.
+tuple.  No delivery starts once the reader's lease lapsed (``Lease``,
+``_hand_over``: a reliable list's heartbeat).
 """
 
 from __future__ import annotations
@@ -144,6 +145,10 @@ class HandlerPool:
         policy = self.policy  # its calls as locals: no attribute chain per delivery
         raised, checked, not_outcome = policy.raised, policy.checked, policy.not_outcome
         free = policy.free  # outcome kinds whose writes need no check (OnError.checked)
+        # Nothing starts at or past the reader's lease (a reliable list's
+        # heartbeat, ``Lease``): checked here, once per run of calls; within
+        # a run, ``flush_by`` (at most ``until``) ends it before.
+        lease = queue.lease
         outcome: Outcome | Backoff
         try:
             while not self.stopping:
@@ -157,6 +162,11 @@ class HandlerPool:
                     now = monotonic()
                     flush_by = now + every
                     continue
+                if flush_by >= lease.until:  # the lease ends within this run (rarely)
+                    if now >= lease.until:  # lapsed: what no handler started is dropped
+                        lease.lapsed()  # (the queue empties)
+                        continue
+                    flush_by = lease.until
                 # A run of handler calls, one after the other without a wait in
                 # between: in flight all along (only a scrape thread could see
                 # the instants between two calls), not while it sends or waits.
@@ -201,7 +211,7 @@ class HandlerPool:
                         # Hand the outcomes on at the end of a batch (or once another
                         # task took the rest of it), after a slow handler call (the
                         # send costs little beside it), when the oldest has waited
-                        # _FLUSH_EVERY, or at a stop; else gather more (and should
+                        # _FLUSH_EVERY (or the lease ends), or at a stop; else gather more (and should
                         # the next call be slow, the flusher hands them on meanwhile).
                         if not items or took > slow or now > flush_by or self.stopping:
                             break
@@ -239,10 +249,14 @@ class HandlerPool:
         items = queue.items
         durations = stats.durations
         counts = durations.counts
+        lease = queue.lease
         while not self.stopping:
             if not items:
                 if not await queue.wait():
                     return
+                continue
+            if monotonic() >= lease.until:  # lapsed: dropped, not started (see _handler_loop)
+                lease.lapsed()
                 continue
             batch = list(items)  # queue.take() of all of them
             items.clear()

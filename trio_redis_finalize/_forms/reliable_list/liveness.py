@@ -31,6 +31,7 @@ stream's liveness); this module sends the commands and keeps the times:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 import time
 from collections import Counter
@@ -57,6 +58,7 @@ from ..._core.reliable_list.liveness import (
     stop_args,
 )
 from ..._deadlines import FINALIZE_TIMEOUT, log
+from ..._hand_over import Lease
 from ..._identity import NameHold
 from ..._shutdown import CLOSING_TIMEOUT, Budget
 from .._port import Context
@@ -94,6 +96,8 @@ class ListLiveness:
         self.sub = sub
         self._stalled = stalled  # called (before the beat is sent) when a beat comes too late
         self.beat_at = 0.0  # when the last heartbeat that went through was sent
+        # the handlers start nothing past it: when the key may lapse (time.monotonic)
+        self.lease = Lease()
         self._name_hold = NameHold()  # this consumer name's heartbeat (_identity)
         self._lapse: float | None = None  # seconds until the first live peer's heartbeat lapses
         self._due_in: float | None = None  # seconds until a dead one's first waiting element is due
@@ -109,6 +113,7 @@ class ListLiveness:
         value = heartbeat_value(ctx.consumer.token, sub.heartbeat)
         processing = ctx.target.processing
         self.beat_at = anyio.current_time()
+        sent = time.monotonic()
         # what the name was registered with before (another processing list:
         # changed settings), and what an earlier take-over of such a list left
         moved = moved_key(sub.queue)
@@ -135,6 +140,9 @@ class ListLiveness:
         await self._name_hold.claim(
             ctx, lambda takeover: claim(keys, value, sub.heartbeat, takeover, me, processing),
             heartbeat_key(sub.queue, me), legacy_heartbeat_key(sub.queue, me), FINALIZE_TIMEOUT)
+        if self._stalled is not None:  # a handler that finds it lapsed drops what none started
+            self.lease.lapsed = functools.partial(self._stalled, ctx)
+            self.lease.until = sent + sub.heartbeat  # (before: none read, none to start)
         for old in olds:
             await self._adopt(ctx, old.decode())
 
@@ -181,15 +189,21 @@ class ListLiveness:
     async def renew_now(self, ctx: Context) -> None:
         """A heartbeat now (the key back, if it lapsed: no reaper moves anything from then on)."""
         sent = anyio.current_time()
+        held = time.monotonic() + self.sub.heartbeat  # the key lives at least until then
         await self._name_hold.renew(ctx, self.beat(ctx, self.sub.heartbeat), FINALIZE_TIMEOUT)
         self.beat_at = max(self.beat_at, sent)
+        self.lease.until = max(self.lease.until, held)
 
     async def heartbeat(self, ctx: Context) -> None:
         """Renew the heartbeat every ``heartbeat / 3``.  A beat about to be sent
         after the key may have lapsed (:meth:`late`) first calls ``stalled``
         (the reader drops what no handler started, for a rescan once the key
         is back), before anything is sent: a renewal that fails then starts
-        nothing meanwhile."""
+        nothing meanwhile.  Between two looks, the handlers keep to
+        :attr:`lease` themselves: a handler task past it (resumed after a
+        stall before this task, or while a renewal hangs on a silent link)
+        starts nothing and drops it all the same; the next renewal that goes
+        through moves it on."""
         sub = self.sub
         every = sub.heartbeat / 3
         while True:
@@ -207,7 +221,9 @@ class ListLiveness:
         """The last heartbeat: the handlers and the finalizer may still finish what
         they hold, so it lasts until they must have ended (``_shutdown.Budget``)."""
         ttl = max(self.sub.heartbeat, Budget.heartbeat_ttl(ctx.consumer.shutdown_grace))
+        held = time.monotonic() + ttl
         await self._name_hold.renew(ctx, self.beat(ctx, ttl), CLOSING_TIMEOUT)
+        self.lease.until = max(self.lease.until, held)
 
     # -- the reaper -------------------------------------------------------------------
     async def reaper(self, ctx: Context) -> None:

@@ -33,6 +33,7 @@ from ..._core.reliable_list.liveness import GIVE_BACK, dec
 from ..._core.reliable_list.scripts import MOVE_DUE_TO_LIST
 from ..._deadlines import OWN_LOOK_EVERY, READ_MARGIN, backoff, log
 from ..._delivery import Delivery
+from ..._hand_over import Lease
 from ..._subscription import DelayedRetry
 from ..._transport import Connection
 from .._delay_set import move_due
@@ -116,6 +117,14 @@ class ReliableListReader:
         self._handing: list[Delivery] | None = None  # a read's, while the hand-over waits for room
         self._recovery = ListRecovery(sub, self._gates)
         self._liveness = ListLiveness(sub, self._stalled)
+
+    @property
+    def lease(self) -> Lease:
+        """Until when the handlers may start what this reader read (the
+        heartbeat's, :class:`~.liveness.ListLiveness`); past it a handler
+        task drops it (:meth:`_stalled`) instead.  The mount hands it to its
+        work queue."""
+        return self._liveness.lease
 
     @property
     def pending(self) -> Pending:
@@ -272,9 +281,12 @@ class ReliableListReader:
         wanted.  The rescan (:meth:`catch_up`) renews the heartbeat first
         (the key back: no reaper moves anything from then on), then delivers
         what the processing list still holds that no handler has, as it
-        is (not an attempt).  So a renewal or a read of the list that fails
-        (lost, silent, refused) starts nothing: they are tried again, the
-        dropped elements waiting in the processing list meanwhile.
+        is (not an attempt).  Called by the first to find the heartbeat
+        late: the heartbeat task, :meth:`catch_up`, :meth:`turn`, or a
+        handler task about to start a delivery past the :attr:`lease`.  So
+        a renewal or a read of the list that fails (lost, silent, refused)
+        starts nothing: they are tried again, the dropped elements waiting
+        in the processing list meanwhile.
         ``read``: the elements of a read not handed over (left there too)."""
         gates = self._gates
         dropped = ctx.drop_unstarted(lambda d: True)
