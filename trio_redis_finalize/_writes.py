@@ -78,6 +78,14 @@ MAX_WRITE_VALUES = 4096
 MAX_WRITE_BYTES = 1 << 20
 """Bytes of one outcome's writes together, at most (1 MiB)."""
 
+_ANY_LEFT = {"SET": "string", "SETNX": "?"}
+"""What a write of any type leaves a key it is the first to touch: SET a
+string, SETNX a string or what Redis has (``"?"``); the others (EXPIRE ...)
+what Redis has (``""``)."""
+_MOST_COMMON = 16
+"""The most values a write :func:`checked_writes` checks itself has (its
+name included)."""
+
 
 def _value(i: int, j: int, v: object) -> str | bytes:
     if isinstance(v, (bytes, str)):
@@ -124,9 +132,10 @@ def check_writes(writes: Sequence[object]) -> tuple[Write, ...]:
     return checked_writes(writes)[0]
 
 
-def checked_writes(
-    writes: Sequence[Any],
-) -> tuple[tuple[Write, ...], tuple[str | bytes | int, ...], tuple[str | bytes, ...]]:
+_Checked = tuple[tuple[Write, ...], tuple[str | bytes | int, ...], tuple[str | bytes, ...]]
+
+
+def checked_writes(writes: Sequence[Any]) -> _Checked:
     """:func:`check_writes`, and in the same pass what a finalization script
     reads of them: the count of writes, then per write its count of values
     and the command, each value ``str``, ``bytes`` or ``int`` exactly (the
@@ -134,9 +143,101 @@ def checked_writes(
     the type a key must have the script looks up by the command's name), and
     the keys they touch (in order, each once: :func:`write_keys`).
 
+    The common writes are checked here (a handler returns them for every
+    message: this is most of what a write costs the client): tuples naming a
+    command of one key as listed, with a count of values :data:`_COMMON`
+    knows as right for it (its bounds, HSET's pairs), each value ``str`` or
+    ``bytes`` exactly, or an ``int`` (made text); a key an earlier write of
+    them named checked as :func:`_checked` does.  Anything else -- or a write
+    that is refused -- goes to :func:`_checked`, which checks (and refuses)
+    every write in full, saying why.
+
     Raises:
         ValueError: as :func:`check_writes`.
     """
+    try:
+        if len(writes) > MAX_WRITES:
+            raise TypeError
+        out: list[Write] = []
+        parts: list[str | bytes | int] = [len(writes)]
+        keys: dict[str | bytes, str] = {}  # key -> the type the writes so far leave it (_left)
+        size = 0
+        for w in writes:
+            if w.__class__ is not tuple:
+                raise TypeError
+            counts, first = _COMMON[w[0]]  # (KeyError: not a name as listed; IndexError: ())
+            n = len(w)
+            if n not in counts:  # (its bounds, HSET's pairs; a long write: _checked)
+                raise TypeError
+            for v in w:
+                if v.__class__ is str or v.__class__ is bytes:
+                    size += len(v)
+                else:  # an int: the values from it on made text (anything else: _checked)
+                    j = w.index(v)  # (its place: the values before it are text, none equal to it)
+                    if j == n - 1 and v.__class__ is int:  # (the common one: a count, seconds)
+                        text = str(v)
+                        w = (*w[:j], text)
+                        size += len(text)
+                    else:
+                        rest = _texts(w[j:])
+                        w = w[:j] + rest
+                        size += sum(map(len, rest))
+                    break
+            out.append(w)
+            parts.append(n)
+            parts += w
+            k = w[1]
+            if k not in keys:
+                keys[k] = first
+            elif first:  # (the others leave it as it was: EXPIRE ...)
+                keys[k] = _then(w[0], keys[k])
+        if size > MAX_WRITE_BYTES or len(parts) - len(out) > MAX_WRITE_VALUES + 1:
+            raise TypeError
+    except (TypeError, KeyError, IndexError):
+        return _checked(writes)
+    return tuple(out), tuple(parts), tuple(keys)
+
+
+def _texts(values: tuple[Any, ...]) -> tuple[str | bytes, ...]:
+    """``values``, each ``str``, ``bytes`` or ``int`` exactly, each ``int``
+    made text (TypeError: another value)."""
+    texts: list[str | bytes] = []
+    for v in values:
+        c = v.__class__
+        if c is int:
+            v = str(v)
+        elif c is not str and c is not bytes:
+            raise TypeError
+        texts.append(v)
+    return tuple(texts)
+
+
+def _then(name: str, prev: str) -> str:
+    """The type a write ``name`` that wants one leaves its key, the earlier
+    writes having left it ``prev`` (TypeError: one it cannot have; see :func:`_left`)."""
+    want = WRITE_COMMANDS[name][0]
+    if not want:  # SET, SETNX
+        return "string" if name == "SET" else "string" if prev == "none" else "?" if prev == "" else prev
+    if prev == want or prev in ("", "none") or (prev == "?" and want == "string"):
+        return want
+    raise TypeError
+
+
+_COMMON: dict[str, tuple[frozenset[int], str]] = {
+    name: (frozenset(n for n in range(least, (most or _MOST_COMMON) + 1)
+                     if name != "HSET" or n % 2 == 0),
+           want or _ANY_LEFT.get(name, ""))
+    for name, (want, least, most, nkeys) in WRITE_COMMANDS.items() if nkeys == 1
+}
+"""The commands of one key -> the counts of values (name included) right
+for them up to :data:`_MOST_COMMON` (longer writes: :func:`_checked`), and
+the type a write leaves a key it is the first to touch (its want, or
+:data:`_ANY_LEFT`'s, or ``""``: as Redis has it)."""
+
+
+def _checked(writes: Sequence[Any]) -> _Checked:
+    """:func:`checked_writes` in full: any writes, each checked (the error
+    naming the write and why)."""
     if len(writes) > MAX_WRITES:
         raise ValueError(f"writes: at most {MAX_WRITES} writes per outcome, got {len(writes)}")
     out: list[Write] = []
@@ -215,10 +316,6 @@ def _exact(v: str | bytes | int) -> str | bytes | int:
     return v
 
 
-_ANY_LEFT = {"SET": "string", "SETNX": "?"}
-"""What a write of any type leaves a key it is the first to touch: SET a
-string, SETNX a string or what Redis has (``"?"``); the others (EXPIRE ...)
-what Redis has (``""``)."""
 
 
 def _left(i: int, w: Write, want: str, prev: str) -> str:

@@ -10,6 +10,7 @@ and keys, or a ``ValueError`` both.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import pytest
@@ -143,3 +144,50 @@ def test_a_write_on_a_key_an_earlier_write_makes_another_type_is_refused() -> No
                [("SETNX", "k", "v"), ("APPEND", "k", "w")],
                [("DEL", "k"), ("SETNX", "k", "v"), ("INCR", "k")]):
         assert checked_writes(ok)[0]
+
+
+class _Text(str):
+    """A subclass of ``str``: kept as it is, sent as its text (``_writes._exact``)."""
+
+
+_KEY = st.sampled_from(["k", "j", b"k", 5, "5", _Text("k")])
+_COMMON_VALUE = st.one_of(
+    st.text(max_size=3), st.binary(max_size=3), st.integers(-10**6, 10**6),
+    st.sampled_from([True, 1.5, None, _Text("v"), "x" * (MAX_WRITE_BYTES // 3)]),
+)
+_COMMON_NAME = st.sampled_from(
+    [*sorted(n for n, spec in WRITE_COMMANDS.items() if spec[3] == 1), "DEL", "hset"])
+_COMMON_WRITE = st.builds(
+    lambda name, key, values: (name, key, *values), _COMMON_NAME, _KEY,
+    st.lists(_COMMON_VALUE, max_size=16).map(tuple) | st.lists(
+        st.sampled_from(["a", b"b", 7]), min_size=13, max_size=17).map(tuple))
+
+
+@given(st.lists(_COMMON_WRITE, max_size=6), st.lists(_COMMON_WRITE, max_size=6))
+@example([("HSET", "k", "f", 1), ("HINCRBY", 5, "f", 1), ("SADD", "5", "m")], [])
+@example([("LTRIM", "l", 0, 0), ("SETNX", "k", 1), ("INCR", "k"), ("SET", "k", "v")], [])
+@example([("SADD", "k", *["m"] * 15)], [("XADD", "k", "*", *["f", 1] * 8)])
+@example([("SET", "k", True)], [("EXPIRE", "k", 1.5)])
+@example([("SET", "k", _Text("v"))], [("INCRBY", "k", None)])
+@example([("SET", "k", "x" * (MAX_WRITE_BYTES // 3))] * 3, [("SET", "k", "v", "EX", 10)])
+def test_common_writes_are_checked_as_in_full(first: list[Any], then: list[Any]) -> None:
+    """The common writes (tuples of a one-key command, up to 16 values of
+    ``str``, ``bytes`` and ``int``: what handlers return message after
+    message) are checked by ``checked_writes`` itself, anything else by
+    ``_checked``: both agree with the reference on every input, one after
+    the other (nothing of the first call's is kept for the next), and a
+    refusal is ``_checked``'s (the same message)."""
+    from trio_redis_finalize._writes import _checked
+
+    for writes in (first, then, first + then):
+        got, want = _either(checked_writes, writes), _either(reference, writes)
+        assert got == want
+        if got is ValueError:
+            with pytest.raises(ValueError) as full:
+                _checked(writes)
+            with pytest.raises(ValueError, match=f"^{re.escape(str(full.value))}$"):
+                checked_writes(writes)
+        else:
+            assert got == _checked(writes)
+            assert [[type(v) for v in w] for w in got[0]] == [[type(v) for v in w] for w in want[0]]
+            assert {*map(type, got[1])} <= {str, bytes, int}  # (the script's layout: exact classes)

@@ -167,7 +167,9 @@ def splice_batches(
     out: list[tuple[Command, int]] = []
     n = len(items)
     outs = [*map(_SECOND, items)]
-    if n and len(set(map(id, outs))) == 1 and len(set(map(len, prefixes))) == 1:
+    repeats = [*map(is_, outs, outs[1:])]  # (each outcome the object before it, or not)
+    one_width = len(set(map(len, prefixes))) == 1  # (prefixes of one width)
+    if n and False not in repeats and one_width:
         # one outcome object for all, prefixes of one width (the common batch):
         # its writes encoded once, the parts interleaved in C
         enc, names = encode(items[0][1])
@@ -181,7 +183,7 @@ def splice_batches(
                         splice([first, *chain.from_iterable(zip(prefixes[i + 1:j], repeat(part)))]),
                         j - i))
         return out
-    if n > 1 and not any(map(is_, outs, outs[1:])) and len(set(map(len, prefixes))) == 1:
+    if n > 1 and True not in repeats and one_width:
         # an outcome object each (the common batch of outcomes built per
         # message): the calls cut where the loop below cuts them, in C
         encoded = [*map(encode, outs)]
