@@ -199,17 +199,19 @@ async def test_a_closed_superseded_consumer_leaves_the_new_holders_heartbeat(
     await client.execute("XGROUP", "CREATE", "orders", "billing", "0", "MKSTREAM")
     key = presence.heartbeat_key("orders", "billing", "w1")
     registry = presence.registry_key("orders", "billing")
+    # (heartbeats of seconds: a beat late by its whole heartbeat on a busy
+    # machine would let A's key lapse, and B's first mount find it free)
     async with open_consumer(redis_url, name="w1") as b:
         async with open_consumer(redis_url, name="w1") as a:
-            await a.mount(stream_sub(heartbeat=0.3), Seen())
+            await a.mount(stream_sub(heartbeat=2.0), Seen())
             with pytest.raises(ConsumerNameInUse):
-                await b.mount(stream_sub(heartbeat=0.3), Seen())
-            await b.mount(stream_sub(heartbeat=0.3), Seen(), takeover=True)
+                await b.mount(stream_sub(heartbeat=2.0), Seen())
+            await b.mount(stream_sub(heartbeat=1.0), Seen(), takeover=True)
             await eventually(lambda: any("was taken over by" in r.getMessage()
                                          for r in caplog.records), what="A logs the takeover")
         assert (await client.execute("GET", key)).decode().startswith(b.token + " ")
         assert await client.execute("HEXISTS", registry, "w1") == 1
-        await trio.sleep(0.5)  # more than B's heartbeat: B still renews it
+        await trio.sleep(1.5)  # more than B's heartbeat: B still renews it
         assert (await client.execute("GET", key)).decode().startswith(b.token + " ")
     assert any("took consumer name 'w1' over" in r.getMessage() for r in caplog.records)
 
