@@ -23,7 +23,12 @@ write of a held copy's due time) to S seconds instead of 5.
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
+import subprocess
 import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import trio
@@ -97,6 +102,23 @@ async def main(url: str, way: str, name: str, delay: float, options: dict[str, s
 
         await consumer.mount(subscription(way, **options), handler)
         await trio.sleep_forever()
+
+
+@asynccontextmanager
+async def started(url: str, way: str, delay: float, **options: object) -> AsyncIterator[trio.Process]:
+    """This script as consumer ``a`` (``options``: its KEY=VALUE options);
+    resumed (a test may have stopped it) and killed at the end."""
+    args = [f"{k}={v}" for k, v in options.items()]
+    proc = await trio.lowlevel.open_process(
+        [sys.executable, __file__, url, way, "a", str(delay), *args], stdout=subprocess.DEVNULL)
+    try:
+        yield proc
+    finally:
+        if proc.returncode is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+        with trio.fail_after(10):
+            await proc.wait()
 
 
 if __name__ == "__main__":

@@ -19,10 +19,7 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-from collections.abc import AsyncIterator, Awaitable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable
 
 import _delay_proc
 import pytest
@@ -42,25 +39,12 @@ from trio_redis_finalize._transport import Client
 
 pytestmark = pytest.mark.timeout(120)
 
-PROC = TESTS / "_delay_proc.py"
 HEARTBEAT = 1.0
 """The heartbeat of both consumers: B's reaper takes A's entries this long after A stopped."""
 
 
-@asynccontextmanager
-async def consumer_a(url: str, way: str, delay: float, **options: object) -> AsyncIterator[trio.Process]:
-    """``_delay_proc.py`` as consumer ``a``; resumed (it may be stopped) and killed at the end."""
-    args = [f"{k}={v}" for k, v in options.items()]
-    proc = await trio.lowlevel.open_process(
-        [sys.executable, str(PROC), url, way, "a", str(delay), *args], stdout=subprocess.DEVNULL)
-    try:
-        yield proc
-    finally:
-        if proc.returncode is None:
-            os.kill(proc.pid, signal.SIGCONT)
-            proc.kill()
-        with trio.fail_after(10):
-            await proc.wait()
+consumer_a = _delay_proc.started
+"""``_delay_proc.py`` as consumer ``a``."""
 
 
 async def calls(client: Client) -> list[str]:

@@ -22,17 +22,11 @@ bounds, never expectations; a wait that proves an absence is a bound too.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 
 import _delay_proc
 import pytest
 import trio
-from _paths import TESTS
 from _procs import eventually
 from faults.cmdproxy import BLACKHOLE, LOST, CommandProxy, Fault, error, serving, wrapped
 
@@ -43,7 +37,6 @@ from trio_redis_finalize.testing import RedisServer
 
 pytestmark = pytest.mark.timeout(120)
 
-PROC = TESTS / "_delay_proc.py"
 DELAY = 6.0
 """The delay A's handler asks for: longer than a restart takes."""
 SCHEDULE_OF_A = "{q}:processing:a:backoff"
@@ -52,19 +45,10 @@ FAULTS: dict[str, Fault] = {"lost": LOST, "blackhole": BLACKHOLE, "OOM": error("
                             "READONLY": wrapped("READONLY")}
 
 
-@asynccontextmanager
-async def consumer_a(url: str, way: str, delay: float, **options: object) -> AsyncIterator[trio.Process]:
-    """``_delay_proc.py`` as consumer ``a``, stamping; killed at the end."""
-    args = [f"{k}={v}" for k, v in {"stamp": 1, **options}.items()]
-    proc = await trio.lowlevel.open_process(
-        [sys.executable, str(PROC), url, way, "a", str(delay), *args], stdout=subprocess.DEVNULL)
-    try:
-        yield proc
-    finally:
-        if proc.returncode is None:
-            os.kill(proc.pid, signal.SIGKILL)
-        with trio.fail_after(10):
-            await proc.wait()
+def consumer_a(url: str, way: str, delay: float,
+               **options: object) -> AbstractAsyncContextManager[trio.Process]:
+    """``_delay_proc.py`` as consumer ``a``, stamping (``stamp=1``)."""
+    return _delay_proc.started(url, way, delay, stamp=1, **options)
 
 
 async def returned_at(client: Client) -> int:

@@ -13,6 +13,7 @@ time after the earlier ones were applied -- the guarantee these tests keep.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -386,6 +387,23 @@ async def _keys_state(c: Client) -> list[Any]:
     return out
 
 
+def _six_pending(redis_server: RedisServer, plans: list[Any], closed: set[int]
+                 ) -> Callable[[bool], Awaitable[tuple[list[Any], list[Any]]]]:
+    """``plans`` sent, batched or one by one, to six pending stream entries
+    (those of ``closed`` acknowledged first) with ``_KEYS[1]`` a hash holding
+    text: their answers, then the keys' state and what is left pending."""
+    async def go(batched: bool) -> tuple[list[Any], list[Any]]:
+        with trio.fail_after(60):
+            async with open_client(redis_server.url) as c:
+                await pending_six(c, S, G, closed)
+                await c.execute("HSET", _KEYS[1], "n", "text")
+                answers = await send(c, plans, batched)
+                pending = [p[0] for p in await c.execute("XPENDING", S, G, "-", "+", 10)]
+                return answers, [*await _keys_state(c), pending]
+    return go
+
+
+
 @pytest.mark.timeout(300)
 @_PROPERTY
 @given(picks=_PICKS, closed=st.sets(st.integers(0, 5)))
@@ -400,16 +418,7 @@ def test_any_writes_in_a_stream_batch_do_what_their_singles_do(
     plans = [plan_writes(t, _entry(f"1-{k}"), (ACK if ack else DROP).with_writes(*ws))
              for k, ack, ws in picks]
 
-    async def go(batched: bool) -> tuple[list[Any], list[Any]]:
-        with trio.fail_after(60):
-            async with open_client(redis_server.url) as c:
-                await pending_six(c, S, G, closed)
-                await c.execute("HSET", _KEYS[1], "n", "text")
-                answers = await send(c, plans, batched)
-                pending = [p[0] for p in await c.execute("XPENDING", S, G, "-", "+", 10)]
-                return answers, [*await _keys_state(c), pending]
-
-    assert_batch_is_its_singles(go)
+    assert_batch_is_its_singles(_six_pending(redis_server, plans, closed))
 
 
 # runs of one outcome (SAME_WRITES), from a pool of two
@@ -435,16 +444,7 @@ def test_runs_of_one_outcome_in_a_stream_batch_do_what_their_singles_do(
     plans = [plan_writes(t, _entry(f"1-{k}"), (ACK if ack else DROP).with_writes(*pool[o]))
              for k, ack, o in picks]
 
-    async def go(batched: bool) -> tuple[list[Any], list[Any]]:
-        with trio.fail_after(60):
-            async with open_client(redis_server.url) as c:
-                await pending_six(c, S, G, closed)
-                await c.execute("HSET", _KEYS[1], "n", "text")
-                answers = await send(c, plans, batched)
-                pending = [p[0] for p in await c.execute("XPENDING", S, G, "-", "+", 10)]
-                return answers, [*await _keys_state(c), pending]
-
-    assert_batch_is_its_singles(go)
+    assert_batch_is_its_singles(_six_pending(redis_server, plans, closed))
 
 
 @pytest.mark.timeout(300)
