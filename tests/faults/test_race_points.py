@@ -39,7 +39,7 @@ from typing import Any
 
 import anyio
 import pytest
-from _procs import quick_finalize_timers
+from _procs import FinalizeBatches, quick_finalize_timers
 
 from faults.shim import FaultMode, open_fault_client
 from trio_redis_finalize import (
@@ -57,7 +57,6 @@ from trio_redis_finalize import (
     open_consumer,
     retry_after,
 )
-from trio_redis_finalize._finalizer import Finalizer
 from trio_redis_finalize._transport import Client, open_client
 
 pytestmark = pytest.mark.timeout(600)
@@ -72,32 +71,9 @@ def _quick_timers(monkeypatch: pytest.MonkeyPatch) -> None:
     quick_finalize_timers(monkeypatch)
 
 
-class _Batches:
-    """Finalization batches in progress: ``Finalizer.finalize`` calls not
-    returned yet, the pauses before a resend included (one consumer at a time).
-
-    ``in_hand`` does not tell: a stream id leaves it when *a* batch that
-    finalized it ends, and the racer's batch runs inside the first's (at its
-    fault point) and ends before it -- the first's resend, which hands its
-    runtime copy to the scheduler, is then seen nowhere else (nothing pending,
-    nothing held) for as long as its pause lasts.
-    """
-
-    running = 0
-
-
 @pytest.fixture(autouse=True)
 def _count_batches(monkeypatch: pytest.MonkeyPatch) -> None:
-    plain = Finalizer.finalize
-
-    async def finalize(self: Finalizer, items: list[Any]) -> None:
-        _Batches.running += 1
-        try:
-            await plain(self, items)
-        finally:
-            _Batches.running -= 1
-
-    monkeypatch.setattr(Finalizer, "finalize", finalize)
+    FinalizeBatches.watch(monkeypatch)  # the settle check waits for batches in progress
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +169,7 @@ async def _settled(client: Client, case: Case) -> bool:
     consumer = case.consumer
     # a batch being finalized (or pausing before a resend); a runtime copy
     # waiting, or being sent (out of the heap, still held: held_by)
-    if _Batches.running or len(consumer.scheduler) or any(
+    if FinalizeBatches.running or len(consumer.scheduler) or any(
             m.in_hand or m.stats.in_flight or consumer.scheduler.held_by(m) for m in consumer.mounts):
         return False
     if case.form.kind == "list":
