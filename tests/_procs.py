@@ -413,6 +413,34 @@ def quick_finalize_timers(monkeypatch: object) -> None:
     monkeypatch.setattr(_scheduler, "FINALIZE_TIMEOUT", 0.3)  # type: ignore[attr-defined]
 
 
+class FinalizeBatches:
+    """Finalization batches in progress: ``Finalizer.finalize`` calls not
+    returned yet, the pauses before a resend included (one consumer at a
+    time), counted once :meth:`watch` patched it in.
+
+    A settle check needs it beside ``in_hand`` when a delivery is finalized
+    twice: a stream id leaves ``in_hand`` when *a* batch that finalized it
+    ends, and a racer run at the first's fault point ends before the first
+    -- whose resend (which hands a runtime copy to the scheduler) is then seen
+    nowhere else, nothing pending, nothing held, for as long as its pause lasts.
+    """
+
+    running = 0
+
+    @classmethod
+    def watch(cls, monkeypatch: Any) -> None:
+        plain = _finalizer.Finalizer.finalize
+
+        async def finalize(self: _finalizer.Finalizer, items: list[Any]) -> None:
+            cls.running += 1
+            try:
+                await plain(self, items)
+            finally:
+                cls.running -= 1
+
+        monkeypatch.setattr(_finalizer.Finalizer, "finalize", finalize)
+
+
 TESTS = Path(__file__).parent
 
 

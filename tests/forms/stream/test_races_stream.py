@@ -26,7 +26,7 @@ from typing import Any
 
 import anyio
 import pytest
-from _procs import always
+from _procs import FinalizeBatches, always
 from faults.shim import FaultClient, FaultMode, open_fault_client
 from redis import exceptions as rexc
 
@@ -38,6 +38,7 @@ from trio_redis_finalize import (
     Outcome,
     Retention,
     StreamSubscription,
+    _finalizer,
     _hand_over,
     _handlers,
     _shutdown,
@@ -101,7 +102,10 @@ async def effects(admin: Client) -> dict[str, int]:
 
 async def settled(admin: Client, consumer: Any) -> bool:
     """Nothing pending, nothing unread, nothing held, no handler running."""
-    if len(consumer.scheduler) or any(m.in_hand or m.stats.in_flight for m in consumer.mounts):
+    # a finalization batch in progress (its pause before a resend too: a racer's
+    # batch may have taken the id out of in_hand), a runtime copy waiting or being sent
+    if FinalizeBatches.running or len(consumer.scheduler) or any(
+            m.in_hand or m.stats.in_flight or consumer.scheduler.held_by(m) for m in consumer.mounts):
         return False
     if int((await admin.execute("XPENDING", S, G))[0]):
         return False
@@ -164,6 +168,7 @@ def _quick_shutdown(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_hand_over, "FINALIZE_GRACE", 0.3)
     monkeypatch.setattr(_handlers, "FINALIZE_GRACE", 0.3)
     monkeypatch.setattr(_shutdown, "FINALIZE_GRACE", 0.3)
+    FinalizeBatches.watch(monkeypatch)  # the settle check waits for batches in progress
 
 
 async def _race(url: str, admin: Client, race: Race, mode: str,
@@ -216,6 +221,18 @@ async def test_two_finalizations_of_one_delivery(
     # counted as Redis answered: the runtime copies written, once each
     assert stats["effects"].get("released", 0) == want_copies
 
+
+async def test_a_resend_after_the_racer_is_waited_for(
+    redis_url: str, admin: Client, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first's reply lost, the racer's ACK run and ended, and a busy
+    machine's pause before the first's resend (here longer than the settle
+    check's calm window): the check waits for the resend and its copy."""
+    monkeypatch.setattr(_finalizer, "backoff", lambda attempt: 0.5)
+    race = RACES[0]  # runtime-vs-ack
+    n, writes, stats = await _race(redis_url, admin, race, "after")
+    assert (n, writes) == race.want["after"] == (1, {"A": 1, "copy": 1})
+    assert stats["effects"].get("released", 0) == 1
 
 # -- point 1: a runtime retry_after after a closed gate -------------------------------
 
