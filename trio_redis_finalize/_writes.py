@@ -12,8 +12,9 @@ anything.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = [
@@ -198,16 +199,21 @@ def checked_writes(writes: Sequence[Any]) -> _Checked:
     return tuple(out), tuple(parts), tuple(keys)
 
 
-def _texts(values: tuple[Any, ...]) -> tuple[str | bytes, ...]:
-    """``values``, each ``str``, ``bytes`` or ``int`` exactly, each ``int``
-    made text (TypeError: another value)."""
+def _refused(j: int, v: object) -> str | bytes:
+    raise TypeError
+
+
+def _texts(values: tuple[Any, ...], other: Callable[[int, Any], str | bytes] = _refused,
+           ) -> tuple[str | bytes, ...]:
+    """``values``, each ``int`` made text, each ``str`` and ``bytes`` kept, any
+    other value ``other(its index, it)`` (by default: TypeError)."""
     texts: list[str | bytes] = []
     for v in values:
         c = v.__class__
         if c is int:
             v = str(v)
         elif c is not str and c is not bytes:
-            raise TypeError
+            v = other(len(texts), v)
         texts.append(v)
     return tuple(texts)
 
@@ -266,18 +272,9 @@ def _checked(writes: Sequence[Any]) -> _Checked:
             if v.__class__ is str or v.__class__ is bytes:
                 size += len(v)
             else:
-                size = before
-                texts: list[str | bytes] = []
-                for v in w:
-                    c = v.__class__
-                    if c is int:
-                        v = str(v)
-                    elif c is not str and c is not bytes:
-                        v = _value(i, len(texts), v)
-                        kept = kept or (v.__class__ is not str and v.__class__ is not bytes)
-                    size += len(v)
-                    texts.append(v)
-                w = tuple(texts)
+                w = _texts(w, functools.partial(_value, i))
+                size = before + sum(map(len, w))
+                kept = kept or not {*map(type, w)} <= {str, bytes}
                 break
         if n % 2 == 1 and w[0] == "HSET":
             raise ValueError(f"writes[{i}]: HSET takes a key and field value pairs, got {n - 1} "

@@ -274,10 +274,13 @@ async def test_the_backoff_schedule_survives_graceful_restarts(
                     dead_at = trio.current_time()
     attempts = [a for _, a in calls]
     tolerance = 0.02  # the server's ms, and the clocks' reads
-    if stream and sub.mode is not Mode.PLAIN:
-        # a stop that cuts a claim (XAUTOCLAIM: CLAIMING, and RECLAIM, whose claim
-        # takes its own entry back after a restart) after the server ran it counts
-        # one more delivery (documented): an attempt may be skipped, never early
+    if stream:
+        # a stop that cuts a claim after the server ran it (XAUTOCLAIM: CLAIMING,
+        # and RECLAIM, whose claim takes its own entry back after a restart; the
+        # restart's XCLAIM ... RETRYCOUNT of its own PEL, any mode: seen on a busy
+        # machine, PLAIN skipping attempt 2) counts one more delivery, which no
+        # give-back can set back (docs/guarantees.rst): an attempt may be
+        # skipped, never early
         assert attempts[0] == 1 and attempts == sorted(set(attempts)) and attempts[-1] <= 3, calls
     else:
         assert attempts == [1, 2, 3], calls
