@@ -587,6 +587,54 @@ def _count_server_writes(binary: str, library: bool, n: int, tmp: Path, writes: 
     return sum(_parts(out).values())
 
 
+def _count_server_list_writes(binary: str, library: bool, n: int, tmp: Path) -> int:
+    """The server's instructions finalizing ``n`` reliable-list elements (moved
+    to the processing list, as read) as ACKs carrying one ``HINCRBY``: the raw
+    client's pipeline (``HINCRBY`` + ``LREM`` each: not exactly once), or what
+    the library's finalizer sends for a batch of them (the elements are
+    distinct: each counted gate is 1, what the reader's ``ListGates`` leaves)."""
+    from trio_redis_finalize import ReliableListSubscription
+
+    from . import workloads as w
+
+    one = ("HINCRBY", w.TOTALS, "n", 1)
+    target = ReliableListSubscription(w.QUEUE, processing=w.PROCESSING).target("me", cluster=False)
+
+    def plan(elements: list[bytes]) -> list[Command]:
+        if not library:
+            return [c for e in elements for c in (one, ("LREM", w.PROCESSING, -1, e))]
+        handled, _ = internal("_decode").list_deliveries(target, w.QUEUE, elements)
+        return _library_rounds(target, [(d, ACK.with_writes(one)) for d in handled])
+
+    with _server_under_callgrind(binary, tmp, "server-list-writes") as (proc, url, out):
+        async def run() -> None:
+            await _listening(url)
+            async with open_client(url) as c:
+                await w._fill(c, n)
+                moved: list[list[bytes]] = []
+                while len(moved) * BATCH < n:
+                    got = await c.pipeline([("LMOVE", w.QUEUE, w.PROCESSING, "RIGHT", "LEFT")]
+                                           * BATCH)
+                    moved.append([e for e in got if e is not None])
+                plans = [plan(b) for b in moved]
+                await c.pipeline(plan([b"warm-1", b"warm-2"]), raise_on_error=False)
+                await c.execute("DEL", *w.WRITE_KEYS)
+                _control(proc.pid, "on")
+                for p in plans:
+                    replies = await c.pipeline(p, raise_on_error=False)
+                    bad = [r for r in replies if isinstance(r, Exception)
+                           or (library and isinstance(r, list) and len(r) > 1)]
+                    if bad:
+                        raise RuntimeError(f"instructions: {bad[0]!r:.200}")
+                _control(proc.pid, "off")
+                if int(await c.execute("LLEN", w.PROCESSING)):
+                    raise RuntimeError("instructions: the list ACKs with writes were not all done")
+                await w._check_writes(c, n)
+
+        trio.run(run)
+    return sum(_parts(out).values())
+
+
 def _server_writes_table(binary: str, tmp: Path, n: int) -> None:
     print(f"server ({binary}): instructions per ACK carrying writes ({n:,} entries, "
           f"{BATCH} per pipeline); the library's: what its finalizer sends", flush=True)
@@ -599,6 +647,13 @@ def _server_writes_table(binary: str, tmp: Path, n: int) -> None:
             per = _count_server_writes(binary, library, n, tmp, writes) / n
             floor = floor or per
             print(f"    {label:36} {per:9,.0f}   {per / floor:5.2f}x", flush=True)
+    print("  reliable list, one write (HINCRBY)")
+    floor = 0.0
+    for label, library in (("raw: HINCRBY + LREM each, pipelined", False),
+                           ("library: its finalizer's batch", True)):
+        per = _count_server_list_writes(binary, library, n, tmp) / n
+        floor = floor or per
+        print(f"    {label:36} {per:9,.0f}   {per / floor:5.2f}x", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
