@@ -24,8 +24,8 @@ from ._shutdown import FINALIZE_GRACE, cleanup
 if TYPE_CHECKING:
     from anyio.streams.memory import MemoryObjectSendStream as Send
 
+    from ._core._finalize import Item
     from ._core._types import Plan
-    from ._forms._port import Item
     from ._stats import MountStats
 
 __all__ = ["HandOver", "Lease", "WorkQueue"]
@@ -36,7 +36,9 @@ def _nothing() -> None:
 
 
 class Lease:
-    """Until when the deliveries a reader read are still its own to start.
+    """Until when the deliveries a reader read are still its own to start
+    (every reader has one, ``Reader.lease``; the mount hands it to its
+    :class:`WorkQueue`).
 
     ``until``: on the ``time.monotonic`` clock; a handler task starts no
     delivery at or past it (``HandlerPool._handler_loop`` compares it with
@@ -47,8 +49,9 @@ class Lease:
     (``ListLiveness``: the last heartbeat that went through, sent at ``t``,
     keeps the key at least until ``t + heartbeat``; past that a live
     consumer's reaper may have moved the processing list back onto the queue
-    and be handling it).  Other forms: never lapses (their lease is another:
-    a stream's entries stay this consumer's until a peer claims them)."""
+    and be handling it).  Other forms: ``Lease()`` as made, which never
+    lapses (``until`` is ``math.inf``; their lease is another: a stream's
+    entries stay this consumer's until a peer claims them)."""
 
     __slots__ = ("lapsed", "until")
 
@@ -77,8 +80,8 @@ class WorkQueue:
 
     __slots__ = ("closed", "idle", "items", "lease", "room", "waking")
 
-    def __init__(self, lease: Lease | None = None) -> None:
-        self.lease = lease if lease is not None else Lease()  # handlers start nothing past it
+    def __init__(self, lease: Lease) -> None:
+        self.lease = lease  # the reader's (``Reader.lease``): handlers start nothing past it
         self.items: deque[Delivery] = deque()
         self.idle: deque[anyio.Event] = deque()  # handler tasks waiting for work
         self.waking = 0  # of those, woken and not yet running

@@ -55,7 +55,7 @@ from ._finalizer import Finalizer
 from ._forms import FORMS
 from ._forms._port import BatchHandler, ConsumerInfo, Handler, Item, Reader
 from ._forms._read_loop import drive, retry_not_run
-from ._hand_over import HandOver, Lease, WorkQueue
+from ._hand_over import HandOver, WorkQueue
 from ._handlers import HandlerPool
 from ._history import History
 from ._on_error import OnError
@@ -116,8 +116,8 @@ class Mount:
         self.name = target.name
         self.stats = MountStats(subscription=self.name)
         self.in_hand: set[str] = set()  # stream ids read and not yet finalized
-        lease = getattr(reader, "lease", None)  # a reliable list's heartbeat (Lease)
-        self._queue = WorkQueue(lease if isinstance(lease, Lease) else None)
+        # handlers start nothing past the reader's lease (a reliable list's heartbeat)
+        self._queue = WorkQueue(reader.lease)
         policy = OnError(self.name, target, on_error, self.stats)
         self.pool = HandlerPool(self.name, target, consumer, handler, self._queue, self.stats,
                                 policy, batch=batch)

@@ -22,7 +22,7 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trio_redis_finalize._hand_over import WorkQueue
+from trio_redis_finalize._hand_over import Lease, WorkQueue
 
 TIMEOUT = 100.0  # mock seconds: a test that hangs fails at once (the clock jumps)
 
@@ -120,7 +120,7 @@ class Workers:
 
 
 async def test_put_waits_until_the_queue_is_empty(autojump_clock: trio.abc.Clock) -> None:
-    q = WorkQueue()
+    q = WorkQueue(Lease())
     with trio.fail_after(TIMEOUT):
         await q.put(["a", "b"])  # empty: at once
         put_done = trio.Event()
@@ -143,7 +143,7 @@ async def test_put_waits_until_the_queue_is_empty(autojump_clock: trio.abc.Clock
 
 
 async def test_a_cancelled_put_hands_over_nothing(autojump_clock: trio.abc.Clock) -> None:
-    q = WorkQueue()
+    q = WorkQueue(Lease())
     with trio.fail_after(TIMEOUT):
         await q.put(["a"])
         with trio.move_on_after(3) as scope:
@@ -160,7 +160,7 @@ async def test_a_cancelled_put_hands_over_nothing(autojump_clock: trio.abc.Clock
 
 async def test_waiting_producers_take_turns_whole_batches(autojump_clock: trio.abc.Clock) -> None:
     """Two producers wait for room; one batch goes in whole, the other waits again."""
-    q = WorkQueue()
+    q = WorkQueue(Lease())
     landed: list[str] = []
     with trio.fail_after(TIMEOUT):
         await q.put(["x"])
@@ -189,7 +189,7 @@ async def test_waiting_producers_take_turns_whole_batches(autojump_clock: trio.a
 async def test_cancelling_one_waiting_producer_leaves_the_other_waiting(
     autojump_clock: trio.abc.Clock,
 ) -> None:
-    q = WorkQueue()
+    q = WorkQueue(Lease())
     with trio.fail_after(TIMEOUT):
         await q.put(["x"])
         async with trio.open_nursery() as nursery:
@@ -212,7 +212,7 @@ async def test_cancelling_one_waiting_producer_leaves_the_other_waiting(
 
 
 async def test_put_wakes_exactly_one_idle_task(autojump_clock: trio.abc.Clock) -> None:
-    q = WorkQueue()
+    q = WorkQueue(Lease())
     w = Workers(q)
     async with bounded_nursery() as nursery:
         await w.run(5, nursery)
@@ -231,7 +231,7 @@ async def test_put_wakes_exactly_one_idle_task(autojump_clock: trio.abc.Clock) -
 
 async def test_a_handler_that_never_blocks_drains_the_batch_alone(autojump_clock: trio.abc.Clock) -> None:
     """It takes every delivery; one other task is woken (in vain), not all of them."""
-    q = WorkQueue()
+    q = WorkQueue(Lease())
     w = Workers(q)  # handlers that never block
     async with bounded_nursery() as nursery:
         await w.run(5, nursery)
@@ -252,7 +252,7 @@ async def test_a_handler_that_never_blocks_drains_the_batch_alone(autojump_clock
 async def test_slow_deliveries_spread_over_the_tasks_one_by_one(autojump_clock: trio.abc.Clock) -> None:
     """Each slow delivery starts at once on a task of its own while tasks are idle;
     the rest wait for the first task to finish, none behind a busy task."""
-    q = WorkQueue()
+    q = WorkQueue(Lease())
     w = Workers(q, duration=lambda item: 10.0)
     async with bounded_nursery() as nursery:
         await w.run(3, nursery)
@@ -275,7 +275,7 @@ async def test_a_task_cancelled_after_being_woken_passes_the_wakeup_on(
     autojump_clock: trio.abc.Clock,
 ) -> None:
     """The woken task is cancelled before it runs: the next idle task takes the work."""
-    q = WorkQueue()
+    q = WorkQueue(Lease())
     woken_first: list[str] = []
     async with bounded_nursery() as nursery:
         scope_a = await start_idle_task(q, nursery, woken_first)  # a is the first idle task
@@ -298,7 +298,7 @@ async def test_a_task_cancelled_after_being_woken_passes_the_wakeup_on(
 
 
 async def test_a_cancelled_idle_task_leaves_the_idle_list(autojump_clock: trio.abc.Clock) -> None:
-    q = WorkQueue()
+    q = WorkQueue(Lease())
     async with bounded_nursery() as nursery:
         scope_a = await start_idle_task(q, nursery)
         w = Workers(q)
@@ -315,7 +315,7 @@ async def test_a_cancelled_idle_task_leaves_the_idle_list(autojump_clock: trio.a
 
 
 async def test_close_wakes_every_waiter_and_they_end(autojump_clock: trio.abc.Clock) -> None:
-    q = WorkQueue()
+    q = WorkQueue(Lease())
     w = Workers(q)
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as nursery:
@@ -328,7 +328,7 @@ async def test_close_wakes_every_waiter_and_they_end(autojump_clock: trio.abc.Cl
 
 
 async def test_after_close_the_queued_deliveries_are_still_handled(autojump_clock: trio.abc.Clock) -> None:
-    q = WorkQueue()
+    q = WorkQueue(Lease())
     w = Workers(q, duration=lambda item: 1.0)
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as nursery:
@@ -344,7 +344,7 @@ async def test_after_close_the_queued_deliveries_are_still_handled(autojump_cloc
 async def test_drain_returns_the_unstarted_deliveries_and_frees_a_waiting_put(
     autojump_clock: trio.abc.Clock,
 ) -> None:
-    q = WorkQueue()
+    q = WorkQueue(Lease())
     with trio.fail_after(TIMEOUT):
         assert q.drain() == []
         await q.put(["a", "b", "c"])
@@ -414,7 +414,7 @@ def test_no_delivery_is_lost_or_duplicated(
             durations[(b, k)] = dur
 
     async def main() -> None:
-        q = WorkQueue()
+        q = WorkQueue(Lease())
         w = Workers(q, duration=lambda item: durations[item])
         check = WorkConserving(q, w)
         trio.lowlevel.add_instrument(check)
@@ -464,7 +464,7 @@ async def test_a_long_run_of_batches_keeps_every_task_busy(
 ) -> None:
     """Batches of equal slow deliveries, put back to back: with N tasks the
     whole run takes ceil(batch / N) handler durations per batch (mock time)."""
-    q = WorkQueue()
+    q = WorkQueue(Lease())
     w = Workers(q, duration=lambda item: 1.0)
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as nursery:

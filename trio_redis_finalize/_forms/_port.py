@@ -27,6 +27,7 @@ from .._outcome import Outcome
 if TYPE_CHECKING:
     from .._core._finalize import Gates
     from .._core._types import Plan, Target
+    from .._hand_over import Lease
     from .._stats import MountStats
     from .._transport import Client
 
@@ -180,7 +181,17 @@ class Pending(Protocol):
 
 class Reader(Steps[Any], Protocol):
     """What a subscription form provides: its read loop's steps, give-backs,
-    and the hooks of its form (None where the form has none)."""
+    its handlers' lease, and the hooks of its form (None where the form has none)."""
+
+    @property
+    def lease(self) -> Lease:
+        """Until when the handlers may start what this reader read
+        (``_hand_over.Lease``): the mount hands it to its work queue, whose
+        handler tasks check it once per run of calls.  A reliable list's is
+        its heartbeat's (past it, a handler task drops what no handler
+        started); every other form's never lapses (``Lease()``: ``until`` is
+        ``math.inf``)."""
+        ...
 
     @property
     def pending(self) -> Pending | None:

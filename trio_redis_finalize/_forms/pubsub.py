@@ -15,6 +15,7 @@ from .._core._decode import MESSAGE, PMESSAGE, payload_deliveries
 from .._core._types import Plan, Target
 from .._deadlines import FINALIZE_TIMEOUT, log
 from .._delivery import Delivery
+from .._hand_over import Lease
 from .._subscription import Form, Subscription, check_key, check_limits
 from .._transport import PubSub
 from .._value import immutable, setters
@@ -133,6 +134,7 @@ class PubSubReader:
         self._lost_at: float | None = None  # when the connection was lost (a gap began)
         self._names: dict[bytes, str] = {}  # channel names decoded
         self._pattern = isinstance(sub, PatternSubscription)
+        self.lease = Lease()  # never lapses (``Reader.lease``)
 
     pending = None  # nothing stays pending (at-most-once)
     gates = None

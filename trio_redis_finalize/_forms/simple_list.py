@@ -11,6 +11,7 @@ from .._core._decode import list_delivery
 from .._core._types import Effect, Plan, Target
 from .._deadlines import READ_MARGIN
 from .._delivery import Delivery
+from .._hand_over import Lease
 from .._subscription import Form, Subscription, check_key, check_limits, check_positive
 from .._transport import Connection
 from ._port import Context
@@ -66,6 +67,7 @@ class ListReader:
     def __init__(self, sub: ListSubscription) -> None:
         self.sub = sub
         self._timeout = f"{max(sub.block, 0.001):.3f}"  # "0.000" would block forever
+        self.lease = Lease()  # never lapses (``Reader.lease``)
 
     pending = None  # nothing stays pending (at-most-once)
     gates = None

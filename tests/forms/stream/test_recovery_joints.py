@@ -57,7 +57,7 @@ from trio_redis_finalize._core._recovery import (
 from trio_redis_finalize._core._types import Target
 from trio_redis_finalize._forms.stream import own_pel as _own_pel
 from trio_redis_finalize._forms.stream import reader as _stream
-from trio_redis_finalize._hand_over import WorkQueue
+from trio_redis_finalize._hand_over import Lease, WorkQueue
 from trio_redis_finalize._subscription import Form
 from trio_redis_finalize._transport import Client
 from trio_redis_finalize.testing import RedisServer
@@ -108,7 +108,7 @@ def test_schedule_left_and_lease_lost_read_the_scripts_replies() -> None:
 
 
 def test_work_queue_remove_takes_out_only_the_named_unstarted_deliveries() -> None:
-    q = WorkQueue()
+    q = WorkQueue(Lease())
     ds = [Delivery("s", f"{i}-0", {}, None, 1, f"{i}-0") for i in range(4)]
     q.items.extend(ds)
     assert q.remove({"1-0", "3-0", "9-0"}) == [ds[1], ds[3]]

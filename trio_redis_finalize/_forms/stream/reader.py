@@ -28,6 +28,7 @@ from ..._core.stream.liveness import lease_every, lease_timeout
 from ..._core.stream.scripts import move_due_to_stream
 from ..._deadlines import FINALIZE_TIMEOUT, OWN_LOOK_EVERY, READ_MARGIN, log
 from ..._delivery import Delivery
+from ..._hand_over import Lease
 from ..._shutdown import CLOSING_TIMEOUT
 from ..._subscription import DelayedRetry, Mode
 from ..._transport import Client, Connection
@@ -68,6 +69,9 @@ class StreamReader:
 
     def __init__(self, sub: StreamSubscription) -> None:
         self.sub = sub
+        # The handlers' lease (``Reader.lease``) never lapses: the entries'
+        # own is another, kept by ``holding`` until a peer claims them.
+        self.lease = Lease()
         self._next_move = 0.0
         self._durable = sub.resolved_delay is DelayedRetry.DURABLE_ZSET
         self._read: tuple[str | int, ...] = ()  # XREADGROUP ... COUNT n (set by setup)
