@@ -412,7 +412,12 @@ class DueTimes:
     """The due times of held reliable-list copies, written to Redis by one
     task (:meth:`run`, beside the scheduler's copies task; see
     :class:`Scheduler`).  ``closing``: the shutdown publishes the copies
-    (``Scheduler.flush``), nothing more is written."""
+    (``Scheduler.flush``), nothing more is written.
+
+    Its resends are not the copies' (``Scheduler._requeue``), on purpose: a
+    due time is worth writing only until its copy is due, so any doubt is
+    sent again (only an error reply that is final ends it, not a client-side
+    error), rebuilt with the delay left, after a backoff this task sleeps."""
 
     def __init__(self, client: Client) -> None:
         self.client = client
