@@ -12,6 +12,7 @@ anything.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -191,7 +192,7 @@ def checked_writes(writes: Sequence[Any]) -> _Checked:
             if k not in keys:
                 keys[k] = first
             elif first:  # (the others leave it as it was: EXPIRE ...)
-                keys[k] = _then(w[0], keys[k])
+                keys[k] = _LEFT[w[0], keys[k]]  # (KeyError: refused by _left; _checked says why)
         if size > MAX_WRITE_BYTES or len(parts) - len(out) > MAX_WRITE_VALUES + 1:
             raise TypeError
     except (TypeError, KeyError, IndexError):
@@ -216,17 +217,6 @@ def _texts(values: tuple[Any, ...], other: Callable[[int, Any], str | bytes] = _
             v = other(len(texts), v)
         texts.append(v)
     return tuple(texts)
-
-
-def _then(name: str, prev: str) -> str:
-    """The type a write ``name`` that wants one leaves its key, the earlier
-    writes having left it ``prev`` (TypeError: one it cannot have; see :func:`_left`)."""
-    want = WRITE_COMMANDS[name][0]
-    if not want:  # SET, SETNX
-        return "string" if name == "SET" else "string" if prev == "none" else "?" if prev == "" else prev
-    if prev == want or prev in ("", "none") or (prev == "?" and want == "string"):
-        return want
-    raise TypeError
 
 
 _COMMON: dict[str, tuple[frozenset[int], str]] = {
@@ -342,6 +332,24 @@ def _left(i: int, w: Write, want: str, prev: str) -> str:
     if name == "SETNX":
         return "string" if prev == "none" else "?" if prev == "" else prev
     return prev
+
+
+def _lefts() -> dict[tuple[str, str], str]:
+    """:func:`_left` of each command of one key and each type the earlier
+    writes can leave its key, that it does not refuse."""
+    prevs = {want for want, *_ in WRITE_COMMANDS.values()} | {*_ANY_LEFT.values(), "none"}
+    lefts: dict[tuple[str, str], str] = {}
+    for name in _COMMON:
+        for prev in prevs:
+            with contextlib.suppress(ValueError):
+                lefts[name, prev] = _left(0, (name, ""), WRITE_COMMANDS[name][0], prev)
+    return lefts
+
+
+_LEFT = _lefts()
+"""(command, the type the earlier writes left its key) -> the type the
+write leaves it: :func:`_left`'s rule as :func:`checked_writes` reads it (a
+pair it refuses is not here)."""
 
 
 def write_keys(writes: Sequence[Write]) -> list[str | bytes]:
