@@ -10,9 +10,10 @@ keeps the times.
 A stream mount keeps two keys beside its stream (in its hash slot):
 
 * ``{stream}:stream-consumers:<stream>,<group>`` (:func:`registry_key`): a
-  hash, consumer name -> its registration (``"<heartbeat ms> <mode>"``,
-  :func:`registration`); every live consumer of the library registers itself
-  there with each heartbeat;
+  hash, consumer name -> its registration (``"<heartbeat ms> <mode> <unix
+  ms>"``, and ``min_idle=<ms>`` last in RECLAIM and CLAIMING:
+  :func:`registration_value`, :func:`registration`); every live consumer of
+  the library registers itself there with each heartbeat;
 * ``{stream}:stream-heartbeat:<stream>,<group>,<consumer>``
   (:func:`heartbeat_key`): a key with a TTL of ``heartbeat`` seconds,
   renewed every ``heartbeat / 3`` while the consumer runs (:func:`beat`);
@@ -64,6 +65,28 @@ nothing pending for it and removes it with the consumer; a consumer that
 stops with nothing pending is deleted from the group and the registry at
 once.
 
+The lease period (:func:`lease_every`): the entries a consumer holds are
+renewed every third of the shortest idle time after which another consumer
+may take one: its own :func:`lease_guard`, or the ``min_idle`` a live peer
+of the group registered as claiming (RECLAIM, CLAIMING:
+:func:`~.survey.claimers`) when shorter -- a peer mounted with a shorter
+``min_idle`` (a rolling deploy that changes it) would otherwise claim
+entries still being handled.  The peers are as the last look found them: a
+mount's first look runs in its first catch-up, before its first read (the
+own-PEL recovery at a restart hands over its entries just before it), so
+until then, and while no look succeeded, the period is the consumer's own;
+between two looks a registry probe (:func:`claimer_probe`, with the stop
+probe) makes a look as soon as such a peer registers or beats again after a
+lapse, and the lease's wait is cut short when the period shrinks.  A peer
+whose heartbeat lapsed, or that stopped, is not followed (the next look
+lengthens the period again); a warning names each such peer and both
+settings once per ``min_idle`` it registered (:func:`~.survey.shorter_notes`;
+the period and its notes are in :mod:`.survey`: a look computes them).
+Limits: the peer's first claims, before this consumer's probe sees its
+registration, can take an entry in hand idle past the peer's ``min_idle``;
+a consumer that never registered one (another client, an earlier version)
+is not known.
+
 Why the stream's liveness differs from the reliable list's
 -----------------------------------------------------------
 
@@ -98,18 +121,29 @@ The mirror paragraph is in ``_core/reliable_list/liveness.py``.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from ..._subscription import Mode
 from .._commands import Command, Script
 from .._identity import HEARTBEAT_FLOOR, claim, heartbeat_value, renew
-from .survey import heartbeat_key, legacy_heartbeat_key, legacy_registry_key, registry, registry_key
+from .survey import (
+    MIN_IDLE_PART,
+    Registration,
+    heartbeat_key,
+    lease_every,
+    lease_guard,
+    legacy_heartbeat_key,
+    legacy_registry_key,
+    registry,
+    registry_key,
+    shorter_notes,
+)
 
 __all__ = [
     "HANDED_BACK_IDLE_MS", "HEARTBEAT_FLOOR", "LEASE_TIMEOUT_FLOOR", "STOP", "STOP_PROBE", "beat",
-    "claim_name", "heartbeat_key", "lease_every", "lease_timeout", "legacy_heartbeat_key",
-    "legacy_registry_key",
-    "registration_value", "registry_key", "stop_probe", "stopped_value",
+    "claim_name", "claimer_probe", "heartbeat_key", "lease_every", "lease_guard", "lease_timeout",
+    "legacy_heartbeat_key", "legacy_registry_key", "registration_value", "registry_key",
+    "shorter_notes", "stop_probe", "stopped_value",
 ]
 
 STOP_PROBE = 0.5
@@ -123,20 +157,6 @@ HANDED_BACK_IDLE_MS = 10**12
 back: past every ``heartbeat`` and ``min_idle``, below the server's clock
 (``XCLAIM ... IDLE`` must not reach before the epoch)."""
 
-
-
-def lease_every(mode: Mode, min_idle: float, heartbeat: float) -> float:
-    """Seconds between two lease renewals of the entries in hand.
-
-    A third of the shortest idle time after which another consumer may take
-    an entry: the reaper's guard (``heartbeat``) in PLAIN and RECLAIM, and
-    ``min_idle`` (XAUTOCLAIM) in RECLAIM and CLAIMING.
-    """
-    if mode is Mode.PLAIN:
-        return heartbeat / 3
-    if mode is Mode.CLAIMING:
-        return max(min_idle / 3, 0.001)
-    return max(min(min_idle, heartbeat) / 3, 0.001)
 
 
 LEASE_TIMEOUT_FLOOR = 0.5
@@ -155,13 +175,21 @@ def lease_timeout(every: float, bound: float) -> float:
 
 
 def registration_value(heartbeat: float, mode: Mode, at: float | None = None, *,
-                       stopped: bool = False) -> str:
-    """``"<heartbeat ms> <mode>[ <unix ms>[ stopped]]"``."""
+                       stopped: bool = False, min_idle: float | None = None) -> str:
+    """``"<heartbeat ms> <mode>[ <unix ms>[ stopped]][ min_idle=<ms>]"``.
+
+    ``min_idle`` is written in RECLAIM and CLAIMING only (the idle time after
+    which it claims; a peer's lease renews every third of the shortest, see
+    :func:`lease_every`), as the last part: a reader that knows only the
+    positional ones (``registration`` before it) reads the others as before
+    and a value without it is read as not known."""
     value = f"{max(1, round(heartbeat * 1000))} {mode.value}"
     if at is not None:
         value += f" {round(at * 1000)}"
         if stopped:
             value += " stopped"
+    if min_idle is not None and mode is not Mode.PLAIN:
+        value += f" {MIN_IDLE_PART}{max(1, round(min_idle * 1000))}"
     return value
 
 
@@ -171,34 +199,56 @@ def stopped_value(heartbeat: float, mode: Mode, at: float) -> str:
 
 
 def beat(stream: str, group: str, consumer: str, token: str, heartbeat: float, mode: Mode,
-         ttl: float, at: float | None = None) -> Command:
+         ttl: float, at: float | None = None, min_idle: float | None = None) -> Command:
     """A heartbeat: the key with a TTL of ``ttl`` seconds, and the
     registration (with ``at``, the unix time of the beat: a look tells when
-    it lapsed); only while the key is this process's (``token``) or absent
-    (:data:`~._identity.RENEW`)."""
+    it lapsed; and ``min_idle``, see :func:`registration_value`); only while
+    the key is this process's (``token``) or absent (:data:`~._identity.RENEW`)."""
     return renew(heartbeat_key(stream, group, consumer), registry_key(stream, group),
                  heartbeat_value(token, heartbeat), ttl, consumer,
-                 registration_value(heartbeat, mode, at))
+                 registration_value(heartbeat, mode, at, min_idle=min_idle))
 
 
 def claim_name(stream: str, group: str, consumer: str, token: str, heartbeat: float, mode: Mode,
-               takeover: bool | str, at: float | None = None) -> Command:
+               takeover: bool | str, at: float | None = None,
+               min_idle: float | None = None) -> Command:
     """The first heartbeat, at mount: the claim of the consumer name
     (:data:`~._identity.CLAIM`)."""
     return claim((heartbeat_key(stream, group, consumer), registry_key(stream, group),
                   legacy_heartbeat_key(stream, group, consumer), legacy_registry_key(stream, group)),
                  heartbeat_value(token, heartbeat), heartbeat, takeover, consumer,
-                 registration_value(heartbeat, mode, at))
+                 registration_value(heartbeat, mode, at, min_idle=min_idle))
 
 
-def stop_probe(flat: Sequence[bytes], me: str, seen: Collection[tuple[str, float | None]]
-               ) -> list[tuple[str, float | None]]:
-    """The stopped marks in a registry (``HGETALL``) of consumers other than
-    ``me`` not in ``seen``: (name, stop time) each; a look is due when any."""
+def stop_probe(flat: Sequence[bytes] | Mapping[str, Registration], me: str,
+               seen: Collection[tuple[str, float | None]]) -> list[tuple[str, float | None]]:
+    """The stopped marks in a registry (``HGETALL``, or read by
+    :func:`registry`) of consumers other than ``me`` not in ``seen``: (name,
+    stop time) each; a look is due when any."""
     out: list[tuple[str, float | None]] = []
-    for name, reg in registry(flat).items():
+    regs = flat if isinstance(flat, Mapping) else registry(flat)
+    for name, reg in regs.items():
         if name != me and reg.stopped and (name, reg.at) not in seen:
             out.append((name, reg.at))
+    return out
+
+
+def claimer_probe(registered: Mapping[str, Registration], me: str, guard: float,
+                  known: Mapping[str, float], seen: Collection[tuple[str, float | None]]
+                  ) -> list[str]:
+    """Consumers of a registry (read by :func:`registry`) other than ``me``
+    registered as claiming entries idle less than ``guard`` (:func:`~.survey.lease_guard`)
+    that the last look did not find alive so (``known``: its
+    :func:`~.survey.claimers`), with a registration it did not see (``seen``:
+    (name, unix time of the beat) each): a peer mounted (or restarted) with
+    a shorter ``min_idle``; a look is due, which tells whether it is alive.
+    A dead one's registration does not change: it makes no look again."""
+    out: list[str] = []
+    for name, reg in registered.items():
+        if (name != me and not reg.stopped and reg.claims and reg.min_idle is not None
+                and 0 < reg.min_idle < guard and known.get(name) != reg.min_idle
+                and (name, reg.at) not in seen):
+            out.append(name)
     return out
 
 

@@ -8,10 +8,12 @@ none (:func:`peers`; the states are described in :mod:`.liveness`, which
 holds the heartbeat, the lease and the stop); a lapsed or stopped one's
 entries are taken by :data:`REAP` calls (:class:`Reap`, its reply
 :func:`parse_reap`), stranded work is warned about (:func:`warnings`,
-:func:`watch_notes`).  The keys a look reads are named here
-(:func:`registry_key`, :func:`heartbeat_key`, and those of the naming before),
-and the heartbeat writes them.  ``_forms/stream/liveness.py`` sends the
-commands.
+:func:`watch_notes`), and the live peers that claim idle entries are named
+with their ``min_idle`` (:func:`claimers`), which make the lease period
+(:func:`lease_every`, :func:`shorter_notes`; see :mod:`.liveness`).  The
+keys a look reads are named here (:func:`registry_key`,
+:func:`heartbeat_key`, and those of the naming before), and the heartbeat
+writes them.  ``_forms/stream/liveness.py`` sends the commands.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ from .._finalize import Record
 from .decode import Entry
 
 __all__ = [
-    "REAP", "Heartbeat", "Peer", "Reap", "Reaped", "Registration", "Survey", "consumer_rows",
-    "heartbeat_key", "legacy_heartbeat_key", "legacy_registry_key", "parse_reap", "peers",
-    "registration", "registry", "registry_key", "survey", "warnings", "watch_notes",
+    "MIN_IDLE_PART", "REAP", "Heartbeat", "Peer", "Reap", "Reaped", "Registration", "Survey",
+    "claimers", "consumer_rows", "heartbeat_key", "lease_every", "lease_guard",
+    "legacy_heartbeat_key", "legacy_registry_key", "parse_reap", "peers", "registration",
+    "registry", "registry_key", "shorter_notes", "survey", "warnings", "watch_notes",
 ]
 
 
@@ -74,12 +77,32 @@ class Registration:
     """Unix time of its last beat, or of its stop (None: not written)."""
     stopped: bool = False
     """The stopped mark: it stopped cleanly and handed its entries back (:data:`~.liveness.STOP`)."""
+    min_idle: float | None = None
+    """Seconds after which it claims an idle entry (RECLAIM, CLAIMING); None:
+    not written (PLAIN, or a version before it was registered)."""
+
+    @property
+    def claims(self) -> bool:
+        """It claims entries idle its known ``min_idle`` (``XAUTOCLAIM``)."""
+        return self.mode in (Mode.RECLAIM, Mode.CLAIMING) and self.min_idle is not None
+
+
+MIN_IDLE_PART = "min_idle="
+"""The registration's last part that gives a claiming consumer's ``min_idle``
+(ms): after the positional ones, so a reader that knows only those reads the
+rest as before (:func:`~.liveness.registration_value`)."""
 
 
 def registration(value: bytes | str) -> Registration:
     """A registry value as :class:`Registration` (unknown parts None)."""
     text = value.decode(errors="replace") if isinstance(value, bytes) else value
     parts = text.split(" ")
+    min_idle: float | None = None
+    if parts[-1].startswith(MIN_IDLE_PART) and len(parts) > 1:
+        try:
+            min_idle = int(parts.pop()[len(MIN_IDLE_PART):]) / 1000
+        except ValueError:
+            min_idle = None
     try:
         hb: float | None = int(parts[0]) / 1000
     except ValueError:
@@ -94,7 +117,7 @@ def registration(value: bytes | str) -> Registration:
             at = int(parts[2]) / 1000
         except ValueError:
             at = None
-    return Registration(hb, m, at, len(parts) > 3 and parts[3] == "stopped")
+    return Registration(hb, m, at, len(parts) > 3 and parts[3] == "stopped", min_idle)
 
 
 # -- a look at the group --------------------------------------------------------
@@ -238,6 +261,70 @@ def survey(me: str, mode: Mode, heartbeat: float, page: int, found: Sequence[Pee
     lapse = [p.ttl for p in others if p.heartbeat is Heartbeat.ALIVE and p.ttl is not None]
     return Survey(others, tuple(reap), sum(p.pending for p in others if p.stranded),
                   min(lapse) if lapse else None)
+
+
+def claimers(found: Survey) -> dict[str, float]:
+    """The group's other live consumers that claim idle entries (RECLAIM,
+    CLAIMING), each with the ``min_idle`` it registered.  Left out: a lapsed
+    or stopped one (it claims nothing while dead), one never registered or
+    registered by a version before ``min_idle`` was (not known)."""
+    out: dict[str, float] = {}
+    for p in found.peers:
+        reg = p.registration
+        if (p.heartbeat is Heartbeat.ALIVE and reg is not None and reg.claims
+                and reg.min_idle is not None and reg.min_idle > 0):
+            out[p.name] = reg.min_idle
+    return out
+
+
+def lease_guard(mode: Mode, min_idle: float, heartbeat: float) -> float:
+    """Seconds after which another consumer may take an entry this one holds,
+    as far as its own settings tell: the reaper's guard (``heartbeat``) in
+    PLAIN and RECLAIM, and ``min_idle`` (XAUTOCLAIM) in RECLAIM and CLAIMING."""
+    if mode is Mode.PLAIN:
+        return heartbeat
+    if mode is Mode.CLAIMING:
+        return min_idle
+    return min(min_idle, heartbeat)
+
+
+def lease_every(mode: Mode, min_idle: float, heartbeat: float,
+                peers: float | None = None) -> float:
+    """Seconds between two lease renewals of the entries in hand.
+
+    A third of the shortest idle time after which another consumer may take
+    an entry: :func:`lease_guard`, or ``peers`` when shorter -- the shortest
+    ``min_idle`` of the group's live consumers that claim (RECLAIM,
+    CLAIMING; :func:`claimers`), as the last look found them
+    (None: none known).
+    """
+    guard = lease_guard(mode, min_idle, heartbeat)
+    if peers is not None:
+        guard = min(guard, peers)
+    return max(guard / 3, 0.001)
+
+
+def shorter_notes(name: str, mode: Mode, min_idle: float, heartbeat: float,
+                  claimers: Mapping[str, float], warned: Collection[tuple[str, float]]
+                  ) -> list[Record]:
+    """A warning for each live peer (``claimers``: name -> its ``min_idle``,
+    :func:`claimers`) that claims entries idle less than this
+    subscription's :func:`lease_guard`, not in ``warned`` (name, min_idle)
+    yet: it names the peer, both settings and the lease period they make."""
+    guard = lease_guard(mode, min_idle, heartbeat)
+    every = lease_every(mode, min_idle, heartbeat, min(claimers.values(), default=None))
+    ours = (f"heartbeat={heartbeat:g} s (Mode.PLAIN)" if mode is Mode.PLAIN
+            else f"min_idle={min_idle:g} s" + (f" (heartbeat={heartbeat:g} s)"
+                                              if heartbeat < min_idle and mode is Mode.RECLAIM
+                                              else ""))
+    return [(logging.WARNING,
+             "%s: consumer %r of the group claims entries idle min_idle=%g s, shorter than "
+             "this subscription's %s: while it lives, the entries in hand here are leased "
+             "every %g s (a third of the shortest) so that it takes none a handler holds; "
+             "give the group's subscriptions one min_idle",
+             (name, peer, theirs, ours, every), {"subscription": name})
+            for peer, theirs in sorted(claimers.items())
+            if theirs < guard and (peer, theirs) not in warned]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -53,7 +53,8 @@ class StreamSubscription(Subscription):
         mode: :class:`Mode` ``PLAIN``, ``RECLAIM`` or ``CLAIMING``.
         min_idle: seconds an entry must be idle before RECLAIM/CLAIMING claims it
             (at least 0.01 there: entries being handled have their lease
-            renewed every ``min_idle / 3``).
+            renewed every ``min_idle / 3``, or every third of a live peer's
+            when it registered a shorter one: a warning names it).
         delayed_retry: where ``retry_after`` waits; ``None``: RUNTIME for plain
             and reclaim, the PEL for claiming.  RUNTIME acknowledges the
             original at once and holds the copy in process memory (lost if

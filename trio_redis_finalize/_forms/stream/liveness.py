@@ -22,6 +22,11 @@ and keeps the times:
 * **stop probe** (also a step of the read loop): every ``STOP_PROBE`` s an
   ``HGETALL`` of the registry; a new stopped mark makes the next look now,
   so what a peer handed back at its stop is taken within about a second;
+  so does a new registration of a peer that claims entries idle less than
+  this mount's own guard: the look finds whether it is alive, and the lease
+  (``reader``) renews every third of its ``min_idle`` from then on
+  (:attr:`StreamPresence.shortest`; ``_core.stream.liveness``, the lease
+  period);
 * **hand-back** (:meth:`StreamPresence.deregister`, phase 6 of the
   shutdown): one script (:data:`~._core.stream.liveness.STOP`) makes what is
   still pending for this consumer idle at once (owner and count unchanged),
@@ -49,6 +54,7 @@ from ..._core.stream.liveness import (
     STOP_PROBE,
     beat,
     claim_name,
+    claimer_probe,
     stop_probe,
     stopped_value,
 )
@@ -56,14 +62,18 @@ from ..._core.stream.survey import (
     REAP,
     Heartbeat,
     Survey,
+    claimers,
     consumer_rows,
     heartbeat_key,
+    lease_every,
+    lease_guard,
     legacy_heartbeat_key,
     legacy_registry_key,
     parse_reap,
     peers,
     registry,
     registry_key,
+    shorter_notes,
     survey,
     warnings,
     watch_notes,
@@ -117,10 +127,53 @@ class StreamPresence:
         self._hold = NameHold()
         self.more = False
         """A look left entries it can take at once (the next read should not block)."""
+        self.claimers: dict[str, float] = {}
+        """The group's other live consumers that claim idle entries, each with
+        its registered ``min_idle``, as the last look found them
+        (``_core.stream.survey.claimers``; none before the first look)."""
+        self._seen: set[tuple[str, float | None]] = set()  # registrations the last look read
+        self._shorter_warned: set[tuple[str, float]] = set()
+        self._shortened: anyio.Event | None = None  # set when the lease period shrinks
+
+    @property
+    def shortest(self) -> float | None:
+        """The shortest ``min_idle`` of :attr:`claimers` (None: none): the
+        lease renews every third of it when shorter than this mount's own
+        guard (``_core.stream.liveness.lease_every``)."""
+        return min(self.claimers.values(), default=None)
+
+    async def shortened(self) -> None:
+        """Return once a look shortens the lease period (a peer that claims
+        sooner is found): the lease's wait for its next renewal ends early."""
+        if self._shortened is None:
+            self._shortened = anyio.Event()
+        await self._shortened.wait()
+
+    def _found_claimers(self, ctx: Context, found: dict[str, float]) -> None:
+        """The claimers a look found: a warning for each new one that claims
+        sooner than this mount's own guard, the lease woken when it shrinks."""
+        mode, min_idle, hb = self.mode, self.min_idle, self.heartbeat
+        before = lease_every(mode, min_idle, hb, self.shortest)
+        self.claimers = found
+        after = lease_every(mode, min_idle, hb, self.shortest)
+        for level, msg, args, extra in shorter_notes(ctx.name, mode, min_idle, hb, found,
+                                                     self._shorter_warned):
+            log.log(level, msg, *args, extra=extra)
+        self._shorter_warned.update(found.items())
+        if after < before:
+            if self._shortened is not None:
+                self._shortened.set()
+            self._shortened = None
+        elif after > before:  # a peer that claimed sooner stopped, lapsed or changed
+            own = after == lease_every(mode, min_idle, hb)
+            log.info("%s: the entries in hand are leased every %g s now (%s)", ctx.name, after,
+                     "this subscription's own period: no live peer claims sooner any more"
+                     if own else "a third of the shortest min_idle of the live peers",
+                     extra={"subscription": ctx.name})
 
     def _beat(self, ctx: Context, ttl: float) -> Command:
         return beat(self.stream, self.group, ctx.consumer.name, ctx.consumer.token, self.heartbeat,
-                    self.mode, ttl, time.time())
+                    self.mode, ttl, time.time(), self.min_idle)
 
     async def register(self, ctx: Context) -> None:
         """The first heartbeat (set-up: before the first read): the claim of
@@ -133,7 +186,8 @@ class StreamPresence:
         me = ctx.consumer.name
         await self._hold.claim(
             ctx, lambda takeover: claim_name(self.stream, self.group, me, ctx.consumer.token,
-                                             self.heartbeat, self.mode, takeover, time.time()),
+                                             self.heartbeat, self.mode, takeover, time.time(),
+                                             self.min_idle),
             heartbeat_key(self.stream, self.group, me),
             legacy_heartbeat_key(self.stream, self.group, me), FINALIZE_TIMEOUT)
 
@@ -163,10 +217,17 @@ class StreamPresence:
 
     async def probe(self, ctx: Context) -> bool:
         """Whether the registry holds a stopped mark not seen yet (a peer
-        handed its entries back): then a look is due now."""
+        handed its entries back), or a registration the last look did not
+        see of a peer that claims entries idle less than this mount's own
+        guard (a peer mounted with a shorter ``min_idle``: the lease period
+        follows it): then a look is due now."""
         self._probe = anyio.current_time() + STOP_PROBE
         flat = await ctx.client.execute("HGETALL", self._registry, timeout=FINALIZE_TIMEOUT)
-        return bool(stop_probe(flat, ctx.consumer.name, self._stops))
+        regs = registry(flat)
+        me = ctx.consumer.name
+        return bool(stop_probe(regs, me, self._stops) or claimer_probe(
+            regs, me, lease_guard(self.mode, self.min_idle, self.heartbeat), self.claimers,
+            self._seen))
 
     async def step(self, ctx: Context) -> None:
         """:meth:`look`, as a step of the read loop: what the loop handles
@@ -219,6 +280,8 @@ class StreamPresence:
             ttls = {n: int(t) for n, t in zip(others, replies, strict=True)}
         found = survey(me, self.mode, self.heartbeat, self.page,
                        peers(consumer_rows(rows), registered, ttls))
+        self._seen = {(n, r.at) for n, r in registered.items()}
+        self._found_claimers(ctx, claimers(found))
         notes = warnings(ctx.name, self.mode, self.min_idle, found, self._warned)
         if not self._looked:  # at mount: also the live ones that hold entries
             self._looked = True

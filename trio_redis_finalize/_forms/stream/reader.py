@@ -321,10 +321,13 @@ class StreamReader:
         Renewed every third of the shortest idle time after which another
         consumer may take an entry (``_core.stream.liveness.lease_every``: the
         reaper's ``heartbeat`` in PLAIN and RECLAIM, ``min_idle`` in
-        RECLAIM and CLAIMING), so an entry being handled stays well below
-        it while the process runs -- even should this consumer's heartbeat
-        key vanish (evicted, flushed); should one lapse all the same, the
-        claim that finds it keeps it with its handler (see :meth:`_claim`).
+        RECLAIM and CLAIMING, or the shorter ``min_idle`` a live peer that
+        claims registered, as the last look found it:
+        ``StreamPresence.shortest``; a look that finds a shorter one cuts
+        the wait short), so an entry being handled stays well below it
+        while the process runs -- even should this consumer's heartbeat key
+        vanish (evicted, flushed); should one lapse all the same, the claim
+        that finds it keeps it with its handler (see :meth:`_claim`).
 
         It runs until the mount's finalizer ends (``holding``), past the
         reader: through a shutdown's grace a handler still running keeps its
@@ -342,11 +345,17 @@ class StreamReader:
         the gate as the other consumer left it.
         """
         sub = self.sub
-        interval = lease_every(sub.mode, sub.min_idle, sub.heartbeat)
-        timeout, due = lease_timeout(interval, FINALIZE_TIMEOUT), anyio.current_time()
+        presence = self._presence
+        due = anyio.current_time()
         while True:  # every interval from the last one's start: a renewal cut late is followed at once
+            while True:  # the period may shrink meanwhile (a look found a peer claiming sooner)
+                interval = lease_every(sub.mode, sub.min_idle, sub.heartbeat, presence.shortest)
+                if anyio.current_time() >= due + interval:
+                    break
+                with anyio.move_on_at(due + interval):
+                    await presence.shortened()
             due = max(due + interval, anyio.current_time())
-            await anyio.sleep_until(due)
+            timeout = lease_timeout(interval, FINALIZE_TIMEOUT)
             ids = ctx.leased()
             for i in range(0, len(ids), 500):
                 part = ids[i : i + 500]
