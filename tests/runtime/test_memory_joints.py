@@ -171,18 +171,21 @@ async def test_a_retry_after_waiting_through_a_crash_comes_back_once_at_its_next
     one run is counted once), and nothing is left pending.  (The delay, 2 s,
     is short: its due time outlives the process on a reliable list, so the
     restart waits it out; ``test_retry_after_restart`` checks that.)"""
+    # CLAIMING: min_idle as long as the delay, so A (which claims the entry
+    # back once idle min_idle) is killed well inside it on a busy machine
+    claiming = {"min_idle": "2.0"} if way == "claiming" else {}
     if way == "claiming":
         first = (await client.execute("XADD", "s", "*", "k", "v")).decode()
     else:
         await client.execute("LPUSH", "q", b"job")
-    async with consumer_a(redis_url, way, 2.0, hold=0.01) as a:
+    async with consumer_a(redis_url, way, 2.0, hold=0.01, **claiming) as a:
         await eventually(lambda: _done(client), timeout=20, what="A's handler returning")
         if way == "claiming":  # the retry_after answered: left pending, not leased
             await eventually(lambda: _idle_at_least(client, 0.3), what="the entry left to wait")
         a.kill()  # (the reliable list: its copy held, or about to be: the same attempt)
     rec = Recorder(lambda d: ACK)
     async with open_consumer(redis_url, name="a", shutdown_grace=0.0) as again:
-        await again.mount(_delay_proc.subscription(way), rec)
+        await again.mount(_delay_proc.subscription(way, **claiming), rec)
         await eventually(lambda: rec.seen, timeout=20, what="the message after the restart")
         await trio.sleep(1.0)  # a second delivery would come by then
     assert [d.attempt for d in rec.seen] == [2], [(d.id, d.attempt) for d in rec.seen]
