@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from .._commands import Script
 from .._lua import (
+    BATCH_LISTED,
     BATCH_WRITES_LUA,
     MOVE_ARGV,
     MOVE_HEAD,
@@ -263,18 +264,13 @@ while i <= last do
 """
     + batch_writes("i + 3")
     + """
+    if gone and not wrote then rpcall('RPUSH', list, e) end  -- not written: back, held
     if wrote then
       if not gone then rpcall('LREM', list, -1, e) end
       dirty = true
-    else
-      if gone then rpcall('RPUSH', list, e) end  -- not written: back in the list, held
-      bad[#bad + 1] = k
-      bad[#bad + 1] = r
-    end
-  else
-    bad[#bad + 1] = k
-    bad[#bad + 1] = false
-  end
+"""
+    + BATCH_LISTED
+    + """
   i = to or wskip(i + 3, nw)
 end
 return {k, unpack(bad)}
