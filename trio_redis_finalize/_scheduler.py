@@ -74,8 +74,9 @@ class Scheduler:
       max_held_copies=...)``).  Past that, a new delayed retry goes out at
       once (a warning is logged, at most every few seconds, with the count)
       rather than growing memory.
-    * A copy whose send fails (connection lost, timeout, or an error reply
-      saying the server did not run it: OOM, READONLY, BUSY ...) goes back
+    * A copy whose send fails (connection lost, timeout, a reply that is not
+      RESP, or an error reply saying the server did not run it: OOM,
+      READONLY, BUSY ...) goes back
       into the heap and is sent again after a backoff: a copy is never
       dropped while the consumer runs.  A final error reply (WRONGTYPE ...)
       is logged with its key and command and counted, not "released".  A

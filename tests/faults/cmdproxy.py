@@ -30,7 +30,12 @@ consumer's entries idle enough).  For an armed ``(kind, k)`` the k-th request of
   never reaches the server), in the server's own wording
   (:data:`TRANSIENT_ERRORS`, or a final one of :data:`FINAL_ERRORS`);
   :func:`wrapped` gives the Redis 6.2 form of an error raised inside a
-  script (``-ERR Error running script ... -READONLY``).
+  script (``-ERR Error running script ... -READONLY``);
+* :data:`GARBLED` -- forwarded (the server runs it); its reply is replaced
+  with bytes that are not RESP (:data:`NOT_RESP`, an HTTP status line) and
+  nothing more is sent to the client on that connection: "something that is
+  not Redis answered", the outcome unknown to the client;
+  :data:`GARBLED_INSTEAD` sends those bytes *instead of* running it.
 
 A reply can be rewritten per kind (:attr:`CommandProxy.rewrites`): e.g. the
 node addresses of ``CLUSTER SLOTS``, so that a cluster client's connections
@@ -60,7 +65,10 @@ from .chaosproxy import close_stream, serve_loopback
 __all__ = [
     "BLACKHOLE",
     "FINAL_ERRORS",
+    "GARBLED",
+    "GARBLED_INSTEAD",
     "LOST",
+    "NOT_RESP",
     "TRANSIENT_ERRORS",
     "CommandProxy",
     "Fault",
@@ -96,11 +104,14 @@ FINAL_ERRORS: dict[str, str] = {
     "WRONGTYPE": "WRONGTYPE Operation against a key holding the wrong kind of value",
 }
 _ERRORS = {**TRANSIENT_ERRORS, **FINAL_ERRORS}
+NOT_RESP = b"HTTP/1.1 400 Bad Request\r\n"
+"""What :data:`GARBLED` answers: no RESP type byte (``H``)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Fault:
-    """What happens to the chosen request: ``lost``, ``blackhole`` or ``error``."""
+    """What happens to the chosen request: ``lost``, ``blackhole``, ``error``,
+    ``garbled`` or ``garbled-instead``."""
 
     action: str
     code: str = ""  # error: the error's prefix (OOM, BUSY, ...)
@@ -113,6 +124,8 @@ class Fault:
         return f"{'wrapped-' if self.wrapped else ''}{self.code}"
 
     def reply(self, flavour: str, sha: str = "") -> bytes:
+        if self.action == "garbled-instead":
+            return NOT_RESP
         server = "Valkey" if flavour == "valkey" else "Redis"
         text = _ERRORS[self.code].format(Server=server)
         if self.wrapped:
@@ -123,6 +136,8 @@ class Fault:
 
 LOST = Fault("lost")
 BLACKHOLE = Fault("blackhole")
+GARBLED = Fault("garbled")
+GARBLED_INSTEAD = Fault("garbled-instead")
 
 
 def error(code: str) -> Fault:
@@ -213,6 +228,7 @@ class _Slot:
     kind: str
     inject: bytes | None = None
     lose: bool = False
+    garble: bool = False
 
 
 @dataclasses.dataclass
@@ -281,7 +297,7 @@ class _Conn:
                 if fault is not None and fault.action == "blackhole":
                     self.blackholed = True
                     break
-                if fault is not None and fault.action == "error":
+                if fault is not None and fault.action in ("error", "garbled-instead"):
                     sha = args[1].decode(errors="replace") if len(args) > 1 else ""
                     self.slots.append(_Slot(kind, inject=fault.reply(self.proxy.flavour, sha)))
                     if forward:
@@ -289,10 +305,12 @@ class _Conn:
                         forward.clear()
                     await self._flush_injected()
                     continue
+                garble = fault is not None and fault.action == "garbled"
                 if not self.pubsub:
-                    self.slots.append(_Slot(kind, lose=fault is not None))
-                elif fault is not None:  # lost in Pub/Sub mode: the next frame is the victim
-                    self.slots.append(_Slot(kind, lose=True))
+                    self.slots.append(_Slot(kind, lose=fault is not None and not garble,
+                                            garble=garble))
+                elif fault is not None:  # in Pub/Sub mode: the next frame is the victim
+                    self.slots.append(_Slot(kind, lose=not garble, garble=garble))
                 if kind in ("SUBSCRIBE", "PSUBSCRIBE", "SSUBSCRIBE") and fault is None:
                     self.pubsub = True
                 forward += frame
@@ -303,7 +321,7 @@ class _Conn:
         async for frames in self._frames(self.upstream):
             out = bytearray()
             for frame in frames:
-                if self.pubsub and not any(s.lose for s in self.slots):
+                if self.pubsub and not any(s.lose or s.garble for s in self.slots):
                     out += frame
                     continue
                 while self.slots and self.slots[0].inject is not None:
@@ -313,6 +331,10 @@ class _Conn:
                     await self._to_client(bytes(out))
                     await self.proxy._reset(self)
                     return
+                if slot.garble:  # the client gets nothing more; it closes the connection
+                    await self._to_client(bytes(out) + NOT_RESP)
+                    self.closed = True
+                    await anyio.sleep_forever()
                 rewrite = self.proxy.rewrites.get(slot.kind)
                 out += frame if rewrite is None else rewrite(frame)
             while self.slots and self.slots[0].inject is not None:

@@ -77,6 +77,9 @@ async def test_classify_real_replies(client: Client, oom: OomSwitch, redis_serve
     # connection lost / timeout: outcome unknown
     assert classify(rexc.ConnectionError("lost")) is UNKNOWN
     assert classify(rexc.TimeoutError("no reply")) is UNKNOWN
+    # a reply that is not RESP: the connection is closed, the command may have run
+    assert classify(rexc.InvalidResponse(
+        "127.0.0.1:1 did not answer as a Redis server (Protocol error)")) is UNKNOWN
 
 
 async def test_classify_busy_script(client: Client, redis_server: RedisServer) -> None:

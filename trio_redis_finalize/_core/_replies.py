@@ -103,7 +103,8 @@ class ErrorKind(enum.Enum):
     NOT_RUN = "not_run"
     """The server did not run it and may later (OOM, BUSY, READONLY ...): send again."""
     UNKNOWN = "unknown"
-    """The connection failed or timed out: it may or may not have run."""
+    """The connection failed or timed out, or what answered was not RESP: it
+    may or may not have run."""
 
 
 FINAL = ErrorKind.FINAL
@@ -140,9 +141,16 @@ def classify(err: BaseException) -> ErrorKind:
       bare or wrapped in a script error: the command did not run (a script
       that failed at a write wrote nothing before it); send it again, with
       backoff.
-    * :data:`UNKNOWN`: the connection was lost or timed out; the command may
-      have run.
+    * :data:`UNKNOWN`: the connection was lost or timed out, or the reply was
+      not RESP (``InvalidResponse``: the transport closed the connection;
+      the garbled reply may have come after the command ran); the command
+      may have run.
     * :data:`FINAL`: every other error reply; sending it again cannot help.
+
+    Opening a connection to an endpoint that does not answer as a Redis
+    server still fails at once: the handshake and ``Client.check`` turn the
+    ``InvalidResponse`` into a ``ConnectionError`` naming the address, and
+    set-up sends again only what did not run (:data:`NOT_RUN`).
 
     Prefixes and ``-CODE`` tokens are matched, never whole texts (servers
     word their messages differently).
@@ -152,7 +160,7 @@ def classify(err: BaseException) -> ErrorKind:
     code = error_code(err)
     if code in NOT_RUN_CODES:
         return NOT_RUN
-    if isinstance(err, (rexc.ConnectionError, rexc.TimeoutError, OSError)):
+    if isinstance(err, (rexc.ConnectionError, rexc.TimeoutError, rexc.InvalidResponse, OSError)):
         return UNKNOWN
     if isinstance(err, rexc.ResponseError) and _WRAPPED.search(str(err)):
         return NOT_RUN
