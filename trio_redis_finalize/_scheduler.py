@@ -269,10 +269,11 @@ class Scheduler:
                         await self._send(batch, left)
                     finally:
                         batch = left
-                    if batch and anyio.current_time() + backoff(attempt) > deadline:
+                    pause = backoff(attempt)  # (one draw: the check bounds the sleep taken)
+                    if batch and anyio.current_time() + pause > deadline:
                         break
                     if batch:
-                        await anyio.sleep(backoff(attempt))
+                        await anyio.sleep(pause)
                         attempt += 1
             finally:
                 self._in_flight.clear()
