@@ -277,7 +277,7 @@ def _checked(writes: Sequence[Any]) -> _Checked:
             k = w[1]
             prev = keys.get(k)
             if prev is None:
-                keys[k] = want or _ANY_LEFT.get(w[0], "")
+                keys[k] = _COMMON[w[0]][1]  # (the type a first write leaves its key)
             elif want or w[0] in _ANY_LEFT:  # (the others leave it as it was: EXPIRE ...)
                 keys[k] = _left(i, w, want, prev)
         else:  # DEL, UNLINK: each key left with nothing
@@ -301,8 +301,6 @@ def _exact(v: str | bytes | int) -> str | bytes | int:
     if isinstance(v, bytes):
         return bytes.__bytes__(v)
     return v
-
-
 
 
 def _left(i: int, w: Write, want: str, prev: str) -> str:

@@ -78,8 +78,8 @@ def test_a_stopped_consumer_is_told_from_a_lapsed_one_and_taken_over_at_once() -
 
 def test_the_stop_probe_names_new_stopped_marks_only() -> None:
     flat = [b"me", b"30000 plain 5 stopped", b"a", b"30000 plain 7 stopped", b"b", b"30000 plain 7"]
-    assert stop_probe(flat, "me", set()) == [("a", 0.007)]
-    assert stop_probe(flat, "me", {("a", 0.007)}) == []
+    assert stop_probe(registry(flat), "me", set()) == [("a", 0.007)]
+    assert stop_probe(registry(flat), "me", {("a", 0.007)}) == []
 
 
 def test_the_lease_is_a_third_of_the_shortest_takeover_idle() -> None:

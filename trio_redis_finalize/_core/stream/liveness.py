@@ -121,7 +121,7 @@ The mirror paragraph is in ``_core/reliable_list/liveness.py``.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping
 
 from ..._subscription import Mode
 from .._commands import Command, Script
@@ -134,7 +134,6 @@ from .survey import (
     lease_guard,
     legacy_heartbeat_key,
     legacy_registry_key,
-    registry,
     registry_key,
     shorter_notes,
 )
@@ -220,14 +219,13 @@ def claim_name(stream: str, group: str, consumer: str, token: str, heartbeat: fl
                  registration_value(heartbeat, mode, at, min_idle=min_idle))
 
 
-def stop_probe(flat: Sequence[bytes] | Mapping[str, Registration], me: str,
+def stop_probe(registered: Mapping[str, Registration], me: str,
                seen: Collection[tuple[str, float | None]]) -> list[tuple[str, float | None]]:
-    """The stopped marks in a registry (``HGETALL``, or read by
-    :func:`registry`) of consumers other than ``me`` not in ``seen``: (name,
-    stop time) each; a look is due when any."""
+    """The stopped marks in a registry (read by :func:`registry`) of
+    consumers other than ``me`` not in ``seen``: (name, stop time) each; a
+    look is due when any."""
     out: list[tuple[str, float | None]] = []
-    regs = flat if isinstance(flat, Mapping) else registry(flat)
-    for name, reg in regs.items():
+    for name, reg in registered.items():
         if name != me and reg.stopped and (name, reg.at) not in seen:
             out.append((name, reg.at))
     return out
