@@ -587,6 +587,13 @@ async def run_case(server: RedisServer, proxy: CommandProxy, case: Case) -> list
         plan = case.plan.get(d.origin_id)
         if plan in slow and len(case.calls[d.origin_id]) == 1:
             await anyio.sleep(0.5)  # longer than min_idle / 3: the lease is renewed
+        elif plan == "twin":
+            # both copies in hand at once, so that the first removal is counted
+            # (list_remove, n=2): a loaded machine could otherwise finish one copy
+            # before the reader took the other (a plain LREM; the fault never fired)
+            with anyio.move_on_after(1.0):
+                while len(case.calls[d.origin_id]) < COPIES["twin"]:
+                    await anyio.sleep(0.01)
         elif plan == "hold":
             state["holding"] = True
             while not state["stopping"]:
