@@ -78,6 +78,7 @@ from ..._core.stream.survey import (
     warnings,
     watch_notes,
 )
+from ..._core.stream.warm_up import WarmUp, claim_min_idle, warm_up, warm_up_note
 from ..._deadlines import FINALIZE_TIMEOUT, log
 from ..._identity import NameHold
 from ..._shutdown import CLOSING_TIMEOUT, Budget
@@ -109,12 +110,14 @@ class StreamPresence:
     """
 
     def __init__(self, stream: str, group: str, mode: Mode, min_idle: float, heartbeat: float,
-                 page: int, claiming: Callable[[list[bytes]], None], adopt: Adopt) -> None:
+                 page: int, claiming: Callable[[list[bytes]], None], adopt: Adopt, *,
+                 block: float = 1.0) -> None:
         self.stream = stream
         self.group = group
         self.mode = mode
         self.min_idle = min_idle
         self.heartbeat = heartbeat
+        self.block = block
         self.page = page
         self._claiming = claiming
         self._adopt = adopt
@@ -134,6 +137,8 @@ class StreamPresence:
         self._seen: set[tuple[str, float | None]] = set()  # registrations the last look read
         self._shorter_warned: set[tuple[str, float]] = set()
         self._shortened: anyio.Event | None = None  # set when the lease period shrinks
+        self._registered: float | None = None  # the clock at the first registration's reply
+        self._warm: WarmUp | None = None  # the claims' warm-up (the first look decides it)
 
     @property
     def shortest(self) -> float | None:
@@ -141,6 +146,14 @@ class StreamPresence:
         lease renews every third of it when shorter than this mount's own
         guard (``_core.stream.liveness.lease_every``)."""
         return min(self.claimers.values(), default=None)
+
+    def claim_min_idle(self) -> float:
+        """Seconds an entry must idle to be claimed now: this mount's
+        ``min_idle``, or longer during the warm-up after its first
+        registration (``_core.stream.warm_up``): a live peer found at the
+        first look may hold entries idle that long until it sees this one."""
+        elapsed = None if self._registered is None else anyio.current_time() - self._registered
+        return claim_min_idle(self.min_idle, self._warm, elapsed)
 
     async def shortened(self) -> None:
         """Return once a look shortens the lease period (a peer that claims
@@ -190,6 +203,8 @@ class StreamPresence:
                                              self.min_idle),
             heartbeat_key(self.stream, self.group, me),
             legacy_heartbeat_key(self.stream, self.group, me), FINALIZE_TIMEOUT)
+        if self._registered is None:  # the warm-up counts from the first (replied: visible)
+            self._registered = anyio.current_time()
 
     async def beats(self, ctx: Context) -> None:
         """Renew the heartbeat every ``heartbeat / 3`` (a task beside the reader)."""
@@ -286,6 +301,9 @@ class StreamPresence:
         if not self._looked:  # at mount: also the live ones that hold entries
             self._looked = True
             notes += watch_notes(ctx.name, found, time.time())
+            self._warm = warm_up(self.mode, self.min_idle, self.block, found)
+            if self._warm is not None:
+                notes.append(warm_up_note(ctx.name, self.min_idle, self._warm))
         for level, msg, args, extra in notes:
             log.log(level, msg, *args, extra=extra)
         self._warned.update(p.name for p in found.peers if p.stranded)
