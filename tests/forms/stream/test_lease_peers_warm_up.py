@@ -6,7 +6,7 @@ own guard (9 s: every 3 s); the entry has idled past B's ``min_idle``
 (1.5 s) when B mounts.  B's first claims come before A's registry probe
 finds B (the case ``test_lease_peers`` does not cover: there B mounts while
 the entry is still fresh).  B's claims use A's bound (9 s) as their
-``min_idle`` for a warm-up after B registered (``_core.stream.warm_up``),
+``min_idle`` for a warm-up after B registered (``_core.stream.survey.warm_up``),
 long enough for A to see B and renew every third of B's ``min_idle``; so
 the handler runs once (``DESIGN.md`` section 5: duplicates only from
 faults).  Before, B's first ``XAUTOCLAIM`` took the entry from A's running

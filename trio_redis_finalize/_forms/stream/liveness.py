@@ -50,6 +50,7 @@ from ..._core._replies import FINAL, classify, error_code
 from ..._core.stream.decode import Entry
 from ..._core.stream.liveness import (
     HANDED_BACK_IDLE_MS,
+    REAP,
     STOP,
     STOP_PROBE,
     beat,
@@ -59,9 +60,10 @@ from ..._core.stream.liveness import (
     stopped_value,
 )
 from ..._core.stream.survey import (
-    REAP,
     Heartbeat,
     Survey,
+    WarmUp,
+    claim_min_idle,
     claimers,
     consumer_rows,
     heartbeat_key,
@@ -75,10 +77,11 @@ from ..._core.stream.survey import (
     registry_key,
     shorter_notes,
     survey,
+    warm_up,
+    warm_up_note,
     warnings,
     watch_notes,
 )
-from ..._core.stream.warm_up import WarmUp, claim_min_idle, warm_up, warm_up_note
 from ..._deadlines import FINALIZE_TIMEOUT, log
 from ..._identity import NameHold
 from ..._shutdown import CLOSING_TIMEOUT, Budget
@@ -95,7 +98,7 @@ _LAPSE_MARGIN = 0.005
 Adopt = Callable[[Context, list[bytes], list[Entry], dict[bytes, int], list[bytes]],
                  Awaitable[None]]
 """The own PEL's hand-over (``own_pel.OwnPel.adopt``) of what a
-:data:`~._core.stream.survey.REAP` of the
+:data:`~._core.stream.liveness.REAP` of the
 candidate ids took into its PEL (the entries, the delivery count each has
 now) and of the ids the stream no longer has."""
 
@@ -103,7 +106,7 @@ now) and of the ids the stream no longer has."""
 class StreamPresence:
     """The heartbeat, reaper and deregistration of one stream mount (see the module docstring).
 
-    ``claiming(ids)``: called before a :data:`~._core.stream.survey.REAP` that
+    ``claiming(ids)``: called before a :data:`~._core.stream.liveness.REAP` that
     may take ``ids`` is sent (a reply lost then may have moved them into the
     own PEL unseen, their count raised already); ``adopt``: called with what
     it took.
@@ -150,7 +153,7 @@ class StreamPresence:
     def claim_min_idle(self) -> float:
         """Seconds an entry must idle to be claimed now: this mount's
         ``min_idle``, or longer during the warm-up after its first
-        registration (``_core.stream.warm_up``): a live peer found at the
+        registration (``_core.stream.survey.warm_up``): a live peer found at the
         first look may hold entries idle that long until it sees this one."""
         elapsed = None if self._registered is None else anyio.current_time() - self._registered
         return claim_min_idle(self.min_idle, self._warm, elapsed)
@@ -267,7 +270,7 @@ class StreamPresence:
         """Look at the group, take over dead consumers, warn about stranded work.
 
         Per dead consumer whose entries are to be taken: an ``XPENDING ...
-        IDLE`` of one page of candidates, then :data:`~._core.stream.survey.REAP`
+        IDLE`` of one page of candidates, then :data:`~._core.stream.liveness.REAP`
         (which takes each only while still pending for it and idle enough).
 
         Errors propagate (a step of the read loop: logged, backed off, tried
@@ -301,7 +304,7 @@ class StreamPresence:
         if not self._looked:  # at mount: also the live ones that hold entries
             self._looked = True
             notes += watch_notes(ctx.name, found, time.time())
-            self._warm = warm_up(self.mode, self.min_idle, self.block, found)
+            self._warm = warm_up(self.mode, self.min_idle, self.block, STOP_PROBE, found)
             if self._warm is not None:
                 notes.append(warm_up_note(ctx.name, self.min_idle, self._warm))
         for level, msg, args, extra in notes:
