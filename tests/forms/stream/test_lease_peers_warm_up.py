@@ -23,8 +23,9 @@ import logging
 import pytest
 import trio
 from _procs import eventually
+from _stream import HeldAndQuick
 
-from trio_redis_finalize import ACK, Delivery, Mode, Outcome, StreamSubscription, open_consumer
+from trio_redis_finalize import Mode, StreamSubscription, open_consumer
 from trio_redis_finalize._transport import Client
 
 pytestmark = pytest.mark.timeout(60)
@@ -68,18 +69,8 @@ async def test_a_new_peer_does_not_take_an_entry_in_hand_idle_past_its_min_idle(
     gid = (await client.execute("XADD", S, "*", "n", "ghost")).decode()
     await client.execute("XREADGROUP", "GROUP", G, "ghost", "COUNT", 1, "STREAMS", S, ">")
     eid = (await client.execute("XADD", S, "*", "n", "0")).decode()
-    calls: list[tuple[str, str | None]] = []
-    holding, release = trio.Event(), trio.Event()
-
-    async def slow(d: Delivery) -> Outcome:
-        calls.append(("a", d.id))
-        holding.set()
-        await release.wait()
-        return ACK
-
-    async def fast(d: Delivery) -> Outcome:
-        calls.append(("b", d.id))
-        return ACK
+    h = HeldAndQuick()
+    calls, holding, release, slow, fast = h.calls, h.holding, h.release, h.held, h.quick
 
     a_sub = (StreamSubscription(S, G, mode=a_mode, heartbeat=A_BOUND, block=0.05)
              if a_mode is Mode.PLAIN else
