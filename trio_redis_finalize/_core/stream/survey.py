@@ -363,8 +363,8 @@ def warm_up(mode: Mode, min_idle: float, block: float, probe: float, found: Surv
               and (b := peer_bound(p.registration)) is not None and b > min_idle]
     if mode is Mode.PLAIN or not bounds:
         return None
-    longest, peer = -min(bounds)[0], min(bounds)[1]
-    return WarmUp(longest, probe + block + longest / 3 + margin, peer)
+    neg, peer = min(bounds)  # the longest bound, the first name on a tie
+    return WarmUp(-neg, probe + block - neg / 3 + margin, peer)
 
 
 def claim_min_idle(min_idle: float, warm: WarmUp | None, elapsed: float | None) -> float:
