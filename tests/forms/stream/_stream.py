@@ -1,8 +1,11 @@
 """What the stream form's tests share: the stream and group, the subscription's
-name, entries added and the group's pending entries."""
+name, entries added and the group's pending entries, a held and a quick handler."""
 
 from __future__ import annotations
 
+import trio
+
+from trio_redis_finalize import ACK, Delivery, Outcome
 from trio_redis_finalize._transport import Client
 
 S, G = "orders", "billing"
@@ -26,3 +29,23 @@ async def pending_of(client: Client, stream: str = S, group: str = G) -> dict[st
     """Pending entries per consumer name."""
     summary = await client.execute("XPENDING", stream, group)
     return {c.decode(): int(n) for c, n in (summary[3] or [])}
+
+
+class HeldAndQuick:
+    """Two handlers that note each call in :attr:`calls` as (who, entry id):
+    ``held`` ("a") holds its entry until :attr:`release` is set
+    (:attr:`holding` is set once it began), ``quick`` ("b") ACKs at once."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str | None]] = []
+        self.holding, self.release = trio.Event(), trio.Event()
+
+    async def held(self, d: Delivery) -> Outcome:
+        self.calls.append(("a", d.id))
+        self.holding.set()
+        await self.release.wait()
+        return ACK
+
+    async def quick(self, d: Delivery) -> Outcome:
+        self.calls.append(("b", d.id))
+        return ACK

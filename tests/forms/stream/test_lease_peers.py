@@ -23,6 +23,7 @@ import time
 import pytest
 import trio
 from _procs import effects, eventually
+from _stream import HeldAndQuick
 
 from trio_redis_finalize import ACK, Delivery, Mode, Outcome, StreamSubscription, open_consumer
 from trio_redis_finalize._core.stream.liveness import registration_value, registry_key
@@ -54,18 +55,8 @@ async def test_a_peer_with_a_shorter_min_idle_does_not_take_an_entry_in_hand(
     caplog.set_level(logging.INFO, logger="trio_redis_finalize")
     await client.execute("XGROUP", "CREATE", S, G, "0", "MKSTREAM")
     eid = (await client.execute("XADD", S, "*", "n", "0")).decode()
-    calls: list[tuple[str, str | None]] = []
-    holding, release = trio.Event(), trio.Event()
-
-    async def slow(d: Delivery) -> Outcome:
-        calls.append(("a", d.id))
-        holding.set()
-        await release.wait()
-        return ACK
-
-    async def fast(d: Delivery) -> Outcome:
-        calls.append(("b", d.id))
-        return ACK
+    h = HeldAndQuick()
+    calls, holding, release, slow, fast = h.calls, h.holding, h.release, h.held, h.quick
 
     with trio.fail_after(40):  # a bound
         async with open_consumer(redis_url, name="a") as a, \

@@ -1,11 +1,13 @@
 """Stream consumers' liveness, sans-IO: the heartbeat, the lease period, the
-stop's script.
+stop's and the reaper's scripts.
 
 A look at the group -- the keys it reads, what it decides (who is alive, who
-is dead, what to take, what to warn about) and the reaper's script -- is in
-:mod:`.survey` (the key names are re-exported here: the heartbeat writes
-them): one module for all a catch-up's look uses.  ``_forms/stream/liveness.py`` sends the commands and
-keeps the times.
+is dead, what to take, what to warn about, a claiming mount's warm-up) -- is
+in :mod:`.survey` (the key names are re-exported here: the heartbeat writes
+them): one module for all the functions a catch-up's look calls; the
+reaper's script (:data:`REAP`, a constant the look sends) is here, with the
+stop's.  ``_forms/stream/liveness.py`` sends the commands and keeps the
+times.
 
 A stream mount keeps two keys beside its stream (in its hash slot):
 
@@ -82,10 +84,17 @@ whose heartbeat lapsed, or that stopped, is not followed (the next look
 lengthens the period again); a warning names each such peer and both
 settings once per ``min_idle`` it registered (:func:`~.survey.shorter_notes`;
 the period and its notes are in :mod:`.survey`: a look computes them).
-Limits: the peer's first claims, before this consumer's probe sees its
-registration, can take an entry in hand idle past the peer's ``min_idle``;
-a consumer that never registered one (another client, an earlier version)
-is not known.
+The peer's first claims, before this consumer's probe sees its
+registration, wait: for a warm-up after its first registration a RECLAIM or
+CLAIMING mount claims only entries idle the longest lease bound of the live
+peers its first look found (:func:`~.survey.warm_up`: a peer's bound is what
+it renews against before it sees the new one, :func:`~.survey.peer_bound`),
+until each surely looked again and renewed: :data:`STOP_PROBE`, a read's
+``block`` (the new mount's: a peer's is not registered), the longest of
+their lease periods and a margin.  Limits: a consumer that never
+registered (another client, a version without heartbeats) is not known,
+nor a peer whose ``block`` is longer than the new mount's, nor one whose
+read loop waits for busy handlers (it probes between two reads).
 
 Why the stream's liveness differs from the reliable list's
 -----------------------------------------------------------
@@ -139,10 +148,10 @@ from .survey import (
 )
 
 __all__ = [
-    "HANDED_BACK_IDLE_MS", "HEARTBEAT_FLOOR", "LEASE_TIMEOUT_FLOOR", "STOP", "STOP_PROBE", "beat",
-    "claim_name", "claimer_probe", "heartbeat_key", "lease_every", "lease_guard", "lease_timeout",
-    "legacy_heartbeat_key", "legacy_registry_key", "registration_value", "registry_key",
-    "shorter_notes", "stop_probe", "stopped_value",
+    "HANDED_BACK_IDLE_MS", "HEARTBEAT_FLOOR", "LEASE_TIMEOUT_FLOOR", "REAP", "STOP", "STOP_PROBE",
+    "beat", "claim_name", "claimer_probe", "heartbeat_key", "lease_every", "lease_guard",
+    "lease_timeout", "legacy_heartbeat_key", "legacy_registry_key", "registration_value",
+    "registry_key", "shorter_notes", "stop_probe", "stopped_value",
 ]
 
 STOP_PROBE = 0.5
@@ -316,4 +325,55 @@ return {n, 1}
 """,
     name="stream_stop", keys=("stream", "heartbeat", "registry"),
     argv=("group", "consumer", "stopped", "idle_ms", "all", "value", "ids..."),
+)
+
+
+# -- the take-over of a lapsed or stopped consumer's entries ----------------------------
+
+# KEYS: stream, heartbeat (the dead consumer's heartbeat key), registry
+# ARGV: group, dead (the dead consumer), me, min_idle_ms, page, ids... (id, id, ...)
+# Gated on the heartbeat key being absent (the consumer came back: -1).
+# Takes each id (the reaper looked them up: XPENDING ... IDLE, at most `page`)
+# that is still pending for the dead consumer and idle `min idle`, with its
+# delivery count one higher (the crash counts as an attempt); one another
+# consumer took meanwhile is not pending for the dead one any more, one
+# touched since is not idle enough: racing reapers take each entry once.
+# Then, when nothing is pending for the dead consumer any more, deletes it
+# from the group and from the registry.
+# Returns {taken, gone, wait, forgotten}: taken = {id, fields, count} each;
+# gone = ids the stream no longer has (Redis 6.2 claims them as nil, 7+ drops
+# them from the PEL); wait = ms until the next entry left is idle enough (-1:
+# none left, or page 0: nothing is to be taken); forgotten = 1 when the
+# consumer was deleted.
+REAP = Script(
+    """
+if redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
+local group, dead, me = ARGV[1], ARGV[2], ARGV[3]
+local min_idle, page = tonumber(ARGV[4]), tonumber(ARGV[5])
+local taken, gone = {}, {}
+for i = 6, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], group, 'IDLE', min_idle, ARGV[i], ARGV[i], 1, dead)
+  if #p > 0 then
+    local n = tonumber(p[1][4]) + 1
+    local c = redis.call('XCLAIM', KEYS[1], group, me, 0, ARGV[i], 'RETRYCOUNT', n)
+    if c[1] then taken[#taken + 1] = {c[1][1], c[1][2], n} else gone[#gone + 1] = ARGV[i] end
+  end
+end
+local rest = redis.call('XPENDING', KEYS[1], group, '-', '+', math.max(page, 1), dead)
+if #rest == 0 then
+  redis.call('XGROUP', 'DELCONSUMER', KEYS[1], group, dead)
+  redis.call('HDEL', KEYS[3], dead)
+  return {taken, gone, -1, 1}
+end
+local wait = -1
+if page > 0 then
+  for _, r in ipairs(rest) do
+    local w = math.max(0, min_idle - tonumber(r[3]))
+    if wait < 0 or w < wait then wait = w end
+  end
+end
+return {taken, gone, wait, 0}
+""",
+    name="stream_reap", keys=("stream", "heartbeat", "registry"),
+    argv=("group", "dead", "me", "min_idle_ms", "page", "ids..."),
 )

@@ -10,7 +10,9 @@ entries are taken by :data:`REAP` calls (:class:`Reap`, its reply
 :func:`parse_reap`), stranded work is warned about (:func:`warnings`,
 :func:`watch_notes`), and the live peers that claim idle entries are named
 with their ``min_idle`` (:func:`claimers`), which make the lease period
-(:func:`lease_every`, :func:`shorter_notes`; see :mod:`.liveness`).  The
+(:func:`lease_every`, :func:`shorter_notes`; see :mod:`.liveness`); the
+first look's live peers with a longer lease bound lengthen a claiming
+mount's ``min_idle`` for a warm-up (:func:`warm_up`, see :mod:`.liveness`).  The
 keys a look reads are named here (:func:`registry_key`,
 :func:`heartbeat_key`, and those of the naming before), and the heartbeat
 writes them.  ``_forms/stream/liveness.py`` sends the commands.
@@ -28,15 +30,16 @@ from typing import Any
 
 from ..._keys import derived, named
 from ..._subscription import Mode
-from .._commands import Command, Script
+from .._commands import Command
 from .._finalize import Record
 from .decode import Entry
 
 __all__ = [
-    "MIN_IDLE_PART", "REAP", "Heartbeat", "Peer", "Reap", "Reaped", "Registration", "Survey",
-    "claimers", "consumer_rows", "heartbeat_key", "lease_every", "lease_guard",
-    "legacy_heartbeat_key", "legacy_registry_key", "parse_reap", "peers", "registration",
-    "registry", "registry_key", "shorter_notes", "survey", "warnings", "watch_notes",
+    "MIN_IDLE_PART", "Heartbeat", "Peer", "Reap", "Reaped", "Registration", "Survey", "WarmUp",
+    "claim_min_idle", "claimers", "consumer_rows", "heartbeat_key", "lease_every", "lease_guard",
+    "legacy_heartbeat_key", "legacy_registry_key", "parse_reap", "peer_bound", "peers",
+    "registration", "registry", "registry_key", "shorter_notes", "survey", "warm_up",
+    "warm_up_note", "warnings", "watch_notes",
 ]
 
 
@@ -328,6 +331,60 @@ def shorter_notes(name: str, mode: Mode, min_idle: float, heartbeat: float,
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class WarmUp:
+    """A claiming mount's claims after its first registration (:func:`warm_up`)."""
+
+    min_idle: float
+    """Seconds an entry must idle to be claimed during the window."""
+    seconds: float
+    """The window, from the first registration."""
+    peer: str
+    """The live peer whose bound is :attr:`min_idle` (the first by name on a tie)."""
+
+
+def peer_bound(reg: Registration | None) -> float | None:
+    """Seconds an entry a peer holds may idle before its lease renews it while
+    it has not seen a peer that claims sooner: its :func:`lease_guard`; its
+    ``heartbeat`` without a ``min_idle`` (PLAIN, an earlier version); None
+    when the registration tells neither."""
+    if reg is None or reg.min_idle is None or reg.mode not in (Mode.RECLAIM, Mode.CLAIMING):
+        return None if reg is None else reg.heartbeat
+    return lease_guard(reg.mode, reg.min_idle, reg.heartbeat or reg.min_idle)
+
+
+def warm_up(mode: Mode, min_idle: float, block: float, probe: float, found: Survey,
+            margin: float = 0.5) -> WarmUp | None:
+    """The first look's (``found``) warm-up: until the live peers surely saw
+    this mount's registration (``probe``: their registry probe's period;
+    ``block``: a read's) and renewed (their longest lease period), its claims
+    ask the longest :func:`peer_bound` longer than ``min_idle``.  None: PLAIN,
+    or no live peer's bound is longer (nothing changes)."""
+    bounds = [(-b, p.name) for p in found.peers if p.heartbeat is Heartbeat.ALIVE
+              and (b := peer_bound(p.registration)) is not None and b > min_idle]
+    if mode is Mode.PLAIN or not bounds:
+        return None
+    neg, peer = min(bounds)  # the longest bound, the first name on a tie
+    return WarmUp(-neg, probe + block - neg / 3 + margin, peer)
+
+
+def claim_min_idle(min_idle: float, warm: WarmUp | None, elapsed: float | None) -> float:
+    """The claims' ``min_idle`` now: ``warm``'s while ``elapsed`` (seconds
+    since the first registration; None: not yet) is inside its window."""
+    if warm is None or (elapsed is not None and elapsed >= warm.seconds):
+        return min_idle
+    return max(min_idle, warm.min_idle)
+
+
+def warm_up_note(name: str, min_idle: float, warm: WarmUp) -> Record:
+    """The note that the warm-up lengthens the claims' ``min_idle``, naming the peer."""
+    return (logging.INFO,
+            "%s: for %.1f s after mounting, this subscription claims entries idle "
+            "min_idle=%g s, not its own %g s: live consumer %r of the group may hold entries "
+            "idle that long until it sees this subscription's registration",
+            (name, warm.seconds, warm.min_idle, min_idle, warm.peer), {"subscription": name})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Reaped:
     """A :data:`REAP` reply."""
 
@@ -435,54 +492,3 @@ def watch_notes(name: str, found: Survey, now: float) -> list[Record]:
                     (name, _n(p.pending), p.name, _utc(now + p.ttl), p.ttl),
                     {"subscription": name}))
     return out
-
-
-# -- the take-over of a lapsed or stopped consumer's entries ----------------------------
-
-# KEYS: stream, heartbeat (the dead consumer's heartbeat key), registry
-# ARGV: group, dead (the dead consumer), me, min_idle_ms, page, ids... (id, id, ...)
-# Gated on the heartbeat key being absent (the consumer came back: -1).
-# Takes each id (the reaper looked them up: XPENDING ... IDLE, at most `page`)
-# that is still pending for the dead consumer and idle `min idle`, with its
-# delivery count one higher (the crash counts as an attempt); one another
-# consumer took meanwhile is not pending for the dead one any more, one
-# touched since is not idle enough: racing reapers take each entry once.
-# Then, when nothing is pending for the dead consumer any more, deletes it
-# from the group and from the registry.
-# Returns {taken, gone, wait, forgotten}: taken = {id, fields, count} each;
-# gone = ids the stream no longer has (Redis 6.2 claims them as nil, 7+ drops
-# them from the PEL); wait = ms until the next entry left is idle enough (-1:
-# none left, or page 0: nothing is to be taken); forgotten = 1 when the
-# consumer was deleted.
-REAP = Script(
-    """
-if redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
-local group, dead, me = ARGV[1], ARGV[2], ARGV[3]
-local min_idle, page = tonumber(ARGV[4]), tonumber(ARGV[5])
-local taken, gone = {}, {}
-for i = 6, #ARGV do
-  local p = redis.call('XPENDING', KEYS[1], group, 'IDLE', min_idle, ARGV[i], ARGV[i], 1, dead)
-  if #p > 0 then
-    local n = tonumber(p[1][4]) + 1
-    local c = redis.call('XCLAIM', KEYS[1], group, me, 0, ARGV[i], 'RETRYCOUNT', n)
-    if c[1] then taken[#taken + 1] = {c[1][1], c[1][2], n} else gone[#gone + 1] = ARGV[i] end
-  end
-end
-local rest = redis.call('XPENDING', KEYS[1], group, '-', '+', math.max(page, 1), dead)
-if #rest == 0 then
-  redis.call('XGROUP', 'DELCONSUMER', KEYS[1], group, dead)
-  redis.call('HDEL', KEYS[3], dead)
-  return {taken, gone, -1, 1}
-end
-local wait = -1
-if page > 0 then
-  for _, r in ipairs(rest) do
-    local w = math.max(0, min_idle - tonumber(r[3]))
-    if wait < 0 or w < wait then wait = w end
-  end
-end
-return {taken, gone, wait, 0}
-""",
-    name="stream_reap", keys=("stream", "heartbeat", "registry"),
-    argv=("group", "dead", "me", "min_idle_ms", "page", "ids..."),
-)

@@ -50,6 +50,7 @@ from ..._core._replies import FINAL, classify, error_code
 from ..._core.stream.decode import Entry
 from ..._core.stream.liveness import (
     HANDED_BACK_IDLE_MS,
+    REAP,
     STOP,
     STOP_PROBE,
     beat,
@@ -59,9 +60,10 @@ from ..._core.stream.liveness import (
     stopped_value,
 )
 from ..._core.stream.survey import (
-    REAP,
     Heartbeat,
     Survey,
+    WarmUp,
+    claim_min_idle,
     claimers,
     consumer_rows,
     heartbeat_key,
@@ -75,6 +77,8 @@ from ..._core.stream.survey import (
     registry_key,
     shorter_notes,
     survey,
+    warm_up,
+    warm_up_note,
     warnings,
     watch_notes,
 )
@@ -94,7 +98,7 @@ _LAPSE_MARGIN = 0.005
 Adopt = Callable[[Context, list[bytes], list[Entry], dict[bytes, int], list[bytes]],
                  Awaitable[None]]
 """The own PEL's hand-over (``own_pel.OwnPel.adopt``) of what a
-:data:`~._core.stream.survey.REAP` of the
+:data:`~._core.stream.liveness.REAP` of the
 candidate ids took into its PEL (the entries, the delivery count each has
 now) and of the ids the stream no longer has."""
 
@@ -102,19 +106,21 @@ now) and of the ids the stream no longer has."""
 class StreamPresence:
     """The heartbeat, reaper and deregistration of one stream mount (see the module docstring).
 
-    ``claiming(ids)``: called before a :data:`~._core.stream.survey.REAP` that
+    ``claiming(ids)``: called before a :data:`~._core.stream.liveness.REAP` that
     may take ``ids`` is sent (a reply lost then may have moved them into the
     own PEL unseen, their count raised already); ``adopt``: called with what
     it took.
     """
 
     def __init__(self, stream: str, group: str, mode: Mode, min_idle: float, heartbeat: float,
-                 page: int, claiming: Callable[[list[bytes]], None], adopt: Adopt) -> None:
+                 page: int, claiming: Callable[[list[bytes]], None], adopt: Adopt, *,
+                 block: float = 1.0) -> None:
         self.stream = stream
         self.group = group
         self.mode = mode
         self.min_idle = min_idle
         self.heartbeat = heartbeat
+        self.block = block
         self.page = page
         self._claiming = claiming
         self._adopt = adopt
@@ -134,6 +140,8 @@ class StreamPresence:
         self._seen: set[tuple[str, float | None]] = set()  # registrations the last look read
         self._shorter_warned: set[tuple[str, float]] = set()
         self._shortened: anyio.Event | None = None  # set when the lease period shrinks
+        self._registered: float | None = None  # the clock at the first registration's reply
+        self._warm: WarmUp | None = None  # the claims' warm-up (the first look decides it)
 
     @property
     def shortest(self) -> float | None:
@@ -141,6 +149,14 @@ class StreamPresence:
         lease renews every third of it when shorter than this mount's own
         guard (``_core.stream.liveness.lease_every``)."""
         return min(self.claimers.values(), default=None)
+
+    def claim_min_idle(self) -> float:
+        """Seconds an entry must idle to be claimed now: this mount's
+        ``min_idle``, or longer during the warm-up after its first
+        registration (``_core.stream.survey.warm_up``): a live peer found at the
+        first look may hold entries idle that long until it sees this one."""
+        elapsed = None if self._registered is None else anyio.current_time() - self._registered
+        return claim_min_idle(self.min_idle, self._warm, elapsed)
 
     async def shortened(self) -> None:
         """Return once a look shortens the lease period (a peer that claims
@@ -190,6 +206,8 @@ class StreamPresence:
                                              self.min_idle),
             heartbeat_key(self.stream, self.group, me),
             legacy_heartbeat_key(self.stream, self.group, me), FINALIZE_TIMEOUT)
+        if self._registered is None:  # the warm-up counts from the first (replied: visible)
+            self._registered = anyio.current_time()
 
     async def beats(self, ctx: Context) -> None:
         """Renew the heartbeat every ``heartbeat / 3`` (a task beside the reader)."""
@@ -252,7 +270,7 @@ class StreamPresence:
         """Look at the group, take over dead consumers, warn about stranded work.
 
         Per dead consumer whose entries are to be taken: an ``XPENDING ...
-        IDLE`` of one page of candidates, then :data:`~._core.stream.survey.REAP`
+        IDLE`` of one page of candidates, then :data:`~._core.stream.liveness.REAP`
         (which takes each only while still pending for it and idle enough).
 
         Errors propagate (a step of the read loop: logged, backed off, tried
@@ -286,6 +304,9 @@ class StreamPresence:
         if not self._looked:  # at mount: also the live ones that hold entries
             self._looked = True
             notes += watch_notes(ctx.name, found, time.time())
+            self._warm = warm_up(self.mode, self.min_idle, self.block, STOP_PROBE, found)
+            if self._warm is not None:
+                notes.append(warm_up_note(ctx.name, self.min_idle, self._warm))
         for level, msg, args, extra in notes:
             log.log(level, msg, *args, extra=extra)
         self._warned.update(p.name for p in found.peers if p.stranded)

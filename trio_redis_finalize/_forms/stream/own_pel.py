@@ -369,9 +369,12 @@ class OwnPel:
             self._taking.pop(eid, None)
 
     # -- claims (RECLAIM, CLAIMING) ---------------------------------------------
-    async def claim(self, conn: Connection, ctx: Context) -> None:
-        """XAUTOCLAIM entries idle ``min_idle`` (any consumer), one page."""
+    async def claim(self, conn: Connection, ctx: Context, min_idle: float | None = None) -> None:
+        """XAUTOCLAIM entries idle ``min_idle`` (any consumer; None: the
+        subscription's -- longer in the warm-up after mounting, see
+        ``liveness.StreamPresence.claim_min_idle``), one page."""
         sub = self.sub
+        min_idle = sub.min_idle if min_idle is None else min_idle
         self.unsure = True
         # the entries in hand when the claim is sent: one of them the claim takes
         # is ours and being handled (its lease lapsed), even if its handler
@@ -379,7 +382,7 @@ class OwnPel:
         before = set(ctx.in_hand)
         reply = await conn.execute(
             "XAUTOCLAIM", sub.stream, sub.group, ctx.consumer.name,
-            round(sub.min_idle * 1000), self._cursor, "COUNT", sub.count,
+            round(min_idle * 1000), self._cursor, "COUNT", sub.count,
             timeout=FINALIZE_TIMEOUT,
         )
         start, self._cursor = self._cursor, as_str(reply[0])
@@ -416,7 +419,7 @@ class OwnPel:
             if own:
                 log.warning("%s: %d entries being handled were idle min_idle=%g s (lease "
                             "renewal late); kept with their handlers", ctx.name, len(own),
-                            sub.min_idle, extra={"subscription": ctx.name})
+                            min_idle, extra={"subscription": ctx.name})
                 p = give_back(sub.stream, sub.group, ctx.consumer.name, lapsed_own(own, counts))
                 if p is not None:
                     await ctx.client.pipeline(p.commands, timeout=FINALIZE_TIMEOUT)

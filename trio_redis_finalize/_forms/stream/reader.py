@@ -89,7 +89,8 @@ class StreamReader:
         self._pending = StreamPending(own)
         # the heartbeat, the reaper of dead consumers, the hand-back at a stop
         self._presence = StreamPresence(sub.stream, sub.group, sub.mode, sub.min_idle,
-                                        sub.heartbeat, sub.count, own.claiming, own.adopt)
+                                        sub.heartbeat, sub.count, own.claiming, own.adopt,
+                                        block=sub.block)
 
     @property
     def pending(self) -> Pending:
@@ -168,7 +169,7 @@ class StreamReader:
         if sub.mode is Mode.CLAIMING or (
             sub.mode is Mode.RECLAIM and anyio.current_time() >= own.next_claim
         ):
-            await own.claim(conn, ctx)
+            await own.claim(conn, ctx, self._presence.claim_min_idle())
 
     async def turn(self, ctx: Context, conn: Connection) -> None:
         """One XREADGROUP of new entries, handed over."""
