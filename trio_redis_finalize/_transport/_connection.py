@@ -102,15 +102,15 @@ class Connection:
     Not for direct construction: use :func:`open_connection`.
     """
 
-    __slots__ = ("__weakref__", "_busy", "_head", "_reader", "_size", "_stream", "_tail",
-                 "broken", "capabilities", "lost", "params", "read_size", "scripts")
+    __slots__ = ("__weakref__", "_busy", "_last", "_reader", "_stream", "broken", "capabilities",
+                 "lost", "params", "read_size", "scripts")
 
     def __init__(self, stream: anyio.abc.ByteStream, params: ConnectionParams) -> None:
         self._stream = stream
         self._reader = self._new_reader()
-        # both ends of the last read, and its size (for the error about bytes that are not RESP)
-        self._head = self._tail = b""
-        self._size = 0
+        # the last read (for the error about bytes that are not RESP): kept, not
+        # sliced, so a read costs one store (a subscriber reads a message or two at a time)
+        self._last = b""
         self._busy = False
         self.read_size = _READ_SIZE
         """Bytes one read of the socket takes at most (a Pub/Sub connection reads less)."""
@@ -161,17 +161,17 @@ class Connection:
             raise rexc.ConnectionError(
                 f"connection to {self.params.address} lost: {e!r}"
             ) from e
-        self._head, self._tail, self._size = data[:_SHOWN], data[-_SHOWN:], len(data)
+        self._last = data
         self._reader.feed(data)
 
     def _last_read(self) -> str:
         """The last read from the socket, in words: whole when it is short,
         else its two ends (:data:`_SHOWN` bytes each)."""
-        size = self._size
-        if size > 2 * _SHOWN:
-            return f"the last read ({size} bytes) began {self._head!r} and ended {self._tail!r}"
-        whole = self._head + self._tail[2 * _SHOWN - size:] if size > _SHOWN else self._head
-        return f"the last read: {whole!r}"
+        data = self._last
+        if len(data) > 2 * _SHOWN:
+            return (f"the last read ({len(data)} bytes) began {data[:_SHOWN]!r} and ended "
+                    f"{data[-_SHOWN:]!r}")
+        return f"the last read: {data!r}"
 
     def not_redis(self, what: str) -> rexc.InvalidResponse:
         """The error for ``what`` came instead of a reply: the peer is no
