@@ -73,7 +73,7 @@ def _protocol_error(ref: weakref.ref[Connection]) -> Callable[[str], rexc.Invali
     hiredis calls it with its own text (``Protocol error, got "H" as reply
     type byte``) and raises the *class* of what it returns, with that text
     again: so the class is made here, per error, and its message is the
-    whole story (the address, the parser's text, the last bytes read).
+    whole story (the address, the parser's text, the last read).
     Whoever called the parser (a round trip, a Pub/Sub read, an iterator
     over what was received) gets that error, and the connection is marked
     lost and closed for use (:meth:`Connection.not_redis`).
@@ -108,8 +108,9 @@ class Connection:
     def __init__(self, stream: anyio.abc.ByteStream, params: ConnectionParams) -> None:
         self._stream = stream
         self._reader = self._new_reader()
-        # the last read (for the error about bytes that are not RESP): kept, not
-        # sliced, so a read costs one store (a subscriber reads a message or two at a time)
+        # the last read (for the error about bytes that are not RESP; at most read_size
+        # bytes, held until the next read): kept, not sliced, so a read costs one
+        # store (a subscriber reads a message or two at a time)
         self._last = b""
         self._busy = False
         self.read_size = _READ_SIZE
@@ -174,7 +175,7 @@ class Connection:
         return f"the last read: {data!r}"
 
     def not_redis(self, what: str) -> rexc.InvalidResponse:
-        """The error for ``what`` came instead of a reply: the peer is no
+        """The error saying ``what`` came instead of a reply: the peer is no
         Redis server (or not one any more).  It names the address; the
         connection is marked lost, as after an I/O error, and closed for use
         (its socket closed by the next :meth:`aclose`, which its owner
