@@ -588,7 +588,9 @@ def test_an_endpoint_that_is_not_redis_one_line_exit_2(command: list[str]) -> No
     assert "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines() == [
         f"trio-redis-finalize {command[0]}: error: 127.0.0.1:{port} did not answer as a Redis "
-        'server (Protocol error, got "H" as reply type byte)']
+        'server (Protocol error, got "H" as reply type byte; the last read (66 bytes) began '
+        "b'HTTP/1.1 400 Bad Request\\r\\nConten' and ended b'Length: 0\\r\\nConnection: close"
+        "\\r\\n\\r\\n')"]
 
 
 @pytest.mark.parametrize(

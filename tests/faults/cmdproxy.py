@@ -43,7 +43,9 @@ to a one-node Redis Cluster go through the proxy too.
 
 Once a connection sent ``SUBSCRIBE``/``PSUBSCRIBE`` its replies are no longer
 one per request (pushed messages): from then on they are forwarded as they
-come (faults still apply to the requests).
+come (faults still apply to the requests), and :meth:`CommandProxy.push`
+sends such a connection's client bytes of the test's own (a message, or
+:data:`NOT_RESP`), as if the server had.
 """
 
 from __future__ import annotations
@@ -401,6 +403,16 @@ class CommandProxy:
         self._conns.pop(conn.id, None)
         for s in (conn.client, conn.upstream):
             await close_stream(s, rst=True)
+
+    async def push(self, data: bytes) -> int:
+        """Send ``data`` to the client of every connection in Pub/Sub mode, in
+        one write, as if the server had sent it; how many connections got it."""
+        n = 0
+        for conn in list(self._conns.values()):
+            if conn.pubsub and not conn.closed and not conn.blackholed:
+                await conn._to_client(data)
+                n += 1
+        return n
 
     async def cut_all(self) -> None:
         """Reset every connection (blackholed ones included), e.g. between cases."""

@@ -25,9 +25,10 @@
 
   at most :data:`MAX_REDIRECTS` times per command; after that the last
   redirection error is the command's reply.
-* **No retries on ambiguous failures.**  A connection error or a timeout is
-  raised to the caller (the map is read again before the next command, in
-  case a node went away); whether to send again is the caller's decision.
+* **No retries on ambiguous failures.**  A connection error, a timeout or a
+  reply that is not RESP (``InvalidResponse``) is raised to the caller (the
+  map is read again before the next command, in case a node went away);
+  whether to send again is the caller's decision.
 * **Pipelines** are split into runs of consecutive commands of one hash
   slot, sent run after run, in order.  A run is redirected as a whole (a
   ``MOVED`` names a slot), and a run is finished (its redirections
@@ -161,7 +162,8 @@ class ClusterClient(Client):
                     reply = await self.node(addr).execute(
                         "CLUSTER", "SLOTS", timeout=self.params.connect_timeout
                     )
-                except (rexc.ConnectionError, rexc.TimeoutError, OSError) as e:
+                except (rexc.ConnectionError, rexc.TimeoutError, rexc.InvalidResponse,
+                        OSError) as e:
                     errors.append(f"{addr[0]}:{addr[1]}: {e}")
                     continue
                 except rexc.ResponseError as e:
@@ -204,7 +206,7 @@ class ClusterClient(Client):
     ) -> list[Any]:
         try:
             return await self.node(addr).pipeline(commands, raise_on_error=False, timeout=timeout)
-        except rexc.ConnectionError:
+        except (rexc.ConnectionError, rexc.InvalidResponse):
             self._stale = True  # the node may be gone: read the map before the next command
             raise
 
@@ -217,7 +219,7 @@ class ClusterClient(Client):
                 if isinstance(replies[1], rexc.NoScriptError) and _is_evalsha(command):
                     await node._load_scripts(conn, [command], timeout)
                     replies = await conn.pipeline([("ASKING",), command], timeout=timeout)
-        except rexc.ConnectionError:
+        except (rexc.ConnectionError, rexc.InvalidResponse):
             self._stale = True
             raise
         return replies[1]
@@ -473,7 +475,8 @@ class RoutedConnection(Connection):
             raise
         cluster.node(addr)._found(new)
         old = self._stream
-        self._stream, self._reader, self.params = new._stream, new._reader, new.params
+        # a parser of its own (_protocol_error marks this one lost); new's holds nothing
+        self._stream, self._reader, self.params = new._stream, self._new_reader(), new.params
         self.capabilities = new.capabilities
         with anyio.move_on_after(_CLOSE_TIMEOUT, shield=True):
             try:

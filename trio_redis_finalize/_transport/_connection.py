@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ssl
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
@@ -50,6 +51,8 @@ _NOT_ENOUGH = object()
 _READ_SIZE = 65536
 _CLOSE_TIMEOUT = 1.0  # a TLS close must not hang a cancelled caller
 _NO_DEADLINE = contextlib.nullcontext()  # stateless: entered by any number of requests
+_SHOWN = 32
+"""Bytes of each end of the last read that an error about bytes that are not RESP shows."""
 
 
 def _parse_error(text: str) -> rexc.RedisError:
@@ -64,22 +67,51 @@ def _parse_error(text: str) -> rexc.RedisError:
     return err
 
 
+def _protocol_error(ref: weakref.ref[Connection]) -> Callable[[str], rexc.InvalidResponse]:
+    """The parser's ``protocolError``, for the connection ``ref`` names.
+
+    hiredis calls it with its own text (``Protocol error, got "H" as reply
+    type byte``) and raises the *class* of what it returns, with that text
+    again: so the class is made here, per error, and its message is the
+    whole story (the address, the parser's text, the last read).
+    Whoever called the parser (a round trip, a Pub/Sub read, an iterator
+    over what was received) gets that error, and the connection is marked
+    lost and closed for use (:meth:`Connection.not_redis`).
+    """
+    def error(text: str) -> rexc.InvalidResponse:
+        conn = ref()
+        if conn is None:  # pragma: no cover - a parser outliving its connection
+            return rexc.InvalidResponse(text)
+        message = str(conn.not_redis(f"{text}; {conn._last_read()}"))
+
+        class InvalidResponse(rexc.InvalidResponse):
+            def __init__(self, *args: object) -> None:
+                super().__init__(message)
+
+        # shown as redis-py's own (tracebacks, logs)
+        InvalidResponse.__module__ = rexc.InvalidResponse.__module__
+        InvalidResponse.__qualname__ = rexc.InvalidResponse.__qualname__
+        return InvalidResponse()
+
+    return error
+
+
 class Connection:
     """A single connection; see the module docstring for the rules it keeps.
 
     Not for direct construction: use :func:`open_connection`.
     """
 
-    __slots__ = ("_busy", "_reader", "_stream", "broken", "capabilities", "lost", "params",
-                 "read_size", "scripts")
+    __slots__ = ("__weakref__", "_busy", "_last", "_reader", "_stream", "broken", "capabilities",
+                 "lost", "params", "read_size", "scripts")
 
     def __init__(self, stream: anyio.abc.ByteStream, params: ConnectionParams) -> None:
         self._stream = stream
-        self._reader = hiredis.Reader(
-            protocolError=rexc.InvalidResponse,
-            replyError=_parse_error,
-            notEnoughData=_NOT_ENOUGH,
-        )
+        self._reader = self._new_reader()
+        # the last read (for the error about bytes that are not RESP; at most read_size
+        # bytes, held until the next read): kept, not sliced, so a read costs one
+        # store (a subscriber reads a message or two at a time)
+        self._last = b""
         self._busy = False
         self.read_size = _READ_SIZE
         """Bytes one read of the socket takes at most (a Pub/Sub connection reads less)."""
@@ -92,6 +124,14 @@ class Connection:
         self.capabilities: Capabilities | None = None
         """What the server said it can do when this connection was opened
         (``_core._caps``); None: not asked, or the server refused to say."""
+
+    def _new_reader(self) -> hiredis.Reader:
+        """A reply parser for this connection (see :func:`_protocol_error`)."""
+        return hiredis.Reader(
+            protocolError=_protocol_error(weakref.ref(self)),
+            replyError=_parse_error,
+            notEnoughData=_NOT_ENOUGH,
+        )
 
     async def aclose(self) -> None:
         """Close the connection (shielded and bounded: safe inside a cancelled scope)."""
@@ -122,13 +162,28 @@ class Connection:
             raise rexc.ConnectionError(
                 f"connection to {self.params.address} lost: {e!r}"
             ) from e
+        self._last = data
         self._reader.feed(data)
 
-    def _not_redis(self, e: rexc.InvalidResponse) -> rexc.InvalidResponse:
-        """A reply that is not RESP: the peer is no Redis server (or not one
-        any more); the error names the address."""
+    def _last_read(self) -> str:
+        """The last read from the socket, in words: whole when it is short,
+        else its two ends (:data:`_SHOWN` bytes each)."""
+        data = self._last
+        if len(data) > 2 * _SHOWN:
+            return (f"the last read ({len(data)} bytes) began {data[:_SHOWN]!r} and ended "
+                    f"{data[-_SHOWN:]!r}")
+        return f"the last read: {data!r}"
+
+    def not_redis(self, what: str) -> rexc.InvalidResponse:
+        """The error saying ``what`` came instead of a reply: the peer is no
+        Redis server (or not one any more).  It names the address; the
+        connection is marked lost, as after an I/O error, and closed for use
+        (its socket closed by the next :meth:`aclose`, which its owner
+        awaits: a round trip at once, a pool on release, a Pub/Sub
+        connection when its block ends)."""
         self.lost = True
-        return rexc.InvalidResponse(f"{self.params.address} did not answer as a Redis server ({e})")
+        self.broken = True
+        return rexc.InvalidResponse(f"{self.params.address} did not answer as a Redis server ({what})")
 
     async def _read_reply(self) -> Any:
         while True:
@@ -144,6 +199,9 @@ class Connection:
             redis.exceptions.ConnectionError: the connection failed or was closed.
             redis.exceptions.TimeoutError: no complete answer within ``timeout``;
                 the outcome of the request is unknown and the connection is closed.
+            redis.exceptions.InvalidResponse: what came is not RESP (the peer is
+                no Redis server): the outcome is unknown, the message names the
+                address, and the connection is marked lost and closed.
         """
         if self.broken:
             raise rexc.ConnectionError(f"connection to {self.params.address} is closed")
@@ -168,17 +226,16 @@ class Connection:
                     ) from e
                 # every reply parsed in this loop (no coroutine per reply); the
                 # socket is read only when the parser has no complete reply
+                # (bytes that are not RESP: the parser raises InvalidResponse
+                # naming the address, see _protocol_error; closed below)
                 gets = self._reader.gets
                 append = replies.append
-                try:
-                    while len(replies) < n:
-                        reply = gets()
-                        if reply is _NOT_ENOUGH:
-                            await self._receive()
-                        else:
-                            append(reply)
-                except rexc.InvalidResponse as e:
-                    raise self._not_redis(e) from None
+                while len(replies) < n:
+                    reply = gets()
+                    if reply is _NOT_ENOUGH:
+                        await self._receive()
+                    else:
+                        append(reply)
             if scope is not None and scope.cancelled_caught:
                 raise rexc.TimeoutError(
                     f"no reply from {self.params.address} within {timeout} s (outcome unknown)"

@@ -7,6 +7,14 @@ subscriber leaves messages in the kernel and in the server's output buffer
 unbounded queue here.  The only local buffer holds messages that arrived
 while waiting for a confirmation, at most ``max_pending`` of them; past that
 the oldest are dropped and counted in :attr:`PubSub.dropped`.
+
+What is not a Pub/Sub reply -- bytes that are not RESP, or a reply no
+Redis server sends a subscriber -- raises ``InvalidResponse`` naming the
+address and what came, from whichever call met it (:meth:`PubSub.get_message`,
+a confirmation, a ping, the iterator of :meth:`PubSub.received`,
+:meth:`PubSub.other`): the connection is marked lost, as after an I/O error,
+and closed (the iterator, which cannot wait, only marks it closed; the
+socket closes when the owner's block ends).
 """
 
 from __future__ import annotations
@@ -48,6 +56,9 @@ _set_data = Message.__dict__["data"].__set__
 _set_pattern = Message.__dict__["pattern"].__set__
 
 
+_SHOWN = 80
+"""Characters of an unexpected reply an error shows at most."""
+
 _READ_SIZE = 16384
 """Bytes a Pub/Sub connection reads from its socket at most at once.  The
 parser (hiredis) moves what it holds to the front of its buffer after every
@@ -80,14 +91,27 @@ class PubSub:
             raise reply
         if isinstance(reply, bytes) and reply.upper() == b"PONG":
             return b"pong", reply  # PING before any subscription: a plain +PONG
-        if not isinstance(reply, list) or not reply:
-            raise rexc.InvalidResponse(f"unexpected Pub/Sub reply {reply!r}")
-        kind = bytes(reply[0]).lower()
+        if not isinstance(reply, list) or not reply or not isinstance(reply[0], bytes):
+            raise self._unexpected(reply)
+        kind = reply[0].lower()
         if kind == b"message":
+            if len(reply) != 3:
+                raise self._unexpected(reply)
             self._keep(Message(channel=reply[1], data=reply[2]))
         elif kind == b"pmessage":
+            if len(reply) != 4:
+                raise self._unexpected(reply)
             self._keep(Message(channel=reply[2], data=reply[3], pattern=reply[1]))
         return kind, reply
+
+    def _unexpected(self, reply: Any) -> rexc.InvalidResponse:
+        """The error for ``reply``, which no Redis server sends a subscriber
+        (shown at most :data:`_SHOWN` characters long); the connection is
+        marked lost and closed for use."""
+        shown = repr(reply)
+        if len(shown) > _SHOWN:
+            shown = shown[:_SHOWN] + "..."
+        return self.conn.not_redis(f"unexpected Pub/Sub reply {shown}")
 
     async def _send(self, *args: Arg) -> None:
         if self.conn.broken:
@@ -103,10 +127,12 @@ class PubSub:
             if not ok:  # also on cancellation: part of the command may have been sent
                 await self.conn.aclose()
 
-    async def _read(self) -> Any:
+    async def _next(self) -> tuple[bytes, Any]:
+        """The next reply read from the socket, classified (:meth:`_classify`);
+        a lost connection or what is not a Pub/Sub reply closes the connection."""
         try:
-            return await self.conn._read_reply()
-        except rexc.ConnectionError:
+            return self._classify(await self.conn._read_reply())
+        except (rexc.ConnectionError, rexc.InvalidResponse):
             await self.conn.aclose()
             raise
 
@@ -115,7 +141,7 @@ class PubSub:
         try:
             with anyio.fail_after(timeout):
                 while waiting:
-                    got, reply = self._classify(await self._read())
+                    got, reply = await self._next()
                     if got == kind:
                         waiting.discard(bytes(reply[1]))
         except TimeoutError:
@@ -142,7 +168,7 @@ class PubSub:
         try:
             with anyio.fail_after(timeout):
                 while True:
-                    kind, _ = self._classify(await self._read())
+                    kind, _ = await self._next()
                     if kind == b"pong":
                         return
         except TimeoutError:
@@ -160,6 +186,9 @@ class PubSub:
         parsed past the step that stops it).  A reply that is not a message
         the caller expects goes to :meth:`other`, and the caller stops there:
         what follows it is left for the next call (or :meth:`get_message`).
+        Bytes that are not RESP raise ``InvalidResponse`` from the iterator
+        (the address named, the connection marked lost and closed for use;
+        see the module docstring).
         """
         gets = self.conn._reader.gets
         pending = self._pending
@@ -175,7 +204,8 @@ class PubSub:
     def other(self, reply: Any) -> None:
         """A reply :meth:`received` gave that the caller does not take: an
         error reply raised, a message kept (:meth:`get_message` returns it
-        first), a confirmation or a pong noted."""
+        first), a confirmation or a pong noted; anything else raises
+        ``InvalidResponse`` (see the module docstring)."""
         self._classify(reply)
 
     async def get_message(self, timeout: float | None = None) -> Message | None:
@@ -192,23 +222,27 @@ class PubSub:
         # the replies already parsed from what was read: no cancel scope, no
         # checkpoint (the reading below is one, whenever this runs dry)
         gets = self.conn._reader.gets
-        while True:
-            reply = gets()
-            if reply is _NOT_ENOUGH:
-                break
-            if reply.__class__ is list:  # the common cases, without the queue
-                if len(reply) == 3 and reply[0] == b"message":
-                    return Message(reply[1], reply[2])
-                if len(reply) == 4 and reply[0] == b"pmessage":
-                    return Message(reply[2], reply[3], reply[1])
-            self._classify(reply)
-            if self._pending:
-                return self._pending.popleft()
+        try:
+            while True:
+                reply = gets()
+                if reply is _NOT_ENOUGH:
+                    break
+                if reply.__class__ is list:  # the common cases, without the queue
+                    if len(reply) == 3 and reply[0] == b"message":
+                        return Message(reply[1], reply[2])
+                    if len(reply) == 4 and reply[0] == b"pmessage":
+                        return Message(reply[2], reply[3], reply[1])
+                self._classify(reply)
+                if self._pending:
+                    return self._pending.popleft()
+        except rexc.InvalidResponse:  # not a Pub/Sub reply (marked lost): close it
+            await self.conn.aclose()
+            raise
         if timeout is not None and timeout <= 0:
             return None
         with anyio.move_on_after(timeout if timeout is not None else float("inf")):
             while not self._pending:
-                self._classify(await self._read())
+                await self._next()
         if self._pending:
             return self._pending.popleft()
         return None

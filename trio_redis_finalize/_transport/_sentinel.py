@@ -9,12 +9,14 @@ for a ``redis+sentinel://`` URL (or :func:`~._url.sentinel_params`).
   turn (each question with the deadline ``params.sentinel_timeout``); the
   first that names the master answers, and is asked first next time.
 * **Every new connection is checked with ``ROLE``**: a server that is not a
-  master (a stale answer during a failover) is refused; the client asks the
-  sentinels again once, and raises ``ConnectionError`` if that does not give
-  a master either (the caller backs off and tries again).
+  master (a stale answer during a failover), or answers ``ROLE`` with bytes
+  that are not RESP, is refused; the client asks the sentinels again once,
+  and raises ``ConnectionError`` if that does not give a master either (the
+  caller backs off and tries again).
 * **Sentinels down:** the last known master is used while it answers
   ``ROLE`` master (no sentinel is needed to keep consuming).
-* **Rediscovery:** a connection to the master that is lost, or answers
+* **Rediscovery:** a connection to the master that is lost, answers bytes
+  that are not RESP (something else at its address now), or answers
   ``READONLY`` / ``MASTERDOWN`` (the server is a replica now), makes the next
   new connection ask the sentinels again; a connection that got ``READONLY``
   is closed at once, so a reader's next ``connect()`` reaches the new master.
@@ -124,6 +126,9 @@ class MasterConnection(Connection):
         except rexc.ConnectionError:
             if self.lost:
                 self._client.suspect(self.address, "connection lost")
+            raise
+        except rexc.InvalidResponse:  # closed, as a lost connection
+            self._client.suspect(self.address, "did not answer as a Redis server")
             raise
         for reply in replies:
             if not_master(reply):
@@ -292,7 +297,13 @@ class SentinelClient(Client):
                     ) from e
                 continue
             assert isinstance(conn, MasterConnection)
-            role = await self._role(conn)
+            try:
+                role = await self._role(conn)
+            except rexc.InvalidResponse as e:  # closed and suspected: as one that cannot connect
+                if last:
+                    raise rexc.ConnectionError(
+                        f"master {self.service_name!r}, as the sentinels name it: {e}") from e
+                continue
             if role == "master":
                 if self._master != addr:  # a switch while we connected
                     await conn.aclose()
