@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -194,7 +194,7 @@ async def soak(form: Form, url: str, admin: Client, tmp_path: Path) -> dict[str,
         "same_delivery_twice": sum(n - 1 for n in per_token.values()),
         "seconds": round(time.monotonic() - started, 1), "executions_per_life": lives,
         "kinds": kinds, "execs": execs, "rows": rows, "state": state, "stranded": stranded,
-        "drained": drained,
+        "drained": drained, "log": log.read_text(),
     }
 
 
@@ -209,7 +209,8 @@ def check(result: dict[str, Any]) -> None:
     never = [o for o, k in kinds.items() if execs[o] == 0]
     assert not never, f"{len(never)} never handled, e.g. {[(o, kinds[o]) for o in never[:5]]}"
     wrong_dead = {o: dead[o] for o, k in kinds.items() if dead[o] != (1 if k == "poison" else 0)}
-    assert not wrong_dead, f"dead letters (poison exactly once, others never): {wrong_dead}"
+    assert not wrong_dead, (f"dead letters (poison exactly once, others never): {wrong_dead}; "
+                            f"{_story(result, wrong_dead)}")
     assert set(dead) <= set(kinds)
     if result["form"] == "stream":  # finalized exactly once: one copy per retry, per delay
         copies = state.copies()
@@ -228,6 +229,28 @@ def check(result: dict[str, Any]) -> None:
     bound = result["kills"] * result["concurrency"] * 2
     assert result["duplicates"] <= bound, (
         f"{result['duplicates']} duplicate executions > 2 x kills x concurrency = {bound}")
+
+
+def _story(result: dict[str, Any], origins: Iterable[str], most: int = 3) -> str:
+    """What the log and Redis say of a few ``origins``: each handler call
+    (delivery, attempt, the life it ran in) and each dead letter's fields (its
+    reason), so that a failure seen once on a loaded machine can be read."""
+    lives: list[int] = []
+    life = 0
+    for line in result["log"].splitlines():
+        if line == "READY":
+            life += 1
+        elif line.startswith("H "):
+            lives.append(life)
+    dead = [e for e in getattr(result["state"], "dead", [])]
+    out = []
+    for o in list(origins)[:most]:
+        calls = [(token, attempt, f"life {lives[i]}")
+                 for i, (token, origin, attempt, _) in enumerate(result["rows"]) if origin == o]
+        letters = [{k.decode(): v[:200] for k, v in e.fields.items()}
+                   for e in dead if getattr(e, "origin", None) == o]
+        out.append(f"{o}: handler calls {calls}, dead letters {letters}")
+    return "; ".join(out)
 
 
 def report(result: dict[str, Any]) -> None:
