@@ -64,6 +64,7 @@ def token_of(d: Delivery) -> str:
 
 async def main(url: str, form: str, name: str, log_path: str, concurrency: int) -> None:
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.write(fd, b"START\n")  # a life begins (its handlers may run before READY)
 
     async def handle(d: Delivery) -> Outcome:
         kind = kind_of(d)
