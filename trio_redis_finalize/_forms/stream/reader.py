@@ -36,7 +36,7 @@ from .._delay_set import move_due
 from .._port import Context, Pending
 from .._read_loop import check_type, reader_connection
 from . import MIN_IDLE_FLOOR, StreamSubscription
-from .liveness import StreamPresence
+from .liveness import StreamPresence, follows
 from .own_pel import OwnPel, hand_over
 from .pending import StreamPending
 from .retention import check_retention, trim
@@ -325,8 +325,10 @@ class StreamReader:
         RECLAIM and CLAIMING, or the shorter ``min_idle`` a live peer that
         claims registered, as the last look found it:
         ``StreamPresence.shortest``; a look that finds a shorter one cuts
-        the wait short), so an entry being handled stays well below it
-        while the process runs -- even should this consumer's heartbeat key
+        the wait short, and so does the lease's own read of the registry
+        while the read loop waits for busy handlers: ``liveness.follows``, a
+        task beside the renewals), so an entry being handled stays well
+        below it while the process runs -- even should this consumer's heartbeat key
         vanish (evicted, flushed); should one lapse all the same, the claim
         that finds it keeps it with its handler (see :meth:`_claim`).
 
@@ -345,6 +347,12 @@ class StreamReader:
         never start here; a running handler finishes, its finalization finds
         the gate as the other consumer left it.
         """
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(follows, self._presence, ctx)
+            await self._renewals(ctx)
+
+    async def _renewals(self, ctx: Context) -> None:
+        """The renewals of :meth:`_lease` (see there)."""
         sub = self.sub
         presence = self._presence
         due = anyio.current_time()
