@@ -379,28 +379,29 @@ class StreamReader:
                     continue
                 others = lease_lost(part, replies)
                 if others:
-                    self._disown(ctx, others)
-
-    def _disown(self, ctx: Context, others: dict[str, str]) -> None:
-        """Entries the lease found pending for another consumer: dropped, the
-        unstarted ones never started; logged.  (One pending for nobody is left
-        as it is: finalized meanwhile -- its finalization is on the way --, or
-        its group recreated at the last id read, where a queued entry must
-        still be handled, not skipped.)"""
-        dropped = ctx.disown(others)
-        owners = sorted(set(others.values()))
-        log.warning("%s: %d entries held by this consumer are now pending for %s (claimed "
-                    "while this consumer stalled past the lease); left with them, dropped "
-                    "from this consumer's lease: %s", ctx.name, len(others),
-                    ", ".join(repr(o) for o in owners), ", ".join(sorted(others)[:20]),
-                    extra={"subscription": ctx.name, "entry_ids": sorted(others)})
-        if dropped:
-            log.warning("%s: %d entries read and not started are another consumer's now; "
-                        "not started here: %s",
-                        ctx.name, len(dropped), ", ".join(str(d.id) for d in dropped[:20]),
-                        extra={"subscription": ctx.name, "entry_ids": [d.id for d in dropped]})
+                    _disown(ctx, others)
 
     def _resume_at(self) -> str:
         """Where a group destroyed mid-run is recreated: the last id handed over."""
         last = self.own_pel.last
         return last.decode() if last is not None else self.sub.start_id
+
+
+def _disown(ctx: Context, others: dict[str, str]) -> None:
+    """Entries the lease found pending for another consumer: dropped, the
+    unstarted ones never started; logged.  (One pending for nobody is left
+    as it is: finalized meanwhile -- its finalization is on the way --, or
+    its group recreated at the last id read, where a queued entry must
+    still be handled, not skipped.)"""
+    dropped = ctx.disown(others)
+    owners = sorted(set(others.values()))
+    log.warning("%s: %d entries held by this consumer are now pending for %s (claimed "
+                "while this consumer stalled past the lease); left with them, dropped "
+                "from this consumer's lease: %s", ctx.name, len(others),
+                ", ".join(repr(o) for o in owners), ", ".join(sorted(others)[:20]),
+                extra={"subscription": ctx.name, "entry_ids": sorted(others)})
+    if dropped:
+        log.warning("%s: %d entries read and not started are another consumer's now; "
+                    "not started here: %s",
+                    ctx.name, len(dropped), ", ".join(str(d.id) for d in dropped[:20]),
+                    extra={"subscription": ctx.name, "entry_ids": [d.id for d in dropped]})
