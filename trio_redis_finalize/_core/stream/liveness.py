@@ -85,11 +85,11 @@ read, or a step is slow: the probe overdue, :func:`follow_at`), the lease
 reads the registry itself every :data:`STOP_PROBE` as long as it holds
 entries, and follows such a peer once its heartbeat key is there
 (:func:`alive_claimers`; the look, its reaping and hand-over stay the read
-loop's).  A peer
-whose heartbeat lapsed, or that stopped, is not followed (the next look
-lengthens the period again); a warning names each such peer and both
-settings once per ``min_idle`` it registered (:func:`~.survey.shorter_notes`;
-the period and its notes are in :mod:`.survey`: a look computes them).
+loop's).  A peer whose heartbeat lapsed, or that stopped, is not followed
+(the next look lengthens the period again); a warning names each such peer
+and both settings once per ``min_idle`` it registered
+(:func:`~.survey.shorter_notes`; the period and its notes are in
+:mod:`.survey`: a look computes them).
 The peer's first claims, before this consumer's probe sees its
 registration, wait: for a warm-up after its first registration a RECLAIM or
 CLAIMING mount claims only entries idle the longest lease bound of the live
