@@ -5,8 +5,9 @@ A consumer of a stream group registers its ``min_idle`` (RECLAIM, CLAIMING;
 entries it holds every third of the shortest ``min_idle`` among itself and
 the live registered peers that claim (``survey.claimers``,
 ``liveness.lease_every``); a registry probe finds a new such peer between
-two looks (``claimer_probe``) and each is warned about once
-(``shorter_notes``).  The real-server test is in
+two looks (``claimer_probe``), or the lease's own read of the registry
+while the read loop's probe is overdue (``follow_at``, ``alive_claimers``),
+and each is warned about once (``shorter_notes``).  The real-server test is in
 ``tests/forms/stream/test_lease_peers.py``.
 """
 
@@ -15,7 +16,11 @@ from __future__ import annotations
 import logging
 
 from trio_redis_finalize._core.stream.liveness import (
+    SEEN_WITHIN,
+    STOP_PROBE,
+    alive_claimers,
     claimer_probe,
+    follow_at,
     lease_every,
     lease_guard,
     registration_value,
@@ -113,6 +118,29 @@ def test_the_registry_probe_names_a_new_peer_that_claims_sooner_once() -> None:
     # it beat again, or came back with another min_idle: a look
     again = registry([b"b", b"30000 reclaim 8 min_idle=1000"])
     assert claimer_probe(again, "me", 9.0, {"b": 1.5}, {("b", 0.007)}) == ["b"]
+
+
+def test_the_lease_reads_the_registry_only_while_the_read_loops_probe_is_overdue() -> None:
+    """The read loop's probe due at 10.0, reads blocking 1 s: the lease's own
+    read is due once the probe is late by a block and a probe period (a
+    read loop that probes in time makes it send nothing), then every
+    probe period after the last; a new registration is read within
+    :data:`SEEN_WITHIN` and a block either way."""
+    assert follow_at(10.0, 0.0, 1.0) == 10.0 + 1.0 + STOP_PROBE
+    assert follow_at(12.0, 0.0, 1.0) == 12.0 + 1.0 + STOP_PROBE  # the read loop probed again
+    assert follow_at(10.0, 11.6, 1.0) == 11.6 + STOP_PROBE  # its own last read
+    # the registry read at 9.5 (the probe, due again at 10.0): read again by 11.5 at the latest
+    assert follow_at(10.0, 0.0, 1.0) - 9.5 == SEEN_WITHIN + 1.0
+
+
+def test_the_lease_follows_the_new_claimers_whose_heartbeat_key_is_there() -> None:
+    regs = registry([b"b", b"30000 reclaim 7 min_idle=1500", b"c", b"30000 claiming 7 min_idle=800",
+                     b"d", b"30000 reclaim 7 min_idle=500"])
+    names = claimer_probe(regs, "me", 9.0, {}, set())
+    assert names == ["b", "c", "d"]
+    # PTTL: alive, alive with no expiry, gone (dead: a look reaps it, it claims nothing)
+    assert alive_claimers(regs, names, [29000, -1, -2]) == {"b": 1.5, "c": 0.8}
+    assert alive_claimers(regs, names, [b"-2", b"-2", b"-2"]) == {}
 
 
 def test_each_peer_that_claims_sooner_is_warned_about_once_per_min_idle() -> None:

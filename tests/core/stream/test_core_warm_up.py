@@ -13,7 +13,7 @@ import logging
 
 import pytest
 
-from trio_redis_finalize._core.stream.liveness import STOP_PROBE, registration_value
+from trio_redis_finalize._core.stream.liveness import SEEN_WITHIN, registration_value
 from trio_redis_finalize._core.stream.survey import (
     Heartbeat,
     Peer,
@@ -63,11 +63,11 @@ def test_no_live_peer_with_a_longer_bound_changes_nothing() -> None:
         _peer("stopped", "30000 reclaim 1000 stopped", Heartbeat.STOPPED),
         _peer("unknown", None, Heartbeat.NONE),
     )
-    assert warm_up(RECLAIM, 1.5, 1.0, STOP_PROBE, found) is None
-    assert warm_up(CLAIMING, 1.5, 1.0, STOP_PROBE, _survey()) is None
+    assert warm_up(RECLAIM, 1.5, 1.0, SEEN_WITHIN, found) is None
+    assert warm_up(CLAIMING, 1.5, 1.0, SEEN_WITHIN, _survey()) is None
     # PLAIN claims nothing: never a warm-up
     longer = _survey(_peer("a", registration_value(30.0, RECLAIM, 1.0, min_idle=9.0)))
-    assert warm_up(PLAIN, 1.5, 1.0, STOP_PROBE, longer) is None
+    assert warm_up(PLAIN, 1.5, 1.0, SEEN_WITHIN, longer) is None
     assert claim_min_idle(1.5, None, 0.0) == 1.5
     assert claim_min_idle(1.5, None, None) == 1.5
 
@@ -79,11 +79,11 @@ def test_the_longest_live_bound_lengthens_the_claims_until_the_peers_surely_rene
         _peer("c", registration_value(30.0, CLAIMING, 1.0, min_idle=3.0)),
         _peer("dead", registration_value(30.0, RECLAIM, 1.0, min_idle=99.0), Heartbeat.LAPSED),
     )
-    w = warm_up(CLAIMING, 1.5, 0.25, STOP_PROBE, found)
+    w = warm_up(CLAIMING, 1.5, 0.25, SEEN_WITHIN, found)
     assert w is not None
     assert w.peer == "b" and w.min_idle == 12.0
-    # the registry probe, a read's block, the longest peer's lease period, the margin
-    assert w.seconds == pytest.approx(STOP_PROBE + 0.25 + 12.0 / 3 + 0.5)
+    # the peers' registry read (SEEN_WITHIN), a read's block, the longest peer's lease period, the margin
+    assert w.seconds == pytest.approx(SEEN_WITHIN + 0.25 + 12.0 / 3 + 0.5)
     assert claim_min_idle(1.5, w, 0.0) == 12.0
     assert claim_min_idle(1.5, w, None) == 12.0  # not registered yet: still the longer
     assert claim_min_idle(1.5, w, w.seconds - 0.001) == 12.0
@@ -94,7 +94,7 @@ def test_the_longest_live_bound_lengthens_the_claims_until_the_peers_surely_rene
 def test_a_tie_names_the_first_peer_by_name() -> None:
     found = _survey(_peer("z", registration_value(30.0, RECLAIM, 1.0, min_idle=9.0)),
                     _peer("m", registration_value(9.0, PLAIN, 1.0)))
-    assert warm_up(RECLAIM, 1.5, 1.0, STOP_PROBE, found) == WarmUp(9.0, STOP_PROBE + 1.0 + 3.0 + 0.5, "m")
+    assert warm_up(RECLAIM, 1.5, 1.0, SEEN_WITHIN, found) == WarmUp(9.0, SEEN_WITHIN + 1.0 + 3.0 + 0.5, "m")
 
 
 def test_the_note_names_the_peer_and_both_settings() -> None:

@@ -1,7 +1,10 @@
 """What the stream form's tests share: the stream and group, the subscription's
-name, entries added and the group's pending entries, a held and a quick handler."""
+name, entries added and the group's pending entries, a held and a quick handler,
+the lease-peer tests' check of the warning about a peer."""
 
 from __future__ import annotations
+
+import logging
 
 import trio
 
@@ -49,3 +52,12 @@ class HeldAndQuick:
     async def quick(self, d: Delivery) -> Outcome:
         self.calls.append(("b", d.id))
         return ACK
+
+
+def warned_once_about_b(records: list[logging.LogRecord]) -> None:
+    """One warning that consumer 'b' claims sooner (``min_idle`` 1.5 s) than
+    this subscription (9 s), among ``records`` (``caplog.records``)."""
+    told = [r.getMessage() for r in records
+            if r.levelno == logging.WARNING and "consumer 'b' of the group claims" in r.getMessage()]
+    assert len(told) == 1, told
+    assert "min_idle=1.5 s" in told[0] and "min_idle=9 s" in told[0], told

@@ -23,7 +23,7 @@ import time
 import pytest
 import trio
 from _procs import effects, eventually
-from _stream import HeldAndQuick
+from _stream import HeldAndQuick, warned_once_about_b
 
 from trio_redis_finalize import ACK, Delivery, Mode, Outcome, StreamSubscription, open_consumer
 from trio_redis_finalize._core.stream.liveness import registration_value, registry_key
@@ -78,10 +78,7 @@ async def test_a_peer_with_a_shorter_min_idle_does_not_take_an_entry_in_hand(
     assert calls == [("a", eid)]
     assert effects(b) == {}
     assert await client.execute("XPENDING", S, G, "-", "+", 10) == []
-    told = [r.getMessage() for r in caplog.records
-            if r.levelno == logging.WARNING and "consumer 'b' of the group claims" in r.getMessage()]
-    assert len(told) == 1, told
-    assert "min_idle=1.5 s" in told[0] and "min_idle=9 s" in told[0], told
+    warned_once_about_b(caplog.records)
 
 
 def _told(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:

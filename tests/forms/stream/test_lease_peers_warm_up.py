@@ -39,9 +39,9 @@ B_MIN_IDLE = 1.5
 MOUNT_AT = 1.9
 """B mounts once A's entry has idled this long (ms read from ``XPENDING``):
 past B's ``min_idle``, about a second before A's next renewal."""
-HOLD = 5.0
+HOLD = 5.5
 """Seconds after B mounted that A's handler holds the entry: past B's warm-up
-(0.5 + 0.05 + 3 + 0.5 s) and several of B's claims."""
+(1 + 0.05 + 3 + 0.5 s) and several of B's claims."""
 
 
 async def _idle_ms(client: Client, eid: str) -> int:

@@ -79,22 +79,27 @@ own-PEL recovery at a restart hands over its entries just before it), so
 until then, and while no look succeeded, the period is the consumer's own;
 between two looks a registry probe (:func:`claimer_probe`, with the stop
 probe) makes a look as soon as such a peer registers or beats again after a
-lapse, and the lease's wait is cut short when the period shrinks.  A peer
-whose heartbeat lapsed, or that stopped, is not followed (the next look
-lengthens the period again); a warning names each such peer and both
-settings once per ``min_idle`` it registered (:func:`~.survey.shorter_notes`;
-the period and its notes are in :mod:`.survey`: a look computes them).
+lapse, and the lease's wait is cut short when the period shrinks.  While
+the read loop does not probe (it waits for busy handlers to take what it
+read, or a step is slow: the probe overdue, :func:`follow_at`), the lease
+reads the registry itself every :data:`STOP_PROBE` as long as it holds
+entries, and follows such a peer once its heartbeat key is there
+(:func:`alive_claimers`; the look, its reaping and hand-over stay the read
+loop's).  A peer whose heartbeat lapsed, or that stopped, is not followed
+(the next look lengthens the period again); a warning names each such peer
+and both settings once per ``min_idle`` it registered
+(:func:`~.survey.shorter_notes`; the period and its notes are in
+:mod:`.survey`: a look computes them).
 The peer's first claims, before this consumer's probe sees its
 registration, wait: for a warm-up after its first registration a RECLAIM or
 CLAIMING mount claims only entries idle the longest lease bound of the live
 peers its first look found (:func:`~.survey.warm_up`: a peer's bound is what
 it renews against before it sees the new one, :func:`~.survey.peer_bound`),
-until each surely looked again and renewed: :data:`STOP_PROBE`, a read's
+until each surely looked again and renewed: :data:`SEEN_WITHIN`, a read's
 ``block`` (the new mount's: a peer's is not registered), the longest of
 their lease periods and a margin.  Limits: a consumer that never
 registered (another client, a version without heartbeats) is not known,
-nor a peer whose ``block`` is longer than the new mount's, nor one whose
-read loop waits for busy handlers (it probes between two reads).
+nor a peer whose ``block`` is longer than the new mount's.
 
 Why the stream's liveness differs from the reliable list's
 -----------------------------------------------------------
@@ -130,7 +135,7 @@ The mirror paragraph is in ``_core/reliable_list/liveness.py``.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 
 from ..._subscription import Mode
 from .._commands import Command, Script
@@ -148,10 +153,11 @@ from .survey import (
 )
 
 __all__ = [
-    "HANDED_BACK_IDLE_MS", "HEARTBEAT_FLOOR", "LEASE_TIMEOUT_FLOOR", "REAP", "STOP", "STOP_PROBE",
-    "beat", "claim_name", "claimer_probe", "heartbeat_key", "lease_every", "lease_guard",
-    "lease_timeout", "legacy_heartbeat_key", "legacy_registry_key", "registration_value",
-    "registry_key", "shorter_notes", "stop_probe", "stopped_value",
+    "HANDED_BACK_IDLE_MS", "HEARTBEAT_FLOOR", "LEASE_TIMEOUT_FLOOR", "REAP", "SEEN_WITHIN", "STOP",
+    "STOP_PROBE", "alive_claimers", "beat", "claim_name", "claimer_probe", "follow_at",
+    "heartbeat_key", "lease_every", "lease_guard", "lease_timeout", "legacy_heartbeat_key",
+    "legacy_registry_key", "registration_value", "registry_key", "shorter_notes", "stop_probe",
+    "stopped_value",
 ]
 
 STOP_PROBE = 0.5
@@ -159,6 +165,15 @@ STOP_PROBE = 0.5
 stopped mark (one ``HGETALL``): a peer's hand-back is taken over within
 about this, or the read's ``block`` when longer (the probe runs between two
 reads)."""
+
+SEEN_WITHIN = 2 * STOP_PROBE
+"""Seconds, besides a read's ``block``, within which a live mount reads a
+new registration in the registry: its read loop probes every
+:data:`STOP_PROBE` between two reads; while that probe is overdue (a read
+loop that waits for busy handlers) its lease reads the registry itself
+(:func:`follow_at`), from :data:`STOP_PROBE` after the probe's due time
+plus a ``block``.  A new claiming mount's warm-up counts with it
+(:func:`~.survey.warm_up`)."""
 
 HANDED_BACK_IDLE_MS = 10**12
 """The idle time (ms, about 31 years) :data:`STOP` gives the entries it hands
@@ -237,6 +252,31 @@ def stop_probe(registered: Mapping[str, Registration], me: str,
     for name, reg in registered.items():
         if name != me and reg.stopped and (name, reg.at) not in seen:
             out.append((name, reg.at))
+    return out
+
+
+def follow_at(next_probe: float, followed: float, block: float) -> float:
+    """The clock time of the lease's next own read of the registry (a
+    claiming peer registered meanwhile: :func:`claimer_probe`, then
+    :func:`alive_claimers`): once the read loop's probe, due at
+    ``next_probe``, is late by more than a read's ``block`` and
+    :data:`STOP_PROBE` (it waits for busy handlers, or a step is slow), and
+    :data:`STOP_PROBE` after its last (``followed``: then).  A read loop
+    that probes in time (nothing busy) makes it send nothing."""
+    return max(next_probe + block + STOP_PROBE, followed + STOP_PROBE)
+
+
+def alive_claimers(registered: Mapping[str, Registration], names: Sequence[str],
+                   ttls: Sequence[int | bytes]) -> dict[str, float]:
+    """Of ``names`` (:func:`claimer_probe`'s), those whose heartbeat key is
+    there (``ttls``: its ``PTTL`` each, -2: gone), each with the
+    ``min_idle`` it registered: what a look's :func:`~.survey.claimers`
+    would add for them."""
+    out: dict[str, float] = {}
+    for name, ttl in zip(names, ttls, strict=True):
+        min_idle = registered[name].min_idle
+        if int(ttl) != -2 and min_idle is not None:
+            out[name] = min_idle
     return out
 
 

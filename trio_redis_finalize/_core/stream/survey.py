@@ -355,8 +355,8 @@ def peer_bound(reg: Registration | None) -> float | None:
 def warm_up(mode: Mode, min_idle: float, block: float, probe: float, found: Survey,
             margin: float = 0.5) -> WarmUp | None:
     """The first look's (``found``) warm-up: until the live peers surely saw
-    this mount's registration (``probe``: their registry probe's period;
-    ``block``: a read's) and renewed (their longest lease period), its claims
+    this mount's registration (within ``probe``, :data:`~.liveness.SEEN_WITHIN`,
+    and a read's ``block``) and renewed (their longest lease period), its claims
     ask the longest :func:`peer_bound` longer than ``min_idle``.  None: PLAIN,
     or no live peer's bound is longer (nothing changes)."""
     bounds = [(-b, p.name) for p in found.peers if p.heartbeat is Heartbeat.ALIVE

@@ -27,6 +27,11 @@ and keeps the times:
   (``reader``) renews every third of its ``min_idle`` from then on
   (:attr:`StreamPresence.shortest`; ``_core.stream.liveness``, the lease
   period);
+* **follow** (a task of the lease, :func:`follows`): while
+  the read loop's probe is overdue (it waits for busy handlers) and entries
+  are in hand, the same ``HGETALL`` every ``STOP_PROBE``, then the ``PTTL``
+  of each such new peer's heartbeat key: the live ones are followed at
+  once (no look: taking over and handing over stay the read loop's);
 * **hand-back** (:meth:`StreamPresence.deregister`, phase 6 of the
   shutdown): one script (:data:`~._core.stream.liveness.STOP`) makes what is
   still pending for this consumer idle at once (owner and count unchanged),
@@ -36,6 +41,7 @@ and keeps the times:
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -51,11 +57,14 @@ from ..._core.stream.decode import Entry
 from ..._core.stream.liveness import (
     HANDED_BACK_IDLE_MS,
     REAP,
+    SEEN_WITHIN,
     STOP,
     STOP_PROBE,
+    alive_claimers,
     beat,
     claim_name,
     claimer_probe,
+    follow_at,
     stop_probe,
     stopped_value,
 )
@@ -90,7 +99,7 @@ from .._port import Context
 if TYPE_CHECKING:
     from ..._subscription import Mode
 
-__all__ = ["Adopt", "StreamPresence"]
+__all__ = ["Adopt", "StreamPresence", "follows"]
 
 _LAPSE_MARGIN = 0.005
 """Seconds after a heartbeat key's TTL ends before the look that finds it gone."""
@@ -141,6 +150,8 @@ class StreamPresence:
         self._shorter_warned: set[tuple[str, float]] = set()
         self._shortened: anyio.Event | None = None  # set when the lease period shrinks
         self._registered: float | None = None  # the clock at the first registration's reply
+        self._followed = 0.0  # the clock at the lease's last own read of the registry
+        self._follow_seen: set[tuple[str, float | None]] = set()  # registrations it PTTL'd
         self._warm: WarmUp | None = None  # the claims' warm-up (the first look decides it)
 
     @property
@@ -228,6 +239,36 @@ class StreamPresence:
         ttl = max(self.heartbeat, Budget.heartbeat_ttl(ctx.consumer.shutdown_grace))
         await self._hold.renew(ctx, self._beat(ctx, ttl), CLOSING_TIMEOUT)
 
+    # -- the peers, while the read loop does not probe (:func:`follows`) ---------
+    def follow_at(self) -> float:
+        """When :meth:`follow` is due (:func:`~._core.stream.liveness.follow_at`;
+        not before the first look)."""
+        if not self._looked:
+            return anyio.current_time() + STOP_PROBE
+        return follow_at(self._probe, self._followed, self.block)
+
+    async def follow(self, ctx: Context) -> None:
+        """The registry (``HGETALL``), then the ``PTTL`` of the heartbeat key
+        of each peer registered as claiming sooner than this mount's guard
+        that is new (:func:`~._core.stream.liveness.claimer_probe`): the live
+        ones join :attr:`claimers` as a look would add them (the lease period
+        shrinks, the warning is logged)."""
+        self._followed = anyio.current_time()
+        client = ctx.client
+        regs = registry(await client.execute("HGETALL", self._registry, timeout=FINALIZE_TIMEOUT))
+        names = claimer_probe(regs, ctx.consumer.name,
+                              lease_guard(self.mode, self.min_idle, self.heartbeat), self.claimers,
+                              self._seen | self._follow_seen)
+        if not names:
+            return
+        ttls = await client.pipeline(
+            [("PTTL", heartbeat_key(self.stream, self.group, n)) for n in names],
+            timeout=FINALIZE_TIMEOUT)
+        self._follow_seen.update((n, regs[n].at) for n in names)  # a dead one: not again
+        alive = alive_claimers(regs, names, ttls)
+        if alive:
+            self._found_claimers(ctx, {**self.claimers, **alive})
+
     # -- the reaper ---------------------------------------------------------------
     def due(self) -> bool:
         now = anyio.current_time()
@@ -299,12 +340,13 @@ class StreamPresence:
         found = survey(me, self.mode, self.heartbeat, self.page,
                        peers(consumer_rows(rows), registered, ttls))
         self._seen = {(n, r.at) for n, r in registered.items()}
+        self._follow_seen.clear()
         self._found_claimers(ctx, claimers(found))
         notes = warnings(ctx.name, self.mode, self.min_idle, found, self._warned)
         if not self._looked:  # at mount: also the live ones that hold entries
             self._looked = True
             notes += watch_notes(ctx.name, found, time.time())
-            self._warm = warm_up(self.mode, self.min_idle, self.block, STOP_PROBE, found)
+            self._warm = warm_up(self.mode, self.min_idle, self.block, SEEN_WITHIN, found)
             if self._warm is not None:
                 notes.append(warm_up_note(ctx.name, self.min_idle, self._warm))
         for level, msg, args, extra in notes:
@@ -405,3 +447,30 @@ class StreamPresence:
         if consumer in self._legacy:
             return legacy_heartbeat_key(self.stream, self.group, consumer)
         return heartbeat_key(self.stream, self.group, consumer)
+
+
+async def follows(presence: StreamPresence, ctx: Context) -> None:
+    """Follow the claiming peers that register while the read loop does not
+    probe (a task of the lease, ``reader``): from
+    :meth:`StreamPresence.follow_at` on, :meth:`StreamPresence.follow` every
+    ``STOP_PROBE`` while entries are in hand; a failure is logged (the first
+    of a row as a warning) and tried again then."""
+    failing = False
+    while True:
+        at = presence.follow_at()
+        if anyio.current_time() < at:
+            await anyio.sleep_until(at)
+            continue
+        if not ctx.leased():
+            await anyio.sleep(STOP_PROBE)
+            continue
+        try:
+            await presence.follow(ctx)
+        except (rexc.RedisError, OSError) as e:
+            log.log(logging.DEBUG if failing else logging.WARNING,
+                    "%s: reading the group's registry for new claiming peers while the read "
+                    "loop waits failed: %s; trying again in %g s", ctx.name, e, STOP_PROBE,
+                    extra={"subscription": ctx.name})
+            failing = True
+        else:
+            failing = False

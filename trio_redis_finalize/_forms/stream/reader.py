@@ -36,7 +36,7 @@ from .._delay_set import move_due
 from .._port import Context, Pending
 from .._read_loop import check_type, reader_connection
 from . import MIN_IDLE_FLOOR, StreamSubscription
-from .liveness import StreamPresence
+from .liveness import StreamPresence, follows
 from .own_pel import OwnPel, hand_over
 from .pending import StreamPending
 from .retention import check_retention, trim
@@ -325,8 +325,10 @@ class StreamReader:
         RECLAIM and CLAIMING, or the shorter ``min_idle`` a live peer that
         claims registered, as the last look found it:
         ``StreamPresence.shortest``; a look that finds a shorter one cuts
-        the wait short), so an entry being handled stays well below it
-        while the process runs -- even should this consumer's heartbeat key
+        the wait short, and so does the lease's own read of the registry
+        while the read loop waits for busy handlers: ``liveness.follows``, a
+        task beside the renewals), so an entry being handled stays well
+        below it while the process runs -- even should this consumer's heartbeat key
         vanish (evicted, flushed); should one lapse all the same, the claim
         that finds it keeps it with its handler (see :meth:`_claim`).
 
@@ -345,6 +347,12 @@ class StreamReader:
         never start here; a running handler finishes, its finalization finds
         the gate as the other consumer left it.
         """
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(follows, self._presence, ctx)
+            await self._renewals(ctx)
+
+    async def _renewals(self, ctx: Context) -> None:
+        """The renewals of :meth:`_lease` (see there)."""
         sub = self.sub
         presence = self._presence
         due = anyio.current_time()
@@ -371,28 +379,29 @@ class StreamReader:
                     continue
                 others = lease_lost(part, replies)
                 if others:
-                    self._disown(ctx, others)
-
-    def _disown(self, ctx: Context, others: dict[str, str]) -> None:
-        """Entries the lease found pending for another consumer: dropped, the
-        unstarted ones never started; logged.  (One pending for nobody is left
-        as it is: finalized meanwhile -- its finalization is on the way --, or
-        its group recreated at the last id read, where a queued entry must
-        still be handled, not skipped.)"""
-        dropped = ctx.disown(others)
-        owners = sorted(set(others.values()))
-        log.warning("%s: %d entries held by this consumer are now pending for %s (claimed "
-                    "while this consumer stalled past the lease); left with them, dropped "
-                    "from this consumer's lease: %s", ctx.name, len(others),
-                    ", ".join(repr(o) for o in owners), ", ".join(sorted(others)[:20]),
-                    extra={"subscription": ctx.name, "entry_ids": sorted(others)})
-        if dropped:
-            log.warning("%s: %d entries read and not started are another consumer's now; "
-                        "not started here: %s",
-                        ctx.name, len(dropped), ", ".join(str(d.id) for d in dropped[:20]),
-                        extra={"subscription": ctx.name, "entry_ids": [d.id for d in dropped]})
+                    _disown(ctx, others)
 
     def _resume_at(self) -> str:
         """Where a group destroyed mid-run is recreated: the last id handed over."""
         last = self.own_pel.last
         return last.decode() if last is not None else self.sub.start_id
+
+
+def _disown(ctx: Context, others: dict[str, str]) -> None:
+    """Entries the lease found pending for another consumer: dropped, the
+    unstarted ones never started; logged.  (One pending for nobody is left
+    as it is: finalized meanwhile -- its finalization is on the way --, or
+    its group recreated at the last id read, where a queued entry must
+    still be handled, not skipped.)"""
+    dropped = ctx.disown(others)
+    owners = sorted(set(others.values()))
+    log.warning("%s: %d entries held by this consumer are now pending for %s (claimed "
+                "while this consumer stalled past the lease); left with them, dropped "
+                "from this consumer's lease: %s", ctx.name, len(others),
+                ", ".join(repr(o) for o in owners), ", ".join(sorted(others)[:20]),
+                extra={"subscription": ctx.name, "entry_ids": sorted(others)})
+    if dropped:
+        log.warning("%s: %d entries read and not started are another consumer's now; "
+                    "not started here: %s",
+                    ctx.name, len(dropped), ", ".join(str(d.id) for d in dropped[:20]),
+                    extra={"subscription": ctx.name, "entry_ids": [d.id for d in dropped]})
