@@ -226,3 +226,29 @@ async def test_a_garbled_reply_to_a_sentinel_client(flavour: str) -> None:
                 assert sc.discoveries == asked + 2
             finally:
                 await sc.aclose()
+
+
+@pytest.mark.parametrize("after", ["error-reply", "not-a-message"])
+async def test_messages_read_with_a_reply_that_is_no_message_are_handled_first(
+    redis_server: RedisServer, flavour: str, client: Client, after: str,
+) -> None:
+    """Two messages and, in the same read, an error reply (or a reply of
+    RESP that is no message): the messages are handled, then the reply is
+    taken as ``get_message`` takes it (an error raised: the read loop
+    subscribes again; what is published after it is handled).  Before: the
+    reply was taken first and the two messages were dropped unhandled."""
+    seen = Seen()
+    tail = b"-ERR not now\r\n" if after == "error-reply" else b":1\r\n"
+    async with serving(CommandProxy(redis_server.port, flavour=flavour)) as proxy, \
+            open_consumer(proxy.url, name="c1", shutdown_grace=1.0) as consumer:
+        await consumer.mount(Channel("ch"), seen)
+        await client.execute("PUBLISH", "ch", b"m1")
+        await eventually(lambda: seen.data == [b"m1"], 10, "m1 handled")
+        two = MESSAGE + MESSAGE.replace(b"m9", b"m8")
+        assert await proxy.push(two + tail) == 1
+        await eventually(lambda: seen.data[1:3] == [b"m9", b"m8"], 10,
+                         lambda: f"the two messages handled (seen {seen.data})")
+        async def published() -> bool:
+            await client.execute("PUBLISH", "ch", b"m2")
+            return b"m2" in seen.data
+        await eventually(published, 15, lambda: f"m2 handled (seen {seen.data})")

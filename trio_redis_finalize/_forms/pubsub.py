@@ -193,9 +193,11 @@ class PubSubReader:
                  else [MESSAGE, msg.channel, msg.data])
         ready, direct, other = payload_deliveries(
             ctx.target, names, chain((first,), ps.received(_CHUNK - 1)), pattern=pattern)
+        # the messages read before it first: taking a reply that is not a message
+        # may raise (an error reply, one no subscriber expects), and they are here
+        await ctx.deliver(ready, direct)  # nothing to give back: at-most-once
         if other is not None:  # a reply that is not a message: as get_message takes it
             ps.other(other)
-        await ctx.deliver(ready, direct)  # nothing to give back: at-most-once
 
     def failed(self, ctx: Context, err: Exception) -> float | None:
         if not isinstance(err, rexc.ResponseError) and self._lost_at is None:
