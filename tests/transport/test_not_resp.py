@@ -228,17 +228,20 @@ async def test_a_garbled_reply_to_a_sentinel_client(flavour: str) -> None:
                 await sc.aclose()
 
 
-@pytest.mark.parametrize("after", ["error-reply", "not-a-message"])
+@pytest.mark.parametrize("after", ["error-reply", "not-a-message", "not-resp"])
 async def test_messages_read_with_a_reply_that_is_no_message_are_handled_first(
     redis_server: RedisServer, flavour: str, client: Client, after: str,
 ) -> None:
-    """Two messages and, in the same read, an error reply (or a reply of
-    RESP that is no message): the messages are handled, then the reply is
-    taken as ``get_message`` takes it (an error raised: the read loop
-    subscribes again; what is published after it is handled).  Before: the
-    reply was taken first and the two messages were dropped unhandled."""
+    """Two messages and, in the same read, an error reply, a reply of RESP
+    that is no message, or bytes that are not RESP: the messages are
+    handled, then the reply is taken as ``get_message`` takes it (an error
+    raised: the read loop subscribes again; what is published after it is
+    handled).  Before: the reply was taken first (the bytes that are not
+    RESP raised while the messages were decoded), and the two messages were
+    dropped unhandled."""
     seen = Seen()
-    tail = b"-ERR not now\r\n" if after == "error-reply" else b":1\r\n"
+    tail = {"error-reply": b"-ERR not now\r\n", "not-a-message": b":1\r\n",
+            "not-resp": NOT_RESP}[after]
     async with serving(CommandProxy(redis_server.port, flavour=flavour)) as proxy, \
             open_consumer(proxy.url, name="c1", shutdown_grace=1.0) as consumer:
         await consumer.mount(Channel("ch"), seen)

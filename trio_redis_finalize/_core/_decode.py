@@ -17,6 +17,8 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from redis import exceptions as rexc
+
 from .._delivery import Delivery, _set_origin_id
 from .._envelope import MAGIC, CorruptEnvelope, unwrap
 from .._value import builder, setters
@@ -237,7 +239,8 @@ def payload_deliveries(
     finalized without one (corrupt envelope, past ``max_attempts``) with
     their plan, as :func:`list_delivery` decides; and the
     first reply that is not a message of the subscription's kind (the loop
-    stops there; None when there is none).  ``names``: channel names
+    stops there; None when there is none), or the ``InvalidResponse`` the
+    replies raised (bytes that are not RESP after the messages read).  ``names``: channel names
     decoded so far (added to).  ``pattern``: the replies are a pattern
     subscription's (``pmessage``).
 
@@ -258,40 +261,43 @@ def payload_deliveries(
     magic = _MAGIC_BYTE
     last: bytes | None = None
     name = ""
-    for reply in replies:
-        try:  # a list of its length unpacks at once (the interpreter's fast path)
-            if pattern:
-                head, _, channel, data = reply
-            else:
-                head, channel, data = reply
-        except (TypeError, ValueError):  # an error reply, a pong ...: the caller's
-            return ready, direct, reply
-        if head != kind:  # a confirmation ...: not a message of this subscription's
-            return ready, direct, reply
-        if channel != last:
-            got = names.get(channel)
-            if got is None:
-                got = names[channel] = channel.decode("utf-8", "replace")
-            name = got
-            last = channel
-        if not data or data[0] != magic:  # cannot be an envelope: attempt 1, no plan
-            # foreigns(name, (data,), mount), inline (the call per message: about
-            # 2,200 instructions more, 1.18x the floor against 1.09x); what every foreign delivery
-            # shares (fields, retries, corrupt, error, flat) is set when first
-            # read, as origin_id is (Foreign)
-            d: Any = blank()
-            d.source = name
-            d.id = None
-            d.data = data
-            d.attempt = 1
-            d.raw = data
-            d.mount = mount
-            d.__class__ = Foreign  # frozen from here on
-            append(d)
-            continue
-        more, plans = list_deliveries(target, name, (data,))
-        ready += more
-        direct += plans
+    try:  # no cost unless raised (3.11)
+        for reply in replies:
+            try:  # a list of its length unpacks at once (the interpreter's fast path)
+                if pattern:
+                    head, _, channel, data = reply
+                else:
+                    head, channel, data = reply
+            except (TypeError, ValueError):  # an error reply, a pong ...: the caller's
+                return ready, direct, reply
+            if head != kind:  # a confirmation ...: not a message of this subscription's
+                return ready, direct, reply
+            if channel != last:
+                got = names.get(channel)
+                if got is None:
+                    got = names[channel] = channel.decode("utf-8", "replace")
+                name = got
+                last = channel
+            if not data or data[0] != magic:  # cannot be an envelope: attempt 1, no plan
+                # foreigns(name, (data,), mount), inline (the call per message: about
+                # 2,200 instructions more, 1.18x the floor against 1.09x); what every foreign delivery
+                # shares (fields, retries, corrupt, error, flat) is set when first
+                # read, as origin_id is (Foreign)
+                d: Any = blank()
+                d.source = name
+                d.id = None
+                d.data = data
+                d.attempt = 1
+                d.raw = data
+                d.mount = mount
+                d.__class__ = Foreign  # frozen from here on
+                append(d)
+                continue
+            more, plans = list_deliveries(target, name, (data,))
+            ready += more
+            direct += plans
+    except rexc.InvalidResponse as e:  # what follows the last message read is not RESP:
+        return ready, direct, e  # the messages before it still go (the caller raises it)
     return ready, direct, None
 
 
