@@ -6,8 +6,8 @@ registry (``HGETALL``, :func:`registry`) and the ``PTTL`` of each registered
 consumer's heartbeat key sort its consumers into alive, stopped, lapsed and
 none (:func:`peers`; the states are described in :mod:`.liveness`, which
 holds the heartbeat, the lease and the stop); a lapsed or stopped one's
-entries are taken by :data:`REAP` calls (:class:`Reap`, its reply
-:func:`parse_reap`), stranded work is warned about (:func:`warnings`,
+entries are taken by :data:`REAP` calls (:class:`Reap`; its reply is read
+by ``decode.parse_reap``), stranded work is warned about (:func:`warnings`,
 :func:`watch_notes`), and the live peers that claim idle entries are named
 with their ``min_idle`` (:func:`claimers`), which make the lease period
 (:func:`lease_every`, :func:`shorter_notes`; see :mod:`.liveness`); the
@@ -32,12 +32,11 @@ from ..._keys import derived, named
 from ..._subscription import Mode
 from .._commands import Command
 from .._finalize import Record
-from .decode import Entry
 
 __all__ = [
-    "MIN_IDLE_PART", "Heartbeat", "Peer", "Reap", "Reaped", "Registration", "Survey", "WarmUp",
-    "claim_min_idle", "claimers", "consumer_rows", "heartbeat_key", "lease_every", "lease_guard",
-    "legacy_heartbeat_key", "legacy_registry_key", "parse_reap", "peer_bound", "peers",
+    "MIN_IDLE_PART", "Heartbeat", "Peer", "Reap", "Registration", "Survey", "WarmUp",
+    "claim_min_idle", "claimers", "consumer_rows", "heartbeat_key", "lease_every",
+    "lease_guard", "legacy_heartbeat_key", "legacy_registry_key", "peer_bound", "peers",
     "registration", "registry", "registry_key", "shorter_notes", "survey", "warm_up",
     "warm_up_note", "warnings", "watch_notes",
 ]
@@ -382,30 +381,6 @@ def warm_up_note(name: str, min_idle: float, warm: WarmUp) -> Record:
             "min_idle=%g s, not its own %g s: live consumer %r of the group may hold entries "
             "idle that long until it sees this subscription's registration",
             (name, warm.seconds, warm.min_idle, min_idle, warm.peer), {"subscription": name})
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Reaped:
-    """A :data:`REAP` reply."""
-
-    entries: list[Entry]
-    counts: dict[bytes, int]
-    """Each taken entry's delivery count now (the attempt it counts)."""
-    gone: list[bytes]
-    wait: float | None
-    """Seconds until the next entry left is idle enough (None: none left to wait for)."""
-    forgotten: bool
-
-
-def parse_reap(reply: Any) -> Reaped | None:
-    """A :data:`REAP` reply; None when the consumer's heartbeat came back."""
-    if not isinstance(reply, list):
-        return None
-    taken, gone, wait, forgotten = reply
-    entries: list[Entry] = [(t[0], t[1]) for t in taken]
-    counts = {t[0]: int(t[2]) for t in taken}
-    return Reaped(entries, counts, list(gone), None if int(wait) < 0 else int(wait) / 1000,
-                  bool(forgotten))
 
 
 def _utc(t: float) -> str:

@@ -53,7 +53,7 @@ from redis import exceptions as rexc
 from ..._core._commands import Command
 from ..._core._identity import heartbeat_value
 from ..._core._replies import FINAL, classify, error_code
-from ..._core.stream.decode import Entry
+from ..._core.stream.decode import Entry, parse_reap
 from ..._core.stream.liveness import (
     HANDED_BACK_IDLE_MS,
     REAP,
@@ -80,7 +80,6 @@ from ..._core.stream.survey import (
     lease_guard,
     legacy_heartbeat_key,
     legacy_registry_key,
-    parse_reap,
     peers,
     registry,
     registry_key,
