@@ -355,8 +355,8 @@ def test_inspect_stream_shows_heartbeats_and_marks_stranded_consumers(
     for who in ("alive", "dead", "foreign"):
         cmd(redis_server, "XREADGROUP", "GROUP", "billing", who, "COUNT", "1", "STREAMS", "orders", ">")
     cmd(redis_server, "XGROUP", "CREATECONSUMER", "orders", "billing", "idle")
-    cmd(redis_server, "HSET", presence.registry_key("orders", "billing"), "alive", "30000 plain",
-        "dead", "500 reclaim")
+    cmd(redis_server, "HSET", presence.registry_key("orders", "billing"), "alive",
+        "30000 plain 1733360000123 block=250", "dead", "500 reclaim")
     cmd(redis_server, "SET", presence.heartbeat_key("orders", "billing", "alive"), "alive", "PX",
         "60000")
 
@@ -367,8 +367,10 @@ def test_inspect_stream_shows_heartbeats_and_marks_stranded_consumers(
     assert set(by) == {"alive", "dead", "foreign", "idle"}
     assert (by["alive"]["heartbeat"], by["alive"]["stranded"], by["alive"]["pending"]) == ("alive", False, 1)
     assert 50 < by["alive"]["heartbeat_ttl"] <= 60 and by["alive"]["heartbeat_period"] == 30.0
+    assert (by["alive"]["block"], by["alive"]["min_idle"]) == (0.25, None)  # the read's block it registered
     dead = by["dead"]
     assert (dead["heartbeat"], dead["stranded"], dead["mode"]) == ("lapsed", True, "reclaim")
+    assert (dead["block"], dead["min_idle"]) == (None, None)  # an earlier version's: not known
     assert (by["foreign"]["heartbeat"], by["foreign"]["stranded"]) == ("none", True)
     assert (by["idle"]["heartbeat"], by["idle"]["stranded"]) == ("none", False)
     assert g["stranded"] == 2

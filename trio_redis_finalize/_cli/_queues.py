@@ -166,6 +166,7 @@ async def _consumers(client: Client, key: str, group: str, rows: Sequence[Any]
             "heartbeat_period": None if reg is None else reg.heartbeat,
             "mode": None if reg is None or reg.mode is None else reg.mode.value,
             "min_idle": None if reg is None else reg.min_idle,
+            "block": None if reg is None else reg.block,
             "stranded": p.stranded,
         })
     return out, sum(p.pending for p in found if p.stranded)

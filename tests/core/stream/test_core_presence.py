@@ -8,13 +8,13 @@ from __future__ import annotations
 import logging
 
 from trio_redis_finalize._core._identity import RENEW
+from trio_redis_finalize._core.stream.decode import parse_reap
 from trio_redis_finalize._core.stream.liveness import beat, lease_every, stop_probe, stopped_value
 from trio_redis_finalize._core.stream.survey import (
     Heartbeat,
     Registration,
     consumer_rows,
     heartbeat_key,
-    parse_reap,
     peers,
     registration,
     registry,

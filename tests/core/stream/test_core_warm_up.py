@@ -3,18 +3,23 @@
 For a while after its first registration, a RECLAIM or CLAIMING mount claims
 only entries idle the longest lease bound of the live peers its first look
 found (when longer than its own ``min_idle``), until they have surely seen
-its registration and renewed.  The real-server test is in
-``tests/forms/stream/test_lease_peers_warm_up.py``.
+its registration (counting the longest read ``block`` they registered) and
+renewed.  Every consumer registers its ``block`` before the last
+``min_idle``, readable by the rule of the version before.  The real-server
+test is in ``tests/forms/stream/test_lease_peers_warm_up.py``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 
 import pytest
 
-from trio_redis_finalize._core.stream.liveness import SEEN_WITHIN, registration_value
+from trio_redis_finalize._core.stream.liveness import SEEN_WITHIN, registration_value, stopped_value
 from trio_redis_finalize._core.stream.survey import (
+    MIN_IDLE_PART,
     Heartbeat,
     Peer,
     Registration,
@@ -105,3 +110,99 @@ def test_the_note_names_the_peer_and_both_settings() -> None:
     assert "consumer 'a'" in text and "min_idle=9 s" in text and "own 1.5 s" in text, text
     assert "for 4.0 s" in text or "for 4.1 s" in text, text
     assert extra == {"subscription": "stream 's' group 'g'"}
+
+
+# -- the peers' read ``block`` (registered by every consumer) ---------------------------
+
+def _registration_before_block(value: str) -> Registration:
+    """The parsing rule of the version before ``block`` was registered
+    (``survey.registration`` at b1508a4, verbatim but for its name): what a
+    consumer of that version, still live in a rolling deploy, reads of a
+    new consumer's registration."""
+    parts = value.split(" ")
+    min_idle: float | None = None
+    if parts[-1].startswith(MIN_IDLE_PART) and len(parts) > 1:
+        try:
+            min_idle = int(parts.pop()[len(MIN_IDLE_PART):]) / 1000
+        except ValueError:
+            min_idle = None
+    try:
+        hb: float | None = int(parts[0]) / 1000
+    except ValueError:
+        hb = None
+    try:
+        m: Mode | None = Mode(parts[1]) if len(parts) > 1 else None
+    except ValueError:
+        m = None
+    at: float | None = None
+    if len(parts) > 2:
+        try:
+            at = int(parts[2]) / 1000
+        except ValueError:
+            at = None
+    return Registration(hb, m, at, len(parts) > 3 and parts[3] == "stopped", min_idle)
+
+
+@pytest.mark.parametrize("mode", [PLAIN, RECLAIM, CLAIMING])
+def test_every_consumer_registers_its_block_before_min_idle_and_the_rule_before_reads_the_rest(
+        mode: Mode) -> None:
+    value = registration_value(30.0, mode, 1733360000.123, min_idle=9.0, block=0.25)
+    claims = mode is not PLAIN
+    tail = " min_idle=9000" if claims else ""
+    assert value == f"30000 {mode.value} 1733360000123 block=250{tail}"
+    reg = registration(value)
+    assert reg == Registration(30.0, mode, 1733360000.123, min_idle=9.0 if claims else None,
+                               block=0.25)
+    for at, stopped, min_idle, block in itertools.product(
+            (None, 12.0), (False, True), (None, 0.5), (None, 3.0, 0.0001)):
+        if stopped and at is None:
+            continue  # the stopped mark comes with its time
+        v = registration_value(0.5, mode, at, stopped=stopped, min_idle=min_idle, block=block)
+        new = registration(v)
+        assert new.block == (None if block is None else max(block, 0.001)), v
+        assert new.min_idle == (min_idle if claims else None), v
+        # the rule before reads every other part as it reads them now
+        assert _registration_before_block(v) == dataclasses.replace(new, block=None), v
+    # the stopped mark registers no block (nobody waits for a stopped consumer's read)
+    assert registration(stopped_value(30.0, mode, 12.0)).block is None
+
+
+def test_a_registration_without_block_or_with_a_bad_one_tells_none() -> None:
+    assert registration(b"30000 reclaim 1733360000123 min_idle=3000").block is None  # before
+    assert registration(b"30000 reclaim 1 block=x min_idle=3000") == Registration(
+        30.0, RECLAIM, 0.001, min_idle=3.0)
+    assert registration(b"block=5") == Registration(None, None)  # not a registration at all
+    # a part named as no version reads it (a later one's) is ignored, wherever it is
+    assert registration(b"30000 claiming 1 later=7 block=50 min_idle=3000") == Registration(
+        30.0, CLAIMING, 0.001, min_idle=3.0, block=0.05)
+    assert registration(b"30000 plain 1 block=50 later=7").block == 0.05
+
+
+def test_the_window_counts_the_longest_block_of_the_peers_it_waits_for() -> None:
+    a = registration_value(30.0, RECLAIM, 1.0, min_idle=3.0, block=3.0)
+    found = _survey(_peer("a", a))
+    w = warm_up(CLAIMING, 0.5, 0.05, SEEN_WITHIN, found)
+    # the peer reads the registry between two of its reads: its block, not the new mount's
+    assert w == WarmUp(3.0, pytest.approx(SEEN_WITHIN + 3.0 + 1.0 + 0.5), "a")
+    # a peer's shorter block than the new mount's: the peer's
+    short = _survey(_peer("a", registration_value(30.0, RECLAIM, 1.0, min_idle=3.0, block=0.1)))
+    w = warm_up(CLAIMING, 0.5, 2.0, SEEN_WITHIN, short)
+    assert w is not None and w.seconds == pytest.approx(SEEN_WITHIN + 0.1 + 1.0 + 0.5)
+    # an earlier version's peer (no block registered): the new mount's own
+    old = _survey(_peer("a", "30000 reclaim 1000 min_idle=3000"))
+    w = warm_up(CLAIMING, 0.5, 0.25, SEEN_WITHIN, old)
+    assert w is not None and w.seconds == pytest.approx(SEEN_WITHIN + 0.25 + 1.0 + 0.5)
+    # the longest of those it waits for, one without a block counting the own; a peer whose
+    # bound is not longer (it renews in time anyway), or that is not alive, does not count
+    mixed = _survey(
+        _peer("a", a),
+        _peer("b", registration_value(12.0, PLAIN, 1.0, block=4.0)),
+        _peer("c", "30000 claiming 1000 min_idle=2000"),
+        _peer("quick", registration_value(30.0, CLAIMING, 1.0, min_idle=0.4, block=60.0)),
+        _peer("dead", registration_value(30.0, RECLAIM, 1.0, min_idle=9.0, block=60.0),
+              Heartbeat.LAPSED),
+    )
+    w = warm_up(RECLAIM, 0.5, 5.0, SEEN_WITHIN, mixed)
+    assert w == WarmUp(12.0, pytest.approx(SEEN_WITHIN + 5.0 + 4.0 + 0.5), "b")
+    w = warm_up(RECLAIM, 0.5, 0.05, SEEN_WITHIN, mixed)
+    assert w == WarmUp(12.0, pytest.approx(SEEN_WITHIN + 4.0 + 4.0 + 0.5), "b")

@@ -11,7 +11,9 @@ long enough for A to see B and renew every third of B's ``min_idle``; so
 the handler runs once (``DESIGN.md`` section 5: duplicates only from
 faults).  Before, B's first ``XAUTOCLAIM`` took the entry from A's running
 handler and the handler ran twice, with no fault.  Once the warm-up is over,
-B claims what idled its own ``min_idle`` again.
+B claims what idled its own ``min_idle`` again.  A peer whose read blocks
+longer than B's (3 s, idle: its probe runs after the read) sees B later:
+the warm-up counts the ``block`` A registered.
 
 Timeouts are bounds, never expectations.
 """
@@ -19,6 +21,7 @@ Timeouts are bounds, never expectations.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 
 import pytest
 import trio
@@ -84,26 +87,15 @@ async def test_a_new_peer_does_not_take_an_entry_in_hand_idle_past_its_min_idle(
                              what=f"A's entry idle {MOUNT_AT} s")
             await b.mount(StreamSubscription(S, G, mode=b_mode, min_idle=B_MIN_IDLE, block=0.05),
                           fast)
-            end = trio.current_time() + HOLD
-            while trio.current_time() < end:
-                await client.execute("XCLAIM", S, G, "ghost", 0, gid, "JUSTID")  # idle 0
-                rows = await client.execute("XPENDING", S, G, "-", "+", 10)
-                owners = {r[0].decode(): r[1].decode() for r in rows}
-                assert owners == {gid: "ghost", eid: "a"}, \
-                    f"B took A's entry in hand: {owners}, {calls}"
-                assert calls == [("a", eid)], calls
-                await trio.sleep(0.05)
+            await _a_keeps(client, HOLD, {gid: "ghost", eid: "a"}, calls, eid,
+                           lambda: client.execute("XCLAIM", S, G, "ghost", 0, gid, "JUSTID"))
             # the warm-up is over: B claims what idled its own min_idle
             await eventually(lambda: ("b", gid) in calls, timeout=20,
                              what="B claims the entry the ghost left, once idle 1.5 s")
             release.set()
             await eventually(lambda: _settled(client), what="both entries acknowledged")
     assert calls == [("a", eid), ("b", gid)], calls
-    told = [r.getMessage() for r in caplog.records
-            if r.levelno == logging.INFO and "this subscription claims entries idle" in
-            r.getMessage()]
-    assert len(told) == 1, told
-    assert "consumer 'a'" in told[0] and "min_idle=9 s" in told[0], told
+    _told_once_about_a(caplog.records, A_BOUND)
 
 
 async def _idle(client: Client, eid: str) -> bool:
@@ -113,3 +105,92 @@ async def _idle(client: Client, eid: str) -> bool:
 
 async def _settled(client: Client) -> bool:
     return not await client.execute("XPENDING", S, G, "-", "+", 10)
+
+
+async def _a_keeps(client: Client, seconds: float, owners: dict[str, str],
+                   calls: list[tuple[str, str | None]], eid: str,
+                   each: Callable[[], Awaitable[object]] | None = None) -> None:
+    """For ``seconds``: the pending entries' ``owners`` stay as they are and
+    the only handler call is A's of ``eid`` (``each``: awaited first, every
+    50 ms)."""
+    end = trio.current_time() + seconds
+    while trio.current_time() < end:
+        if each is not None:
+            await each()
+        rows = await client.execute("XPENDING", S, G, "-", "+", 10)
+        now = {r[0].decode(): r[1].decode() for r in rows}
+        assert now == owners, f"B took A's entries in hand: {now}, {calls}"
+        assert calls == [("a", eid)], calls
+        await trio.sleep(0.05)
+
+
+def _told_once_about_a(records: list[logging.LogRecord], bound: float) -> None:
+    """B's one note that its claims wait for A's bound, naming A."""
+    told = [r.getMessage() for r in records
+            if r.levelno == logging.INFO and "this subscription claims entries idle" in
+            r.getMessage()]
+    assert len(told) == 1, told
+    assert "consumer 'a'" in told[0] and f"min_idle={bound:g} s" in told[0], told
+
+
+# -- a peer whose read ``block`` is longer than the new mount's ---------------------------
+
+A_BLOCK = 3.0
+"""A's read ``block``: its registry probe runs between two reads, so with
+nothing to read it sees B up to 3 s after B registered."""
+A_MIN_IDLE = 3.0
+"""A's (RECLAIM, ``heartbeat`` 30 s): its lease renews every 1 s until it sees B."""
+B_SHORT = 0.5
+"""B's ``min_idle``: A renews every third of it (0.17 s) once it sees B."""
+RENEWED = 0.1
+"""B mounts once A's lease has renewed its entry at most this long ago (ms
+from ``XPENDING``): the entry idles past 0.5 s, from 1.55 s on in each
+second, until A's read ends and A sees B."""
+
+
+async def _blocked_reads(client: Client) -> int:
+    """Connections blocked in an ``XREADGROUP`` now (``CLIENT LIST``, flag ``b``)."""
+    text = (await client.execute("CLIENT", "LIST")).decode()
+    fields = [dict(f.split("=", 1) for f in line.split(" ") if "=" in f)
+              for line in text.splitlines()]
+    return sum(1 for f in fields if f.get("cmd") == "xreadgroup" and "b" in f.get("flags", ""))
+
+
+async def test_the_warm_up_waits_for_a_peer_whose_read_blocks_longer(
+    redis_url: str, client: Client, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A (``block`` 3 s) holds an entry in a slow handler and its read loop
+    blocks idle; B (``block`` 0.05 s, ``min_idle`` 0.5 s) registers just
+    as A's read begins and just after A's lease renewed the entry.  B's
+    warm-up counts A's registered ``block``: 1 + 3 + 1 + 0.5 s.  A's entries
+    stay A's all along; each handler call runs once.  Before, the warm-up
+    counted B's own ``block`` (1 + 0.05 + 1 + 0.5 s): it ended before A's
+    read did, the entry had idled past 0.5 s since A's last renewal, and B's
+    claim took it from A's running handler: the handler ran twice, with no
+    fault."""
+    caplog.set_level(logging.INFO, logger="trio_redis_finalize")
+    h = HeldAndQuick()
+    await client.execute("XGROUP", "CREATE", S, G, "0", "MKSTREAM")
+    eid = (await client.execute("XADD", S, "*", "n", "0")).decode()
+    with trio.fail_after(40):  # a bound
+        async with open_consumer(redis_url, name="a") as a, \
+                open_consumer(redis_url, name="b") as b:
+            await a.mount(StreamSubscription(S, G, mode=Mode.RECLAIM, min_idle=A_MIN_IDLE,
+                                             block=A_BLOCK), h.held)
+            await h.holding.wait()
+            # just after a renewal of A's entry, a new entry ends A's read: A reads it (it
+            # waits in the work queue, in hand) and blocks again with nothing to read
+            while not 0 <= await _idle_ms(client, eid) <= RENEWED * 1000:
+                await trio.sleep(0.005)
+            wake = (await client.execute("XADD", S, "*", "n", "wake")).decode()
+            while not await _blocked_reads(client):
+                await trio.sleep(0.005)
+            await b.mount(StreamSubscription(S, G, mode=Mode.CLAIMING, min_idle=B_SHORT,
+                                             block=0.05), h.quick)
+            # B's warm-up (1 + 3 + 1 + 0.5 s), and a second of its own claims after it
+            await _a_keeps(client, 1 + A_BLOCK + A_MIN_IDLE / 3 + 0.5 + 1.0,
+                           {eid: "a", wake: "a"}, h.calls, eid)
+            h.release.set()
+            await eventually(lambda: _settled(client), what="both entries acknowledged")
+    assert h.calls == [("a", eid), ("a", wake)], h.calls
+    _told_once_about_a(caplog.records, A_MIN_IDLE)

@@ -4,7 +4,8 @@
 (``XREADGROUP``, ``XCLAIM``, ``XAUTOCLAIM``): header fields, attempts,
 copies another group wrote, entries deleted while pending
 (:func:`lost_entry`); :func:`read_entries`, :func:`id_key` and
-:func:`as_str` read the replies around them.  The stream reader
+:func:`as_str` read the replies around them, :func:`parse_reap` the reply of
+the reaper's script (``liveness.REAP``: a dead consumer's entries it took).  The stream reader
 (``_forms/stream``) and the stream's liveness rules (``liveness``) call it.
 What every form shares (the :class:`~.._decode.Original` an entry read once
 becomes, the envelope of list elements and payloads) stays in
@@ -47,6 +48,7 @@ What is left uncounted or counted once too often is said in
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -59,9 +61,10 @@ from .._plan import plan_dead, plan_foreign, plan_lost
 from .._types import Effect, Plan, Target, attempt_of
 
 __all__ = [
-    "AS_IS", "GIVE_BACK", "GIVE_BACK_PER_CALL", "Entry", "as_handed", "as_str", "claimed_waiting",
-    "give_back", "given_back", "id_key", "lapsed_own", "lost_entry", "read_entries", "recovered",
-    "redelivered", "retries_of", "set_back_claimed", "stream_deliveries", "waiting",
+    "AS_IS", "GIVE_BACK", "GIVE_BACK_PER_CALL", "Entry", "Reaped", "as_handed", "as_str",
+    "claimed_waiting", "give_back", "given_back", "id_key", "lapsed_own", "lost_entry",
+    "parse_reap", "read_entries", "recovered", "redelivered", "retries_of", "set_back_claimed",
+    "stream_deliveries", "waiting",
 ]
 
 log = logging.getLogger("trio_redis_finalize")
@@ -111,6 +114,31 @@ def read_entries(reply: Any) -> list[Entry]:
         return []
     out: list[Entry] = reply[0][1]
     return out
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Reaped:
+    """A reply of the reaper's script (``liveness.REAP``): the dead
+    consumer's entries it took, with their delivery counts."""
+
+    entries: list[Entry]
+    counts: dict[bytes, int]
+    """Each taken entry's delivery count now (the attempt it counts)."""
+    gone: list[bytes]
+    wait: float | None
+    """Seconds until the next entry left is idle enough (None: none left to wait for)."""
+    forgotten: bool
+
+
+def parse_reap(reply: Any) -> Reaped | None:
+    """A ``liveness.REAP`` reply; None when the consumer's heartbeat came back."""
+    if not isinstance(reply, list):
+        return None
+    taken, gone, wait, forgotten = reply
+    entries: list[Entry] = [(t[0], t[1]) for t in taken]
+    counts = {t[0]: int(t[2]) for t in taken}
+    return Reaped(entries, counts, list(gone), None if int(wait) < 0 else int(wait) / 1000,
+                  bool(forgotten))
 
 
 def lost_entry(target: Target, entry_id: str) -> tuple[Delivery, Plan]:

@@ -13,9 +13,10 @@ A stream mount keeps two keys beside its stream (in its hash slot):
 
 * ``{stream}:stream-consumers:<stream>,<group>`` (:func:`registry_key`): a
   hash, consumer name -> its registration (``"<heartbeat ms> <mode> <unix
-  ms>"``, and ``min_idle=<ms>`` last in RECLAIM and CLAIMING:
-  :func:`registration_value`, :func:`registration`); every live consumer of
-  the library registers itself there with each heartbeat;
+  ms> block=<ms>"``, its read's ``block``, and ``min_idle=<ms>`` last in
+  RECLAIM and CLAIMING: :func:`registration_value`, :func:`registration`);
+  every live consumer of the library registers itself there with each
+  heartbeat;
 * ``{stream}:stream-heartbeat:<stream>,<group>,<consumer>``
   (:func:`heartbeat_key`): a key with a TTL of ``heartbeat`` seconds,
   renewed every ``heartbeat / 3`` while the consumer runs (:func:`beat`);
@@ -96,10 +97,12 @@ CLAIMING mount claims only entries idle the longest lease bound of the live
 peers its first look found (:func:`~.survey.warm_up`: a peer's bound is what
 it renews against before it sees the new one, :func:`~.survey.peer_bound`),
 until each surely looked again and renewed: :data:`SEEN_WITHIN`, a read's
-``block`` (the new mount's: a peer's is not registered), the longest of
-their lease periods and a margin.  Limits: a consumer that never
-registered (another client, a version without heartbeats) is not known,
-nor a peer whose ``block`` is longer than the new mount's.
+``block`` (the longest those peers registered: each reads the registry
+between two of its reads, or by its lease once its probe is late by its
+``block``, :func:`follow_at`; the new mount's own for a peer of a version
+before ``block`` was registered), the longest of their lease periods and
+a margin.  Limits: a consumer that never registered (another client, a
+version without heartbeats) is not known.
 
 Why the stream's liveness differs from the reliable list's
 -----------------------------------------------------------
@@ -141,6 +144,7 @@ from ..._subscription import Mode
 from .._commands import Command, Script
 from .._identity import HEARTBEAT_FLOOR, claim, heartbeat_value, renew
 from .survey import (
+    BLOCK_PART,
     MIN_IDLE_PART,
     Registration,
     heartbeat_key,
@@ -167,12 +171,13 @@ about this, or the read's ``block`` when longer (the probe runs between two
 reads)."""
 
 SEEN_WITHIN = 2 * STOP_PROBE
-"""Seconds, besides a read's ``block``, within which a live mount reads a
-new registration in the registry: its read loop probes every
-:data:`STOP_PROBE` between two reads; while that probe is overdue (a read
-loop that waits for busy handlers) its lease reads the registry itself
-(:func:`follow_at`), from :data:`STOP_PROBE` after the probe's due time
-plus a ``block``.  A new claiming mount's warm-up counts with it
+"""Seconds, besides its own read's ``block`` (the one it registers), within
+which a live mount reads a new registration in the registry: its read loop
+probes every :data:`STOP_PROBE` between two reads; while that probe is
+overdue (a read loop that waits for busy handlers) its lease reads the
+registry itself (:func:`follow_at`), from :data:`STOP_PROBE` after the
+probe's due time plus that ``block``.  A new claiming mount's warm-up
+counts with it and the longest ``block`` its peers registered
 (:func:`~.survey.warm_up`)."""
 
 HANDED_BACK_IDLE_MS = 10**12
@@ -198,19 +203,25 @@ def lease_timeout(every: float, bound: float) -> float:
 
 
 def registration_value(heartbeat: float, mode: Mode, at: float | None = None, *,
-                       stopped: bool = False, min_idle: float | None = None) -> str:
-    """``"<heartbeat ms> <mode>[ <unix ms>[ stopped]][ min_idle=<ms>]"``.
+                       stopped: bool = False, min_idle: float | None = None,
+                       block: float | None = None) -> str:
+    """``"<heartbeat ms> <mode>[ <unix ms>[ stopped]][ block=<ms>][ min_idle=<ms>]"``.
 
-    ``min_idle`` is written in RECLAIM and CLAIMING only (the idle time after
-    which it claims; a peer's lease renews every third of the shortest, see
-    :func:`lease_every`), as the last part: a reader that knows only the
-    positional ones (``registration`` before it) reads the others as before
-    and a value without it is read as not known."""
+    ``block`` (a read's, every mode: a new claiming mount's warm-up waits
+    for the longest of its peers', :func:`~.survey.warm_up`) and
+    ``min_idle`` (RECLAIM and CLAIMING only: the idle time after which it
+    claims; a peer's lease renews every third of the shortest, see
+    :func:`lease_every`) come after the positional parts, ``min_idle``
+    last: a reader that knows only the positional ones, or those and a last
+    ``min_idle`` (``registration`` before ``block``), reads the others as
+    before, and a value without a part is read as not knowing it."""
     value = f"{max(1, round(heartbeat * 1000))} {mode.value}"
     if at is not None:
         value += f" {round(at * 1000)}"
         if stopped:
             value += " stopped"
+    if block is not None:
+        value += f" {BLOCK_PART}{max(1, round(block * 1000))}"
     if min_idle is not None and mode is not Mode.PLAIN:
         value += f" {MIN_IDLE_PART}{max(1, round(min_idle * 1000))}"
     return value
@@ -222,25 +233,27 @@ def stopped_value(heartbeat: float, mode: Mode, at: float) -> str:
 
 
 def beat(stream: str, group: str, consumer: str, token: str, heartbeat: float, mode: Mode,
-         ttl: float, at: float | None = None, min_idle: float | None = None) -> Command:
+         ttl: float, at: float | None = None, min_idle: float | None = None,
+         block: float | None = None) -> Command:
     """A heartbeat: the key with a TTL of ``ttl`` seconds, and the
     registration (with ``at``, the unix time of the beat: a look tells when
-    it lapsed; and ``min_idle``, see :func:`registration_value`); only while
-    the key is this process's (``token``) or absent (:data:`~._identity.RENEW`)."""
+    it lapsed; ``min_idle`` and ``block``, see :func:`registration_value`);
+    only while the key is this process's (``token``) or absent
+    (:data:`~._identity.RENEW`)."""
     return renew(heartbeat_key(stream, group, consumer), registry_key(stream, group),
                  heartbeat_value(token, heartbeat), ttl, consumer,
-                 registration_value(heartbeat, mode, at, min_idle=min_idle))
+                 registration_value(heartbeat, mode, at, min_idle=min_idle, block=block))
 
 
 def claim_name(stream: str, group: str, consumer: str, token: str, heartbeat: float, mode: Mode,
                takeover: bool | str, at: float | None = None,
-               min_idle: float | None = None) -> Command:
+               min_idle: float | None = None, block: float | None = None) -> Command:
     """The first heartbeat, at mount: the claim of the consumer name
     (:data:`~._identity.CLAIM`)."""
     return claim((heartbeat_key(stream, group, consumer), registry_key(stream, group),
                   legacy_heartbeat_key(stream, group, consumer), legacy_registry_key(stream, group)),
                  heartbeat_value(token, heartbeat), heartbeat, takeover, consumer,
-                 registration_value(heartbeat, mode, at, min_idle=min_idle))
+                 registration_value(heartbeat, mode, at, min_idle=min_idle, block=block))
 
 
 def stop_probe(registered: Mapping[str, Registration], me: str,
@@ -259,10 +272,12 @@ def follow_at(next_probe: float, followed: float, block: float) -> float:
     """The clock time of the lease's next own read of the registry (a
     claiming peer registered meanwhile: :func:`claimer_probe`, then
     :func:`alive_claimers`): once the read loop's probe, due at
-    ``next_probe``, is late by more than a read's ``block`` and
-    :data:`STOP_PROBE` (it waits for busy handlers, or a step is slow), and
-    :data:`STOP_PROBE` after its last (``followed``: then).  A read loop
-    that probes in time (nothing busy) makes it send nothing."""
+    ``next_probe``, is late by more than this mount's ``block`` (the one it
+    registers: a new claiming peer's warm-up waits for it,
+    :data:`SEEN_WITHIN`) and :data:`STOP_PROBE` (it waits for busy handlers,
+    or a step is slow), and :data:`STOP_PROBE` after its last (``followed``:
+    then).  A read loop that probes in time (nothing busy) makes it send
+    nothing."""
     return max(next_probe + block + STOP_PROBE, followed + STOP_PROBE)
 
 

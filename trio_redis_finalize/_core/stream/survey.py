@@ -6,13 +6,14 @@ registry (``HGETALL``, :func:`registry`) and the ``PTTL`` of each registered
 consumer's heartbeat key sort its consumers into alive, stopped, lapsed and
 none (:func:`peers`; the states are described in :mod:`.liveness`, which
 holds the heartbeat, the lease and the stop); a lapsed or stopped one's
-entries are taken by :data:`REAP` calls (:class:`Reap`, its reply
-:func:`parse_reap`), stranded work is warned about (:func:`warnings`,
+entries are taken by :data:`REAP` calls (:class:`Reap`; its reply is read
+by ``decode.parse_reap``), stranded work is warned about (:func:`warnings`,
 :func:`watch_notes`), and the live peers that claim idle entries are named
 with their ``min_idle`` (:func:`claimers`), which make the lease period
 (:func:`lease_every`, :func:`shorter_notes`; see :mod:`.liveness`); the
 first look's live peers with a longer lease bound lengthen a claiming
-mount's ``min_idle`` for a warm-up (:func:`warm_up`, see :mod:`.liveness`).  The
+mount's ``min_idle`` for a warm-up as long as their registered ``block``
+asks (:func:`warm_up`, see :mod:`.liveness`).  The
 keys a look reads are named here (:func:`registry_key`,
 :func:`heartbeat_key`, and those of the naming before), and the heartbeat
 writes them.  ``_forms/stream/liveness.py`` sends the commands.
@@ -32,12 +33,11 @@ from ..._keys import derived, named
 from ..._subscription import Mode
 from .._commands import Command
 from .._finalize import Record
-from .decode import Entry
 
 __all__ = [
-    "MIN_IDLE_PART", "Heartbeat", "Peer", "Reap", "Reaped", "Registration", "Survey", "WarmUp",
-    "claim_min_idle", "claimers", "consumer_rows", "heartbeat_key", "lease_every", "lease_guard",
-    "legacy_heartbeat_key", "legacy_registry_key", "parse_reap", "peer_bound", "peers",
+    "BLOCK_PART", "MIN_IDLE_PART", "Heartbeat", "Peer", "Reap", "Registration", "Survey",
+    "WarmUp", "claim_min_idle", "claimers", "consumer_rows", "heartbeat_key", "lease_every",
+    "lease_guard", "legacy_heartbeat_key", "legacy_registry_key", "peer_bound", "peers",
     "registration", "registry", "registry_key", "shorter_notes", "survey", "warm_up",
     "warm_up_note", "warnings", "watch_notes",
 ]
@@ -83,6 +83,9 @@ class Registration:
     min_idle: float | None = None
     """Seconds after which it claims an idle entry (RECLAIM, CLAIMING); None:
     not written (PLAIN, or a version before it was registered)."""
+    block: float | None = None
+    """Seconds one of its reads blocks, between two of its registry probes
+    (None: a version before it was registered)."""
 
     @property
     def claims(self) -> bool:
@@ -95,32 +98,34 @@ MIN_IDLE_PART = "min_idle="
 (ms): after the positional ones, so a reader that knows only those reads the
 rest as before (:func:`~.liveness.registration_value`)."""
 
+BLOCK_PART = "block="
+"""The part before :data:`MIN_IDLE_PART` that gives a consumer's read ``block``
+(ms): a reader that knows only ``min_idle`` (last) reads it as before."""
+
+
+def _ms(text: str) -> float | None:
+    try:
+        return int(text) / 1000
+    except ValueError:
+        return None
+
 
 def registration(value: bytes | str) -> Registration:
-    """A registry value as :class:`Registration` (unknown parts None)."""
+    """A registry value as :class:`Registration` (unknown parts None): the
+    positional parts, then named ones (``name=<ms>``, any unknown ignored)."""
     text = value.decode(errors="replace") if isinstance(value, bytes) else value
     parts = text.split(" ")
-    min_idle: float | None = None
-    if parts[-1].startswith(MIN_IDLE_PART) and len(parts) > 1:
-        try:
-            min_idle = int(parts.pop()[len(MIN_IDLE_PART):]) / 1000
-        except ValueError:
-            min_idle = None
-    try:
-        hb: float | None = int(parts[0]) / 1000
-    except ValueError:
-        hb = None
+    named: dict[str, float | None] = {}
+    while len(parts) > 1 and "=" in parts[-1]:
+        key, _, ms = parts.pop().partition("=")
+        named.setdefault(key + "=", _ms(ms))
     try:
         m: Mode | None = Mode(parts[1]) if len(parts) > 1 else None
     except ValueError:
         m = None
-    at: float | None = None
-    if len(parts) > 2:
-        try:
-            at = int(parts[2]) / 1000
-        except ValueError:
-            at = None
-    return Registration(hb, m, at, len(parts) > 3 and parts[3] == "stopped", min_idle)
+    return Registration(_ms(parts[0]), m, _ms(parts[2]) if len(parts) > 2 else None,
+                        len(parts) > 3 and parts[3] == "stopped", named.get(MIN_IDLE_PART),
+                        named.get(BLOCK_PART))
 
 
 # -- a look at the group --------------------------------------------------------
@@ -354,17 +359,20 @@ def peer_bound(reg: Registration | None) -> float | None:
 
 def warm_up(mode: Mode, min_idle: float, block: float, probe: float, found: Survey,
             margin: float = 0.5) -> WarmUp | None:
-    """The first look's (``found``) warm-up: until the live peers surely saw
-    this mount's registration (within ``probe``, :data:`~.liveness.SEEN_WITHIN`,
-    and a read's ``block``) and renewed (their longest lease period), its claims
-    ask the longest :func:`peer_bound` longer than ``min_idle``.  None: PLAIN,
-    or no live peer's bound is longer (nothing changes)."""
-    bounds = [(-b, p.name) for p in found.peers if p.heartbeat is Heartbeat.ALIVE
-              and (b := peer_bound(p.registration)) is not None and b > min_idle]
-    if mode is Mode.PLAIN or not bounds:
+    """The first look's (``found``) warm-up: until the live peers whose
+    :func:`peer_bound` is longer than ``min_idle`` surely saw this mount's
+    registration (within ``probe``, :data:`~.liveness.SEEN_WITHIN`, and a
+    read's ``block``: the longest they registered, this mount's ``block``
+    for one that registered none) and renewed (their longest lease period),
+    its claims ask the longest of those bounds.  None: PLAIN, or no live
+    peer's bound is longer (nothing changes)."""
+    longer = [(-b, p.name, block if r.block is None else r.block) for p in found.peers
+              if p.heartbeat is Heartbeat.ALIVE and (r := p.registration) is not None
+              and (b := peer_bound(r)) is not None and b > min_idle]
+    if mode is Mode.PLAIN or not longer:
         return None
-    neg, peer = min(bounds)  # the longest bound, the first name on a tie
-    return WarmUp(-neg, probe + block - neg / 3 + margin, peer)
+    neg, peer, _ = min(longer)  # the longest bound, the first name on a tie
+    return WarmUp(-neg, probe + max(w[2] for w in longer) - neg / 3 + margin, peer)
 
 
 def claim_min_idle(min_idle: float, warm: WarmUp | None, elapsed: float | None) -> float:
@@ -382,30 +390,6 @@ def warm_up_note(name: str, min_idle: float, warm: WarmUp) -> Record:
             "min_idle=%g s, not its own %g s: live consumer %r of the group may hold entries "
             "idle that long until it sees this subscription's registration",
             (name, warm.seconds, warm.min_idle, min_idle, warm.peer), {"subscription": name})
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Reaped:
-    """A :data:`REAP` reply."""
-
-    entries: list[Entry]
-    counts: dict[bytes, int]
-    """Each taken entry's delivery count now (the attempt it counts)."""
-    gone: list[bytes]
-    wait: float | None
-    """Seconds until the next entry left is idle enough (None: none left to wait for)."""
-    forgotten: bool
-
-
-def parse_reap(reply: Any) -> Reaped | None:
-    """A :data:`REAP` reply; None when the consumer's heartbeat came back."""
-    if not isinstance(reply, list):
-        return None
-    taken, gone, wait, forgotten = reply
-    entries: list[Entry] = [(t[0], t[1]) for t in taken]
-    counts = {t[0]: int(t[2]) for t in taken}
-    return Reaped(entries, counts, list(gone), None if int(wait) < 0 else int(wait) / 1000,
-                  bool(forgotten))
 
 
 def _utc(t: float) -> str:

@@ -53,7 +53,7 @@ from redis import exceptions as rexc
 from ..._core._commands import Command
 from ..._core._identity import heartbeat_value
 from ..._core._replies import FINAL, classify, error_code
-from ..._core.stream.decode import Entry
+from ..._core.stream.decode import Entry, parse_reap
 from ..._core.stream.liveness import (
     HANDED_BACK_IDLE_MS,
     REAP,
@@ -80,7 +80,6 @@ from ..._core.stream.survey import (
     lease_guard,
     legacy_heartbeat_key,
     legacy_registry_key,
-    parse_reap,
     peers,
     registry,
     registry_key,
@@ -200,7 +199,7 @@ class StreamPresence:
 
     def _beat(self, ctx: Context, ttl: float) -> Command:
         return beat(self.stream, self.group, ctx.consumer.name, ctx.consumer.token, self.heartbeat,
-                    self.mode, ttl, time.time(), self.min_idle)
+                    self.mode, ttl, time.time(), self.min_idle, self.block)
 
     async def register(self, ctx: Context) -> None:
         """The first heartbeat (set-up: before the first read): the claim of
@@ -214,7 +213,7 @@ class StreamPresence:
         await self._hold.claim(
             ctx, lambda takeover: claim_name(self.stream, self.group, me, ctx.consumer.token,
                                              self.heartbeat, self.mode, takeover, time.time(),
-                                             self.min_idle),
+                                             self.min_idle, self.block),
             heartbeat_key(self.stream, self.group, me),
             legacy_heartbeat_key(self.stream, self.group, me), FINALIZE_TIMEOUT)
         if self._registered is None:  # the warm-up counts from the first (replied: visible)
