@@ -240,9 +240,9 @@ def payload_deliveries(
     their plan, as :func:`list_delivery` decides; and the
     first reply that is not a message of the subscription's kind (the loop
     stops there; None when there is none), or the ``InvalidResponse`` the
-    replies raised (bytes that are not RESP after the messages read).  ``names``: channel names
-    decoded so far (added to).  ``pattern``: the replies are a pattern
-    subscription's (``pmessage``).
+    replies raised (bytes that are not RESP after the messages read).
+    ``names``: channel names decoded so far (added to).  ``pattern``: the
+    replies are a pattern subscription's (``pmessage``).
 
     The hot path of the reader: one loop over what the parser gives (in C,
     a reply per step).  A payload without envelope (the common case) is a
@@ -254,6 +254,18 @@ def payload_deliveries(
     """
     ready: list[Delivery] = []
     direct: list[Item] = []
+    try:  # no cost unless raised (3.11)
+        return _payload_loop(target, names, replies, pattern, ready, direct)
+    except rexc.InvalidResponse as e:  # what follows the last message read is not RESP:
+        return ready, direct, e  # the messages before it still go (the caller raises it)
+
+
+def _payload_loop(
+    target: Target, names: dict[bytes, str], replies: Iterable[Any], pattern: bool,
+    ready: list[Delivery], direct: list[Item],
+) -> tuple[list[Delivery], list[Item], Any]:
+    """:func:`payload_deliveries`' loop, filling ``ready`` and ``direct``
+    (kept by the caller when ``replies`` raises)."""
     mount = target.name
     kind = PMESSAGE if pattern else MESSAGE
     append = ready.append
@@ -261,43 +273,40 @@ def payload_deliveries(
     magic = _MAGIC_BYTE
     last: bytes | None = None
     name = ""
-    try:  # no cost unless raised (3.11)
-        for reply in replies:
-            try:  # a list of its length unpacks at once (the interpreter's fast path)
-                if pattern:
-                    head, _, channel, data = reply
-                else:
-                    head, channel, data = reply
-            except (TypeError, ValueError):  # an error reply, a pong ...: the caller's
-                return ready, direct, reply
-            if head != kind:  # a confirmation ...: not a message of this subscription's
-                return ready, direct, reply
-            if channel != last:
-                got = names.get(channel)
-                if got is None:
-                    got = names[channel] = channel.decode("utf-8", "replace")
-                name = got
-                last = channel
-            if not data or data[0] != magic:  # cannot be an envelope: attempt 1, no plan
-                # foreigns(name, (data,), mount), inline (the call per message: about
-                # 2,200 instructions more, 1.18x the floor against 1.09x); what every foreign delivery
-                # shares (fields, retries, corrupt, error, flat) is set when first
-                # read, as origin_id is (Foreign)
-                d: Any = blank()
-                d.source = name
-                d.id = None
-                d.data = data
-                d.attempt = 1
-                d.raw = data
-                d.mount = mount
-                d.__class__ = Foreign  # frozen from here on
-                append(d)
-                continue
-            more, plans = list_deliveries(target, name, (data,))
-            ready += more
-            direct += plans
-    except rexc.InvalidResponse as e:  # what follows the last message read is not RESP:
-        return ready, direct, e  # the messages before it still go (the caller raises it)
+    for reply in replies:
+        try:  # a list of its length unpacks at once (the interpreter's fast path)
+            if pattern:
+                head, _, channel, data = reply
+            else:
+                head, channel, data = reply
+        except (TypeError, ValueError):  # an error reply, a pong ...: the caller's
+            return ready, direct, reply
+        if head != kind:  # a confirmation ...: not a message of this subscription's
+            return ready, direct, reply
+        if channel != last:
+            got = names.get(channel)
+            if got is None:
+                got = names[channel] = channel.decode("utf-8", "replace")
+            name = got
+            last = channel
+        if not data or data[0] != magic:  # cannot be an envelope: attempt 1, no plan
+            # foreigns(name, (data,), mount), inline (the call per message: about
+            # 2,200 instructions more, 1.18x the floor against 1.09x); what every foreign delivery
+            # shares (fields, retries, corrupt, error, flat) is set when first
+            # read, as origin_id is (Foreign)
+            d: Any = blank()
+            d.source = name
+            d.id = None
+            d.data = data
+            d.attempt = 1
+            d.raw = data
+            d.mount = mount
+            d.__class__ = Foreign  # frozen from here on
+            append(d)
+            continue
+        more, plans = list_deliveries(target, name, (data,))
+        ready += more
+        direct += plans
     return ready, direct, None
 
 
