@@ -910,6 +910,14 @@ async def test_native_two_groups_share_a_delete_on_finalize_stream(redis82_url: 
             return int(await client.execute("XLEN", S)) == 0
 
         await eventually(emptied, timeout=30, what="the stream emptied once both finished")
+
+        def counted() -> bool:  # the last XACKDEL ran (the stream empty); its reply counts next
+            return all(consumer.stats()[name_of(S, g)]["effects"].get("acked") == n
+                       for g in ("billing", "audit"))
+
+        await eventually(counted, timeout=10,
+                         what=lambda: "every ACK counted: " + str(
+                             [consumer.stats()[name_of(S, g)]["effects"] for g in ("billing", "audit")]))
         stats = consumer.stats()
     assert left_when["billing done"] == n
     assert seen["billing"] == seen["audit"] == set(ids)
