@@ -25,9 +25,11 @@ import pytest
 import trio
 from _procs import effects, eventually
 from _stream import HeldAndQuick, warned_once_about_b
+from faults.cmdproxy import LOST, CommandProxy, Fault, error, serving
 
 from trio_redis_finalize import Mode, StreamSubscription, open_consumer
 from trio_redis_finalize._transport import Client
+from trio_redis_finalize.testing import RedisServer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,13 +48,20 @@ async def _owners(client: Client) -> dict[str, str]:
     return {r[0].decode(): r[1].decode() for r in rows}
 
 
-@pytest.mark.parametrize("b_mode", [Mode.RECLAIM, Mode.CLAIMING], ids=["reclaim", "claiming"])
+@pytest.mark.parametrize(("b_mode", "fault"), [(Mode.RECLAIM, None), (Mode.CLAIMING, None),
+                                               (Mode.RECLAIM, LOST),
+                                               (Mode.CLAIMING, error("LOADING"))],
+                         ids=["reclaim", "claiming", "reclaim-lost", "claiming-refused"])
 async def test_a_peer_that_claims_sooner_is_followed_while_the_handlers_are_busy(
-    redis_url: str, client: Client, caplog: pytest.LogCaptureFixture, b_mode: Mode,
+    redis_server: RedisServer, flavour: str, redis_url: str, client: Client,
+    caplog: pytest.LogCaptureFixture, b_mode: Mode, fault: Fault | None,
 ) -> None:
     """A's three entries stay pending for A all along B's mount, warm-up and
     claims; B starts none; A handles each once after the release; A warned
-    once about B, naming both settings."""
+    once about B, naming both settings.  With a fault, A (behind the command
+    proxy) has the first registry read after B's mount answered by an error
+    reply, or its reply lost (the connection cut): the lease's read of the
+    registry is tried again and follows B all the same."""
     caplog.set_level(logging.INFO, logger="trio_redis_finalize")
     await client.execute("XGROUP", "CREATE", S, G, "0", "MKSTREAM")
     ids = [(await client.execute("XADD", S, "*", "n", str(i))).decode() for i in range(3)]
@@ -60,13 +69,16 @@ async def test_a_peer_that_claims_sooner_is_followed_while_the_handlers_are_busy
     calls, holding, release, slow, fast = h.calls, h.holding, h.release, h.held, h.quick
 
     with trio.fail_after(45):  # a bound
-        async with open_consumer(redis_url, name="a") as a, \
+        async with serving(CommandProxy(redis_server.port, flavour=flavour)) as proxy, \
+                open_consumer(proxy.url if fault else redis_url, name="a") as a, \
                 open_consumer(redis_url, name="b") as b:
             await a.mount(StreamSubscription(S, G, mode=Mode.RECLAIM, min_idle=A_MIN_IDLE,
                                              block=0.05, count=1), slow, concurrency=1)
             await holding.wait()
             # the third entry read: the read loop waits for the queue (holding the second)
             await eventually(lambda: _all_a(client, ids), what="A read the three entries")
+            if fault is not None:  # A's next registry read: its lease's (the read loop waits)
+                proxy.arm("HGETALL", fault)
             await b.mount(StreamSubscription(S, G, mode=b_mode, min_idle=B_MIN_IDLE, block=0.05),
                           fast)
             end = trio.current_time() + HOLD
@@ -76,6 +88,7 @@ async def test_a_peer_that_claims_sooner_is_followed_while_the_handlers_are_busy
                     f"B took A's entries in hand: {owners}, {calls}"
                 assert calls == [("a", ids[0])], calls
                 await trio.sleep(0.05)
+            assert fault is None or proxy.fired, "the fault never fired"
             release.set()
             await eventually(lambda: effects(a).get("acked") == 3, what="A acks its entries")
     assert calls == [("a", i) for i in ids], calls
