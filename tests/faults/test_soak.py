@@ -211,8 +211,9 @@ def check(result: dict[str, Any]) -> None:
     # a message that is no poison is dead-lettered only when kills alone spent
     # its attempts (crash_counted; printed by report), and then once, with at
     # most the one copy of its RETRY or delay that committed
+    calls = _calls(result)  # the log read once
     crashed = {o for o, k in kinds.items()
-               if k != "poison" and dead[o] == 1 and crash_counted(result, o)}
+               if k != "poison" and dead[o] == 1 and crash_counted(calls, o)}
     result["crash_counted"] = sorted(crashed)
     wrong_dead = {o: dead[o] for o, k in kinds.items()
                   if dead[o] != (1 if k == "poison" or o in crashed else 0)}
@@ -254,7 +255,7 @@ def _calls(result: dict[str, Any]) -> dict[str, list[tuple[str, int, int]]]:
     return out
 
 
-def crash_counted(result: dict[str, Any], origin: str) -> bool:
+def crash_counted(calls: dict[str, list[tuple[str, int, int]]], origin: str) -> bool:
     """Whether a message that is no poison may rightly have reached
     ``max_attempts``: every handler call of it ran in a life of its own (a
     kill ended each life before its outcome was finalized, or before a
@@ -262,7 +263,7 @@ def crash_counted(result: dict[str, Any], origin: str) -> bool:
     more, as DESIGN's "counters crashes cannot fool" asks).  Kills in a row
     that catch one read before its outcomes are sent make it; two calls in
     one life do not."""
-    lives = [life for _, _, life in _calls(result).get(origin, [])]
+    lives = [life for _, _, life in calls.get(origin, [])]
     return len(lives) == len(set(lives))
 
 
